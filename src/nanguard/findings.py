@@ -1,0 +1,157 @@
+"""The records every part of nanguard speaks: ``Diagnosis``, ``Finding`` and ``CAUSES``.
+
+They are plain data: JSON-safe through ``to_dict``/``from_dict``, so events, bundles and
+reports can carry them to disk and back without pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["CAUSES", "KINDS", "PHASES", "Diagnosis", "Finding", "jsonable"]
+
+CAUSES: Mapping[str, str] = MappingProxyType(
+    {
+        "data.nonfinite": "a floating-point input already holds NaN/Inf",
+        "data.index_out_of_range": "an integer input (token id, label, index) is outside its valid range",
+        "data.fully_masked": "a sample's attention mask masks every position",
+        "data.no_valid_targets": "every target is ignored (e.g. all labels == -100), so a mean loss is 0/0",
+        "data.invalid_mask": "an attention or loss mask holds values other than 0/1 (or True/False)",
+        "parameters.nonfinite": "parameters or buffers are non-finite before the step",
+        "op.log_domain": "log of zero or a negative value (e.g. a loss on probabilities)",
+        "op.sqrt_domain": "sqrt/rsqrt/pow of a negative value, or the gradient of sqrt at zero",
+        "op.division_by_zero": "division by zero in model or loss code",
+        "op.exp_overflow": "exp (or softmax written without max subtraction) overflowing in float32",
+        "op.masked_softmax": "softmax over a row that is entirely -inf (a fully masked row)",
+        "norm.zero_variance": "a normalization layer divided by (near) zero variance: eps missing or too small",
+        "precision.overflow": "a float16/bfloat16 op overflowed where float32 stays finite",
+        "precision.loss_scale": "the loss scaler collapsed or gradients overflow persistently",
+        "optimizer.divergence": "gradient norm or loss grew rapidly in the steps before: LR too high, no warmup or clipping",
+        "optimizer.nonfinite_update": "the optimizer turned finite gradients into non-finite parameters (eps, state, lr)",
+        "init.scale": "parameters initialized at a scale far too large, blowing up activations early",
+        "distributed.replica_divergence": "model replicas hold different parameters across ranks",
+        "distributed.transient": "the step does not reproduce on replay: hardware, communication or nondeterminism",
+        "unknown": "none of the above fits: the evidence is still reported",
+    }
+)
+
+PHASES = ("data", "parameters", "forward", "backward", "optimizer", "communication")
+KINDS = ("nan", "inf")
+
+
+def jsonable(value: Any) -> Any:
+    """Turn ``value`` into plain JSON values; non-finite floats become strings."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return jsonable(value.item())
+    return str(value)
+
+
+@dataclass
+class Diagnosis:
+    """Where the first non-finite value was created, why, and what to try.
+
+    Example:
+        >>> diag = ng.locate(closure, model=model)
+        >>> diag.cause, diag.op, diag.module, diag.phase
+        ('op.log_domain', 'aten.log.default', 'head', 'forward')
+        >>> print(diag)
+    """
+
+    cause: str
+    kind: str = "nan"
+    phase: str = "forward"
+    op: str | None = None
+    module: str | None = None
+    rank: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    step: int | None = None
+    source: str | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fixes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.cause not in CAUSES:
+            raise ValueError(f"cause must be one of {sorted(CAUSES)}, got {self.cause!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+
+    @property
+    def meaning(self) -> str:
+        return CAUSES[self.cause]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict; ``Diagnosis.from_dict`` reads it back."""
+        return jsonable(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Diagnosis:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def summary(self) -> str:
+        """One line: cause, what was created and where."""
+        where = _where(self)
+        return f"{self.cause}: {self.kind.upper()} {where}" if where else self.cause
+
+    def __str__(self) -> str:
+        from nanguard.explain import explain
+
+        return explain(self)
+
+
+def _where(diag: Diagnosis) -> str:
+    parts = []
+    if diag.op:
+        parts.append(f"in {diag.op}")
+    if diag.module is not None:
+        parts.append(f"module {diag.module or '<root>'!r}")
+    parts.append(f"({diag.phase})")
+    if diag.rank is not None:
+        parts.append(f"rank {diag.rank}")
+    if diag.step is not None:
+        parts.append(f"step {diag.step}")
+    return " ".join(parts)
+
+
+@dataclass
+class Finding:
+    """One problem an audit found before it hurt.
+
+    Example:
+        >>> [f.cause for f in ng.check_batch({"input_ids": ids}, vocab_size=100)]
+        ['data.index_out_of_range']
+    """
+
+    cause: str
+    where: str
+    message: str
+    fix: str = ""
+    severity: str = "error"
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.cause not in CAUSES:
+            raise ValueError(f"cause must be one of {sorted(CAUSES)}, got {self.cause!r}")
+        if self.severity not in ("error", "warning"):
+            raise ValueError(f"severity must be 'error' or 'warning', got {self.severity!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return jsonable(asdict(self))
+
+    def __str__(self) -> str:
+        text = f"[{self.cause}] {self.where}: {self.message}"
+        return f"{text} Fix: {self.fix}" if self.fix else text
