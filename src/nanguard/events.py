@@ -1,0 +1,126 @@
+"""Per-rank JSONL event log: ``run_dir/events-rank{R}.jsonl``.
+
+Each line is one JSON object with at least ``kind``, ``step`` and ``rank``. Kinds:
+
+- ``start``: the guard's config and world size.
+- ``step``: one compact line per logged step: ``loss``, ``grad_norm``, ``skipped`` and
+  ``scale`` (``null`` without a GradScaler). Keys are short so a step costs a few dozen bytes.
+- ``trip``: a non-finite step: ``action`` ("skip" | "rollback" | "raise"), ``ranks`` (the
+  ranks whose own values were non-finite) and ``diagnosis`` (``Diagnosis.to_dict()``).
+- ``skip``, ``rollback``: the recovery taken, with ``reason`` and, for rollbacks,
+  ``restored_step`` and ``skip_batches``.
+- ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``.
+- ``overflow``: a GradScaler overflow step it skipped on purpose (normal, not a trip).
+
+Every line is flushed as it is written, so a crash loses at most the line in flight.
+Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from nanguard.errors import EventLogError
+from nanguard.findings import jsonable
+
+__all__ = ["KNOWN_KINDS", "EventLog", "NullEventLog", "event_path", "number", "read_events"]
+
+KNOWN_KINDS = frozenset({"start", "step", "trip", "skip", "rollback", "spike", "overflow", "end"})
+
+
+def event_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / f"events-rank{rank}.jsonl"
+
+
+def number(value: Any) -> float | None:
+    """Read a float written by the log back: ``"nan"``/``"inf"`` strings included."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+class NullEventLog:
+    """An event sink that drops everything: the guard's log when there is no ``run_dir``."""
+
+    path: Path | None = None
+
+    def write(self, kind: str, step: int, **fields: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class EventLog(NullEventLog):
+    """Append-only JSONL writer for one rank.
+
+    Example:
+        >>> log = EventLog("runs/a", rank=0)
+        >>> log.write("step", 3, loss=2.1, grad_norm=0.5)
+    """
+
+    def __init__(self, run_dir: str | Path, rank: int = 0) -> None:
+        self.rank = rank
+        self.path = event_path(run_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+
+    def write(self, kind: str, step: int, **fields: Any) -> None:
+        if self._file is None:
+            return
+        record = {"kind": kind, "step": step, "rank": self.rank, **fields}
+        line = json.dumps(jsonable(record), separators=(",", ":"), allow_nan=False)
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as err:
+            # The log must never kill training: warn once and stop logging.
+            warnings.warn(f"nanguard: cannot write {self.path} ({err}); event log disabled", stacklevel=2)
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_events(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Yield the events of one JSONL file.
+
+    A truncated or garbage line is skipped with a warning naming the file and line; an
+    unknown ``kind`` is skipped with a warning. A missing file raises ``EventLogError``.
+    """
+    path = Path(path)
+    try:
+        handle = path.open(encoding="utf-8", errors="replace")
+    except OSError as err:
+        raise EventLogError(path, f"cannot open event log ({err.strerror or err})") from None
+    with handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                warnings.warn(f"{path}:{lineno}: skipping unreadable event line ({err.msg})", stacklevel=2)
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                warnings.warn(f"{path}:{lineno}: skipping event without an integer step", stacklevel=2)
+                continue
+            if record.get("kind") not in KNOWN_KINDS:
+                warnings.warn(f"{path}:{lineno}: ignoring unknown event kind {record.get('kind')!r}", stacklevel=2)
+                continue
+            yield record
+
+
+def is_finite_number(value: Any) -> bool:
+    num = number(value)
+    return num is not None and math.isfinite(num)
