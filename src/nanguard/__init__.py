@@ -1,1 +1,8 @@
-"""nanguard."""
+"""nanguard: catch the first NaN/Inf in PyTorch training, name its cause, keep training."""
+
+from nanguard.errors import NonFiniteError
+from nanguard.findings import CAUSES, Diagnosis, Finding
+from nanguard.locate import locate
+
+__all__ = ["CAUSES", "Diagnosis", "Finding", "NonFiniteError", "locate"]
+__version__ = "0.1.0"

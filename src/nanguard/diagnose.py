@@ -1,0 +1,368 @@
+"""Evidence -> cause: an ordered table of small, pure rules.
+
+Each rule reads the evidence dict that ``locate`` (and the guard's history) builds and
+returns a ``Verdict`` or None. The first rule that fits wins; the order puts the more
+specific and more upstream causes first: data, parameters, init, divergence, then the
+op-level causes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanguard.dtypes import dtype_facts
+
+__all__ = ["RULES", "Verdict", "diagnose"]
+
+Evidence = dict[str, Any]
+
+
+@dataclass
+class Verdict:
+    cause: str
+    why: str
+    fixes: list[str] = field(default_factory=list)
+
+
+def _origin(ev: Evidence) -> dict[str, Any]:
+    return ev.get("origin") or {}
+
+
+def _short(op: str | None) -> str:
+    """``aten.log.default`` -> ``log``."""
+    if not op:
+        return ""
+    parts = op.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
+
+
+def _where(o: dict[str, Any]) -> str:
+    module = o.get("module")
+    return f"module '{module}'" if module else "code outside any module"
+
+
+def _sum(stats: list[dict[str, Any]], key: str) -> int:
+    return sum(int(s.get(key) or 0) for s in stats)
+
+
+def _first_input(o: dict[str, Any]) -> dict[str, Any]:
+    inputs = o.get("inputs") or [{}]
+    return inputs[0]
+
+
+# -- data ------------------------------------------------------------------------------
+def index_out_of_range(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    if o.get("category") != "index":
+        return None
+    size = o.get("indexed_size")
+    index = next((s for s in o.get("index_inputs") or [] if s.get("path")), None)
+    index = index or (o.get("index_inputs") or [{}])[0]
+    path = index.get("path") or "an integer input"
+    lo, hi = index.get("min"), index.get("max")
+    why = f"{o.get('op')} got ids in [{lo}, {hi}] from {path}"
+    why += f", but the valid range is [0, {size - 1}]" if isinstance(size, int) else ""
+    why += f" ({o.get('error', 'index error')})"
+    fixes = [
+        f"check {path}: ids must be < {size}" if size else f"check the ids in {path}",
+        "make the tokenizer's vocab size match the embedding "
+        "(model.resize_token_embeddings(len(tokenizer)) for Hugging Face models)",
+        "call ng.check_batch(batch, model=model) before the forward: on CUDA this "
+        "error is a device-side assert that kills the process",
+    ]
+    return Verdict("data.index_out_of_range", why, fixes)
+
+
+def no_valid_targets(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    if not str(o.get("op", "")).startswith("aten.nll_loss") or o.get("valid_targets") != 0:
+        return None
+    ignore = o.get("ignore_index", -100)
+    why = (
+        f"all {o.get('targets')} targets equal ignore_index={ignore}, so the mean loss "
+        f"in {o.get('op')} is 0/0"
+    )
+    fixes = [
+        f"skip or re-pack batches whose labels are all {ignore} (e.g. a sequence cut "
+        "to its prompt, or padding-only samples)",
+        "use reduction='sum' and divide by max(number of valid targets, 1)",
+        "run ng.check_batch(batch) in the data loader to drop such batches",
+    ]
+    return Verdict("data.no_valid_targets", why, fixes)
+
+
+def nonfinite_data(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    if o.get("category") not in ("data", "fill"):
+        return None
+    stats = _first_input(o)
+    path = o.get("path") or "an input"
+    why = (
+        f"{path} arrived holding {stats.get('nan', 0)} NaN, {stats.get('posinf', 0)} +Inf and "
+        f"{stats.get('neginf', 0)} -Inf values"
+    )
+    if o.get("consumer_op"):
+        why += f"; first used by {o['consumer_op']} in {_where({'module': o.get('consumer_module')})}"
+    fixes = [
+        f"find the sample that produced {path}: decoding, normalization (division by a zero "
+        "std) or augmentation can write NaN/Inf",
+        "validate batches with ng.check_batch(batch) and drop bad ones in the data loader",
+        "use ng.Guard(..., policy='skip') so a bad batch costs one step, not the run",
+    ]
+    return Verdict("data.nonfinite", why, fixes)
+
+
+# -- parameters and init ---------------------------------------------------------------
+def nonfinite_parameters(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    if o.get("category") != "parameters":
+        return None
+    stats = _first_input(o)
+    name = o.get("path") or "a parameter or buffer"
+    why = (
+        f"{name} (module '{o.get('module') or ''}') already held {stats.get('nan', 0)} NaN and "
+        f"{stats.get('posinf', 0) + stats.get('neginf', 0)} Inf values before the step"
+    )
+    fixes = [
+        f"if {name} came from a checkpoint, re-export it: the saved tensor is corrupt",
+        "an earlier optimizer step wrote it: run under ng.Guard, which checks parameters "
+        "after every update and names the step",
+        "ng.audit_model(model) lists every non-finite parameter and buffer",
+    ]
+    return Verdict("parameters.nonfinite", why, fixes)
+
+
+def init_scale(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    scale = ev.get("weight_scale") or {}
+    ratio = scale.get("max_ratio") or 0.0
+    if o.get("category") != "op" or ratio < INIT_RATIO_LIMIT:
+        return None
+    absmax = max((s.get("absmax") or 0.0 for s in o.get("inputs") or []), default=0.0)
+    if ev.get("kind") != "inf" and absmax < 1e4:
+        return None
+    why = (
+        f"weights of '{scale.get('module')}' have std x sqrt(fan_in) = {ratio:.3g} (healthy is "
+        f"about 0.5-1), so activations grow by that factor per layer until {o.get('op')} "
+        f"overflowed (inputs up to {absmax:.3g})"
+    )
+    fixes = [
+        f"re-initialize '{scale.get('module')}' (and its peers) with std ~ 1/sqrt(fan_in), "
+        "e.g. nn.init.normal_(w, std=0.02) for transformers or nn.init.kaiming_uniform_",
+        "check a custom _init_weights: a std meant for a gain was passed as the std",
+        "ng.audit_model(model) flags every weight far from 1/sqrt(fan_in)",
+    ]
+    return Verdict("init.scale", why, fixes)
+
+
+INIT_RATIO_LIMIT = 10.0
+
+
+def divergence(ev: Evidence) -> Verdict | None:
+    history = ev.get("history") or {}
+    if not history.get("diverging"):
+        return None
+    o = _origin(ev)
+    why = (
+        f"{history.get('metric', 'grad norm')} grew {history.get('growth', 0):.3g}x over the "
+        f"last {history.get('window', 0)} steps before the trip"
+    )
+    if o.get("op"):
+        why += f"; the first non-finite value then appeared in {o['op']} ({_where(o)})"
+    fixes = [
+        f"lower the learning rate (now {history['lr']:.3g})" if history.get("lr") else "lower the learning rate",
+        "add warmup and gradient clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+        "watch the spike events in the run's event log: they start before the NaN",
+    ]
+    return Verdict("optimizer.divergence", why, fixes)
+
+
+# -- op-level --------------------------------------------------------------------------
+def precision_overflow(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    ref = o.get("fp32_recompute") or {}
+    if not ref.get("finite"):
+        return None
+    dtype = ref.get("dtype", "float16")
+    why = (
+        f"{o.get('op')} in {dtype} produced Inf/NaN, but recomputed in float32 it is finite "
+        f"with absmax {ref.get('absmax', 0):.3g} (> {dtype} max {ref.get('dtype_max', 0):.3g})"
+    )
+    fixes = [
+        f"switch {dtype} to bfloat16 or keep this op ({_short(o.get('op'))} in {_where(o)}) in float32",
+        "scale the operands down first: e.g. divide q by sqrt(head_dim) before q @ k^T, not after",
+        "under autocast, wrap the block in torch.autocast(device_type, enabled=False) and cast to float32",
+    ]
+    return Verdict("precision.overflow", why, fixes)
+
+
+def masked_softmax(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    if _short(o.get("op")) not in ("_softmax", "_log_softmax", "_safe_softmax"):
+        return None
+    if not o.get("fully_masked_rows"):
+        return None
+    why = (
+        f"{o['fully_masked_rows']} of {o.get('rows')} rows given to {o.get('op')} in {_where(o)} "
+        "are entirely -inf, and softmax of an all -inf row is 0/0"
+    )
+    fixes = [
+        "mask with torch.finfo(dtype).min instead of -inf, or give every query row at least one "
+        "key (padding queries can attend to themselves)",
+        "use F.scaled_dot_product_attention, whose softmax returns 0 for fully masked rows",
+        "drop all-padding samples: ng.check_batch flags them as data.fully_masked",
+    ]
+    return Verdict("op.masked_softmax", why, fixes)
+
+
+_NORM_NODES = ("LayerNorm", "GroupNorm", "BatchNorm", "RmsNorm", "RMSNorm")
+_NORM_OPS = ("_layer_norm", "_group_norm", "_batch_norm", "rms_norm")
+
+
+def zero_variance(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
+    in_norm = (
+        any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES) or "Norm" in mtype
+    )
+    if not in_norm:
+        return None
+    eps = o.get("norm_eps", o.get("module_eps"))
+    var = o.get("min_variance")
+    dtype = _first_input(o).get("dtype", "float32")
+    facts = dtype_facts(getattr(torch, dtype, torch.float32)) or dtype_facts(torch.float32)
+    floor = max(facts.min_norm_eps, 1e-5) if facts else 1e-5
+    name = mtype or "the normalization layer"
+    why = f"{name} in {_where(o)} divided by sqrt(variance + eps)"
+    why += f" with eps = {eps}" if eps is not None else ""
+    why += f" and a row variance of {var:.3g}" if var is not None else ""
+    fixes = [
+        f"{name} eps is {eps}; use >= {floor:g} (PyTorch's default; {dtype} "
+        f"{facts.eps_reason if facts else ''})"
+        if eps is not None
+        else f"add an eps >= {floor:g} inside the sqrt of the hand-written norm",
+        "constant inputs (padding, a dead channel, a zero embedding row) have zero variance: "
+        "the eps must cover them",
+    ]
+    return Verdict("norm.zero_variance", why, fixes)
+
+
+def log_domain(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    op, node = _short(o.get("op")), str(o.get("node") or "")
+    in_log = op in ("log", "log2", "log10", "log_") or node.startswith("Log") and "Softmax" not in node
+    if not in_log:
+        return None
+    x = _first_input(o)
+    why = f"{o.get('op')} in {_where(o)} ({o.get('phase')}) got {x.get('zeros', 0)} zeros"
+    why += f" and {x.get('negative', 0)} negative values" if x.get("negative") else ""
+    if node:
+        why += f" (gradient of log is 1/x, created by {node})"
+    fixes = [
+        "compute F.log_softmax(logits.float()) instead of log(softmax(...)); "
+        "F.cross_entropy takes logits directly",
+        "if you need log of a probability, clamp it: torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))",
+    ]
+    return Verdict("op.log_domain", why, fixes)
+
+
+def sqrt_domain(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    op, node = _short(o.get("op")), str(o.get("node") or "")
+    forward = op in ("sqrt", "rsqrt", "pow", "sqrt_", "rsqrt_") and o.get("phase") == "forward"
+    backward = any(node.startswith(n) for n in ("SqrtBackward", "RsqrtBackward", "PowBackward"))
+    if not (forward or backward):
+        return None
+    x = _first_input(o)
+    if backward:
+        why = (
+            f"the gradient of {_short(o.get('forward_op')) or 'sqrt'} ({node}) in {_where(o)} "
+            f"is 1/(2*sqrt(x)), infinite where x = 0"
+        )
+    else:
+        why = f"{o.get('op')} in {_where(o)} got {x.get('negative', 0)} negative values"
+    fixes = [
+        "add an eps inside the root: torch.sqrt(x + 1e-12), or torch.sqrt(x.clamp_min(1e-12))",
+        "for distances and norms use torch.linalg.vector_norm / torch.cdist, whose gradient "
+        "at 0 is defined",
+    ]
+    return Verdict("op.sqrt_domain", why, fixes)
+
+
+def exp_overflow(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    if _short(o.get("op")) not in ("exp", "exp_", "pow") or ev.get("kind") != "inf":
+        return None
+    why = f"{o.get('op')} in {_where(o)} got inputs up to {o.get('input_max', 0):.3g}; exp(x) overflows float32 above 88.7"
+    fixes = [
+        "subtract the row max before exp: (x - x.amax(-1, keepdim=True)).exp(), "
+        "or use torch.softmax / torch.logsumexp, which do",
+        "bound the argument (e.g. clamp a log-variance before exp)",
+    ]
+    return Verdict("op.exp_overflow", why, fixes)
+
+
+def division_by_zero(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    op, node = _short(o.get("op")), str(o.get("node") or "")
+    if op not in ("div", "div_", "reciprocal", "true_divide") and not node.startswith("DivBackward"):
+        return None
+    inputs = o.get("inputs") or []
+    denom = inputs[1] if op != "reciprocal" and len(inputs) > 1 else inputs[0] if inputs else {}
+    zeros = denom.get("zeros", 0) if denom else 0
+    if not zeros and not node:
+        return None
+    why = f"{o.get('op')} in {_where(o)} divided by a denominator with {zeros} zeros"
+    if o.get("source"):
+        why += f" at {o['source']}"
+    fixes = [
+        "clamp the denominator: x.sum() / mask.sum().clamp_min(1) for a masked mean",
+        "or add an eps: x / (d + 1e-8)",
+    ]
+    return Verdict("op.division_by_zero", why, fixes)
+
+
+def unknown(ev: Evidence) -> Verdict:
+    o = _origin(ev)
+    why = f"first non-finite value created by {o.get('op') or 'an unknown op'} in {_where(o)}"
+    fixes = [
+        "inspect the origin op's input statistics in the evidence",
+        "run ng.check_batch(batch) and ng.audit_model(model) for upstream causes",
+    ]
+    return Verdict("unknown", why, fixes)
+
+
+RULES: list[Callable[[Evidence], Verdict | None]] = [
+    index_out_of_range,
+    no_valid_targets,
+    nonfinite_data,
+    nonfinite_parameters,
+    init_scale,
+    divergence,
+    precision_overflow,
+    masked_softmax,
+    zero_variance,
+    log_domain,
+    sqrt_domain,
+    exp_overflow,
+    division_by_zero,
+]
+
+
+def diagnose(evidence: Evidence) -> Verdict:
+    """Apply ``RULES`` in order; the first that fits names the cause.
+
+    Example:
+        >>> diagnose({"origin": {"category": "op", "op": "aten.log.default",
+        ...                      "inputs": [{"zeros": 3}]}}).cause
+        'op.log_domain'
+    """
+    for rule in RULES:
+        verdict = rule(evidence)
+        if verdict is not None:
+            return verdict
+    return unknown(evidence)

@@ -1,0 +1,212 @@
+"""``locate``: run a step under the tracer and name the origin of its first non-finite value."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard import dist
+from nanguard.diagnose import diagnose
+from nanguard.findings import Diagnosis
+from nanguard.locate.dispatch import INDEX_OPS, Origin, Tracer, flatten
+from nanguard.locate.modules import ModuleStack
+
+__all__ = ["locate"]
+
+_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "fill": 4}
+_MAX_RESULTS = 8
+
+
+def locate(fn: Callable[..., Any], *args: Any, model: nn.Module | None = None, **kwargs: Any) -> Diagnosis | None:
+    """Run ``fn(*args, **kwargs)`` under an op tracer; return where its first NaN/Inf came from.
+
+    ``fn`` is usually a training closure (forward and backward). The result is ``None``
+    when fn's return value and the gradients it produced are all finite. Parameters and
+    buffers are left as they were; no optimizer is stepped.
+
+    Example:
+        >>> def closure(batch):
+        ...     model.zero_grad()
+        ...     loss = model(**batch).loss
+        ...     loss.backward()
+        ...     return loss
+        >>> diag = ng.locate(closure, batch, model=model)
+        >>> if diag:
+        ...     print(diag)          # cause, op, module, source line, evidence, fixes
+    """
+    if not callable(fn):
+        raise ValueError(f"fn must be callable (a function or closure), got {type(fn).__name__}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+
+    sources = _input_tensors(fn, args, kwargs)
+    state = list(model.parameters()) + list(model.buffers()) if model is not None else []
+    buffers = [(b, b.detach().clone()) for b in model.buffers()] if model is not None else []
+    modules = ModuleStack(model)
+    tracer = Tracer(modules, sources, state)
+    result: Any = None
+    error: BaseException | None = None
+    with modules:
+        try:
+            with tracer:
+                result = fn(*args, **kwargs)
+        except Exception as err:
+            error = err
+        finally:
+            tracer.restore()
+            with torch.no_grad():
+                for b, copy in buffers:
+                    b.copy_(copy)
+
+    root = model if model is not None else modules.root
+    if error is not None:
+        failure = tracer.failure
+        if failure is None or failure.op not in INDEX_OPS or not isinstance(error, (IndexError, RuntimeError)):
+            raise error
+        origin = Origin(
+            id=-1,
+            category="index",
+            kind="nan",
+            index=tracer.index,
+            op=failure.op,
+            module=failure.where.module,
+            module_type=failure.where.module_type,
+            phase="data",
+            source=failure.where.source,
+            extra={
+                "error": f"{type(error).__name__}: {error}".splitlines()[0][:300],
+                "index_inputs": failure.index_args,
+                "indexed_size": failure.indexed_size,
+            },
+            before=list(tracer.recent),
+        )
+        return _diagnosis(origin, [], root)
+
+    bad = _nonfinite_results(result, root, tracer)
+    if not bad:
+        return None
+    taint: set[int] = set()
+    for _, t, _ in bad:
+        st = tracer.status.get(t)
+        taint |= st.taint if st is not None and (st.nan or st.inf) else set()
+        taint |= tracer.storage_taint.get(_storage(t), frozenset())
+    candidates = [tracer.origins[i] for i in taint] or [o for o in tracer.origins if o.category != "fill"]
+    candidates = candidates or tracer.origins
+    if candidates:
+        origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
+    else:
+        origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
+    return _diagnosis(origin, bad, root)
+
+
+def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None) -> Diagnosis:
+    evidence: dict[str, Any] = {
+        "origin": origin.to_evidence(),
+        "kind": origin.kind,
+        "before": origin.before,
+        "after": origin.after,
+        "results": [{"path": path, "kind": kind} for path, _, kind in bad[:_MAX_RESULTS]],
+        "nonfinite_results": len(bad),
+    }
+    if root is not None:
+        evidence["weight_scale"] = weight_scale(root)
+    verdict = diagnose(evidence)
+    evidence["why"] = verdict.why
+    phase = "data" if verdict.cause.startswith("data.") else origin.phase
+    if verdict.cause == "parameters.nonfinite":
+        phase = "parameters"
+    rank = dist.rank_or_none()
+    return Diagnosis(
+        cause=verdict.cause,
+        kind=origin.kind,
+        phase=phase,
+        op=origin.op if origin.op is not None else origin.extra.get("consumer_op"),
+        module=origin.module,
+        rank=rank,
+        ranks=[rank] if rank is not None else [],
+        source=origin.source,
+        evidence=evidence,
+        fixes=verdict.fixes,
+    )
+
+
+def _input_tensors(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """The user's input tensors with readable paths, named after fn's parameters."""
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+        named = list(bound.arguments.items())
+        params = inspect.signature(fn).parameters
+        expanded: list[tuple[str, Any]] = []
+        for name, value in named:
+            kind = params[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                expanded += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                expanded += [(f"{name}[{k!r}]", v) for k, v in value.items()]
+            else:
+                expanded.append((name, value))
+    except (TypeError, ValueError):
+        expanded = [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, value in expanded:
+        flatten(value, name, out)
+    return out
+
+
+def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> list[tuple[str, torch.Tensor, str]]:
+    """Non-finite tensors among fn's return value and the gradients it produced."""
+    candidates: list[tuple[str, torch.Tensor]] = []
+    flatten(result, "result", candidates)
+    if root is not None:
+        candidates += [(f"{n}.grad", p.grad) for n, p in root.named_parameters() if p.grad is not None]
+        seen = {id(p) for p in root.parameters()}
+    else:
+        seen = set()
+    candidates += [
+        (f"leaf[{i}].grad", t.grad) for i, t in enumerate(tracer.leaves.values()) if id(t) not in seen and t.grad is not None
+    ]
+    floats = [(p, t) for p, t in candidates if t.is_floating_point() and t.numel()]
+    if not floats:
+        return []
+    with torch.no_grad():
+        flags = torch.stack([torch.isfinite(t).all().to(floats[0][1].device) for _, t in floats]).tolist()
+    bad = []
+    for (path, t), ok in zip(floats, flags, strict=True):
+        if not ok:
+            bad.append((path, t, "nan" if bool(torch.isnan(t).any()) else "inf"))
+    return bad
+
+
+def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
+    """How far Linear/Conv weights sit from the 1/sqrt(fan_in) scale: std * sqrt(fan_in)."""
+    named = [
+        (name, m.weight)
+        for name, m in root.named_modules()
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and m.weight.numel() > 1
+    ]
+    if not named:
+        return {}
+    with torch.no_grad():
+        ratios = torch.stack(
+            [w.detach().float().std().nan_to_num(0.0, 0.0, 0.0).cpu() * math.sqrt(w[0].numel()) for _, w in named]
+        ).tolist()
+    ranked = sorted(zip((n for n, _ in named), ratios, strict=True), key=lambda x: -x[1])
+    return {
+        "max_ratio": ranked[0][1],
+        "module": ranked[0][0],
+        "top": [{"module": n, "ratio": r} for n, r in ranked[:top]],
+    }
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return -1

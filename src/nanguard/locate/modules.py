@@ -1,0 +1,115 @@
+"""Which module is running: a forward stack from global hooks, names from ``named_modules``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import CodeType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+
+__all__ = ["ModuleStack", "user_source"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The zoo is user-style model code: its lines are the "user's own" source.
+_ZOO_DIR = os.path.join(_NANGUARD_DIR, "zoo")
+_internal: dict[CodeType, bool] = {}
+
+
+def _is_internal(code: CodeType) -> bool:
+    hit = _internal.get(code)
+    if hit is None:
+        name = os.path.abspath(code.co_filename)
+        hit = (
+            name.startswith(_TORCH_DIR)
+            or (name.startswith(_NANGUARD_DIR) and not name.startswith(_ZOO_DIR))
+            or name.startswith("<")
+        )
+        _internal[code] = hit
+    return hit
+
+
+def user_source(skip: int = 1) -> str | None:
+    """``file:line`` of the innermost frame outside torch and nanguard itself."""
+    frame = sys._getframe(skip)
+    while frame is not None and _is_internal(frame.f_code):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class ModuleStack:
+    """Tracks the innermost running module while installed, by global forward hooks.
+
+    Names are the qualified names of ``root.named_modules()``; with no root, the first
+    outermost module entered becomes the root. Modules outside the root are named None.
+    """
+
+    def __init__(self, root: nn.Module | None = None) -> None:
+        self.root = root
+        self._names: dict[int, str] | None = None
+        self._stack: list[nn.Module] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ModuleStack:
+        self._handles = [
+            _module_mod.register_module_forward_pre_hook(self._push),
+            _module_mod.register_module_forward_hook(self._pop, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stack.clear()
+
+    def _push(self, module: nn.Module, args: Any) -> None:
+        if self.root is None and not self._stack:
+            self.root = module
+        self._stack.append(module)
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
+
+    @property
+    def current(self) -> nn.Module | None:
+        return self._stack[-1] if self._stack else None
+
+    def name_of(self, module: nn.Module | None) -> str | None:
+        if module is None:
+            return None
+        if self._names is None:
+            if self.root is None:
+                return None
+            self._names = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
+        return self._names.get(id(module))
+
+    def current_name(self) -> str | None:
+        # The innermost module that belongs to the root's tree.
+        for module in reversed(self._stack):
+            name = self.name_of(module)
+            if name is not None:
+                return name
+        return None
+
+    def owner_of(self, tensor: torch.Tensor) -> str | None:
+        """Qualified name of the module that owns ``tensor`` as a parameter or buffer."""
+        if self.root is None:
+            return None
+        for name, t in _named_state(self.root):
+            if t is tensor:
+                return name.rpartition(".")[0]
+        return None
+
+
+def _named_state(root: nn.Module) -> Any:
+    yield from root.named_parameters(remove_duplicate=False)
+    yield from root.named_buffers(remove_duplicate=False)
+

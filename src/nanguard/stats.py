@@ -1,0 +1,92 @@
+"""Tensor health: non-finite flags, norms and summary statistics, fused where it matters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["grad_health", "is_float", "nonfinite_flag", "tensor_stats"]
+
+
+def is_float(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
+    """Summary statistics of one tensor in a single host read.
+
+    min/max/absmax are taken over the finite values, so a NaN does not hide the scale.
+
+    Example:
+        >>> tensor_stats(torch.tensor([0.0, 1.0, float("nan")]))["nan"]
+        1
+    """
+    out: dict[str, Any] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    if t.numel() == 0 or t.is_complex():
+        return out
+    x = t.detach()
+    if not x.is_floating_point():
+        if x.dtype == torch.bool:
+            x = x.to(torch.int64)
+        vals = torch.stack([x.min(), x.max(), (x == 0).sum(), (x < 0).sum()]).tolist()
+        out.update(min=vals[0], max=vals[1], zeros=vals[2], negative=vals[3])
+        return out
+    x = x.float()
+    finite = torch.isfinite(x)
+    big = torch.finfo(torch.float32).max
+    fx = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    vals = torch.stack(
+        [
+            torch.where(finite, x, big).min(),
+            torch.where(finite, x, -big).max(),
+            fx.abs().max(),
+            (x == 0).sum().float(),
+            (x < 0).sum().float(),
+            torch.isnan(x).sum().float(),
+            (x == math.inf).sum().float(),
+            (x == -math.inf).sum().float(),
+            finite.sum().float(),
+        ]
+    ).tolist()
+    nfinite = int(vals[8])
+    out.update(
+        min=vals[0] if nfinite else None,
+        max=vals[1] if nfinite else None,
+        absmax=vals[2],
+        zeros=int(vals[3]),
+        negative=int(vals[4]),
+        nan=int(vals[5]),
+        posinf=int(vals[6]),
+        neginf=int(vals[7]),
+    )
+    return out
+
+
+def nonfinite_flag(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One device bool: does any of ``tensors`` hold NaN/Inf? No host read."""
+    flags = [torch.isfinite(t).logical_not().any() for t in tensors if is_float(t)]
+    if not flags:
+        return torch.zeros((), dtype=torch.bool)
+    return torch.stack(flags).any()
+
+
+def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Total L2 norm of ``grads`` as one float32 device scalar (NaN/Inf when any is non-finite).
+
+    Uses ``torch._foreach_norm`` grouped by device and dtype: a handful of kernels, no
+    Python loop of host reads.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    if not groups:
+        return torch.zeros((), dtype=torch.float32)
+    device = next(iter(groups))[0]
+    sq = []
+    for tensors in groups.values():
+        norms = torch._foreach_norm(tensors, 2.0)
+        sq.append(torch.stack([n.float() for n in norms]).to(device).square().sum())
+    return torch.stack(sq).sum().sqrt()
