@@ -1,0 +1,728 @@
+"""Repro bundles: one captured step on disk, and its replay.
+
+A bundle is a directory ``run_dir/bundles/step-{step:08d}-rank-{rank}/`` with two files:
+
+- ``meta.json``: the format marker and version, step, rank, torch version, creation time,
+  the caller's fields (``diagnosis``, ``loss_tail``, ...) and a description of the batch's
+  structure. Each tensor leaf names its key in the tensors file, e.g. ``"batch['input_ids']"``.
+- ``tensors.safetensors``: the batch tensors (unless the batch was over the size limit, in
+  which case only shapes and dtypes are kept) and the RNG states under ``rng/{device}``.
+
+Loading never unpickles and never imports code named by the bundle. Containers come back
+as plain ``dict``/``list``/``tuple``: a dataclass or mapping class is recorded by name only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+import shutil
+import sys
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nanguard.errors import BundleError
+from nanguard.findings import Diagnosis, jsonable
+from nanguard.rng import fork_rng_state, set_rng_state
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "Bundle",
+    "bundle_dir",
+    "default_step",
+    "load_bundle",
+    "main_replay",
+    "replay",
+    "save_bundle",
+]
+
+FORMAT = "nanguard-bundle"
+VERSION = 1
+META_FILE = "meta.json"
+TENSORS_FILE = "tensors.safetensors"
+_RESERVED = frozenset(
+    {
+        "format",
+        "version",
+        "step",
+        "rank",
+        "torch",
+        "created",
+        "batch",
+        "batch_stored",
+        "batch_bytes",
+        "batch_reason",
+        "rng",
+    }
+)
+# Dtypes safetensors cannot hold go to disk as their raw bytes (uint8) and are viewed back.
+_NATIVE_DTYPES = frozenset(
+    getattr(safetensors.torch, "_TYPES", {}).values()
+    or (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+)
+
+
+@dataclass
+class Bundle:
+    """A loaded bundle. ``batch`` holds CPU tensors, or ``meta``-device tensors (shapes and
+    dtypes only) when ``batch_stored`` is false. ``meta`` is the whole ``meta.json``."""
+
+    path: Path
+    batch: Any
+    rng_state: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+    diagnosis: Diagnosis | None = None
+    batch_stored: bool = True
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+    @property
+    def rank(self) -> int:
+        return self.meta["rank"]
+
+
+def bundle_dir(run_dir: str | os.PathLike[str], step: int, rank: int) -> Path:
+    """Where ``save_bundle`` puts the bundle of ``step`` on ``rank``."""
+    return Path(run_dir) / "bundles" / f"step-{step:08d}-rank-{rank}"
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def save_bundle(
+    run_dir: str | os.PathLike[str],
+    *,
+    step: int,
+    rank: int,
+    batch: Any,
+    rng_state: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any] | None = None,
+    max_batch_bytes: int = 64 * 2**20,
+) -> Path:
+    """Write one step's batch, RNG states and ``meta`` atomically; return the bundle dir.
+
+    ``rng_state`` must be the state from *before* the step ran (``rng.get_rng_state()``),
+    so a replay draws the same dropout masks. A batch over ``max_batch_bytes`` keeps only
+    its shapes and dtypes. An existing bundle for the same step and rank is replaced.
+
+    Example:
+        >>> state = get_rng_state()
+        >>> loss = guarded_step(batch)
+        >>> save_bundle("runs/a", step=812, rank=0, batch=batch, rng_state=state,
+        ...             meta={"diagnosis": diag.to_dict(), "loss_tail": [2.1, 2.0, "nan"]})
+        PosixPath('runs/a/bundles/step-00000812-rank-0')
+    """
+    for name, value in (("step", step), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    extra = dict(meta or {})
+    clash = sorted(_RESERVED & extra.keys())
+    if clash:
+        raise ValueError(f"meta keys {clash} are reserved by the bundle format")
+    extra = {k: v.to_dict() if isinstance(v, Diagnosis) else v for k, v in extra.items()}
+
+    leaves: list[tuple[str, torch.Tensor]] = []
+    structure = _describe(batch, "batch", leaves, set())
+    batch_bytes = sum(t.numel() * t.element_size() for _, t in leaves)
+    stored = batch_bytes <= max_batch_bytes
+
+    tensors: dict[str, torch.Tensor] = {}
+    if stored:
+        for key, tensor in leaves:
+            tensors[key] = _storable(tensor)
+    for name, state in rng_state.items():
+        tensors[f"rng/{name}"] = _cpu_copy(state)
+
+    record: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "rank": rank,
+        "torch": torch.__version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "batch_stored": stored,
+        "batch_bytes": batch_bytes,
+    }
+    if not stored:
+        record["batch_reason"] = (
+            f"batch is {batch_bytes} bytes, over max_batch_bytes={max_batch_bytes}: "
+            "shapes and dtypes only"
+        )
+    record["batch"] = structure
+    record["rng"] = list(rng_state)
+    record.update(extra)
+    text = json.dumps(jsonable(record), indent=2, allow_nan=False) + "\n"
+
+    final = bundle_dir(run_dir, step, rank)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
+        _fsync_file(tmp / TENSORS_FILE)
+        with open(tmp / META_FILE, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(tmp)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(final.parent)
+    return final
+
+
+def _describe(
+    obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]], used: set[str]
+) -> dict[str, Any]:
+    """A JSON node for ``obj``; tensor leaves are appended to ``leaves`` under unique keys."""
+    if isinstance(obj, torch.Tensor):
+        return _tensor_node(obj, path, leaves, used)
+    if _is_ndarray(obj):
+        try:
+            tensor = torch.as_tensor(obj)
+        except (TypeError, RuntimeError):
+            return {"type": "repr", "class": _class_name(obj), "value": repr(obj)}
+        return {**_tensor_node(tensor, path, leaves, used), "numpy": True}
+    if isinstance(obj, Mapping):
+        items = []
+        for key, value in obj.items():
+            json_key = key if _is_json_scalar(key) else str(key)
+            items.append([jsonable(json_key), _describe(value, f"{path}[{key!r}]", leaves, used)])
+        node: dict[str, Any] = {"type": "dict", "items": items}
+        if type(obj) is not dict:
+            node["class"] = _class_name(obj)
+        return node
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [
+            [f.name, _describe(getattr(obj, f.name), f"{path}.{f.name}", leaves, used)]
+            for f in dataclasses.fields(obj)
+        ]
+        return {"type": "dict", "class": _class_name(obj), "items": items}
+    if isinstance(obj, (list, tuple)):
+        kind = "tuple" if isinstance(obj, tuple) else "list"
+        node = {
+            "type": kind,
+            "items": [_describe(v, f"{path}[{i}]", leaves, used) for i, v in enumerate(obj)],
+        }
+        if type(obj) not in (list, tuple):
+            node["class"] = _class_name(obj)
+        return node
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"type": "float", "value": str(obj)}
+    if _is_json_scalar(obj):
+        return {"type": "value", "value": obj}
+    if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # numpy scalars
+        return _describe(obj.item(), path, leaves, used)
+    return {"type": "repr", "class": _class_name(obj), "value": repr(obj)}
+
+
+def _tensor_node(
+    tensor: torch.Tensor, path: str, leaves: list[tuple[str, torch.Tensor]], used: set[str]
+) -> dict[str, Any]:
+    key = path
+    suffix = 1
+    while key in used:
+        suffix += 1
+        key = f"{path}#{suffix}"
+    used.add(key)
+    leaves.append((key, tensor))
+    node: dict[str, Any] = {
+        "type": "tensor",
+        "key": key,
+        "dtype": str(tensor.dtype),
+        "shape": list(tensor.shape),
+        "device": str(tensor.device),
+    }
+    if tensor.requires_grad:
+        node["requires_grad"] = True
+    if tensor.dtype not in _NATIVE_DTYPES:
+        node["stored_as"] = "uint8"
+    return node
+
+
+def _storable(tensor: torch.Tensor) -> torch.Tensor:
+    out = _cpu_copy(tensor)
+    if out.dtype not in _NATIVE_DTYPES:
+        out = out.reshape(-1).view(torch.uint8)
+    return out
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy with storage of its own: safetensors refuses shared storage."""
+    tensor = tensor.detach()
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    out.copy_(tensor)
+    return out
+
+
+def _is_json_scalar(value: Any) -> bool:
+    return (
+        value is None
+        or isinstance(value, (bool, int, str))
+        or (isinstance(value, float) and math.isfinite(value))
+    )
+
+
+def _is_ndarray(obj: Any) -> bool:
+    return type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray"
+
+
+def _class_name(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    # Directory fsync makes the rename durable on POSIX; Windows cannot open directories.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move ``tmp`` to ``final``; an existing ``final`` is removed only once ``tmp`` is in."""
+    try:
+        os.rename(tmp, final)
+        return
+    except OSError:
+        if not final.exists():
+            raise
+    old = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.old")
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    if old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _Malformed(Exception):
+    """A node of the batch description in meta.json is not what the writer produces."""
+
+
+def load_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Read a bundle directory (or its ``meta.json``). Never unpickles, never imports.
+
+    Raises ``BundleError`` naming the file when the bundle is missing, corrupt, truncated,
+    foreign, or refers to tensors its tensors file lacks.
+
+    Example:
+        >>> bundle = load_bundle("runs/a/bundles/step-00000812-rank-0")
+        >>> bundle.step, bundle.diagnosis.cause, bundle.batch["input_ids"].shape
+        (812, 'data.index_out_of_range', torch.Size([8, 128]))
+    """
+    root = Path(path)
+    if root.is_file() and root.name in (META_FILE, TENSORS_FILE):
+        root = root.parent
+    if not root.exists():
+        raise BundleError(root, "no such bundle directory")
+    if not root.is_dir():
+        raise BundleError(root, "not a bundle directory (expected meta.json and tensors file)")
+
+    meta_path = root / META_FILE
+    meta = _read_meta(meta_path)
+    stored = meta["batch_stored"]
+    tensors_path = root / TENSORS_FILE
+    if not tensors_path.is_file():
+        raise BundleError(tensors_path, "missing: the bundle has no tensors file")
+    try:
+        with safe_open(str(tensors_path), framework="pt") as handle:
+            reader = _TensorReader(handle, tensors_path)
+            try:
+                batch = _build(meta["batch"], reader, stored)
+                rng_state = {name: reader.get(f"rng/{name}", "torch.uint8") for name in meta["rng"]}
+            except _Malformed as err:
+                raise BundleError(meta_path, f"malformed batch description: {err}") from None
+    except BundleError:
+        raise
+    except Exception as err:
+        raise BundleError(tensors_path, f"corrupt or truncated safetensors file: {err}") from None
+
+    return Bundle(
+        path=root,
+        batch=batch,
+        rng_state=rng_state,
+        meta=meta,
+        diagnosis=_read_diagnosis(meta, meta_path),
+        batch_stored=stored,
+    )
+
+
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    if not meta_path.is_file():
+        raise BundleError(meta_path, "missing: this directory is not a nanguard bundle")
+    try:
+        raw = meta_path.read_bytes()
+    except OSError as err:
+        raise BundleError(meta_path, f"cannot be read: {err.strerror}") from None
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise BundleError(meta_path, f"not valid JSON, corrupt or truncated: {err}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise BundleError(meta_path, f'not a nanguard bundle: no "format": {FORMAT!r} marker')
+    version = meta.get("version")
+    if version != VERSION or isinstance(version, bool):
+        raise BundleError(
+            meta_path, f"bundle format version {version!r} is not supported (reads {VERSION})"
+        )
+    for name, kind in (("step", int), ("rank", int), ("batch_stored", bool)):
+        if not isinstance(meta.get(name), kind):
+            raise BundleError(meta_path, f"malformed: {name!r} missing or not {kind.__name__}")
+    if not isinstance(meta.get("batch"), dict):
+        raise BundleError(meta_path, "malformed: 'batch' description missing")
+    rng = meta.get("rng")
+    if not isinstance(rng, list) or not all(isinstance(name, str) for name in rng):
+        raise BundleError(meta_path, "malformed: 'rng' must be a list of device names")
+    return meta
+
+
+def _read_diagnosis(meta: dict[str, Any], meta_path: Path) -> Diagnosis | None:
+    data = meta.get("diagnosis")
+    if data is None:
+        return None
+    try:
+        if not isinstance(data, dict):
+            raise TypeError(f"expected an object, got {type(data).__name__}")
+        return Diagnosis.from_dict(data)
+    except (TypeError, ValueError) as err:
+        # A newer nanguard may know causes this one does not: keep the batch replayable.
+        warnings.warn(
+            f"{meta_path}: 'diagnosis' could not be read ({err}); it stays in bundle.meta",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+class _TensorReader:
+    def __init__(self, handle: Any, path: Path) -> None:
+        self._handle = handle
+        self._path = path
+        self._keys = set(handle.keys())
+
+    def get(self, key: str, dtype: str, shape: list[int] | None = None) -> torch.Tensor:
+        if key not in self._keys:
+            raise BundleError(self._path, f"tensor {key!r} named in meta.json is missing")
+        tensor = self._handle.get_tensor(key)
+        if str(tensor.dtype) != dtype or (shape is not None and list(tensor.shape) != shape):
+            raise BundleError(
+                self._path,
+                f"tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, "
+                f"meta.json says {dtype} {shape}",
+            )
+        return tensor
+
+
+def _build(node: Any, reader: _TensorReader, stored: bool) -> Any:
+    if not isinstance(node, dict) or not isinstance(node.get("type"), str):
+        raise _Malformed(f"node {node!r:.80} has no 'type'")
+    kind = node["type"]
+    if kind == "tensor":
+        return _build_tensor(node, reader, stored)
+    if kind == "dict":
+        items = node.get("items")
+        if not isinstance(items, list) or not all(
+            isinstance(p, list) and len(p) == 2 and _is_json_scalar(p[0]) for p in items
+        ):
+            raise _Malformed("a dict node needs 'items' as [key, node] pairs")
+        return {key: _build(value, reader, stored) for key, value in items}
+    if kind in ("list", "tuple"):
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise _Malformed(f"a {kind} node needs 'items'")
+        values = [_build(value, reader, stored) for value in items]
+        return tuple(values) if kind == "tuple" else values
+    if kind == "value":
+        value = node.get("value")
+        if not _is_json_scalar(value):
+            raise _Malformed(f"value {value!r:.80} is not a JSON scalar")
+        return value
+    if kind == "float":
+        try:
+            return float(node["value"])
+        except (KeyError, TypeError, ValueError):
+            raise _Malformed(f"bad float node {node!r:.80}") from None
+    if kind == "repr":
+        return str(node.get("value"))
+    raise _Malformed(f"unknown node type {kind!r}")
+
+
+def _build_tensor(node: dict[str, Any], reader: _TensorReader, stored: bool) -> Any:
+    key, dtype_name, shape = node.get("key"), node.get("dtype"), node.get("shape")
+    if not isinstance(key, str) or not isinstance(shape, list):
+        raise _Malformed(f"tensor node {node!r:.80} needs 'key' and 'shape'")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise _Malformed(f"tensor {key!r} has a bad shape {shape!r:.80}")
+    dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise _Malformed(f"tensor {key!r} has an unknown dtype {dtype_name!r}")
+    if not stored:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if node.get("stored_as") == "uint8":
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raw = reader.get(key, "torch.uint8", [nbytes])
+        tensor = raw.view(dtype).reshape(shape)
+    else:
+        tensor = reader.get(key, str(dtype), shape)
+    if node.get("requires_grad") and (tensor.is_floating_point() or tensor.is_complex()):
+        tensor.requires_grad_(True)
+    return tensor.numpy() if node.get("numpy") else tensor
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def default_step(model: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+    """A closure ``step(batch)``: zero grads, run ``model`` on the batch, backward the loss.
+
+    A dict batch is passed as keyword arguments, a list or tuple as positional ones, anything
+    else as the one argument. The loss is the output if it is a 0-dim tensor, else its
+    ``loss`` key or attribute, else the last 0-dim tensor of a tuple output, else the mean
+    of the first floating-point tensor in the output.
+
+    Example:
+        >>> step = default_step(model)
+        >>> loss = step({"input_ids": ids, "labels": ids})
+    """
+
+    def step(batch: Any) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        if isinstance(batch, Mapping):
+            output = model(**batch)
+        elif isinstance(batch, (list, tuple)):
+            output = model(*batch)
+        else:
+            output = model(batch)
+        loss = _find_loss(output)
+        if loss.requires_grad:
+            loss.backward()
+        return loss
+
+    return step
+
+
+def _find_loss(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor) and output.ndim == 0:
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    if isinstance(getattr(output, "loss", None), torch.Tensor):
+        return output.loss
+    values: list[Any]
+    if isinstance(output, Mapping):
+        values = list(output.values())
+    elif isinstance(output, (list, tuple)):
+        values = list(output)
+        scalars = [v for v in values if isinstance(v, torch.Tensor) and v.ndim == 0]
+        if scalars:
+            return scalars[-1]
+    else:
+        values = [output]
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.mean()
+    raise TypeError(
+        f"cannot find a loss in the model's output ({type(output).__name__}): "
+        "pass a step function that returns it"
+    )
+
+
+def replay(
+    bundle: Bundle,
+    model: torch.nn.Module | None,
+    fn: Callable[[Any], Any] | None = None,
+    *,
+    locate_fn: Callable[..., Diagnosis | None] | None = None,
+) -> Diagnosis | None:
+    """Re-run the bundle's step under ``locate`` with the RNG states it was captured with.
+
+    ``fn(batch)`` defaults to ``default_step(model)``. The batch is copied to the device of
+    the model's first parameter. The caller's RNG states are put back afterwards.
+
+    Example:
+        >>> diag = replay(load_bundle(path), model)
+        >>> print(diag)
+    """
+    if not bundle.batch_stored:
+        raise BundleError(
+            bundle.path, "batch not stored: shapes only (it was over max_batch_bytes)"
+        )
+    if locate_fn is None:
+        from nanguard.locate import locate as locate_fn
+    if fn is None:
+        if model is None:
+            raise ValueError("replay needs a model or a step function fn")
+        fn = default_step(model)
+    batch = _copy_to(bundle.batch, _model_device(model))
+    with fork_rng_state():
+        try:
+            set_rng_state(bundle.rng_state)
+        except ValueError as err:
+            raise BundleError(bundle.path / TENSORS_FILE, str(err)) from None
+        return locate_fn(fn, batch, model=model)
+
+
+def _model_device(model: torch.nn.Module | None) -> torch.device | None:
+    if model is None:
+        return None
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return None
+
+
+def _copy_to(obj: Any, device: torch.device | None) -> Any:
+    """A fresh copy of the batch, so a step that edits it in place cannot change the bundle."""
+    if isinstance(obj, torch.Tensor):
+        copy = obj.detach().to(device or obj.device, copy=True)
+        return copy.requires_grad_(obj.requires_grad)
+    if isinstance(obj, dict):
+        return {key: _copy_to(value, device) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        values = [_copy_to(value, device) for value in obj]
+        return tuple(values) if isinstance(obj, tuple) else values
+    if _is_ndarray(obj):
+        return obj.copy()
+    return obj
+
+
+def main_replay(
+    bundle_path: str, model_spec: str, weights: str | None, fn_spec: str | None
+) -> tuple[Bundle, Diagnosis | None]:
+    """``nanguard replay``: load a bundle, build the model, replay the step under ``locate``.
+
+    ``model_spec`` is ``"pkg.module:factory"``; the factory is called with no arguments.
+    ``weights`` is a ``.safetensors`` file or a ``torch.save`` state dict (loaded with
+    ``weights_only=True``). ``fn_spec`` is ``"pkg.module:function"``, called as
+    ``function(model)`` to get the step closure. Only the code these specs name runs.
+
+    Example:
+        >>> bundle, diag = main_replay("runs/a/bundles/step-00000812-rank-0",
+        ...                            "mytrain.model:build", "ckpt.safetensors", None)
+    """
+    _parse_spec(model_spec, "--model", "pkg.module:factory")
+    if fn_spec is not None:
+        _parse_spec(fn_spec, "--fn", "pkg.module:function")
+    bundle = load_bundle(bundle_path)
+
+    factory = _resolve(model_spec, "--model", "pkg.module:factory")
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            f"--model: {model_spec!r} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    if weights is not None:
+        _load_weights(model, weights)
+    fn = None
+    if fn_spec is not None:
+        fn = _resolve(fn_spec, "--fn", "pkg.module:function")(model)
+        if not callable(fn):
+            raise ValueError(f"--fn: {fn_spec!r} returned a {type(fn).__name__}, not a function")
+    return bundle, replay(bundle, model, fn)
+
+
+def _parse_spec(spec: str, option: str, example: str) -> tuple[str, str]:
+    module, sep, attr = spec.partition(":")
+    names = [*module.split("."), *attr.split(".")]
+    if not sep or not all(name.isidentifier() for name in names):
+        raise ValueError(f"{option} must look like {example!r}, got {spec!r}")
+    return module, attr
+
+
+def _resolve(spec: str, option: str, example: str) -> Callable[..., Any]:
+    module_name, attr = _parse_spec(spec, option, example)
+    # The CLI is run from the user's project: let its modules import as under `python -m`.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise ValueError(f"{option}: no module named {missing!r} (in {spec!r})") from None
+        raise
+    for name in attr.split("."):
+        try:
+            obj = getattr(obj, name)
+        except AttributeError:
+            raise ValueError(f"{option}: {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"{option}: {spec!r} is not callable")
+    return obj
+
+
+def _load_weights(model: torch.nn.Module, weights: str) -> None:
+    path = Path(weights)
+    if not path.is_file():
+        raise ValueError(f"--weights: no such file {weights!r}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--weights: cannot load {weights!r}: {first_line}") from None
+    if isinstance(state, Mapping):
+        for key in ("state_dict", "model_state_dict", "model"):
+            if isinstance(state.get(key), Mapping):
+                state = state[key]
+                break
+    if not isinstance(state, Mapping):
+        raise ValueError(f"--weights: {weights!r} holds a {type(state).__name__}, not a state dict")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise ValueError(f"--weights: {weights!r} does not fit the model: {err}") from None

@@ -1,0 +1,270 @@
+"""The fault zoo: realistic ways a run goes NaN, each with the diagnosis it must get.
+
+A scenario builds the tiny GPT, trains it on synthetic data, and at ``fault_step`` applies
+its fault (to the batch or the model) the way it happens in real runs. ``expect`` states
+the cause, op, module, phase and kind nanguard must report, or ``cause=None`` for a healthy
+run that must never trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanguard.zoo.gpt import GPT, GPTConfig, synthetic_batch
+
+__all__ = ["SCENARIOS", "Expect", "Run", "Scenario", "build", "get", "train_step"]
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Expect:
+    cause: str | None
+    op: str | None = None
+    module: str | None = None
+    phase: str | None = None
+    kind: str | None = None
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str
+    expect: Expect
+    config: dict[str, Any] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+    fault: Callable[[GPT, Batch], Batch] | None = None
+    fault_step: int = 3
+    lr: float = 1e-3
+
+
+@dataclass
+class Run:
+    """A built scenario: the model, its optimizer, and the batch for each step."""
+
+    scenario: Scenario
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    seed: int
+
+    def batch(self, step: int) -> Batch:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + step)
+        batch = synthetic_batch(self.model.config, gen)
+        if self.scenario.fault is not None and step == self.scenario.fault_step:
+            batch = self.scenario.fault(self.model, batch)
+        return batch
+
+    def batches(self, steps: int) -> Iterator[tuple[int, Batch]]:
+        for step in range(steps):
+            yield step, self.batch(step)
+
+
+def train_step(model: GPT, batch: Batch) -> torch.Tensor:
+    """One closure body: zero grads, forward, backward; returns the loss."""
+    model.zero_grad(set_to_none=True)
+    _, loss = model(**batch)
+    loss.backward()
+    return loss
+
+
+def build(scenario: Scenario, seed: int = 0) -> Run:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**scenario.config)).to(scenario.dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=scenario.lr)
+    return Run(scenario, model, optimizer, seed)
+
+
+# -- faults ---------------------------------------------------------------------------
+def _drift_ln_gain(gain: float) -> Callable[[GPT, Batch], Batch]:
+    """A LayerNorm gain that grew during training scales everything after it."""
+
+    def fault(model: GPT, batch: Batch) -> Batch:
+        with torch.no_grad():
+            model.blocks[0].ln_1.weight.fill_(gain)
+        return batch
+
+    return fault
+
+
+def _pad_tail(batch: Batch, rows: int = 2) -> Batch:
+    """Right-pad the last ``rows`` samples: half of their tokens become padding (id 0)."""
+    ids = batch["input_ids"].clone()
+    ids[-rows:, ids.shape[1] // 2 :] = 0
+    return {**batch, "input_ids": ids}
+
+
+def _fully_masked_sample(model: GPT, batch: Batch) -> Batch:
+    mask = torch.ones_like(batch["input_ids"])
+    mask[-1] = 0  # an all-padding sample left in the batch by the collator
+    return {**batch, "attention_mask": mask}
+
+
+def _all_ignored(model: GPT, batch: Batch) -> Batch:
+    return {**batch, "labels": torch.full_like(batch["labels"], -100)}
+
+
+def _pad_tokens(model: GPT, batch: Batch) -> Batch:
+    return _pad_tail(batch)
+
+
+def _logit_scale(model: GPT, batch: Batch) -> Batch:
+    model.config.logit_scale = 2000.0  # a learned temperature that ran away
+    return batch
+
+
+def _nan_pixels(model: GPT, batch: Batch) -> Batch:
+    pixels = batch["pixel_values"].clone()
+    pixels[2, 1, :5] = float("nan")  # a corrupt image: 0/0 in the per-image normalization
+    return {**batch, "pixel_values": pixels}
+
+
+def _token_past_vocab(model: GPT, batch: Batch) -> Batch:
+    ids = batch["input_ids"].clone()
+    ids[1, 7] = model.config.vocab_size  # a tokenizer with one more special token than the model
+    return {**batch, "input_ids": ids}
+
+
+def _label_past_vocab(model: GPT, batch: Batch) -> Batch:
+    labels = batch["labels"].clone()
+    labels[0, 3] = model.config.vocab_size + 4
+    return {**batch, "labels": labels}
+
+
+def _nan_weight(model: GPT, batch: Batch) -> Batch:
+    with torch.no_grad():
+        model.blocks[1].mlp.fc.weight[3, 5] = float("nan")  # a corrupt checkpoint shard
+    return batch
+
+
+def _empty_loss_mask(model: GPT, batch: Batch) -> Batch:
+    return {**batch, "loss_mask": torch.zeros_like(batch["labels"])}
+
+
+def _mask_tail(model: GPT, batch: Batch) -> Batch:
+    mask = torch.ones_like(batch["input_ids"])
+    mask[:, -5:] = 0  # right padding: every sample keeps real tokens
+    return {**batch, "attention_mask": mask}
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "fp16_attention_overflow",
+        "float16 model whose drifted LayerNorm gain pushes q @ k^T past 65504",
+        Expect("precision.overflow", "aten.bmm.default", "blocks.0.attn", "forward", "inf"),
+        dtype=torch.float16,
+        fault=_drift_ln_gain(1000.0),
+    ),
+    Scenario(
+        "padding_fully_masked",
+        "an all-padding sample: every key of its rows is masked with -inf",
+        Expect("op.masked_softmax", "aten._softmax.default", "blocks.0.attn", "forward", "nan"),
+        fault=_fully_masked_sample,
+    ),
+    Scenario(
+        "all_labels_ignored",
+        "every label is -100 (a sample cut to its prompt): cross-entropy mean is 0/0",
+        Expect("data.no_valid_targets", "aten.nll_loss_forward.default", "", "data", "nan"),
+        fault=_all_ignored,
+    ),
+    Scenario(
+        "layernorm_eps0_constant",
+        "LayerNorm(eps=0) on token embeddings; padding rows are constant zeros",
+        Expect("norm.zero_variance", "aten.native_layer_norm.default", "ln_emb", "forward", "nan"),
+        config={"embed_norm": "layer", "norm_eps": 0.0},
+        fault=_pad_tokens,
+    ),
+    Scenario(
+        "rmsnorm_no_eps",
+        "hand-written RMSNorm without eps on zero (padding) embeddings",
+        Expect("norm.zero_variance", "aten.rsqrt.default", "ln_emb", "forward", "inf"),
+        config={"embed_norm": "rms", "norm_eps": 0.0},
+        fault=_pad_tokens,
+    ),
+    Scenario(
+        "log_of_probabilities",
+        "loss = nll(log(softmax(logits))): a confident wrong token has probability 0",
+        Expect("op.log_domain", "aten.log.default", "", "forward", "inf"),
+        config={"loss": "log_softmax_manual"},
+        fault=_logit_scale,
+    ),
+    Scenario(
+        "softmax_without_max",
+        "attention softmax written as exp(x)/sum(exp(x)); scores grow past 88.7",
+        Expect("op.exp_overflow", "aten.exp.default", "blocks.0.attn", "forward", "inf"),
+        config={"naive_softmax": True},
+        fault=_drift_ln_gain(60.0),
+    ),
+    Scenario(
+        "sqrt_grad_at_zero",
+        "an embedding-norm regularizer sqrt(sum(e^2)) on zero padding embeddings",
+        Expect("op.sqrt_domain", "aten.div.Tensor", "", "backward", "inf"),
+        config={"embed_norm_reg": 0.01},
+        fault=_pad_tokens,
+    ),
+    Scenario(
+        "nan_pixels",
+        "a corrupt image: NaN pixels in pixel_values",
+        Expect("data.nonfinite", None, "vis_proj", "data", "nan"),
+        config={"vision_dim": 16},
+        fault=_nan_pixels,
+    ),
+    Scenario(
+        "token_id_out_of_range",
+        "a token id equal to vocab_size (tokenizer and embedding disagree)",
+        Expect("data.index_out_of_range", "aten.embedding.default", "wte", "data", "nan"),
+        fault=_token_past_vocab,
+    ),
+    Scenario(
+        "label_out_of_range",
+        "a label id past the vocabulary",
+        Expect("data.index_out_of_range", "aten.nll_loss_forward.default", "", "data", "nan"),
+        fault=_label_past_vocab,
+    ),
+    Scenario(
+        "nan_weight",
+        "a NaN in one weight, as loaded from a corrupt checkpoint shard",
+        Expect("parameters.nonfinite", None, "blocks.1.mlp.fc", "parameters", "nan"),
+        fault=_nan_weight,
+    ),
+    Scenario(
+        "huge_init",
+        "float16 model initialized with std=20 (a gain passed as the std)",
+        Expect("init.scale", "aten.bmm.default", "blocks.0.attn", "forward", "inf"),
+        config={"init_std": 20.0},
+        dtype=torch.float16,
+        fault_step=0,
+    ),
+    Scenario(
+        "masked_mean_zero_count",
+        "loss = sum(loss * mask) / mask.sum() on a batch whose loss mask is empty",
+        Expect("op.division_by_zero", "aten.div.Tensor", "", "forward", "nan"),
+        config={"loss": "masked_mean"},
+        fault=_empty_loss_mask,
+    ),
+    Scenario(
+        "healthy_padding_mask",
+        "causal -inf mask plus right padding: legitimately masked, must not trip",
+        Expect(None),
+        fault=_mask_tail,
+    ),
+    Scenario(
+        "healthy_bf16_large_activations",
+        "bfloat16 model with the activations that overflow float16: must not trip",
+        Expect(None),
+        dtype=torch.bfloat16,
+        fault=_drift_ln_gain(1000.0),
+    ),
+)
+
+
+def get(name: str) -> Scenario:
+    for scenario in SCENARIOS:
+        if scenario.name == name:
+            return scenario
+    names = ", ".join(s.name for s in SCENARIOS)
+    raise ValueError(f"unknown scenario {name!r}; choose one of: {names}")

@@ -1,0 +1,475 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import nanguard.bundle as bundle_mod
+from nanguard.bundle import (
+    Bundle,
+    default_step,
+    load_bundle,
+    main_replay,
+    replay,
+    save_bundle,
+)
+from nanguard.errors import BundleError
+from nanguard.findings import Diagnosis
+from nanguard.rng import fork_rng_state, get_rng_state, set_rng_state
+
+
+def _nested_batch() -> dict:
+    ids = torch.randint(0, 100, (2, 5))
+    return {
+        "input_ids": ids,
+        "labels": ids,  # same storage as input_ids: safetensors refuses shared tensors
+        "prefix": ids[:, :2],
+        "mask": torch.rand(2, 5) > 0.5,
+        "feats": [torch.randn(3, 4), torch.randn(2).to(torch.bfloat16), torch.randn(4, 3).t()],
+        "pair": (torch.tensor(7, dtype=torch.int32), 3, "text", None, float("nan")),
+        "complex": torch.randn(2, dtype=torch.complex128),
+        "scalar": 1.5,
+        7: torch.arange(3, dtype=torch.int16),
+    }
+
+
+def _save(tmp_path: Path, batch=None, **kwargs) -> Path:
+    kwargs.setdefault("step", 12)
+    kwargs.setdefault("rank", 0)
+    kwargs.setdefault("rng_state", get_rng_state())
+    kwargs.setdefault("meta", {})
+    return save_bundle(tmp_path, batch={"x": torch.ones(3)} if batch is None else batch, **kwargs)
+
+
+def _assert_same(a, b) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+def test_nested_batch_round_trip(tmp_path: Path) -> None:
+    batch = _nested_batch()
+    diag = Diagnosis(cause="op.log_domain", op="aten.log.default", module="head", step=12)
+    path = _save(
+        tmp_path, batch, rank=3, meta={"diagnosis": diag, "loss_tail": [2.0, float("inf")]}
+    )
+
+    assert path == tmp_path / "bundles" / "step-00000012-rank-3"
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "tensors.safetensors"]
+    loaded = load_bundle(path)
+    assert isinstance(loaded, Bundle)
+    _assert_same(batch, loaded.batch)
+    assert loaded.batch_stored
+    assert loaded.step == 12 and loaded.rank == 3
+    assert loaded.diagnosis == diag
+    assert loaded.meta["loss_tail"] == [2.0, "inf"]
+    assert loaded.meta["format"] == "nanguard-bundle" and loaded.meta["version"] == 1
+    assert loaded.meta["torch"] == torch.__version__
+
+    meta = json.loads((path / "meta.json").read_text())
+    keys = {item[0]: item[1]["key"] for item in meta["batch"]["items"] if "key" in item[1]}
+    assert keys["input_ids"] == "batch['input_ids']" and keys[7] == "batch[7]"
+    assert "batch['input_ids']" in load_file(path / "tensors.safetensors")
+    assert "rng/cpu" in load_file(path / "tensors.safetensors")
+
+
+def test_loading_the_meta_file_path_works_too(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    assert load_bundle(path / "meta.json").path == path
+
+
+def test_dataclass_batch_comes_back_as_dict(tmp_path: Path) -> None:
+    @dataclasses.dataclass
+    class Batch:
+        tokens: torch.Tensor
+        weight: float
+
+    batch = Batch(torch.arange(4), 0.5)
+    loaded = load_bundle(_save(tmp_path, batch))
+    _assert_same({"tokens": batch.tokens, "weight": 0.5}, loaded.batch)
+    assert loaded.meta["batch"]["class"].endswith("Batch")
+
+
+def test_requires_grad_and_tensor_batch(tmp_path: Path) -> None:
+    x = torch.randn(3, requires_grad=True)
+    loaded = load_bundle(_save(tmp_path, x))
+    assert loaded.batch.requires_grad and torch.equal(loaded.batch, x.detach())
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def test_rng_round_trip() -> None:
+    state = get_rng_state()
+    assert state["cpu"].dtype == torch.uint8
+    first = torch.rand(5)
+    set_rng_state(state)
+    assert torch.equal(first, torch.rand(5))
+
+
+def test_rng_round_trip_through_a_bundle(tmp_path: Path) -> None:
+    path = _save(tmp_path, rng_state=get_rng_state())
+    expected = torch.rand(4)
+    set_rng_state(load_bundle(path).rng_state)
+    assert torch.equal(expected, torch.rand(4))
+
+
+def test_fork_rng_state_puts_the_callers_stream_back() -> None:
+    state = get_rng_state()
+    with fork_rng_state():
+        torch.manual_seed(123)
+        torch.rand(10)
+    after = torch.rand(3)
+    set_rng_state(state)
+    assert torch.equal(after, torch.rand(3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_cuda_states_are_skipped_with_a_warning_without_cuda() -> None:
+    state = {**get_rng_state(), "cuda:0": torch.zeros(16, dtype=torch.uint8)}
+    with pytest.warns(UserWarning, match="cuda:0"):
+        set_rng_state(state)
+
+
+def test_invalid_rng_state_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="cpu"):
+        set_rng_state({"cpu": torch.zeros(3, dtype=torch.uint8)})
+
+
+# ----------------------------------------------------------------------------- size limit
+
+
+def test_oversize_batch_stores_shapes_only(tmp_path: Path) -> None:
+    batch = {"x": torch.randn(4, 8), "ids": [torch.zeros(2, 3, dtype=torch.int64)]}
+    path = _save(tmp_path, batch, max_batch_bytes=64)
+    loaded = load_bundle(path)
+    assert not loaded.batch_stored
+    assert loaded.meta["batch_stored"] is False
+    assert "max_batch_bytes" in loaded.meta["batch_reason"]
+    assert loaded.batch["x"].device.type == "meta"
+    assert loaded.batch["x"].shape == (4, 8) and loaded.batch["ids"][0].dtype == torch.int64
+    assert set(load_file(path / "tensors.safetensors")) == {"rng/cpu"}
+    assert "cpu" in loaded.rng_state
+    with pytest.raises(BundleError, match="batch not stored"):
+        replay(loaded, torch.nn.Linear(8, 1), locate_fn=lambda fn, *a, **k: None)
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def test_no_temporary_dirs_and_existing_bundle_replaced(tmp_path: Path) -> None:
+    _save(tmp_path, {"x": torch.zeros(3)})
+    path = _save(tmp_path, {"y": torch.ones(2)})
+    assert [p.name for p in (tmp_path / "bundles").iterdir()] == [path.name]
+    assert list(load_bundle(path).batch) == ["y"]
+
+
+def test_failed_write_keeps_the_old_bundle(tmp_path: Path, monkeypatch) -> None:
+    path = _save(tmp_path, {"x": torch.zeros(3)})
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bundle_mod, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, {"y": torch.ones(2)})
+    assert [p.name for p in (tmp_path / "bundles").iterdir()] == [path.name]
+    assert list(load_bundle(path).batch) == ["x"]
+
+
+def test_reserved_meta_keys_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        _save(tmp_path, meta={"step": 3})
+
+
+# ----------------------------------------------------------------------------- broken bundles
+
+
+def _raises_naming(path: Path, file: str, match: str = "") -> BundleError:
+    with pytest.raises(BundleError, match=match) as info:
+        load_bundle(path)
+    err = info.value
+    assert Path(err.path).name == file or err.path == str(path)
+    assert file in str(err)
+    # no traceback from inside a library chained on
+    assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)
+    return err
+
+
+def test_corrupt_meta_json(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    (path / "meta.json").write_bytes(b"\x00\xff\x13garbage{{")
+    _raises_naming(path, "meta.json", "JSON")
+
+
+def test_truncated_meta_json(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    text = (path / "meta.json").read_bytes()
+    (path / "meta.json").write_bytes(text[: len(text) // 2])
+    _raises_naming(path, "meta.json", "JSON")
+
+
+def test_truncated_safetensors(tmp_path: Path) -> None:
+    path = _save(tmp_path, {"x": torch.randn(100)})
+    data = (path / "tensors.safetensors").read_bytes()
+    (path / "tensors.safetensors").write_bytes(data[: len(data) // 2])
+    _raises_naming(path, "tensors.safetensors", "corrupt or truncated")
+
+
+def test_missing_tensors_file(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    (path / "tensors.safetensors").unlink()
+    _raises_naming(path, "tensors.safetensors", "missing")
+
+
+def test_missing_bundle_dir(tmp_path: Path) -> None:
+    missing = tmp_path / "bundles" / "nope"
+    with pytest.raises(BundleError, match="no such bundle") as info:
+        load_bundle(missing)
+    assert info.value.path == str(missing)
+
+
+def test_foreign_directories(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _raises_naming(empty, "meta.json", "not a nanguard bundle")
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "meta.json").write_text(json.dumps({"hello": 1}))
+    _raises_naming(foreign, "meta.json", "not a nanguard bundle")
+
+    path = _save(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "version": 99}))
+    _raises_naming(path, "meta.json", "version 99")
+
+
+def test_tensor_named_in_meta_missing_from_file(tmp_path: Path) -> None:
+    path = _save(tmp_path, {"x": torch.ones(2), "y": torch.zeros(2)})
+    tensors = load_file(path / "tensors.safetensors")
+    del tensors["batch['y']"]
+    save_file(tensors, path / "tensors.safetensors")
+    _raises_naming(path, "tensors.safetensors", r"batch\['y'\].*missing")
+
+
+def test_tensor_with_wrong_shape_or_malformed_structure(tmp_path: Path) -> None:
+    path = _save(tmp_path, {"x": torch.ones(2)})
+    tensors = load_file(path / "tensors.safetensors")
+    tensors["batch['x']"] = torch.ones(5)
+    save_file(tensors, path / "tensors.safetensors")
+    _raises_naming(path, "tensors.safetensors", "meta.json says")
+
+    meta = json.loads((path / "meta.json").read_text())
+    meta["batch"] = {"type": "pickle", "value": "cos\nsystem\n"}
+    (path / "meta.json").write_text(json.dumps(meta))
+    _raises_naming(path, "meta.json", "unknown node type")
+
+
+def test_unreadable_diagnosis_warns_and_keeps_the_batch(tmp_path: Path) -> None:
+    path = _save(tmp_path, meta={"diagnosis": {"cause": "data.from_the_future"}})
+    with pytest.warns(UserWarning, match="diagnosis"):
+        loaded = load_bundle(path)
+    assert loaded.diagnosis is None and loaded.meta["diagnosis"]["cause"] == "data.from_the_future"
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+class _Noisy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.lin(x), 0.5).sum()
+
+
+def _draw_step(draws: list[torch.Tensor]):
+    def step(batch):
+        draws.append(torch.rand(3))
+        return batch["x"].sum()
+
+    return step
+
+
+def test_replay_restores_rng_with_a_stub_locate(tmp_path: Path) -> None:
+    path = _save(tmp_path, {"x": torch.ones(2)}, rng_state=get_rng_state())
+    expected = torch.rand(3)
+    draws: list[torch.Tensor] = []
+    seen = {}
+
+    def fake_locate(fn, *args, model=None, **kwargs):
+        seen["model"] = model
+        fn(*args, **kwargs)
+        return None
+
+    model = torch.nn.Linear(2, 1)
+    after = get_rng_state()
+    assert replay(load_bundle(path), model, _draw_step(draws), locate_fn=fake_locate) is None
+    assert torch.equal(draws[0], expected)
+    assert seen["model"] is model
+    assert torch.equal(get_rng_state()["cpu"], after["cpu"])  # caller's stream untouched
+
+
+def _needs_locate() -> None:
+    locate_pkg = pytest.importorskip("nanguard.locate")
+    if not hasattr(locate_pkg, "locate"):
+        pytest.skip("nanguard.locate.locate is not there yet")
+
+
+def test_replay_restores_rng_with_locate(tmp_path: Path) -> None:
+    _needs_locate()
+    path = _save(tmp_path, {"x": torch.ones(2)}, rng_state=get_rng_state())
+    expected = torch.rand(3)
+    draws: list[torch.Tensor] = []
+    assert replay(load_bundle(path), torch.nn.Linear(2, 1), _draw_step(draws)) is None
+    assert torch.equal(draws[0], expected)
+
+
+class _LogOfNegative(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.lin(x) - 100).mean()
+
+
+def test_replay_with_default_step_names_the_cause(tmp_path: Path) -> None:
+    _needs_locate()
+    path = _save(tmp_path, {"x": torch.randn(2, 3)})
+    diag = replay(load_bundle(path), _LogOfNegative())
+    assert diag is not None and diag.cause == "op.log_domain"
+
+
+def test_replay_copies_the_batch(tmp_path: Path) -> None:
+    loaded = load_bundle(_save(tmp_path, {"x": torch.ones(2)}))
+
+    def mutate(batch):
+        batch["x"].add_(1)
+        return batch["x"].sum()
+
+    replay(loaded, torch.nn.Linear(2, 1), mutate, locate_fn=lambda fn, b, model: fn(b))
+    assert torch.equal(loaded.batch["x"], torch.ones(2))
+
+
+def test_default_step_finds_the_loss_and_backwards() -> None:
+    model = _Noisy()
+    loss = default_step(model)({"x": torch.randn(2, 4)})
+    assert loss.ndim == 0 and model.lin.weight.grad is not None
+
+    class Outputs(torch.nn.Module):
+        def __init__(self, kind: str) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.kind = kind
+
+        def forward(self, a, b):
+            y = (a + b) * self.w
+            if self.kind == "dict":
+                return {"logits": y, "loss": y.sum()}
+            if self.kind == "tuple":
+                return y, y.pow(2).sum()
+            return y
+
+    for kind, expected in (("dict", 6.0), ("tuple", 12.0), ("tensor", 2.0)):
+        model = Outputs(kind)
+        loss = default_step(model)((torch.ones(3), torch.ones(3)))
+        assert loss.item() == expected
+        assert model.w.grad is not None
+
+
+# ----------------------------------------------------------------------------- main_replay
+
+
+def _user_module(tmp_path: Path, monkeypatch) -> str:
+    name = f"user_model_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def build():
+                return torch.nn.Linear(2, 1)
+
+            def not_a_model():
+                return 3
+
+            def step(model):
+                def run(batch):
+                    return model(batch["x"]).sum()
+                return run
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_main_replay_builds_the_model_and_loads_weights(
+    tmp_path: Path, monkeypatch, suffix: str
+) -> None:
+    name = _user_module(tmp_path, monkeypatch)
+    path = _save(tmp_path, {"x": torch.ones(2)})
+    state = {"weight": torch.full((1, 2), 3.0), "bias": torch.zeros(1)}
+    weights = tmp_path / f"w{suffix}"
+    if suffix == ".pt":
+        torch.save({"state_dict": state}, weights)
+    else:
+        save_file(state, weights)
+    calls = {}
+
+    def fake_replay(bundle, model, fn):
+        calls.update(bundle=bundle, model=model, fn=fn)
+        return None
+
+    monkeypatch.setattr(bundle_mod, "replay", fake_replay)
+    loaded, diag = main_replay(str(path), f"{name}:build", str(weights), f"{name}:step")
+    assert diag is None and loaded.path == path and calls["bundle"] is loaded
+    assert torch.equal(calls["model"].weight, state["weight"])
+    assert calls["fn"]({"x": torch.ones(2)}).item() == 6.0
+
+
+def test_main_replay_bad_specs_name_the_argument(tmp_path: Path, monkeypatch) -> None:
+    name = _user_module(tmp_path, monkeypatch)
+    path = str(_save(tmp_path))
+    with pytest.raises(ValueError, match=r"--model must look like 'pkg\.module:factory'"):
+        main_replay(path, "no_colon", None, None)
+    with pytest.raises(ValueError, match="--fn must look like"):
+        main_replay(path, f"{name}:build", None, "bad spec:x")
+    with pytest.raises(ValueError, match="--model: no module named"):
+        main_replay(path, "surely_not_a_module_xyz:build", None, None)
+    with pytest.raises(ValueError, match=r"--model: .* has no attribute"):
+        main_replay(path, f"{name}:missing", None, None)
+    with pytest.raises(ValueError, match=r"--model: .*not a torch\.nn\.Module"):
+        main_replay(path, f"{name}:not_a_model", None, None)
+    with pytest.raises(ValueError, match="--weights: no such file"):
+        main_replay(path, f"{name}:build", str(tmp_path / "nope.pt"), None)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="--weights: cannot load"):
+        main_replay(path, f"{name}:build", str(garbage), None)
