@@ -230,7 +230,7 @@ class Tracer(TorchDispatchMode):
                 self._set(o, False, False, frozenset())
                 continue
             created_nan = nan and not in_nan
-            created_inf = inf and not (in_nan or in_inf)
+            created_inf = inf and not in_nan and (not in_inf or _new_inf(o, flat_in))
             out_taint = frozenset(taint)
             if created_nan or created_inf:
                 where = where or self._where(func)
@@ -447,6 +447,21 @@ def _flags(t: torch.Tensor) -> tuple[bool, bool]:
     if bool(torch.isfinite(t).all()):
         return False, False
     return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+
+
+def _new_inf(out: torch.Tensor, inputs: list[Any]) -> bool:
+    """Did an elementwise op make Inf where all its inputs were finite? ``exp`` of a masked
+    row turns finite scores into +Inf beside the mask's -Inf: that is a creation."""
+    if any(isinstance(x, float) and math.isinf(x) for x in inputs):
+        return False  # an explicit +-inf fill value
+    finite = torch.ones(out.shape, dtype=torch.bool, device=out.device)
+    try:
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+                finite &= torch.isfinite(x).broadcast_to(out.shape)
+    except RuntimeError:
+        return False  # not elementwise: fall back to "any Inf input means not created"
+    return bool((torch.isinf(out) & finite).any())
 
 
 def _version(t: torch.Tensor) -> int:

@@ -33,8 +33,9 @@ class GPTConfig:
     loss: str = "cross_entropy"
     """"cross_entropy", "log_softmax_manual" (log of softmax probabilities) or "masked_mean"."""
     logit_scale: float = 1.0
-    embed_norm_reg: float = 0.0
-    """Weight of an auxiliary loss on the L2 norm of token embeddings, written with sqrt."""
+    smooth_reg: float = 0.0
+    """Weight of an auxiliary loss on the distance between neighbouring token embeddings,
+    written as sqrt(sum(d^2))."""
     vision_dim: int = 0
     """> 0 adds a ``pixel_values`` prefix projected into the sequence (a tiny VLM)."""
 
@@ -152,8 +153,9 @@ class GPT(nn.Module):
         B, T = input_ids.shape
         tok = self.wte(input_ids)
         aux = None
-        if cfg.embed_norm_reg:
-            aux = torch.sqrt((tok * tok).sum(-1)).mean() * cfg.embed_norm_reg
+        if cfg.smooth_reg:
+            diff = tok[:, 1:] - tok[:, :-1]
+            aux = torch.sqrt((diff * diff).sum(-1)).mean() * cfg.smooth_reg
         if cfg.embed_norm is not None:
             tok = self.ln_emb(tok)
         x = tok + self.wpe(torch.arange(T, device=input_ids.device))

@@ -112,6 +112,12 @@ def _pad_tokens(model: GPT, batch: Batch) -> Batch:
     return _pad_tail(batch)
 
 
+def _repeated_token(model: GPT, batch: Batch) -> Batch:
+    ids = batch["input_ids"].clone()
+    ids[0, 5] = ids[0, 4]  # "the the": zero distance between neighbours
+    return {**batch, "input_ids": ids}
+
+
 def _logit_scale(model: GPT, batch: Batch) -> Batch:
     model.config.logit_scale = 2000.0  # a learned temperature that ran away
     return batch
@@ -158,6 +164,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         Expect("precision.overflow", "aten.bmm.default", "blocks.0.attn", "forward", "inf"),
         dtype=torch.float16,
         fault=_drift_ln_gain(1000.0),
+        fault_step=0,
     ),
     Scenario(
         "padding_fully_masked",
@@ -197,14 +204,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         "attention softmax written as exp(x)/sum(exp(x)); scores grow past 88.7",
         Expect("op.exp_overflow", "aten.exp.default", "blocks.0.attn", "forward", "inf"),
         config={"naive_softmax": True},
-        fault=_drift_ln_gain(60.0),
+        fault=_drift_ln_gain(300.0),
     ),
     Scenario(
         "sqrt_grad_at_zero",
-        "an embedding-norm regularizer sqrt(sum(e^2)) on zero padding embeddings",
+        "a smoothness loss sqrt(sum((e[t+1] - e[t])^2)) on a batch with a repeated token",
         Expect("op.sqrt_domain", "aten.div.Tensor", "", "backward", "inf"),
-        config={"embed_norm_reg": 0.01},
-        fault=_pad_tokens,
+        config={"smooth_reg": 0.01},
+        fault=_repeated_token,
     ),
     Scenario(
         "nan_pixels",
