@@ -172,8 +172,7 @@ def save_bundle(
     }
     if not stored:
         record["batch_reason"] = (
-            f"batch is {batch_bytes} bytes, over max_batch_bytes={max_batch_bytes}: "
-            "shapes and dtypes only"
+            f"batch is {batch_bytes} bytes, over max_batch_bytes={max_batch_bytes}: shapes and dtypes only"
         )
     record["batch"] = structure
     record["rng"] = list(rng_state)
@@ -200,9 +199,7 @@ def save_bundle(
     return final
 
 
-def _describe(
-    obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]], used: set[str]
-) -> dict[str, Any]:
+def _describe(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]], used: set[str]) -> dict[str, Any]:
     """A JSON node for ``obj``; tensor leaves are appended to ``leaves`` under unique keys."""
     if isinstance(obj, torch.Tensor):
         return _tensor_node(obj, path, leaves, used)
@@ -223,8 +220,7 @@ def _describe(
         return node
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         items = [
-            [f.name, _describe(getattr(obj, f.name), f"{path}.{f.name}", leaves, used)]
-            for f in dataclasses.fields(obj)
+            [f.name, _describe(getattr(obj, f.name), f"{path}.{f.name}", leaves, used)] for f in dataclasses.fields(obj)
         ]
         return {"type": "dict", "class": _class_name(obj), "items": items}
     if isinstance(obj, (list, tuple)):
@@ -287,11 +283,7 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _is_json_scalar(value: Any) -> bool:
-    return (
-        value is None
-        or isinstance(value, (bool, int, str))
-        or (isinstance(value, float) and math.isfinite(value))
-    )
+    return value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _is_ndarray(obj: Any) -> bool:
@@ -413,9 +405,7 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
         raise BundleError(meta_path, f'not a nanguard bundle: no "format": {FORMAT!r} marker')
     version = meta.get("version")
     if version != VERSION or isinstance(version, bool):
-        raise BundleError(
-            meta_path, f"bundle format version {version!r} is not supported (reads {VERSION})"
-        )
+        raise BundleError(meta_path, f"bundle format version {version!r} is not supported (reads {VERSION})")
     for name, kind in (("step", int), ("rank", int), ("batch_stored", bool)):
         if not isinstance(meta.get(name), kind):
             raise BundleError(meta_path, f"malformed: {name!r} missing or not {kind.__name__}")
@@ -458,8 +448,7 @@ class _TensorReader:
         if str(tensor.dtype) != dtype or (shape is not None and list(tensor.shape) != shape):
             raise BundleError(
                 self._path,
-                f"tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, "
-                f"meta.json says {dtype} {shape}",
+                f"tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, meta.json says {dtype} {shape}",
             )
         return tensor
 
@@ -573,8 +562,7 @@ def _find_loss(output: Any) -> torch.Tensor:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.mean()
     raise TypeError(
-        f"cannot find a loss in the model's output ({type(output).__name__}): "
-        "pass a step function that returns it"
+        f"cannot find a loss in the model's output ({type(output).__name__}): pass a step function that returns it"
     )
 
 
@@ -595,9 +583,7 @@ def replay(
         >>> print(diag)
     """
     if not bundle.batch_stored:
-        raise BundleError(
-            bundle.path, "batch not stored: shapes only (it was over max_batch_bytes)"
-        )
+        raise BundleError(bundle.path, "batch not stored: shapes only (it was over max_batch_bytes)")
     if locate_fn is None:
         from nanguard.locate import locate as locate_fn
     if fn is None:
@@ -658,9 +644,7 @@ def main_replay(
     factory = _resolve(model_spec, "--model", "pkg.module:factory")
     model = factory()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(
-            f"--model: {model_spec!r} returned a {type(model).__name__}, not a torch.nn.Module"
-        )
+        raise ValueError(f"--model: {model_spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
     if weights is not None:
         _load_weights(model, weights)
     fn = None

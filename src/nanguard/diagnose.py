@@ -82,10 +82,7 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
     if not str(o.get("op", "")).startswith("aten.nll_loss") or o.get("valid_targets") != 0:
         return None
     ignore = o.get("ignore_index", -100)
-    why = (
-        f"all {o.get('targets')} targets equal ignore_index={ignore}, so the mean loss "
-        f"in {o.get('op')} is 0/0"
-    )
+    why = f"all {o.get('targets')} targets equal ignore_index={ignore}, so the mean loss in {o.get('op')} is 0/0"
     fixes = [
         f"skip or re-pack batches whose labels are all {ignore} (e.g. a sequence cut "
         "to its prompt, or padding-only samples)",
@@ -226,9 +223,7 @@ _NORM_OPS = ("_layer_norm", "_group_norm", "_batch_norm", "rms_norm")
 def zero_variance(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
-    in_norm = (
-        any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES) or "Norm" in mtype
-    )
+    in_norm = any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES) or "Norm" in mtype
     if not in_norm:
         return None
     eps = o.get("norm_eps", o.get("module_eps"))
@@ -241,12 +236,10 @@ def zero_variance(ev: Evidence) -> Verdict | None:
     why += f" with eps = {eps}" if eps is not None else ""
     why += f" and a row variance of {var:.3g}" if var is not None else ""
     fixes = [
-        f"{name} eps is {eps}; use >= {floor:g} (PyTorch's default; {dtype} "
-        f"{facts.eps_reason if facts else ''})"
+        f"{name} eps is {eps}; use >= {floor:g} (PyTorch's default; {dtype} {facts.eps_reason if facts else ''})"
         if eps is not None
         else f"add an eps >= {floor:g} inside the sqrt of the hand-written norm",
-        "constant inputs (padding, a dead channel, a zero embedding row) have zero variance: "
-        "the eps must cover them",
+        "constant inputs (padding, a dead channel, a zero embedding row) have zero variance: the eps must cover them",
     ]
     return Verdict("norm.zero_variance", why, fixes)
 
@@ -254,7 +247,7 @@ def zero_variance(ev: Evidence) -> Verdict | None:
 def log_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node = _short(o.get("op")), str(o.get("node") or "")
-    in_log = op in ("log", "log2", "log10", "log_") or node.startswith("Log") and "Softmax" not in node
+    in_log = op in ("log", "log2", "log10", "log_") or (node.startswith("Log") and "Softmax" not in node)
     if not in_log:
         return None
     x = _first_input(o)
@@ -263,8 +256,7 @@ def log_domain(ev: Evidence) -> Verdict | None:
     if node:
         why += f" (gradient of log is 1/x, created by {node})"
     fixes = [
-        "compute F.log_softmax(logits.float()) instead of log(softmax(...)); "
-        "F.cross_entropy takes logits directly",
+        "compute F.log_softmax(logits.float()) instead of log(softmax(...)); F.cross_entropy takes logits directly",
         "if you need log of a probability, clamp it: torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))",
     ]
     return Verdict("op.log_domain", why, fixes)
@@ -287,8 +279,7 @@ def sqrt_domain(ev: Evidence) -> Verdict | None:
         why = f"{o.get('op')} in {_where(o)} got {x.get('negative', 0)} negative values"
     fixes = [
         "add an eps inside the root: torch.sqrt(x + 1e-12), or torch.sqrt(x.clamp_min(1e-12))",
-        "for distances and norms use torch.linalg.vector_norm / torch.cdist, whose gradient "
-        "at 0 is defined",
+        "for distances and norms use torch.linalg.vector_norm / torch.cdist, whose gradient at 0 is defined",
     ]
     return Verdict("op.sqrt_domain", why, fixes)
 
@@ -297,7 +288,8 @@ def exp_overflow(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     if _short(o.get("op")) not in ("exp", "exp_", "pow") or ev.get("kind") != "inf":
         return None
-    why = f"{o.get('op')} in {_where(o)} got inputs up to {o.get('input_max', 0):.3g}; exp(x) overflows float32 above 88.7"
+    why = f"{o.get('op')} in {_where(o)} got inputs up to {o.get('input_max', 0):.3g}"
+    why += "; exp(x) overflows float32 above 88.7"
     fixes = [
         "subtract the row max before exp: (x - x.amax(-1, keepdim=True)).exp(), "
         "or use torch.softmax / torch.logsumexp, which do",

@@ -1,9 +1,9 @@
 """Exceptions nanguard raises.
 
-    NanguardError            base of everything below
-    ├── NonFiniteError       a guarded step went non-finite; ``.diagnosis`` says why
-    ├── BundleError          a repro bundle is missing, corrupt, truncated or foreign
-    └── EventLogError        an event log cannot be read at all
+NanguardError            base of everything below
+├── NonFiniteError       a guarded step went non-finite; ``.diagnosis`` says why
+├── BundleError          a repro bundle is missing, corrupt, truncated or foreign
+└── EventLogError        an event log cannot be read at all
 """
 
 from __future__ import annotations

@@ -30,8 +30,12 @@ CAUSES: Mapping[str, str] = MappingProxyType(
         "norm.zero_variance": "a normalization layer divided by (near) zero variance: eps missing or too small",
         "precision.overflow": "a float16/bfloat16 op overflowed where float32 stays finite",
         "precision.loss_scale": "the loss scaler collapsed or gradients overflow persistently",
-        "optimizer.divergence": "gradient norm or loss grew rapidly in the steps before: LR too high, no warmup or clipping",
-        "optimizer.nonfinite_update": "the optimizer turned finite gradients into non-finite parameters (eps, state, lr)",
+        "optimizer.divergence": (
+            "gradient norm or loss grew rapidly in the steps before: LR too high, no warmup or clipping"
+        ),
+        "optimizer.nonfinite_update": (
+            "the optimizer turned finite gradients into non-finite parameters (eps, state, lr)"
+        ),
         "init.scale": "parameters initialized at a scale far too large, blowing up activations early",
         "distributed.replica_divergence": "model replicas hold different parameters across ranks",
         "distributed.transient": "the step does not reproduce on replay: hardware, communication or nondeterminism",
@@ -105,7 +109,8 @@ class Diagnosis:
     def summary(self) -> str:
         """One line: cause, what was created and where."""
         where = _where(self)
-        return f"{self.cause}: {self.kind.upper()} {where}" if where else self.cause
+        kind = {"nan": "NaN", "inf": "Inf"}[self.kind]
+        return f"{self.cause}: {kind} {where}" if where else self.cause
 
     def __str__(self) -> str:
         from nanguard.explain import explain

@@ -168,7 +168,9 @@ def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> l
     else:
         seen = set()
     candidates += [
-        (f"leaf[{i}].grad", t.grad) for i, t in enumerate(tracer.leaves.values()) if id(t) not in seen and t.grad is not None
+        (f"leaf[{i}].grad", t.grad)
+        for i, t in enumerate(tracer.leaves.values())
+        if id(t) not in seen and t.grad is not None
     ]
     floats = [(p, t) for p, t in candidates if t.is_floating_point() and t.numel()]
     if not floats:

@@ -8,6 +8,7 @@ told from dead ends. Statistics are kept only for creations, never clones of ten
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ def flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
     """Leaves of nested dicts, lists, tuples and dataclass/``ModelOutput``-like records."""
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
-    elif isinstance(obj, dict) or hasattr(obj, "items") and hasattr(obj, "keys"):
+    elif isinstance(obj, dict) or (hasattr(obj, "items") and hasattr(obj, "keys")):
         for key, value in obj.items():
             flatten(value, f"{path}[{key!r}]", out)
     elif isinstance(obj, (list, tuple)):
@@ -184,7 +185,7 @@ class Tracer(TorchDispatchMode):
         self._writes: dict[Any, tuple[int, ...]] = {}
 
     # -- per-op work -------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: C901
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.index += 1
         flat_in = _leaves(args, [])
@@ -268,10 +269,8 @@ class Tracer(TorchDispatchMode):
             self.storage_taint[_storage_key(t)] = taint
 
     def _put(self, t: torch.Tensor, st: _Status) -> None:
-        try:
+        with contextlib.suppress(TypeError):
             self.status[t] = st
-        except TypeError:
-            pass
 
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
         """A tensor that arrived non-finite: user data, a parameter/buffer, or a constant."""
@@ -373,9 +372,7 @@ class Tracer(TorchDispatchMode):
             if origin.after and origin.after[-1].get("index") == self.index:
                 continue
             w = where or self._where(func)
-            origin.after.append(
-                {"index": self.index, "op": w.op, "module": w.module, "phase": w.phase, "nan": nan}
-            )
+            origin.after.append({"index": self.index, "op": w.op, "module": w.module, "phase": w.phase, "nan": nan})
 
     def _note_nodes(self, func: Any, ins: list[Any]) -> None:
         """Remember which module and line each forward op ran in, keyed by the sequence
@@ -401,9 +398,7 @@ class Tracer(TorchDispatchMode):
         writes = self._writes.get(func)
         if writes is None:
             writes = tuple(
-                i
-                for i, a in enumerate(func._schema.arguments)
-                if a.alias_info is not None and a.alias_info.is_write
+                i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
             )
             self._writes[func] = writes
         for i in writes:
@@ -514,7 +509,9 @@ def _indexed_size(name: str, args: tuple) -> int | None:
         if name in ("aten.index_select.default", "aten.gather.default"):
             return int(args[0].shape[args[1]])
         if name.startswith("aten.nll_loss"):
-            return int(args[0].shape[-1] if args[0].dim() == 2 else args[0].shape[1] if args[0].dim() > 2 else args[0].shape[0])
+            return int(
+                args[0].shape[-1] if args[0].dim() == 2 else args[0].shape[1] if args[0].dim() > 2 else args[0].shape[0]
+            )
         if name == "aten.one_hot.default":
             return int(args[1]) if len(args) > 1 else None
         if name == "aten.index.Tensor":

@@ -112,4 +112,3 @@ class ModuleStack:
 def _named_state(root: nn.Module) -> Any:
     yield from root.named_parameters(remove_duplicate=False)
     yield from root.named_buffers(remove_duplicate=False)
-

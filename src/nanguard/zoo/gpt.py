@@ -45,10 +45,7 @@ class GPTConfig:
         if self.embed_norm not in (None, "layer", "rms"):
             raise ValueError(f"embed_norm must be None, 'layer' or 'rms', got {self.embed_norm!r}")
         if self.loss not in ("cross_entropy", "log_softmax_manual", "masked_mean"):
-            raise ValueError(
-                "loss must be 'cross_entropy', 'log_softmax_manual' or 'masked_mean', "
-                f"got {self.loss!r}"
-            )
+            raise ValueError(f"loss must be 'cross_entropy', 'log_softmax_manual' or 'masked_mean', got {self.loss!r}")
 
 
 class RMSNorm(nn.Module):
@@ -77,10 +74,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         att = att.masked_fill(~mask, float("-inf"))
-        if self.naive_softmax:
-            att = att.exp() / att.exp().sum(-1, keepdim=True)
-        else:
-            att = F.softmax(att, dim=-1)
+        att = att.exp() / att.exp().sum(-1, keepdim=True) if self.naive_softmax else F.softmax(att, dim=-1)
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
 
@@ -150,7 +144,7 @@ class GPT(nn.Module):
         loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.config
-        B, T = input_ids.shape
+        _B, T = input_ids.shape
         tok = self.wte(input_ids)
         aux = None
         if cfg.smooth_reg:

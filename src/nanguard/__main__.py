@@ -1,0 +1,5 @@
+import sys
+
+from nanguard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,471 @@
+"""``check_batch``: find data that will turn a step non-finite before the step runs.
+
+Every count is computed on the tensors' device; all of them come to the host together in
+one read, so checking a batch on a GPU costs one synchronization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard.findings import Finding
+
+__all__ = ["ID_KEYS", "LABEL_KEYS", "MAX_LISTED", "check_batch"]
+
+ID_KEYS = frozenset({"input_ids", "token_ids", "ids", "tokens", "idx", "decoder_input_ids"})
+LABEL_KEYS = frozenset({"labels", "targets", "target", "label"})
+MAX_LISTED = 8  # sample indices listed in one finding
+# Additive masks mark masked positions with -inf, finfo.min or a large negative constant;
+# -1e4 is the mildest of those in use (fp16-safe BERT masks).
+_ADDITIVE_MASKED = -1e4
+_MAX_DEPTH = 32
+
+_Done = Callable[[list[int]], list[Finding]]
+
+
+def check_batch(
+    batch: Any,
+    model: nn.Module | None = None,
+    vocab_size: int | None = None,
+    *,
+    ignore_index: int = -100,
+) -> list[Finding]:
+    """Audit one batch for values that make a training step non-finite.
+
+    ``batch`` may be a tensor, or any nesting of mappings (dicts, ``BatchEncoding``,
+    ``ModelOutput``), dataclasses, lists and tuples. Keys name a tensor's role: token ids
+    (``input_ids``, ``tokens``, ...), labels (``labels``, ``targets``, ...) and masks (keys
+    ending in ``mask``; ``*padding_mask`` means 1/True = padding; a loss mask needs one kept
+    position in the batch, an attention mask one per sample). The vocabulary size is
+    ``vocab_size``, or else the input embedding of ``model``. Unnamed integer tensors (in a
+    tuple batch) are range-checked like labels when the vocabulary size is known.
+
+    Returns one ``Finding`` per problem, ``[]`` for a clean batch; ``where`` is the path in
+    the batch, e.g. ``batch['input_ids']``, ``batch[0]`` or ``batch.pixel_values``.
+
+    Example:
+        >>> ids = torch.tensor([[1, 2, 120]])
+        >>> [f.cause for f in check_batch({"input_ids": ids}, vocab_size=100)]
+        ['data.index_out_of_range']
+    """
+    if isinstance(vocab_size, bool) or not (vocab_size is None or isinstance(vocab_size, int)):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if vocab_size is not None and vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int (usually -100), got {ignore_index!r}")
+    if not _is_container(batch) and not isinstance(batch, torch.Tensor):
+        raise ValueError(
+            f"batch must be a tensor, a mapping, a list/tuple or a dataclass of tensors, got {type(batch).__name__}"
+        )
+
+    vocab = _resolve_vocab(model, vocab_size)
+    reader = _Reader()
+    pending: list[_Done] = []
+    for where, key, tensor in _leaves(batch, "batch", None, 0, frozenset()):
+        t = tensor.detach()
+        if t.layout != torch.strided or t.device.type == "meta":
+            continue
+        role = _role(key)
+        if t.is_floating_point() or t.is_complex():
+            pending.append(_check_nonfinite(reader, where, t, ignore_neginf=role == "mask"))
+        if role == "mask" and not t.is_complex():
+            pending.append(_check_mask(reader, where, key or "", t))
+        elif _is_integer(t):
+            if role == "labels":
+                pending.append(_check_targets(reader, where, t, ignore_index))
+            if t.numel() == 0:
+                continue
+            if role == "ids":
+                pending.append(_check_range(reader, where, t, vocab, ignore_index=None))
+            elif role == "labels" or (role == "unnamed" and vocab is not None):
+                pending.append(_check_range(reader, where, t, vocab, ignore_index=ignore_index))
+    if not pending:
+        return []
+    values = reader.read()
+    return [finding for done in pending for finding in done(values)]
+
+
+# --------------------------------------------------------------------------- traversal
+
+
+def _is_container(obj: Any) -> bool:
+    return isinstance(obj, (Mapping, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type))
+
+
+def _leaves(
+    obj: Any, where: str, key: str | None, depth: int, seen: frozenset[int]
+) -> Iterator[tuple[str, str | None, torch.Tensor]]:
+    """(path, nearest enclosing string key, tensor) for every tensor in ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        yield where, key, obj
+        return
+    if depth >= _MAX_DEPTH or id(obj) in seen or not _is_container(obj):
+        return
+    seen = seen | {id(obj)}
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            name = k.lower() if isinstance(k, str) else key
+            yield from _leaves(v, f"{where}[{k!r}]", name, depth + 1, seen)
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        for name, v in zip(obj._fields, obj, strict=True):
+            yield from _leaves(v, f"{where}.{name}", name.lower(), depth + 1, seen)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{where}[{i}]", key, depth + 1, seen)
+    else:
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name, None)
+            yield from _leaves(value, f"{where}.{field.name}", field.name.lower(), depth + 1, seen)
+
+
+def _role(key: str | None) -> str:
+    if key is None:
+        return "unnamed"
+    if key in ID_KEYS:
+        return "ids"
+    if key in LABEL_KEYS:
+        return "labels"
+    if key.endswith(("mask", "masks")):
+        return "mask"
+    return "other"
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _resolve_vocab(model: nn.Module | None, vocab_size: int | None) -> tuple[int, str] | None:
+    if vocab_size is not None:
+        return vocab_size, "vocab_size argument"
+    if model is None:
+        return None
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        size = getattr(emb, "num_embeddings", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size, "model.get_input_embeddings()"
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            return module.num_embeddings, f"embedding {name!r}"
+    return None
+
+
+# --------------------------------------------------------------------------- one host read
+
+
+class _Reader:
+    """Collects device values so that all of them reach the host in a single read."""
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._size = 0
+
+    def add(self, value: torch.Tensor) -> slice:
+        flat = value.reshape(-1).to(torch.int64)
+        start = self._size
+        self._parts.append(flat)
+        self._size += flat.numel()
+        return slice(start, self._size)
+
+    def add_float(self, value: torch.Tensor) -> slice:
+        # Carried as float32 bit patterns in the int64 vector: one read, one dtype, and no
+        # float64 (which some backends lack).
+        return self.add(value.reshape(-1).to(torch.float32).view(torch.int32))
+
+    def read(self) -> list[int]:
+        if not self._parts:
+            return []
+        target = next((p.device for p in self._parts if p.device.type != "cpu"), torch.device("cpu"))
+        return torch.cat([p.to(target) for p in self._parts]).tolist()
+
+
+def _as_float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+def _row_flags(bad: torch.Tensor) -> torch.Tensor | None:
+    """Per-sample flags along dim 0, or None for a 0-d tensor."""
+    if bad.ndim == 0:
+        return None
+    return bad if bad.ndim == 1 else bad.flatten(1).any(1)
+
+
+def _first_indices(flags: torch.Tensor) -> torch.Tensor:
+    """Indices of the first MAX_LISTED set flags, padded with len(flags); no host sync."""
+    n = flags.numel()
+    index = torch.arange(n, device=flags.device)
+    index = torch.where(flags, index, torch.full_like(index, n))
+    return index.topk(min(MAX_LISTED, n), largest=False).values
+
+
+def _add_rows(reader: _Reader, flags: torch.Tensor | None) -> tuple[slice, slice, int] | None:
+    if flags is None:
+        return None
+    return reader.add(flags.sum()), reader.add(_first_indices(flags)), flags.numel()
+
+
+def _rows(values: list[int], slots: tuple[slice, slice, int] | None) -> tuple[int, list[int]]:
+    if slots is None:
+        return 0, []
+    count, first, n = slots
+    return values[count][0], [i for i in values[first] if i < n]
+
+
+def _listed(count: int, rows: list[int]) -> str:
+    more = f" and {count - len(rows)} more" if count > len(rows) else ""
+    return f"{rows}{more}"
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_nonfinite(reader: _Reader, where: str, t: torch.Tensor, *, ignore_neginf: bool) -> _Done:
+    real = torch.view_as_real(t) if t.is_complex() else t
+    nan, pos, neg = torch.isnan(real), torch.isposinf(real), torch.isneginf(real)
+    bad = nan | pos if ignore_neginf else nan | pos | neg
+    if t.is_complex():
+        bad = bad.any(-1)
+    counts = reader.add(torch.stack([nan.sum(), pos.sum(), neg.sum(), bad.sum()]))
+    rows = _add_rows(reader, _row_flags(bad))
+    shape, dtype = list(t.shape), str(t.dtype).removeprefix("torch.")
+
+    def done(values: list[int]) -> list[Finding]:
+        n_nan, n_pos, n_neg, n_bad = values[counts]
+        if n_bad == 0:
+            return []
+        n_rows, first = _rows(values, rows)
+        at = f" in samples {_listed(n_rows, first)}" if rows else ""
+        return [
+            Finding(
+                cause="data.nonfinite",
+                where=where,
+                message=(
+                    f"{n_bad} non-finite values ({n_nan} NaN, {n_pos} +Inf, {n_neg} -Inf) "
+                    f"in a {dtype} tensor of shape {shape}{at}"
+                ),
+                fix=(
+                    "Trace the sample back through the data pipeline: a division by a zero "
+                    "std in normalization, log(0) in preprocessing, or a corrupt file; drop "
+                    "or repair it there (torch.nan_to_num only for a known, benign source)."
+                ),
+                details={
+                    "nan": n_nan,
+                    "posinf": n_pos,
+                    "neginf": n_neg,
+                    "numel": t.numel(),
+                    "shape": shape,
+                    "dtype": dtype,
+                    "samples": first,
+                    "sample_count": n_rows,
+                },
+            )
+        ]
+
+    return done
+
+
+def _check_range(
+    reader: _Reader,
+    where: str,
+    t: torch.Tensor,
+    vocab: tuple[int, str] | None,
+    *,
+    ignore_index: int | None,
+) -> _Done:
+    if t.dtype not in (torch.int32, torch.int64):
+        t = t.to(torch.int64)  # comparisons against a vocab size must not wrap
+    bad = t < 0
+    if ignore_index is not None:
+        bad &= t != ignore_index
+    if vocab is not None:
+        bad |= t >= vocab[0]
+    slots = reader.add(torch.stack([bad.sum(), t.amin(), t.amax()]))
+    rows = _add_rows(reader, _row_flags(bad))
+    is_labels = ignore_index is not None
+
+    def done(values: list[int]) -> list[Finding]:
+        n_bad, low, high = values[slots]
+        if n_bad == 0:
+            return []
+        n_rows, first = _rows(values, rows)
+        valid = f"[0, {vocab[0]})" if vocab else "non-negative"
+        allowed = f" (or ignore_index {ignore_index})" if is_labels else ""
+        at = f"; samples {_listed(n_rows, first)}" if rows else ""
+        what = "labels" if is_labels else "ids"
+        if is_labels:
+            fix = (
+                f"Set padding labels to ignore_index ({ignore_index}), not -1 or an id past "
+                "the vocabulary, and take labels from the tokenizer the model was built for."
+            )
+        else:
+            fix = (
+                "Make the tokenizer and the model agree: call "
+                "model.resize_token_embeddings(len(tokenizer)) after adding tokens, pass the "
+                "right vocab_size, and make sure the pad id is not -1."
+            )
+        return [
+            Finding(
+                cause="data.index_out_of_range",
+                where=where,
+                message=(f"{n_bad} {what} outside {valid}{allowed}: min {low}, max {high}{at}"),
+                fix=fix,
+                details={
+                    "count": n_bad,
+                    "min": low,
+                    "max": high,
+                    "vocab_size": vocab[0] if vocab else None,
+                    "vocab_source": vocab[1] if vocab else None,
+                    "ignore_index": ignore_index,
+                    "samples": first,
+                    "sample_count": n_rows,
+                },
+            )
+        ]
+
+    return done
+
+
+def _check_targets(reader: _Reader, where: str, t: torch.Tensor, ignore_index: int) -> _Done:
+    valid = reader.add((t != ignore_index).sum())
+
+    def done(values: list[int]) -> list[Finding]:
+        if values[valid][0] > 0:
+            return []
+        return [
+            Finding(
+                cause="data.no_valid_targets",
+                where=where,
+                message=(
+                    f"all {t.numel()} labels equal ignore_index {ignore_index}; a mean loss "
+                    "over zero targets is 0/0 = NaN"
+                ),
+                fix=(
+                    f"Skip batches where (labels != {ignore_index}).sum() == 0, check that "
+                    "truncation does not cut off every answer token, or use reduction='sum' "
+                    "divided by max(count, 1)."
+                ),
+                details={"numel": t.numel(), "ignore_index": ignore_index},
+            )
+        ]
+
+    return done
+
+
+def _check_mask(reader: _Reader, where: str, key: str, t: torch.Tensor) -> _Done:
+    padding = "padding" in key  # PyTorch's *_key_padding_mask: True/1 means "ignore"
+    # A loss mask row of zeros only drops that sample; all zeros leaves no target at all.
+    loss = any(word in key for word in ("loss", "label", "target"))
+    is_bool = t.dtype == torch.bool
+    is_float = t.is_floating_point()
+    if is_bool:
+        binary_masked = t if padding else ~t
+        not01 = not_additive = bounds = None
+    else:
+        not01 = reader.add(((t != 0) & (t != 1)).sum())
+        binary_masked = t != 0 if padding else t == 0
+        if is_float:
+            not_additive = reader.add((~((t == 0) | (t <= _ADDITIVE_MASKED))).sum())
+            bounds = reader.add_float(torch.stack([t.amin(), t.amax()])) if t.numel() else None
+        else:
+            not_additive = None
+            bounds = reader.add(torch.stack([t.amin(), t.amax()])) if t.numel() else None
+    full = t.ndim >= 2 and t.shape[0] > 0 and not loss
+    binary_rows = _add_rows(reader, binary_masked.flatten(1).all(1)) if full else None
+    additive_rows = _add_rows(reader, (t != 0).flatten(1).all(1)) if full and is_float else None
+    nothing_kept = reader.add(binary_masked.all()) if loss else None
+
+    def done(values: list[int]) -> list[Finding]:
+        n_not01 = values[not01][0] if not01 is not None else 0
+        n_not_additive = values[not_additive][0] if not_additive is not None else None
+        # HF passes 4D float masks in additive form (0 keep, large negative masked); a 2D
+        # float mask is a 0/1 mask cast to float.
+        if is_float and t.ndim >= 3 and n_not_additive == 0:
+            form, rows = "additive", additive_rows
+        elif n_not01 == 0:
+            form, rows = "binary", binary_rows
+        elif n_not_additive == 0:
+            form, rows = "additive", additive_rows
+        else:
+            return [_invalid_mask(where, t, n_not01, values, bounds, is_float)]
+        if nothing_kept is not None and form == "binary" and values[nothing_kept][0]:
+            return [_empty_loss_mask(where, t)]
+        n_rows, first = _rows(values, rows)
+        if n_rows == 0:
+            return []
+        return [
+            Finding(
+                cause="data.fully_masked",
+                where=where,
+                message=(
+                    f"{n_rows} of {t.shape[0]} samples mask every position: samples "
+                    f"{_listed(n_rows, first)}; softmax over a fully masked row is 0/0 = NaN"
+                ),
+                fix=(
+                    "Drop empty samples (length 0 after truncation or filtering) in the "
+                    "collate function, or keep at least one attended token per row."
+                ),
+                details={
+                    "samples": first,
+                    "sample_count": n_rows,
+                    "batch_size": t.shape[0],
+                    "form": form,
+                    "padding_convention": padding,
+                },
+            )
+        ]
+
+    return done
+
+
+def _empty_loss_mask(where: str, t: torch.Tensor) -> Finding:
+    return Finding(
+        cause="data.no_valid_targets",
+        where=where,
+        message=(f"the loss mask excludes all {t.numel()} positions; a mean loss over zero targets is 0/0 = NaN"),
+        fix=(
+            "Skip batches whose loss mask is all zero, check that truncation keeps the answer "
+            "tokens, or divide a summed loss by max(mask.sum(), 1)."
+        ),
+        details={"numel": t.numel()},
+    )
+
+
+def _invalid_mask(
+    where: str,
+    t: torch.Tensor,
+    count: int,
+    values: list[int],
+    bounds: slice | None,
+    is_float: bool,
+) -> Finding:
+    low: float | int | None = None
+    high: float | int | None = None
+    if bounds is not None:
+        low, high = (_as_float(v) for v in values[bounds]) if is_float else values[bounds]
+    dtype = str(t.dtype).removeprefix("torch.")
+    return Finding(
+        cause="data.invalid_mask",
+        where=where,
+        message=(
+            f"{count} of {t.numel()} mask values are neither 0 nor 1 "
+            f"(min {low}, max {high}, {dtype}) and the mask is not additive (0 / -inf)"
+        ),
+        fix=(
+            "Build masks as bool or 0/1 integers, e.g. (input_ids != pad_id).long(); pass an "
+            "additive float mask (0 keep, -inf masked) only where the model expects one."
+        ),
+        details={"count": count, "min": low, "max": high, "dtype": dtype},
+    )

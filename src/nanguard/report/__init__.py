@@ -1,0 +1,1 @@
+"""Terminal and HTML reports built from a run's events and bundles."""
