@@ -1,9 +1,22 @@
 """nanguard: catch the first NaN/Inf in PyTorch training, name its cause, keep training."""
 
+from nanguard.audit import audit_model, check_batch
+from nanguard.bundle import load_bundle, replay
 from nanguard.errors import NonFiniteError
 from nanguard.findings import CAUSES, Diagnosis, Finding
 from nanguard.guard import Guard
 from nanguard.locate import locate
 
-__all__ = ["CAUSES", "Diagnosis", "Finding", "Guard", "NonFiniteError", "locate"]
+__all__ = [
+    "CAUSES",
+    "Diagnosis",
+    "Finding",
+    "Guard",
+    "NonFiniteError",
+    "audit_model",
+    "check_batch",
+    "load_bundle",
+    "locate",
+    "replay",
+]
 __version__ = "0.1.0"

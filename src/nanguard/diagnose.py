@@ -135,7 +135,8 @@ def nonfinite_parameters(ev: Evidence) -> Verdict | None:
 
 def init_scale(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    scale = ev.get("weight_scale") or {}
+    # The guard passes the scale the run started from; locate alone sees the current one.
+    scale = ev.get("initial_weight_scale", ev.get("weight_scale")) or {}
     ratio = scale.get("max_ratio") or 0.0
     if o.get("category") != "op" or ratio < INIT_RATIO_LIMIT:
         return None

@@ -38,7 +38,7 @@ from nanguard.diagnose import diagnose
 from nanguard.errors import NonFiniteError
 from nanguard.events import EventLog, NullEventLog
 from nanguard.findings import Diagnosis
-from nanguard.locate import locate
+from nanguard.locate import locate, weight_scale
 from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.spikes import Spike, SpikeDetector
 from nanguard.stats import grad_health
@@ -182,6 +182,8 @@ class Guard:
         self._param_flag: torch.Tensor | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._fused = _supports_found_inf(optimizer)
+        # init.scale is about the weights the run started from, not weights grown by training.
+        self._initial_scale = weight_scale(dist.unwrap(model))
         self._pending: tuple[int, float, float, float] | None = None
         self.events.write("start", 0, config=asdict(self.config), world_size=dist.world_size(),
                           path="device" if self._fused else "host")  # fmt: skip
@@ -420,14 +422,16 @@ class Guard:
         return diag
 
     def _apply_history(self, diag: Diagnosis, step: int) -> None:
+        """Re-judge a located diagnosis with what only the guard knows: the run's history
+        and the weight scale it started from."""
+        if "origin" not in diag.evidence:
+            return
+        diag.evidence["initial_weight_scale"] = self._initial_scale
         history = self._history_evidence(step)
-        if not history:
-            return
-        diag.evidence["history"] = history
-        if diag.cause.startswith(("data.", "parameters.", "init.", "distributed.")):
-            return
+        if history:
+            diag.evidence["history"] = history
         verdict = diagnose(diag.evidence)
-        if verdict.cause == "optimizer.divergence":
+        if verdict.cause != diag.cause:
             diag.evidence["op_cause"] = diag.cause
             diag.cause, diag.fixes = verdict.cause, verdict.fixes
             diag.evidence["why"] = verdict.why

@@ -38,6 +38,8 @@ _MOVES = {
     aten.ones_like.default, aten.empty_like.default, aten.new_zeros.default,
     aten.new_empty_strided.default, aten.unsqueeze_.default, aten.chunk.default,
 }  # fmt: skip
+# Bookkeeping ops autograd inserts: not worth listing among "the ops before".
+_QUIET = {aten.detach.default, aten.alias.default}
 # Ops that raise on an out-of-range integer input.
 INDEX_OPS = {
     "aten.embedding.default", "aten.index_select.default", "aten.gather.default",
@@ -243,7 +245,8 @@ class Tracer(TorchDispatchMode):
 
         if flat_out and torch.is_grad_enabled():
             self._note_nodes(func, flat_in)
-        self.recent.append({"op": str(func), "module": self.modules.current_name(), "phase": _phase()})
+        if func not in _QUIET:
+            self.recent.append({"op": str(func), "module": self.modules.current_name(), "phase": _phase()})
         return out
 
     # -- helpers -----------------------------------------------------------------------

@@ -1,0 +1,106 @@
+import json
+
+import pytest
+import torch
+
+import nanguard as ng
+from nanguard.findings import Diagnosis, Finding
+
+
+def test_all_is_pinned() -> None:
+    assert sorted(ng.__all__) == sorted(
+        [
+            "CAUSES",
+            "Diagnosis",
+            "Finding",
+            "Guard",
+            "NonFiniteError",
+            "audit_model",
+            "check_batch",
+            "load_bundle",
+            "locate",
+            "replay",
+        ]
+    )
+    for name in ng.__all__:
+        assert getattr(ng, name) is not None
+
+
+CONTRACT_CAUSES = [
+    "data.nonfinite",
+    "data.index_out_of_range",
+    "data.fully_masked",
+    "data.no_valid_targets",
+    "parameters.nonfinite",
+    "op.log_domain",
+    "op.sqrt_domain",
+    "op.division_by_zero",
+    "op.exp_overflow",
+    "op.masked_softmax",
+    "norm.zero_variance",
+    "precision.overflow",
+    "precision.loss_scale",
+    "optimizer.divergence",
+    "optimizer.nonfinite_update",
+    "init.scale",
+    "distributed.replica_divergence",
+    "distributed.transient",
+    "unknown",
+]
+
+
+def test_causes_keep_every_contract_id_with_a_meaning() -> None:
+    for cause in CONTRACT_CAUSES:
+        assert cause in ng.CAUSES
+        assert ng.CAUSES[cause]
+
+
+def test_diagnosis_validates_and_round_trips_through_json() -> None:
+    with pytest.raises(ValueError, match="cause must be one of"):
+        Diagnosis(cause="op.banana")
+    with pytest.raises(ValueError, match="phase must be one of"):
+        Diagnosis(cause="unknown", phase="lunch")
+    diag = Diagnosis(
+        cause="op.log_domain",
+        kind="inf",
+        op="aten.log.default",
+        module="head",
+        step=3,
+        evidence={"loss": float("nan"), "why": "log of 0"},
+        fixes=["use log_softmax"],
+    )
+    data = json.loads(json.dumps(diag.to_dict()))
+    assert data["evidence"]["loss"] == "nan"
+    back = Diagnosis.from_dict(data)
+    assert (back.cause, back.op, back.module, back.step) == ("op.log_domain", "aten.log.default", "head", 3)
+    text = str(diag)
+    assert "op.log_domain" in text and "head" in text and "use log_softmax" in text and "log of 0" in text
+
+
+def test_finding_validates_cause() -> None:
+    with pytest.raises(ValueError, match="cause must be one of"):
+        Finding(cause="nope", where="x", message="m")
+    assert "batch['x']" in str(Finding(cause="data.nonfinite", where="batch['x']", message="2 NaN"))
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: ng.locate(42), "fn must be callable"),
+        (lambda: ng.locate(lambda: None, model="gpt"), "model must be a torch.nn.Module"),
+        (lambda: ng.Guard("m", torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1)), "model must be"),
+        (lambda: ng.Guard(torch.nn.Linear(1, 1), "adam"), "optimizer must be"),
+        (lambda: _guard(policy="retry"), "policy must be one of"),
+        (lambda: _guard(max_consecutive_skips=0), "max_consecutive_skips"),
+        (lambda: _guard(spike_threshold=-1.0), "spike_threshold"),
+        (lambda: _guard(frobnicate=True), "unknown Guard option"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def _guard(policy: str = "skip", **config):
+    model = torch.nn.Linear(2, 2)
+    return ng.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, **config)
