@@ -38,7 +38,7 @@ from nanguard.diagnose import diagnose
 from nanguard.errors import NonFiniteError
 from nanguard.events import EventLog, NullEventLog
 from nanguard.findings import Diagnosis
-from nanguard.locate import locate, weight_scale
+from nanguard.locate import trace, weight_scale
 from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.spikes import Spike, SpikeDetector
 from nanguard.stats import grad_health
@@ -79,7 +79,7 @@ class GuardConfig:
     """A trip after the grad norm or loss grew this factor within this many steps is divergence."""
     loss_scale_floor: float = 2.0**-8
     """A GradScaler scale below this is a collapse (precision.loss_scale)."""
-    max_overflow_streak: int = 8
+    max_overflow_streak: int = 20
     """GradScaler overflow on this many steps in a row is a collapse too."""
     log_every: int = 1
     """Write a compact step event every N steps (trips and skips are always written)."""
@@ -212,7 +212,7 @@ class Guard:
         except (IndexError, RuntimeError) as err:
             # An out-of-range id raises on CPU; locate turns it into a data diagnosis.
             step = self._next_step()
-            diag = self._diagnose_error(closure, step, rng, err)
+            diag = self._diagnose_error(closure, step, rng, err, batch)
             _restore_buffers(buffers)
             self.model.zero_grad(set_to_none=True)
             self._trip(diag, step, batch, rng)
@@ -317,7 +317,7 @@ class Guard:
             return False
         if bad_ranks:
             _restore_buffers(buffers)
-            diag = self._diagnose(replay, step, rng, loss_value, grad_norm, bad_ranks)
+            diag = self._diagnose(replay, step, rng, loss_value, grad_norm, bad_ranks, batch)
             self.model.zero_grad(set_to_none=True)
             self._trip(diag, step, batch, rng)
             return False
@@ -390,6 +390,7 @@ class Guard:
         loss_value: float,
         grad_norm: float,
         bad_ranks: list[int],
+        batch: Any = None,
     ) -> Diagnosis:
         diag = None
         located = self.config.locate and closure is not None
@@ -397,10 +398,12 @@ class Guard:
             if rng is not None:
                 set_rng_state(rng)
             try:
-                diag = dist.replay_locally(self.model, lambda: locate(closure, model=dist.unwrap(self.model)))
+                diag = dist.replay_locally(
+                    self.model, lambda: trace(closure, (), {}, model=dist.unwrap(self.model), inputs={"batch": batch})
+                )
             except Exception as err:  # the guard's own failure must not kill training
                 warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=3)
-                diag = None
+                diag, located = None, False
         diag = dist.gather_diagnosis(diag, bad_ranks)
         if diag is None:
             diag = _transient(step, loss_value, grad_norm, bad_ranks, located=located)
@@ -408,12 +411,19 @@ class Guard:
         self._apply_history(diag, step)
         return diag
 
+    def _replay(self, closure: Callable[[], Any], batch: Any) -> Diagnosis | None:
+        """Re-run the step under the tracer with this rank's gradient sync off."""
+        model = dist.unwrap(self.model)
+        return dist.replay_locally(self.model, lambda: trace(closure, (), {}, model=model, inputs={"batch": batch}))
+
     def _diagnose_error(
-        self, closure: Callable[[], Any], step: int, rng: dict[str, torch.Tensor], err: BaseException
+        self, closure: Callable[[], Any], step: int, rng: dict[str, torch.Tensor], err: BaseException, batch: Any
     ) -> Diagnosis:
         set_rng_state(rng)
         try:
-            diag = dist.replay_locally(self.model, lambda: locate(closure, model=dist.unwrap(self.model)))
+            diag = dist.replay_locally(
+                self.model, lambda: trace(closure, (), {}, model=dist.unwrap(self.model), inputs={"batch": batch})
+            )
         except Exception:
             diag = None
         if diag is None or not diag.cause.startswith("data."):
@@ -731,8 +741,8 @@ def _device_of(loss: Any) -> torch.device:
 
 
 def _buffer_backup(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of floating buffers (BatchNorm running stats) so a skipped step leaves them as they were."""
-    bufs = [b for b in model.buffers() if b.is_floating_point()]
+    """Copies of the buffers (BatchNorm running stats) so a skipped step leaves them as they were."""
+    bufs = list(model.buffers())
     if not bufs:
         return []
     copies = [torch.empty_like(b) for b in bufs]

@@ -39,12 +39,26 @@ def locate(fn: Callable[..., Any], *args: Any, model: nn.Module | None = None, *
         >>> if diag:
         ...     print(diag)          # cause, op, module, source line, evidence, fixes
     """
+    return trace(fn, args, kwargs, model=model)
+
+
+def trace(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    model: nn.Module | None = None,
+    inputs: dict[str, Any] | None = None,
+) -> Diagnosis | None:
+    """``locate`` with extra named ``inputs``: tensors a closure captured, such as its batch."""
     if not callable(fn):
         raise ValueError(f"fn must be callable (a function or closure), got {type(fn).__name__}")
     if model is not None and not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
 
     sources = _input_tensors(fn, args, kwargs)
+    for name, value in (inputs or {}).items():
+        flatten(value, name, sources)
     state = list(model.parameters()) + list(model.buffers()) if model is not None else []
     buffers = [(b, b.detach().clone()) for b in model.buffers()] if model is not None else []
     modules = ModuleStack(model)

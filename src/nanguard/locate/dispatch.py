@@ -234,6 +234,10 @@ class Tracer(TorchDispatchMode):
                 continue
             created_nan = nan and not in_nan
             created_inf = inf and not in_nan and (not in_inf or _new_inf(o, flat_in))
+            if not (created_nan or created_inf) and not any(isinstance(x, torch.Tensor) for x in flat_in):
+                # A factory op filled with NaN or +Inf (torch.full(..., nan)) creates it;
+                # a -inf fill is a mask.
+                created_nan, created_inf = nan, inf and not _only_neginf(o)
             out_taint = frozenset(taint)
             if created_nan or created_inf:
                 where = where or self._where(func)
@@ -291,7 +295,8 @@ class Tracer(TorchDispatchMode):
             owner = self.modules.owner_of(t)
             path = _state_path(self.modules, t)
         else:
-            category = "fill" if only_neginf else "parameters"
+            # Captured from outside fn (a closure's batch): treated as data.
+            category = "fill" if only_neginf else "data"
             owner = None
         origin = Origin(
             id=len(self.origins),
@@ -445,6 +450,10 @@ def _flags(t: torch.Tensor) -> tuple[bool, bool]:
     if bool(torch.isfinite(t).all()):
         return False, False
     return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+
+
+def _only_neginf(t: torch.Tensor) -> bool:
+    return not bool((t == math.inf).any()) and not bool(torch.isnan(t).any())
 
 
 def _new_inf(out: torch.Tensor, inputs: list[Any]) -> bool:

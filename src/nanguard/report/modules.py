@@ -1,0 +1,139 @@
+"""Per-module activation absmax and gradient norm of one step, for the report's module plot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["module_stats"]
+
+def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: int = 256) -> dict[str, Any]:
+    """Run ``closure`` once with forward hooks; return each module's output absmax and grad norm.
+
+    ``closure`` is the training closure of the step (zero grads, forward, backward). Every
+    submodule of ``model`` (the root excluded) that ran gets a row, in the order it first
+    was entered: ``absmax`` is the largest finite ``|x|`` over its floating outputs, ``nan``/``inf``
+    count its non-finite output elements, and ``grad_norm`` is the L2 norm of the finite
+    gradient entries of its own parameters (``grad_nan``/``grad_inf`` count the rest; None
+    when it owns no parameter with a gradient). Floating buffers are put back afterwards;
+    gradients are left as the closure made them, and RNG state is the caller's business
+    (restore it first for a faithful replay). An exception in ``closure`` does not
+    propagate: its first line lands in ``error`` and the rows seen so far are kept.
+
+    With more than ``max_modules`` rows, the rows with non-finite values are kept first,
+    then the earliest ones; ``omitted`` counts the rest. The result is JSON-safe.
+
+    Example:
+        >>> stats = module_stats(model, lambda: train_step(model, batch))
+        >>> stats["modules"][0]
+        {'name': 'wte', 'type': 'Embedding', 'absmax': 0.08, 'nan': 0, 'inf': 0, 'grad_norm': 0.4, ...}
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(closure):
+        raise ValueError(f"closure must be callable, got {type(closure).__name__}")
+    if max_modules < 1:
+        raise ValueError(f"max_modules must be >= 1, got {max_modules}")
+
+    named = [(name, m) for name, m in model.named_modules() if name]
+    # Per module: a list of device scalars [absmax, nan, inf] per call, read back once at the end.
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def hook_for(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            tensors = [t for t in _tensors(output) if t.is_floating_point() and t.numel()]
+            with torch.no_grad():
+                seen.setdefault(name, []).extend(_health(t.detach()) for t in tensors)
+
+        return hook
+
+    def enter_for(name: str) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            seen.setdefault(name, [])  # rows follow the order modules are entered
+
+        return pre_hook
+
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point()]
+    handles = [m.register_forward_pre_hook(enter_for(name)) for name, m in named]
+    handles += [m.register_forward_hook(hook_for(name)) for name, m in named]
+    error = None
+    try:
+        closure()
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+    modules = dict(named)
+    rows: list[dict[str, Any]] = []
+    for name, calls in seen.items():
+        row: dict[str, Any] = {"name": name, "type": type(modules[name]).__name__}
+        row.update(_reduce(calls))
+        row.update(_grad_health(modules[name]))
+        rows.append(row)
+    omitted = 0
+    if len(rows) > max_modules:
+        bad = [r for r in rows if _nonfinite(r)]
+        keep = {id(r) for r in bad[:max_modules]}
+        for r in rows:
+            if len(keep) >= max_modules:
+                break
+            keep.add(id(r))
+        omitted = len(rows) - len(keep)
+        rows = [r for r in rows if id(r) in keep]
+    return {"modules": rows, "omitted": omitted, "error": error}
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _health(t: torch.Tensor) -> torch.Tensor:
+    """[finite absmax, #nan, #inf] of ``t`` as one float64 device tensor: no host sync."""
+    finite = torch.isfinite(t)
+    absmax = torch.where(finite, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device)).amax()
+    return torch.stack([absmax.double(), torch.isnan(t).sum().double(), torch.isinf(t).sum().double()])
+
+
+def _reduce(calls: list[torch.Tensor]) -> dict[str, Any]:
+    if not calls:
+        return {"absmax": None, "nan": 0, "inf": 0}
+    values = torch.stack([c.cpu() for c in calls]).tolist()
+    return {
+        "absmax": max(v[0] for v in values),
+        "nan": int(sum(v[1] for v in values)),
+        "inf": int(sum(v[2] for v in values)),
+    }
+
+
+def _grad_health(module: nn.Module) -> dict[str, Any]:
+    grads = [p.grad.detach() for p in module.parameters(recurse=False) if p.grad is not None]
+    if not grads:
+        return {"grad_norm": None, "grad_nan": 0, "grad_inf": 0}
+    with torch.no_grad():
+        parts = []
+        for g in grads:
+            finite = torch.isfinite(g)
+            masked = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+            wide = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
+            norm = torch.linalg.vector_norm(masked, dtype=wide).double()
+            parts.append(torch.stack([norm.square(), torch.isnan(g).sum().double(), torch.isinf(g).sum().double()]))
+        sq, nan, inf = torch.stack([p.cpu() for p in parts]).sum(0).tolist()
+    return {"grad_norm": sq**0.5, "grad_nan": int(nan), "grad_inf": int(inf)}
+
+
+def _nonfinite(row: Mapping[str, Any]) -> bool:
+    return bool(row.get("nan") or row.get("inf") or row.get("grad_nan") or row.get("grad_inf"))

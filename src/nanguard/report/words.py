@@ -1,0 +1,193 @@
+"""A diagnosis's evidence in words, and its op path: shared by the terminal and HTML reports."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nanguard.events import number
+from nanguard.findings import Diagnosis
+
+__all__ = ["KIND_NAMES", "evidence_lines", "fmt", "op_path", "tensor_words"]
+
+KIND_NAMES = {"nan": "NaN", "inf": "Inf"}
+_MAX_LISTED = 6
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """A number in a few significant digits; NaN/Inf (also as strings) by name, None as ``-``.
+
+    Example:
+        >>> fmt(0.000123456), fmt("nan"), fmt(None)
+        ('0.0001235', 'NaN', '-')
+    """
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    num = number(value)
+    if num is None:
+        return str(value)
+    if math.isnan(num):
+        return "NaN"
+    if math.isinf(num):
+        return "Inf" if num > 0 else "-Inf"
+    if isinstance(value, int):
+        return str(value)
+    return f"{num:.{digits}g}"
+
+
+def tensor_words(stats: Mapping[str, Any]) -> str:
+    """One tensor's recorded statistics as a phrase: dtype, shape, range and non-finite counts.
+
+    Example:
+        >>> tensor_words({"dtype": "float32", "shape": [8, 4], "min": -1.0, "max": 2.0, "nan": 3})
+        'float32 [8, 4], finite range -1 .. 2, 3 NaN'
+    """
+    parts = []
+    head = str(stats.get("dtype", "tensor"))
+    if isinstance(stats.get("shape"), list):
+        head += " [" + ", ".join(str(s) for s in stats["shape"]) + "]"
+    if stats.get("path"):
+        head = f"{stats['path']}: {head}"
+    parts.append(head)
+    if "min" in stats and "max" in stats:
+        parts.append(f"finite range {fmt(stats['min'])} .. {fmt(stats['max'])}")
+    counts = [(stats.get("nan"), "NaN"), (stats.get("posinf"), "+Inf"), (stats.get("neginf"), "-Inf")]
+    counts += [(stats.get("zeros"), "zeros")]
+    parts += [f"{n} {label}" for n, label in counts if isinstance(n, int) and n > 0]
+    return ", ".join(parts)
+
+
+def _listed(items: Sequence[Any], total: int | None = None) -> str:
+    shown = ", ".join(str(i) for i in items[:_MAX_LISTED])
+    more = (total if total is not None else len(items)) - min(len(items), _MAX_LISTED)
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
+    """(label, sentence) pairs saying what the evidence shows, most telling first.
+
+    Example:
+        >>> for label, text in evidence_lines(diag):
+        ...     print(f"{label:>10}  {text}")
+               why  128 of 1024 rows given to aten._softmax.default ... are entirely -inf
+            output  float32 [8, 4, 32, 32], finite range 0 .. 1, 4096 NaN
+    """
+    ev = diag.evidence or {}
+    origin = ev.get("origin") if isinstance(ev.get("origin"), Mapping) else {}
+    lines: list[tuple[str, str]] = []
+    if ev.get("why"):
+        lines.append(("why", str(ev["why"])))
+    if ev.get("op_cause") and ev.get("op_cause") != diag.cause:
+        lines.append(("first op", f"the op-level cause was {ev['op_cause']}; the history points further back"))
+    for i, stats in enumerate(origin.get("inputs") or []):
+        if isinstance(stats, Mapping):
+            lines.append(("input" if len(origin["inputs"]) == 1 else f"input {i + 1}", tensor_words(stats)))
+    for i, stats in enumerate(origin.get("outputs") or []):
+        if isinstance(stats, Mapping):
+            lines.append(("output" if len(origin["outputs"]) == 1 else f"output {i + 1}", tensor_words(stats)))
+    for stats in origin.get("index_inputs") or []:
+        if isinstance(stats, Mapping):
+            size = origin.get("indexed_size")
+            valid = f"; valid ids are [0, {size - 1}]" if isinstance(size, int) else ""
+            lines.append(("ids", tensor_words(stats) + valid))
+    fp32 = origin.get("fp32_recompute")
+    if isinstance(fp32, Mapping) and fp32.get("finite"):
+        lines.append(
+            (
+                "in float32",
+                f"the same op is finite with absmax {fmt(fp32.get('absmax'))}, "
+                f"past the {fp32.get('dtype')} max {fmt(fp32.get('dtype_max'))}",
+            )
+        )
+    if isinstance(origin.get("fully_masked_rows"), int) and isinstance(origin.get("rows"), int):
+        lines.append(("masked rows", f"{origin['fully_masked_rows']} of {origin['rows']} rows are fully masked"))
+    history = ev.get("history")
+    if isinstance(history, Mapping) and history.get("growth") is not None:
+        metric = str(history.get("metric", "grad_norm")).replace("_", " ")
+        verdict = "diverging" if history.get("diverging") else "not diverging"
+        lr = f", lr {fmt(history['lr'])}" if history.get("lr") is not None else ""
+        lines.append(
+            (
+                "history",
+                f"{metric} grew {fmt(history['growth'], 3)}x over the last {history.get('window')} steps{lr}: {verdict}",
+            )
+        )
+    if ev.get("flagged_ranks") is not None:
+        flagged = ", ".join(str(r) for r in ev["flagged_ranks"]) or "none"
+        text = f"flagged non-finite on rank(s) {flagged}"
+        if diag.ranks:
+            text += f"; the replay reproduces it on rank(s) {', '.join(str(r) for r in diag.ranks)}"
+        lines.append(("ranks", text))
+    causes = ev.get("per_rank_causes")
+    if isinstance(causes, Mapping) and len(set(causes.values())) > 1:
+        lines.append(("per rank", ", ".join(f"rank {r}: {c}" for r, c in causes.items())))
+    results = ev.get("results")
+    if isinstance(results, list) and results:
+        total = ev.get("nonfinite_results") if isinstance(ev.get("nonfinite_results"), int) else len(results)
+        names = [r.get("path") for r in results if isinstance(r, Mapping)]
+        lines.append(("reached", f"{total} non-finite result(s): {_listed(names, total)}"))
+    after = ev.get("after")
+    if isinstance(after, list) and after:
+        ops = [_short_op(a.get("op")) for a in after if isinstance(a, Mapping)]
+        lines.append(("then", " -> ".join(ops[:_MAX_LISTED]) + (" -> ..." if len(ops) > _MAX_LISTED else "")))
+    if ev.get("parameters"):
+        lines.append(("parameters", _listed(ev["parameters"], ev.get("nonfinite_parameters"))))
+    scale = ev.get("weight_scale")
+    if isinstance(scale, Mapping) and scale.get("max_ratio") is not None and float(scale["max_ratio"]) > 3:
+        lines.append(("init", f"weight std*sqrt(fan_in) reaches {fmt(scale['max_ratio'], 3)} in {scale.get('module')}"))
+    if ev.get("error"):
+        lines.append(("error", str(ev["error"])))
+    elif origin.get("error"):
+        lines.append(("error", str(origin["error"])))
+    if ev.get("bundle"):
+        lines.append(("bundle", str(ev["bundle"])))
+    return lines
+
+
+def _short_op(op: Any) -> str:
+    text = str(op or "?")
+    return text.removeprefix("aten.").removesuffix(".default")
+
+
+def op_path(diag: Diagnosis) -> list[dict[str, Any]]:
+    """The ops around the origin: ``before`` (the ops just before), the ``origin``, then ``after``.
+
+    Each row has ``role``, ``op``, ``module``, ``phase`` and ``carries``: what non-finite
+    value the op's output holds ("NaN", "Inf"), or "" for the ops before the origin.
+
+    Example:
+        >>> [(r["role"], r["op"]) for r in op_path(diag)][-3:]
+        [('origin', 'aten._softmax.default'), ('after', 'aten.detach.default'), ...]
+    """
+    ev = diag.evidence or {}
+    origin = ev.get("origin") if isinstance(ev.get("origin"), Mapping) else {}
+    rows: list[dict[str, Any]] = []
+    for item in ev.get("before") or []:
+        if isinstance(item, Mapping):
+            rows.append(_row("before", item, ""))
+    rows.append(
+        {
+            "role": "origin",
+            "op": diag.op or origin.get("op") or f"({origin.get('category', 'input')})",
+            "module": diag.module if diag.module is not None else origin.get("module"),
+            "phase": diag.phase,
+            "carries": KIND_NAMES.get(diag.kind, diag.kind),
+        }
+    )
+    for item in ev.get("after") or []:
+        if isinstance(item, Mapping):
+            rows.append(_row("after", item, "NaN" if item.get("nan") else "Inf"))
+    return rows
+
+
+def _row(role: str, item: Mapping[str, Any], carries: str) -> dict[str, Any]:
+    return {
+        "role": role,
+        "op": str(item.get("op") or "?"),
+        "module": item.get("module"),
+        "phase": item.get("phase"),
+        "carries": carries,
+    }

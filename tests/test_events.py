@@ -1,0 +1,35 @@
+import json
+
+import pytest
+
+from nanguard.errors import EventLogError
+from nanguard.events import EventLog, read_events
+
+
+def test_events_round_trip_with_nonfinite_values(tmp_path) -> None:
+    log = EventLog(tmp_path, rank=1)
+    log.write("step", 0, loss=2.5, grad_norm=float("nan"), skipped=False, scale=None)
+    log.write("trip", 1, action="skip", ranks=[1], diagnosis={"cause": "data.nonfinite"})
+    log.close()
+    events = list(read_events(tmp_path / "events-rank1.jsonl"))
+    assert [e["kind"] for e in events] == ["step", "trip"]
+    assert events[0]["grad_norm"] == "nan" and events[0]["rank"] == 1
+    assert events[1]["diagnosis"]["cause"] == "data.nonfinite"
+
+
+def test_truncated_and_unknown_lines_warn_with_file_and_line(tmp_path) -> None:
+    path = tmp_path / "events-rank0.jsonl"
+    good = json.dumps({"kind": "step", "step": 0, "rank": 0, "loss": 1.0})
+    odd = json.dumps({"kind": "mystery", "step": 1, "rank": 0})
+    path.write_text(good + "\n" + odd + "\n" + good[:15])
+    with pytest.warns(UserWarning) as record:
+        events = list(read_events(path))
+    assert len(events) == 1
+    messages = [str(w.message) for w in record]
+    assert any(f"{path}:2" in m and "unknown event kind" in m for m in messages)
+    assert any(f"{path}:3" in m and "unreadable" in m for m in messages)
+
+
+def test_missing_file_names_it(tmp_path) -> None:
+    with pytest.raises(EventLogError, match="events-rank7.jsonl"):
+        list(read_events(tmp_path / "events-rank7.jsonl"))
