@@ -6,7 +6,8 @@ from nanguard.diagnose import RULES, diagnose
 
 
 def _op(op, inputs=None, **extra):
-    return {"origin": {"category": "op", "op": op, "module": "m", "phase": "forward", "inputs": inputs or [{}], **extra}}
+    origin = {"category": "op", "op": op, "module": "m", "phase": "forward", "inputs": inputs or [{}]}
+    return {"origin": {**origin, **extra}}
 
 
 CASES = [

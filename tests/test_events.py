@@ -31,5 +31,5 @@ def test_truncated_and_unknown_lines_warn_with_file_and_line(tmp_path) -> None:
 
 
 def test_missing_file_names_it(tmp_path) -> None:
-    with pytest.raises(EventLogError, match="events-rank7.jsonl"):
+    with pytest.raises(EventLogError, match=r"events-rank7\.jsonl"):
         list(read_events(tmp_path / "events-rank7.jsonl"))

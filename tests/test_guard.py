@@ -134,7 +134,7 @@ def test_rollback_restores_the_snapshot_exactly_and_drops_the_next_batches() -> 
     _assert_same(saved, _state(model, opt))
     calls = []
     for step in (6, 7):
-        assert guard.step(lambda: calls.append(step)) is None
+        assert guard.step(lambda step=step: calls.append(step)) is None
         assert guard.last_action == "drop_batch"
     assert calls == []
     assert _step(guard, model, 8) is not None and guard.last_action == "step"
