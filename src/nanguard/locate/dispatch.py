@@ -175,6 +175,8 @@ class Tracer(TorchDispatchMode):
         self.sources = {id(t): path for path, t in sources}
         self.source_storage = {_storage_key(t): path for path, t in reversed(sources)}
         self.protected = {id(t): t for t in protected}
+        # With a model its parameters' gradients are the results; without one, leaf tensors seen.
+        self.track_leaves = modules.root is None
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.status: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.storage_taint: dict[int, frozenset[int]] = {}
@@ -185,6 +187,12 @@ class Tracer(TorchDispatchMode):
         self.index = 0
         self.failure: _Failure | None = None
         self._writes: dict[Any, tuple[int, ...]] = {}
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # The tracer never runs under torch.compile; skipping dynamo's wrapper saves a
+        # Python frame on every op.
+        return False
 
     # -- per-op work -------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -250,7 +258,7 @@ class Tracer(TorchDispatchMode):
         if flat_out and torch.is_grad_enabled():
             self._note_nodes(func, flat_in)
         if func not in _QUIET:
-            self.recent.append({"op": str(func), "module": self.modules.current_name(), "phase": _phase()})
+            self.recent.append({"op": _name(func), "module": self.modules.current_name(), "phase": _phase()})
         return out
 
     # -- helpers -----------------------------------------------------------------------
@@ -321,7 +329,7 @@ class Tracer(TorchDispatchMode):
         module = self.modules.current
         if node is None:
             return _Where(
-                op=str(func) if func is not None else None,
+                op=_name(func) if func is not None else None,
                 module=self.modules.current_name(),
                 module_type=type(module).__name__ if module is not None else None,
                 phase="forward",
@@ -337,7 +345,7 @@ class Tracer(TorchDispatchMode):
         else:
             mod_name, mod_type, fwd, source, eps = info
         return _Where(
-            op=str(func) if func is not None else None,
+            op=_name(func) if func is not None else None,
             module=mod_name,
             module_type=mod_type,
             phase="backward",
@@ -394,13 +402,14 @@ class Tracer(TorchDispatchMode):
             self.nodes[seq] = (
                 self.modules.current_name(),
                 type(module).__name__ if module is not None else None,
-                str(func),
+                _name(func),
                 user_source(),
                 _eps(module),
             )
-        for x in ins:
-            if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf:
-                self.leaves[id(x)] = x
+        if self.track_leaves:
+            for x in ins:
+                if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf:
+                    self.leaves[id(x)] = x
 
     def _protect(self, func: Any, args: tuple) -> None:
         writes = self._writes.get(func)
@@ -440,12 +449,26 @@ class Tracer(TorchDispatchMode):
         return _Failure(name, where, err, index_args, indexed_size)
 
 
+_NAMES: dict[Any, str] = {}
+
+
+def _name(func: Any) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
 def _phase() -> str:
     return "backward" if torch._C._current_autograd_node() is not None else "forward"
 
 
 def _flags(t: torch.Tensor) -> tuple[bool, bool]:
     if t.numel() == 0:
+        return False, False
+    # A finite float32 sum proves every element finite in one pass with no temporary;
+    # only a non-finite sum (or an overflow of huge finite values) needs the exact check.
+    if t.is_floating_point() and math.isfinite(t.sum(dtype=torch.float32).item()):
         return False, False
     if bool(torch.isfinite(t).all()):
         return False, False

@@ -54,6 +54,7 @@ class ModuleStack:
         self.root = root
         self._names: dict[int, str] | None = None
         self._stack: list[nn.Module] = []
+        self._named: list[str | None] = []  # innermost name within the root, per stack level
         self._handles: list[Any] = []
 
     def __enter__(self) -> ModuleStack:
@@ -68,15 +69,19 @@ class ModuleStack:
             handle.remove()
         self._handles = []
         self._stack.clear()
+        self._named.clear()
 
     def _push(self, module: nn.Module, args: Any) -> None:
         if self.root is None and not self._stack:
             self.root = module
         self._stack.append(module)
+        name = self.name_of(module)
+        self._named.append(name if name is not None else (self._named[-1] if self._named else None))
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
+            self._named.pop()
 
     @property
     def current(self) -> nn.Module | None:
@@ -92,12 +97,8 @@ class ModuleStack:
         return self._names.get(id(module))
 
     def current_name(self) -> str | None:
-        # The innermost module that belongs to the root's tree.
-        for module in reversed(self._stack):
-            name = self.name_of(module)
-            if name is not None:
-                return name
-        return None
+        """The innermost running module that belongs to the root's tree."""
+        return self._named[-1] if self._named else None
 
     def owner_of(self, tensor: torch.Tensor) -> str | None:
         """Qualified name of the module that owns ``tensor`` as a parameter or buffer."""

@@ -1,13 +1,14 @@
-"""Terminal output: a diagnosis panel, progress on long work, plain text when not a TTY."""
+"""Terminal output: a diagnosis panel, tables, progress on long work, plain text when not a TTY."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO
 
 from rich.console import Console as RichConsole
+from rich.console import Group
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -15,46 +16,82 @@ from rich.text import Text
 
 from nanguard.explain import where_lines
 from nanguard.findings import Diagnosis
+from nanguard.report.words import KIND_NAMES, evidence_lines
 
-__all__ = ["Console", "diagnosis_panel"]
+__all__ = ["Console", "diagnosis_panel", "diagnosis_text"]
 
-_KIND = {"nan": "NaN", "inf": "Inf"}
+
+def _title(diag: Diagnosis) -> str:
+    kind = KIND_NAMES.get(diag.kind, diag.kind)
+    return f"nanguard: {kind} at step {diag.step}" if diag.step is not None else f"nanguard: {kind}"
 
 
 def diagnosis_panel(diag: Diagnosis) -> Panel:
-    """A rich panel: cause, what was created, where, why, and fixes."""
+    """A rich panel: the cause, what was created, where, the evidence in words, and fixes.
+
+    Example:
+        >>> rich.print(diagnosis_panel(guard.last_diagnosis))
+    """
     grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold cyan", no_wrap=True)
-    grid.add_column()
-    grid.add_row("cause", Text(f"{diag.cause}", style="bold red") + Text(f"  {diag.meaning}"))
-    grid.add_row("created", _KIND.get(diag.kind, diag.kind))
+    grid.add_column(style="bold cyan", no_wrap=True, justify="right")
+    grid.add_column(overflow="fold")
+    grid.add_row("cause", Text(diag.cause, style="bold red") + Text(f"  {diag.meaning}"))
+    grid.add_row("created", Text(KIND_NAMES.get(diag.kind, diag.kind), style="bold"))
     for label, value in where_lines(diag):
-        grid.add_row(label, value)
-    why = diag.evidence.get("why")
-    if why:
-        grid.add_row("why", why)
-    for i, fix in enumerate(diag.fixes, start=1):
-        grid.add_row("try" if i == 1 else "", f"{i}. {fix}")
-    title = f"nanguard: {_KIND.get(diag.kind, diag.kind)} at step {diag.step}" if diag.step is not None else "nanguard"
-    return Panel(grid, title=title, title_align="left", border_style="red")
+        grid.add_row(label, Text(value, style="bold" if label in ("module", "op") else ""))
+    evidence = evidence_lines(diag)
+    if evidence:
+        grid.add_row("", "")
+        for label, value in evidence:
+            grid.add_row(label, Text(value))
+    if diag.fixes:
+        grid.add_row("", "")
+        for i, fix in enumerate(diag.fixes, start=1):
+            grid.add_row("try" if i == 1 else "", Text(f"{i}. ") + Text(fix, style="green"))
+    return Panel(grid, title=_title(diag), title_align="left", border_style="red")
+
+
+def diagnosis_text(diag: Diagnosis) -> str:
+    """The panel's content as plain lines, for logs and pipes.
+
+    Example:
+        >>> print(diagnosis_text(diag).splitlines()[0])
+        nanguard: NaN created - op.masked_softmax (softmax over a row that is entirely -inf ...)
+    """
+    kind = KIND_NAMES.get(diag.kind, diag.kind)
+    rows = [*where_lines(diag), *evidence_lines(diag)]
+    rows += [("try" if i == 1 else "", f"{i}. {fix}") for i, fix in enumerate(diag.fixes, start=1)]
+    width = max((len(label) for label, _ in rows), default=5)
+    lines = [f"nanguard: {kind} created - {diag.cause} ({diag.meaning})"]
+    lines += [f"  {label:<{width}}  {value}" for label, value in rows]
+    return "\n".join(lines)
 
 
 class Console:
-    """Rich output on a terminal; plain lines (no colour, no bars) when piped."""
+    """Rich output on a terminal; plain lines (no colour, no bars) when piped.
+
+    Example:
+        >>> console = Console()
+        >>> console.title("nanguard report", "runs/exp1")
+        >>> console.diagnosis(guard.last_diagnosis)
+    """
 
     def __init__(self, file: TextIO | None = None) -> None:
         self.file = file or sys.stdout
-        self.rich = RichConsole(file=self.file, highlight=False, soft_wrap=not self.file.isatty())
-        self.tty = self.file.isatty()
+        self.tty = _isatty(self.file)
+        self.rich = RichConsole(file=self.file, highlight=False, soft_wrap=not self.tty)
 
     def title(self, title: str, subtitle: str = "") -> None:
-        self.rich.rule(f"[bold]{title}" if self.tty else title)
+        if self.tty:
+            self.rich.rule(f"[bold]{title}")
+        else:
+            print(f"== {title} ==", file=self.file, flush=True)
         if subtitle:
             self.line(subtitle)
 
     def line(self, text: str) -> None:
         if self.tty:
-            self.rich.print(text)
+            self.rich.print(Text(text))
         else:
             print(text, file=self.file, flush=True)
 
@@ -64,20 +101,58 @@ class Console:
         if self.tty:
             self.rich.print(diagnosis_panel(diag))
         else:
-            print(str(diag), file=self.file, flush=True)
+            print(diagnosis_text(diag), file=self.file, flush=True)
+
+    def table(self, columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
+        """A table: rich on a terminal, space-aligned columns otherwise."""
+        if self.tty:
+            table = Table(*columns, title=title or None, title_justify="left", header_style="bold cyan")
+            for row in rows:
+                table.add_row(*row)
+            self.rich.print(table)
+            return
+        widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+        lines = [title] if title else []
+        lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        print("\n".join(lines), file=self.file, flush=True)
+
+    def group(self, *lines: str) -> None:
+        """Several lines printed as one block."""
+        if self.tty:
+            self.rich.print(Group(*(Text(line) for line in lines)))
+        else:
+            print("\n".join(lines), file=self.file, flush=True)
 
     @contextlib.contextmanager
-    def progress(self, total: int, label: str) -> Iterator[Callable[[str], None]]:
-        """Yields ``advance(message)``: a bar on a TTY, one line per item otherwise."""
+    def progress(self, total: int, label: str, *, echo: bool = True) -> Iterator[Callable[[str], None]]:
+        """Yields ``advance(message)``: a bar on a TTY, one line per item otherwise.
+
+        With ``echo=False`` the messages only label the bar, and nothing is printed when
+        the output is not a terminal (for work whose items are not news, like reading files).
+        """
         if not self.tty:
-            yield lambda message: print(message, file=self.file, flush=True)
+            if echo:
+                yield lambda message: print(message, file=self.file, flush=True)
+            else:
+                yield lambda message: None
             return
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=self.rich, transient=False) as bar:
+        with Progress(*columns, console=self.rich, transient=not echo) as bar:
             task = bar.add_task(label, total=total)
 
             def advance(message: str) -> None:
-                bar.console.print(message)
+                if echo:
+                    bar.console.print(Text(message))
+                else:
+                    bar.update(task, description=f"{label}: {message}")
                 bar.advance(task)
 
             yield advance
+
+
+def _isatty(file: TextIO) -> bool:
+    try:
+        return file.isatty()
+    except (AttributeError, ValueError):
+        return False

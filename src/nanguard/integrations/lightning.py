@@ -1,0 +1,189 @@
+"""PyTorch Lightning callback: guard every optimizer step of automatic optimization.
+
+Per optimizer step, before ``optimizer.step()`` (in ``on_before_optimizer_step``), the
+callback runs ``Guard.check`` on the loss and the gradients; under DDP all ranks agree
+through the guard's one collective. A tripped step is replayed (``training_step`` and
+backward on the same batch and RNG state) under ``ng.locate`` to name its cause, and the
+policy applies: ``skip`` clears the gradients so Lightning's own ``optimizer.step()``
+changes neither the weights nor the optimizer state, ``rollback`` restores the last
+snapshot, ``raise`` stops ``fit`` with ``ng.NonFiniteError``. Trips and skips are logged to
+the trainer's loggers as ``nanguard/*`` metrics.
+
+Example:
+    >>> from nanguard.integrations.lightning import NanGuard
+    >>> guard_cb = NanGuard(policy="skip", run_dir="runs/exp1")
+    >>> trainer = lightning.Trainer(callbacks=[guard_cb], max_steps=1000)
+    >>> trainer.fit(model, loader)
+    >>> guard_cb.skipped, guard_cb.last_diagnosis
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanguard.errors import NonFiniteError
+from nanguard.findings import Diagnosis
+from nanguard.guard import Guard, GuardConfig
+from nanguard.integrations import BatchGuard, drop_grads, require
+from nanguard.rng import get_rng_state, set_rng_state
+
+pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
+
+__all__ = ["NanGuard"]
+
+
+class NanGuard(pl.Callback):
+    """Checks each optimizer step for NaN/Inf, diagnoses a trip, and skips, rolls back or raises.
+
+    ``policy`` and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); ``run_dir``
+    receives the per-rank event log and a bundle for each tripped step. Only automatic
+    optimization with one optimizer is supported.
+
+    Example:
+        >>> cb = NanGuard(policy="skip", max_consecutive_skips=5)
+        >>> lightning.Trainer(callbacks=[cb], strategy="ddp", devices=2).fit(model, loader)
+        >>> cb.guard.last_diagnosis.cause
+        'data.nonfinite'
+    """
+
+    def __init__(self, policy: str = "skip", *, run_dir: str | Path | None = None, **options: Any) -> None:
+        known = {f.name for f in fields(GuardConfig)} - {"policy"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown Guard option(s) {unknown}; accepted: {sorted(known)}")
+        GuardConfig(policy=policy, **options)  # validate now, not when fit starts
+        self.policy = policy
+        self.run_dir = run_dir
+        self.options = options
+        self.guard: Guard | None = None
+        self.trips = 0
+        self._micro: list[tuple[Any, int, dict[str, torch.Tensor]]] = []
+        self._loss: torch.Tensor | None = None
+        self._state: Mapping[str, Any] | None = None
+        self._closed = False
+
+    @property
+    def skipped(self) -> int:
+        return self.guard.skipped if self.guard is not None else 0
+
+    @property
+    def last_diagnosis(self) -> Diagnosis | None:
+        return self.guard.last_diagnosis if self.guard is not None else None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "NanGuard supports automatic optimization only; with manual optimization call "
+                "ng.Guard(...).check(loss, replay=...) in training_step before optimizer.step()"
+            )
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"NanGuard needs exactly one optimizer, got {len(trainer.optimizers)}")
+        self.guard = BatchGuard(pl_module, trainer.optimizers[0], self.policy, run_dir=self.run_dir, **self.options)
+        if self._state is not None:
+            self.guard.load_state_dict(self._state)
+            self._state = None
+        self._micro, self._loss, self._closed = [], None, False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._micro.append((batch, batch_idx, get_rng_state()))
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        # Lightning already divided each micro-batch loss by accumulate_grad_batches: the sum is the step's loss.
+        loss = loss.detach()
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        micro, loss = self._micro, self._loss
+        self._micro, self._loss = [], None
+        if self.guard is None or loss is None:  # training_step returned None: no backward, nothing to check
+            return
+        batch = micro[0][0] if len(micro) == 1 else [m[0] for m in micro]
+        rng = micro[0][2] if micro else None
+
+        def replay() -> list[torch.Tensor]:
+            return _replay(trainer, pl_module, micro)
+
+        try:
+            ok = self.guard.check(loss, replay=replay, batch=batch, rng=rng)
+        except NonFiniteError:
+            self._record(trainer)
+            raise
+        if not ok:
+            drop_grads(optimizer)
+            self._record(trainer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.guard is not None:
+            self.guard.after_step()  # a no-op unless this batch ended a checked, stepped update
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.guard is not None:
+            return self.guard.state_dict()
+        return dict(self._state or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks before on_fit_start builds the guard.
+        self._state = state_dict
+        if self.guard is not None:
+            self.guard.load_state_dict(state_dict)
+            self._state = None
+
+    def _record(self, trainer: pl.Trainer) -> None:
+        guard = self.guard
+        assert guard is not None
+        if guard.last_action not in ("skip", "rollback", "raise"):
+            return  # a batch dropped after a rollback is counted by the guard, not a new trip
+        self.trips += 1
+        metrics = {
+            "nanguard/trips": float(self.trips),
+            "nanguard/skipped": float(guard.skipped),
+            "nanguard/rollbacks": float(guard.rollbacks),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _close(self) -> None:
+        if self.guard is not None and not self._closed:
+            self._closed = True
+            self.guard.close()
+
+
+def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, micro: list[tuple[Any, int, dict]]) -> list[Any]:
+    """Re-run training_step and backward for each micro-batch of the step, as Lightning ran them."""
+    pl_module.zero_grad(set_to_none=True)
+    losses = []
+    # Calling the module directly skips the DDP wrapper, so the replay's gradients stay local to this rank.
+    # A replay must not log the step a second time.
+    pl_module.log, pl_module.log_dict = _no_log, _no_log  # type: ignore[method-assign]
+    try:
+        for batch, batch_idx, rng in micro:
+            set_rng_state(rng)
+            with trainer.strategy.precision_plugin.train_step_context():
+                out = pl_module.training_step(batch, batch_idx)
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if loss is None:
+                continue
+            (loss / trainer.accumulate_grad_batches).backward()
+            losses.append(loss)
+    finally:
+        del pl_module.log, pl_module.log_dict
+    return losses
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None

@@ -1,0 +1,362 @@
+"""``nanguard report --html``: one self-contained page, plots inline as base64 SVG, no network."""
+
+from __future__ import annotations
+
+import base64
+import html
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from nanguard.explain import where_lines
+from nanguard.report import plots
+from nanguard.report.load import Marker, RunReport, Trip
+from nanguard.report.words import KIND_NAMES, evidence_lines, fmt, op_path
+
+__all__ = ["MAX_DETAILED_TRIPS", "plot_count", "render_html", "write_html"]
+
+MAX_DETAILED_TRIPS = 20
+"""Trips shown in full (diagnosis, op path, module plot); later ones get a table row."""
+_MAX_EVENT_ROWS = 300
+
+_CSS = """
+:root { --red: #d62728; --ink: #1d232b; --muted: #5b6573; --line: #dfe3e8; --bg: #f6f7f9; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
+       color: var(--ink); background: var(--bg); }
+main { max-width: 1100px; margin: 0 auto; padding: 24px 20px 48px; }
+h1 { font-size: 24px; margin: 0 0 4px; }
+h2 { font-size: 18px; margin: 32px 0 10px; border-bottom: 1px solid var(--line); padding-bottom: 4px; }
+h3 { font-size: 16px; margin: 0 0 8px; }
+.muted { color: var(--muted); }
+code, .mono { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12.5px; }
+.cards { display: flex; flex-wrap: wrap; gap: 10px; margin: 16px 0; }
+.card { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; min-width: 110px; }
+.card .n { font-size: 22px; font-weight: 650; }
+.card.bad .n { color: var(--red); }
+.card .l { color: var(--muted); font-size: 12px; text-transform: uppercase; letter-spacing: .04em; }
+figure.plot { background: #fff; border: 1px solid var(--line); border-radius: 8px; margin: 12px 0; padding: 8px; }
+figure.plot img { display: block; max-width: 100%; height: auto; margin: 0 auto; }
+figure.plot figcaption { color: var(--muted); font-size: 12.5px; margin: 6px 4px 0; }
+.diagnosis { background: #fff; border: 1px solid var(--line); border-left: 5px solid var(--red);
+             border-radius: 8px; padding: 16px 18px; margin: 16px 0; }
+.cause { color: var(--red); font-weight: 700; }
+table { border-collapse: collapse; width: 100%; background: #fff; }
+th, td { text-align: left; padding: 4px 8px; border-bottom: 1px solid var(--line); vertical-align: top; }
+th { color: var(--muted); font-weight: 600; font-size: 12.5px; }
+table.kv th { width: 130px; text-align: right; }
+table.path td.carries { color: var(--red); font-weight: 600; }
+table.path tr.origin { background: #fde8e8; font-weight: 650; }
+table.path tr.before { color: var(--muted); }
+ol.fixes li { margin: 3px 0; }
+.warnings { background: #fff8e1; border: 1px solid #f0d48a; border-radius: 8px; padding: 8px 14px; }
+.notcollected { background: #fff; border: 1px dashed var(--line); border-radius: 8px; padding: 10px 14px;
+                color: var(--muted); }
+.tag { display: inline-block; border-radius: 4px; padding: 0 6px; font-size: 12px; background: #eef1f4; }
+.tag.red { background: #fde8e8; color: var(--red); }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _plot(plot_id: str, fig: Figure, alt: str, caption: str) -> str:
+    svg = plots.figure_svg(fig)
+    data = base64.b64encode(svg.encode("utf-8")).decode("ascii")
+    return (
+        f'<figure class="plot" id="plot-{_e(plot_id)}" data-plot="{_e(plot_id)}">'
+        f'<img alt="{_e(alt)}" src="data:image/svg+xml;base64,{data}">'
+        f"<figcaption>{_e(caption)}</figcaption></figure>"
+    )
+
+
+def _table(columns: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "", raw: bool = False) -> str:
+    head = "".join(f"<th>{_e(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{v if raw else _e(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _cards(report: RunReport) -> str:
+    data = report.to_dict()
+    counts = data["counts"]
+    items = [
+        ("steps run", data["steps_run"], False),
+        ("ranks", len(report.ranks), False),
+        ("trips", counts["trips"], counts["trips"] > 0),
+        ("skips", counts["skips"], counts["skips"] > 0),
+        ("rollbacks", counts["rollbacks"], counts["rollbacks"] > 0),
+        ("spikes", counts["spikes"], counts["spikes"] > 0),
+        ("overflows", counts["overflows"], False),
+    ]
+    cells = "".join(
+        f'<div class="card{" bad" if bad else ""}" id="count-{_e(label.replace(" ", "-"))}">'
+        f'<div class="n">{_e(n)}</div><div class="l">{_e(label)}</div></div>'
+        for label, n, bad in items
+    )
+    return f'<div class="cards">{cells}</div>'
+
+
+def _diagnosis_html(trip: Trip) -> str:
+    diag = trip.diagnosis
+    head = f"Step {trip.step}"
+    if diag is None:
+        return (
+            f'<section class="diagnosis" id="trip-{trip.step}"><h3>{_e(head)}: trip without a readable '
+            f"diagnosis</h3><p>action {_e(trip.action)}, ranks {_e(trip.ranks)}</p></section>"
+        )
+    kind = KIND_NAMES.get(diag.kind, diag.kind)
+    origin = trip.origin_rank
+    tags = [f'<span class="tag red">{_e(kind)} created</span>', f'<span class="tag">action: {_e(trip.action)}</span>']
+    if origin is not None and (diag.rank is not None or len(trip.reported_by) > 1):
+        tags.append(f'<span class="tag">origin rank {_e(origin)}</span>')
+    where = [("created", kind), *where_lines(diag)]
+    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in where)
+    evidence = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in evidence_lines(diag))
+    fixes = "".join(f"<li>{_e(f)}</li>" for f in diag.fixes)
+    parts = [
+        f'<section class="diagnosis" id="trip-{trip.step}" data-cause="{_e(diag.cause)}">',
+        f'<h3>{_e(head)}: <span class="cause">{_e(diag.cause)}</span> {" ".join(tags)}</h3>',
+        f"<p>{_e(diag.meaning)}</p>",
+        f'<table class="kv where">{rows}</table>',
+    ]
+    if evidence:
+        parts += ["<h4>Evidence</h4>", f'<table class="kv evidence">{evidence}</table>']
+    if fixes:
+        parts += ["<h4>What to try</h4>", f'<ol class="fixes">{fixes}</ol>']
+    parts += _path_html(trip)
+    parts += _modules_html(trip)
+    parts += _bundles_html(trip)
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def _path_html(trip: Trip) -> list[str]:
+    assert trip.diagnosis is not None
+    path = op_path(trip.diagnosis)
+    if len(path) <= 1 and not trip.diagnosis.evidence.get("origin"):
+        return []
+    body = "".join(
+        f'<tr class="{_e(r["role"])}"><td>{_e(r["role"])}</td><td class="mono">{_e(r["op"])}</td>'
+        f"<td class=\"mono\">{_e(r['module'] if r['module'] is not None else '-') or '<root>'}</td>"
+        f'<td>{_e(r["phase"] or "-")}</td><td class="carries">{_e(r["carries"])}</td></tr>'
+        for r in path
+    )
+    return [
+        "<h4>The origin and the ops that followed</h4>",
+        '<table class="path"><thead><tr><th></th><th>op</th><th>module</th><th>phase</th><th>holds</th></tr>'
+        f"</thead><tbody>{body}</tbody></table>",
+    ]
+
+
+def _modules_html(trip: Trip) -> list[str]:
+    found = trip.stats_for_origin()
+    head = "<h4>Per-module activations and gradients at this step</h4>"
+    if found is None:
+        return [
+            head,
+            f'<p class="notcollected" id="modules-{trip.step}-missing">Per-module statistics: not collected '
+            "(the guard that wrote this run recorded no <code>module_stats</code> for this trip).</p>",
+        ]
+    rank, stats = found
+    where = f" on rank {rank}" if len(trip.reported_by) > 1 else ""
+    caption = (
+        f"Largest finite |activation| of each module's output and the gradient norm of its own parameters, "
+        f"from the replay of step {trip.step}{where}, in the order modules ran. Red: the output or "
+        "gradient holds NaN/Inf; highlighted: the diagnosed module."
+    )
+    if stats.get("omitted"):
+        caption += f" {stats['omitted']} module(s) were not recorded."
+    alt = f"per-module activation absmax and gradient norm at step {trip.step}"
+    return [head, _plot(f"modules-{trip.step}", plots.module_plot(trip, stats), alt, caption)]
+
+
+def _bundles_html(trip: Trip) -> list[str]:
+    if not trip.bundles:
+        return []
+    items = []
+    for b in trip.bundles:
+        state = b.error or ("batch stored" if b.batch_stored else "shapes only")
+        items.append(
+            f"<li><code>{_e(b.path)}</code> (rank {b.rank}, {_e(state)}); replay with "
+            f"<code>nanguard replay {_e(b.path)} --model PKG.MODULE:FACTORY</code></li>"
+        )
+    return ["<h4>Repro bundles</h4>", f"<ul>{''.join(items)}</ul>"]
+
+
+def _marker_text(marker: Marker) -> str:
+    f = marker.fields
+    if marker.kind == "skip":
+        return str(f.get("reason", ""))
+    if marker.kind == "rollback":
+        return f"restored step {f.get('restored_step')}, dropping {f.get('skip_batches')} batch(es): {f.get('reason')}"
+    if marker.kind == "spike":
+        return f"{f.get('metric')} {fmt(f.get('value'))} (median {fmt(f.get('median'))}, z={fmt(f.get('score'), 3)})"
+    if marker.kind == "overflow":
+        return f"scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}"
+    return ""
+
+
+def _events_html(report: RunReport) -> str:
+    markers = sorted(
+        [*report.skips, *report.rollbacks, *report.spikes, *report.overflows], key=lambda m: (m.step, m.kind)
+    )
+    if not markers:
+        return '<p class="muted">No skips, rollbacks, spikes or overflows.</p>'
+    rows = [
+        (str(m.step), m.kind, ", ".join(str(r) for r in m.ranks), _marker_text(m)) for m in markers[:_MAX_EVENT_ROWS]
+    ]
+    more = len(markers) - len(rows)
+    tail = f'<p class="muted">{more} more not shown; see --json.</p>' if more > 0 else ""
+    return _table(("step", "event", "ranks", "detail"), rows, cls="events") + tail
+
+
+def _ranks_html(report: RunReport) -> str:
+    data = report.to_dict()["per_rank"]
+    rows = [
+        (
+            f"rank {r}",
+            str(d["steps_logged"]),
+            str(d["skipped"]),
+            fmt(d["last_loss"]),
+            fmt(d["last_grad_norm"]),
+            str(d["trips_originated"]),
+            "yes" if d["finished"] else "no",
+        )
+        for r, d in data.items()
+    ]
+    cols = ("rank", "steps logged", "skipped", "last loss", "last grad norm", "trips started here", "closed")
+    return _table(cols, rows, cls="ranks")
+
+
+def render_html(report: RunReport, *, progress: Callable[[str], None] | None = None) -> str:
+    """The whole report as one HTML document: inline CSS, plots as base64 SVG, no script, no network.
+
+    ``progress(message)`` is called after each plot is drawn.
+
+    Example:
+        >>> Path("report.html").write_text(render_html(load_run("runs/exp1")), encoding="utf-8")
+    """
+    advance = progress or (lambda message: None)
+    data = report.to_dict()
+    counts = data["counts"]
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        '<link rel="icon" href="data:,">',
+        f"<title>nanguard report: {_e(report.run_dir.name or report.run_dir)}</title>",
+        f"<style>{_CSS}</style></head><body><main>",
+        "<h1>nanguard report</h1>",
+        f'<p class="muted"><code>{_e(report.run_dir)}</code> &middot; {len(report.ranks)} rank(s)'
+        + (f" of world size {report.world_size}" if report.world_size else "")
+        + f" &middot; steps {_e(data['first_step'])}&ndash;{_e(data['last_step'])}"
+        + f" &middot; generated {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</p>",
+        _cards(report),
+    ]
+    if report.warnings:
+        items = "".join(f"<li>{_e(w)}</li>" for w in report.warnings[:50])
+        more = f"<li>{len(report.warnings) - 50} more</li>" if len(report.warnings) > 50 else ""
+        out.append(f'<div class="warnings" id="warnings"><strong>While reading:</strong><ul>{items}{more}</ul></div>')
+
+    out.append('<h2 id="summary">Diagnoses</h2>')
+    if report.trips:
+        rows = [
+            (
+                str(t.step),
+                t.diagnosis.cause if t.diagnosis else "?",
+                t.diagnosis.summary() if t.diagnosis else "",
+                t.action,
+                "-" if t.origin_rank is None else str(t.origin_rank),
+            )
+            for t in report.trips
+        ]
+        out.append(_table(("step", "cause", "where", "action", "origin rank"), rows, cls="trips"))
+    else:
+        out.append('<p id="no-trips">No trips: every logged step was finite.</p>')
+
+    out.append('<h2 id="curves">Training curves</h2>')
+    out.append(
+        _plot(
+            "loss",
+            plots.loss_plot(report),
+            "loss over steps, log scale",
+            "Loss per step (log scale), one curve per rank. Red: trips; orange dotted: skips; purple dashed: "
+            "rollbacks (shaded back to the restored step); stars: spikes. Non-finite values leave gaps.",
+        )
+    )
+    advance("loss plot")
+    out.append(
+        _plot(
+            "grad-norm",
+            plots.grad_norm_plot(report),
+            "gradient norm over steps, log scale",
+            "Total gradient norm per step (log scale), marked like the loss.",
+        )
+    )
+    advance("gradient norm plot")
+    out.append(
+        _plot(
+            "nonfinite",
+            plots.nonfinite_plot(report),
+            "non-finite values per step",
+            "How many of loss and gradient norm were NaN/Inf at each step, stacked by rank "
+            "(at least one where a trip flagged the rank); GradScaler overflows apart.",
+        )
+    )
+    advance("non-finite plot")
+
+    out.append('<h2 id="ranks">Ranks</h2>')
+    out.append(_ranks_html(report))
+    out.append(
+        _plot(
+            "ranks",
+            plots.rank_plot(report),
+            "ranks over steps and the rank each trip started on",
+            "Steps each rank logged, its skipped steps, and for each trip the rank it started on (X) and "
+            "the other ranks whose values were non-finite (o).",
+        )
+    )
+    advance("rank plot")
+
+    if report.trips:
+        out.append(f'<h2 id="trips">Trips ({counts["trips"]})</h2>')
+        for trip in report.trips[:MAX_DETAILED_TRIPS]:
+            out.append(_diagnosis_html(trip))
+            advance(f"trip at step {trip.step}")
+        if len(report.trips) > MAX_DETAILED_TRIPS:
+            out.append(f'<p class="muted">{len(report.trips) - MAX_DETAILED_TRIPS} later trips are listed in '
+                       "the table above only.</p>")  # fmt: skip
+
+    out.append('<h2 id="events">Skips, rollbacks, spikes and overflows</h2>')
+    out.append(_events_html(report))
+    if report.bundles:
+        rows = [
+            (b.path.name, str(b.step), str(b.rank), b.cause or "-", b.error or "ok") for b in report.bundles[:200]
+        ]
+        out.append('<h2 id="bundles">Bundles</h2>')
+        out.append(_table(("bundle", "step", "rank", "cause", "state"), rows, cls="bundles"))
+    out.append('<p class="muted">Made by nanguard. This page is self-contained: it loads nothing.</p>')
+    out.append("</main></body></html>")
+    return "\n".join(out)
+
+
+def plot_count(report: RunReport) -> int:
+    """How many plots ``render_html`` draws for ``report``: the fixed four plus one per detailed trip with stats."""
+    return 4 + sum(1 for t in report.trips[:MAX_DETAILED_TRIPS] if t.module_stats)
+
+
+def write_html(report: RunReport, path: str | Path, *, progress: Callable[[str], None] | None = None) -> Path:
+    """Render ``report`` and write it to ``path`` (parents created); return the path.
+
+    Example:
+        >>> write_html(load_run("runs/exp1"), "runs/exp1/report.html")
+        PosixPath('runs/exp1/report.html')
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(report, progress=progress), encoding="utf-8")
+    return out

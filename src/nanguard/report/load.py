@@ -1,0 +1,450 @@
+"""Read a run directory: every rank's event log and bundles, merged with steps aligned."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanguard.errors import BundleError, EventLogError
+from nanguard.events import number, read_events
+from nanguard.findings import Diagnosis, jsonable
+
+__all__ = ["BundleInfo", "Marker", "RankLog", "RunReport", "StepRecord", "Trip", "load_run"]
+
+_RANK_FILE = re.compile(r"^events-rank(\d+)\.jsonl$")
+_BUNDLE_DIR = re.compile(r"^step-(\d+)-rank-(\d+)$")
+
+
+@dataclass
+class StepRecord:
+    """One ``step`` event: ``loss``/``grad_norm`` are None when not logged, NaN/Inf when non-finite."""
+
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    skipped: bool
+    scale: float | None = None
+
+
+@dataclass
+class RankLog:
+    """What one rank's ``events-rank{R}.jsonl`` holds."""
+
+    rank: int
+    path: Path
+    steps: list[StepRecord] = field(default_factory=list)
+    world_size: int | None = None
+    starts: int = 0
+    end: dict[str, Any] | None = None
+    events: int = 0
+
+    @property
+    def last_step(self) -> int | None:
+        return self.steps[-1].step if self.steps else None
+
+
+@dataclass
+class BundleInfo:
+    """A repro bundle found under ``run_dir/bundles``; ``error`` says why it could not be read."""
+
+    path: Path
+    step: int
+    rank: int
+    cause: str | None = None
+    batch_stored: bool | None = None
+    error: str | None = None
+
+
+@dataclass
+class Trip:
+    """One tripped step, merged over the ranks that logged it.
+
+    ``ranks`` are the ranks whose own values were non-finite, ``reported_by`` the ranks
+    whose log holds the trip, and ``module_stats`` each rank's per-module statistics of
+    the replay, when the guard recorded them.
+    """
+
+    step: int
+    action: str
+    ranks: list[int]
+    reported_by: list[int]
+    diagnosis: Diagnosis | None
+    module_stats: dict[int, dict[str, Any]] = field(default_factory=dict)
+    bundles: list[BundleInfo] = field(default_factory=list)
+
+    @property
+    def origin_rank(self) -> int | None:
+        """The rank the fault started on: the diagnosis's rank, else the first flagged one."""
+        if self.diagnosis is not None and self.diagnosis.rank is not None:
+            return self.diagnosis.rank
+        if self.ranks:
+            return self.ranks[0]
+        return self.reported_by[0] if len(self.reported_by) == 1 else None
+
+    def stats_for_origin(self) -> tuple[int, dict[str, Any]] | None:
+        """(rank, module_stats) of the origin rank, else of the first rank that has them."""
+        if not self.module_stats:
+            return None
+        origin = self.origin_rank
+        rank = origin if origin in self.module_stats else min(self.module_stats)
+        return rank, self.module_stats[rank]
+
+
+@dataclass
+class Marker:
+    """A skip, rollback, spike or overflow, merged over the ranks that logged it."""
+
+    kind: str
+    step: int
+    ranks: list[int]
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunReport:
+    """Everything ``nanguard report`` shows about one run directory.
+
+    Example:
+        >>> report = load_run("runs/exp1")
+        >>> report.steps_run, [t.diagnosis.cause for t in report.trips]
+        (200, ['op.masked_softmax'])
+    """
+
+    run_dir: Path
+    ranks: dict[int, RankLog]
+    trips: list[Trip] = field(default_factory=list)
+    skips: list[Marker] = field(default_factory=list)
+    rollbacks: list[Marker] = field(default_factory=list)
+    spikes: list[Marker] = field(default_factory=list)
+    overflows: list[Marker] = field(default_factory=list)
+    bundles: list[BundleInfo] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    world_size: int | None = None
+
+    @property
+    def steps(self) -> list[int]:
+        """Every step number any rank logged, sorted: the common x axis."""
+        seen: set[int] = set()
+        for log in self.ranks.values():
+            seen.update(s.step for s in log.steps)
+        for group in (self.trips, self.skips, self.rollbacks, self.overflows):
+            seen.update(item.step for item in group)
+        return sorted(seen)
+
+    @property
+    def steps_run(self) -> int:
+        return len(self.steps)
+
+    def nonfinite_counts(self) -> dict[int, dict[int, int]]:
+        """{rank: {step: number of non-finite metrics}}: a logged NaN/Inf loss or grad norm,
+        or at least 1 where a trip flagged the rank."""
+        counts: dict[int, dict[int, int]] = {r: {} for r in self.ranks}
+        for rank, log in self.ranks.items():
+            for rec in log.steps:
+                n = sum(1 for v in (rec.loss, rec.grad_norm) if v is not None and not math.isfinite(v))
+                if n:
+                    counts[rank][rec.step] = n
+        for trip in self.trips:
+            for rank in trip.ranks:
+                per_rank = counts.setdefault(rank, {})
+                per_rank[trip.step] = max(per_rank.get(trip.step, 0), 1)
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        """The machine-readable summary ``nanguard report --json`` prints."""
+        steps = self.steps
+        return jsonable(
+            {
+                "run_dir": str(self.run_dir),
+                "world_size": self.world_size,
+                "ranks": sorted(self.ranks),
+                "steps_run": len(steps),
+                "first_step": steps[0] if steps else None,
+                "last_step": steps[-1] if steps else None,
+                "counts": {
+                    "trips": len(self.trips),
+                    "skips": len(self.skips),
+                    "rollbacks": len(self.rollbacks),
+                    "spikes": len(self.spikes),
+                    "overflows": len(self.overflows),
+                    "bundles": len(self.bundles),
+                },
+                "per_rank": {str(r): _rank_summary(log, self) for r, log in sorted(self.ranks.items())},
+                "trips": [_trip_dict(t) for t in self.trips],
+                "skips": [_marker_dict(m) for m in self.skips],
+                "rollbacks": [_marker_dict(m) for m in self.rollbacks],
+                "spikes": [_marker_dict(m) for m in self.spikes],
+                "overflows": [_marker_dict(m) for m in self.overflows],
+                "bundles": [_bundle_dict(b) for b in self.bundles],
+                "warnings": list(self.warnings),
+            }
+        )
+
+
+def _rank_summary(log: RankLog, report: RunReport) -> dict[str, Any]:
+    finite = [s for s in log.steps if not s.skipped]
+    last = finite[-1] if finite else None
+    return {
+        "file": str(log.path),
+        "events": log.events,
+        "steps_logged": len(log.steps),
+        "skipped": sum(1 for s in log.steps if s.skipped),
+        "last_step": log.last_step,
+        "last_loss": last.loss if last else None,
+        "last_grad_norm": last.grad_norm if last else None,
+        "trips_originated": sum(1 for t in report.trips if t.origin_rank == log.rank),
+        "trips_flagged": sum(1 for t in report.trips if log.rank in t.ranks),
+        "finished": log.end is not None,
+    }
+
+
+def _trip_dict(trip: Trip) -> dict[str, Any]:
+    diag = trip.diagnosis
+    return {
+        "step": trip.step,
+        "action": trip.action,
+        "origin_rank": trip.origin_rank,
+        "ranks": trip.ranks,
+        "reported_by": trip.reported_by,
+        "cause": diag.cause if diag else None,
+        "summary": diag.summary() if diag else None,
+        "diagnosis": diag.to_dict() if diag else None,
+        "module_stats": {str(r): s for r, s in trip.module_stats.items()} or None,
+        "bundles": [str(b.path) for b in trip.bundles],
+    }
+
+
+def _marker_dict(marker: Marker) -> dict[str, Any]:
+    return {"step": marker.step, "ranks": marker.ranks, **marker.fields}
+
+
+def _bundle_dict(bundle: BundleInfo) -> dict[str, Any]:
+    return {
+        "path": str(bundle.path),
+        "step": bundle.step,
+        "rank": bundle.rank,
+        "cause": bundle.cause,
+        "batch_stored": bundle.batch_stored,
+        "error": bundle.error,
+    }
+
+
+# --------------------------------------------------------------------------- loading
+
+Progress = Callable[[int, str], contextlib.AbstractContextManager[Callable[[str], None]]]
+
+
+def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunReport:
+    """Read every ``events-rank*.jsonl`` and bundle under ``run_dir`` into one ``RunReport``.
+
+    Ranks are merged on the guard's step number: a trip, skip or rollback every rank
+    logged at the same step is one entry listing those ranks. Unreadable lines, unknown
+    event kinds, unreadable bundles and ranks that disagree are collected in
+    ``report.warnings`` and also issued as ``UserWarning``. A missing directory, or one
+    without any readable event, raises ``EventLogError``. ``progress(total, label)`` is a
+    context manager yielding ``advance(message)``, such as ``Console.progress``.
+
+    Example:
+        >>> report = load_run("runs/exp1")
+        >>> report.to_dict()["counts"]
+        {'trips': 1, 'skips': 1, 'rollbacks': 0, 'spikes': 0, 'overflows': 0, 'bundles': 1}
+    """
+    root = Path(run_dir)
+    if not root.exists():
+        raise EventLogError(root, "no such run directory")
+    if not root.is_dir():
+        raise EventLogError(root, "not a directory: pass the run_dir the Guard wrote to")
+    files = sorted(
+        ((int(m.group(1)), p) for p in root.iterdir() if (m := _RANK_FILE.match(p.name)) and p.is_file()),
+        key=lambda item: item[0],
+    )
+    if not files:
+        raise EventLogError(root, "no event logs (events-rank*.jsonl) here: was the Guard given run_dir=?")
+    bundle_dirs = _bundle_dirs(root)
+    notes: list[str] = []
+    report = RunReport(run_dir=root, ranks={})
+    per_rank: dict[int, list[dict[str, Any]]] = {}
+    with _progress(progress, len(files) + len(bundle_dirs), "reading run") as advance:
+        for rank, path in files:
+            log, events = _read_rank(rank, path, notes)
+            report.ranks[rank] = log
+            per_rank[rank] = events
+            advance(f"{path.name}: {log.events} events")
+        for step, rank, path in bundle_dirs:
+            report.bundles.append(_read_bundle(path, step, rank, notes))
+            advance(f"bundle {path.name}")
+    if not any(log.events for log in report.ranks.values()):
+        names = ", ".join(p.name for _, p in files)
+        _flush(notes)
+        raise EventLogError(root, f"no readable events in {names}: the logs are empty or unreadable")
+    _merge(report, per_rank, notes)
+    _check_alignment(report, notes)
+    report.warnings = notes
+    _flush(notes)
+    return report
+
+
+@contextlib.contextmanager
+def _progress(progress: Progress | None, total: int, label: str) -> Iterator[Callable[[str], None]]:
+    if progress is None:
+        yield lambda message: None
+        return
+    with progress(total, label) as advance:
+        yield advance
+
+
+def _flush(notes: list[str]) -> None:
+    for note in notes:
+        warnings.warn(note, UserWarning, stacklevel=3)
+
+
+def _bundle_dirs(root: Path) -> list[tuple[int, int, Path]]:
+    folder = root / "bundles"
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir() if (m := _BUNDLE_DIR.match(p.name))]
+    return sorted(found, key=lambda item: (item[0], item[1]))
+
+
+def _read_rank(rank: int, path: Path, notes: list[str]) -> tuple[RankLog, list[dict[str, Any]]]:
+    log = RankLog(rank=rank, path=path)
+    events: list[dict[str, Any]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for event in read_events(path):
+                log.events += 1
+                kind = event["kind"]
+                if kind == "step":
+                    log.steps.append(
+                        StepRecord(
+                            step=event["step"],
+                            loss=number(event.get("loss")),
+                            grad_norm=number(event.get("grad_norm")),
+                            skipped=bool(event.get("skipped")),
+                            scale=number(event.get("scale")),
+                        )
+                    )
+                elif kind == "start":
+                    log.starts += 1
+                    if isinstance(event.get("world_size"), int):
+                        log.world_size = event["world_size"]
+                elif kind == "end":
+                    log.end = event
+                else:
+                    events.append(event)
+        except EventLogError as err:
+            notes.append(str(err))
+    notes.extend(str(w.message) for w in caught)
+    log.steps.sort(key=lambda s: s.step)
+    return log, events
+
+
+def _read_bundle(path: Path, step: int, rank: int, notes: list[str]) -> BundleInfo:
+    from nanguard.bundle import load_bundle
+
+    info = BundleInfo(path=path, step=step, rank=rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            bundle = load_bundle(path)
+        except BundleError as err:
+            info.error = err.problem
+            notes.append(f"skipping unreadable bundle {err}")
+            return info
+    notes.extend(str(w.message) for w in caught)
+    info.batch_stored = bundle.batch_stored
+    if bundle.diagnosis is not None:
+        info.cause = bundle.diagnosis.cause
+    return info
+
+
+def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]], notes: list[str]) -> None:
+    """Fold each rank's trip/skip/rollback/spike/overflow events into entries keyed by step."""
+    keys = {
+        "trip": lambda e: (),
+        "skip": lambda e: (str(e.get("reason")),),
+        "rollback": lambda e: (e.get("restored_step"),),
+        "spike": lambda e: (str(e.get("metric")),),
+        "overflow": lambda e: (),
+    }
+    merged: dict[str, dict[tuple[Any, ...], list[tuple[int, dict[str, Any]]]]] = defaultdict(dict)
+    for rank, events in sorted(per_rank.items()):
+        seen: dict[tuple[Any, ...], int] = defaultdict(int)
+        for event in events:
+            kind = event["kind"]
+            key = (event["step"], *keys[kind](event))
+            nth = seen[(kind, *key)]
+            seen[(kind, *key)] += 1
+            # The n-th identical event of each rank is one merged entry (a resumed run may repeat steps).
+            merged[kind].setdefault((*key, nth), []).append((rank, event))
+
+    for entries in merged["trip"].values():
+        report.trips.append(_merge_trip(entries, notes))
+    report.trips.sort(key=lambda t: t.step)
+    for kind, target in (
+        ("skip", report.skips),
+        ("rollback", report.rollbacks),
+        ("spike", report.spikes),
+        ("overflow", report.overflows),
+    ):
+        for entries in merged[kind].values():
+            rank0, first = entries[0]
+            fields = {k: v for k, v in first.items() if k not in ("kind", "step", "rank")}
+            if kind == "spike" and len(entries) > 1:
+                fields["value_by_rank"] = {str(r): e.get("value") for r, e in entries}
+            target.append(Marker(kind=kind, step=first["step"], ranks=[r for r, _ in entries], fields=fields))
+        target.sort(key=lambda m: m.step)
+
+    by_key = {(b.step, b.rank): b for b in report.bundles}
+    for trip in report.trips:
+        trip.bundles = [by_key[(trip.step, r)] for r in trip.reported_by if (trip.step, r) in by_key]
+
+
+def _merge_trip(entries: list[tuple[int, dict[str, Any]]], notes: list[str]) -> Trip:
+    step = entries[0][1]["step"]
+    diagnosis = None
+    flagged: set[int] = set()
+    stats: dict[int, dict[str, Any]] = {}
+    for rank, event in entries:
+        flagged.update(r for r in event.get("ranks") or [] if isinstance(r, int))
+        if isinstance(event.get("module_stats"), Mapping):
+            stats[rank] = dict(event["module_stats"])
+        data = event.get("diagnosis")
+        if diagnosis is None and isinstance(data, Mapping):
+            try:
+                diagnosis = Diagnosis.from_dict(data)
+            except (TypeError, ValueError) as err:
+                notes.append(f"rank {rank}, trip at step {step}: diagnosis could not be read ({err})")
+    return Trip(
+        step=step,
+        action=str(entries[0][1].get("action", "?")),
+        ranks=sorted(flagged),
+        reported_by=[r for r, _ in entries],
+        diagnosis=diagnosis,
+        module_stats=stats,
+    )
+
+
+def _check_alignment(report: RunReport, notes: list[str]) -> None:
+    ranks = sorted(report.ranks)
+    sizes = {log.world_size for log in report.ranks.values() if log.world_size is not None}
+    report.world_size = max(sizes) if sizes else None
+    if len(sizes) > 1:
+        notes.append(f"the ranks' logs disagree on world_size ({sorted(sizes)}): several runs share this run_dir?")
+    if report.world_size is not None:
+        missing = sorted(set(range(report.world_size)) - set(ranks))
+        if missing:
+            notes.append(f"world_size is {report.world_size} but there is no event log for rank(s) {missing}")
+    ends = {r: log.last_step for r, log in report.ranks.items() if log.last_step is not None}
+    if len(set(ends.values())) > 1:
+        last = max(ends.values())
+        behind = ", ".join(f"rank {r} at step {s}" for r, s in sorted(ends.items()) if s < last)
+        notes.append(f"the ranks' logs end at different steps (latest {last}; {behind}): a rank stopped early?")

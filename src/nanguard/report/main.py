@@ -1,0 +1,139 @@
+"""``nanguard report RUN_DIR [--html OUT] [--json]``: summarize a run from its events and bundles."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import TextIO
+
+from nanguard.errors import NanguardError
+from nanguard.report.html import MAX_DETAILED_TRIPS, write_html
+from nanguard.report.load import RunReport, load_run
+from nanguard.report.terminal import Console
+from nanguard.report.words import fmt
+
+__all__ = ["print_summary", "run_report"]
+
+_MAX_PANELS = 10
+_MAX_EVENT_ROWS = 40
+
+
+def run_report(
+    run_dir: str | Path,
+    html: str | Path | None = None,
+    as_json: bool = False,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Read ``run_dir``, print its summary (or JSON), optionally write the HTML page; return the exit code.
+
+    0 when the report was made, 1 when the run directory has no readable events or the
+    page cannot be written. Problems in the logs (a truncated line, an unknown event kind)
+    are printed to ``err`` as warnings; progress goes to ``err`` when it is a terminal.
+
+    Example:
+        >>> run_report("runs/exp1", html="runs/exp1/report.html")
+        0
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    status = Console(err)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = load_run(run_dir, progress=lambda total, label: status.progress(total, label, echo=False))
+    except NanguardError as error:
+        _print_warnings(caught, err)
+        print(f"nanguard report: error: {error}", file=err, flush=True)
+        return 1
+    _print_warnings(caught, err)
+
+    written: Path | None = None
+    if html is not None:
+        total = 4 + min(len(report.trips), MAX_DETAILED_TRIPS)
+        try:
+            with status.progress(total, "drawing", echo=False) as advance:
+                written = write_html(report, html, progress=advance)
+        except OSError as error:
+            print(f"nanguard report: error: cannot write {html}: {error.strerror or error}", file=err, flush=True)
+            return 1
+
+    if as_json:
+        data = report.to_dict()
+        data["html"] = str(written) if written else None
+        print(json.dumps(data, indent=2, allow_nan=False), file=out, flush=True)
+        return 0
+    console = Console(out)
+    print_summary(report, console)
+    if written is not None:
+        console.line(f"HTML report: {written}")
+    return 0
+
+
+def _print_warnings(caught: list[warnings.WarningMessage], err: TextIO) -> None:
+    for w in caught:
+        print(f"nanguard report: warning: {w.message}", file=err, flush=True)
+
+
+def print_summary(report: RunReport, console: Console) -> None:
+    """The terminal summary: counts, per-rank table, events, and each diagnosis.
+
+    Example:
+        >>> print_summary(load_run("runs/exp1"), Console())
+    """
+    data = report.to_dict()
+    counts = data["counts"]
+    world = f" (world size {report.world_size})" if report.world_size else ""
+    steps = f"steps {data['first_step']}-{data['last_step']}" if data["steps_run"] else "no steps logged"
+    console.title(f"nanguard report: {report.run_dir}")
+    console.group(
+        f"{len(report.ranks)} rank(s){world}, {steps}: {data['steps_run']} steps run",
+        f"trips {counts['trips']}, skips {counts['skips']}, rollbacks {counts['rollbacks']}, "
+        f"spikes {counts['spikes']}, overflows {counts['overflows']}, bundles {counts['bundles']}",
+    )
+    rows = [
+        [
+            f"rank {r}",
+            str(d["steps_logged"]),
+            str(d["skipped"]),
+            fmt(d["last_loss"]),
+            fmt(d["last_grad_norm"]),
+            str(d["trips_originated"]),
+        ]
+        for r, d in data["per_rank"].items()
+    ]
+    console.table(["rank", "steps", "skipped", "last loss", "last grad norm", "trips started"], rows)
+
+    events = [(t.step, "trip", t.ranks, f"{t.diagnosis.cause if t.diagnosis else '?'} -> {t.action}")
+              for t in report.trips]  # fmt: skip
+    for marker in [*report.skips, *report.rollbacks, *report.spikes, *report.overflows]:
+        f = marker.fields
+        detail = {
+            "skip": lambda: str(f.get("reason", "")),
+            "rollback": lambda: f"to step {f.get('restored_step')}: {f.get('reason', '')}",
+            "spike": lambda: f"{f.get('metric')} {fmt(f.get('value'))} (z={fmt(f.get('score'), 3)})",
+            "overflow": lambda: f"scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}",
+        }[marker.kind]()
+        events.append((marker.step, marker.kind, marker.ranks, detail))
+    events.sort(key=lambda e: (e[0], e[1] != "trip"))
+    if events:
+        shown = [[str(s), kind, ",".join(str(r) for r in ranks), detail] for s, kind, ranks, detail in events]
+        console.table(["step", "event", "ranks", "detail"], shown[:_MAX_EVENT_ROWS])
+        if len(shown) > _MAX_EVENT_ROWS:
+            console.line(f"... {len(shown) - _MAX_EVENT_ROWS} more events (see --json)")
+
+    for trip in report.trips[:_MAX_PANELS]:
+        if trip.diagnosis is None:
+            console.line(f"step {trip.step}: trip ({trip.action}) without a readable diagnosis")
+            continue
+        if len(report.ranks) > 1 and trip.origin_rank is not None:
+            console.line(f"step {trip.step}: started on rank {trip.origin_rank}, "
+                         f"non-finite on rank(s) {', '.join(map(str, trip.ranks)) or '-'}")  # fmt: skip
+        console.diagnosis(trip.diagnosis)
+    if len(report.trips) > _MAX_PANELS:
+        console.line(f"... {len(report.trips) - _MAX_PANELS} more trips (see --html or --json)")
+    if not report.trips:
+        console.line("no trips: every logged step was finite")

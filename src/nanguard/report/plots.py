@@ -1,0 +1,370 @@
+"""The report's plots, drawn with matplotlib's object API and returned as SVG text.
+
+No pyplot: figures are built as ``matplotlib.figure.Figure`` objects and saved through
+the SVG canvas, so drawing a report never touches the caller's backend or global figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ParamSpec
+
+import matplotlib
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from nanguard.events import number
+from nanguard.report.load import RunReport, Trip
+
+P = ParamSpec("P")
+
+__all__ = ["MAX_POINTS", "figure_svg", "grad_norm_plot", "loss_plot", "module_plot", "nonfinite_plot", "rank_plot"]
+
+MAX_POINTS = 3000
+"""Points per rank and curve above which a curve is thinned to each bucket's min and max."""
+MAX_MODULE_ROWS = 48
+
+_RC = {
+    "svg.fonttype": "none",
+    "svg.hashsalt": "nanguard",
+    "font.size": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "figure.dpi": 100,
+}
+_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#7f7f7f", "#bcbd22", "#e377c2")
+TRIP = "#d62728"
+SKIP = "#ff7f0e"
+ROLLBACK = "#6a3d9a"
+SPIKE = "#e6ab02"
+OVERFLOW = "#a6761d"
+
+
+def rank_color(rank: int) -> str:
+    return _COLORS[rank % len(_COLORS)]
+
+
+def figure_svg(fig: Figure) -> str:
+    """The figure as standalone SVG text.
+
+    Example:
+        >>> svg = figure_svg(loss_plot(report))
+        >>> svg.startswith("<?xml")
+        True
+    """
+    buf = io.StringIO()
+    with matplotlib.rc_context(_RC):
+        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    return buf.getvalue()
+
+
+def _styled(draw: Callable[P, Figure]) -> Callable[P, Figure]:
+    """Build the figure under the report's rc settings (they are read as artists are made)."""
+
+    @functools.wraps(draw)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> Figure:
+        with matplotlib.rc_context(_RC):
+            return draw(*args, **kwargs)
+
+    return wrapper
+
+
+def _figure(width: float, height: float) -> Figure:
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def decimate(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """Thin a long curve to each bucket's first, min and max points, so spikes survive.
+
+    Example:
+        >>> x, y = decimate(np.arange(10**6), np.random.rand(10**6))
+        >>> len(x) <= 3 * MAX_POINTS // 2 + 3
+        True
+    """
+    if len(x) <= max_points:
+        return x, y
+    buckets = max(1, max_points // 2)
+    keep: list[int] = []
+    for chunk in np.array_split(np.arange(len(x)), buckets):
+        vals = y[chunk]
+        finite = np.isfinite(vals)
+        picks = {int(chunk[0])}
+        if finite.any():
+            idx = chunk[finite]
+            picks.add(int(idx[np.argmin(vals[finite])]))
+            picks.add(int(idx[np.argmax(vals[finite])]))
+        if not finite.all():
+            picks.add(int(chunk[~finite][0]))  # keep a gap where the curve breaks
+        keep.extend(sorted(picks))
+    order = np.asarray(keep)
+    return x[order], y[order]
+
+
+def _series(report: RunReport, rank: int, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    log = report.ranks[rank]
+    x = np.fromiter((s.step for s in log.steps), dtype=float, count=len(log.steps))
+    raw = (getattr(s, metric) for s in log.steps)
+    y = np.fromiter((v if v is not None else math.nan for v in raw), dtype=float, count=len(log.steps))
+    # Non-finite and non-positive values leave a gap: the non-finite plot counts them.
+    y[~np.isfinite(y)] = math.nan
+    return x, y
+
+
+def _set_scale(ax: Axes, values: Sequence[np.ndarray]) -> None:
+    finite = np.concatenate([v[np.isfinite(v)] for v in values]) if values else np.array([])
+    if finite.size and (finite <= 0).any():
+        positive = np.abs(finite[finite != 0])
+        ax.set_yscale("symlog", linthresh=float(positive.min()) if positive.size else 1.0)
+    else:
+        ax.set_yscale("log")
+
+
+def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
+    fig = _figure(10, 3.4)
+    ax = fig.add_subplot()
+    curves = []
+    handles: list[Any] = []
+    multi = len(report.ranks) > 1
+    for rank in sorted(report.ranks):
+        x, y = decimate(*_series(report, rank, metric))
+        curves.append(y)
+        (line,) = ax.plot(x, y, color=rank_color(rank), lw=1.3, label=f"rank {rank}" if multi else label)
+        handles.append(line)
+    _set_scale(ax, curves)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{label} (log)")
+    handles += _mark_events(ax, report, metric)
+    if not any(np.isfinite(c).any() for c in curves):
+        ax.text(0.5, 0.5, f"no finite {label} logged", transform=ax.transAxes, ha="center", va="center")
+    ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=min(len(handles), 4), framealpha=0.85)
+    ax.set_title(f"{label} per step" + (" per rank" if multi else ""), loc="left")
+    return fig
+
+
+def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
+    handles: list[Any] = []
+    skip_steps = [m.step for m in report.skips]
+    if skip_steps:
+        ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=SKIP, lw=1, ls=":", alpha=0.9)
+        handles.append(Line2D([], [], color=SKIP, ls=":", label=f"skip ({len(skip_steps)})"))
+    for m in report.rollbacks:
+        restored = m.fields.get("restored_step")
+        if isinstance(restored, int) and restored < m.step:
+            ax.axvspan(restored, m.step, color=ROLLBACK, alpha=0.08, lw=0)
+    if report.rollbacks:
+        steps = [m.step for m in report.rollbacks]
+        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=ROLLBACK, lw=1.6, ls="--")
+        handles.append(Line2D([], [], color=ROLLBACK, ls="--", label=f"rollback ({len(steps)})"))
+    if report.trips:
+        steps = [t.step for t in report.trips]
+        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=TRIP, lw=1.6)
+        ax.scatter(steps, [0.97] * len(steps), transform=ax.get_xaxis_transform(), marker="X", s=50, color=TRIP,
+                   zorder=5)  # fmt: skip
+        handles.append(Line2D([], [], color=TRIP, marker="X", label=f"trip ({len(steps)})"))
+    spikes = [m for m in report.spikes if m.fields.get("metric") == metric]
+    if spikes:
+        values = [number(m.fields.get("value")) for m in spikes]
+        pts = [(m.step, v) for m, v in zip(spikes, values, strict=True) if v is not None and math.isfinite(v)]
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), marker="*", s=110, color=SPIKE, edgecolors="black", lw=0.5, zorder=6)
+        handles.append(Line2D([], [], color=SPIKE, marker="*", ls="", markeredgecolor="black",
+                              label=f"spike ({len(spikes)})"))  # fmt: skip
+    return handles
+
+
+@_styled
+def loss_plot(report: RunReport) -> Figure:
+    """Loss over steps on a log scale, one curve per rank, with trips, skips, rollbacks and spikes.
+
+    Example:
+        >>> svg = figure_svg(loss_plot(load_run("runs/exp1")))
+    """
+    return _metric_plot(report, "loss", "loss")
+
+
+@_styled
+def grad_norm_plot(report: RunReport) -> Figure:
+    """Gradient norm over steps on a log scale, marked like ``loss_plot``.
+
+    Example:
+        >>> svg = figure_svg(grad_norm_plot(load_run("runs/exp1")))
+    """
+    return _metric_plot(report, "grad_norm", "gradient norm")
+
+
+@_styled
+def nonfinite_plot(report: RunReport) -> Figure:
+    """Non-finite metrics per step and rank (stacked bars), and GradScaler overflows.
+
+    Example:
+        >>> svg = figure_svg(nonfinite_plot(load_run("runs/exp1")))
+    """
+    fig = _figure(10, 2.6)
+    ax = fig.add_subplot()
+    counts = report.nonfinite_counts()
+    steps = report.steps
+    if steps:
+        ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+    bottom: dict[int, float] = {}
+    handles: list[Any] = []
+    width = max(0.8, (steps[-1] - steps[0]) / 400) if steps else 0.8
+    for rank in sorted(counts):
+        per_step = counts[rank]
+        if not per_step:
+            continue
+        xs = sorted(per_step)
+        ys = [per_step[s] for s in xs]
+        base = [bottom.get(s, 0.0) for s in xs]
+        ax.bar(xs, ys, bottom=base, width=width, color=rank_color(rank), edgecolor=TRIP, lw=0.8)
+        for s, y in zip(xs, ys, strict=True):
+            bottom[s] = bottom.get(s, 0.0) + y
+        handles.append(Line2D([], [], color=rank_color(rank), lw=6, label=f"rank {rank}: non-finite loss/grad"))
+    if report.overflows:
+        xs = [m.step for m in report.overflows]
+        base = [bottom.get(s, 0.0) for s in xs]
+        ax.bar(xs, [len(m.ranks) for m in report.overflows], bottom=base, width=width, color=OVERFLOW, alpha=0.7)
+        handles.append(Line2D([], [], color=OVERFLOW, lw=6, label="GradScaler overflow"))
+    top = max(bottom.values(), default=0.0) + sum(len(m.ranks) for m in report.overflows[:1])
+    ax.set_ylim(0, max(2.0, top + 0.5))
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("step")
+    ax.set_ylabel("count")
+    ax.set_title("non-finite values per step", loc="left")
+    if handles:
+        ax.legend(handles=handles, loc="upper right", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no non-finite loss or gradient logged", transform=ax.transAxes, ha="center", va="center")
+    return fig
+
+
+@_styled
+def rank_plot(report: RunReport) -> Figure:
+    """Ranks over steps: what each rank logged, where it skipped, and which rank each trip started on.
+
+    Example:
+        >>> svg = figure_svg(rank_plot(load_run("runs/exp1")))
+    """
+    ranks = sorted(report.ranks)
+    fig = _figure(10, 1.4 + 0.45 * len(ranks))
+    ax = fig.add_subplot()
+    for rank in ranks:
+        log = report.ranks[rank]
+        if log.steps:
+            ax.hlines(rank, log.steps[0].step, log.steps[-1].step, color=rank_color(rank), lw=3, alpha=0.5)
+        skipped = [s.step for s in log.steps if s.skipped]
+        if skipped:
+            ax.scatter(skipped, [rank] * len(skipped), marker="|", s=140, color=SKIP, zorder=3)
+    for trip in report.trips:
+        others = [r for r in trip.ranks if r != trip.origin_rank]
+        if others:
+            ax.scatter([trip.step] * len(others), others, marker="o", s=60, facecolors="none", edgecolors=TRIP,
+                       zorder=4)  # fmt: skip
+        if trip.origin_rank is not None:
+            ax.scatter([trip.step], [trip.origin_rank], marker="X", s=120, color=TRIP, zorder=5)
+            cause = trip.diagnosis.cause if trip.diagnosis else "trip"
+            ax.annotate(f"{cause} (origin)", (trip.step, trip.origin_rank), xytext=(6, 6),
+                        textcoords="offset points", fontsize=8, color=TRIP)  # fmt: skip
+    for m in report.rollbacks:
+        ax.vlines(m.step, -0.5, len(ranks) - 0.5, colors=ROLLBACK, ls="--", lw=1)
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(min(ranks) - 0.6, max(ranks) + 0.6)
+    ax.invert_yaxis()
+    ax.set_xlabel("step")
+    ax.set_title("ranks: logged steps, skips, and the rank each trip started on", loc="left")
+    handles = [
+        Line2D([], [], color="#999999", lw=3, label="steps logged"),
+        Line2D([], [], color=SKIP, marker="|", ls="", markersize=10, label="skipped"),
+        Line2D([], [], color=TRIP, marker="X", ls="", markersize=9, label="trip origin"),
+        Line2D([], [], color=TRIP, marker="o", ls="", markerfacecolor="none", label="also non-finite"),
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return fig
+
+
+def _rows(stats: Mapping[str, Any], origin_module: str | None) -> tuple[list[dict[str, Any]], str]:
+    rows = [r for r in stats.get("modules") or [] if isinstance(r, Mapping) and r.get("name")]
+    note = ""
+    if len(rows) > MAX_MODULE_ROWS:
+        # Show the window where things go wrong: from a little before the first bad module.
+        marks = [i for i, r in enumerate(rows) if r.get("name") == origin_module or _bad(r)]
+        start = max(0, (marks[0] if marks else 0) - MAX_MODULE_ROWS // 4)
+        start = min(start, len(rows) - MAX_MODULE_ROWS)
+        note = f"modules {start + 1}-{start + MAX_MODULE_ROWS} of {len(rows)}"
+        rows = rows[start : start + MAX_MODULE_ROWS]
+    return rows, note
+
+
+def _bad(row: Mapping[str, Any]) -> bool:
+    return bool(row.get("nan") or row.get("inf") or row.get("grad_nan") or row.get("grad_inf"))
+
+
+@_styled
+def module_plot(trip: Trip, stats: Mapping[str, Any]) -> Figure:
+    """Per-module activation absmax and gradient norm at the tripped step, in call order.
+
+    Rows whose output or gradient holds NaN/Inf are drawn red with their counts; the
+    diagnosed origin module is highlighted.
+
+    Example:
+        >>> rank, stats = trip.stats_for_origin()
+        >>> svg = figure_svg(module_plot(trip, stats))
+    """
+    origin_module = trip.diagnosis.module if trip.diagnosis else None
+    rows, note = _rows(stats, origin_module)
+    n = max(1, len(rows))
+    fig = _figure(10, 1.2 + 0.22 * n)
+    ax_act = fig.add_subplot(1, 2, 1)
+    ax_grad = fig.add_subplot(1, 2, 2, sharey=ax_act)
+    y = np.arange(len(rows))
+    labels = [f"{r['name']} ({r.get('type', '?')})" for r in rows]
+    for ax, key, nan_key, inf_key, title in (
+        (ax_act, "absmax", "nan", "inf", "activation |x| max (finite part)"),
+        (ax_grad, "grad_norm", "grad_nan", "grad_inf", "gradient norm of own parameters (finite part)"),
+    ):
+        values = [number(r.get(key)) for r in rows]
+        positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+        floor = min(positive) / 10 if positive else 1e-8
+        widths = [v if v is not None and math.isfinite(v) and v > 0 else 0.0 for v in values]
+        colors = [TRIP if (r.get(nan_key) or r.get(inf_key)) else "#4c72b0" for r in rows]
+        ax.barh(y, widths, left=floor, color=colors, height=0.7)
+        ax.set_xscale("log")
+        top = max(positive, default=1.0)
+        ax.set_xlim(floor, top * 1e3)
+        for i, r in enumerate(rows):
+            bits = []
+            if r.get(nan_key):
+                bits.append(f"{r[nan_key]} NaN")
+            if r.get(inf_key):
+                bits.append(f"{r[inf_key]} Inf")
+            if values[i] is None:
+                bits.append("no float output" if key == "absmax" else "no own grads")
+            if bits:
+                at = floor + widths[i] if widths[i] > 0 else floor
+                ax.text(at * 1.15, i, ", ".join(bits), va="center", fontsize=7,
+                        color=TRIP if r.get(nan_key) or r.get(inf_key) else "#555555")  # fmt: skip
+        ax.set_title(title, loc="left", fontsize=9)
+        ax.grid(axis="y", visible=False)
+    ax_act.set_yticks(y, labels, fontsize=7)
+    ax_grad.tick_params(labelleft=False)
+    ax_act.invert_yaxis()
+    for i, r in enumerate(rows):
+        if origin_module is not None and r.get("name") == origin_module:
+            for ax in (ax_act, ax_grad):
+                ax.axhspan(i - 0.5, i + 0.5, color=SPIKE, alpha=0.25, lw=0)
+            ax_act.get_yticklabels()[i].set_fontweight("bold")
+    title = f"step {trip.step}: per-module statistics of the replay"
+    if note:
+        title += f" ({note})"
+    if stats.get("error"):
+        title += f" - replay stopped: {stats['error']}"
+    fig.suptitle(title, x=0.01, ha="left", fontsize=10)
+    if not rows:
+        ax_act.text(0.5, 0.5, "no module ran", transform=ax_act.transAxes, ha="center", va="center")
+    return fig
