@@ -181,6 +181,7 @@ class Guard:
         self._good_steps = 0
         self._param_flag: torch.Tensor | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._buffers = list(model.buffers())
         self._fused = _supports_found_inf(optimizer)
         # init.scale is about the weights the run started from, not weights grown by training.
         self._initial_scale = weight_scale(dist.unwrap(model))
@@ -205,7 +206,7 @@ class Guard:
         if self._drop_batch() or self._bad_batch(batch):
             return None
         rng = get_rng_state()
-        buffers = _buffer_backup(self.model)
+        buffers = _buffer_backup(self._buffers)
         try:
             with torch.enable_grad():
                 loss = closure()
@@ -373,10 +374,7 @@ class Guard:
         every = self.config.param_check_every
         if every and step % every == 0:
             with torch.no_grad():
-                norms = torch._foreach_norm([p.detach() for p in self._params], 2.0) if self._params else []
-                if norms:
-                    total = torch.stack([n.float().to(norms[0].device) for n in norms]).sum()
-                    self._param_flag = ~torch.isfinite(total)
+                self._param_flag = ~torch.isfinite(grad_health(self._params))
         self._good_steps += 1
         if self.config.policy == "rollback" and self._good_steps % self.config.snapshot_every == 0:
             self._take_snapshot()
@@ -740,9 +738,8 @@ def _device_of(loss: Any) -> torch.device:
     return loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")
 
 
-def _buffer_backup(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _buffer_backup(bufs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Copies of the buffers (BatchNorm running stats) so a skipped step leaves them as they were."""
-    bufs = list(model.buffers())
     if not bufs:
         return []
     copies = [torch.empty_like(b) for b in bufs]

@@ -85,8 +85,11 @@ def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     if not groups:
         return torch.zeros((), dtype=torch.float32)
     device = next(iter(groups))[0]
-    sq = []
-    for tensors in groups.values():
-        norms = torch._foreach_norm(tensors, 2.0)
-        sq.append(torch.stack([n.float() for n in norms]).to(device).square().sum())
-    return torch.stack(sq).sum().sqrt()
+    # One norm per (device, dtype) group, then the norm of those norms: no per-tensor Python work.
+    parts = [
+        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2.0)), dtype=torch.float32)
+        for ts in groups.values()
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]))

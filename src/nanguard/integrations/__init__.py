@@ -16,18 +16,14 @@ Example:
 from __future__ import annotations
 
 import importlib
-import warnings
-from collections.abc import Callable
+from dataclasses import fields
 from types import ModuleType
 from typing import Any
 
 import torch
+from torch import nn
 
-from nanguard import dist
-from nanguard.findings import Diagnosis
-from nanguard.guard import Guard, _transient
-from nanguard.locate import locate
-from nanguard.rng import set_rng_state
+from nanguard.guard import GuardConfig
 
 __all__: list[str] = []
 
@@ -42,66 +38,40 @@ def require(module: str, extra: str, what: str) -> ModuleType:
         ) from err
 
 
+def guard_options(policy: str, options: dict[str, Any]) -> None:
+    """Validate Guard options when the callback is built, not when training starts."""
+    known = {f.name for f in fields(GuardConfig)} - {"policy"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown Guard option(s) {unknown}; accepted: {sorted(known)}")
+    GuardConfig(policy=policy, **options)
+
+
 def drop_grads(optimizer: torch.optim.Optimizer) -> None:
-    """Skip the coming ``optimizer.step()``: torch optimizers leave params with no grad, and their state, alone."""
+    """Make the coming ``optimizer.step()`` a no-op: torch optimizers skip params whose grad is None."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
 
 
-class BatchGuard(Guard):
-    """A Guard whose replay names the batch to ``ng.locate``, so a NaN input reads as ``data.*``.
+class RunningStats:
+    """Copies of normalization running statistics, so a skipped step leaves them as they were.
 
-    ``Guard._diagnose`` traces the replay with no arguments, so locate cannot tell the batch
-    from any other tensor and calls a NaN input ``parameters.nonfinite``. This subclass
-    passes ``batch`` to locate as a named argument; it goes away once Guard does that itself.
+    The bad forward has already updated BatchNorm-style running stats by the time the check
+    runs; a NaN batch would otherwise poison them for good.
     """
 
-    _batch: Any = None
+    def __init__(self, model: nn.Module) -> None:
+        self.buffers = [
+            b for m in model.modules() if getattr(m, "track_running_stats", False) for b in m.buffers(recurse=False)
+        ]
+        self.saved: list[torch.Tensor] = []
 
-    def check(
-        self,
-        loss: Any,
-        *,
-        replay: Callable[[], Any] | None = None,
-        batch: Any = None,
-        rng: dict[str, torch.Tensor] | None = None,
-    ) -> bool:
-        self._batch = batch
-        try:
-            return super().check(loss, replay=replay, batch=batch, rng=rng)
-        finally:
-            self._batch = None
+    def save(self) -> None:
+        if self.buffers:
+            self.saved = [b.detach().clone() for b in self.buffers]
 
-    def _diagnose(
-        self,
-        closure: Callable[[], Any] | None,
-        step: int,
-        rng: dict[str, torch.Tensor] | None,
-        loss_value: float,
-        grad_norm: float,
-        bad_ranks: list[int],
-    ) -> Diagnosis:
-        batch = self._batch
-        if closure is None or batch is None:
-            return super()._diagnose(closure, step, rng, loss_value, grad_norm, bad_ranks)
-        diag = None
-        located = self.config.locate
-        if located:
-            if rng is not None:
-                set_rng_state(rng)
-            model = dist.unwrap(self.model)
-
-            def run() -> Diagnosis | None:
-                return locate(lambda batch: closure(), batch, model=model)
-
-            try:
-                diag = dist.replay_locally(self.model, run)
-            except Exception as err:  # the guard's own failure must not kill training
-                warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=3)
-        diag = dist.gather_diagnosis(diag, bad_ranks)
-        if diag is None:
-            diag = _transient(step, loss_value, grad_norm, bad_ranks, located=located)
-        diag.step = step
-        self._apply_history(diag, step)
-        return diag
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, saved in zip(self.buffers, self.saved, strict=True):
+                b.copy_(saved)

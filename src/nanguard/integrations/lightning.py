@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,8 @@ import torch
 
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
-from nanguard.guard import Guard, GuardConfig
-from nanguard.integrations import BatchGuard, drop_grads, require
+from nanguard.guard import Guard
+from nanguard.integrations import RunningStats, drop_grads, guard_options, require
 from nanguard.rng import get_rng_state, set_rng_state
 
 pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
@@ -52,11 +51,7 @@ class NanGuard(pl.Callback):
     """
 
     def __init__(self, policy: str = "skip", *, run_dir: str | Path | None = None, **options: Any) -> None:
-        known = {f.name for f in fields(GuardConfig)} - {"policy"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown Guard option(s) {unknown}; accepted: {sorted(known)}")
-        GuardConfig(policy=policy, **options)  # validate now, not when fit starts
+        guard_options(policy, options)
         self.policy = policy
         self.run_dir = run_dir
         self.options = options
@@ -66,6 +61,7 @@ class NanGuard(pl.Callback):
         self._loss: torch.Tensor | None = None
         self._state: Mapping[str, Any] | None = None
         self._closed = False
+        self._stats = RunningStats(torch.nn.Module())
 
     @property
     def skipped(self) -> int:
@@ -83,13 +79,16 @@ class NanGuard(pl.Callback):
             )
         if len(trainer.optimizers) != 1:
             raise ValueError(f"NanGuard needs exactly one optimizer, got {len(trainer.optimizers)}")
-        self.guard = BatchGuard(pl_module, trainer.optimizers[0], self.policy, run_dir=self.run_dir, **self.options)
+        self._stats = RunningStats(pl_module)
+        self.guard = Guard(pl_module, trainer.optimizers[0], self.policy, run_dir=self.run_dir, **self.options)
         if self._state is not None:
             self.guard.load_state_dict(self._state)
             self._state = None
         self._micro, self._loss, self._closed = [], None, False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._micro:
+            self._stats.save()
         self._micro.append((batch, batch_idx, get_rng_state()))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -117,6 +116,8 @@ class NanGuard(pl.Callback):
             raise
         if not ok:
             drop_grads(optimizer)
+            if self.guard.last_action != "rollback":
+                self._stats.restore()
             self._record(trainer)
 
     def on_train_batch_end(

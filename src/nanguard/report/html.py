@@ -13,8 +13,8 @@ from matplotlib.figure import Figure
 
 from nanguard.explain import where_lines
 from nanguard.report import plots
-from nanguard.report.load import Marker, RunReport, Trip
-from nanguard.report.words import KIND_NAMES, evidence_lines, fmt, op_path
+from nanguard.report.load import RunReport, Trip
+from nanguard.report.words import KIND_NAMES, event_words, evidence_lines, fmt, op_path
 
 __all__ = ["MAX_DETAILED_TRIPS", "plot_count", "render_html", "write_html"]
 
@@ -141,7 +141,7 @@ def _path_html(trip: Trip) -> list[str]:
         return []
     body = "".join(
         f'<tr class="{_e(r["role"])}"><td>{_e(r["role"])}</td><td class="mono">{_e(r["op"])}</td>'
-        f"<td class=\"mono\">{_e(r['module'] if r['module'] is not None else '-') or '<root>'}</td>"
+        f'<td class="mono">{_e(r["module"] if r["module"] is not None else "-") or "<root>"}</td>'
         f'<td>{_e(r["phase"] or "-")}</td><td class="carries">{_e(r["carries"])}</td></tr>'
         for r in path
     )
@@ -187,19 +187,6 @@ def _bundles_html(trip: Trip) -> list[str]:
     return ["<h4>Repro bundles</h4>", f"<ul>{''.join(items)}</ul>"]
 
 
-def _marker_text(marker: Marker) -> str:
-    f = marker.fields
-    if marker.kind == "skip":
-        return str(f.get("reason", ""))
-    if marker.kind == "rollback":
-        return f"restored step {f.get('restored_step')}, dropping {f.get('skip_batches')} batch(es): {f.get('reason')}"
-    if marker.kind == "spike":
-        return f"{f.get('metric')} {fmt(f.get('value'))} (median {fmt(f.get('median'))}, z={fmt(f.get('score'), 3)})"
-    if marker.kind == "overflow":
-        return f"scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}"
-    return ""
-
-
 def _events_html(report: RunReport) -> str:
     markers = sorted(
         [*report.skips, *report.rollbacks, *report.spikes, *report.overflows], key=lambda m: (m.step, m.kind)
@@ -207,7 +194,8 @@ def _events_html(report: RunReport) -> str:
     if not markers:
         return '<p class="muted">No skips, rollbacks, spikes or overflows.</p>'
     rows = [
-        (str(m.step), m.kind, ", ".join(str(r) for r in m.ranks), _marker_text(m)) for m in markers[:_MAX_EVENT_ROWS]
+        (str(m.step), m.kind, ", ".join(map(str, m.ranks)), event_words(m.kind, m.fields))
+        for m in markers[:_MAX_EVENT_ROWS]
     ]
     more = len(markers) - len(rows)
     tail = f'<p class="muted">{more} more not shown; see --json.</p>' if more > 0 else ""
@@ -334,9 +322,7 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
     out.append('<h2 id="events">Skips, rollbacks, spikes and overflows</h2>')
     out.append(_events_html(report))
     if report.bundles:
-        rows = [
-            (b.path.name, str(b.step), str(b.rank), b.cause or "-", b.error or "ok") for b in report.bundles[:200]
-        ]
+        rows = [(b.path.name, str(b.step), str(b.rank), b.cause or "-", b.error or "ok") for b in report.bundles[:200]]
         out.append('<h2 id="bundles">Bundles</h2>')
         out.append(_table(("bundle", "step", "rank", "cause", "state"), rows, cls="bundles"))
     out.append('<p class="muted">Made by nanguard. This page is self-contained: it loads nothing.</p>')

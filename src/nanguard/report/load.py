@@ -66,9 +66,10 @@ class BundleInfo:
 class Trip:
     """One tripped step, merged over the ranks that logged it.
 
-    ``ranks`` are the ranks whose own values were non-finite, ``reported_by`` the ranks
-    whose log holds the trip, and ``module_stats`` each rank's per-module statistics of
-    the replay, when the guard recorded them.
+    ``ranks`` are the ranks whose values were non-finite after the step (the event's
+    ``ranks`` and the diagnosis's ``flagged_ranks``), ``reported_by`` the ranks whose log
+    holds the trip, and ``module_stats`` each rank's per-module statistics of the replay,
+    when the guard recorded them.
     """
 
     step: int
@@ -396,7 +397,7 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]], note
         ("overflow", report.overflows),
     ):
         for entries in merged[kind].values():
-            rank0, first = entries[0]
+            first = entries[0][1]
             fields = {k: v for k, v in first.items() if k not in ("kind", "step", "rank")}
             if kind == "spike" and len(entries) > 1:
                 fields["value_by_rank"] = {str(r): e.get("value") for r, e in entries}
@@ -415,9 +416,12 @@ def _merge_trip(entries: list[tuple[int, dict[str, Any]]], notes: list[str]) -> 
     stats: dict[int, dict[str, Any]] = {}
     for rank, event in entries:
         flagged.update(r for r in event.get("ranks") or [] if isinstance(r, int))
+        data = event.get("diagnosis")
+        evidence = data.get("evidence") if isinstance(data, Mapping) else None
+        if isinstance(evidence, Mapping) and isinstance(evidence.get("flagged_ranks"), list):
+            flagged.update(r for r in evidence["flagged_ranks"] if isinstance(r, int))
         if isinstance(event.get("module_stats"), Mapping):
             stats[rank] = dict(event["module_stats"])
-        data = event.get("diagnosis")
         if diagnosis is None and isinstance(data, Mapping):
             try:
                 diagnosis = Diagnosis.from_dict(data)

@@ -12,7 +12,7 @@ from nanguard.errors import NanguardError
 from nanguard.report.html import MAX_DETAILED_TRIPS, write_html
 from nanguard.report.load import RunReport, load_run
 from nanguard.report.terminal import Console
-from nanguard.report.words import fmt
+from nanguard.report.words import event_words, fmt
 
 __all__ = ["print_summary", "run_report"]
 
@@ -110,13 +110,7 @@ def print_summary(report: RunReport, console: Console) -> None:
     events = [(t.step, "trip", t.ranks, f"{t.diagnosis.cause if t.diagnosis else '?'} -> {t.action}")
               for t in report.trips]  # fmt: skip
     for marker in [*report.skips, *report.rollbacks, *report.spikes, *report.overflows]:
-        f = marker.fields
-        detail = {
-            "skip": lambda: str(f.get("reason", "")),
-            "rollback": lambda: f"to step {f.get('restored_step')}: {f.get('reason', '')}",
-            "spike": lambda: f"{f.get('metric')} {fmt(f.get('value'))} (z={fmt(f.get('score'), 3)})",
-            "overflow": lambda: f"scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}",
-        }[marker.kind]()
+        detail = event_words(marker.kind, marker.fields)
         events.append((marker.step, marker.kind, marker.ranks, detail))
     events.sort(key=lambda e: (e[0], e[1] != "trip"))
     if events:

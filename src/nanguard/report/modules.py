@@ -10,6 +10,7 @@ from torch import nn
 
 __all__ = ["module_stats"]
 
+
 def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: int = 256) -> dict[str, Any]:
     """Run ``closure`` once with forward hooks; return each module's output absmax and grad norm.
 

@@ -17,6 +17,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from nanguard.events import number
 from nanguard.report.load import RunReport, Trip
@@ -117,6 +118,10 @@ def _series(report: RunReport, rank: int, metric: str) -> tuple[np.ndarray, np.n
     return x, y
 
 
+def _number_label(value: float, _pos: Any = None) -> str:
+    return f"{value:.4g}"
+
+
 def _set_scale(ax: Axes, values: Sequence[np.ndarray]) -> None:
     finite = np.concatenate([v[np.isfinite(v)] for v in values]) if values else np.array([])
     if finite.size and (finite <= 0).any():
@@ -124,6 +129,10 @@ def _set_scale(ax: Axes, values: Sequence[np.ndarray]) -> None:
         ax.set_yscale("symlog", linthresh=float(positive.min()) if positive.size else 1.0)
     else:
         ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(_number_label))
+    narrow = finite.size and finite.min() > 0 and finite.max() / finite.min() < 100
+    # Within two decades the labelled ticks are minor ones; over more, minor labels only clutter.
+    ax.yaxis.set_minor_formatter(FuncFormatter(_number_label) if narrow else NullFormatter())
 
 
 def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
@@ -132,10 +141,18 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
     curves = []
     handles: list[Any] = []
     multi = len(report.ranks) > 1
-    for rank in sorted(report.ranks):
-        x, y = decimate(*_series(report, rank, metric))
+    series = {rank: _series(report, rank, metric) for rank in sorted(report.ranks)}
+    if multi and _identical(list(series.values())):
+        # A global value (the all-reduced grad norm) is the same on every rank: one curve says it.
+        series = {min(series): series[min(series)]}
+        multi = False
+        label_all = f"{label} (same on all ranks)"
+    else:
+        label_all = label
+    for rank, (x, y) in series.items():
+        x, y = decimate(x, y)
         curves.append(y)
-        (line,) = ax.plot(x, y, color=rank_color(rank), lw=1.3, label=f"rank {rank}" if multi else label)
+        (line,) = ax.plot(x, y, color=rank_color(rank), lw=1.3, label=f"rank {rank}" if multi else label_all)
         handles.append(line)
     _set_scale(ax, curves)
     ax.set_xlabel("step")
@@ -146,6 +163,14 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
     ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=min(len(handles), 4), framealpha=0.85)
     ax.set_title(f"{label} per step" + (" per rank" if multi else ""), loc="left")
     return fig
+
+
+def _identical(series: list[tuple[np.ndarray, np.ndarray]]) -> bool:
+    x0, y0 = series[0]
+    return all(
+        len(x) == len(x0) and np.array_equal(x, x0) and np.allclose(y, y0, rtol=1e-6, equal_nan=True)
+        for x, y in series[1:]
+    )
 
 
 def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:

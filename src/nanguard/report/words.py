@@ -9,7 +9,7 @@ from typing import Any
 from nanguard.events import number
 from nanguard.findings import Diagnosis
 
-__all__ = ["KIND_NAMES", "evidence_lines", "fmt", "op_path", "tensor_words"]
+__all__ = ["KIND_NAMES", "event_words", "evidence_lines", "fmt", "op_path", "tensor_words"]
 
 KIND_NAMES = {"nan": "NaN", "inf": "Inf"}
 _MAX_LISTED = 6
@@ -82,12 +82,11 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
         lines.append(("why", str(ev["why"])))
     if ev.get("op_cause") and ev.get("op_cause") != diag.cause:
         lines.append(("first op", f"the op-level cause was {ev['op_cause']}; the history points further back"))
-    for i, stats in enumerate(origin.get("inputs") or []):
-        if isinstance(stats, Mapping):
-            lines.append(("input" if len(origin["inputs"]) == 1 else f"input {i + 1}", tensor_words(stats)))
-    for i, stats in enumerate(origin.get("outputs") or []):
-        if isinstance(stats, Mapping):
-            lines.append(("output" if len(origin["outputs"]) == 1 else f"output {i + 1}", tensor_words(stats)))
+    is_op = origin.get("category") not in ("data", "parameters")
+    for key, name in (("inputs", "op input" if is_op else "values"), ("outputs", "op output")):
+        items = [s for s in origin.get(key) or [] if isinstance(s, Mapping)]
+        for i, stats in enumerate(items):
+            lines.append((name if len(items) == 1 else f"{name} {i + 1}", tensor_words(stats)))
     for stats in origin.get("index_inputs") or []:
         if isinstance(stats, Mapping):
             size = origin.get("indexed_size")
@@ -109,17 +108,14 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
         metric = str(history.get("metric", "grad_norm")).replace("_", " ")
         verdict = "diverging" if history.get("diverging") else "not diverging"
         lr = f", lr {fmt(history['lr'])}" if history.get("lr") is not None else ""
-        lines.append(
-            (
-                "history",
-                f"{metric} grew {fmt(history['growth'], 3)}x over the last {history.get('window')} steps{lr}: {verdict}",
-            )
-        )
+        window = history.get("window")
+        growth = fmt(history["growth"], 3)
+        lines.append(("history", f"{metric} grew {growth}x over the last {window} steps{lr}: {verdict}"))
     if ev.get("flagged_ranks") is not None:
         flagged = ", ".join(str(r) for r in ev["flagged_ranks"]) or "none"
-        text = f"flagged non-finite on rank(s) {flagged}"
+        text = f"non-finite after the step on rank(s) {flagged}"
         if diag.ranks:
-            text += f"; the replay reproduces it on rank(s) {', '.join(str(r) for r in diag.ranks)}"
+            text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
         lines.append(("ranks", text))
     causes = ev.get("per_rank_causes")
     if isinstance(causes, Mapping) and len(set(causes.values())) > 1:
@@ -191,3 +187,22 @@ def _row(role: str, item: Mapping[str, Any], carries: str) -> dict[str, Any]:
         "phase": item.get("phase"),
         "carries": carries,
     }
+
+
+def event_words(kind: str, fields: Mapping[str, Any]) -> str:
+    """A skip, rollback, spike or overflow event's fields as a short phrase.
+
+    Example:
+        >>> event_words("rollback", {"restored_step": 40, "skip_batches": 1, "reason": "op.log_domain"})
+        'back to step 40, dropping 1 batch(es): op.log_domain'
+    """
+    f = fields
+    if kind == "skip":
+        return str(f.get("reason", ""))
+    if kind == "rollback":
+        return f"back to step {f.get('restored_step')}, dropping {f.get('skip_batches')} batch(es): {f.get('reason')}"
+    if kind == "spike":
+        return f"{f.get('metric')} {fmt(f.get('value'))} (median {fmt(f.get('median'))}, z={fmt(f.get('score'), 3)})"
+    if kind == "overflow":
+        return f"GradScaler scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}"
+    return ""

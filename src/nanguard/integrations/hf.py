@@ -1,0 +1,250 @@
+"""Hugging Face ``Trainer`` callback: guard every optimizer step, skip bad ones without a trace.
+
+In ``on_pre_optimizer_step`` (after backward and gradient clipping, before
+``optimizer.step()``) the callback runs ``Guard.check`` on the step's loss and gradients.
+Callbacks see neither the batch nor the loss, so forward hooks on the model record each
+micro-batch's inputs, RNG state and loss. A tripped step is replayed (forward and backward
+on the same inputs and RNG state) under ``ng.locate`` to name its cause, and the policy
+applies. A skipped step leaves the weights, the optimizer state, normalization running
+statistics and the LR scheduler exactly as if it had not happened; ``state.global_step``
+still counts it. Each trip adds a ``nanguard/*`` entry to ``trainer.state.log_history``,
+and the guard's counters and last diagnosis are kept in
+``trainer.state.stateful_callbacks["NanGuardCallback"]`` (saved with checkpoints).
+
+Example:
+    >>> from nanguard.integrations.hf import NanGuardCallback
+    >>> guard_cb = NanGuardCallback(policy="skip", run_dir="runs/exp1")
+    >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[guard_cb])
+    >>> trainer.train()
+    >>> guard_cb.skipped, guard_cb.last_diagnosis
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard.errors import NonFiniteError
+from nanguard.findings import Diagnosis
+from nanguard.guard import Guard
+from nanguard.integrations import RunningStats, drop_grads, guard_options, require
+from nanguard.rng import get_rng_state, set_rng_state
+
+_callbacks = require("transformers.trainer_callback", "hf", "Hugging Face transformers")
+
+__all__ = ["NanGuardCallback"]
+
+
+class _Micro:
+    """One recorded forward of the step: its inputs, RNG state and loss."""
+
+    __slots__ = ("args", "kwargs", "loss", "rng")
+
+    def __init__(self, args: tuple, kwargs: dict[str, Any], rng: dict[str, torch.Tensor]) -> None:
+        self.args, self.kwargs, self.rng = args, kwargs, rng
+        self.loss: torch.Tensor | None = None
+
+
+class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
+    """Checks each optimizer step for NaN/Inf, diagnoses a trip, and skips, rolls back or raises.
+
+    ``policy`` and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); ``run_dir``
+    receives the per-rank event log and a bundle for each tripped step. With
+    ``max_grad_norm > 0`` the guard sees the clipped gradients: non-finite values stay
+    non-finite under clipping, and divergence shows in the loss history.
+
+    Example:
+        >>> cb = NanGuardCallback(policy="raise")
+        >>> Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()
+        Traceback (most recent call last):
+        nanguard.errors.NonFiniteError: ... optimizer.divergence ...
+    """
+
+    def __init__(self, policy: str = "skip", *, run_dir: str | Path | None = None, **options: Any) -> None:
+        guard_options(policy, options)
+        self.policy = policy
+        self.run_dir = str(run_dir) if run_dir is not None else None
+        self.options = options
+        self.guard: Guard | None = None
+        self.guard_state: dict[str, Any] | None = None  # restored from a checkpoint by the Trainer
+        self._micro: list[_Micro] = []
+        self._hooks: list[Any] = []
+        self._replaying = False
+        self._stepped = False
+        self._lr_state: tuple[dict[str, Any], list[Any]] | None = None
+        self._stats = RunningStats(nn.Module())
+
+    @property
+    def skipped(self) -> int:
+        return self.guard.skipped if self.guard is not None else 0
+
+    @property
+    def last_diagnosis(self) -> Diagnosis | None:
+        return self.guard.last_diagnosis if self.guard is not None else None
+
+    def state(self) -> dict[str, Any]:
+        guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state
+        return {
+            "args": {"policy": self.policy, "run_dir": self.run_dir, **self.options},
+            "attributes": {"guard_state": guard_state},
+        }
+
+    # -- Trainer events --------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model, optimizer = kwargs["model"], kwargs["optimizer"]
+        self.guard = Guard(model, optimizer, self.policy, run_dir=self.run_dir, **self.options)
+        if self.guard_state:
+            self.guard.load_state_dict(self.guard_state)
+        self._stats = RunningStats(model)
+        self._remove_hooks()
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._micro = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        guard = self.guard
+        if guard is None:
+            return
+        optimizer, scheduler = kwargs["optimizer"], kwargs.get("lr_scheduler")
+        micro, self._micro = self._micro, []
+        before = guard.last_diagnosis
+        try:
+            self._stepped = guard.check(
+                _step_loss(micro),
+                replay=(lambda: self._replay(micro)) if micro else None,
+                batch=_batch_of(micro),
+                rng=micro[0].rng if micro else None,
+            )
+        except NonFiniteError:
+            self._record(state, before)
+            self._remove_hooks()
+            guard.close()
+            raise
+        if self._stepped:
+            return
+        drop_grads(optimizer)
+        if guard.last_action != "rollback":
+            self._stats.restore()
+        if scheduler is not None:
+            # The Trainer steps the scheduler after any optimizer step; on_step_end puts it back.
+            self._lr_state = (copy.deepcopy(scheduler.state_dict()), [g["lr"] for g in optimizer.param_groups])
+        self._record(state, before)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is not None and self._stepped:
+            self.guard.after_step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._lr_state is None:
+            return
+        scheduler_state, lrs = self._lr_state
+        self._lr_state = None
+        kwargs["lr_scheduler"].load_state_dict(scheduler_state)
+        for group, lr in zip(kwargs["optimizer"].param_groups, lrs, strict=True):
+            group["lr"] = lr
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove_hooks()
+        if self.guard is not None:
+            self.guard.close()
+
+    # -- recording and replay --------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._replaying or not module.training or not torch.is_grad_enabled():
+            return  # evaluation, generation, or our own replay
+        if not self._micro:
+            self._stats.save()
+        self._micro.append(_Micro(args, dict(kwargs), get_rng_state()))
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if self._replaying or not self._micro or self._micro[-1].loss is not None:
+            return
+        loss = _loss_of(output)
+        if loss is not None:
+            self._micro[-1].loss = loss.detach()
+
+    def _replay(self, micro: list[_Micro]) -> list[Any]:
+        """Forward and backward of each micro-batch of the step, scaled as the Trainer scales them."""
+        model = self.guard.model if self.guard is not None else None
+        assert model is not None
+        model.zero_grad(set_to_none=True)
+        results = []
+        self._replaying = True
+        try:
+            for m in micro:
+                set_rng_state(m.rng)
+                out = model(*m.args, **m.kwargs)
+                loss = _loss_of(out)
+                if loss is None:  # a loss computed outside the model: trace the forward alone
+                    results.append(out)
+                    continue
+                (loss if _scaled(m) else loss / len(micro)).backward()
+                results.append(loss)
+        finally:
+            self._replaying = False
+        return results
+
+    def _record(self, state: Any, before: Diagnosis | None) -> None:
+        guard = self.guard
+        assert guard is not None
+        if guard.last_action not in ("skip", "rollback", "raise"):
+            return  # a batch dropped after a rollback was counted by the guard already
+        entry: dict[str, Any] = {
+            "nanguard/skipped": guard.skipped,
+            "nanguard/rollbacks": guard.rollbacks,
+            "nanguard/action": guard.last_action,
+        }
+        diag = guard.last_diagnosis
+        if diag is not None and diag is not before:
+            entry["nanguard/cause"] = diag.cause
+            entry["nanguard/diagnosis"] = diag.summary()
+        # HF numbers a log entry by the steps completed after it: this step is global_step + 1.
+        state.log_history.append({**entry, "step": state.global_step + 1})
+        if isinstance(state.stateful_callbacks, dict):
+            state.stateful_callbacks[type(self).__name__] = self.state()
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    """The loss as ``Trainer.compute_loss`` reads it: ``outputs["loss"]``, else the first element."""
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    else:
+        loss = None
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def _scaled(m: _Micro) -> bool:
+    # The Trainer passes num_items_in_batch to models that accept loss kwargs; their loss is
+    # then already normalized over the whole accumulated step, and the Trainer does not divide it.
+    return m.kwargs.get("num_items_in_batch") is not None
+
+
+def _step_loss(micro: list[_Micro]) -> torch.Tensor | None:
+    losses = [m.loss for m in micro]
+    if not losses or any(loss is None for loss in losses):
+        return None  # gradients alone decide
+    total = torch.stack([loss.float().reshape(()) for loss in losses])  # type: ignore[union-attr]
+    return total.sum() if all(_scaled(m) for m in micro) else total.mean()
+
+
+def _batch_of(micro: list[_Micro]) -> Any:
+    if not micro:
+        return None
+    batches = [{**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs} for m in micro]
+    return batches[0] if len(batches) == 1 else batches
