@@ -42,6 +42,7 @@ def run_demo(fault: str, *, steps: int = 8, ranks: int = 1, run_dir: str | None 
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     guard = Guard(run.model, run.optimizer, policy="skip", run_dir=run_dir)
     start = time.perf_counter()
+    first = None
     try:
         with console.progress(steps, "training") as advance:
             for step, batch in run.batches(steps):
@@ -49,6 +50,7 @@ def run_demo(fault: str, *, steps: int = 8, ranks: int = 1, run_dir: str | None 
                 status = "ok" if guard.last_action == "step" else guard.last_action
                 value = f"{loss.item():.4f}" if loss is not None else "-"
                 advance(f"step {step:3d}  loss {value:>8}  {status}")
+                first = first or guard.last_diagnosis
     except NonFiniteError as err:
         console.diagnosis(err.diagnosis)
         return 1
@@ -56,8 +58,8 @@ def run_demo(fault: str, *, steps: int = 8, ranks: int = 1, run_dir: str | None 
         guard.close()
     elapsed = time.perf_counter() - start
     console.line(f"{steps} steps in {elapsed:.1f}s, {guard.skipped} skipped, {guard.rollbacks} rolled back")
-    if guard.last_diagnosis is not None:
-        console.diagnosis(guard.last_diagnosis)
+    if first is not None:
+        console.diagnosis(first)
     elif scenario.expect.cause is None:
         console.line("no trip: this scenario is healthy, and nanguard stayed quiet")
     if run_dir is not None:

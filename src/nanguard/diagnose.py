@@ -42,7 +42,9 @@ def _short(op: str | None) -> str:
 
 def _where(o: dict[str, Any]) -> str:
     module = o.get("module")
-    return f"module '{module}'" if module else "code outside any module"
+    if module is None:
+        return "code outside any module"
+    return f"module '{module}'" if module else "the root module"
 
 
 def _sum(stats: list[dict[str, Any]], key: str) -> int:

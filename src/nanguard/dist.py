@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,16 +17,21 @@ import torch.distributed as tdist
 from torch import nn
 
 from nanguard.findings import Diagnosis
+from nanguard.stats import local
 
 __all__ = [
+    "CommWatch",
     "agree",
+    "broadcast_state",
     "fingerprint",
     "gather_diagnosis",
     "is_distributed",
     "rank",
     "rank_or_none",
     "replay_locally",
+    "replica_mismatch",
     "unwrap",
+    "watch_communication",
     "world_size",
 ]
 
@@ -62,6 +68,113 @@ def agree(code: torch.Tensor) -> torch.Tensor:
     codes[tdist.get_rank()] = code
     tdist.all_reduce(codes)
     return codes
+
+
+class CommWatch:
+    """Watches this rank's gradients before they are communicated; the null version sees nothing."""
+
+    def reset(self) -> None:
+        pass
+
+    def local_flag(self, device: torch.device) -> torch.Tensor | None:
+        """Device bool: were this rank's own gradients non-finite? None when not watched."""
+        return None
+
+
+class DDPCommWatch(CommWatch):
+    """Wraps a DDP comm hook: each local bucket is summed in float32 before it is sent.
+
+    A finite sum proves the bucket finite, so one small reduction per bucket, accumulated
+    on the device, says whether *this* rank's gradients held NaN/Inf before averaging
+    spread them to every rank. No host sync.
+    """
+
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel, hook: Callable[..., Any], state: Any) -> None:
+        self._acc: torch.Tensor | None = None
+        inner = hook
+
+        # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
+        def watched(state, bucket):
+            part = bucket.buffer().sum(dtype=torch.float32)
+            self._acc = part if self._acc is None else self._acc + part
+            return inner(state, bucket)
+
+        watched.__qualname__ = f"nanguard_watch({getattr(hook, '__qualname__', 'hook')})"
+        ddp.register_comm_hook(state, watched)
+
+    def reset(self) -> None:
+        self._acc = None
+
+    def local_flag(self, device: torch.device) -> torch.Tensor | None:
+        acc, self._acc = self._acc, None
+        if acc is None:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        return ~torch.isfinite(acc.to(device))
+
+
+def watch_communication(model: nn.Module, comm_hook: tuple[Any, Callable[..., Any]] | None = None) -> CommWatch:
+    """Install the pre-communication check on a DDP model.
+
+    ``comm_hook`` is ``(state, hook)`` for a custom DDP comm hook: pass it here instead of
+    calling ``register_comm_hook`` yourself, since DDP takes only one hook and the guard's
+    wraps yours. Without one the guard wraps DDP's default all-reduce. A hook registered
+    before the guard cannot be wrapped: attribution then falls back to the local loss.
+    """
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        if comm_hook is not None:
+            raise ValueError("comm_hook is for DistributedDataParallel models only")
+        return CommWatch()
+    if model._comm_hooks:
+        warnings.warn(
+            "nanguard: this DDP model already has a comm hook, which cannot be wrapped; pass it as "
+            "Guard(..., comm_hook=(state, hook)) instead. Rank attribution falls back to the local loss.",
+            stacklevel=3,
+        )
+        return CommWatch()
+    if comm_hook is None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        comm_hook = (model.process_group, allreduce_hook)
+    state, hook = comm_hook
+    return DDPCommWatch(model, hook, state)
+
+
+def replica_mismatch(model: nn.Module) -> tuple[list[int], str | None]:
+    """Compare a per-parameter fingerprint across ranks.
+
+    One all-gather of one float64 per rank (a weighted sum of parameter norms); only when
+    they differ are the full per-parameter vectors gathered to name the first parameter that
+    differs. Returns (ranks that differ from rank 0, first differing parameter name).
+    """
+    if not is_distributed():
+        return [], None
+    inner = unwrap(model)
+    if any(local(p) is not p for p in inner.parameters()):
+        return [], None  # sharded (FSDP2): ranks hold different shards by design
+    names = [n for n, _ in inner.named_parameters()]
+    norms = torch.tensor(fingerprint(inner), dtype=torch.float64)
+    weights = torch.arange(1, len(norms) + 1, dtype=torch.float64)
+    device = _comm_device()
+    digest = (norms * weights).sum().reshape(1).to(device)
+    digests = [torch.zeros_like(digest) for _ in range(world_size())]
+    tdist.all_gather(digests, digest)
+    values = [float(d) for d in digests]
+    if all(v == values[0] for v in values):
+        return [], None
+    full = [torch.zeros_like(norms.to(device)) for _ in range(world_size())]
+    tdist.all_gather(full, norms.to(device))
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    first = next((i for i in range(len(norms)) if any(float(f[i]) != float(full[0][i]) for f in full)), None)
+    return differ, names[first] if first is not None else None
+
+
+def broadcast_state(model: nn.Module, src: int = 0) -> None:
+    """Make every replica equal to rank ``src``'s parameters and buffers."""
+    if not is_distributed():
+        return
+    with torch.no_grad():
+        for t in list(unwrap(model).parameters()) + list(unwrap(model).buffers()):
+            tdist.broadcast(t.data, src)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -145,7 +258,7 @@ def gather_diagnosis(diag: Diagnosis | None, flagged: list[int]) -> Diagnosis | 
 
 def fingerprint(model: nn.Module) -> list[float]:
     """A cheap per-parameter fingerprint: the L2 norm of each parameter, in float64."""
-    params = [p.detach() for p in unwrap(model).parameters()]
+    params = [local(p).detach() for p in unwrap(model).parameters()]
     if not params:
         return []
     norms = torch._foreach_norm(params, 2.0)

@@ -81,6 +81,8 @@ class GuardConfig:
     """A GradScaler scale below this is a collapse (precision.loss_scale)."""
     max_overflow_streak: int = 20
     """GradScaler overflow on this many steps in a row is a collapse too."""
+    fingerprint_every: int = 100
+    """Under torch.distributed, compare a parameter fingerprint across ranks every N updates (0 = off)."""
     log_every: int = 1
     """Write a compact step event every N steps (trips and skips are always written)."""
     locate: bool = True
@@ -101,7 +103,7 @@ class GuardConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("rollback_skip_batches", "param_check_every", "max_bundle_bytes"):
+        for name in ("rollback_skip_batches", "param_check_every", "fingerprint_every", "max_bundle_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -145,6 +147,7 @@ class Guard:
         *,
         scaler: Any = None,
         run_dir: str | Path | None = None,
+        comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         **config: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -182,6 +185,7 @@ class Guard:
         self._param_flag: torch.Tensor | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._buffers = list(model.buffers())
+        self._comm = dist.watch_communication(model, comm_hook)
         self._fused = _supports_found_inf(optimizer)
         # init.scale is about the weights the run started from, not weights grown by training.
         self._initial_scale = weight_scale(dist.unwrap(model))
@@ -207,6 +211,7 @@ class Guard:
             return None
         rng = get_rng_state()
         buffers = _buffer_backup(self._buffers)
+        self._comm.reset()
         try:
             with torch.enable_grad():
                 loss = closure()
@@ -306,9 +311,10 @@ class Guard:
         values = torch.cat([scalars, codes.float()]).tolist()  # the one host read of this step
         grad_norm, loss_value, scale = values[:3]
         rank_codes = [int(c) for c in values[3:]]
-        bad_ranks = [r for r, c in enumerate(rank_codes) if c & 1]
+        bad_ranks = [r for r, c in enumerate(rank_codes) if c & _LOCAL_BAD]
+        synced_bad = any(c & _SYNCED_BAD for c in rank_codes)
 
-        if any(c & 2 for c in rank_codes):
+        if any(c & _PARAMS_BAD for c in rank_codes):
             _restore_buffers(buffers)
             self.model.zero_grad(set_to_none=True)
             self._trip(self._nonfinite_update(step - 1), step - 1, batch, rng)
@@ -316,7 +322,7 @@ class Guard:
         if self.scaler is not None and not math.isfinite(grad_norm) and not bad_ranks:
             self._overflow(step, loss_value, scale)
             return False
-        if bad_ranks:
+        if bad_ranks or synced_bad:
             _restore_buffers(buffers)
             diag = self._diagnose(replay, step, rng, loss_value, grad_norm, bad_ranks, batch)
             self.model.zero_grad(set_to_none=True)
@@ -348,8 +354,9 @@ class Guard:
     def _health(self, loss: Any, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """([grad_norm, loss, scale], code) on the device; no host read.
 
-        ``code`` is this rank's flags: 1 = its loss or gradients are non-finite,
-        2 = the previous update left non-finite parameters.
+        ``code`` is this rank's flags: 1 = its own loss or (pre-communication) gradients are
+        non-finite, 2 = the previous update left non-finite parameters, 4 = the gradients
+        it holds now (after any all-reduce) are non-finite.
         """
         device = grads[0].device if grads else _device_of(loss)
         gn = grad_health(grads).to(device)
@@ -357,16 +364,22 @@ class Guard:
             lv = loss.detach().float().reshape(-1)[0].to(device)
         else:
             lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
+        grads_bad = ~torch.isfinite(gn)
+        local = ~torch.isfinite(lv)
+        pre_comm = self._comm.local_flag(device)
+        if pre_comm is not None:
+            local = local | pre_comm  # this rank's own gradients, before DDP averaged them
+        elif not dist.is_distributed():
+            local = local | grads_bad
         if self.scaler is not None:
             # Overflowing gradients are the scaler's business; only a bad loss is a trip here.
             scale = self.scaler._scale.to(device).float().reshape(())
-            bad = ~torch.isfinite(lv)
+            local, grads_bad = ~torch.isfinite(lv), torch.zeros_like(grads_bad)
         else:
             scale = gn.new_ones(())
-            bad = ~torch.isfinite(gn) | ~torch.isfinite(lv)
-        code = bad.to(torch.int32)
+        code = local.to(torch.int32) + _SYNCED_BAD * grads_bad.to(torch.int32)
         if self._param_flag is not None:
-            code = code + 2 * self._param_flag.to(device).to(torch.int32)
+            code = code + _PARAMS_BAD * self._param_flag.to(device).to(torch.int32)
             self._param_flag = None
         return torch.stack([gn, lv, scale]), code
 
@@ -376,8 +389,44 @@ class Guard:
             with torch.no_grad():
                 self._param_flag = ~torch.isfinite(grad_health(self._params))
         self._good_steps += 1
+        every = self.config.fingerprint_every
+        if every and dist.is_distributed() and self._good_steps % every == 0:
+            self._check_replicas(step)
         if self.config.policy == "rollback" and self._good_steps % self.config.snapshot_every == 0:
             self._take_snapshot()
+
+    def _check_replicas(self, step: int) -> None:
+        differ, first = dist.replica_mismatch(self.model)
+        if not differ:
+            return
+        diag = Diagnosis(
+            cause="distributed.replica_divergence",
+            kind="nan",
+            phase="parameters",
+            module=first.rpartition(".")[0] if first else None,
+            rank=differ[0],
+            ranks=differ,
+            step=step,
+            evidence={
+                "first_parameter": first,
+                "ranks_differing_from_rank0": differ,
+                "why": f"after step {step} the parameters of rank(s) {differ} differ from rank 0's, first at {first}",
+            },
+            fixes=[
+                "a rank stepped while another skipped, or a parameter was changed on one rank only "
+                "(a custom init, loading a checkpoint on rank 0 without a broadcast)",
+                "parameters that DDP does not all-reduce (requires_grad=False, or unused with "
+                "find_unused_parameters=False) drift when changed in place",
+                "the guard re-broadcasts rank 0's parameters and buffers; optimizer state may still differ",
+            ],
+        )
+        self.last_diagnosis = diag
+        action = "raise" if self.config.policy == "raise" else "resync"
+        self.events.write("trip", step, action=action, ranks=differ, diagnosis=diag.to_dict())
+        log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
+        if action == "raise":
+            raise NonFiniteError(diag)
+        dist.broadcast_state(self.model, src=0)
 
     # -- trips -------------------------------------------------------------------------
     def _diagnose(
@@ -686,6 +735,7 @@ class Guard:
         self.events.close()
 
 
+_LOCAL_BAD, _PARAMS_BAD, _SYNCED_BAD = 1, 2, 4
 _COUNTERS = ("step_count", "skipped", "rollbacks", "overflows", "spikes", "consecutive_skips", "overflow_streak")
 
 

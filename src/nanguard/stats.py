@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["grad_health", "is_float", "nonfinite_flag", "tensor_stats"]
+__all__ = ["grad_health", "is_float", "local", "nonfinite_flag", "tensor_stats"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), else ``t``: health checks never communicate."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def is_float(t: object) -> bool:
@@ -27,7 +33,7 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     out: dict[str, Any] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     if t.numel() == 0 or t.is_complex():
         return out
-    x = t.detach()
+    x = local(t).detach()
     if not x.is_floating_point():
         if x.dtype == torch.bool:
             x = x.to(torch.int64)
@@ -81,6 +87,7 @@ def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
+        g = local(g)
         groups.setdefault((g.device, g.dtype), []).append(g)
     if not groups:
         return torch.zeros((), dtype=torch.float32)

@@ -125,6 +125,7 @@ class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
                 rng=micro[0].rng if micro else None,
             )
         except NonFiniteError:
+            self._stats.restore()
             self._record(state, before)
             self._remove_hooks()
             guard.close()
@@ -132,7 +133,7 @@ class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
         if self._stepped:
             return
         drop_grads(optimizer)
-        if guard.last_action != "rollback":
+        if guard.last_action != "rollback":  # a rollback restored every buffer already
             self._stats.restore()
         if scheduler is not None:
             # The Trainer steps the scheduler after any optimizer step; on_step_end puts it back.

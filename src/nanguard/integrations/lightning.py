@@ -86,7 +86,9 @@ class NanGuard(pl.Callback):
             self._state = None
         self._micro, self._loss, self._closed = [], None, False
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._micro:
             self._stats.save()
         self._micro.append((batch, batch_idx, get_rng_state()))
@@ -112,11 +114,12 @@ class NanGuard(pl.Callback):
         try:
             ok = self.guard.check(loss, replay=replay, batch=batch, rng=rng)
         except NonFiniteError:
+            self._stats.restore()
             self._record(trainer)
             raise
         if not ok:
             drop_grads(optimizer)
-            if self.guard.last_action != "rollback":
+            if self.guard.last_action != "rollback":  # a rollback restored every buffer already
                 self._stats.restore()
             self._record(trainer)
 

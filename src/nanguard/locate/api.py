@@ -15,6 +15,7 @@ from nanguard.diagnose import diagnose
 from nanguard.findings import Diagnosis
 from nanguard.locate.dispatch import INDEX_OPS, Origin, Tracer, flatten
 from nanguard.locate.modules import ModuleStack
+from nanguard.stats import local
 
 __all__ = ["locate"]
 
@@ -186,7 +187,7 @@ def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> l
         for i, t in enumerate(tracer.leaves.values())
         if id(t) not in seen and t.grad is not None
     ]
-    floats = [(p, t) for p, t in candidates if t.is_floating_point() and t.numel()]
+    floats = [(p, local(t)) for p, t in candidates if t.is_floating_point() and local(t).numel()]
     if not floats:
         return []
     with torch.no_grad():
@@ -211,7 +212,10 @@ def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
         return {}
     with torch.no_grad():
         ratios = torch.stack(
-            [w.detach().float().std().nan_to_num(0.0, 0.0, 0.0).cpu() * math.sqrt(w[0].numel()) for _, w in named]
+            [
+                local(w).detach().float().std().nan_to_num(0.0, 0.0, 0.0).cpu() * math.sqrt(math.prod(w.shape[1:]))
+                for _, w in named
+            ]
         ).tolist()
     ranked = sorted(zip((n for n, _ in named), ratios, strict=True), key=lambda x: -x[1])
     return {

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from nanguard.locate.modules import ModuleStack, user_source
-from nanguard.stats import tensor_stats
+from nanguard.stats import local, tensor_stats
 
 __all__ = ["Origin", "Tracer", "flatten"]
 
@@ -464,6 +464,7 @@ def _phase() -> str:
 
 
 def _flags(t: torch.Tensor) -> tuple[bool, bool]:
+    t = local(t)
     if t.numel() == 0:
         return False, False
     # A finite float32 sum proves every element finite in one pass with no temporary;
