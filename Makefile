@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/nanguard demo
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest
 
 bench: $(STAMP)

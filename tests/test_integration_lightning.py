@@ -131,6 +131,20 @@ def test_raise_policy_stops_fit_before_the_bad_update(tmp_path: Path) -> None:
     assert torch.equal(model.net[0].weight, snaps.before[BAD]["net.0.weight"])
 
 
+def test_rollback_restores_the_snapshot_and_drops_the_next_batch(tmp_path: Path) -> None:
+    model = Net()
+    guard_cb, snaps = NanGuard(policy="rollback", snapshot_every=2, rollback_skip_batches=1), Snapshots()
+    trainer = _trainer(tmp_path, [guard_cb, snaps])
+    trainer.fit(model, DataLoader(Regression(), batch_size=BATCH))
+    guard = guard_cb.guard
+    assert guard.rollbacks == 1 and guard_cb.trips == 1 and guard.step_count == STEPS
+    # Snapshot after 2 good updates (batch 1); batch 2 updated, batch 3 tripped, batch 4 was dropped.
+    for key, value in snaps.after[1].items():
+        assert torch.equal(snaps.after[BAD + 1][key], value), key
+    assert int(trainer.optimizers[0].state[model.net[0].weight]["step"]) == 2 + (STEPS - BAD - 2)
+    assert _params_finite(model)
+
+
 def test_gradient_accumulation_replays_every_micro_batch(tmp_path: Path) -> None:
     # Batch BAD (the 2nd micro-batch of optimizer step 1) holds the NaN.
     guard_cb = NanGuard(policy="skip")

@@ -197,8 +197,24 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
             yield
         finally:
             setter(True)
+            _drop_fsdp_accumulated_grads(model)
         return
     yield
+
+
+def _drop_fsdp_accumulated_grads(model: nn.Module) -> None:
+    """With sync off FSDP2 keeps the replay's unsharded gradients to add to the next
+    reduce-scatter; the replay's gradients must not leak into a later step."""
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if not callable(get_state):
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
 
 def replay_locally(model: nn.Module, fn: Callable[[], Any]) -> Any:

@@ -80,8 +80,7 @@ def _table(columns: Sequence[str], rows: Iterable[Sequence[str]], cls: str = "",
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def _cards(report: RunReport) -> str:
-    data = report.to_dict()
+def _cards(report: RunReport, data: dict[str, Any]) -> str:
     counts = data["counts"]
     items = [
         ("steps run", data["steps_run"], False),
@@ -202,8 +201,7 @@ def _events_html(report: RunReport) -> str:
     return _table(("step", "event", "ranks", "detail"), rows, cls="events") + tail
 
 
-def _ranks_html(report: RunReport) -> str:
-    data = report.to_dict()["per_rank"]
+def _ranks_html(data: dict[str, Any]) -> str:
     rows = [
         (
             f"rank {r}",
@@ -214,7 +212,7 @@ def _ranks_html(report: RunReport) -> str:
             str(d["trips_originated"]),
             "yes" if d["finished"] else "no",
         )
-        for r, d in data.items()
+        for r, d in data["per_rank"].items()
     ]
     cols = ("rank", "steps logged", "skipped", "last loss", "last grad norm", "trips started here", "closed")
     return _table(cols, rows, cls="ranks")
@@ -243,7 +241,7 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
         + (f" of world size {report.world_size}" if report.world_size else "")
         + f" &middot; steps {_e(data['first_step'])}&ndash;{_e(data['last_step'])}"
         + f" &middot; generated {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</p>",
-        _cards(report),
+        _cards(report, data),
     ]
     if report.warnings:
         items = "".join(f"<li>{_e(w)}</li>" for w in report.warnings[:50])
@@ -298,7 +296,7 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
     advance("non-finite plot")
 
     out.append('<h2 id="ranks">Ranks</h2>')
-    out.append(_ranks_html(report))
+    out.append(_ranks_html(data))
     out.append(
         _plot(
             "ranks",
@@ -331,7 +329,12 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
 
 
 def plot_count(report: RunReport) -> int:
-    """How many plots ``render_html`` draws for ``report``: the fixed four plus one per detailed trip with stats."""
+    """How many plots ``render_html`` draws: the fixed four, plus one per detailed trip with module stats.
+
+    Example:
+        >>> plot_count(load_run("runs/exp1"))
+        5
+    """
     return 4 + sum(1 for t in report.trips[:MAX_DETAILED_TRIPS] if t.module_stats)
 
 

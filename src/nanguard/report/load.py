@@ -196,7 +196,7 @@ def _rank_summary(log: RankLog, report: RunReport) -> dict[str, Any]:
         "file": str(log.path),
         "events": log.events,
         "steps_logged": len(log.steps),
-        "skipped": sum(1 for s in log.steps if s.skipped),
+        "skipped": len(_not_applied(log, report)),
         "last_step": log.last_step,
         "last_loss": last.loss if last else None,
         "last_grad_norm": last.grad_norm if last else None,
@@ -204,6 +204,14 @@ def _rank_summary(log: RankLog, report: RunReport) -> dict[str, Any]:
         "trips_flagged": sum(1 for t in report.trips if log.rank in t.ranks),
         "finished": log.end is not None,
     }
+
+
+def _not_applied(log: RankLog, report: RunReport) -> set[int]:
+    """Steps whose update this rank did not apply: skipped, dropped, tripped or rolled back."""
+    steps = {s.step for s in log.steps if s.skipped}
+    steps.update(m.step for m in [*report.skips, *report.rollbacks] if log.rank in m.ranks)
+    steps.update(t.step for t in report.trips if log.rank in t.reported_by)
+    return steps
 
 
 def _trip_dict(trip: Trip) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -61,15 +62,20 @@ def run_report(
             print(f"nanguard report: error: cannot write {html}: {error.strerror or error}", file=err, flush=True)
             return 1
 
-    if as_json:
-        data = report.to_dict()
-        data["html"] = str(written) if written else None
-        print(json.dumps(data, indent=2, allow_nan=False), file=out, flush=True)
-        return 0
-    console = Console(out)
-    print_summary(report, console)
-    if written is not None:
-        console.line(f"HTML report: {written}")
+    try:
+        if as_json:
+            data = report.to_dict()
+            data["html"] = str(written) if written else None
+            print(json.dumps(data, indent=2, allow_nan=False), file=out, flush=True)
+            return 0
+        console = Console(out)
+        print_summary(report, console)
+        if written is not None:
+            console.line(f"HTML report: {written}")
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, and keep Python's exit flush from failing again.
+        if out is sys.stdout:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -15,8 +15,8 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
     """Run ``closure`` once with forward hooks; return each module's output absmax and grad norm.
 
     ``closure`` is the training closure of the step (zero grads, forward, backward). Every
-    submodule of ``model`` (the root excluded) that ran gets a row, in the order it first
-    was entered: ``absmax`` is the largest finite ``|x|`` over its floating outputs, ``nan``/``inf``
+    submodule of ``model`` (the root excluded) that ran gets a row, in the order modules
+    are first entered: ``absmax`` is the largest finite ``|x|`` over its floating outputs, ``nan``/``inf``
     count its non-finite output elements, and ``grad_norm`` is the L2 norm of the finite
     gradient entries of its own parameters (``grad_nan``/``grad_inf`` count the rest; None
     when it owns no parameter with a gradient). Floating buffers are put back afterwards;
@@ -47,7 +47,7 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             tensors = [t for t in _tensors(output) if t.is_floating_point() and t.numel()]
             with torch.no_grad():
-                seen.setdefault(name, []).extend(_health(t.detach()) for t in tensors)
+                seen.setdefault(name, []).extend(_health(_local(t.detach())) for t in tensors)
 
         return hook
 
@@ -73,12 +73,23 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
                 b.copy_(saved)
 
     modules = dict(named)
+    grads = {name: _grad_health(modules[name]) for name in seen}
+    values = _read({**{("act", n): c for n, c in seen.items()}, **{("grad", n): g for n, g in grads.items()}})
     rows: list[dict[str, Any]] = []
-    for name, calls in seen.items():
-        row: dict[str, Any] = {"name": name, "type": type(modules[name]).__name__}
-        row.update(_reduce(calls))
-        row.update(_grad_health(modules[name]))
-        rows.append(row)
+    for name in seen:
+        act, grad = values[("act", name)], values[("grad", name)]
+        rows.append(
+            {
+                "name": name,
+                "type": type(modules[name]).__name__,
+                "absmax": max((v[0] for v in act), default=None),
+                "nan": int(sum(v[1] for v in act)),
+                "inf": int(sum(v[2] for v in act)),
+                "grad_norm": sum(v[0] for v in grad) ** 0.5 if grad else None,
+                "grad_nan": int(sum(v[1] for v in grad)),
+                "grad_inf": int(sum(v[2] for v in grad)),
+            }
+        )
     omitted = 0
     if len(rows) > max_modules:
         bad = [r for r in rows if _nonfinite(r)]
@@ -90,6 +101,22 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
         omitted = len(rows) - len(keep)
         rows = [r for r in rows if id(r) in keep]
     return {"modules": rows, "omitted": omitted, "error": error}
+
+
+def _read(groups: Mapping[Any, list[torch.Tensor]]) -> dict[Any, list[list[float]]]:
+    """Every group's 3-vectors as floats, with one device-to-host copy per device."""
+    by_device: dict[torch.device, list[tuple[Any, int]]] = {}
+    flat: dict[torch.device, list[torch.Tensor]] = {}
+    for key, tensors in groups.items():
+        for t in tensors:
+            by_device.setdefault(t.device, []).append((key, len(flat.setdefault(t.device, []))))
+            flat[t.device].append(t)
+    out: dict[Any, list[list[float]]] = {key: [] for key in groups}
+    for device, tensors in flat.items():
+        values = torch.stack(tensors).cpu().tolist()
+        for key, i in by_device[device]:
+            out[key].append(values[i])
+    return out
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -109,31 +136,23 @@ def _health(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([absmax.double(), torch.isnan(t).sum().double(), torch.isinf(t).sum().double()])
 
 
-def _reduce(calls: list[torch.Tensor]) -> dict[str, Any]:
-    if not calls:
-        return {"absmax": None, "nan": 0, "inf": 0}
-    values = torch.stack([c.cpu() for c in calls]).tolist()
-    return {
-        "absmax": max(v[0] for v in values),
-        "nan": int(sum(v[1] for v in values)),
-        "inf": int(sum(v[2] for v in values)),
-    }
-
-
-def _grad_health(module: nn.Module) -> dict[str, Any]:
-    grads = [p.grad.detach() for p in module.parameters(recurse=False) if p.grad is not None]
-    if not grads:
-        return {"grad_norm": None, "grad_nan": 0, "grad_inf": 0}
+def _grad_health(module: nn.Module) -> list[torch.Tensor]:
+    """Per own parameter with a gradient: [squared finite norm, #nan, #inf] on its device."""
+    # A DTensor (FSDP2) gradient counts this rank's shard: reducing the full tensor would be a collective.
+    grads = [_local(p.grad.detach()) for p in module.parameters(recurse=False) if p.grad is not None]
+    out = []
     with torch.no_grad():
-        parts = []
         for g in grads:
-            finite = torch.isfinite(g)
-            masked = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+            masked = torch.where(torch.isfinite(g), g, torch.zeros((), dtype=g.dtype, device=g.device))
             wide = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
             norm = torch.linalg.vector_norm(masked, dtype=wide).double()
-            parts.append(torch.stack([norm.square(), torch.isnan(g).sum().double(), torch.isinf(g).sum().double()]))
-        sq, nan, inf = torch.stack([p.cpu() for p in parts]).sum(0).tolist()
-    return {"grad_norm": sq**0.5, "grad_nan": int(nan), "grad_inf": int(inf)}
+            out.append(torch.stack([norm.square(), torch.isnan(g).sum().double(), torch.isinf(g).sum().double()]))
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _nonfinite(row: Mapping[str, Any]) -> bool:

@@ -22,13 +22,22 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 from nanguard.events import number
 from nanguard.report.load import RunReport, Trip
 
-P = ParamSpec("P")
+__all__ = [
+    "MAX_POINTS",
+    "decimate",
+    "figure_svg",
+    "grad_norm_plot",
+    "loss_plot",
+    "module_plot",
+    "nonfinite_plot",
+    "rank_plot",
+]
 
-__all__ = ["MAX_POINTS", "figure_svg", "grad_norm_plot", "loss_plot", "module_plot", "nonfinite_plot", "rank_plot"]
+P = ParamSpec("P")
 
 MAX_POINTS = 3000
 """Points per rank and curve above which a curve is thinned to each bucket's min and max."""
-MAX_MODULE_ROWS = 48
+_MAX_MODULE_ROWS = 48
 
 _RC = {
     "svg.fonttype": "none",
@@ -41,14 +50,14 @@ _RC = {
     "figure.dpi": 100,
 }
 _COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#7f7f7f", "#bcbd22", "#e377c2")
-TRIP = "#d62728"
-SKIP = "#ff7f0e"
-ROLLBACK = "#6a3d9a"
-SPIKE = "#e6ab02"
-OVERFLOW = "#a6761d"
+_TRIP = "#d62728"
+_SKIP = "#ff7f0e"
+_ROLLBACK = "#6a3d9a"
+_SPIKE = "#e6ab02"
+_OVERFLOW = "#a6761d"
 
 
-def rank_color(rank: int) -> str:
+def _rank_color(rank: int) -> str:
     return _COLORS[rank % len(_COLORS)]
 
 
@@ -110,9 +119,13 @@ def decimate(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tupl
 
 def _series(report: RunReport, rank: int, metric: str) -> tuple[np.ndarray, np.ndarray]:
     log = report.ranks[rank]
-    x = np.fromiter((s.step for s in log.steps), dtype=float, count=len(log.steps))
-    raw = (getattr(s, metric) for s in log.steps)
-    y = np.fromiter((v if v is not None else math.nan for v in raw), dtype=float, count=len(log.steps))
+    logged = {s.step for s in log.steps}
+    # A tripped or dropped step has no step line under rollback: a NaN point breaks the curve there.
+    holes = {t.step for t in report.trips} | {m.step for m in [*report.skips, *report.rollbacks]}
+    points = [(s.step, getattr(s, metric)) for s in log.steps] + [(h, None) for h in holes - logged]
+    points.sort(key=lambda p: p[0])
+    x = np.fromiter((p[0] for p in points), dtype=float, count=len(points))
+    y = np.fromiter((p[1] if p[1] is not None else math.nan for p in points), dtype=float, count=len(points))
     # Non-finite and non-positive values leave a gap: the non-finite plot counts them.
     y[~np.isfinite(y)] = math.nan
     return x, y
@@ -152,7 +165,7 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
     for rank, (x, y) in series.items():
         x, y = decimate(x, y)
         curves.append(y)
-        (line,) = ax.plot(x, y, color=rank_color(rank), lw=1.3, label=f"rank {rank}" if multi else label_all)
+        (line,) = ax.plot(x, y, color=_rank_color(rank), lw=1.3, label=f"rank {rank}" if multi else label_all)
         handles.append(line)
     _set_scale(ax, curves)
     ax.set_xlabel("step")
@@ -160,7 +173,7 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
     handles += _mark_events(ax, report, metric)
     if not any(np.isfinite(c).any() for c in curves):
         ax.text(0.5, 0.5, f"no finite {label} logged", transform=ax.transAxes, ha="center", va="center")
-    ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=min(len(handles), 4), framealpha=0.85)
+    ax.legend(handles=handles, loc="best", fontsize=8, ncols=min(len(handles), 3), framealpha=0.85)
     ax.set_title(f"{label} per step" + (" per rank" if multi else ""), loc="left")
     return fig
 
@@ -177,29 +190,29 @@ def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
     handles: list[Any] = []
     skip_steps = [m.step for m in report.skips]
     if skip_steps:
-        ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=SKIP, lw=1, ls=":", alpha=0.9)
-        handles.append(Line2D([], [], color=SKIP, ls=":", label=f"skip ({len(skip_steps)})"))
+        ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_SKIP, lw=1, ls=":", alpha=0.9)
+        handles.append(Line2D([], [], color=_SKIP, ls=":", label=f"skip ({len(skip_steps)})"))
     for m in report.rollbacks:
         restored = m.fields.get("restored_step")
         if isinstance(restored, int) and restored < m.step:
-            ax.axvspan(restored, m.step, color=ROLLBACK, alpha=0.08, lw=0)
+            ax.axvspan(restored, m.step, color=_ROLLBACK, alpha=0.08, lw=0)
     if report.rollbacks:
         steps = [m.step for m in report.rollbacks]
-        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=ROLLBACK, lw=1.6, ls="--")
-        handles.append(Line2D([], [], color=ROLLBACK, ls="--", label=f"rollback ({len(steps)})"))
+        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_ROLLBACK, lw=1.6, ls="--")
+        handles.append(Line2D([], [], color=_ROLLBACK, ls="--", label=f"rollback ({len(steps)})"))
     if report.trips:
         steps = [t.step for t in report.trips]
-        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=TRIP, lw=1.6)
-        ax.scatter(steps, [0.97] * len(steps), transform=ax.get_xaxis_transform(), marker="X", s=50, color=TRIP,
+        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_TRIP, lw=1.6)
+        ax.scatter(steps, [0.97] * len(steps), transform=ax.get_xaxis_transform(), marker="X", s=50, color=_TRIP,
                    zorder=5)  # fmt: skip
-        handles.append(Line2D([], [], color=TRIP, marker="X", label=f"trip ({len(steps)})"))
+        handles.append(Line2D([], [], color=_TRIP, marker="X", label=f"trip ({len(steps)})"))
     spikes = [m for m in report.spikes if m.fields.get("metric") == metric]
     if spikes:
         values = [number(m.fields.get("value")) for m in spikes]
         pts = [(m.step, v) for m, v in zip(spikes, values, strict=True) if v is not None and math.isfinite(v)]
         if pts:
-            ax.scatter(*zip(*pts, strict=True), marker="*", s=110, color=SPIKE, edgecolors="black", lw=0.5, zorder=6)
-        handles.append(Line2D([], [], color=SPIKE, marker="*", ls="", markeredgecolor="black",
+            ax.scatter(*zip(*pts, strict=True), marker="*", s=110, color=_SPIKE, edgecolors="black", lw=0.5, zorder=6)
+        handles.append(Line2D([], [], color=_SPIKE, marker="*", ls="", markeredgecolor="black",
                               label=f"spike ({len(spikes)})"))  # fmt: skip
     return handles
 
@@ -247,16 +260,19 @@ def nonfinite_plot(report: RunReport) -> Figure:
         xs = sorted(per_step)
         ys = [per_step[s] for s in xs]
         base = [bottom.get(s, 0.0) for s in xs]
-        ax.bar(xs, ys, bottom=base, width=width, color=rank_color(rank), edgecolor=TRIP, lw=0.8)
+        ax.bar(xs, ys, bottom=base, width=width, color=_rank_color(rank), edgecolor=_TRIP, lw=0.8)
         for s, y in zip(xs, ys, strict=True):
             bottom[s] = bottom.get(s, 0.0) + y
-        handles.append(Line2D([], [], color=rank_color(rank), lw=6, label=f"rank {rank}: non-finite loss/grad"))
+        handles.append(Line2D([], [], color=_rank_color(rank), lw=6, label=f"rank {rank}: non-finite loss/grad"))
     if report.overflows:
         xs = [m.step for m in report.overflows]
         base = [bottom.get(s, 0.0) for s in xs]
-        ax.bar(xs, [len(m.ranks) for m in report.overflows], bottom=base, width=width, color=OVERFLOW, alpha=0.7)
-        handles.append(Line2D([], [], color=OVERFLOW, lw=6, label="GradScaler overflow"))
-    top = max(bottom.values(), default=0.0) + sum(len(m.ranks) for m in report.overflows[:1])
+        heights = [len(m.ranks) for m in report.overflows]
+        ax.bar(xs, heights, bottom=base, width=width, color=_OVERFLOW, alpha=0.7)
+        for s, h in zip(xs, heights, strict=True):
+            bottom[s] = bottom.get(s, 0.0) + h
+        handles.append(Line2D([], [], color=_OVERFLOW, lw=6, label="GradScaler overflow"))
+    top = max(bottom.values(), default=0.0)
     ax.set_ylim(0, max(2.0, top + 0.5))
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")
@@ -282,22 +298,22 @@ def rank_plot(report: RunReport) -> Figure:
     for rank in ranks:
         log = report.ranks[rank]
         if log.steps:
-            ax.hlines(rank, log.steps[0].step, log.steps[-1].step, color=rank_color(rank), lw=3, alpha=0.5)
+            ax.hlines(rank, log.steps[0].step, log.steps[-1].step, color=_rank_color(rank), lw=3, alpha=0.5)
         skipped = [s.step for s in log.steps if s.skipped]
         if skipped:
-            ax.scatter(skipped, [rank] * len(skipped), marker="|", s=140, color=SKIP, zorder=3)
+            ax.scatter(skipped, [rank] * len(skipped), marker="|", s=140, color=_SKIP, zorder=3)
     for trip in report.trips:
         others = [r for r in trip.ranks if r != trip.origin_rank]
         if others:
-            ax.scatter([trip.step] * len(others), others, marker="o", s=60, facecolors="none", edgecolors=TRIP,
+            ax.scatter([trip.step] * len(others), others, marker="o", s=60, facecolors="none", edgecolors=_TRIP,
                        zorder=4)  # fmt: skip
         if trip.origin_rank is not None:
-            ax.scatter([trip.step], [trip.origin_rank], marker="X", s=120, color=TRIP, zorder=5)
+            ax.scatter([trip.step], [trip.origin_rank], marker="X", s=120, color=_TRIP, zorder=5)
             cause = trip.diagnosis.cause if trip.diagnosis else "trip"
             ax.annotate(f"{cause} (origin)", (trip.step, trip.origin_rank), xytext=(6, 6),
-                        textcoords="offset points", fontsize=8, color=TRIP)  # fmt: skip
+                        textcoords="offset points", fontsize=8, color=_TRIP)  # fmt: skip
     for m in report.rollbacks:
-        ax.vlines(m.step, -0.5, len(ranks) - 0.5, colors=ROLLBACK, ls="--", lw=1)
+        ax.vlines(m.step, -0.5, len(ranks) - 0.5, colors=_ROLLBACK, ls="--", lw=1)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(min(ranks) - 0.6, max(ranks) + 0.6)
     ax.invert_yaxis()
@@ -305,9 +321,9 @@ def rank_plot(report: RunReport) -> Figure:
     ax.set_title("ranks: logged steps, skips, and the rank each trip started on", loc="left")
     handles = [
         Line2D([], [], color="#999999", lw=3, label="steps logged"),
-        Line2D([], [], color=SKIP, marker="|", ls="", markersize=10, label="skipped"),
-        Line2D([], [], color=TRIP, marker="X", ls="", markersize=9, label="trip origin"),
-        Line2D([], [], color=TRIP, marker="o", ls="", markerfacecolor="none", label="also non-finite"),
+        Line2D([], [], color=_SKIP, marker="|", ls="", markersize=10, label="skipped"),
+        Line2D([], [], color=_TRIP, marker="X", ls="", markersize=9, label="trip origin"),
+        Line2D([], [], color=_TRIP, marker="o", ls="", markerfacecolor="none", label="also non-finite"),
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return fig
@@ -316,13 +332,13 @@ def rank_plot(report: RunReport) -> Figure:
 def _rows(stats: Mapping[str, Any], origin_module: str | None) -> tuple[list[dict[str, Any]], str]:
     rows = [r for r in stats.get("modules") or [] if isinstance(r, Mapping) and r.get("name")]
     note = ""
-    if len(rows) > MAX_MODULE_ROWS:
+    if len(rows) > _MAX_MODULE_ROWS:
         # Show the window where things go wrong: from a little before the first bad module.
         marks = [i for i, r in enumerate(rows) if r.get("name") == origin_module or _bad(r)]
-        start = max(0, (marks[0] if marks else 0) - MAX_MODULE_ROWS // 4)
-        start = min(start, len(rows) - MAX_MODULE_ROWS)
-        note = f"modules {start + 1}-{start + MAX_MODULE_ROWS} of {len(rows)}"
-        rows = rows[start : start + MAX_MODULE_ROWS]
+        start = max(0, (marks[0] if marks else 0) - _MAX_MODULE_ROWS // 4)
+        start = min(start, len(rows) - _MAX_MODULE_ROWS)
+        note = f"modules {start + 1}-{start + _MAX_MODULE_ROWS} of {len(rows)}"
+        rows = rows[start : start + _MAX_MODULE_ROWS]
     return rows, note
 
 
@@ -357,7 +373,7 @@ def module_plot(trip: Trip, stats: Mapping[str, Any]) -> Figure:
         positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
         floor = min(positive) / 10 if positive else 1e-8
         widths = [v if v is not None and math.isfinite(v) and v > 0 else 0.0 for v in values]
-        colors = [TRIP if (r.get(nan_key) or r.get(inf_key)) else "#4c72b0" for r in rows]
+        colors = [_TRIP if (r.get(nan_key) or r.get(inf_key)) else "#4c72b0" for r in rows]
         ax.barh(y, widths, left=floor, color=colors, height=0.7)
         ax.set_xscale("log")
         top = max(positive, default=1.0)
@@ -373,7 +389,7 @@ def module_plot(trip: Trip, stats: Mapping[str, Any]) -> Figure:
             if bits:
                 at = floor + widths[i] if widths[i] > 0 else floor
                 ax.text(at * 1.15, i, ", ".join(bits), va="center", fontsize=7,
-                        color=TRIP if r.get(nan_key) or r.get(inf_key) else "#555555")  # fmt: skip
+                        color=_TRIP if r.get(nan_key) or r.get(inf_key) else "#555555")  # fmt: skip
         ax.set_title(title, loc="left", fontsize=9)
         ax.grid(axis="y", visible=False)
     ax_act.set_yticks(y, labels, fontsize=7)
@@ -382,7 +398,7 @@ def module_plot(trip: Trip, stats: Mapping[str, Any]) -> Figure:
     for i, r in enumerate(rows):
         if origin_module is not None and r.get("name") == origin_module:
             for ax in (ax_act, ax_grad):
-                ax.axhspan(i - 0.5, i + 0.5, color=SPIKE, alpha=0.25, lw=0)
+                ax.axhspan(i - 0.5, i + 0.5, color=_SPIKE, alpha=0.25, lw=0)
             ax_act.get_yticklabels()[i].set_fontweight("bold")
     title = f"step {trip.step}: per-module statistics of the replay"
     if note:

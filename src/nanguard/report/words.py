@@ -82,6 +82,11 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
         lines.append(("why", str(ev["why"])))
     if ev.get("op_cause") and ev.get("op_cause") != diag.cause:
         lines.append(("first op", f"the op-level cause was {ev['op_cause']}; the history points further back"))
+    if "loss" in ev or "grad_norm" in ev:
+        lines.append(("values", f"loss {fmt(ev.get('loss'))}, gradient norm {fmt(ev.get('grad_norm'))}"))
+    for finding in ev.get("findings") or []:
+        if isinstance(finding, Mapping) and finding.get("message"):
+            lines.append(("check_batch", f"{finding.get('where', '')}: {finding['message']}".lstrip(": ")))
     is_op = origin.get("category") not in ("data", "parameters")
     for key, name in (("inputs", "op input" if is_op else "values"), ("outputs", "op output")):
         items = [s for s in origin.get(key) or [] if isinstance(s, Mapping)]
@@ -114,7 +119,7 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
     if ev.get("flagged_ranks") is not None:
         flagged = ", ".join(str(r) for r in ev["flagged_ranks"]) or "none"
         text = f"non-finite after the step on rank(s) {flagged}"
-        if diag.ranks:
+        if diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
             text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
         lines.append(("ranks", text))
     causes = ev.get("per_rank_causes")

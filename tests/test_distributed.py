@@ -1,0 +1,199 @@
+"""Guard under real torch.distributed: 2 gloo ranks, faults on one rank only."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nanguard as ng
+from _dist import run_ranks
+from nanguard.events import read_events
+from nanguard.zoo import GPT, GPTConfig, synthetic_batch
+
+pytestmark = pytest.mark.dist
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _model(vision: bool = True) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vision_dim=16 if vision else 0, n_embd=64, block_size=16))
+
+
+def _batch(model: GPT, rank: int, step: int, bad: bool = False) -> dict:
+    batch = synthetic_batch(model.config, torch.Generator().manual_seed(rank * 1000 + step))
+    if bad:
+        batch["pixel_values"][0, 0, 0] = float("nan")
+    return batch
+
+
+def _loop(model, ddp, opt, guard, rank, steps, bad_step=None, bad_rank=1):
+    for step in range(steps):
+        batch = _batch(model, rank, step, bad=step == bad_step and rank == bad_rank)
+
+        def closure(batch=batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = ddp(**batch)
+            loss.backward()
+            return loss
+
+        guard.step(closure, batch=batch)
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _equal_across_ranks(model) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(gathered, flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _bad_data_ddp(rank, world, tmp):
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, run_dir=tmp)
+    _loop(model, ddp, opt, guard, rank, steps=5, bad_step=2)
+    guard.close()
+    diag = guard.last_diagnosis
+    return {
+        "skipped": guard.skipped,
+        "diag": diag.to_dict(),
+        "equal": _equal_across_ranks(model),
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+    }
+
+
+def test_bad_data_on_rank_1_under_ddp(tmp_path) -> None:
+    results = run_ranks(_bad_data_ddp, tmp_path)
+    for r in results:
+        assert r["skipped"] == 1 and r["equal"] and r["finite"]
+        d = r["diag"]
+        assert (d["cause"], d["rank"], d["ranks"], d["step"], d["phase"]) == ("data.nonfinite", 1, [1], 2, "data")
+        assert d["evidence"]["flagged_ranks"] == [1]
+    for rank in (0, 1):
+        events = list(read_events(tmp_path / f"events-rank{rank}.jsonl"))
+        trip = next(e for e in events if e["kind"] == "trip")
+        assert trip["rank"] == rank and trip["step"] == 2 and trip["diagnosis"]["rank"] == 1
+
+
+class _CorruptOnce:
+    """A comm hook that all-reduces, then corrupts the synchronized result once."""
+
+    def __init__(self, at_call: int) -> None:
+        self.calls = 0
+        self.at_call = at_call
+
+    def __call__(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.calls += 1
+        fut = allreduce_hook(state, bucket)
+        if self.calls != self.at_call:
+            return fut
+
+        def corrupt(f):
+            out = f.value()[0] if isinstance(f.value(), list) else f.value()
+            out[0] = float("nan")
+            return out
+
+        return fut.then(corrupt)
+
+
+def _transient(rank, world, tmp):
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    hook = _CorruptOnce(at_call=3)
+    hook.__qualname__ = "corrupt_once"
+    guard = ng.Guard(ddp, opt, comm_hook=(None, hook))
+    _loop(model, ddp, opt, guard, rank, steps=4)
+    return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict(), "equal": _equal_across_ranks(model)}
+
+
+def test_transient_corruption_of_synchronized_gradients(tmp_path) -> None:
+    for r in run_ranks(_transient, tmp_path):
+        assert r["skipped"] == 1 and r["equal"]
+        d = r["diag"]
+        assert d["cause"] == "distributed.transient" and d["phase"] == "communication"
+        assert d["evidence"]["flagged_ranks"] == []
+
+
+def _replicas(rank, world, tmp):
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, fingerprint_every=1)
+    _loop(model, ddp, opt, guard, rank, steps=2)
+    if rank == 1:
+        with torch.no_grad():
+            model.blocks[1].mlp.fc.weight.add_(1e-3)  # a rank-local change DDP never sees
+    _loop(model, ddp, opt, guard, rank, steps=1)
+    diag = guard.last_diagnosis
+    return {"diag": diag.to_dict() if diag else None, "equal_after": _equal_across_ranks(model)}
+
+
+def test_replica_divergence_is_named_and_repaired(tmp_path) -> None:
+    for r in run_ranks(_replicas, tmp_path):
+        d = r["diag"]
+        assert d is not None and d["cause"] == "distributed.replica_divergence"
+        assert d["rank"] == 1 and d["evidence"]["first_parameter"] == "blocks.1.mlp.fc.weight"
+        assert r["equal_after"]
+
+
+def _fsdp(rank, world, tmp):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = ng.Guard(model, opt)
+    _loop(model, model, opt, guard, rank, steps=4, bad_step=1)
+    finite = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict(), "finite": finite}
+
+
+def test_fsdp2_bad_data_on_one_rank(tmp_path) -> None:
+    for r in run_ranks(_fsdp, tmp_path):
+        assert r["skipped"] == 1 and r["finite"]
+        d = r["diag"]
+        assert (d["cause"], d["rank"], d["ranks"]) == ("data.nonfinite", 1, [1])
+
+
+def _rollback(rank, world, tmp):
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, policy="rollback", snapshot_every=2, rollback_skip_batches=1)
+    _loop(model, ddp, opt, guard, rank, steps=7, bad_step=3, bad_rank=0)
+    return {"rollbacks": guard.rollbacks, "equal": _equal_across_ranks(model), "action": guard.last_action}
+
+
+def test_rollback_under_ddp_keeps_replicas_equal(tmp_path) -> None:
+    for r in run_ranks(_rollback, tmp_path):
+        assert r["rollbacks"] == 1 and r["equal"] and r["action"] == "step"
+
+
+def test_torchrun_end_to_end(tmp_path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    script = str(ROOT / "examples" / "ddp_train.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+           "--run-dir", str(tmp_path), "--steps", "5", "--bad-step", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "data.nonfinite" in proc.stdout and re.search(r"rank\s+1\n", proc.stdout)
+    for rank in (0, 1):
+        kinds = [e["kind"] for e in read_events(tmp_path / f"events-rank{rank}.jsonl")]
+        assert kinds.count("trip") == 1 and kinds.count("step") == 5

@@ -1,0 +1,170 @@
+"""The Hugging Face Trainer callback on a real Trainer and a tiny GPT-2 built from a config."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: models come from configs, data from torch
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+import nanguard as ng
+from nanguard.integrations.hf import NanGuardCallback
+
+SEQ, EMBD, VOCAB, BATCH = 8, 32, 64, 2
+
+
+class Samples(IterableDataset):
+    """Seeded (inputs_embeds, labels) samples in a fixed order; ``nan_at`` corrupts one sample and
+    ``drop`` leaves samples out, so a reference run can train as if a batch never existed."""
+
+    def __init__(self, n: int, nan_at: int | None = None, drop: tuple[int, ...] = ()) -> None:
+        self.n, self.nan_at, self.drop = n, nan_at, drop
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(0)
+        for i in range(self.n):
+            x = torch.randn(SEQ, EMBD, generator=gen)
+            y = torch.randint(VOCAB, (SEQ,), generator=gen)
+            if i == self.nan_at:
+                x[1, 3] = float("nan")
+            if i not in self.drop:
+                yield {"inputs_embeds": x, "labels": y}
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.steps
+
+
+def _gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def _args(tmp_path: Path, **kwargs) -> TrainingArguments:
+    base = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": BATCH,
+        "learning_rate": 1e-3,
+        "report_to": "none",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    return TrainingArguments(**{**base, **kwargs})
+
+
+def test_nan_batch_is_skipped_as_if_it_never_happened(tmp_path: Path) -> None:
+    bad_step, steps = 2, 5
+    model = _gpt2()
+    guard_cb = NanGuardCallback(policy="skip", run_dir=tmp_path / "run")
+    data = Samples(BATCH * steps, nan_at=BATCH * bad_step)
+    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=steps), train_dataset=data, callbacks=[guard_cb])
+    trainer.train()
+
+    assert trainer.state.global_step == steps
+    assert guard_cb.skipped == 1
+    diag = guard_cb.last_diagnosis
+    assert (diag.cause, diag.phase, diag.step) == ("data.nonfinite", "data", bad_step)
+    assert diag.evidence["origin"]["path"] == "batch['inputs_embeds']"
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+    # The trip is in the Trainer's logs and state.
+    entries = [e for e in trainer.state.log_history if "nanguard/skipped" in e]
+    assert len(entries) == 1
+    assert entries[0]["nanguard/cause"] == "data.nonfinite" and entries[0]["nanguard/action"] == "skip"
+    assert entries[0]["step"] == bad_step + 1 and entries[0]["nanguard/skipped"] == 1
+    saved = trainer.state.stateful_callbacks["NanGuardCallback"]["attributes"]["guard_state"]
+    assert saved["skipped"] == 1 and saved["last_diagnosis"]["cause"] == "data.nonfinite"
+
+    # Reference: the same run without the bad batch, stopped after the same number of updates,
+    # on the same LR schedule (max_steps). Weights, optimizer state and scheduler must match.
+    ref_model = _gpt2()
+    ref = Trainer(
+        model=ref_model,
+        args=_args(tmp_path, max_steps=steps),
+        train_dataset=Samples(BATCH * steps + BATCH, drop=tuple(range(BATCH * bad_step, BATCH * bad_step + BATCH))),
+        callbacks=[StopAfter(steps - 1)],
+    )
+    ref.train()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert trainer.lr_scheduler.last_epoch == ref.lr_scheduler.last_epoch == steps - 1
+    assert trainer.optimizer.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"]
+    assert trainer.lr_scheduler.get_last_lr() == ref.lr_scheduler.get_last_lr()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        a, b = trainer.optimizer.state[p], ref.optimizer.state[q]
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_gradient_accumulation_replays_every_micro_batch(tmp_path: Path) -> None:
+    guard_cb = NanGuardCallback(policy="skip")
+    # 3 optimizer steps of 2 micro-batches; the NaN is in the 2nd micro-batch of step 1.
+    args = _args(tmp_path, max_steps=3, gradient_accumulation_steps=2)
+    trainer = Trainer(
+        model=_gpt2(), args=args, train_dataset=Samples(BATCH * 6, nan_at=BATCH * 3), callbacks=[guard_cb]
+    )
+    trainer.train()
+    assert trainer.state.global_step == 3 and guard_cb.skipped == 1
+    diag = guard_cb.last_diagnosis
+    assert (diag.cause, diag.step) == ("data.nonfinite", 1)
+    assert diag.evidence["origin"]["path"] == "batch[1]['inputs_embeds']"
+    assert len(guard_cb.guard.history) == 2
+
+
+def test_far_too_high_lr_raises_divergence(tmp_path: Path) -> None:
+    class Tokens(IterableDataset):
+        def __iter__(self):
+            gen = torch.Generator().manual_seed(0)
+            while True:
+                ids = torch.randint(VOCAB, (SEQ,), generator=gen)
+                yield {"input_ids": ids, "labels": ids}
+
+    guard_cb = NanGuardCallback(policy="raise")
+    args = _args(tmp_path, max_steps=30, optim="sgd", learning_rate=1000.0, max_grad_norm=0.0)
+    trainer = Trainer(model=_gpt2(), args=args, train_dataset=Tokens(), callbacks=[guard_cb])
+    with pytest.raises(ng.NonFiniteError) as info:
+        trainer.train()
+
+    diag = info.value.diagnosis
+    assert diag.cause == "optimizer.divergence"
+    history = diag.evidence["history"]
+    assert history["diverging"] and history["growth"] >= 10
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) >= 2 and losses[-1] > 10 * losses[0]  # the Trainer's own logs saw the blow-up
+    entry = trainer.state.log_history[-1]
+    assert entry["nanguard/action"] == "raise" and entry["nanguard/cause"] == "optimizer.divergence"
+    assert not guard_cb._hooks  # the forward hooks are gone once training stops
+
+
+def test_bad_options_are_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown Guard option"):
+        NanGuardCallback(max_skips=3)
+    with pytest.raises(ValueError, match="policy"):
+        NanGuardCallback(policy="ignore")
+
+
+def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("transformers", "transformers.trainer_callback", "nanguard.integrations.hf"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "nanguard.integrations.hf")
+    with pytest.raises(ImportError, match=r"pip install nanguard\[hf\]"):
+        importlib.import_module("nanguard.integrations.hf")
