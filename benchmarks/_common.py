@@ -17,7 +17,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
-    return f"{platform.system()} {cpu}, {os.cpu_count()} CPU threads, torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
+    threads = torch.get_num_threads()
+    return f"{platform.system()} {cpu}, {os.cpu_count()} CPU threads, torch {torch.__version__}, {threads} intra-op threads"
 
 
 def interleaved(configs: dict[str, Callable[[], None]], rounds: int, warmup: int = 3) -> dict[str, float]:

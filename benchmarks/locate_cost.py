@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import interleaved, machine, write_section
 
 import nanguard as ng
+from _common import interleaved, machine, write_section
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch, train_step
 
 

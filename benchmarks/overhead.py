@@ -16,9 +16,9 @@ import itertools
 from collections.abc import Callable
 
 import torch
-from _common import interleaved, machine, write_section
 
 import nanguard as ng
+from _common import interleaved, machine, write_section
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch, train_step
 
 

@@ -18,7 +18,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 from nanguard.guard import Guard
-from nanguard.zoo import build, get, synthetic_batch, train_step
+from nanguard.zoo import build, get, synthetic_batch
 
 __all__ = ["ddp_rank_loop", "run_distributed_demo"]
 
