@@ -18,7 +18,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     threads = torch.get_num_threads()
-    return f"{platform.system()} {cpu}, {os.cpu_count()} CPU threads, torch {torch.__version__}, {threads} intra-op threads"
+    version = torch.__version__
+    return f"{platform.system()} {cpu}, {os.cpu_count()} CPU threads, torch {version}, {threads} intra-op threads"
 
 
 def interleaved(configs: dict[str, Callable[[], None]], rounds: int, warmup: int = 3) -> dict[str, float]:
