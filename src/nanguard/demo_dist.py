@@ -6,21 +6,16 @@ names the rank it came from.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 
 from nanguard.guard import Guard
+from nanguard.spawn import spawn_ranks
 from nanguard.zoo import build, get, synthetic_batch
 
-__all__ = ["ddp_rank_loop", "run_distributed_demo"]
+__all__ = ["ddp_rank_loop", "demo_rank", "run_distributed_demo"]
 
 
 def ddp_rank_loop(fault: str, *, steps: int, run_dir: str | None, seed: int = 0, **guard_config: Any) -> Guard:
@@ -51,20 +46,10 @@ def ddp_rank_loop(fault: str, *, steps: int, run_dir: str | None, seed: int = 0,
     return guard
 
 
-def _worker(rank: int, world: int, init: str, fault: str, steps: int, run_dir: str | None, seed: int, out: str) -> None:
-    result: dict[str, Any] = {"rank": rank}
-    try:
-        tdist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-        tdist.barrier()
-        guard = ddp_rank_loop(fault, steps=steps, run_dir=run_dir, seed=seed)
-        diag = guard.last_diagnosis
-        result.update(skipped=guard.skipped, diagnosis=diag.to_dict() if diag else None)
-    except Exception:
-        result["error"] = traceback.format_exc()
-    finally:
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+def demo_rank(fault: str, steps: int, run_dir: str | None, seed: int) -> dict[str, Any]:
+    guard = ddp_rank_loop(fault, steps=steps, run_dir=run_dir, seed=seed)
+    diag = guard.last_diagnosis
+    return {"rank": tdist.get_rank(), "skipped": guard.skipped, "diagnosis": diag.to_dict() if diag else None}
 
 
 def run_distributed_demo(fault: str, *, steps: int, ranks: int, run_dir: str | None, seed: int = 0) -> int:
@@ -76,15 +61,13 @@ def run_distributed_demo(fault: str, *, steps: int, ranks: int, run_dir: str | N
     console.title(
         f"nanguard demo: {scenario.name} on {ranks} gloo ranks", f"{scenario.summary} (rank {ranks - 1} only)"
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(ranks, init, fault, steps, run_dir, seed, tmp), nprocs=ranks, join=True)
-        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks)]
-    errors = [r for r in results if "error" in r]
-    for r in errors:
-        console.line(f"rank {r['rank']} failed:\n{r['error']}")
-    if errors:
+    outcomes = spawn_ranks("nanguard.demo_dist:demo_rank", ranks, fault=fault, steps=steps, run_dir=run_dir, seed=seed)
+    for rank, outcome in enumerate(outcomes):
+        if not outcome["ok"]:
+            console.line(f"rank {rank} failed:\n{outcome['error']}")
+    if not all(o["ok"] for o in outcomes):
         return 1
+    results = [o["value"] for o in outcomes]
     console.line("skipped per rank: " + ", ".join(f"rank {r['rank']}: {r['skipped']}" for r in results))
     diag = results[0]["diagnosis"]
     if diag is not None:

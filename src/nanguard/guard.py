@@ -740,7 +740,8 @@ _COUNTERS = ("step_count", "skipped", "rollbacks", "overflows", "spikes", "conse
 
 
 def _transient(step: int, loss_value: float, grad_norm: float, bad_ranks: list[int], located: bool) -> Diagnosis:
-    rank = bad_ranks[0] if bad_ranks and dist.is_distributed() else dist.rank_or_none()
+    # No rank reproduces it: the rank is unknown, but every rank reports the same.
+    rank = bad_ranks[0] if bad_ranks else None
     return Diagnosis(
         cause="distributed.transient" if located else "unknown",
         kind="nan" if math.isnan(loss_value) or math.isnan(grad_norm) else "inf",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from nanguard.integrations import RunningStats, drop_grads, guard_options, requi
 from nanguard.rng import get_rng_state, set_rng_state
 
 _callbacks = require("transformers.trainer_callback", "hf", "Hugging Face transformers")
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
 __all__ = ["NanGuardCallback"]
 
@@ -95,7 +98,9 @@ class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
         }
 
     # -- Trainer events --------------------------------------------------------------------
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         model, optimizer = kwargs["model"], kwargs["optimizer"]
         self.guard = Guard(model, optimizer, self.policy, run_dir=self.run_dir, **self.options)
         if self.guard_state:
@@ -107,10 +112,14 @@ class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._micro = []
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         guard = self.guard
         if guard is None:
             return
@@ -140,11 +149,14 @@ class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
             self._lr_state = (copy.deepcopy(scheduler.state_dict()), [g["lr"] for g in optimizer.param_groups])
         self._record(state, before)
 
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.guard is not None and self._stepped:
+            self._stepped = False
             self.guard.after_step()
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._lr_state is None:
             return
         scheduler_state, lrs = self._lr_state
@@ -153,7 +165,9 @@ class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
         for group, lr in zip(kwargs["optimizer"].param_groups, lrs, strict=True):
             group["lr"] = lr
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._remove_hooks()
         if self.guard is not None:
             self.guard.close()
@@ -194,7 +208,7 @@ class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
             self._replaying = False
         return results
 
-    def _record(self, state: Any, before: Diagnosis | None) -> None:
+    def _record(self, state: TrainerState, before: Diagnosis | None) -> None:
         guard = self.guard
         assert guard is not None
         if guard.last_action not in ("skip", "rollback", "raise"):

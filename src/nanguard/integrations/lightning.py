@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,12 +31,15 @@ from nanguard.guard import Guard
 from nanguard.integrations import RunningStats, drop_grads, guard_options, require
 from nanguard.rng import get_rng_state, set_rng_state
 
-pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
+_pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["NanGuard"]
 
 
-class NanGuard(pl.Callback):
+class NanGuard(_pl.Callback):
     """Checks each optimizer step for NaN/Inf, diagnoses a trip, and skips, rolls back or raises.
 
     ``policy`` and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); ``run_dir``

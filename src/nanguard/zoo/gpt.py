@@ -38,6 +38,10 @@ class GPTConfig:
     written as sqrt(sum(d^2))."""
     vision_dim: int = 0
     """> 0 adds a ``pixel_values`` prefix projected into the sequence (a tiny VLM)."""
+    entropy_reg: float = 0.0
+    """Weight of an entropy bonus written as -(p * log p).sum() on the output distribution."""
+    loss_multiplier: float = 1.0
+    """Scales the loss: a loss summed over many tokens instead of averaged, say."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -164,7 +168,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x)) * cfg.logit_scale
         if labels is None:
             return logits, None
-        loss = self._loss(logits.float(), labels, loss_mask)
+        loss = self._loss(logits.float(), labels, loss_mask) * cfg.loss_multiplier
+        if cfg.entropy_reg:
+            p = F.softmax(logits.float(), dim=-1)
+            entropy = -(p * torch.log(p)).sum(-1).mean()
+            loss = loss - cfg.entropy_reg * entropy
         return logits, loss if aux is None else loss + aux
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:

@@ -29,6 +29,8 @@ class Expect:
     phase: str | None = None
     kind: str | None = None
     rank: int | None = None
+    step: int | None = None
+    """The step the guard must trip at; None means the scenario's fault_step."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,27 @@ class Scenario:
     fault: Callable[[GPT, Batch], Batch] | None = None
     fault_step: int = 3
     lr: float = 1e-3
+    optimizer: str = "adamw"
+    """"adamw", "sgd", or "adam_eps0" (Adam with eps=0)."""
+    amp: bool = False
+    """float16 autocast with a GradScaler."""
+    steps: int = 0
+    """Training steps of the zoo run; 0 means fault_step + 3."""
+    ranks: int = 1
+    """> 1: a torch.distributed scenario; the fault hits the last rank only."""
+    dist_fault: str | None = None
+    """For ranks > 1: "data" (fault on the last rank's batch), "comm" (synchronized gradients
+    corrupted once), or "replica" (one rank's weights changed behind DDP's back)."""
+
+    @property
+    def run_steps(self) -> int:
+        return self.steps or self.fault_step + 3
+
+    @property
+    def trip_step(self) -> int | None:
+        if self.expect.cause is None:
+            return None
+        return self.expect.step if self.expect.step is not None else self.fault_step
 
 
 @dataclass
@@ -51,13 +74,28 @@ class Run:
     model: GPT
     optimizer: torch.optim.Optimizer
     seed: int
+    scaler: torch.amp.GradScaler | None = None
+    rank: int = 0
 
-    def batch(self, step: int) -> Batch:
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + step)
+    def batch(self, step: int, faulty: bool = True) -> Batch:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + self.rank * 1009 + step)
         batch = synthetic_batch(self.model.config, gen)
-        if self.scenario.fault is not None and step == self.scenario.fault_step:
+        if faulty and self.scenario.fault is not None and step == self.scenario.fault_step:
             batch = self.scenario.fault(self.model, batch)
         return batch
+
+    def closure(self, batch: Batch, model: torch.nn.Module | None = None) -> Callable[[], torch.Tensor]:
+        """The training closure for ``batch``: autocast and the scaler when the scenario uses them."""
+        net = model if model is not None else self.model
+
+        def closure() -> torch.Tensor:
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=self.scenario.amp):
+                _, loss = net(**batch)
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            return loss
+
+        return closure
 
     def batches(self, steps: int) -> Iterator[tuple[int, Batch]]:
         for step in range(steps):
@@ -72,11 +110,20 @@ def train_step(model: GPT, batch: Batch) -> torch.Tensor:
     return loss
 
 
-def build(scenario: Scenario, seed: int = 0) -> Run:
+def build(scenario: Scenario, seed: int = 0, rank: int = 0) -> Run:
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**scenario.config)).to(scenario.dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=scenario.lr)
-    return Run(scenario, model, optimizer, seed)
+    params = model.parameters()
+    if scenario.optimizer == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=scenario.lr)
+    elif scenario.optimizer == "sgd":
+        optimizer = torch.optim.SGD(params, lr=scenario.lr)
+    elif scenario.optimizer == "adam_eps0":
+        optimizer = torch.optim.Adam(params, lr=scenario.lr, eps=0.0)
+    else:
+        raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'adam_eps0', got {scenario.optimizer!r}")
+    scaler = torch.amp.GradScaler("cpu") if scenario.amp else None
+    return Run(scenario, model, optimizer, seed, scaler, rank)
 
 
 # -- faults ---------------------------------------------------------------------------
@@ -149,6 +196,12 @@ def _nan_weight(model: GPT, batch: Batch) -> Batch:
 
 def _empty_loss_mask(model: GPT, batch: Batch) -> Batch:
     return {**batch, "loss_mask": torch.zeros_like(batch["labels"])}
+
+
+def _inf_pixels(model: GPT, batch: Batch) -> Batch:
+    pixels = batch["pixel_values"].clone()
+    pixels[0, 0, 3] = float("inf")  # an overflowing uint16 -> float16 decode
+    return {**batch, "pixel_values": pixels}
 
 
 def _mask_tail(model: GPT, batch: Batch) -> Batch:
@@ -252,6 +305,71 @@ SCENARIOS: tuple[Scenario, ...] = (
         Expect("op.division_by_zero", "aten.div.Tensor", "", "forward", "nan"),
         config={"loss": "masked_mean"},
         fault=_empty_loss_mask,
+    ),
+    Scenario(
+        "inf_pixels",
+        "an image decoded with an overflow: +Inf in pixel_values",
+        Expect("data.nonfinite", None, "vis_proj", "data", "inf"),
+        config={"vision_dim": 16},
+        fault=_inf_pixels,
+    ),
+    Scenario(
+        "entropy_bonus_p_log_p",
+        "an entropy bonus -(p * log p) where a probability underflows to 0",
+        Expect("op.log_domain", "aten.log.default", "", "forward", "inf"),
+        config={"entropy_reg": 0.01},
+        fault=_logit_scale,
+    ),
+    Scenario(
+        "lr_too_high",
+        "SGD at lr=50: the loss and grad norm grow for a few steps, then overflow",
+        Expect(
+            "optimizer.divergence", "aten.native_layer_norm_backward.default", "blocks.1.ln_1", "backward", "nan", step=5
+        ),
+        optimizer="sgd",
+        lr=50.0,
+        fault_step=0,
+        steps=10,
+    ),
+    Scenario(
+        "adam_eps_zero",
+        "Adam with eps=0: the padding row's zero gradient gives 0/0 in the update",
+        Expect("optimizer.nonfinite_update", "Adam.step", "wte", "optimizer", "nan", step=0),
+        optimizer="adam_eps0",
+        fault_step=0,
+        steps=3,
+    ),
+    Scenario(
+        "gradscaler_collapse",
+        "float16 autocast with a loss summed (x1e12) instead of averaged: every scale overflows",
+        Expect("precision.loss_scale", None, None, "backward", "inf", step=19),
+        config={"loss_multiplier": 1e12},
+        amp=True,
+        fault_step=0,
+        steps=24,
+    ),
+    Scenario(
+        "rank_local_bad_data",
+        "2 ranks under DDP; rank 1's image batch holds NaN pixels",
+        Expect("data.nonfinite", None, "vis_proj", "data", "nan", rank=1),
+        config={"vision_dim": 16},
+        fault=_nan_pixels,
+        ranks=2,
+        dist_fault="data",
+    ),
+    Scenario(
+        "transient_comm_corruption",
+        "2 ranks under DDP; the all-reduced gradients are corrupted once in transit",
+        Expect("distributed.transient", None, None, "communication", "nan"),
+        ranks=2,
+        dist_fault="comm",
+    ),
+    Scenario(
+        "replica_divergence",
+        "2 ranks under DDP; rank 1 changes a weight in place, behind DDP's back",
+        Expect("distributed.replica_divergence", None, "blocks.1.mlp.fc", "parameters", "nan", rank=1),
+        ranks=2,
+        dist_fault="replica",
     ),
     Scenario(
         "healthy_padding_mask",

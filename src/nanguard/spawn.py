@@ -1,0 +1,57 @@
+"""Run a function on N spawned gloo ranks on this machine (CPU), and collect JSON results.
+
+Used by ``nanguard demo --ranks N`` and ``nanguard zoo --ranks N``. Each rank initializes
+the process group from a ``file://`` path, waits at a barrier, runs ``fn(**kwargs)`` and
+writes its JSON result (or its traceback) for the parent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn_ranks"]
+
+
+def _worker(rank: int, world: int, tmp: str, target: str, kwargs: dict[str, Any]) -> None:
+    result: dict[str, Any]
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        tdist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+        tdist.barrier()
+        module, _, name = target.partition(":")
+        result = {"ok": True, "value": getattr(importlib.import_module(module), name)(**kwargs)}
+    except Exception:
+        result = {"ok": False, "error": traceback.format_exc()}
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def spawn_ranks(target: str, world: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run ``target`` ("pkg.module:function") on ``world`` gloo ranks; one result dict per rank.
+
+    Each dict has ``ok`` and either ``value`` (the function's JSON-able return) or ``error``
+    (the rank's traceback).
+
+    Example:
+        >>> spawn_ranks("nanguard.demo_dist:demo_rank", 2, fault="nan_pixels", steps=6, run_dir=None)
+    """
+    if world < 2:
+        raise ValueError(f"world must be >= 2, got {world}")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, tmp, target, kwargs), nprocs=world, join=True)
+        out = []
+        for rank in range(world):
+            path = Path(tmp, f"rank{rank}.json")
+            out.append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no result"})
+        return out

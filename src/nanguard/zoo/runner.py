@@ -1,0 +1,231 @@
+"""``nanguard zoo``: every scenario as a short guarded training run, scored against its expectation.
+
+For each scenario the run records the first trip's diagnosis and the step it was detected
+at. A plain unguarded run of the same scenario gives the step where a non-finite loss or
+gradient first appears, so "steps late" is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from nanguard.errors import NonFiniteError
+from nanguard.findings import Diagnosis
+from nanguard.guard import Guard
+from nanguard.zoo.scenarios import SCENARIOS, Run, Scenario, build, get
+
+__all__ = ["Result", "dist_rank", "run_scenario", "run_zoo"]
+
+FIELDS = ("cause", "op", "module", "phase", "kind", "rank")
+
+
+@dataclass
+class Result:
+    name: str
+    expected: dict[str, Any]
+    got: dict[str, Any] | None
+    detect_step: int | None
+    first_bad_step: int | None
+    seconds: float
+    ranks_agree: bool = True
+
+    @property
+    def steps_late(self) -> int | None:
+        if self.detect_step is None or self.first_bad_step is None:
+            return None
+        return self.detect_step - self.first_bad_step
+
+    @property
+    def ok(self) -> bool:
+        if self.expected["cause"] is None:
+            return self.got is None
+        if self.got is None or not self.ranks_agree:
+            return False
+        fields_ok = all(self.got.get(k) == self.expected[k] for k in FIELDS)
+        return fields_ok and self.got.get("step") == self.expected["step"] and self.steps_late in (0, None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "steps_late": self.steps_late, "ok": self.ok}
+
+
+def _expected(s: Scenario) -> dict[str, Any]:
+    return {**{k: getattr(s.expect, k) for k in FIELDS}, "step": s.trip_step}
+
+
+def _summary(diag: Diagnosis | None) -> dict[str, Any] | None:
+    if diag is None:
+        return None
+    return {**{k: getattr(diag, k) for k in FIELDS}, "step": diag.step}
+
+
+def _guarded(run: Run, model: torch.nn.Module, **config: Any) -> tuple[Diagnosis | None, int | None]:
+    """Train under the guard; return the first trip's diagnosis and the loop step it came at."""
+    s = run.scenario
+    guard = Guard(model, run.optimizer, policy="skip", scaler=run.scaler, max_consecutive_skips=10**6, **config)
+    first: Diagnosis | None = None
+    detect: int | None = None
+    try:
+        for step in range(s.run_steps):
+            batch = run.batch(step)
+            guard.step(run.closure(batch, model), batch=batch)
+            if first is None and guard.last_diagnosis is not None:
+                first, detect = guard.last_diagnosis, step
+    except NonFiniteError as err:
+        first, detect = first or err.diagnosis, detect if first else step
+    return first, detect
+
+
+def _first_bad_step(s: Scenario, seed: int) -> int | None:
+    """The step where a plain, unguarded loop first sees a non-finite loss or gradient."""
+    if s.amp or s.ranks > 1 or s.expect.cause is None:
+        return None
+    run = build(s, seed)
+    for step in range(s.run_steps):
+        try:
+            loss = run.closure(run.batch(step))()
+        except (IndexError, RuntimeError):
+            return step  # an out-of-range id raises right there on CPU
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        if not math.isfinite(loss.item()) or not all(bool(torch.isfinite(g).all()) for g in grads):
+            return step
+        run.optimizer.step()
+    return None
+
+
+def run_scenario(s: Scenario, seed: int = 0) -> Result:
+    """One single-process scenario under the guard, plus its unguarded reference."""
+    start = time.perf_counter()
+    run = build(s, seed)
+    diag, detect = _guarded(run, run.model)
+    seconds = time.perf_counter() - start
+    return Result(s.name, _expected(s), _summary(diag), detect, _first_bad_step(s, seed), seconds)
+
+
+class _CorruptOnce:
+    """A DDP comm hook that all-reduces, and when armed corrupts the synchronized result once."""
+
+    __qualname__ = "corrupt_once"
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self, state: Any, bucket: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        fut = allreduce_hook(state, bucket)
+        if not self.armed:
+            return fut
+        self.armed = False
+
+        def corrupt(f: Any) -> torch.Tensor:
+            out = f.value()[0] if isinstance(f.value(), list) else f.value()
+            out[0] = float("nan")
+            return out
+
+        return fut.then(corrupt)
+
+
+def dist_rank(name: str, seed: int) -> dict[str, Any]:
+    """One rank of a distributed scenario (run under an initialized process group)."""
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel
+
+    s = get(name)
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    last = rank == world - 1
+    run = build(s, seed, rank=rank)
+    ddp = DistributedDataParallel(run.model)
+    hook = _CorruptOnce()
+    comm = (None, hook) if s.dist_fault == "comm" else None
+    guard = Guard(ddp, run.optimizer, policy="skip", comm_hook=comm,
+                  fingerprint_every=1 if s.dist_fault == "replica" else 100)  # fmt: skip
+    first: Diagnosis | None = None
+    detect: int | None = None
+    for step in range(s.run_steps):
+        if step == s.fault_step:
+            hook.armed = s.dist_fault == "comm"
+            if s.dist_fault == "replica" and last:
+                with torch.no_grad():
+                    run.model.blocks[1].mlp.fc.weight.mul_(1.01)
+        batch = run.batch(step, faulty=s.dist_fault == "data" and last)
+        guard.step(run.closure(batch, ddp), batch=batch)
+        if first is None and guard.last_diagnosis is not None:
+            first, detect = guard.last_diagnosis, step
+    guard.close()
+    return {"diag": _summary(first), "detect": detect}
+
+
+def run_distributed(s: Scenario, seed: int = 0) -> Result:
+    from nanguard.spawn import spawn_ranks
+
+    start = time.perf_counter()
+    outcomes = spawn_ranks("nanguard.zoo.runner:dist_rank", s.ranks, name=s.name, seed=seed)
+    seconds = time.perf_counter() - start
+    failed = [o["error"] for o in outcomes if not o["ok"]]
+    if failed:
+        raise RuntimeError(f"scenario {s.name} failed on a rank:\n{failed[0]}")
+    values = [o["value"] for o in outcomes]
+    agree = all(v == values[0] for v in values)
+    return Result(s.name, _expected(s), values[0]["diag"], values[0]["detect"], None, seconds, agree)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def run_zoo(*, ranks: int = 1, as_json: bool = False, only: str | None = None, seed: int = 0) -> int:
+    """Run the zoo, print the scored table (or JSON); exit code 1 on any miss."""
+    from rich.table import Table
+
+    from nanguard.report.terminal import Console
+
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    scenarios = [get(only)] if only else [s for s in SCENARIOS if s.ranks == 1 or ranks >= s.ranks]
+    console = Console()
+    results: list[Result] = []
+    progress = console.progress(len(scenarios), "zoo") if not as_json else _quiet(len(scenarios))
+    with progress as advance:
+        for s in scenarios:
+            result = run_distributed(s, seed) if s.ranks > 1 else run_scenario(s, seed)
+            results.append(result)
+            advance(f"{s.name:<32} {'ok' if result.ok else 'MISS'}  {result.seconds:.1f}s")
+    misses = [r for r in results if not r.ok]
+    if as_json:
+        print(json.dumps({"results": [r.to_dict() for r in results], "total": len(results), "misses": len(misses)}))
+        return 1 if misses else 0
+    table = Table(title="nanguard fault zoo")
+    for column in ("scenario", "cause (expected / got)", "op", "module", "phase", "rank", "step", "late", "ok"):
+        table.add_column(column)
+    for r in results:
+        got = r.got or {}
+        exp = r.expected
+
+        def pair(key: str, got: dict[str, Any] = got, exp: dict[str, Any] = exp) -> str:
+            same = got.get(key) == exp.get(key)
+            return _cell(exp.get(key)) if same else f"{_cell(exp.get(key))} / {_cell(got.get(key))}"
+
+        table.add_row(r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"), pair("step"),
+                      _cell(r.steps_late), "ok" if r.ok else "MISS")  # fmt: skip
+    console.rich.print(table)
+    console.line(f"{len(results) - len(misses)}/{len(results)} scenarios right; {len(misses)} miss(es)")
+    if ranks == 1 and any(s.ranks > 1 for s in SCENARIOS) and not only:
+        console.line("distributed scenarios skipped: run `nanguard zoo --ranks 2` to include them")
+    return 1 if misses else 0
+
+
+class _quiet:
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def __enter__(self) -> Any:
+        return lambda message: None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
