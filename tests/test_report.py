@@ -34,7 +34,8 @@ from nanguard.cli import main as cli_main
 from nanguard.errors import EventLogError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.report import load_run, module_stats, render_html, run_report, write_html
+from nanguard.locate.replay import module_stats
+from nanguard.report import load_run, render_html, run_report, write_html
 from nanguard.report.html import plot_count
 from nanguard.zoo import build, get, synthetic_batch, train_step
 

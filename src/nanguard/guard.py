@@ -39,6 +39,7 @@ from nanguard.errors import NonFiniteError
 from nanguard.events import EventLog, NullEventLog
 from nanguard.findings import Diagnosis
 from nanguard.locate import trace, weight_scale
+from nanguard.locate.replay import module_stats
 from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.spikes import Spike, SpikeDetector
 from nanguard.stats import grad_health
@@ -87,6 +88,8 @@ class GuardConfig:
     """Write a compact step event every N steps (trips and skips are always written)."""
     locate: bool = True
     """Replay a tripped step under the op tracer to find the origin."""
+    module_stats: bool = True
+    """On a trip, replay once more to record each module's activation absmax and grad norm."""
     check_batch: bool = False
     """Run ng.check_batch on the batch passed to ``step`` before the forward."""
     history: int = 64
@@ -190,6 +193,8 @@ class Guard:
         # init.scale is about the weights the run started from, not weights grown by training.
         self._initial_scale = weight_scale(dist.unwrap(model))
         self._pending: tuple[int, float, float, float] | None = None
+        self._module_stats: dict[str, Any] | None = None
+        self._step_values: tuple[float | None, float | None, float | None] = (None, None, None)
         self.events.write("start", 0, config=asdict(self.config), world_size=dist.world_size(),
                           path="device" if self._fused else "host")  # fmt: skip
         if self.config.policy == "rollback":
@@ -266,6 +271,7 @@ class Guard:
     def _next_step(self) -> int:
         step = self.step_count
         self.step_count += 1
+        self._step_values = (None, None, None)
         return step
 
     def _drop_batch(self) -> bool:
@@ -310,6 +316,7 @@ class Guard:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
         values = torch.cat([scalars, codes.float()]).tolist()  # the one host read of this step
         grad_norm, loss_value, scale = values[:3]
+        self._step_values = (loss_value, grad_norm, scale if self.scaler is not None else None)
         rank_codes = [int(c) for c in values[3:]]
         bad_ranks = [r for r, c in enumerate(rank_codes) if c & _LOCAL_BAD]
         synced_bad = any(c & _SYNCED_BAD for c in rank_codes)
@@ -323,8 +330,9 @@ class Guard:
             self._overflow(step, loss_value, scale)
             return False
         if bad_ranks or synced_bad:
-            _restore_buffers(buffers)
+            _restore_buffers(buffers)  # the replays start from the step's own state...
             diag = self._diagnose(replay, step, rng, loss_value, grad_norm, bad_ranks, batch)
+            _restore_buffers(buffers)  # ...and leave none of theirs behind
             self.model.zero_grad(set_to_none=True)
             self._trip(diag, step, batch, rng)
             return False
@@ -445,18 +453,30 @@ class Guard:
             if rng is not None:
                 set_rng_state(rng)
             try:
-                diag = dist.replay_locally(
-                    self.model, lambda: trace(closure, (), {}, model=dist.unwrap(self.model), inputs={"batch": batch})
-                )
+                diag = self._replay(closure, batch)
             except Exception as err:  # the guard's own failure must not kill training
                 warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=3)
                 diag, located = None, False
+            if located and self.config.module_stats:
+                self._collect_module_stats(closure, rng, step)
         diag = dist.gather_diagnosis(diag, bad_ranks)
         if diag is None:
             diag = _transient(step, loss_value, grad_norm, bad_ranks, located=located)
         diag.step = step
         self._apply_history(diag, step)
         return diag
+
+    def _collect_module_stats(self, closure: Callable[[], Any], rng: dict[str, torch.Tensor] | None, step: int) -> None:
+        """Per-module activation absmax and grad norm of the tripped step, for the report.
+
+        Every rank runs it, in step, since a DDP forward may broadcast buffers."""
+        if rng is not None:
+            set_rng_state(rng)
+        try:
+            model = dist.unwrap(self.model)
+            self._module_stats = dist.replay_locally(self.model, lambda: module_stats(model, closure))
+        except Exception as err:  # evidence for the report only: never worth killing training
+            warnings.warn(f"nanguard: module stats failed on step {step}: {err!r}", stacklevel=3)
 
     def _replay(self, closure: Callable[[], Any], batch: Any) -> Diagnosis | None:
         """Re-run the step under the tracer with this rank's gradient sync off."""
@@ -468,9 +488,7 @@ class Guard:
     ) -> Diagnosis:
         set_rng_state(rng)
         try:
-            diag = dist.replay_locally(
-                self.model, lambda: trace(closure, (), {}, model=dist.unwrap(self.model), inputs={"batch": batch})
-            )
+            diag = self._replay(closure, batch)
         except Exception:
             diag = None
         if diag is None or not diag.cause.startswith("data."):
@@ -559,7 +577,10 @@ class Guard:
             # The bad update already happened: only a snapshot can undo it.
             policy = "rollback" if self._snapshot is not None else "raise"
         action = policy
-        self.events.write("trip", step, action=action, ranks=diag.ranks or [self.rank], diagnosis=diag.to_dict())
+        stats, self._module_stats = self._module_stats, None
+        extra = {"module_stats": stats} if stats else {}
+        flagged = diag.evidence.get("flagged_ranks", [self.rank])
+        self.events.write("trip", step, action=action, ranks=flagged, diagnosis=diag.to_dict(), **extra)
         self._write_bundle(diag, step, batch, rng)
         log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
         if policy == "raise":
@@ -575,7 +596,7 @@ class Guard:
             self.events.write("rollback", step, restored_step=restored,
                               skip_batches=self._drop_batches, reason=diag.cause)  # fmt: skip
             return None
-        self._skip(step, diag.cause, None, None, None)
+        self._skip(step, diag.cause, *self._step_values)
         return None
 
     def _skip(self, step: int, reason: str, loss: float | None, grad_norm: float | None, scale: float | None) -> None:

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from nanguard.report.html import render_html, write_html
     from nanguard.report.load import BundleInfo, Marker, RankLog, RunReport, StepRecord, Trip, load_run
     from nanguard.report.main import print_summary, run_report
-    from nanguard.report.modules import module_stats
 
 __all__ = [
     "BundleInfo",
@@ -28,7 +27,6 @@ __all__ = [
     "StepRecord",
     "Trip",
     "load_run",
-    "module_stats",
     "print_summary",
     "render_html",
     "run_report",
@@ -39,7 +37,6 @@ _WHERE = {
     **dict.fromkeys(("BundleInfo", "Marker", "RankLog", "RunReport", "StepRecord", "Trip", "load_run"), "load"),
     **dict.fromkeys(("render_html", "write_html"), "html"),
     **dict.fromkeys(("print_summary", "run_report"), "main"),
-    "module_stats": "modules",
 }
 
 

@@ -56,6 +56,11 @@ class Scenario:
     corrupted once), or "replica" (one rank's weights changed behind DDP's back)."""
 
     @property
+    def one_step(self) -> bool:
+        """Is the fault visible to ``ng.locate`` on the fault step alone (no history, no ranks)?"""
+        return self.ranks == 1 and not self.amp and self.expect.step is None
+
+    @property
     def run_steps(self) -> int:
         return self.steps or self.fault_step + 3
 
@@ -324,7 +329,12 @@ SCENARIOS: tuple[Scenario, ...] = (
         "lr_too_high",
         "SGD at lr=50: the loss and grad norm grow for a few steps, then overflow",
         Expect(
-            "optimizer.divergence", "aten.native_layer_norm_backward.default", "blocks.1.ln_1", "backward", "nan", step=5
+            "optimizer.divergence",
+            "aten.native_layer_norm_backward.default",
+            "blocks.1.ln_1",
+            "backward",
+            "nan",
+            step=5,
         ),
         optimizer="sgd",
         lr=50.0,

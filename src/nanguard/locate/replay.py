@@ -1,4 +1,4 @@
-"""Per-module activation absmax and gradient norm of one step, for the report's module plot."""
+"""Replays of a step for more evidence: per-module activation absmax and gradient norm."""
 
 from __future__ import annotations
 
