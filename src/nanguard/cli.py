@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from nanguard.errors import NanguardError
+
 __all__ = ["main"]
 
 
@@ -104,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except ValueError as err:
         parser.exit(2, f"nanguard {args.command}: error: {err}\n")
+    except NanguardError as err:  # a corrupt bundle, an unreadable run directory
+        print(f"nanguard {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
