@@ -112,10 +112,77 @@ def configs() -> dict[str, Callable[[], None]]:
     return out
 
 
+def ddp_rank(rounds: int) -> dict[str, float]:
+    """One rank of the DDP comparison: unguarded DDP and guarded DDP, interleaved."""
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = tdist.get_rank()
+    out: dict[str, Callable[[], None]] = {}
+    for name, guarded in (("plain DDP", False), ("Guard + DDP", True)):
+        model, _ = _setup()
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        pool = [synthetic_batch(model.config, torch.Generator().manual_seed(rank * 100 + i)) for i in range(8)]
+        it = itertools.cycle(pool)
+        guard = ng.Guard(ddp, opt) if guarded else None
+
+        def step(ddp=ddp, opt=opt, it=it, guard=guard) -> None:
+            batch = next(it)
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad(set_to_none=True)
+                _, loss = ddp(**batch)
+                loss.backward()
+                return loss
+
+            if guard is None:
+                closure()
+                opt.step()
+            else:
+                guard.step(closure, batch=batch)
+
+        out[name] = step
+    return interleaved(out, rounds=rounds)
+
+
+def ddp_section(rounds: int) -> str:
+    from nanguard.spawn import spawn_ranks
+
+    outcomes = spawn_ranks("overhead:ddp_rank", 2, rounds=rounds)
+    if not all(o["ok"] for o in outcomes):
+        raise RuntimeError(next(o["error"] for o in outcomes if not o["ok"]))
+    times = outcomes[0]["value"]
+    base = times["plain DDP"]
+    rows = "\n".join(f"| {name} | {t * 1e3:.2f} | {t / base:.3f}x |" for name, t in times.items())
+    return f"""## Guard overhead under DDP (2 gloo ranks, CPU)
+
+Same tiny GPT, DistributedDataParallel over gloo, 2 ranks on this machine, median of {rounds} interleaved
+rounds as seen by rank 0.
+
+| configuration | median step ms | ratio to plain DDP |
+|---|---:|---:|
+{rows}
+
+**Cost per step as the world grows.** The guard adds one collective per step: an all-reduce of
+`world_size` int32 flags (each rank writes its own slot), so 4 bytes x world_size: 8 bytes here, 4 KiB at
+1024 ranks. It is latency-bound: with NCCL's tree all-reduce about 2 x log2(1024) = 20 hops of ~5-10 us on
+InfiniBand, i.e. roughly 0.1-0.2 ms per step at 1024 ranks, against a gradient all-reduce of hundreds of MB
+for a 1B-parameter model. Under DDP the pre-communication check adds one float32 sum per gradient bucket
+(no extra collective, no host sync). The replica fingerprint (one float64 all-gather per rank, every
+`fingerprint_every` = 100 updates by default) adds 8 bytes x world_size every 100 steps. Only a trip costs
+more: each rank replays its own step, and the diagnoses are all-gathered as JSON bytes."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--ddp", action="store_true", help="also measure Guard vs plain DDP on 2 gloo ranks")
     args = parser.parse_args()
+    if args.ddp:
+        body = ddp_section(args.rounds)
+        write_section("overhead-ddp", body)
+        print(body)
     times = interleaved(configs(), rounds=args.rounds)
     base = times["plain loop"]
     rows = "\n".join(f"| {name} | {t * 1e3:.2f} | {t / base:.3f}x |" for name, t in times.items())
