@@ -59,9 +59,7 @@ def _causes(findings: list[Any]) -> list[tuple[str, str]]:
         pytest.param(_lm_batch(), {"vocab_size": 50}, id="lm-dict"),
         pytest.param(Output(_lm_batch()), {"vocab_size": 50}, id="model-output-mapping"),
         pytest.param((torch.randn(4, 3), torch.tensor([0, 2, 1, -100])), {}, id="tuple"),
-        pytest.param(
-            (torch.randn(4, 3), torch.tensor([0, 2, 1, 3])), {"vocab_size": 5}, id="tuple-vocab"
-        ),
+        pytest.param((torch.randn(4, 3), torch.tensor([0, 2, 1, 3])), {"vocab_size": 5}, id="tuple-vocab"),
         pytest.param([{"input_ids": _ids()}, {"input_ids": _ids()}], {}, id="list-of-dicts"),
         pytest.param(Batch(_ids(), torch.randn(2, 3)), {"vocab_size": 50}, id="dataclass"),
         pytest.param(Pair(torch.randn(2, 3), torch.tensor([1, 0])), {}, id="namedtuple"),
@@ -129,9 +127,7 @@ class WithEmbeddings(nn.Module):
         (WithEmbeddings(), 30, "vocab_size argument"),
     ],
 )
-def test_ids_past_the_vocabulary(
-    model: nn.Module | None, vocab_size: int | None, source: str
-) -> None:
+def test_ids_past_the_vocabulary(model: nn.Module | None, vocab_size: int | None, source: str) -> None:
     ids = torch.tensor([[1, 2, 3], [4, 30, 29], [7, 8, 31]])
     (finding,) = check_batch({"input_ids": ids}, model=model, vocab_size=vocab_size)
     assert (finding.cause, finding.where) == ("data.index_out_of_range", "batch['input_ids']")
@@ -233,9 +229,7 @@ def test_no_valid_targets(labels: torch.Tensor, ignore_index: int) -> None:
         (torch.tensor([[0, 3]]), ["data.invalid_mask"]),
     ],
 )
-def test_loss_masks_need_one_kept_position_not_one_per_row(
-    mask: torch.Tensor, causes: list[str]
-) -> None:
+def test_loss_masks_need_one_kept_position_not_one_per_row(mask: torch.Tensor, causes: list[str]) -> None:
     findings = check_batch({"loss_mask": mask})
     assert [f.cause for f in findings] == causes
     assert all(f.where == "batch['loss_mask']" for f in findings)

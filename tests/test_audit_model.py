@@ -39,9 +39,7 @@ class TinyLM(nn.Module):
 
 
 def _convnet() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10)
-    )
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10))
 
 
 class T5Norm(nn.Module):
@@ -104,9 +102,7 @@ def test_norm_eps_message_names_dtype_floor_and_module() -> None:
     model[1].norm.eps = 0.0
     (finding,) = audit_model(model, data_parallel=False)
     assert finding.where == "1.norm"
-    assert finding.message.startswith(
-        "LayerNorm eps is 0.0; use >= 1e-5 (float16 resolves no smaller)"
-    )
+    assert finding.message.startswith("LayerNorm eps is 0.0; use >= 1e-5 (float16 resolves no smaller)")
     assert "eps=1e-5" in finding.fix
 
 
@@ -174,9 +170,7 @@ def test_embeddings_and_weights_tied_to_them_are_exempt() -> None:
         (torch.float32, 1e38, False),
     ],
 )
-def test_low_precision_values_near_the_dtype_max(
-    dtype: torch.dtype, value: float, flagged: bool
-) -> None:
+def test_low_precision_values_near_the_dtype_max(dtype: torch.dtype, value: float, flagged: bool) -> None:
     model = TinyLM().to(dtype)
     with torch.no_grad():
         model.blocks[1].norm.weight[3] = value
@@ -223,9 +217,7 @@ def test_batchnorm_under_data_parallelism(
     dist = torch.distributed
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
-    model = nn.Sequential(
-        nn.BatchNorm1d(4), nn.SyncBatchNorm(4), nn.BatchNorm2d(4), nn.LayerNorm(4)
-    )
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.SyncBatchNorm(4), nn.BatchNorm2d(4), nn.LayerNorm(4))
     findings = audit_model(model, data_parallel=data_parallel)
     assert [f.where for f in findings] == expected
     assert all(f.cause == "distributed.replica_divergence" for f in findings)

@@ -72,9 +72,7 @@ def _assert_same(a, b) -> None:
 def test_nested_batch_round_trip(tmp_path: Path) -> None:
     batch = _nested_batch()
     diag = Diagnosis(cause="op.log_domain", op="aten.log.default", module="head", step=12)
-    path = _save(
-        tmp_path, batch, rank=3, meta={"diagnosis": diag, "loss_tail": [2.0, float("inf")]}
-    )
+    path = _save(tmp_path, batch, rank=3, meta={"diagnosis": diag, "loss_tail": [2.0, float("inf")]})
 
     assert path == tmp_path / "bundles" / "step-00000012-rank-3"
     assert sorted(p.name for p in path.iterdir()) == ["meta.json", "tensors.safetensors"]
@@ -430,9 +428,7 @@ def _user_module(tmp_path: Path, monkeypatch) -> str:
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-def test_main_replay_builds_the_model_and_loads_weights(
-    tmp_path: Path, monkeypatch, suffix: str
-) -> None:
+def test_main_replay_builds_the_model_and_loads_weights(tmp_path: Path, monkeypatch, suffix: str) -> None:
     name = _user_module(tmp_path, monkeypatch)
     path = _save(tmp_path, {"x": torch.ones(2)})
     state = {"weight": torch.full((1, 2), 3.0), "bias": torch.zeros(1)}

@@ -66,7 +66,7 @@ def make_vision_gpt():
 def test_a_real_guard_bundle_replays_offline_to_the_same_diagnosis(tmp_path, capsys, monkeypatch) -> None:
     run = build(get("nan_pixels"))
     guard = Guard(run.model, run.optimizer, run_dir=tmp_path)
-    for step, batch in run.batches(5):
+    for _, batch in run.batches(5):
         guard.step(lambda b=batch: train_step(run.model, b), batch=batch)
     guard.close()
     original = guard.last_diagnosis

@@ -73,9 +73,7 @@ def test_anomaly_mode_left_on_is_a_warning() -> None:
 
 
 @pytest.mark.parametrize(("algorithms", "cudnn"), [(True, False), (False, True)])
-def test_deterministic_algorithms_cost_speed(
-    monkeypatch: pytest.MonkeyPatch, algorithms: bool, cudnn: bool
-) -> None:
+def test_deterministic_algorithms_cost_speed(monkeypatch: pytest.MonkeyPatch, algorithms: bool, cudnn: bool) -> None:
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: algorithms)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", cudnn)
     item = _items()["deterministic_algorithms"]
@@ -84,9 +82,7 @@ def test_deterministic_algorithms_cost_speed(
 
 
 @pytest.mark.parametrize("name", [n for n, _ in DEBUG_VARIABLES])
-def test_debug_variables_show_their_value_and_advice(
-    monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
+def test_debug_variables_show_their_value_and_advice(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     assert _items()[name].value == "unset"
     monkeypatch.setenv(name, "DETAIL")
     item = _items()[name]
@@ -115,17 +111,13 @@ def test_nccl_nan_check_depends_on_the_torch_version(
 
 
 @pytest.mark.parametrize(("version", "status"), [("2.3.1", "error"), ("2.4.0", "ok")])
-def test_torch_older_than_supported_is_an_error(
-    monkeypatch: pytest.MonkeyPatch, version: str, status: str
-) -> None:
+def test_torch_older_than_supported_is_an_error(monkeypatch: pytest.MonkeyPatch, version: str, status: str) -> None:
     monkeypatch.setattr(torch, "__version__", version)
     assert _items()["torch"].status == status
 
 
 @pytest.mark.parametrize(("version", "code"), [("2.6.0", 0), ("1.13.1", 1)])
-def test_json_output_and_exit_code(
-    monkeypatch: pytest.MonkeyPatch, version: str, code: int
-) -> None:
+def test_json_output_and_exit_code(monkeypatch: pytest.MonkeyPatch, version: str, code: int) -> None:
     monkeypatch.setattr(torch, "__version__", version)
     monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
     out = io.StringIO()
