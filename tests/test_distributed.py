@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -191,7 +192,16 @@ def test_torchrun_end_to_end(tmp_path) -> None:
     script = str(ROOT / "examples" / "ddp_train.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
            "--run-dir", str(tmp_path), "--steps", "5", "--bad-step", "2"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    # Its own session, so a hang kills torchrun's workers too, not only torchrun.
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = popen.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        stdout, stderr = popen.communicate()
+        pytest.fail(f"torchrun hung past 180 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "data.nonfinite" in proc.stdout and re.search(r"rank\s+1\n", proc.stdout)
     for rank in (0, 1):

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
@@ -24,7 +25,8 @@ __all__ = ["spawn_ranks"]
 def _worker(rank: int, world: int, tmp: str, target: str, kwargs: dict[str, Any]) -> None:
     result: dict[str, Any]
     try:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # Ranks share this machine's cores: one intra-op thread each, or they oversubscribe it.
+        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
         tdist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
         tdist.barrier()
         module, _, name = target.partition(":")
