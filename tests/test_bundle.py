@@ -332,14 +332,7 @@ def test_replay_restores_rng_with_a_stub_locate(tmp_path: Path) -> None:
     assert torch.equal(get_rng_state()["cpu"], after["cpu"])  # caller's stream untouched
 
 
-def _needs_locate() -> None:
-    locate_pkg = pytest.importorskip("nanguard.locate")
-    if not hasattr(locate_pkg, "locate"):
-        pytest.skip("nanguard.locate.locate is not there yet")
-
-
 def test_replay_restores_rng_with_locate(tmp_path: Path) -> None:
-    _needs_locate()
     path = _save(tmp_path, {"x": torch.ones(2)}, rng_state=get_rng_state())
     expected = torch.rand(3)
     draws: list[torch.Tensor] = []
@@ -357,7 +350,6 @@ class _LogOfNegative(torch.nn.Module):
 
 
 def test_replay_with_default_step_names_the_cause(tmp_path: Path) -> None:
-    _needs_locate()
     path = _save(tmp_path, {"x": torch.randn(2, 3)})
     diag = replay(load_bundle(path), _LogOfNegative())
     assert diag is not None and diag.cause == "op.log_domain"

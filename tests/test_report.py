@@ -34,9 +34,9 @@ from nanguard.cli import main as cli_main
 from nanguard.errors import EventLogError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.locate.replay import module_stats
 from nanguard.report import load_run, render_html, run_report, write_html
 from nanguard.report.html import plot_count
+from nanguard.tracer.replay import module_stats
 from nanguard.zoo import build, get, synthetic_batch, train_step
 
 CHROMIUM = Path("/usr/bin/chromium")

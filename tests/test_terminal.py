@@ -11,8 +11,8 @@ from rich.console import Console as RichConsole
 from nanguard.demo import run_demo
 from nanguard.explain import explain, where_lines
 from nanguard.findings import Diagnosis
-from nanguard.locate import locate
 from nanguard.report.terminal import Console, diagnosis_panel, diagnosis_text
+from nanguard.tracer import locate
 from nanguard.zoo import build, get, train_step
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")

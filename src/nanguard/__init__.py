@@ -5,7 +5,7 @@ from nanguard.bundle import load_bundle, replay
 from nanguard.errors import NonFiniteError
 from nanguard.findings import CAUSES, Diagnosis, Finding
 from nanguard.guard import Guard
-from nanguard.locate import locate
+from nanguard.tracer import locate
 
 __all__ = [
     "CAUSES",

@@ -585,7 +585,7 @@ def replay(
     if not bundle.batch_stored:
         raise BundleError(bundle.path, "batch not stored: shapes only (it was over max_batch_bytes)")
     if locate_fn is None:
-        from nanguard.locate import locate as locate_fn
+        from nanguard.tracer import locate as locate_fn
     if fn is None:
         if model is None:
             raise ValueError("replay needs a model or a step function fn")

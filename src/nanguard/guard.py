@@ -38,11 +38,11 @@ from nanguard.diagnose import diagnose
 from nanguard.errors import NonFiniteError
 from nanguard.events import EventLog, NullEventLog
 from nanguard.findings import Diagnosis
-from nanguard.locate import trace, weight_scale
-from nanguard.locate.replay import module_stats
 from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.spikes import Spike, SpikeDetector
 from nanguard.stats import grad_health
+from nanguard.tracer import trace, weight_scale
+from nanguard.tracer.replay import module_stats
 
 __all__ = ["POLICIES", "Guard", "GuardConfig"]
 

@@ -18,8 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from nanguard.locate.modules import ModuleStack, user_source
 from nanguard.stats import local, tensor_stats
+from nanguard.tracer.modules import ModuleStack, user_source
 
 __all__ = ["Origin", "Tracer", "flatten"]
 

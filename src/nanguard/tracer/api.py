@@ -13,9 +13,9 @@ from torch import nn
 from nanguard import dist
 from nanguard.diagnose import diagnose
 from nanguard.findings import Diagnosis
-from nanguard.locate.dispatch import INDEX_OPS, Origin, Tracer, flatten
-from nanguard.locate.modules import ModuleStack
 from nanguard.stats import local
+from nanguard.tracer.dispatch import INDEX_OPS, Origin, Tracer, flatten
+from nanguard.tracer.modules import ModuleStack
 
 __all__ = ["locate"]
 
