@@ -1,6 +1,7 @@
 """The nanguard command, run in process."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,14 @@ def test_demo_default_breaks_skips_and_explains(capsys, tmp_path) -> None:
     assert "op.masked_softmax" in out and "blocks.0.attn" in out and "1 skipped" in out
     assert "step   3" in out and "skip" in out
     assert (tmp_path / "events-rank0.jsonl").exists()
+
+
+@pytest.mark.dist
+def test_demo_on_two_gloo_ranks_names_the_rank(capsys) -> None:
+    assert main(["demo", "--ranks", "2", "--fault", "nan_pixels", "--steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: 1, rank 1: 1" in out and "data.nonfinite" in out
+    assert re.search(r"rank\s+1\n", out)
 
 
 def test_demo_list_names_every_fault(capsys) -> None:

@@ -187,6 +187,39 @@ def test_rollback_under_ddp_keeps_replicas_equal(tmp_path) -> None:
         assert r["rollbacks"] == 1 and r["equal"] and r["action"] == "step"
 
 
+def _check_batch_one_rank(rank, world, tmp):
+    model = _model(vision=False)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, check_batch=True)
+    for step in range(4):
+        batch = _batch(model, rank, step)
+        if rank == 1 and step == 1:
+            batch["input_ids"][0, 0] = model.config.vocab_size  # would raise inside rank 1's forward
+
+        def closure(batch=batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = ddp(**batch)
+            loss.backward()
+            return loss
+
+        guard.step(closure, batch=batch)
+    return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict(), "equal": _equal_across_ranks(model)}
+
+
+def test_check_batch_on_one_rank_is_agreed_before_the_forward(tmp_path) -> None:
+    for r in run_ranks(_check_batch_one_rank, tmp_path):
+        assert r["skipped"] == 1 and r["equal"]
+        d = r["diag"]
+        assert (d["cause"], d["rank"], d["ranks"], d["step"], d["phase"]) == (
+            "data.index_out_of_range",
+            1,
+            [1],
+            1,
+            "data",
+        )
+
+
 def test_torchrun_end_to_end(tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     script = str(ROOT / "examples" / "ddp_train.py")

@@ -22,6 +22,7 @@ from nanguard.stats import local
 __all__ = [
     "CommWatch",
     "agree",
+    "agree_flag",
     "broadcast_state",
     "fingerprint",
     "gather_diagnosis",
@@ -57,17 +58,36 @@ def rank_or_none() -> int | None:
     return rank() if _initialized() else None
 
 
-def agree(code: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``code`` (a small int device scalar), as a [world_size] tensor.
+def agree(code: torch.Tensor, loss: torch.Tensor, grad_sq: torch.Tensor, *, sharded: bool = False) -> torch.Tensor:
+    """One all-reduce that gives every rank the same view of the step, as a float32 device tensor:
+    ``[code of rank 0, ..., code of rank W-1, mean loss, global grad norm]``.
 
-    One all-reduce of world_size int32 values: each rank writes its own slot.
+    Each rank writes its own code slot (small ints, exact in float32), so all ranks learn
+    *which* ranks flagged; the loss is averaged and the squared grad norm summed (over shards
+    for FSDP2; over identical replicas under DDP, hence divided back). World_size + 2 floats.
     """
+    world = world_size()
+    vec = torch.zeros(world + 2, dtype=torch.float32, device=loss.device)
+    vec[rank() if world > 1 else 0] = code.float()
+    vec[world] = loss.float()
+    vec[world + 1] = grad_sq.float()
+    if world > 1:
+        tdist.all_reduce(vec)
+        vec[world] = vec[world] / world
+        if not sharded:
+            vec[world + 1] = vec[world + 1] / world
+    vec[world + 1] = vec[world + 1].sqrt()
+    return vec
+
+
+def agree_flag(flag: bool) -> list[int]:
+    """The ranks whose ``flag`` is set, agreed by one small all-reduce (a world of one needs none)."""
     if not is_distributed():
-        return code.reshape(1)
-    codes = torch.zeros(tdist.get_world_size(), dtype=torch.int32, device=code.device)
-    codes[tdist.get_rank()] = code
-    tdist.all_reduce(codes)
-    return codes
+        return [0] if flag else []
+    flags = torch.zeros(world_size(), dtype=torch.int32, device=_comm_device())
+    flags[rank()] = int(flag)
+    tdist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
 
 
 class CommWatch:

@@ -40,7 +40,7 @@ from nanguard.events import EventLog, NullEventLog
 from nanguard.findings import Diagnosis
 from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.spikes import Spike, SpikeDetector
-from nanguard.stats import grad_health
+from nanguard.stats import grad_health, local
 from nanguard.tracer import trace, weight_scale
 from nanguard.tracer.replay import module_stats
 
@@ -190,9 +190,11 @@ class Guard:
         self._buffers = list(model.buffers())
         self._comm = dist.watch_communication(model, comm_hook)
         self._fused = _supports_found_inf(optimizer)
+        self._closure_error: BaseException | None = None
+        self._sharded = any(local(p) is not p for p in self._params)  # FSDP2: each rank holds a shard
         # init.scale is about the weights the run started from, not weights grown by training.
         self._initial_scale = weight_scale(dist.unwrap(model))
-        self._pending: tuple[int, float, float, float] | None = None
+        self._pending: tuple[int, float, float, float, float] | None = None
         self._module_stats: dict[str, Any] | None = None
         self._step_values: tuple[float | None, float | None, float | None] = (None, None, None)
         self.events.write("start", 0, config=asdict(self.config), world_size=dist.world_size(),
@@ -217,17 +219,24 @@ class Guard:
         rng = get_rng_state()
         buffers = _buffer_backup(self._buffers)
         self._comm.reset()
+        self._closure_error = None
         try:
             with torch.enable_grad():
                 loss = closure()
         except (IndexError, RuntimeError) as err:
-            # An out-of-range id raises on CPU; locate turns it into a data diagnosis.
-            step = self._next_step()
-            diag = self._diagnose_error(closure, step, rng, err, batch)
-            _restore_buffers(buffers)
+            if not _index_error(err):
+                raise
+            if dist.is_distributed():
+                # The other ranks are already in the gradient all-reduce: joining them is
+                # impossible, so fail loudly rather than hang. check_batch=True catches it first.
+                log.error("nanguard: the forward raised on rank %d; use Guard(check_batch=True) under "
+                          "torch.distributed to catch out-of-range ids before the forward", self.rank)  # fmt: skip
+                raise
+            # An out-of-range id raises on CPU. This rank still joins the agreement, flagged
+            # by a NaN loss, and its replay turns the error into a data diagnosis.
+            self._closure_error = err
             self.model.zero_grad(set_to_none=True)
-            self._trip(diag, step, batch, rng)
-            return None
+            loss = torch.full((), math.nan, device=self._params[0].device if self._params else None)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         device_step = self._fused and self.scaler is None
@@ -264,6 +273,7 @@ class Guard:
         """
         if self._drop_batch() or self._bad_batch(batch):
             return False
+        self._closure_error = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         return self._check(loss, replay, batch, rng, [], device_step=False)
@@ -285,12 +295,19 @@ class Guard:
         return True
 
     def _bad_batch(self, batch: Any) -> bool:
-        if not self.config.check_batch or batch is None:
+        """check_batch before the forward. Ranks agree first: under DDP one rank cannot skip
+        its forward and backward while the others all-reduce gradients."""
+        if not self.config.check_batch:
             return False
-        diag = self._check_batch(batch, self.step_count)
-        if diag is None:
+        diag = self._check_batch(batch, self.step_count) if batch is not None else None
+        flagged = dist.agree_flag(diag is not None)
+        if not flagged:
             return False
-        self._trip(diag, self._next_step(), batch, None)
+        step = self._next_step()
+        diag = dist.gather_diagnosis(diag, flagged)
+        assert diag is not None  # a flagged rank always contributes its diagnosis
+        diag.step = step
+        self._trip(diag, step, batch, None)
         return True
 
     def _check(
@@ -305,19 +322,23 @@ class Guard:
     ) -> bool:
         step = self._next_step()
         grads = [p.grad for p in self._params if p.grad is not None]
-        scalars, code = self._health(loss, grads)
-        codes = dist.agree(code)  # one tiny collective: every rank's code, O(world) bytes
+        gn, lv, scale_t, code = self._health(loss, grads)
+        # The one collective of the step: every rank's code, the mean loss, the global grad norm.
+        world = dist.world_size()
+        agreed = dist.agree(code, lv, gn * gn, sharded=self._sharded)
         if device_step:
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
-            self.optimizer.found_inf = (codes.remainder(2).amax() > 0).float()  # type: ignore[attr-defined]
+            self.optimizer.found_inf = (agreed[:world].remainder(2).amax() > 0).float()  # type: ignore[attr-defined]
             try:
                 self.optimizer.step()
             finally:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
-        values = torch.cat([scalars, codes.float()]).tolist()  # the one host read of this step
-        grad_norm, loss_value, scale = values[:3]
-        self._step_values = (loss_value, grad_norm, scale if self.scaler is not None else None)
-        rank_codes = [int(c) for c in values[3:]]
+        extra = torch.stack([scale_t.float(), lv.float()]).to(agreed.device)
+        values = torch.cat([agreed, extra]).tolist()  # the one host read of this step
+        loss_value, grad_norm, scale, own_loss = values[world : world + 4]
+        # Decisions and history use the agreed mean loss; events keep this rank's own curve.
+        self._step_values = (own_loss, grad_norm, scale if self.scaler is not None else None)
+        rank_codes = [int(c) for c in values[:world]]
         bad_ranks = [r for r, c in enumerate(rank_codes) if c & _LOCAL_BAD]
         synced_bad = any(c & _SYNCED_BAD for c in rank_codes)
 
@@ -341,14 +362,14 @@ class Guard:
             self.model.zero_grad(set_to_none=True)
             self._skip(step, f"{spike.metric} spike (z={spike.score:.1f})", loss_value, grad_norm, scale)
             return False
-        self._pending = (step, loss_value, grad_norm, scale)
+        self._pending = (step, loss_value, grad_norm, scale, own_loss)
         return True
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
         if self._pending is None:
             return
-        step, loss_value, grad_norm, scale = self._pending
+        step, loss_value, grad_norm, scale, own_loss = self._pending
         self._pending = None
         self.overflow_streak = 0
         self._after_update(step)
@@ -356,11 +377,13 @@ class Guard:
         self.consecutive_skips = 0
         self.last_action = "step"
         if step % self.config.log_every == 0:
-            self.events.write("step", step, loss=loss_value, grad_norm=grad_norm, skipped=False,
+            self.events.write("step", step, loss=own_loss, grad_norm=grad_norm, skipped=False,
                               scale=scale if self.scaler is not None else None)  # fmt: skip
 
-    def _health(self, loss: Any, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """([grad_norm, loss, scale], code) on the device; no host read.
+    def _health(
+        self, loss: Any, grads: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(grad_norm, loss, scale, code) as device scalars; no host read.
 
         ``code`` is this rank's flags: 1 = its own loss or (pre-communication) gradients are
         non-finite, 2 = the previous update left non-finite parameters, 4 = the gradients
@@ -389,7 +412,7 @@ class Guard:
         if self._param_flag is not None:
             code = code + _PARAMS_BAD * self._param_flag.to(device).to(torch.int32)
             self._param_flag = None
-        return torch.stack([gn, lv, scale]), code
+        return gn, lv, scale, code
 
     def _after_update(self, step: int) -> None:
         every = self.config.param_check_every
@@ -459,6 +482,9 @@ class Guard:
                 diag, located = None, False
             if located and self.config.module_stats:
                 self._collect_module_stats(closure, rng, step)
+        error, self._closure_error = self._closure_error, None
+        if error is not None and (diag is None or not diag.cause.startswith("data.")):
+            raise error  # not an id out of range: the user's own bug, theirs to see
         diag = dist.gather_diagnosis(diag, bad_ranks)
         if diag is None:
             diag = _transient(step, loss_value, grad_norm, bad_ranks, located=located)
@@ -482,19 +508,6 @@ class Guard:
         """Re-run the step under the tracer with this rank's gradient sync off."""
         model = dist.unwrap(self.model)
         return dist.replay_locally(self.model, lambda: trace(closure, (), {}, model=model, inputs={"batch": batch}))
-
-    def _diagnose_error(
-        self, closure: Callable[[], Any], step: int, rng: dict[str, torch.Tensor], err: BaseException, batch: Any
-    ) -> Diagnosis:
-        set_rng_state(rng)
-        try:
-            diag = self._replay(closure, batch)
-        except Exception:
-            diag = None
-        if diag is None or not diag.cause.startswith("data."):
-            raise err
-        diag.step = step
-        return diag
 
     def _apply_history(self, diag: Diagnosis, step: int) -> None:
         """Re-judge a located diagnosis with what only the guard knows: the run's history
@@ -799,6 +812,14 @@ def _update_fixes(hp: Mapping[str, Any]) -> list[str]:
         f"lower the learning rate (now {hp.get('lr')})" if "lr" in hp else "lower the learning rate",
     ]
     return fixes
+
+
+def _index_error(err: BaseException) -> bool:
+    """An error an out-of-range index raises on CPU (CUDA asserts on the device instead)."""
+    if isinstance(err, IndexError):
+        return True
+    text = str(err).lower()
+    return "out of bounds" in text or "out of range" in text or "index" in text
 
 
 def _supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
