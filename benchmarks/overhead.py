@@ -165,8 +165,9 @@ rounds as seen by rank 0.
 {rows}
 
 **Cost per step as the world grows.** The guard adds one collective per step: an all-reduce of
-`world_size` int32 flags (each rank writes its own slot), so 4 bytes x world_size: 8 bytes here, 4 KiB at
-1024 ranks. It is latency-bound: with NCCL's tree all-reduce about 2 x log2(1024) = 20 hops of ~5-10 us on
+`world_size + 2` float32 values (each rank writes its own flag slot; the mean loss and the squared grad norm
+ride along), so 4 bytes x (world_size + 2): 16 bytes here, about 4 KiB at 1024 ranks. It is latency-bound:
+with NCCL's tree all-reduce about 2 x log2(1024) = 20 hops of ~5-10 us on
 InfiniBand, i.e. roughly 0.1-0.2 ms per step at 1024 ranks, against a gradient all-reduce of hundreds of MB
 for a 1B-parameter model. Under DDP the pre-communication check adds one float32 sum per gradient bucket
 (no extra collective, no host sync). The replica fingerprint (one float64 all-gather per rank, every

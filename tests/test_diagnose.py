@@ -67,7 +67,9 @@ def test_init_rule_needs_an_overflow_not_just_big_weights() -> None:
 def test_initial_weight_scale_overrides_the_current_one() -> None:
     ev = {**_op("aten.bmm.default", [{"absmax": 1e6}]), "kind": "inf",
           "weight_scale": {"max_ratio": 500.0}, "initial_weight_scale": {"max_ratio": 0.2}}  # fmt: skip
-    assert diagnose(ev).cause != "init.scale"
+    assert diagnose(ev).cause == "unknown"
+    ev["initial_weight_scale"] = {"max_ratio": 500.0, "module": "fc"}
+    assert diagnose(ev).cause == "init.scale"
 
 
 def test_every_rule_is_pure_and_returns_none_on_empty_evidence() -> None:

@@ -220,12 +220,37 @@ def test_fused_optimizer_skips_on_the_device() -> None:
     model, _ = _vision_run()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     guard = ng.Guard(model, opt)
+    calls = []
+    step = opt.step
+    opt.step = lambda *a, **k: (calls.append(getattr(opt, "found_inf", None)), step(*a, **k))[1]
     _step(guard, model, 0)
     before = _state(model, opt)
     _step(guard, model, 1, bad=True)
     assert guard.skipped == 1
     _assert_same(before, _state(model, opt))
-    assert next(read for read in [guard.events] if read) is not None
+    # The device path: the optimizer ran on both steps and was handed the agreed flag.
+    assert [float(f) for f in calls] == [0.0, 1.0]
+
+
+def test_gradscaler_keeps_working_after_a_trip() -> None:
+    model, opt, scaler, closure = _amp_setup(1.0)
+    guard = ng.Guard(model, opt, scaler=scaler)
+    x_bad = torch.full((16, 8), float("nan"))
+
+    def bad_closure():
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x_bad)
+        loss = out.float().pow(2).mean()
+        scaler.scale(loss).backward()
+        return loss
+
+    for _ in range(12):
+        guard.step(closure)
+    assert guard.step(bad_closure) is None and guard.last_diagnosis.cause == "data.nonfinite"
+    before = [p.detach().clone() for p in model.parameters()]
+    assert guard.step(closure) is not None and guard.last_action == "step"
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_index_error_becomes_a_data_diagnosis_and_the_run_goes_on() -> None:

@@ -297,5 +297,5 @@ def fingerprint(model: nn.Module) -> list[float]:
     params = [local(p).detach() for p in unwrap(model).parameters()]
     if not params:
         return []
-    norms = torch._foreach_norm(params, 2.0)
-    return torch.stack([n.double().cpu() for n in norms]).tolist()
+    norms = torch._foreach_norm(params, 2.0, dtype=torch.float32)
+    return torch.stack([n.to(norms[0].device) for n in norms]).double().cpu().tolist()

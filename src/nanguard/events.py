@@ -19,7 +19,6 @@ Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"``
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,8 +118,3 @@ def read_events(path: str | Path) -> Iterator[dict[str, Any]]:
                 warnings.warn(f"{path}:{lineno}: ignoring unknown event kind {record.get('kind')!r}", stacklevel=2)
                 continue
             yield record
-
-
-def is_finite_number(value: Any) -> bool:
-    num = number(value)
-    return num is not None and math.isfinite(num)

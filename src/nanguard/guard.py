@@ -97,6 +97,15 @@ class GuardConfig:
     max_bundle_bytes: int = 64 * 2**20
     """Batches larger than this are stored in a bundle as shapes only."""
 
+    @classmethod
+    def from_options(cls, policy: str, options: Mapping[str, Any]) -> GuardConfig:
+        """Build from ``Guard(..., **options)``; an unknown option is a ValueError naming it."""
+        known = {f.name for f in fields(cls)} - {"policy"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown Guard option(s) {unknown}; accepted: {sorted(known)}")
+        return cls(policy=policy, **options)
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
@@ -157,11 +166,7 @@ class Guard:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        known = {f.name for f in fields(GuardConfig)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"unknown Guard option(s) {unknown}; accepted: {sorted(known)}")
-        self.config = GuardConfig(policy=policy, **config)
+        self.config = GuardConfig.from_options(policy, config)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -239,7 +244,8 @@ class Guard:
             loss = torch.full((), math.nan, device=self._params[0].device if self._params else None)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        device_step = self._fused and self.scaler is None
+        # A spike verdict comes after the host read, too late for the device path.
+        device_step = self._fused and self.scaler is None and not self.config.skip_spikes
         if not self._check(loss, closure, batch, rng, buffers, device_step=device_step):
             return None
         if self.scaler is not None:
@@ -272,6 +278,7 @@ class Guard:
             ...     guard.after_step()
         """
         if self._drop_batch() or self._bad_batch(batch):
+            self._comm.reset()
             return False
         self._closure_error = None
         if self.scaler is not None:
@@ -328,7 +335,7 @@ class Guard:
         agreed = dist.agree(code, lv, gn * gn, sharded=self._sharded)
         if device_step:
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
-            self.optimizer.found_inf = (agreed[:world].remainder(2).amax() > 0).float()  # type: ignore[attr-defined]
+            self.optimizer.found_inf = (agreed[:world].amax() > 0).float()  # type: ignore[attr-defined]
             try:
                 self.optimizer.step()
             finally:
@@ -343,9 +350,9 @@ class Guard:
         synced_bad = any(c & _SYNCED_BAD for c in rank_codes)
 
         if any(c & _PARAMS_BAD for c in rank_codes):
-            _restore_buffers(buffers)
-            self.model.zero_grad(set_to_none=True)
-            self._trip(self._nonfinite_update(step - 1), step - 1, batch, rng)
+            self._abandon(buffers)
+            ranks = [r for r, c in enumerate(rank_codes) if c & _PARAMS_BAD]
+            self._trip(self._nonfinite_update(step - 1, ranks), step - 1, batch, rng)
             return False
         if self.scaler is not None and not math.isfinite(grad_norm) and not bad_ranks:
             self._overflow(step, loss_value, scale)
@@ -353,17 +360,24 @@ class Guard:
         if bad_ranks or synced_bad:
             _restore_buffers(buffers)  # the replays start from the step's own state...
             diag = self._diagnose(replay, step, rng, loss_value, grad_norm, bad_ranks, batch)
-            _restore_buffers(buffers)  # ...and leave none of theirs behind
-            self.model.zero_grad(set_to_none=True)
+            self._abandon(buffers)  # ...and leave none of theirs behind
             self._trip(diag, step, batch, rng)
             return False
         spike = self._spikes(step, loss_value, grad_norm)
         if spike is not None and self.config.skip_spikes:
-            self.model.zero_grad(set_to_none=True)
+            self._abandon(buffers)
             self._skip(step, f"{spike.metric} spike (z={spike.score:.1f})", loss_value, grad_norm, scale)
             return False
         self._pending = (step, loss_value, grad_norm, scale, own_loss)
         return True
+
+    def _abandon(self, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Undo what the step's forward and backward left: buffers, gradients, the scaler's unscale."""
+        _restore_buffers(buffers)
+        self.model.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            # unscale_ already ran for this step: update() closes it, or the next unscale_ raises.
+            self.scaler.update()
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -480,7 +494,8 @@ class Guard:
             except Exception as err:  # the guard's own failure must not kill training
                 warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=3)
                 diag, located = None, False
-            if located and self.config.module_stats:
+            # Every rank replays or none does: the replays' DDP forwards may broadcast buffers.
+            if self.config.module_stats:
                 self._collect_module_stats(closure, rng, step)
         error, self._closure_error = self._closure_error, None
         if error is not None and (diag is None or not diag.cause.startswith("data.")):
@@ -542,8 +557,11 @@ class Guard:
         out["spike"] = spiked
         return out
 
-    def _nonfinite_update(self, step: int) -> Diagnosis:
-        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+    def _nonfinite_update(self, step: int, ranks: list[int]) -> Diagnosis:
+        named = list(dist.unwrap(self.model).named_parameters())
+        with torch.no_grad():
+            finite = torch.stack([torch.isfinite(local(p)).all() for _, p in named]).tolist() if named else []
+        bad = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
         opt_state = {}
         for group in self.optimizer.param_groups:
             opt_state = {k: v for k, v in group.items() if isinstance(v, (int, float, bool))}
@@ -555,8 +573,8 @@ class Guard:
             phase="optimizer",
             op=f"{type(self.optimizer).__name__}.step",
             module=first.rpartition(".")[0] if first else None,
-            rank=dist.rank_or_none(),
-            ranks=[self.rank] if dist.is_distributed() else [],
+            rank=ranks[0] if dist.is_distributed() and ranks else dist.rank_or_none(),
+            ranks=ranks if dist.is_distributed() else [],
             step=step,
             evidence={
                 "parameters": bad[:16],
@@ -819,7 +837,7 @@ def _index_error(err: BaseException) -> bool:
     if isinstance(err, IndexError):
         return True
     text = str(err).lower()
-    return "out of bounds" in text or "out of range" in text or "index" in text
+    return "out of bounds" in text or "out of range" in text
 
 
 def _supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:

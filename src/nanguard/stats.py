@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["grad_health", "is_float", "local", "nonfinite_flag", "tensor_stats"]
+__all__ = ["grad_health", "is_float", "local", "tensor_stats"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -71,14 +71,6 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def nonfinite_flag(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One device bool: does any of ``tensors`` hold NaN/Inf? No host read."""
-    flags = [torch.isfinite(t).logical_not().any() for t in tensors if is_float(t)]
-    if not flags:
-        return torch.zeros((), dtype=torch.bool)
-    return torch.stack(flags).any()
-
-
 def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """Total L2 norm of ``grads`` as one float32 device scalar (NaN/Inf when any is non-finite).
 
@@ -94,7 +86,7 @@ def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     device = next(iter(groups))[0]
     # One norm per (device, dtype) group, then the norm of those norms: no per-tensor Python work.
     parts = [
-        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2.0)), dtype=torch.float32)
+        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2.0, dtype=torch.float32)), dtype=torch.float32)
         for ts in groups.values()
     ]
     if len(parts) == 1:

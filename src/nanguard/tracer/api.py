@@ -14,7 +14,7 @@ from nanguard import dist
 from nanguard.diagnose import diagnose
 from nanguard.findings import Diagnosis
 from nanguard.stats import local
-from nanguard.tracer.dispatch import INDEX_OPS, Origin, Tracer, flatten
+from nanguard.tracer.dispatch import INDEX_OPS, Origin, Tracer, flatten, storage_key
 from nanguard.tracer.modules import ModuleStack
 
 __all__ = ["locate"]
@@ -81,7 +81,7 @@ def trace(
     root = model if model is not None else modules.root
     if error is not None:
         failure = tracer.failure
-        if failure is None or failure.op not in INDEX_OPS or not isinstance(error, (IndexError, RuntimeError)):
+        if failure is None or failure.op not in INDEX_OPS or not _out_of_range(failure, error):
             raise error
         origin = Origin(
             id=-1,
@@ -109,7 +109,7 @@ def trace(
     for _, t, _ in bad:
         st = tracer.status.get(t)
         taint |= st.taint if st is not None and (st.nan or st.inf) else set()
-        taint |= tracer.storage_taint.get(_storage(t), frozenset())
+        taint |= tracer.storage_taint.get(storage_key(t), frozenset())
     candidates = [tracer.origins[i] for i in taint] or [o for o in tracer.origins if o.category != "fill"]
     candidates = candidates or tracer.origins
     if candidates:
@@ -117,6 +117,22 @@ def trace(
     else:
         origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
     return _diagnosis(origin, bad, root)
+
+
+def _out_of_range(failure: Any, error: BaseException) -> bool:
+    """Did an index op fail because an id was out of range (not, say, a shape bug)?"""
+    if not isinstance(error, (IndexError, RuntimeError)):
+        return False
+    size = failure.indexed_size
+    if size is None:
+        text = str(error).lower()
+        return "out of range" in text or "out of bounds" in text
+    ignore = -100 if failure.op.startswith("aten.nll_loss") else None
+    for stats in failure.index_args:
+        lo, hi = stats.get("min"), stats.get("max")
+        if (isinstance(hi, int) and hi >= size) or (isinstance(lo, int) and lo < 0 and lo != ignore):
+            return True
+    return False
 
 
 def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None) -> Diagnosis:
@@ -223,10 +239,3 @@ def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
         "module": ranked[0][0],
         "top": [{"module": n, "ratio": r} for n, r in ranked[:top]],
     }
-
-
-def _storage(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return -1

@@ -21,7 +21,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from nanguard.stats import local, tensor_stats
 from nanguard.tracer.modules import ModuleStack, user_source
 
-__all__ = ["Origin", "Tracer", "flatten"]
+__all__ = ["Origin", "Tracer", "flatten", "storage_key"]
 
 aten = torch.ops.aten
 
@@ -173,7 +173,7 @@ class Tracer(TorchDispatchMode):
         super().__init__()
         self.modules = modules
         self.sources = {id(t): path for path, t in sources}
-        self.source_storage = {_storage_key(t): path for path, t in reversed(sources)}
+        self.source_storage = {storage_key(t): path for path, t in reversed(sources)}
         self.protected = {id(t): t for t in protected}
         # With a model its parameters' gradients are the results; without one, leaf tensors seen.
         self.track_leaves = modules.root is None
@@ -270,7 +270,7 @@ class Tracer(TorchDispatchMode):
         nan, inf = _flags(t)
         taint: frozenset[int] = frozenset()
         if nan or inf:
-            key = _storage_key(t)
+            key = storage_key(t)
             taint = self.storage_taint.get(key, frozenset()) if st is None else st.taint
             if not taint:
                 taint = frozenset({self._source(t, nan, inf).id})
@@ -281,7 +281,7 @@ class Tracer(TorchDispatchMode):
     def _set(self, t: torch.Tensor, nan: bool, inf: bool, taint: frozenset[int]) -> None:
         self._put(t, _Status(_version(t), nan, inf, taint))
         if taint:
-            self.storage_taint[_storage_key(t)] = taint
+            self.storage_taint[storage_key(t)] = taint
 
     def _put(self, t: torch.Tensor, st: _Status) -> None:
         with contextlib.suppress(TypeError):
@@ -290,7 +290,7 @@ class Tracer(TorchDispatchMode):
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
         """A tensor that arrived non-finite: user data, a parameter/buffer, or a constant."""
         where = self._where(None)
-        path = self.sources.get(id(t)) or self.source_storage.get(_storage_key(t))
+        path = self.sources.get(id(t)) or self.source_storage.get(storage_key(t))
         kind = "nan" if nan else "inf"
         stats = tensor_stats(t)
         # A tensor holding only -inf (and finite values) is a mask fill, not an origin by itself.
@@ -300,8 +300,8 @@ class Tracer(TorchDispatchMode):
             owner = None
         elif isinstance(t, torch.nn.Parameter) or id(t) in self.protected:
             category = "parameters"
-            owner = self.modules.owner_of(t)
-            path = _state_path(self.modules, t)
+            path = self.modules.state_name(t)
+            owner = path.rpartition(".")[0] if path is not None else None
         else:
             # Captured from outside fn (a closure's batch): treated as data.
             category = "fill" if only_neginf else "data"
@@ -443,7 +443,7 @@ class Tracer(TorchDispatchMode):
             ]
             for _, x in ints:
                 stats = tensor_stats(x)
-                stats["path"] = self.sources.get(id(x)) or self.source_storage.get(_storage_key(x))
+                stats["path"] = self.sources.get(id(x)) or self.source_storage.get(storage_key(x))
                 index_args.append(stats)
             indexed_size = _indexed_size(name, args)
         return _Failure(name, where, err, index_args, indexed_size)
@@ -502,7 +502,7 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _storage_key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
     except RuntimeError:
@@ -524,18 +524,6 @@ def _eps(module: Any) -> float | None:
 def _accumulate_owner(modules: ModuleStack, node: Any) -> str | None:
     variable = getattr(node, "variable", None)
     return modules.owner_of(variable) if isinstance(variable, torch.Tensor) else None
-
-
-def _state_path(modules: ModuleStack, t: torch.Tensor) -> str | None:
-    if modules.root is None:
-        return None
-    for name, p in modules.root.named_parameters(remove_duplicate=False):
-        if p is t:
-            return name
-    for name, b in modules.root.named_buffers(remove_duplicate=False):
-        if b is t:
-            return name
-    return None
 
 
 def _indexed_size(name: str, args: tuple) -> int | None:

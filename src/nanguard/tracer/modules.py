@@ -100,14 +100,16 @@ class ModuleStack:
         """The innermost running module that belongs to the root's tree."""
         return self._named[-1] if self._named else None
 
-    def owner_of(self, tensor: torch.Tensor) -> str | None:
-        """Qualified name of the module that owns ``tensor`` as a parameter or buffer."""
+    def state_name(self, tensor: torch.Tensor) -> str | None:
+        """Qualified name of ``tensor`` as a parameter or buffer of the root (``blocks.0.fc.weight``)."""
         if self.root is None:
             return None
-        for name, t in _named_state(self.root):
-            if t is tensor:
-                return name.rpartition(".")[0]
-        return None
+        return next((name for name, t in _named_state(self.root) if t is tensor), None)
+
+    def owner_of(self, tensor: torch.Tensor) -> str | None:
+        """Qualified name of the module that owns ``tensor`` as a parameter or buffer."""
+        name = self.state_name(tensor)
+        return name.rpartition(".")[0] if name is not None else None
 
 
 def _named_state(root: nn.Module) -> Any:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanguard.stats import local
+
 __all__ = ["module_stats"]
 
 
@@ -47,7 +49,7 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             tensors = [t for t in _tensors(output) if t.is_floating_point() and t.numel()]
             with torch.no_grad():
-                seen.setdefault(name, []).extend(_health(_local(t.detach())) for t in tensors)
+                seen.setdefault(name, []).extend(_health(local(t.detach())) for t in tensors)
 
         return hook
 
@@ -139,7 +141,7 @@ def _health(t: torch.Tensor) -> torch.Tensor:
 def _grad_health(module: nn.Module) -> list[torch.Tensor]:
     """Per own parameter with a gradient: [squared finite norm, #nan, #inf] on its device."""
     # A DTensor (FSDP2) gradient counts this rank's shard: reducing the full tensor would be a collective.
-    grads = [_local(p.grad.detach()) for p in module.parameters(recurse=False) if p.grad is not None]
+    grads = [local(p.grad.detach()) for p in module.parameters(recurse=False) if p.grad is not None]
     out = []
     with torch.no_grad():
         for g in grads:
@@ -148,11 +150,6 @@ def _grad_health(module: nn.Module) -> list[torch.Tensor]:
             norm = torch.linalg.vector_norm(masked, dtype=wide).double()
             out.append(torch.stack([norm.square(), torch.isnan(g).sum().double(), torch.isinf(g).sum().double()]))
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _nonfinite(row: Mapping[str, Any]) -> bool:
