@@ -98,7 +98,7 @@ def trace(
                 "index_inputs": failure.index_args,
                 "indexed_size": failure.indexed_size,
             },
-            before=list(tracer.recent),
+            before=tracer.recent_ops(),
         )
         return _diagnosis(origin, [], root)
 
@@ -207,7 +207,9 @@ def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> l
     if not floats:
         return []
     with torch.no_grad():
-        flags = torch.stack([torch.isfinite(t).all().to(floats[0][1].device) for _, t in floats]).tolist()
+        # A finite float32 sum proves a tensor finite; one read for all of them.
+        sums = torch.stack([t.sum(dtype=torch.float32).to(floats[0][1].device) for _, t in floats]).tolist()
+        flags = [math.isfinite(s) or bool(torch.isfinite(t).all()) for s, (_, t) in zip(sums, floats, strict=True)]
     bad = []
     for (path, t), ok in zip(floats, flags, strict=True):
         if not ok:

@@ -37,6 +37,10 @@ _MOVES = {
     aten.zeros_like.default, aten.zero_.default, aten.view_as_real.default,
     aten.ones_like.default, aten.empty_like.default, aten.new_zeros.default,
     aten.new_empty_strided.default, aten.unsqueeze_.default, aten.chunk.default,
+    # Bounded maps: finite inputs give finite outputs.
+    aten.relu.default, aten.gelu.default, aten.tanh.default, aten.sigmoid.default, aten.abs.default,
+    aten.neg.default, aten.clamp.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.threshold_backward.default, aten._softmax.default,
 }  # fmt: skip
 # Bookkeeping ops autograd inserts: not worth listing among "the ops before".
 _QUIET = {aten.detach.default, aten.alias.default}
@@ -75,14 +79,13 @@ def flatten(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
 
 
 def _leaves(obj: Any, out: list[Any]) -> list[Any]:
-    if isinstance(obj, (list, tuple)):
-        for x in obj:
+    """Flat leaves of an op's (nested) arguments; called on every op, so flat args take no recursion."""
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (obj,)
+    for x in items:
+        if isinstance(x, (list, tuple, dict)):
             _leaves(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _leaves(x, out)
-    else:
-        out.append(obj)
+        else:
+            out.append(x)
     return out
 
 
@@ -183,7 +186,7 @@ class Tracer(TorchDispatchMode):
         self.origins: list[Origin] = []
         self.nodes: dict[int, tuple[str | None, str | None, str, str | None, float | None]] = {}
         self.leaves: dict[int, torch.Tensor] = {}
-        self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
+        self.recent: deque[tuple[Any, str | None, str]] = deque(maxlen=_RECENT)
         self.index = 0
         self.failure: _Failure | None = None
         self._writes: dict[Any, tuple[int, ...]] = {}
@@ -258,7 +261,7 @@ class Tracer(TorchDispatchMode):
         if flat_out and torch.is_grad_enabled():
             self._note_nodes(func, flat_in)
         if func not in _QUIET:
-            self.recent.append({"op": _name(func), "module": self.modules.current_name(), "phase": _phase()})
+            self.recent.append((func, self.modules.current_name(), _phase()))
         return out
 
     # -- helpers -----------------------------------------------------------------------
@@ -319,7 +322,7 @@ class Tracer(TorchDispatchMode):
             path=path,
             inputs=[stats],
             extra={"consumer_op": where.op, "consumer_module": where.module},
-            before=list(self.recent),
+            before=self.recent_ops(),
         )
         self.origins.append(origin)
         return origin
@@ -336,7 +339,7 @@ class Tracer(TorchDispatchMode):
                 node=None,
                 forward_op=None,
                 source=user_source(),
-                eps=_eps(module),
+                eps=self.modules.eps(module),
             )
         info = self.nodes.get(node._sequence_nr())
         node_name = node.name()
@@ -375,10 +378,13 @@ class Tracer(TorchDispatchMode):
             outputs=[tensor_stats(t) for t in tensors_out],
             scalars=scalars,
             extra=_op_extra(func, args, kwargs, out, where),
-            before=list(self.recent),
+            before=self.recent_ops(),
         )
         self.origins.append(origin)
         return origin
+
+    def recent_ops(self) -> list[dict[str, Any]]:
+        return [{"op": _name(func), "module": module, "phase": phase} for func, module, phase in self.recent]
 
     def _note_after(self, func: Any, taint: frozenset[int], nan: bool, where: _Where | None) -> None:
         for oid in taint:
@@ -404,7 +410,7 @@ class Tracer(TorchDispatchMode):
                 type(module).__name__ if module is not None else None,
                 _name(func),
                 user_source(),
-                _eps(module),
+                self.modules.eps(module),
             )
         if self.track_leaves:
             for x in ins:
@@ -511,14 +517,6 @@ def storage_key(t: torch.Tensor) -> int:
 
 def _scalar(x: Any) -> Any:
     return x if not isinstance(x, float) or math.isfinite(x) else str(x)
-
-
-def _eps(module: Any) -> float | None:
-    for attr in ("eps", "variance_epsilon", "epsilon"):
-        value = getattr(module, attr, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return None
 
 
 def _accumulate_owner(modules: ModuleStack, node: Any) -> str | None:

@@ -56,6 +56,7 @@ class ModuleStack:
         self._stack: list[nn.Module] = []
         self._named: list[str | None] = []  # innermost name within the root, per stack level
         self._handles: list[Any] = []
+        self._eps: dict[int, float | None] = {}
 
     def __enter__(self) -> ModuleStack:
         self._handles = [
@@ -99,6 +100,18 @@ class ModuleStack:
     def current_name(self) -> str | None:
         """The innermost running module that belongs to the root's tree."""
         return self._named[-1] if self._named else None
+
+    def eps(self, module: nn.Module | None) -> float | None:
+        """A normalization module's eps, cached for this trace (nn.Module's failing getattr is slow)."""
+        if module is None:
+            return None
+        key = id(module)
+        if key not in self._eps:
+            values = (getattr(module, attr, None) for attr in ("eps", "variance_epsilon", "epsilon"))
+            self._eps[key] = next(
+                (float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)), None
+            )
+        return self._eps[key]
 
     def state_name(self, tensor: torch.Tensor) -> str | None:
         """Qualified name of ``tensor`` as a parameter or buffer of the root (``blocks.0.fc.weight``)."""
