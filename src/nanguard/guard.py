@@ -193,6 +193,8 @@ class Guard:
         self._param_flag: torch.Tensor | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._buffers = list(model.buffers())
+        # Only the GPUs this model lives on draw random numbers for its step.
+        self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._comm = dist.watch_communication(model, comm_hook)
         self._fused = _supports_found_inf(optimizer)
         self._closure_error: BaseException | None = None
@@ -221,7 +223,7 @@ class Guard:
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self._drop_batch() or self._bad_batch(batch):
             return None
-        rng = get_rng_state()
+        rng = get_rng_state(self._cuda_devices)
         buffers = _buffer_backup(self._buffers)
         self._comm.reset()
         self._closure_error = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -18,8 +18,9 @@ __all__ = ["fork_rng_state", "get_rng_state", "set_rng_state"]
 _CUDA_KEY = re.compile(r"cuda:(\d+)")
 
 
-def get_rng_state() -> dict[str, torch.Tensor]:
-    """The CPU generator state and that of every CUDA device, once CUDA is initialized.
+def get_rng_state(cuda_devices: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+    """The CPU generator state and that of the CUDA devices (all of them when ``cuda_devices``
+    is None), once CUDA is initialized.
 
     Example:
         >>> state = get_rng_state()
@@ -32,7 +33,8 @@ def get_rng_state() -> dict[str, torch.Tensor]:
     # Before CUDA is initialized no CUDA generator has drawn anything, and asking for its
     # state would initialize CUDA as a side effect.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for index in range(torch.cuda.device_count()):
+        indices = range(torch.cuda.device_count()) if cuda_devices is None else cuda_devices
+        for index in indices:
             state[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
     return state
 
