@@ -387,6 +387,8 @@ class Tracer(TorchDispatchMode):
         return [{"op": _name(func), "module": module, "phase": phase} for func, module, phase in self.recent]
 
     def _note_after(self, func: Any, taint: frozenset[int], nan: bool, where: _Where | None) -> None:
+        if func in _QUIET:
+            return
         for oid in taint:
             origin = self.origins[oid]
             if origin.index == self.index or len(origin.after) >= _AFTER:
