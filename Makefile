@@ -17,14 +17,16 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/nanguard demo
 
-test: $(STAMP)
+lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+test: lint
 	$(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
-	$(PY) benchmarks/locate_cost.py
-	$(PY) benchmarks/overhead.py
+	cd benchmarks && ../$(PY) locate_cost.py && ../$(PY) overhead.py --ddp && ../$(PY) zoo_compare.py --ranks 2
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache
