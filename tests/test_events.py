@@ -33,3 +33,17 @@ def test_truncated_and_unknown_lines_warn_with_file_and_line(tmp_path) -> None:
 def test_missing_file_names_it(tmp_path) -> None:
     with pytest.raises(EventLogError, match=r"events-rank7\.jsonl"):
         list(read_events(tmp_path / "events-rank7.jsonl"))
+
+
+def test_atomic_write_leaves_no_partial_or_temporary_file(tmp_path) -> None:
+    from nanguard.files import atomic_write_text
+
+    target = tmp_path / "out" / "report.html"
+    atomic_write_text(target, "old")
+
+    with pytest.raises(TypeError):
+        atomic_write_text(target, 42)  # type: ignore[arg-type]
+    assert target.read_text() == "old"
+    assert [p.name for p in target.parent.iterdir()] == ["report.html"]
+    atomic_write_text(target, "new")
+    assert target.read_text() == "new"

@@ -12,6 +12,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from nanguard.explain import where_lines
+from nanguard.files import atomic_write_text
 from nanguard.report import plots
 from nanguard.report.load import RunReport, Trip
 from nanguard.report.words import KIND_NAMES, event_words, evidence_lines, fmt, op_path
@@ -345,7 +346,4 @@ def write_html(report: RunReport, path: str | Path, *, progress: Callable[[str],
         >>> write_html(load_run("runs/exp1"), "runs/exp1/report.html")
         PosixPath('runs/exp1/report.html')
     """
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(report, progress=progress), encoding="utf-8")
-    return out
+    return atomic_write_text(path, render_html(report, progress=progress))
