@@ -338,3 +338,14 @@ def test_a_crash_inside_locate_does_not_kill_training(monkeypatch) -> None:
         _step(guard, model, 0, bad=True)
     assert guard.skipped == 1 and guard.last_diagnosis.cause == "unknown"
     assert _step(guard, model, 1) is not None
+
+
+def test_rollbacks_in_a_row_are_bounded_too() -> None:
+    model, opt = _vision_run()
+    guard = ng.Guard(model, opt, policy="rollback", rollback_skip_batches=0, max_consecutive_skips=3)
+    _step(guard, model, 0)
+    _step(guard, model, 1, bad=True)
+    _step(guard, model, 2, bad=True)
+    assert guard.rollbacks == 2
+    with pytest.raises(ng.NonFiniteError, match="3 steps skipped in a row"):
+        _step(guard, model, 3, bad=True)

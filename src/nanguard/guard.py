@@ -62,7 +62,7 @@ class GuardConfig:
     policy: str = "skip"
     """What a trip does: "skip" the update, "rollback" to the last snapshot, or "raise"."""
     max_consecutive_skips: int = 10
-    """Raise NonFiniteError after this many skipped steps in a row."""
+    """Raise NonFiniteError after this many skipped (or rolled-back) steps in a row."""
     snapshot_every: int = 50
     """Keep a CPU snapshot of model and optimizer every N good steps (rollback policy)."""
     rollback_skip_batches: int = 1
@@ -628,16 +628,21 @@ class Guard:
             self.last_action = "rollback"
             self.events.write("rollback", step, restored_step=restored,
                               skip_batches=self._drop_batches, reason=diag.cause)  # fmt: skip
+            self._count_in_a_row()
             return None
         self._skip(step, diag.cause, *self._step_values)
         return None
 
     def _skip(self, step: int, reason: str, loss: float | None, grad_norm: float | None, scale: float | None) -> None:
         self.skipped += 1
-        self.consecutive_skips += 1
         self.last_action = "skip"
         self.events.write("skip", step, reason=reason)
         self.events.write("step", step, loss=loss, grad_norm=grad_norm, skipped=True, scale=scale)
+        self._count_in_a_row()
+
+    def _count_in_a_row(self) -> None:
+        """Skips and rollbacks in a row without a good step: past the limit, stop the run."""
+        self.consecutive_skips += 1
         if self.consecutive_skips >= self.config.max_consecutive_skips:
             diag = self.last_diagnosis
             raise NonFiniteError(
