@@ -220,6 +220,33 @@ def test_check_batch_on_one_rank_is_agreed_before_the_forward(tmp_path) -> None:
         )
 
 
+def _manual_allreduce(rank, world, tmp):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = ng.Guard(model, opt)
+    for step in range(4):
+        batch = _batch(model, rank, step, bad=rank == 1 and step == 2)
+
+        def closure(batch=batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(**batch)
+            loss.backward()
+            for p in model.parameters():  # a hand-written data-parallel loop, no DDP
+                tdist.all_reduce(p.grad)
+                p.grad /= world
+            return loss
+
+        guard.step(closure, batch=batch)
+    return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict(), "equal": _equal_across_ranks(model)}
+
+
+def test_plain_all_reduce_loop_attributes_by_the_local_loss(tmp_path) -> None:
+    for r in run_ranks(_manual_allreduce, tmp_path):
+        assert r["skipped"] == 1 and r["equal"]
+        d = r["diag"]
+        assert (d["cause"], d["rank"], d["ranks"], d["evidence"]["flagged_ranks"]) == ("data.nonfinite", 1, [1], [1])
+
+
 def test_torchrun_end_to_end(tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     script = str(ROOT / "examples" / "ddp_train.py")

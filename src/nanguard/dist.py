@@ -219,7 +219,66 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
             setter(True)
             _drop_fsdp_accumulated_grads(model)
         return
-    yield
+    with _local_collectives():
+        yield
+
+
+class _Done:
+    """A finished ``Work`` for the local stand-ins of ``async_op=True`` collectives."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    for out in outputs:
+        out.copy_(tensor)
+    return _Done() if kwargs.get("async_op") else None
+
+
+def _all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    output.copy_(tensor.reshape(1, -1).expand(output.numel() // max(tensor.numel(), 1), -1).reshape(output.shape))
+    return _Done() if kwargs.get("async_op") else None
+
+
+def _reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    output.copy_(tensor.reshape(-1)[rank() * output.numel() : (rank() + 1) * output.numel()].reshape(output.shape))
+    return _Done() if kwargs.get("async_op") else None
+
+
+def _in_place(*args: Any, **kwargs: Any) -> Any:
+    return _Done() if kwargs.get("async_op") else None
+
+
+_LOCAL_STAND_INS: dict[str, Callable[..., Any]] = {
+    "all_reduce": _in_place,
+    "broadcast": _in_place,
+    "barrier": _in_place,
+    "all_gather": _all_gather,
+    "all_gather_into_tensor": _all_gather_into_tensor,
+    "reduce_scatter_tensor": _reduce_scatter_tensor,
+}
+
+
+@contextlib.contextmanager
+def _local_collectives() -> Iterator[None]:
+    """In a hand-written data-parallel loop the closure itself all-reduces: during the replay
+    ``torch.distributed``'s collectives act on this rank's values alone, so a rank sees only
+    what its own data and compute make (sums become this rank's term; finiteness is what counts)."""
+    if not is_distributed():
+        yield
+        return
+    saved = {name: getattr(tdist, name) for name in _LOCAL_STAND_INS}
+    try:
+        for name, stand_in in _LOCAL_STAND_INS.items():
+            setattr(tdist, name, stand_in)
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(tdist, name, original)
 
 
 def _drop_fsdp_accumulated_grads(model: nn.Module) -> None:
