@@ -25,10 +25,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as tdist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from _dist import run_ranks
 from nanguard.bundle import load_bundle
 from nanguard.cli import main as cli_main
 from nanguard.errors import EventLogError
@@ -81,28 +80,24 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> OneRank:
     return OneRank(run_dir, stats)
 
 
-def _rank_main(rank: int, world: int, run_dir: str, init_file: str) -> None:
+def _rank_main(rank: int, world: int, tmp: str, run_dir: str) -> None:
     torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        scenario = get("nan_pixels")
-        run = build(scenario, seed=0)
-        model = DistributedDataParallel(run.model)
-        guard = Guard(model, run.optimizer, policy="skip", run_dir=run_dir)
-        for step in range(DIST_STEPS):
-            batch = synthetic_batch(run.model.config, torch.Generator().manual_seed(1000 * rank + step))
-            if rank == 1 and step == DIST_FAULT_STEP:
-                batch = scenario.fault(run.model, batch)
-            guard.step(lambda batch=batch: train_step(model, batch), batch=batch)
-        guard.close()
-    finally:
-        tdist.destroy_process_group()
+    scenario = get("nan_pixels")
+    run = build(scenario, seed=0)
+    model = DistributedDataParallel(run.model)
+    guard = Guard(model, run.optimizer, policy="skip", run_dir=run_dir)
+    for step in range(DIST_STEPS):
+        batch = synthetic_batch(run.model.config, torch.Generator().manual_seed(1000 * rank + step))
+        if rank == 1 and step == DIST_FAULT_STEP:
+            batch = scenario.fault(run.model, batch)
+        guard.step(lambda batch=batch: train_step(model, batch), batch=batch)
+    guard.close()
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("two-ranks")
-    mp.spawn(_rank_main, args=(2, str(run_dir / "events"), str(run_dir / "init")), nprocs=2, join=True)
+    run_ranks(_rank_main, run_dir, str(run_dir / "events"))
     return run_dir / "events"
 
 

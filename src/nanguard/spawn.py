@@ -7,11 +7,14 @@ writes its JSON result (or its traceback) for the parent.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import sys
 import tempfile
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +30,25 @@ def _worker(rank: int, world: int, tmp: str, target: str, kwargs: dict[str, Any]
     try:
         # Ranks share this machine's cores: one intra-op thread each, or they oversubscribe it.
         torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
-        tdist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+        # A rank that fails leaves the others in a collective: they give up after the timeout.
+        tdist.init_process_group(
+            "gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
         tdist.barrier()
         module, _, name = target.partition(":")
         result = {"ok": True, "value": getattr(importlib.import_module(module), name)(**kwargs)}
+        tdist.barrier()
     except Exception:
         result = {"ok": False, "error": traceback.format_exc()}
-    finally:
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+    with contextlib.suppress(Exception):
         if tdist.is_initialized():
             tdist.destroy_process_group()
-    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+    # The result is on disk: leave without C++ static destructors, where gloo's and DDP's
+    # worker threads can abort a finished rank ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(target: str, world: int, **kwargs: Any) -> list[dict[str, Any]]:
