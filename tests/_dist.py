@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 
 def _entry(target: Callable[..., Any], rank: int, world: int, tmp: str, results: Any, args: tuple) -> None:
     try:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        tdist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        tdist.init_process_group(
+            "gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world, timeout=timedelta(seconds=90)
+        )
         tdist.barrier()
         results.put((rank, "ok", target(rank, world, tmp, *args)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
-    finally:
+    # Flush the result to the parent, then leave without C++ static destructors, which can
+    # abort a finished rank ("terminate called without an active exception").
+    results.close()
+    results.join_thread()
+    with contextlib.suppress(Exception):
         if tdist.is_initialized():
             tdist.destroy_process_group()
+    os._exit(0)
 
 
 def run_ranks(target: Callable[..., Any], tmp_path: Any, *args: Any, world: int = 2, timeout: float = 120) -> list[Any]:
