@@ -73,11 +73,7 @@ def plain_check(s: Scenario) -> Score:
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
             return True
-        if run.scaler is not None:
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-        else:
-            run.optimizer.step()
+        run.optimizer_step()
         return False
 
     detected, seconds = _steps_until_fault(s, step)
@@ -102,7 +98,7 @@ def anomaly(s: Scenario) -> Score:
         if not math.isfinite(loss.item()):
             found["node"] = None  # it only watches backward: a NaN loss with clean gradients passes
             return False
-        run.optimizer.step()
+        run.optimizer_step()
         return False
 
     detected, seconds = _steps_until_fault(s, step)
@@ -147,11 +143,7 @@ def hf_debug(s: Scenario) -> Score:
         except (IndexError, RuntimeError):
             found["module"] = None
             return True
-        if run.scaler is not None:
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-        else:
-            run.optimizer.step()
+        run.optimizer_step()
         return False
 
     detected, seconds = _steps_until_fault(s, step)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard.guard import GuardConfig
+from nanguard.findings import Diagnosis
+from nanguard.guard import Guard, GuardConfig
 
 __all__: list[str] = []
 
@@ -40,6 +41,20 @@ def require(module: str, extra: str, what: str) -> ModuleType:
 def guard_options(policy: str, options: dict[str, Any]) -> None:
     """Validate Guard options when the callback is built, not when training starts."""
     GuardConfig.from_options(policy, options)
+
+
+class GuardedCallback:
+    """What both framework callbacks expose about the guard they run (None until training starts)."""
+
+    guard: Guard | None = None
+
+    @property
+    def skipped(self) -> int:
+        return self.guard.skipped if self.guard is not None else 0
+
+    @property
+    def last_diagnosis(self) -> Diagnosis | None:
+        return self.guard.last_diagnosis if self.guard is not None else None
 
 
 def drop_grads(optimizer: torch.optim.Optimizer) -> None:

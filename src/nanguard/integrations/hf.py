@@ -32,7 +32,7 @@ from torch import nn
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.integrations import RunningStats, drop_grads, guard_options, require
+from nanguard.integrations import GuardedCallback, RunningStats, drop_grads, guard_options, require
 from nanguard.rng import get_rng_state, set_rng_state
 
 _callbacks = require("transformers.trainer_callback", "hf", "Hugging Face transformers")
@@ -53,7 +53,7 @@ class _Micro:
         self.loss: torch.Tensor | None = None
 
 
-class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
+class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.ExportableState):
     """Checks each optimizer step for NaN/Inf, diagnoses a trip, and skips, rolls back or raises.
 
     ``policy`` and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); ``run_dir``
@@ -81,14 +81,6 @@ class NanGuardCallback(_callbacks.TrainerCallback, _callbacks.ExportableState):
         self._stepped = False
         self._lr_state: tuple[dict[str, Any], list[Any]] | None = None
         self._stats = RunningStats(nn.Module())
-
-    @property
-    def skipped(self) -> int:
-        return self.guard.skipped if self.guard is not None else 0
-
-    @property
-    def last_diagnosis(self) -> Diagnosis | None:
-        return self.guard.last_diagnosis if self.guard is not None else None
 
     def state(self) -> dict[str, Any]:
         guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state

@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanguard.errors import NonFiniteError
-from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.integrations import RunningStats, drop_grads, guard_options, require
+from nanguard.integrations import GuardedCallback, RunningStats, drop_grads, guard_options, require
 from nanguard.rng import get_rng_state, set_rng_state
 
 _pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["NanGuard"]
 
 
-class NanGuard(_pl.Callback):
+class NanGuard(GuardedCallback, _pl.Callback):
     """Checks each optimizer step for NaN/Inf, diagnoses a trip, and skips, rolls back or raises.
 
     ``policy`` and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); ``run_dir``
@@ -65,14 +64,6 @@ class NanGuard(_pl.Callback):
         self._state: Mapping[str, Any] | None = None
         self._closed = False
         self._stats = RunningStats(torch.nn.Module())
-
-    @property
-    def skipped(self) -> int:
-        return self.guard.skipped if self.guard is not None else 0
-
-    @property
-    def last_diagnosis(self) -> Diagnosis | None:
-        return self.guard.last_diagnosis if self.guard is not None else None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:

@@ -15,7 +15,7 @@ from nanguard.explain import where_lines
 from nanguard.files import atomic_write_text
 from nanguard.report import plots
 from nanguard.report.load import RunReport, Trip
-from nanguard.report.words import KIND_NAMES, event_words, evidence_lines, fmt, op_path
+from nanguard.report.words import KIND_NAMES, RANK_COLUMNS, event_words, evidence_lines, op_path, rank_rows
 
 __all__ = ["MAX_DETAILED_TRIPS", "plot_count", "render_html", "write_html"]
 
@@ -203,20 +203,7 @@ def _events_html(report: RunReport) -> str:
 
 
 def _ranks_html(data: dict[str, Any]) -> str:
-    rows = [
-        (
-            f"rank {r}",
-            str(d["steps_logged"]),
-            str(d["skipped"]),
-            fmt(d["last_loss"]),
-            fmt(d["last_grad_norm"]),
-            str(d["trips_originated"]),
-            "yes" if d["finished"] else "no",
-        )
-        for r, d in data["per_rank"].items()
-    ]
-    cols = ("rank", "steps logged", "skipped", "last loss", "last grad norm", "trips started here", "closed")
-    return _table(cols, rows, cls="ranks")
+    return _table(RANK_COLUMNS, rank_rows(data), cls="ranks")
 
 
 def render_html(report: RunReport, *, progress: Callable[[str], None] | None = None) -> str:

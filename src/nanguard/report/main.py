@@ -13,7 +13,7 @@ from nanguard.errors import NanguardError
 from nanguard.report.html import MAX_DETAILED_TRIPS, write_html
 from nanguard.report.load import RunReport, load_run
 from nanguard.report.terminal import Console
-from nanguard.report.words import event_words, fmt
+from nanguard.report.words import RANK_COLUMNS, event_words, rank_rows
 
 __all__ = ["print_summary", "run_report"]
 
@@ -100,18 +100,7 @@ def print_summary(report: RunReport, console: Console) -> None:
         f"trips {counts['trips']}, skips {counts['skips']}, rollbacks {counts['rollbacks']}, "
         f"spikes {counts['spikes']}, overflows {counts['overflows']}, bundles {counts['bundles']}",
     )
-    rows = [
-        [
-            f"rank {r}",
-            str(d["steps_logged"]),
-            str(d["skipped"]),
-            fmt(d["last_loss"]),
-            fmt(d["last_grad_norm"]),
-            str(d["trips_originated"]),
-        ]
-        for r, d in data["per_rank"].items()
-    ]
-    console.table(["rank", "steps", "skipped", "last loss", "last grad norm", "trips started"], rows)
+    console.table(list(RANK_COLUMNS), rank_rows(data))
 
     events = [(t.step, "trip", t.ranks, f"{t.diagnosis.cause if t.diagnosis else '?'} -> {t.action}")
               for t in report.trips]  # fmt: skip

@@ -211,3 +211,22 @@ def event_words(kind: str, fields: Mapping[str, Any]) -> str:
     if kind == "overflow":
         return f"GradScaler scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}"
     return ""
+
+
+RANK_COLUMNS = ("rank", "steps logged", "skipped", "last loss", "last grad norm", "trips started here", "closed")
+
+
+def rank_rows(data: dict[str, Any]) -> list[list[str]]:
+    """One row per rank of ``RunReport.to_dict()["per_rank"]``, in ``RANK_COLUMNS`` order."""
+    return [
+        [
+            f"rank {r}",
+            str(d["steps_logged"]),
+            str(d["skipped"]),
+            fmt(d["last_loss"]),
+            fmt(d["last_grad_norm"]),
+            str(d["trips_originated"]),
+            "yes" if d["finished"] else "no",
+        ]
+        for r, d in data["per_rank"].items()
+    ]

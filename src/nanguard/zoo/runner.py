@@ -94,7 +94,7 @@ def _first_bad_step(s: Scenario, seed: int) -> int | None:
         grads = [p.grad for p in run.model.parameters() if p.grad is not None]
         if not math.isfinite(loss.item()) or not all(bool(torch.isfinite(g).all()) for g in grads):
             return step
-        run.optimizer.step()
+        run.optimizer_step()
     return None
 
 

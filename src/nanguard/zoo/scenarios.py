@@ -89,6 +89,14 @@ class Run:
             batch = self.scenario.fault(self.model, batch)
         return batch
 
+    def optimizer_step(self) -> None:
+        """Step the optimizer as a plain (unguarded) loop would, through the scaler when there is one."""
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
     def closure(self, batch: Batch, model: torch.nn.Module | None = None) -> Callable[[], torch.Tensor]:
         """The training closure for ``batch``: autocast and the scaler when the scenario uses them."""
         net = model if model is not None else self.model
