@@ -44,7 +44,7 @@ from nanguard.stats import grad_health, local
 from nanguard.tracer import trace, weight_scale
 from nanguard.tracer.replay import module_stats
 
-__all__ = ["POLICIES", "Guard", "GuardConfig"]
+__all__ = ["POLICIES", "BufferBackup", "Guard", "GuardConfig"]
 
 log = logging.getLogger("nanguard")
 
@@ -192,7 +192,7 @@ class Guard:
         self._good_steps = 0
         self._param_flag: torch.Tensor | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._buffers = list(model.buffers())
+        self._buffers = BufferBackup(list(model.buffers()))
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._comm = dist.watch_communication(model, comm_hook)
@@ -224,7 +224,7 @@ class Guard:
         if self._drop_batch() or self._bad_batch(batch):
             return None
         rng = get_rng_state(self._cuda_devices)
-        buffers = _buffer_backup(self._buffers)
+        self._buffers.save()
         self._comm.reset()
         self._closure_error = None
         try:
@@ -248,7 +248,7 @@ class Guard:
             self.scaler.unscale_(self.optimizer)
         # A spike verdict comes after the host read, too late for the device path.
         device_step = self._fused and self.scaler is None and not self.config.skip_spikes
-        if not self._check(loss, closure, batch, rng, buffers, device_step=device_step):
+        if not self._check(loss, closure, batch, rng, device_step=device_step):
             return None
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -285,7 +285,7 @@ class Guard:
         self._closure_error = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        return self._check(loss, replay, batch, rng, [], device_step=False)
+        return self._check(loss, replay, batch, rng, device_step=False, restore_buffers=False)
 
     def _next_step(self) -> int:
         step = self.step_count
@@ -325,10 +325,12 @@ class Guard:
         replay: Callable[[], Any] | None,
         batch: Any,
         rng: dict[str, torch.Tensor] | None,
-        buffers: list[tuple[torch.Tensor, torch.Tensor]],
         *,
         device_step: bool,
+        restore_buffers: bool = True,
     ) -> bool:
+        """The decision of one step; ``restore_buffers`` is False when no backup was taken
+        before the forward (``check()``: the caller owns its loop)."""
         step = self._next_step()
         grads = [p.grad for p in self._params if p.grad is not None]
         gn, lv, scale_t, code = self._health(loss, grads)
@@ -352,7 +354,7 @@ class Guard:
         synced_bad = any(c & _SYNCED_BAD for c in rank_codes)
 
         if any(c & _PARAMS_BAD for c in rank_codes):
-            self._abandon(buffers)
+            self._abandon(restore_buffers)
             ranks = [r for r, c in enumerate(rank_codes) if c & _PARAMS_BAD]
             self._trip(self._nonfinite_update(step - 1, ranks), step - 1, batch, rng)
             return False
@@ -360,22 +362,24 @@ class Guard:
             self._overflow(step, loss_value, scale)
             return False
         if bad_ranks or synced_bad:
-            _restore_buffers(buffers)  # the replays start from the step's own state...
+            if restore_buffers:
+                self._buffers.restore()  # the replays start from the step's own state...
             diag = self._diagnose(replay, step, rng, loss_value, grad_norm, bad_ranks, batch)
-            self._abandon(buffers)  # ...and leave none of theirs behind
+            self._abandon(restore_buffers)  # ...and leave none of theirs behind
             self._trip(diag, step, batch, rng)
             return False
         spike = self._spikes(step, loss_value, grad_norm)
         if spike is not None and self.config.skip_spikes:
-            self._abandon(buffers)
+            self._abandon(restore_buffers)
             self._skip(step, f"{spike.metric} spike (z={spike.score:.1f})", loss_value, grad_norm, scale)
             return False
         self._pending = (step, loss_value, grad_norm, scale, own_loss)
         return True
 
-    def _abandon(self, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _abandon(self, restore_buffers: bool) -> None:
         """Undo what the step's forward and backward left: buffers, gradients, the scaler's unscale."""
-        _restore_buffers(buffers)
+        if restore_buffers:
+            self._buffers.restore()
         self.model.zero_grad(set_to_none=True)
         if self.scaler is not None:
             # unscale_ already ran for this step: update() closes it, or the next unscale_ raises.
@@ -856,19 +860,32 @@ def _device_of(loss: Any) -> torch.device:
     return loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")
 
 
-def _buffer_backup(bufs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of the buffers (BatchNorm running stats) so a skipped step leaves them as they were."""
-    if not bufs:
-        return []
-    copies = [torch.empty_like(b) for b in bufs]
-    torch._foreach_copy_(copies, bufs)
-    return list(zip(bufs, copies, strict=True))
+class BufferBackup:
+    """Copies of buffers (BatchNorm running stats), kept so a skipped step leaves them as they were.
 
+    The copies are allocated once; ``save()`` refreshes them with one foreach copy per step.
 
-def _restore_buffers(backup: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for b, saved in backup:
-            b.copy_(saved)
+    Example:
+        >>> backup = BufferBackup(list(model.buffers()))
+        >>> backup.save(); model(bad_batch); backup.restore()
+    """
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.copies = [torch.empty_like(b) for b in buffers]
+        self.saved = False
+
+    def save(self) -> None:
+        if self.buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self.copies, self.buffers)
+        self.saved = True
+
+    def restore(self) -> None:
+        """Put the saved values back (nothing happens before the first ``save``)."""
+        if self.buffers and self.saved:
+            with torch.no_grad():
+                torch._foreach_copy_(self.buffers, self.copies)
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from nanguard.findings import Diagnosis
-from nanguard.guard import Guard, GuardConfig
+from nanguard.guard import BufferBackup, Guard, GuardConfig
 
 __all__: list[str] = []
 
@@ -64,24 +64,12 @@ def drop_grads(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-class RunningStats:
-    """Copies of normalization running statistics, so a skipped step leaves them as they were.
+def running_stats(model: nn.Module) -> BufferBackup:
+    """A backup of normalization running statistics.
 
-    The bad forward has already updated BatchNorm-style running stats by the time the check
-    runs; a NaN batch would otherwise poison them for good.
+    By the time the check runs, the bad forward has already updated BatchNorm-style running
+    stats; a NaN batch would otherwise poison them for good.
     """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.buffers = [
-            b for m in model.modules() if getattr(m, "track_running_stats", False) for b in m.buffers(recurse=False)
-        ]
-        self.saved: list[torch.Tensor] = []
-
-    def save(self) -> None:
-        if self.buffers:
-            self.saved = [b.detach().clone() for b in self.buffers]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for b, saved in zip(self.buffers, self.saved, strict=True):
-                b.copy_(saved)
+    return BufferBackup(
+        [b for m in model.modules() if getattr(m, "track_running_stats", False) for b in m.buffers(recurse=False)]
+    )

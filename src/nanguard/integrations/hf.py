@@ -32,7 +32,7 @@ from torch import nn
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.integrations import GuardedCallback, RunningStats, drop_grads, guard_options, require
+from nanguard.integrations import GuardedCallback, drop_grads, guard_options, require, running_stats
 from nanguard.rng import get_rng_state, set_rng_state
 
 _callbacks = require("transformers.trainer_callback", "hf", "Hugging Face transformers")
@@ -80,7 +80,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._replaying = False
         self._stepped = False
         self._lr_state: tuple[dict[str, Any], list[Any]] | None = None
-        self._stats = RunningStats(nn.Module())
+        self._stats = running_stats(nn.Module())
 
     def state(self) -> dict[str, Any]:
         guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state
@@ -97,7 +97,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self.guard = Guard(model, optimizer, self.policy, run_dir=self.run_dir, **self.options)
         if self.guard_state:
             self.guard.load_state_dict(self.guard_state)
-        self._stats = RunningStats(model)
+        self._stats = running_stats(model)
         self._remove_hooks()
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),

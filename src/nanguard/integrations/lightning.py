@@ -27,7 +27,7 @@ import torch
 
 from nanguard.errors import NonFiniteError
 from nanguard.guard import Guard
-from nanguard.integrations import GuardedCallback, RunningStats, drop_grads, guard_options, require
+from nanguard.integrations import GuardedCallback, drop_grads, guard_options, require, running_stats
 from nanguard.rng import get_rng_state, set_rng_state
 
 _pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
@@ -63,7 +63,7 @@ class NanGuard(GuardedCallback, _pl.Callback):
         self._loss: torch.Tensor | None = None
         self._state: Mapping[str, Any] | None = None
         self._closed = False
-        self._stats = RunningStats(torch.nn.Module())
+        self._stats = running_stats(torch.nn.Module())
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -73,7 +73,7 @@ class NanGuard(GuardedCallback, _pl.Callback):
             )
         if len(trainer.optimizers) != 1:
             raise ValueError(f"NanGuard needs exactly one optimizer, got {len(trainer.optimizers)}")
-        self._stats = RunningStats(pl_module)
+        self._stats = running_stats(pl_module)
         self.guard = Guard(pl_module, trainer.optimizers[0], self.policy, run_dir=self.run_dir, **self.options)
         if self._state is not None:
             self.guard.load_state_dict(self._state)
