@@ -149,6 +149,12 @@ class Guard:
     After a rollback, the next ``rollback_skip_batches`` calls to ``step`` drop their batch
     without running the closure and return None; ``guard.last_action`` is then
     ``"drop_batch"``, so the loop knows which batches were skipped.
+
+    Pass ``batch=`` to ``step``: a trip's replay names the input that held the bad values
+    (``batch['pixel_values']``), a repro bundle stores it, and ``check_batch=True`` audits
+    it before the forward. Under DDP the guard wraps the model's comm hook to see each
+    rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
+    hook)``. Every other option is a ``GuardConfig`` field.
     """
 
     def __init__(
