@@ -572,7 +572,7 @@ class Guard:
     def _nonfinite_update(self, step: int, ranks: list[int]) -> Diagnosis:
         named = list(dist.unwrap(self.model).named_parameters())
         with torch.no_grad():
-            finite = torch.stack([torch.isfinite(local(p)).all() for _, p in named]).tolist() if named else []
+            finite = [bool(torch.isfinite(local(p)).all()) for _, p in named]  # on a trip only
         bad = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
         opt_state = {}
         for group in self.optimizer.param_groups:
