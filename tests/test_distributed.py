@@ -35,14 +35,19 @@ def _batch(model: GPT, rank: int, step: int, bad: bool = False) -> dict:
     return batch
 
 
-def _loop(model, ddp, opt, guard, rank, steps, bad_step=None, bad_rank=1):
+def _loop(model, ddp, opt, guard, rank, steps, bad_step=None, bad_rank=1, spoil=None, after_backward=None):
+    """Guarded steps; at ``bad_step`` on ``bad_rank`` the batch gets NaN pixels, or ``spoil(batch)``."""
     for step in range(steps):
-        batch = _batch(model, rank, step, bad=step == bad_step and rank == bad_rank)
+        batch = _batch(model, rank, step, bad=step == bad_step and rank == bad_rank and spoil is None)
+        if spoil is not None and step == bad_step and rank == bad_rank:
+            spoil(batch)
 
         def closure(batch=batch):
             opt.zero_grad(set_to_none=True)
             _, loss = ddp(**batch)
             loss.backward()
+            if after_backward is not None:
+                after_backward()
             return loss
 
         guard.step(closure, batch=batch)
@@ -192,18 +197,11 @@ def _check_batch_one_rank(rank, world, tmp):
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     guard = ng.Guard(ddp, opt, check_batch=True)
-    for step in range(4):
-        batch = _batch(model, rank, step)
-        if rank == 1 and step == 1:
-            batch["input_ids"][0, 0] = model.config.vocab_size  # would raise inside rank 1's forward
 
-        def closure(batch=batch):
-            opt.zero_grad(set_to_none=True)
-            _, loss = ddp(**batch)
-            loss.backward()
-            return loss
+    def spoil(batch):
+        batch["input_ids"][0, 0] = model.config.vocab_size  # would raise inside rank 1's forward
 
-        guard.step(closure, batch=batch)
+    _loop(model, ddp, opt, guard, rank, steps=4, bad_step=1, spoil=spoil)
     return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict(), "equal": _equal_across_ranks(model)}
 
 
@@ -224,19 +222,13 @@ def _manual_allreduce(rank, world, tmp):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = ng.Guard(model, opt)
-    for step in range(4):
-        batch = _batch(model, rank, step, bad=rank == 1 and step == 2)
 
-        def closure(batch=batch):
-            opt.zero_grad(set_to_none=True)
-            _, loss = model(**batch)
-            loss.backward()
-            for p in model.parameters():  # a hand-written data-parallel loop, no DDP
-                tdist.all_reduce(p.grad)
-                p.grad /= world
-            return loss
+    def all_reduce_grads():  # a hand-written data-parallel loop, no DDP
+        for p in model.parameters():
+            tdist.all_reduce(p.grad)
+            p.grad /= world
 
-        guard.step(closure, batch=batch)
+    _loop(model, model, opt, guard, rank, steps=4, bad_step=2, after_backward=all_reduce_grads)
     return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict(), "equal": _equal_across_ranks(model)}
 
 
