@@ -4,19 +4,36 @@ Each rule reads the evidence dict that ``locate`` (and the guard's history) buil
 returns a ``Verdict`` or None. The first rule that fits wins; the order puts the more
 specific and more upstream causes first: data, parameters, init, divergence, then the
 op-level causes.
+
+The last section builds the diagnoses the guard makes from its own state rather than from
+a replay (a non-finite update, a transient fault, a collapsed loss scale, replicas that
+differ, a batch rejected before the forward) and ``rejudge``, which re-reads a diagnosis
+with the run's history: pure functions of their arguments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from nanguard.dtypes import dtype_facts
+from nanguard.findings import Diagnosis, Finding
 
-__all__ = ["RULES", "Verdict", "diagnose"]
+__all__ = [
+    "RULES",
+    "Verdict",
+    "diagnose",
+    "loss_scale_collapse",
+    "nonfinite_update",
+    "rejected_batch",
+    "rejudge",
+    "replica_divergence",
+    "transient_fault",
+]
 
 Evidence = dict[str, Any]
 
@@ -361,3 +378,187 @@ def diagnose(evidence: Evidence) -> Verdict:
         if verdict is not None:
             return verdict
     return unknown(evidence)
+
+
+# -- diagnoses the guard builds from its own state -------------------------------------
+def nonfinite_update(
+    *,
+    step: int,
+    optimizer: str,
+    hyperparameters: Mapping[str, Any],
+    bad_parameters: list[str],
+    rank: int | None,
+    ranks: list[int],
+) -> Diagnosis:
+    """Finite gradients, yet the optimizer's update left ``bad_parameters`` non-finite.
+
+    Example:
+        >>> nonfinite_update(step=3, optimizer="Adam", hyperparameters={"eps": 0.0}, bad_parameters=["fc.weight"],
+        ...                  rank=None, ranks=[]).module
+        'fc'
+    """
+    first = bad_parameters[0] if bad_parameters else None
+    return Diagnosis(
+        cause="optimizer.nonfinite_update",
+        kind="nan",
+        phase="optimizer",
+        op=f"{optimizer}.step",
+        module=first.rpartition(".")[0] if first else None,
+        rank=rank,
+        ranks=ranks,
+        step=step,
+        evidence={
+            "parameters": bad_parameters[:16],
+            "nonfinite_parameters": len(bad_parameters),
+            "optimizer": optimizer,
+            "hyperparameters": dict(hyperparameters),
+            "why": f"gradients were finite, but after {optimizer}.step "
+            f"{len(bad_parameters)} parameter tensor(s) hold NaN/Inf, first {first}",
+        },
+        fixes=_update_fixes(hyperparameters),
+    )
+
+
+def _update_fixes(hp: Mapping[str, Any]) -> list[str]:
+    fixes = []
+    eps = hp.get("eps")
+    if isinstance(eps, (int, float)) and eps <= 1e-12:
+        fixes.append(f"optimizer eps is {eps}; use 1e-8 (1e-6 or more with bf16/fp16 states): "
+                     "a zero second moment divides 0 by 0")  # fmt: skip
+    fixes += [
+        "check the optimizer state for NaN/Inf (a resumed state from another run or dtype)",
+        f"lower the learning rate (now {hp.get('lr')})" if "lr" in hp else "lower the learning rate",
+    ]
+    return fixes
+
+
+def transient_fault(
+    *, step: int, loss: float, grad_norm: float, flagged_ranks: list[int], located: bool, distributed: bool
+) -> Diagnosis:
+    """A step went non-finite but no rank's replay reproduces it (or no replay ran: ``located`` False)."""
+    # No rank reproduces it: the rank is unknown, but every rank reports the same.
+    return Diagnosis(
+        cause="distributed.transient" if located else "unknown",
+        kind="nan" if math.isnan(loss) or math.isnan(grad_norm) else "inf",
+        phase="communication" if distributed else "backward",
+        rank=flagged_ranks[0] if flagged_ranks else None,
+        ranks=list(flagged_ranks) if distributed else [],
+        step=step,
+        evidence={
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "flagged_ranks": flagged_ranks,
+            "why": "the step went non-finite, but replaying it from the same RNG state and "
+            "parameters on every rank gives finite values"
+            if located
+            else "the step went non-finite (locate is off, so no replay was run)",
+        },
+        fixes=[
+            "a fault that does not reproduce points at hardware (a flaky GPU, memory errors), "
+            "the communication layer, or nondeterministic kernels",
+            "if it repeats on the same rank or node, drain that node; run NCCL with "
+            "TORCH_NCCL_NAN_CHECK=1 to catch a bad collective",
+        ],
+    )
+
+
+def loss_scale_collapse(
+    *, step: int, scale: float, floor: float, streak: int, overflows: int, rank: int | None
+) -> Diagnosis:
+    """The GradScaler's scale fell below ``floor``, or overflow lasted ``streak`` steps in a row."""
+    return Diagnosis(
+        cause="precision.loss_scale",
+        kind="inf",
+        phase="backward",
+        rank=rank,
+        step=step,
+        evidence={
+            "scale": scale,
+            "floor": floor,
+            "overflow_streak": streak,
+            "overflows": overflows,
+            "why": f"the GradScaler scale fell to {scale:.3g} after {streak} overflowing steps in a row "
+            f"(floor {floor:g}): gradients overflow float16 at any scale",
+        },
+        fixes=[
+            "switch float16 autocast to bfloat16, which needs no loss scaling",
+            "find the overflowing op: ng.locate(closure, model=model) on this step",
+            "lower the learning rate or clip gradients: overflow usually follows growth",
+        ],
+    )
+
+
+def replica_divergence(*, step: int, ranks: list[int], first_parameter: str | None) -> Diagnosis:
+    """After ``step`` the parameters of ``ranks`` differ from rank 0's, first at ``first_parameter``."""
+    first = first_parameter
+    return Diagnosis(
+        cause="distributed.replica_divergence",
+        kind="nan",
+        phase="parameters",
+        module=first.rpartition(".")[0] if first else None,
+        rank=ranks[0] if ranks else None,
+        ranks=ranks,
+        step=step,
+        evidence={
+            "first_parameter": first,
+            "ranks_differing_from_rank0": ranks,
+            "why": f"after step {step} the parameters of rank(s) {ranks} differ from rank 0's, first at {first}",
+        },
+        fixes=[
+            "a rank stepped while another skipped, or a parameter was changed on one rank only "
+            "(a custom init, loading a checkpoint on rank 0 without a broadcast)",
+            "parameters that DDP does not all-reduce (requires_grad=False, or unused with "
+            "find_unused_parameters=False) drift when changed in place",
+            "the guard re-broadcasts rank 0's parameters and buffers; optimizer state may still differ",
+        ],
+    )
+
+
+def rejected_batch(errors: list[Finding], *, step: int, rank: int | None, ranks: list[int]) -> Diagnosis:
+    """``check_batch`` found ``errors`` (non-empty, error severity) before the forward: the first names the cause."""
+    first = errors[0]
+    return Diagnosis(
+        cause=first.cause,
+        kind="nan",
+        phase="data",
+        module=None,
+        rank=rank,
+        ranks=ranks,
+        step=step,
+        evidence={
+            "findings": [f.to_dict() for f in errors],
+            "where": first.where,
+            "why": f"check_batch before the forward: {first.message}",
+        },
+        fixes=[first.fix] if first.fix else [],
+    )
+
+
+def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidence | None = None) -> Diagnosis:
+    """Re-read ``diag`` with what only the guard knows: the run's ``history`` and the weight
+    scale the run started from. Returns a new Diagnosis; ``diag`` is left as it was.
+
+    A located diagnosis (one with an ``origin``) goes through ``RULES`` again, and a cause
+    that changes keeps the op-level one as ``evidence["op_cause"]``. A non-finite update
+    (no origin) becomes divergence when the history shows it; its own ``why`` then stays,
+    since it says what the update did. Any other diagnosis is returned as it is.
+
+    Example:
+        >>> rejudge(diag, history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5}).cause
+        'optimizer.divergence'
+    """
+    evidence = dict(diag.evidence)
+    located = "origin" in evidence
+    if located:
+        evidence["initial_weight_scale"] = initial_weight_scale
+    elif diag.cause != "optimizer.nonfinite_update" or not history.get("diverging"):
+        return diag
+    if history:
+        evidence["history"] = history
+    verdict = diagnose(evidence)
+    if verdict.cause == diag.cause:
+        return replace(diag, evidence=evidence)
+    evidence["op_cause"] = diag.cause
+    if located:
+        evidence["why"] = verdict.why
+    return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from nanguard import compat
 from nanguard.findings import Diagnosis
 from nanguard.stats import local
 
@@ -144,7 +145,7 @@ def watch_communication(model: nn.Module, comm_hook: tuple[Any, Callable[..., An
         if comm_hook is not None:
             raise ValueError("comm_hook is for DistributedDataParallel models only")
         return CommWatch()
-    if model._comm_hooks:
+    if compat.ddp_has_comm_hook(model):
         warnings.warn(
             "nanguard: this DDP model already has a comm hook, which cannot be wrapped; pass it as "
             "Guard(..., comm_hook=(state, hook)) instead. Rank attribution falls back to the local loss.",
@@ -217,7 +218,7 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
             yield
         finally:
             setter(True)
-            _drop_fsdp_accumulated_grads(model)
+            compat.drop_fsdp_accumulated_grads(model)
         return
     with _local_collectives():
         yield
@@ -271,29 +272,8 @@ def _local_collectives() -> Iterator[None]:
     if not is_distributed():
         yield
         return
-    saved = {name: getattr(tdist, name) for name in _LOCAL_STAND_INS}
-    try:
-        for name, stand_in in _LOCAL_STAND_INS.items():
-            setattr(tdist, name, stand_in)
+    with compat.swap_collectives(_LOCAL_STAND_INS):
         yield
-    finally:
-        for name, original in saved.items():
-            setattr(tdist, name, original)
-
-
-def _drop_fsdp_accumulated_grads(model: nn.Module) -> None:
-    """With sync off FSDP2 keeps the replay's unsharded gradients to add to the next
-    reduce-scatter; the replay's gradients must not leak into a later step."""
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if not callable(get_state):
-            continue
-        group = getattr(get_state(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            fsdp_param.unsharded_accumulated_grad = None
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
 
 
 def replay_locally(model: nn.Module, fn: Callable[[], Any]) -> Any:
@@ -356,5 +336,5 @@ def fingerprint(model: nn.Module) -> list[float]:
     params = [local(p).detach() for p in unwrap(model).parameters()]
     if not params:
         return []
-    norms = torch._foreach_norm(params, 2.0, dtype=torch.float32)
+    norms = compat.foreach_norm(params, 2.0, dtype=torch.float32)
     return torch.stack([n.to(norms[0].device) for n in norms]).double().cpu().tolist()

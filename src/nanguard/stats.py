@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from nanguard import compat
+
 __all__ = ["grad_health", "is_float", "local", "tensor_stats"]
 
 
@@ -74,8 +76,8 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
 def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """Total L2 norm of ``grads`` as one float32 device scalar (NaN/Inf when any is non-finite).
 
-    Uses ``torch._foreach_norm`` grouped by device and dtype: a handful of kernels, no
-    Python loop of host reads.
+    Uses ``torch._foreach_norm`` (through ``compat``) grouped by device and dtype: a handful
+    of kernels, no Python loop of host reads.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
@@ -86,7 +88,7 @@ def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     device = next(iter(groups))[0]
     # One norm per (device, dtype) group, then the norm of those norms: no per-tensor Python work.
     parts = [
-        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts, 2.0, dtype=torch.float32)), dtype=torch.float32)
+        torch.linalg.vector_norm(torch.stack(compat.foreach_norm(ts, 2.0, dtype=torch.float32)), dtype=torch.float32)
         for ts in groups.values()
     ]
     if len(parts) == 1:

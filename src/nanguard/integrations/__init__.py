@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanguard.backup import BufferBackup
 from nanguard.findings import Diagnosis
-from nanguard.guard import BufferBackup, Guard, GuardConfig
+from nanguard.guard import Guard, GuardConfig
 
 __all__: list[str] = []
 

@@ -1,0 +1,102 @@
+"""Every private torch internal nanguard relies on, in one place.
+
+Each function below wraps one internal that torch does not promise to keep. The comment on
+each names the torch versions it is known to work with; ``tests/test_compat.py`` exercises
+each one against the installed torch, so an upgrade that changes them fails there, loudly,
+rather than as a silent wrong answer inside a training run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+__all__ = [
+    "ddp_has_comm_hook",
+    "drop_fsdp_accumulated_grads",
+    "foreach_copy_",
+    "foreach_norm",
+    "scaler_scale",
+    "step_with_found_inf",
+    "supports_found_inf",
+    "swap_collectives",
+]
+
+
+# Known to work: torch 2.13.0. ``torch._foreach_*`` are the multi-tensor kernels that
+# torch.optim itself uses; one call covers every tensor of a (device, dtype) group.
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+# Known to work: torch 2.13.0. DDP keeps its registered hooks in ``_comm_hooks`` and accepts
+# only one; there is no public way to ask whether one is set.
+def ddp_has_comm_hook(model: nn.parallel.DistributedDataParallel) -> bool:
+    return bool(model._comm_hooks)
+
+
+# Known to work: torch 2.13.0. ``GradScaler._scale`` is the scale as a device tensor;
+# ``get_scale()`` would read it to the host, a sync on every step.
+def scaler_scale(scaler: Any) -> torch.Tensor:
+    return scaler._scale
+
+
+# Known to work: torch 2.13.0. The protocol GradScaler uses with fused optimizers: an
+# optimizer with ``_step_supports_amp_scaling`` reads ``optimizer.found_inf`` in ``step()``
+# and skips the update on the device when it is nonzero.
+def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    return bool(fused and getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()``, skipped on the device where ``found_inf`` (a float scalar) is nonzero."""
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+# Known to work: torch 2.13.0 (FSDP2, ``fully_shard``). With gradient sync off, FSDP2 keeps
+# unsharded gradients on each FSDPParam to add to the next reduce-scatter.
+def drop_fsdp_accumulated_grads(model: nn.Module) -> None:
+    """Forget the unsharded gradients FSDP2 accumulated while gradient sync was off."""
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if not callable(get_state):
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
+
+# Known to work: torch 2.13.0. Model code calls ``torch.distributed.all_reduce`` and friends
+# through the module attribute, so replacing the attribute reroutes those calls; the
+# stand-ins must accept the same leading positional arguments and ``async_op``.
+@contextlib.contextmanager
+def swap_collectives(stand_ins: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
+    """Replace ``torch.distributed.<name>`` by ``stand_ins[name]`` inside the block."""
+    missing = sorted(name for name in stand_ins if not callable(getattr(tdist, name, None)))
+    if missing:
+        raise RuntimeError(f"torch.distributed {torch.__version__} has no {missing}: nanguard's compat needs updating")
+    saved = {name: getattr(tdist, name) for name in stand_ins}
+    try:
+        for name, stand_in in stand_ins.items():
+            setattr(tdist, name, stand_in)
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(tdist, name, original)

@@ -1,0 +1,87 @@
+"""``GuardConfig``: every setting of a ``Guard``, validated when it is built."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["POLICIES", "GuardConfig"]
+
+POLICIES = ("skip", "rollback", "raise")
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """Settings of a ``Guard``; every field is validated.
+
+    Example:
+        >>> GuardConfig(policy="rollback", snapshot_every=100, rollback_skip_batches=2)
+    """
+
+    policy: str = "skip"
+    """What a trip does: "skip" the update, "rollback" to the last snapshot, or "raise"."""
+    max_consecutive_skips: int = 10
+    """Raise NonFiniteError after this many skipped (or rolled-back) steps in a row."""
+    snapshot_every: int = 50
+    """Keep a CPU snapshot of model and optimizer every N good steps (rollback policy)."""
+    rollback_skip_batches: int = 1
+    """After a rollback, the next K calls to ``step`` drop their batch without running it."""
+    param_check_every: int = 1
+    """Check parameters for NaN/Inf after every N-th update (0 turns the check off)."""
+    spike_window: int = 50
+    spike_warmup: int = 10
+    spike_threshold: float = 6.0
+    """Robust z-score (median/MAD) above which a loss or grad-norm value is a spike."""
+    skip_spikes: bool = False
+    """Skip the update on a spike (OLMo-core's skip-step), instead of only warning."""
+    divergence_factor: float = 10.0
+    divergence_window: int = 5
+    """A trip after the grad norm or loss grew this factor within this many steps is divergence."""
+    loss_scale_floor: float = 2.0**-8
+    """A GradScaler scale below this is a collapse (precision.loss_scale)."""
+    max_overflow_streak: int = 20
+    """GradScaler overflow on this many steps in a row is a collapse too."""
+    fingerprint_every: int = 100
+    """Under torch.distributed, compare a parameter fingerprint across ranks every N updates (0 = off)."""
+    log_every: int = 1
+    """Write a compact step event every N steps (trips and skips are always written)."""
+    locate: bool = True
+    """Replay a tripped step under the op tracer to find the origin."""
+    module_stats: bool = True
+    """On a trip, replay once more to record each module's activation absmax and grad norm."""
+    check_batch: bool = False
+    """Run ng.check_batch on the batch passed to ``step`` before the forward."""
+    history: int = 64
+    """How many recent (step, loss, grad norm) records to keep for the history rules."""
+    max_bundle_bytes: int = 64 * 2**20
+    """Batches larger than this are stored in a bundle as shapes only."""
+
+    @classmethod
+    def from_options(cls, policy: str, options: Mapping[str, Any]) -> GuardConfig:
+        """Build from ``Guard(..., **options)``; an unknown option is a ValueError naming it."""
+        known = {f.name for f in fields(cls)} - {"policy"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown Guard option(s) {unknown}; accepted: {sorted(known)}")
+        return cls(policy=policy, **options)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        positive = ("max_consecutive_skips", "snapshot_every", "spike_window", "spike_warmup",
+                    "divergence_window", "max_overflow_streak", "log_every", "history")  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("rollback_skip_batches", "param_check_every", "fingerprint_every", "max_bundle_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("spike_threshold", "divergence_factor", "loss_scale_floor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.spike_warmup > self.spike_window:
+            raise ValueError(f"spike_warmup must be <= spike_window ({self.spike_window}), got {self.spike_warmup}")

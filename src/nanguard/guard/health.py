@@ -1,0 +1,160 @@
+"""Step health: one rank's loss, gradients and parameters reduced to a few device scalars,
+agreed across ranks in one collective, and read to the host once as a ``StepHealth``.
+
+Each rank encodes what it found as ``HealthFlag`` bits. ``dist.agree`` gives every rank
+every other rank's flags, so all ranks take the same decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntFlag
+from typing import Any
+
+import torch
+
+from nanguard import compat, dist
+from nanguard.dist import CommWatch
+from nanguard.stats import grad_health
+
+__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "StepHealth"]
+
+
+class HealthFlag(IntFlag):
+    """What one rank found in its step (small ints: exact in the float32 agreement vector)."""
+
+    OK = 0
+    LOCAL = 1
+    """This rank's own loss, or its own gradients before communication, are non-finite."""
+    PARAMS = 2
+    """The previous update left non-finite parameters."""
+    SYNCED = 4
+    """The gradients it holds now (after any all-reduce) are non-finite."""
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """What every rank agrees about one step, after the step's one host read.
+
+    Example:
+        >>> h = StepHealth(step=3, loss=2.0, grad_norm=float("nan"), scale=None, own_loss=2.0,
+        ...                rank_flags=(HealthFlag.OK, HealthFlag.LOCAL))
+        >>> h.ranks_with(HealthFlag.LOCAL)
+        [1]
+    """
+
+    step: int
+    loss: float
+    """The loss averaged over ranks: decisions and history use it."""
+    grad_norm: float
+    """The global gradient norm (over shards under FSDP2)."""
+    scale: float | None
+    """The GradScaler's scale, None without one."""
+    own_loss: float
+    """This rank's own loss: its event log keeps this rank's curve."""
+    rank_flags: tuple[HealthFlag, ...]
+
+    def ranks_with(self, flag: HealthFlag) -> list[int]:
+        return [r for r, f in enumerate(self.rank_flags) if f & flag]
+
+    @property
+    def bad_ranks(self) -> list[int]:
+        """Ranks whose own loss or gradients were non-finite."""
+        return self.ranks_with(HealthFlag.LOCAL)
+
+    @property
+    def synced_bad(self) -> bool:
+        return any(f & HealthFlag.SYNCED for f in self.rank_flags)
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    """One rank's step as device scalars, before any host read."""
+
+    grad_norm: torch.Tensor
+    loss: torch.Tensor
+    scale: torch.Tensor
+    flags: torch.Tensor
+    """int32 ``HealthFlag`` bits of this rank."""
+
+    def agree(self, *, sharded: bool) -> torch.Tensor:
+        """The step's one collective: every rank's flags, the mean loss, the global grad norm."""
+        return dist.agree(self.flags, self.loss, self.grad_norm * self.grad_norm, sharded=sharded)
+
+    @staticmethod
+    def found_inf(agreed: torch.Tensor) -> torch.Tensor:
+        """A device float, nonzero when any rank flagged: what a fused optimizer skips on."""
+        return (agreed[: dist.world_size()].amax() > 0).float()
+
+    def read(self, step: int, agreed: torch.Tensor, *, scaled: bool) -> StepHealth:
+        world = dist.world_size()
+        extra = torch.stack([self.scale.float(), self.loss.float()]).to(agreed.device)
+        values: list[float] = torch.cat([agreed, extra]).tolist()  # the one host read of this step
+        return StepHealth(
+            step=step,
+            loss=values[world],
+            grad_norm=values[world + 1],
+            scale=values[world + 2] if scaled else None,
+            own_loss=values[world + 3],
+            rank_flags=tuple(HealthFlag(int(c)) for c in values[:world]),
+        )
+
+
+class HealthCheck:
+    """Measures a rank's step on the device; checks parameters after an update, to be read
+    with the next step so the check adds no host sync.
+
+    Example:
+        >>> check = HealthCheck(params, scaler=None, comm=dist.CommWatch(), param_check_every=1)
+        >>> health = check.measure(loss)        # device scalars, no host read
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], *, scaler: Any, comm: CommWatch, param_check_every: int) -> None:
+        self.params = list(params)
+        self.scaler = scaler
+        self.comm = comm
+        self.param_check_every = param_check_every
+        self._param_flag: torch.Tensor | None = None
+
+    def measure(self, loss: Any) -> DeviceHealth:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        device = grads[0].device if grads else _device_of(loss)
+        gn = grad_health(grads).to(device)
+        if isinstance(loss, torch.Tensor):
+            lv = loss.detach().float().reshape(-1)[0].to(device)
+        else:
+            lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
+        grads_bad = ~torch.isfinite(gn)
+        local = ~torch.isfinite(lv)
+        pre_comm = self.comm.local_flag(device)
+        if pre_comm is not None:
+            local = local | pre_comm  # this rank's own gradients, before DDP averaged them
+        elif not dist.is_distributed():
+            local = local | grads_bad
+        if self.scaler is not None:
+            # Overflowing gradients are the scaler's business; only a bad loss is a trip here.
+            scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
+            local, grads_bad = ~torch.isfinite(lv), torch.zeros_like(grads_bad)
+        else:
+            scale = gn.new_ones(())
+        flags = local.to(torch.int32) * HealthFlag.LOCAL + grads_bad.to(torch.int32) * HealthFlag.SYNCED
+        if self._param_flag is not None:
+            flags = flags + self._param_flag.to(device).to(torch.int32) * HealthFlag.PARAMS
+            self._param_flag = None
+        return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
+
+    def after_update(self, step: int) -> None:
+        """Queue a parameter check of the update of ``step`` (every ``param_check_every`` steps)."""
+        every = self.param_check_every
+        if every and step % every == 0:
+            with torch.no_grad():
+                self._param_flag = ~torch.isfinite(grad_health(self.params))
+
+    def forget_update(self) -> None:
+        """Drop a queued parameter check: the parameters it covered were restored."""
+        self._param_flag = None
+
+
+def _device_of(loss: Any) -> torch.device:
+    return loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")

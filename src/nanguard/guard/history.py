@@ -1,0 +1,117 @@
+"""The run's recent loss and grad-norm history, and its spike detectors.
+
+The guard feeds every checked step to ``observe`` (spike detection) and every finished
+update to ``append``; on a trip, ``evidence`` says whether the run was diverging, which
+``diagnose.rejudge`` reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+from nanguard.spikes import Spike, SpikeDetector
+
+__all__ = ["History", "Point"]
+
+
+class Point(NamedTuple):
+    step: int
+    loss: float
+    grad_norm: float
+
+
+class History:
+    """Recent finished steps plus the loss and grad-norm spike detectors.
+
+    Example:
+        >>> history = History(size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0,
+        ...                   divergence_window=5, divergence_factor=10.0)
+        >>> history.append(0, loss=2.3, grad_norm=1.1)
+        >>> list(history)
+        [Point(step=0, loss=2.3, grad_norm=1.1)]
+    """
+
+    def __init__(
+        self,
+        *,
+        size: int,
+        spike_window: int,
+        spike_warmup: int,
+        spike_threshold: float,
+        divergence_window: int,
+        divergence_factor: float,
+    ) -> None:
+        self.points: deque[Point] = deque(maxlen=size)
+        spike_args = {"window": spike_window, "warmup": spike_warmup, "threshold": spike_threshold}
+        self.loss_spikes = SpikeDetector("loss", **spike_args)
+        self.grad_spikes = SpikeDetector("grad_norm", **spike_args)
+        self.divergence_window = divergence_window
+        self.divergence_factor = divergence_factor
+        self.spikes = 0
+        self._recent_spike_step: int | None = None
+
+    def __iter__(self) -> Iterator[Point]:
+        return iter(self.points)
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def append(self, step: int, *, loss: float, grad_norm: float) -> None:
+        self.points.append(Point(step, loss, grad_norm))
+
+    def observe(self, step: int, *, loss: float, grad_norm: float) -> list[Spike]:
+        """Score a step's values against the detectors; returns its spikes (loss first)."""
+        found = []
+        for detector, value in ((self.loss_spikes, loss), (self.grad_spikes, grad_norm)):
+            spike = detector.update(value)
+            if spike is not None:
+                found.append(spike)
+                self.spikes += 1
+                self._recent_spike_step = step
+        return found
+
+    def tail(self, n: int = 16) -> dict[str, list[float]]:
+        """The last ``n`` losses and grad norms, for a repro bundle."""
+        return {
+            "loss_tail": [p.loss for p in self.points][-n:],
+            "grad_norm_tail": [p.grad_norm for p in self.points][-n:],
+        }
+
+    def evidence(self, step: int, lr: Any) -> dict[str, Any]:
+        """How the steps before ``step`` grew: the ``history`` evidence of the divergence rule
+        ({} with fewer than two recent steps)."""
+        recent = [p for p in self.points if p.step >= step - self.divergence_window]
+        if len(recent) < 2:
+            return {}
+        out: dict[str, Any] = {"window": len(recent), "lr": lr}
+        best = ("grad_norm", 1.0)
+        for metric in ("grad_norm", "loss"):
+            vals = [v for v in (getattr(p, metric) for p in recent) if math.isfinite(v) and v > 0]
+            if len(vals) >= 2:
+                growth = vals[-1] / min(vals[:-1])
+                if growth > best[1]:
+                    best = (metric, growth)
+        out["metric"], out["growth"] = best
+        last_spike = self._recent_spike_step
+        spiked = last_spike is not None and step - last_spike <= self.divergence_window
+        out["diverging"] = best[1] >= self.divergence_factor or spiked
+        out["spike"] = spiked
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "spikes": self.spikes,
+            "history": [list(p) for p in self.points],
+            "loss_spikes": self.loss_spikes.state_dict(),
+            "grad_spikes": self.grad_spikes.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.spikes = int(state.get("spikes", 0))
+        self.points.clear()
+        self.points.extend(Point(int(s), float(lv), float(g)) for s, lv, g in state.get("history", []))
+        self.loss_spikes.load_state_dict(state.get("loss_spikes", {}))
+        self.grad_spikes.load_state_dict(state.get("grad_spikes", {}))
