@@ -17,14 +17,7 @@ import torch
 from torch import nn
 
 from nanguard import compat, dist
-from nanguard.diagnose import (
-    loss_scale_collapse,
-    nonfinite_update,
-    rejected_batch,
-    rejudge,
-    replica_divergence,
-    transient_fault,
-)
+from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
@@ -32,11 +25,10 @@ from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
-from nanguard.guard.replay import Replayed, replay_trip
+from nanguard.guard.replay import Diagnoser
 from nanguard.rng import get_rng_state
 from nanguard.spikes import SpikeDetector
 from nanguard.stats import local
-from nanguard.tracer import weight_scale
 
 __all__ = ["Guard"]
 
@@ -100,16 +92,13 @@ class Guard:
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
                                   param_check_every=c.param_check_every)  # fmt: skip
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c)
-        self.history = History(size=c.history, spike_window=c.spike_window, spike_warmup=c.spike_warmup,
-                               spike_threshold=c.spike_threshold, divergence_window=c.divergence_window,
-                               divergence_factor=c.divergence_factor)  # fmt: skip
+        self.history = History.from_config(c)
+        self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats)
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._fused = compat.supports_found_inf(optimizer)
         self._sharded = any(local(p) is not p for p in self._params)  # FSDP2: each rank holds a shard
-        # init.scale is about the weights the run started from, not weights grown by training.
-        self._initial_scale = weight_scale(dist.unwrap(model))
         self._closure_error: BaseException | None = None
         self._pending: StepHealth | None = None
         self._health_now: StepHealth | None = None  # this step's, once read
@@ -245,7 +234,7 @@ class Guard:
         self._health_now = h
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
             self.recovery.abandon(restore_buffers)
-            self._trip(self._nonfinite_update(step - 1, params_bad), step - 1, batch, rng)
+            self._trip(self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, batch, rng)
             return False
         if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
             self._overflow(h)
@@ -253,7 +242,8 @@ class Guard:
         if h.bad_ranks or h.synced_bad:
             if restore_buffers:
                 self.recovery.buffers.restore()  # the replays start from the step's own state...
-            replayed = self._diagnose(replay, h, rng, batch)
+            error, self._closure_error = self._closure_error, None
+            replayed = self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error)
             self.recovery.abandon(restore_buffers)  # ...and leave none of theirs behind
             assert replayed.diagnosis is not None
             self._trip(replayed.diagnosis, step, batch, rng, module_stats=replayed.module_stats)
@@ -290,7 +280,7 @@ class Guard:
         its forward and backward while the others all-reduce gradients."""
         if not self.config.check_batch:
             return False
-        diag = self._check_batch(batch, self.step_count) if batch is not None else None
+        diag = self.diagnoser.rejected_batch(batch, self.step_count) if batch is not None else None
         flagged = dist.agree_flag(diag is not None)
         if not flagged:
             return False
@@ -301,23 +291,11 @@ class Guard:
         self._trip(diag, step, batch, None)
         return True
 
-    def _check_batch(self, batch: Any, step: int) -> Diagnosis | None:
-        from nanguard.audit import check_batch
-
-        errors = [f for f in check_batch(batch, model=self.model) if f.severity == "error"]
-        if not errors:
-            return None
-        ranks = [self.rank] if dist.is_distributed() else []
-        return rejected_batch(errors, step=step, rank=dist.rank_or_none(), ranks=ranks)
-
     def _overflow(self, h: StepHealth) -> None:
         """A GradScaler overflow step: normal, counted, and skipped by the scaler itself."""
         assert self.scaler is not None and h.scale is not None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.recovery.overflow()
+        new_scale, streak, c = self.recovery.overflow(), self.recovery.overflow_streak, self.config
         self.last_action = "overflow"
-        new_scale, streak, c = float(self.scaler.get_scale()), self.recovery.overflow_streak, self.config
         self.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
         self.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
         if new_scale < c.loss_scale_floor or streak >= c.max_overflow_streak:
@@ -340,46 +318,8 @@ class Guard:
         dist.broadcast_state(self.model, src=0)
 
     # -- trips -------------------------------------------------------------------------
-    def _diagnose(
-        self, closure: Callable[[], Any] | None, h: StepHealth, rng: dict[str, torch.Tensor] | None, batch: Any
-    ) -> Replayed:
-        """Replay the step on every rank, agree on one diagnosis, and re-judge it with the history."""
-        replayed = Replayed(None, located=False)
-        if self.config.locate and closure is not None:
-            replayed = replay_trip(self.model, closure, batch=batch, rng=rng, step=h.step,
-                                   with_module_stats=self.config.module_stats)  # fmt: skip
-        error, self._closure_error = self._closure_error, None
-        if error is not None and (replayed.diagnosis is None or not replayed.diagnosis.cause.startswith("data.")):
-            raise error  # not an id out of range: the user's own bug, theirs to see
-        diag = dist.gather_diagnosis(replayed.diagnosis, h.bad_ranks)
-        if diag is None:
-            diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
-                                   located=replayed.located, distributed=dist.is_distributed())  # fmt: skip
-        diag.step = h.step
-        history = self.history.evidence(h.step, self._lr())
-        replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self._initial_scale)
-        return replayed
-
-    def _nonfinite_update(self, step: int, ranks: list[int]) -> Diagnosis:
-        named = list(dist.unwrap(self.model).named_parameters())
-        with torch.no_grad():
-            finite = [bool(torch.isfinite(local(p)).all()) for _, p in named]  # on a trip only
-        group = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
-        diag = nonfinite_update(
-            step=step,
-            optimizer=type(self.optimizer).__name__,
-            hyperparameters={k: v for k, v in group.items() if isinstance(v, (int, float, bool))},
-            bad_parameters=[n for (n, _), ok in zip(named, finite, strict=True) if not ok],
-            rank=ranks[0] if dist.is_distributed() and ranks else dist.rank_or_none(),
-            ranks=ranks if dist.is_distributed() else [],
-        )
-        return rejudge(diag, history=self.history.evidence(step + 1, self._lr()))
-
     def _bundle_meta(self) -> dict[str, Any]:
         return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
-
-    def _lr(self) -> Any:
-        return self.optimizer.param_groups[0].get("lr")
 
     def _trip(
         self,

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+from nanguard.guard.config import GuardConfig
 from nanguard.spikes import Spike, SpikeDetector
 
 __all__ = ["History", "Point"]
@@ -52,6 +53,13 @@ class History:
         self.divergence_factor = divergence_factor
         self.spikes = 0
         self._recent_spike_step: int | None = None
+
+    @classmethod
+    def from_config(cls, config: GuardConfig) -> History:
+        c = config
+        return cls(size=c.history, spike_window=c.spike_window, spike_warmup=c.spike_warmup,
+                   spike_threshold=c.spike_threshold, divergence_window=c.divergence_window,
+                   divergence_factor=c.divergence_factor)  # fmt: skip
 
     def __iter__(self) -> Iterator[Point]:
         return iter(self.points)

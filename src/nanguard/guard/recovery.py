@@ -74,10 +74,15 @@ class Recovery:
         self.overflow_streak = 0
         return self.good_steps
 
-    def overflow(self) -> None:
-        """Count a GradScaler overflow step (the scaler skipped it itself)."""
+    def overflow(self) -> float:
+        """A GradScaler overflow step: the scaler skips the update itself and lowers its
+        scale; count it and return the new scale."""
+        assert self.scaler is not None
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.overflows += 1
         self.overflow_streak += 1
+        return float(self.scaler.get_scale())
 
     # -- the policy ----------------------------------------------------------------------
     def policy_for(self, diag: Diagnosis) -> str:

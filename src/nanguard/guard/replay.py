@@ -1,6 +1,7 @@
-"""Replay a tripped step: once under the op tracer to find the origin, once more for
-per-module statistics. Each rank replays with its gradient communication off, so it sees
-only what its own data and compute make.
+"""The diagnosis of a tripped step: replay it under the op tracer (and once more for
+per-module statistics), agree on one diagnosis across ranks, and re-judge it with the run's
+history. Each rank replays with its gradient communication off, so it sees only what its
+own data and compute make.
 """
 
 from __future__ import annotations
@@ -14,24 +15,110 @@ import torch
 from torch import nn
 
 from nanguard import dist
+from nanguard.diagnose import nonfinite_update, rejected_batch, rejudge, transient_fault
 from nanguard.findings import Diagnosis
+from nanguard.guard.health import StepHealth
+from nanguard.guard.history import History
 from nanguard.rng import set_rng_state
-from nanguard.tracer import trace
+from nanguard.stats import local
+from nanguard.tracer import trace, weight_scale
 from nanguard.tracer.replay import module_stats
 
-__all__ = ["Replayed", "replay_trip"]
+__all__ = ["Diagnoser", "Replayed", "replay_trip"]
 
 
 @dataclass
 class Replayed:
-    """What the replays of one tripped step found on this rank."""
+    """What the replays of one tripped step found."""
 
     diagnosis: Diagnosis | None
-    """This rank's located diagnosis; None when its replay stayed finite or failed."""
+    """The located diagnosis; None when the replay stayed finite or failed."""
     located: bool
-    """Whether the tracer ran to the end (False when it failed)."""
+    """Whether the tracer ran to the end (False when it failed or did not run)."""
     module_stats: dict[str, Any] | None = None
     """Per-module activation absmax and grad norm, for the report."""
+
+
+class Diagnoser:
+    """Builds the guard's diagnoses: of a tripped step, of a non-finite update, of a batch
+    rejected before the forward.
+
+    Example:
+        >>> diagnoser = Diagnoser(model, optimizer, history, locate=True, module_stats=True)
+        >>> diagnoser.tripped(closure, health, rng=rng, batch=batch).diagnosis.cause
+        'op.log_domain'
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, history: History, *, locate: bool, module_stats: bool
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.history = history
+        self.locate = locate
+        self.module_stats = module_stats
+        # init.scale is about the weights the run started from, not weights grown by training.
+        self.initial_scale = weight_scale(dist.unwrap(model))
+
+    def tripped(
+        self,
+        closure: Callable[[], Any] | None,
+        h: StepHealth,
+        *,
+        rng: dict[str, torch.Tensor] | None,
+        batch: Any,
+        closure_error: BaseException | None = None,
+    ) -> Replayed:
+        """Replay the step on every rank, agree on one diagnosis, and re-judge it with the history.
+
+        ``closure_error`` is the out-of-range index error the forward raised, if any: raised
+        again unless the replay shows it was the data's fault.
+        """
+        replayed = Replayed(None, located=False)
+        if self.locate and closure is not None:
+            replayed = replay_trip(
+                self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats
+            )
+        found = replayed.diagnosis
+        if closure_error is not None and (found is None or not found.cause.startswith("data.")):
+            raise closure_error  # not an id out of range: the user's own bug, theirs to see
+        diag = dist.gather_diagnosis(found, h.bad_ranks)
+        if diag is None:
+            diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
+                                   located=replayed.located, distributed=dist.is_distributed())  # fmt: skip
+        diag.step = h.step
+        history = self.history.evidence(h.step, self._lr())
+        replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
+        return replayed
+
+    def nonfinite_update(self, step: int, ranks: list[int]) -> Diagnosis:
+        """The update of ``step`` left non-finite parameters on ``ranks``; name them."""
+        named = list(dist.unwrap(self.model).named_parameters())
+        with torch.no_grad():
+            finite = [bool(torch.isfinite(local(p)).all()) for _, p in named]  # on a trip only
+        group = self.optimizer.param_groups[0]
+        diag = nonfinite_update(
+            step=step,
+            optimizer=type(self.optimizer).__name__,
+            hyperparameters={k: v for k, v in group.items() if isinstance(v, (int, float, bool))},
+            bad_parameters=[n for (n, _), ok in zip(named, finite, strict=True) if not ok],
+            rank=ranks[0] if dist.is_distributed() and ranks else dist.rank_or_none(),
+            ranks=ranks if dist.is_distributed() else [],
+        )
+        return rejudge(diag, history=self.history.evidence(step + 1, self._lr()))
+
+    def rejected_batch(self, batch: Any, step: int) -> Diagnosis | None:
+        """``check_batch`` before the forward: a diagnosis of its errors, or None."""
+        from nanguard.audit import check_batch
+
+        errors = [f for f in check_batch(batch, model=self.model) if f.severity == "error"]
+        if not errors:
+            return None
+        ranks = [dist.rank()] if dist.is_distributed() else []
+        return rejected_batch(errors, step=step, rank=dist.rank_or_none(), ranks=ranks)
+
+    def _lr(self) -> Any:
+        return self.optimizer.param_groups[0].get("lr")
 
 
 def replay_trip(
@@ -47,8 +134,7 @@ def replay_trip(
     own only warns, since it must not kill training.
 
     Example:
-        >>> replayed = replay_trip(model, closure, batch=batch, rng=rng, step=7, with_module_stats=True)
-        >>> replayed.diagnosis.cause
+        >>> replay_trip(model, closure, batch=batch, rng=rng, step=7, with_module_stats=False).diagnosis.cause
         'op.log_domain'
     """
     inner = dist.unwrap(model)
@@ -58,7 +144,7 @@ def replay_trip(
         found = dist.replay_locally(model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}))
         replayed = Replayed(found, located=True)
     except Exception as err:  # the guard's own failure must not kill training
-        warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=4)
+        warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=5)
         replayed = Replayed(None, located=False)
     # Every rank replays or none does: the replays' DDP forwards may broadcast buffers.
     if with_module_stats:
@@ -67,5 +153,5 @@ def replay_trip(
         try:
             replayed.module_stats = dist.replay_locally(model, lambda: module_stats(inner, closure))
         except Exception as err:  # evidence for the report only: never worth killing training
-            warnings.warn(f"nanguard: module stats failed on step {step}: {err!r}", stacklevel=4)
+            warnings.warn(f"nanguard: module stats failed on step {step}: {err!r}", stacklevel=5)
     return replayed
