@@ -1,8 +1,21 @@
 """Each rule in isolation, from evidence tables."""
 
+import copy
+import json
+
 import pytest
 
-from nanguard.diagnose import RULES, diagnose
+from nanguard.diagnose import (
+    RULES,
+    diagnose,
+    loss_scale_collapse,
+    nonfinite_update,
+    rejected_batch,
+    rejudge,
+    replica_divergence,
+    transient_fault,
+)
+from nanguard.findings import Diagnosis, Finding
 
 
 def _op(op, inputs=None, **extra):
@@ -75,3 +88,96 @@ def test_initial_weight_scale_overrides_the_current_one() -> None:
 def test_every_rule_is_pure_and_returns_none_on_empty_evidence() -> None:
     for rule in RULES:
         assert rule({}) is None, rule.__name__
+
+
+# -- the diagnoses the guard builds from its own state ----------------------------------
+NAN = float("nan")
+_MASKED = Finding("data.fully_masked", "batch['attention_mask'][3]", "every position is masked", fix="drop the sample")
+
+GUARD_CASES = [
+    (lambda: nonfinite_update(step=3, optimizer="Adam", hyperparameters={"eps": 0.0, "lr": 1e-3},
+                              bad_parameters=["h.0.fc.weight", "h.0.fc.bias"], rank=None, ranks=[]),
+     ("optimizer.nonfinite_update", "optimizer", "nan", "h.0.fc", None), "eps is 0.0"),
+    (lambda: nonfinite_update(step=3, optimizer="SGD", hyperparameters={"lr": 0.5}, bad_parameters=["w"],
+                              rank=1, ranks=[1]),
+     ("optimizer.nonfinite_update", "optimizer", "nan", "", 1), "now 0.5"),
+    (lambda: transient_fault(step=2, loss=NAN, grad_norm=1.0, flagged_ranks=[1], located=True, distributed=True),
+     ("distributed.transient", "communication", "nan", None, 1), "TORCH_NCCL_NAN_CHECK"),
+    (lambda: transient_fault(step=2, loss=1.0, grad_norm=float("inf"), flagged_ranks=[0], located=False,
+                             distributed=False),
+     ("unknown", "backward", "inf", None, None), "hardware"),
+    # distributed.* needs torch.distributed: a single process that does not reproduce is unknown
+    (lambda: transient_fault(step=2, loss=NAN, grad_norm=NAN, flagged_ranks=[0], located=True, distributed=False),
+     ("unknown", "backward", "nan", None, None), "hardware"),
+    (lambda: loss_scale_collapse(step=9, scale=2.0**-10, floor=2.0**-8, streak=7, overflows=9, rank=None),
+     ("precision.loss_scale", "backward", "inf", None, None), "bfloat16"),
+    (lambda: replica_divergence(step=4, ranks=[1, 3], first_parameter="h.0.fc.weight"),
+     ("distributed.replica_divergence", "parameters", "nan", "h.0.fc", 1), "broadcast"),
+    (lambda: rejected_batch([_MASKED], step=0, rank=None, ranks=[]),
+     ("data.fully_masked", "data", "nan", None, None), "drop the sample"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "expected", "fix_text"), GUARD_CASES, ids=[c[1][0] + f"-{i}" for i, c in
+                                                                             enumerate(GUARD_CASES)])  # fmt: skip
+def test_guard_diagnosis_table(build, expected, fix_text) -> None:
+    diag = build()
+    assert (diag.cause, diag.phase, diag.kind, diag.module, diag.rank) == expected
+    assert diag.evidence["why"]
+    assert any(fix_text in fix for fix in diag.fixes), diag.fixes
+    assert Diagnosis.from_dict(json.loads(json.dumps(diag.to_dict()))).cause == diag.cause
+
+
+def test_nonfinite_update_names_what_it_counted() -> None:
+    diag = nonfinite_update(step=0, optimizer="Adam", hyperparameters={}, bad_parameters=[f"p{i}" for i in range(20)],
+                            rank=None, ranks=[])  # fmt: skip
+    assert diag.evidence["nonfinite_parameters"] == 20 and diag.evidence["parameters"] == [f"p{i}" for i in range(16)]
+    assert diag.op == "Adam.step" and "20 parameter tensor(s)" in diag.evidence["why"]
+
+
+DIVERGING = {"diverging": True, "metric": "grad_norm", "growth": 80.0, "window": 5, "lr": 3.0}
+CALM = {"diverging": False, "metric": "grad_norm", "growth": 1.1, "window": 5, "lr": 1e-3}
+_LOG = _op("aten.log.default", [{"zeros": 4}])["origin"]
+_BMM = _op("aten.bmm.default", [{"absmax": 1e6}])["origin"]
+
+
+def _located(cause, origin, kind="nan"):
+    return Diagnosis(cause=cause, kind=kind, op=origin["op"], module="m", evidence={"origin": origin, "why": "op"})
+
+
+def _update():
+    return nonfinite_update(step=5, optimizer="Adam", hyperparameters={"lr": 3.0}, bad_parameters=["w"], rank=None,
+                            ranks=[])  # fmt: skip
+
+
+def _transient():
+    return transient_fault(step=5, loss=NAN, grad_norm=NAN, flagged_ranks=[0], located=True, distributed=True)
+
+
+# (diagnosis, history, initial weight scale, cause after, op_cause after, why replaced)
+REJUDGE_CASES = [
+    (lambda: _located("op.log_domain", _LOG), DIVERGING, None, "optimizer.divergence", "op.log_domain", True),
+    (lambda: _located("op.log_domain", _LOG), CALM, None, "op.log_domain", None, False),
+    (lambda: _located("op.log_domain", _LOG), {}, None, "op.log_domain", None, False),
+    (lambda: _located("unknown", _BMM, "inf"), {}, {"max_ratio": 500.0, "module": "fc"}, "init.scale", "unknown", True),
+    (lambda: _located("unknown", _BMM, "inf"), {}, {"max_ratio": 0.5}, "unknown", None, False),
+    (_update, DIVERGING, None, "optimizer.divergence", "optimizer.nonfinite_update", False),
+    (_update, CALM, None, "optimizer.nonfinite_update", None, False),
+    (_transient, DIVERGING, None, "distributed.transient", None, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "history", "scale", "cause", "op_cause", "new_why"), REJUDGE_CASES,
+                         ids=[f"{i}-{c[3]}" for i, c in enumerate(REJUDGE_CASES)])  # fmt: skip
+def test_rejudge_table(build, history, scale, cause, op_cause, new_why) -> None:
+    diag = build()
+    before = copy.deepcopy(diag)
+    after = rejudge(diag, history=history, initial_weight_scale=scale)
+    assert diag == before, "rejudge must not change its argument"
+    assert after.cause == cause and after.evidence.get("op_cause") == op_cause
+    assert (after.evidence["why"] != before.evidence["why"]) == new_why
+    if cause != before.cause:
+        assert after.fixes != before.fixes
+    if "origin" in before.evidence:
+        assert after.evidence["origin"] == before.evidence["origin"]  # the op-level origin is kept
+        assert after.evidence.get("history") == (history or None)

@@ -349,3 +349,26 @@ def test_rollbacks_in_a_row_are_bounded_too() -> None:
     assert guard.rollbacks == 2
     with pytest.raises(ng.NonFiniteError, match="3 steps skipped in a row"):
         _step(guard, model, 3, bad=True)
+
+
+def test_a_spike_skip_writes_the_step_like_every_other_skip(tmp_path) -> None:
+    """Without a GradScaler a skipped step's event has no scale (it said 1.0 for spike skips only)."""
+    w = nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    model = nn.Module()
+    model.w = w
+    guard = ng.Guard(model, opt, skip_spikes=True, spike_warmup=5, spike_window=20, run_dir=tmp_path)
+
+    def closure(target):
+        opt.zero_grad()
+        loss = ((w - target) ** 2).sum() + 1.0
+        loss.backward()
+        return loss
+
+    for i in range(12):
+        guard.step(lambda i=i: closure(torch.full((4,), 0.01 * (i % 2))))
+    assert guard.step(lambda: closure(torch.full((4,), 100.0))) is None
+    guard.close()
+    steps = [e for e in read_events(tmp_path / "events-rank0.jsonl") if e["kind"] == "step"]
+    assert len(steps) == 13 and steps[-1]["skipped"] and steps[-1]["loss"] > 1000.0
+    assert {e["scale"] for e in steps} == {None}

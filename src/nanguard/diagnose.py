@@ -435,24 +435,25 @@ def _update_fixes(hp: Mapping[str, Any]) -> list[str]:
 def transient_fault(
     *, step: int, loss: float, grad_norm: float, flagged_ranks: list[int], located: bool, distributed: bool
 ) -> Diagnosis:
-    """A step went non-finite but no rank's replay reproduces it (or no replay ran: ``located`` False)."""
+    """A step went non-finite but no rank's replay reproduces it (or no replay ran: ``located`` False).
+
+    ``distributed.transient`` needs torch.distributed; a single process that does not
+    reproduce its own fault gets ``unknown``, with the same evidence.
+    """
+    if located:
+        why = "the step went non-finite, but replaying it from the same RNG state and parameters"
+        why += " on every rank gives finite values" if distributed else " gives finite values"
+    else:
+        why = "the step went non-finite (locate is off, so no replay was run)"
     # No rank reproduces it: the rank is unknown, but every rank reports the same.
     return Diagnosis(
-        cause="distributed.transient" if located else "unknown",
+        cause="distributed.transient" if located and distributed else "unknown",
         kind="nan" if math.isnan(loss) or math.isnan(grad_norm) else "inf",
         phase="communication" if distributed else "backward",
-        rank=flagged_ranks[0] if flagged_ranks else None,
+        rank=flagged_ranks[0] if flagged_ranks and distributed else None,
         ranks=list(flagged_ranks) if distributed else [],
         step=step,
-        evidence={
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "flagged_ranks": flagged_ranks,
-            "why": "the step went non-finite, but replaying it from the same RNG state and "
-            "parameters on every rank gives finite values"
-            if located
-            else "the step went non-finite (locate is off, so no replay was run)",
-        },
+        evidence={"loss": loss, "grad_norm": grad_norm, "flagged_ranks": flagged_ranks, "why": why},
         fixes=[
             "a fault that does not reproduce points at hardware (a flaky GPU, memory errors), "
             "the communication layer, or nondeterministic kernels",

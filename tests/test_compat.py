@@ -1,0 +1,132 @@
+"""The private torch internals behind ``nanguard.compat``: each test fails loudly when torch changes one."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from _dist import run_ranks
+from nanguard import compat, dist
+
+
+def test_foreach_copy_and_norm() -> None:
+    dst = [torch.zeros(3), torch.zeros(2, 2)]
+    src = [torch.arange(3.0), torch.full((2, 2), 2.0)]
+    compat.foreach_copy_(dst, src)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+    norms = compat.foreach_norm(src, 2.0, dtype=torch.float32)
+    assert [float(n) for n in norms] == pytest.approx([5.0**0.5, 4.0])
+
+
+def test_scaler_scale_is_the_device_tensor_behind_get_scale() -> None:
+    w = nn.Parameter(torch.ones(2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale((w * 2).sum()).backward()
+    scale = compat.scaler_scale(scaler)
+    assert isinstance(scale, torch.Tensor) and scale.numel() == 1
+    assert float(scale) == scaler.get_scale() == 1024.0
+
+
+@pytest.mark.parametrize(("found_inf", "moves"), [(0.0, True), (1.0, False)])
+def test_fused_optimizer_skips_on_found_inf(found_inf: float, moves: bool) -> None:
+    w = nn.Parameter(torch.ones(4))
+    opt = torch.optim.Adam([w], lr=0.1, fused=True)
+    assert compat.supports_found_inf(opt)
+    w.grad = torch.ones(4)
+    before = w.detach().clone()
+    compat.step_with_found_inf(opt, torch.tensor(found_inf))
+    assert (not torch.equal(w.detach(), before)) == moves
+    assert not hasattr(opt, "found_inf")
+
+
+def test_an_unfused_optimizer_does_not_take_found_inf() -> None:
+    assert not compat.supports_found_inf(torch.optim.Adam([nn.Parameter(torch.ones(1))]))
+
+
+# The leading positional parameters the stand-ins in nanguard.dist take, by collective.
+COLLECTIVES = {
+    "all_reduce": ["tensor"],
+    "broadcast": ["tensor"],
+    "barrier": [],
+    "all_gather": ["tensor_list", "tensor"],
+    "all_gather_into_tensor": ["output_tensor", "input_tensor"],
+    "reduce_scatter_tensor": ["output", "input"],
+}
+
+
+def test_the_swapped_collectives_keep_their_signatures() -> None:
+    assert set(COLLECTIVES) == set(dist._LOCAL_STAND_INS)
+    for name, leading in COLLECTIVES.items():
+        params = list(inspect.signature(getattr(tdist, name)).parameters)
+        if leading:
+            assert params[: len(leading)] == leading, (name, params)
+        assert "async_op" in params, (name, params)
+
+
+def test_swap_collectives_restores_and_rejects_unknown_names() -> None:
+    original = tdist.all_reduce
+
+    def stand_in(*args: object, **kwargs: object) -> None:
+        return None
+
+    with compat.swap_collectives({"all_reduce": stand_in}):
+        assert tdist.all_reduce is stand_in
+    assert tdist.all_reduce is original
+    with (
+        pytest.raises(RuntimeError, match="no_such_collective"),
+        compat.swap_collectives({"no_such_collective": stand_in}),
+    ):
+        pass
+
+
+def _ranks(rank: int, world: int, tmp: str) -> dict[str, object]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.fsdp import fully_shard
+
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    hook_before = compat.ddp_has_comm_hook(ddp)
+    ddp.register_comm_hook(ddp.process_group, allreduce_hook)
+    hook_after = compat.ddp_has_comm_hook(ddp)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).square().sum().backward()
+    reference = [p.grad.to_local().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    model.set_requires_gradient_sync(False)
+    model(x).square().sum().backward()
+    state = model._get_fsdp_state()
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    fsdp_params = [fp for group in groups if group is not None for fp in group.fsdp_params]
+    held = any(fp.unsharded_accumulated_grad is not None or fp._unsharded_param.grad is not None for fp in fsdp_params)
+    compat.drop_fsdp_accumulated_grads(model)
+    dropped = all(fp.unsharded_accumulated_grad is None and fp._unsharded_param.grad is None for fp in fsdp_params)
+    model.set_requires_gradient_sync(True)
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    same = all(torch.equal(p.grad.to_local(), r) for p, r in zip(model.parameters(), reference, strict=True))
+    return {
+        "hooks": (hook_before, hook_after),
+        "fsdp_state": state is not None and len(fsdp_params) == 4,
+        "held": held,
+        "dropped": dropped,
+        "same_grads": same,
+    }
+
+
+@pytest.mark.dist
+def test_ddp_hooks_and_fsdp2_internals(tmp_path) -> None:
+    for r in run_ranks(_ranks, tmp_path):
+        assert r["hooks"] == (False, True)
+        assert r["fsdp_state"], "FSDP2 no longer exposes _get_fsdp_state()._fsdp_param_group.fsdp_params"
+        assert r["held"], "FSDP2 no longer keeps the unsynced gradients where compat clears them"
+        assert r["dropped"] and r["same_grads"]
