@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from nanguard.errors import EventLogError
 from nanguard.findings import jsonable
 
-__all__ = ["KNOWN_KINDS", "EventLog", "NullEventLog", "event_path", "number", "read_events"]
+__all__ = ["KNOWN_KINDS", "EventLog", "event_path", "number", "read_events"]
 
 KNOWN_KINDS = frozenset({"start", "step", "trip", "skip", "rollback", "spike", "overflow", "end"})
 
@@ -46,19 +46,7 @@ def number(value: Any) -> float | None:
         return None
 
 
-class NullEventLog:
-    """An event sink that drops everything: the guard's log when there is no ``run_dir``."""
-
-    path: Path | None = None
-
-    def write(self, kind: str, step: int, **fields: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class EventLog(NullEventLog):
+class EventLog:
     """Append-only JSONL writer for one rank.
 
     Example:
