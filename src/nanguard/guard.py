@@ -42,7 +42,7 @@ from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.spikes import Spike, SpikeDetector
 from nanguard.stats import grad_health, local
 from nanguard.tracer import trace, weight_scale
-from nanguard.tracer.replay import module_stats
+from nanguard.tracer.module_stats import module_stats
 
 __all__ = ["POLICIES", "BufferBackup", "Guard", "GuardConfig"]
 
