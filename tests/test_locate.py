@@ -194,3 +194,24 @@ def test_a_shape_bug_in_an_index_op_is_raised_not_called_bad_data() -> None:
     idx = torch.zeros(3, 2, 2, dtype=torch.long)  # wrong rank for gather: a code bug, ids are in range
     with pytest.raises(RuntimeError):
         ng.locate(lambda: torch.gather(x, 1, idx).sum())
+
+
+def test_writes_through_views_and_data_are_undone() -> None:
+    model = nn.Linear(3, 3)
+    before = model.weight.detach().clone()
+
+    def fn():
+        with torch.no_grad():
+            model.weight[0].fill_(5.0)  # a view: its own tensor, the weight's storage
+            model.weight.data.mul_(2.0)
+        return model(torch.ones(1, 3)).sum()
+
+    assert ng.locate(fn, model=model) is None
+    assert torch.equal(model.weight, before)
+
+
+def test_overflow_of_a_power_records_its_input_max() -> None:
+    x = torch.tensor([1.0, 3e20, -2.0])
+    diag = ng.locate(lambda x: (x**2).sum(), x)
+    assert diag.op == "aten.pow.Tensor_Scalar" and diag.kind == "inf"
+    assert diag.evidence["origin"]["input_max"] == pytest.approx(3e20)

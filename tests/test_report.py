@@ -35,7 +35,7 @@ from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.report import load_run, render_html, run_report, write_html
 from nanguard.report.html import plot_count
-from nanguard.tracer.replay import module_stats
+from nanguard.tracer.module_stats import module_stats
 from nanguard.zoo import build, get, synthetic_batch, train_step
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -14,7 +14,6 @@ as plain ``dict``/``list``/``tuple``: a dataclass or mapping class is recorded b
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import math
@@ -34,6 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nanguard import tree
 from nanguard.errors import BundleError
 from nanguard.findings import Diagnosis, jsonable
 from nanguard.rng import fork_rng_state, set_rng_state
@@ -209,27 +209,17 @@ def _describe(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]], used:
         except (TypeError, RuntimeError):
             return {"type": "repr", "class": _class_name(obj), "value": repr(obj)}
         return {**_tensor_node(tensor, path, leaves, used), "numpy": True}
-    if isinstance(obj, Mapping):
-        items = []
-        for key, value in obj.items():
-            json_key = key if _is_json_scalar(key) else str(key)
-            items.append([jsonable(json_key), _describe(value, f"{path}[{key!r}]", leaves, used)])
-        node: dict[str, Any] = {"type": "dict", "items": items}
+    items = tree.children(obj)
+    if items is not None:
+        nodes = [(key, _describe(value, tree.path_str(path, (key,)), leaves, used)) for key, value in items]
+        if isinstance(obj, (list, tuple)) or all(isinstance(key, tree.SequenceKey) for key, _ in items):
+            kind = "tuple" if isinstance(obj, tuple) else "list"
+            node: dict[str, Any] = {"type": kind, "items": [n for _, n in nodes]}
+            if type(obj) not in (list, tuple):
+                node["class"] = _class_name(obj)
+            return node
+        node = {"type": "dict", "items": [[jsonable(_json_key(key)), n] for key, n in nodes]}
         if type(obj) is not dict:
-            node["class"] = _class_name(obj)
-        return node
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [
-            [f.name, _describe(getattr(obj, f.name), f"{path}.{f.name}", leaves, used)] for f in dataclasses.fields(obj)
-        ]
-        return {"type": "dict", "class": _class_name(obj), "items": items}
-    if isinstance(obj, (list, tuple)):
-        kind = "tuple" if isinstance(obj, tuple) else "list"
-        node = {
-            "type": kind,
-            "items": [_describe(v, f"{path}[{i}]", leaves, used) for i, v in enumerate(obj)],
-        }
-        if type(obj) not in (list, tuple):
             node["class"] = _class_name(obj)
         return node
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -239,6 +229,13 @@ def _describe(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]], used:
     if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # numpy scalars
         return _describe(obj.item(), path, leaves, used)
     return {"type": "repr", "class": _class_name(obj), "value": repr(obj)}
+
+
+def _json_key(key: Any) -> Any:
+    """A mapping key as JSON can hold it, or a field's name."""
+    if isinstance(key, tree.MappingKey):
+        return key.key if _is_json_scalar(key.key) else str(key.key)
+    return getattr(key, "name", str(key))
 
 
 def _tensor_node(
@@ -609,14 +606,13 @@ def _model_device(model: torch.nn.Module | None) -> torch.device | None:
 
 def _copy_to(obj: Any, device: torch.device | None) -> Any:
     """A fresh copy of the batch, so a step that edits it in place cannot change the bundle."""
+    return tree.map_leaves(lambda leaf: _copy_leaf(leaf, device), obj)
+
+
+def _copy_leaf(obj: Any, device: torch.device | None) -> Any:
     if isinstance(obj, torch.Tensor):
         copy = obj.detach().to(device or obj.device, copy=True)
         return copy.requires_grad_(obj.requires_grad)
-    if isinstance(obj, dict):
-        return {key: _copy_to(value, device) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        values = [_copy_to(value, device) for value in obj]
-        return tuple(values) if isinstance(obj, tuple) else values
     if _is_ndarray(obj):
         return obj.copy()
     return obj

@@ -6,14 +6,14 @@ one read, so checking a batch on a GPU costs one synchronization.
 
 from __future__ import annotations
 
-import dataclasses
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from nanguard import tree
 from nanguard.findings import Finding
 
 __all__ = ["ID_KEYS", "LABEL_KEYS", "MAX_LISTED", "check_batch"]
@@ -24,7 +24,6 @@ MAX_LISTED = 8  # sample indices listed in one finding
 # Additive masks mark masked positions with -inf, finfo.min or a large negative constant;
 # -1e4 is the mildest of those in use (fp16-safe BERT masks).
 _ADDITIVE_MASKED = -1e4
-_MAX_DEPTH = 32
 
 _Done = Callable[[list[int]], list[Finding]]
 
@@ -62,7 +61,7 @@ def check_batch(
         raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int (usually -100), got {ignore_index!r}")
-    if not _is_container(batch) and not isinstance(batch, torch.Tensor):
+    if not tree.is_container(batch) and not isinstance(batch, torch.Tensor):
         raise ValueError(
             f"batch must be a tensor, a mapping, a list/tuple or a dataclass of tensors, got {type(batch).__name__}"
         )
@@ -70,7 +69,7 @@ def check_batch(
     vocab = _resolve_vocab(model, vocab_size)
     reader = _Reader()
     pending: list[_Done] = []
-    for where, key, tensor in _leaves(batch, "batch", None, 0, frozenset()):
+    for where, key, tensor in _leaves(batch):
         t = tensor.detach()
         if t.layout != torch.strided or t.device.type == "meta":
             continue
@@ -97,34 +96,12 @@ def check_batch(
 # --------------------------------------------------------------------------- traversal
 
 
-def _is_container(obj: Any) -> bool:
-    return isinstance(obj, (Mapping, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type))
-
-
-def _leaves(
-    obj: Any, where: str, key: str | None, depth: int, seen: frozenset[int]
-) -> Iterator[tuple[str, str | None, torch.Tensor]]:
-    """(path, nearest enclosing string key, tensor) for every tensor in ``obj``."""
-    if isinstance(obj, torch.Tensor):
-        yield where, key, obj
-        return
-    if depth >= _MAX_DEPTH or id(obj) in seen or not _is_container(obj):
-        return
-    seen = seen | {id(obj)}
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            name = k.lower() if isinstance(k, str) else key
-            yield from _leaves(v, f"{where}[{k!r}]", name, depth + 1, seen)
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        for name, v in zip(obj._fields, obj, strict=True):
-            yield from _leaves(v, f"{where}.{name}", name.lower(), depth + 1, seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _leaves(v, f"{where}[{i}]", key, depth + 1, seen)
-    else:
-        for field in dataclasses.fields(obj):
-            value = getattr(obj, field.name, None)
-            yield from _leaves(value, f"{where}.{field.name}", field.name.lower(), depth + 1, seen)
+def _leaves(batch: Any) -> Iterator[tuple[str, str | None, torch.Tensor]]:
+    """(path, lower-cased name of the nearest enclosing key or field, tensor) for every tensor."""
+    for path, leaf in tree.leaves_with_path(batch):
+        if isinstance(leaf, torch.Tensor):
+            name = tree.nearest_name(path)
+            yield tree.path_str("batch", path), name.lower() if name is not None else None, leaf
 
 
 def _role(key: str | None) -> str:

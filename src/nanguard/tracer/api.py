@@ -14,8 +14,10 @@ from nanguard import dist
 from nanguard.diagnose import diagnose
 from nanguard.findings import Diagnosis
 from nanguard.stats import local
-from nanguard.tracer.dispatch import INDEX_OPS, Origin, Tracer, flatten, storage_key
+from nanguard.tracer.dispatch import Failure, Origin, Tracer
 from nanguard.tracer.modules import ModuleStack
+from nanguard.tracer.protect import Backup
+from nanguard.tree import tensors_with_path
 
 __all__ = ["locate"]
 
@@ -59,11 +61,13 @@ def trace(
 
     sources = _input_tensors(fn, args, kwargs)
     for name, value in (inputs or {}).items():
-        flatten(value, name, sources)
-    state = list(model.parameters()) + list(model.buffers()) if model is not None else []
-    buffers = [(b, b.detach().clone()) for b in model.buffers()] if model is not None else []
+        sources += tensors_with_path(value, name)
+    if model is not None:
+        backup = Backup(on_write=[*model.parameters(), *model.buffers()], now=model.buffers())
+    else:
+        backup = Backup()
     modules = ModuleStack(model)
-    tracer = Tracer(modules, sources, state)
+    tracer = Tracer(modules, sources, backup)
     result: Any = None
     error: BaseException | None = None
     with modules:
@@ -74,14 +78,11 @@ def trace(
             error = err
         finally:
             tracer.restore()
-            with torch.no_grad():
-                for b, copy in buffers:
-                    b.copy_(copy)
 
     root = model if model is not None else modules.root
     if error is not None:
         failure = tracer.failure
-        if failure is None or failure.op not in INDEX_OPS or not _out_of_range(failure, error):
+        if failure is None or failure.index is None or not _out_of_range(failure, error):
             raise error
         origin = Origin(
             id=-1,
@@ -95,8 +96,8 @@ def trace(
             source=failure.where.source,
             extra={
                 "error": f"{type(error).__name__}: {error}".splitlines()[0][:300],
-                "index_inputs": failure.index_args,
-                "indexed_size": failure.indexed_size,
+                "index_inputs": failure.index.inputs,
+                "indexed_size": failure.index.size,
             },
             before=tracer.recent_ops(),
         )
@@ -107,9 +108,7 @@ def trace(
         return None
     taint: set[int] = set()
     for _, t, _ in bad:
-        st = tracer.status.get(t)
-        taint |= st.taint if st is not None and (st.nan or st.inf) else set()
-        taint |= tracer.storage_taint.get(storage_key(t), frozenset())
+        taint |= tracer.taint.taint_of(t)
     candidates = [tracer.origins[i] for i in taint] or [o for o in tracer.origins if o.category != "fill"]
     candidates = candidates or tracer.origins
     if candidates:
@@ -119,18 +118,18 @@ def trace(
     return _diagnosis(origin, bad, root)
 
 
-def _out_of_range(failure: Any, error: BaseException) -> bool:
+def _out_of_range(failure: Failure, error: BaseException) -> bool:
     """Did an index op fail because an id was out of range (not, say, a shape bug)?"""
-    if not isinstance(error, (IndexError, RuntimeError)):
+    index = failure.index
+    if index is None or not isinstance(error, (IndexError, RuntimeError)):
         return False
-    size = failure.indexed_size
+    size = index.size
     if size is None:
         text = str(error).lower()
         return "out of range" in text or "out of bounds" in text
-    ignore = -100 if failure.op.startswith("aten.nll_loss") else None
-    for stats in failure.index_args:
+    for stats in index.inputs:
         lo, hi = stats.get("min"), stats.get("max")
-        if (isinstance(hi, int) and hi >= size) or (isinstance(lo, int) and lo < 0 and lo != ignore):
+        if (isinstance(hi, int) and hi >= size) or (isinstance(lo, int) and lo < 0 and lo != index.ignore_index):
             return True
     return False
 
@@ -168,31 +167,17 @@ def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: n
 
 def _input_tensors(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     """The user's input tensors with readable paths, named after fn's parameters."""
+    # *args and **kwargs arrive as one tuple and one dict: their paths read args[0], kwargs['k'].
     try:
-        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
-        named = list(bound.arguments.items())
-        params = inspect.signature(fn).parameters
-        expanded: list[tuple[str, Any]] = []
-        for name, value in named:
-            kind = params[name].kind
-            if kind is inspect.Parameter.VAR_POSITIONAL:
-                expanded += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
-            elif kind is inspect.Parameter.VAR_KEYWORD:
-                expanded += [(f"{name}[{k!r}]", v) for k, v in value.items()]
-            else:
-                expanded.append((name, value))
+        named = list(inspect.signature(fn).bind_partial(*args, **kwargs).arguments.items())
     except (TypeError, ValueError):
-        expanded = [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, value in expanded:
-        flatten(value, name, out)
-    return out
+        named = [("args", args), *kwargs.items()]
+    return [leaf for name, value in named for leaf in tensors_with_path(value, name)]
 
 
 def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> list[tuple[str, torch.Tensor, str]]:
     """Non-finite tensors among fn's return value and the gradients it produced."""
-    candidates: list[tuple[str, torch.Tensor]] = []
-    flatten(result, "result", candidates)
+    candidates = tensors_with_path(result, "result")
     if root is not None:
         candidates += [(f"{n}.grad", p.grad) for n, p in root.named_parameters() if p.grad is not None]
         seen = {id(p) for p in root.parameters()}

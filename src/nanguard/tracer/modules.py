@@ -11,22 +11,33 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
-__all__ = ["ModuleStack", "user_source"]
+__all__ = ["ModuleStack", "count_as_user_code", "user_source"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The zoo is user-style model code: its lines are the "user's own" source.
-_ZOO_DIR = os.path.join(_NANGUARD_DIR, "zoo")
+_user_dirs: list[str] = []
 _internal: dict[CodeType, bool] = {}
 
 
+def count_as_user_code(directory: str) -> None:
+    """Count the lines of files under ``directory`` as the user's own source, though they ship
+    inside nanguard: example models written the way a user writes them (the fault zoo).
+
+    Example:
+        >>> count_as_user_code(os.path.dirname(__file__))
+    """
+    _user_dirs.append(os.path.join(os.path.abspath(directory), ""))
+    _internal.clear()
+
+
 def _is_internal(code: CodeType) -> bool:
+    """Is this code torch's or nanguard's own machinery, never the line a user wants to see?"""
     hit = _internal.get(code)
     if hit is None:
         name = os.path.abspath(code.co_filename)
         hit = (
             name.startswith(_TORCH_DIR)
-            or (name.startswith(_NANGUARD_DIR) and not name.startswith(_ZOO_DIR))
+            or (name.startswith(_NANGUARD_DIR) and not name.startswith(tuple(_user_dirs)))
             or name.startswith("<")
         )
         _internal[code] = hit

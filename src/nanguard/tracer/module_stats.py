@@ -1,4 +1,4 @@
-"""Replays of a step for more evidence: per-module activation absmax and gradient norm."""
+"""``module_stats``: replay a step with forward hooks for each module's activation absmax and gradient norm."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from nanguard.stats import local
+from nanguard.tracer.protect import Backup
+from nanguard.tree import tensors
 
 __all__ = ["module_stats"]
 
@@ -47,9 +49,9 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
 
     def hook_for(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            tensors = [t for t in _tensors(output) if t.is_floating_point() and t.numel()]
+            outputs = [t for t in tensors(output) if t.is_floating_point() and t.numel()]
             with torch.no_grad():
-                seen.setdefault(name, []).extend(_health(local(t.detach())) for t in tensors)
+                seen.setdefault(name, []).extend(_health(local(t.detach())) for t in outputs)
 
         return hook
 
@@ -59,7 +61,7 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
 
         return pre_hook
 
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point()]
+    backup = Backup(now=[b for b in model.buffers() if b.is_floating_point()])
     handles = [m.register_forward_pre_hook(enter_for(name)) for name, m in named]
     handles += [m.register_forward_hook(hook_for(name)) for name, m in named]
     error = None
@@ -70,9 +72,7 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
     finally:
         for handle in handles:
             handle.remove()
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        backup.restore()
 
     modules = dict(named)
     grads = {name: _grad_health(modules[name]) for name in seen}
@@ -109,26 +109,16 @@ def _read(groups: Mapping[Any, list[torch.Tensor]]) -> dict[Any, list[list[float
     """Every group's 3-vectors as floats, with one device-to-host copy per device."""
     by_device: dict[torch.device, list[tuple[Any, int]]] = {}
     flat: dict[torch.device, list[torch.Tensor]] = {}
-    for key, tensors in groups.items():
-        for t in tensors:
+    for key, group in groups.items():
+        for t in group:
             by_device.setdefault(t.device, []).append((key, len(flat.setdefault(t.device, []))))
             flat[t.device].append(t)
     out: dict[Any, list[list[float]]] = {key: [] for key in groups}
-    for device, tensors in flat.items():
-        values = torch.stack(tensors).cpu().tolist()
+    for device, stacked in flat.items():
+        values = torch.stack(stacked).cpu().tolist()
         for key, i in by_device[device]:
             out[key].append(values[i])
     return out
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def _health(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,302 @@
+"""What the tracer knows about particular aten ops: tables and two registries.
+
+``@op_facts(aten._softmax, ...)`` registers a function that computes, at a creation of a
+non-finite value by one of those ops, the facts the diagnosis rules read (``fully_masked_rows``,
+``valid_targets``, ``min_variance``, ...). ``@index_op(aten.embedding.default, ...)`` marks an
+op that raises on an out-of-range index and says how many entries it indexes. Targets are
+op overload packets (every overload) or single overloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanguard.tree import op_leaves
+
+__all__ = [
+    "MOVES",
+    "QUIET",
+    "IndexFacts",
+    "creation_facts",
+    "ignore_index",
+    "index_op",
+    "index_size",
+    "is_index_op",
+    "op_facts",
+    "op_name",
+    "registered",
+]
+
+aten = torch.ops.aten
+
+# Ops that only move or select values: finite in, finite out. Casts are not here:
+# float32 -> float16 overflows.
+MOVES = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.expand.default, aten.slice.Tensor,
+    aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.clone.default, aten.detach.default, aten.alias.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int, aten.cat.default, aten.stack.default,
+    aten.embedding.default, aten.index_select.default, aten.as_strided.default,
+    aten.zeros_like.default, aten.zero_.default, aten.view_as_real.default,
+    aten.ones_like.default, aten.empty_like.default, aten.new_zeros.default,
+    aten.new_empty_strided.default, aten.unsqueeze_.default, aten.chunk.default,
+    # Bounded maps: finite inputs give finite outputs.
+    aten.relu.default, aten.gelu.default, aten.tanh.default, aten.sigmoid.default, aten.abs.default,
+    aten.neg.default, aten.clamp.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.threshold_backward.default, aten._softmax.default,
+}  # fmt: skip
+# Bookkeeping ops autograd inserts: not worth listing among "the ops before".
+QUIET = {aten.detach.default, aten.alias.default}
+_LOW = (torch.float16, torch.bfloat16)
+
+Facts = Callable[[tuple], dict[str, Any]]
+_FACTS: dict[Any, Facts] = {}
+_INDEX: dict[Any, Callable[[tuple], int | None]] = {}
+_NAMES: dict[Any, str] = {}
+
+
+def _register(table: dict[Any, Any], targets: tuple[Any, ...], fn: Any) -> None:
+    for target in targets:
+        if not isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+            raise ValueError(f"targets must be aten ops or op overloads (aten.exp), got {target!r}")
+        if target in table:
+            raise ValueError(f"{target} is registered twice")
+        table[target] = fn
+
+
+def _lookup(table: dict[Any, Any], func: Any) -> Any:
+    found = table.get(func)
+    return found if found is not None else table.get(getattr(func, "overloadpacket", None))
+
+
+def op_facts(*targets: Any) -> Callable[[Facts], Facts]:
+    """Register ``fn(args) -> dict`` as the facts to record when one of ``targets`` creates NaN/Inf.
+
+    Example:
+        >>> @op_facts(aten.exp)
+        ... def _exp(args):
+        ...     return {"input_max": float(args[0].max())}
+    """
+
+    def register(fn: Facts) -> Facts:
+        _register(_FACTS, targets, fn)
+        return fn
+
+    return register
+
+
+def index_op(*targets: Any) -> Callable[[Callable[[tuple], int | None]], Callable[[tuple], int | None]]:
+    """Register ``size(args) -> int | None``, the number of entries ``targets`` index (None: unknown)."""
+
+    def register(fn: Callable[[tuple], int | None]) -> Callable[[tuple], int | None]:
+        _register(_INDEX, targets, fn)
+        return fn
+
+    return register
+
+
+def registered() -> set[Any]:
+    """Every op with registered creation facts."""
+    return set(_FACTS)
+
+
+def _existing(*names: str) -> list[Any]:
+    """The ops of these names that this torch version has (``_safe_softmax`` is recent)."""
+    return [op for op in (getattr(aten, name, None) for name in names) if op is not None]
+
+
+def op_name(func: Any) -> str:
+    """``aten.exp.default``: the op's name, cached (``str`` of an op is slow, and the tracer asks per op)."""
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+# ------------------------------------------------------------------------ creation facts
+
+
+def creation_facts(func: Any, args: tuple, kwargs: dict, out: Any, module_eps: float | None) -> dict[str, Any]:
+    """Op-specific facts the rules need, computed only at a creation."""
+    extra: dict[str, Any] = {}
+    if module_eps is not None:
+        extra["module_eps"] = module_eps
+    facts = _lookup(_FACTS, func)
+    if facts is not None:
+        with contextlib.suppress(RuntimeError, IndexError, TypeError, ValueError, AttributeError):
+            extra.update(facts(args))
+    extra.update(_fp32_recompute(func, args, kwargs, out))
+    return extra
+
+
+def _finite_max(x: torch.Tensor) -> float:
+    return float(x.detach().float().nan_to_num(0.0, 0.0, 0.0).max())
+
+
+@op_facts(aten._softmax, aten._log_softmax, *_existing("_safe_softmax"))
+def _softmax(args: tuple) -> dict[str, Any]:
+    x, dim = args[0], int(args[1])
+    masked = (x == -math.inf).all(dim=dim)
+    return {"rows": int(masked.numel()), "fully_masked_rows": int(masked.sum()), "input_max": _finite_max(x)}
+
+
+# Forward only: the backward ops take (grad, self, target, weight, reduction, ignore_index, ...).
+@op_facts(aten.nll_loss_forward, aten.nll_loss2d_forward)
+def _nll_loss(args: tuple) -> dict[str, Any]:
+    target, reduction, ignore_index = args[1], int(args[3]), int(args[4])
+    return {
+        "targets": int(target.numel()),
+        "valid_targets": int((target != ignore_index).sum()),
+        "ignore_index": ignore_index,
+        "reduction": reduction,
+    }
+
+
+def _norm_facts(x: torch.Tensor, args: tuple, width: int | None) -> dict[str, Any]:
+    """The norm's eps (its last float argument) and the smallest variance among the rows it normalizes."""
+    facts: dict[str, Any] = {}
+    eps = next((a for a in reversed(args) if isinstance(a, float)), None)
+    if eps is not None:
+        facts["norm_eps"] = eps
+    if x.numel():
+        flat = x.detach().float()
+        if width is not None:
+            flat = flat.reshape(-1, width)
+        else:
+            flat = flat.reshape(x.shape[0], -1) if x.dim() > 1 else flat[None]
+        facts["min_variance"] = float(flat.var(dim=-1, unbiased=False).min())
+    return facts
+
+
+@op_facts(aten.native_layer_norm)
+def _layer_norm(args: tuple) -> dict[str, Any]:
+    return _norm_facts(args[0], args, math.prod(args[1]))
+
+
+@op_facts(
+    aten.native_group_norm,
+    aten.native_batch_norm,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional,
+    *_existing("_fused_rms_norm", "rms_norm"),
+)
+def _norm(args: tuple) -> dict[str, Any]:
+    return _norm_facts(args[0], args, None)
+
+
+# pow.Scalar (2 ** x) takes its tensor second: the first tensor argument is the one that grows.
+@op_facts(aten.exp, aten.exp_, aten.pow)
+def _growth(args: tuple) -> dict[str, Any]:
+    return {"input_max": _finite_max(next(a for a in args if isinstance(a, torch.Tensor)))}
+
+
+def _fp32_recompute(func: Any, args: tuple, kwargs: dict, out: Any) -> dict[str, Any]:
+    """For a low-precision creation, re-run the op in float32: is it finite there?"""
+    outs = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
+    if not outs or not any(o.dtype in _LOW for o in outs):
+        return {}
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return {}
+
+    def up(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dtype in _LOW:
+            return x.detach().float()
+        if isinstance(x, torch.dtype) and x in _LOW:
+            return torch.float32
+        if isinstance(x, (list, tuple)):
+            return type(x)(up(v) for v in x)
+        return x
+
+    try:
+        ref = func(*up(args), **{k: up(v) for k, v in kwargs.items()})
+    except (RuntimeError, TypeError, ValueError):
+        return {}
+    refs = [r for r in op_leaves(ref) if isinstance(r, torch.Tensor) and r.is_floating_point()]
+    if not refs:
+        return {}
+    finite = all(bool(torch.isfinite(r).all()) for r in refs)
+    absmax = max(float(r.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) if r.numel() else 0.0 for r in refs)
+    low = next(o.dtype for o in outs if o.dtype in _LOW)
+    return {
+        "fp32_recompute": {
+            "finite": finite,
+            "absmax": absmax,
+            "dtype": str(low).removeprefix("torch."),
+            "dtype_max": float(torch.finfo(low).max),
+        }
+    }
+
+
+# ------------------------------------------------------------------------ index ops
+
+
+@dataclass
+class IndexFacts:
+    """An index op that failed: its integer inputs' statistics and the size they index."""
+
+    inputs: list[dict[str, Any]]
+    size: int | None
+    ignore_index: int | None
+
+
+def is_index_op(func: Any) -> bool:
+    """Does ``func`` raise on an out-of-range integer input?"""
+    return _lookup(_INDEX, func) is not None
+
+
+def index_size(func: Any, args: tuple) -> int | None:
+    """How many entries ``func`` indexes with these arguments (None when unknown)."""
+    size = _lookup(_INDEX, func)
+    try:
+        return size(args) if size is not None else None
+    except (IndexError, TypeError, RuntimeError, AttributeError):
+        return None
+
+
+def ignore_index(func: Any, args: tuple) -> int | None:
+    """The target value a loss skips (``nll_loss``'s ``ignore_index``), None for other ops."""
+    if _lookup(_INDEX, func) is not _nll_classes:
+        return None
+    try:
+        return int(args[4])
+    except (IndexError, TypeError, ValueError):
+        return None
+
+
+@index_op(aten.embedding.default, aten.index.Tensor)
+def _rows(args: tuple) -> int | None:
+    return int(args[0].shape[0])
+
+
+@index_op(aten.index_select.default, aten.gather.default)
+def _along_dim(args: tuple) -> int | None:
+    return int(args[0].shape[args[1]])
+
+
+@index_op(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_classes(args: tuple) -> int | None:
+    x = args[0]
+    return int(x.shape[-1] if x.dim() == 2 else x.shape[1] if x.dim() > 2 else x.shape[0])
+
+
+@index_op(aten.one_hot.default)
+def _one_hot(args: tuple) -> int | None:
+    return int(args[1]) if len(args) > 1 else None
+
+
+@index_op(
+    aten.take.default,
+    aten.embedding_dense_backward.default,
+    aten.scatter.src,
+    aten.scatter_add.default,
+    aten.index_put_.default,
+)
+def _unknown_size(args: tuple) -> int | None:
+    return None

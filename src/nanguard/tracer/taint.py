@@ -1,0 +1,151 @@
+"""Taint bookkeeping: which tensors hold NaN/Inf, and which origins put it there.
+
+Each tensor seen gets a status at its version counter: its NaN/Inf flags and its taint,
+the set of origin ids behind its non-finite values. A status is trusted while the version
+is unchanged; after an in-place write the tensor is read again. Taint is also kept per
+storage, so a fresh view of a tainted tensor inherits it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from nanguard.stats import local
+
+__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "nonfinite_flags", "only_neginf", "storage_key"]
+
+
+@dataclass
+class Status:
+    version: int
+    nan: bool
+    inf: bool
+    taint: frozenset[int]
+
+
+@dataclass
+class Inputs:
+    """What an op's inputs carry: any NaN/Inf (tensors or float scalars), and their taints."""
+
+    nan: bool
+    inf: bool
+    taint: frozenset[int]
+    inf_taint: frozenset[int]  # of inputs holding Inf but no NaN
+
+
+class TaintMap:
+    """Status per tensor seen, and taint per storage.
+
+    ``new_source(t, nan, inf)`` is called for a tensor that arrives non-finite with no taint
+    known (user data, a parameter, a constant) and returns the id of the origin it names.
+    """
+
+    def __init__(self, new_source: Callable[[torch.Tensor, bool, bool], int]) -> None:
+        self.new_source = new_source
+        self.status: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.storage: dict[int, frozenset[int]] = {}
+
+    def inputs(self, flat: list[Any]) -> Inputs:
+        nan = inf = False
+        taint: set[int] = set()
+        inf_taint: set[int] = set()
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                if not (x.is_floating_point() or x.is_complex()):
+                    continue
+                st = self.status_of(x)
+                if st.nan or st.inf:
+                    taint |= st.taint
+                    if st.inf and not st.nan:
+                        inf_taint |= st.taint
+                nan |= st.nan
+                inf |= st.inf
+            elif isinstance(x, float) and not math.isfinite(x):
+                nan |= math.isnan(x)
+                inf |= math.isinf(x)
+        return Inputs(nan, inf, frozenset(taint), frozenset(inf_taint))
+
+    def status_of(self, t: torch.Tensor) -> Status:
+        version = _version(t)
+        st = self.status.get(t)
+        if st is not None and st.version == version:
+            return st
+        nan, inf = nonfinite_flags(t)
+        taint: frozenset[int] = frozenset()
+        if nan or inf:
+            taint = self.storage.get(storage_key(t), frozenset()) if st is None else st.taint
+            if not taint:
+                taint = frozenset({self.new_source(t, nan, inf)})
+        st = Status(version, nan, inf, taint)
+        self._put(t, st)
+        return st
+
+    def set(self, t: torch.Tensor, nan: bool, inf: bool, taint: frozenset[int]) -> None:
+        self._put(t, Status(_version(t), nan, inf, taint))
+        if taint:
+            self.storage[storage_key(t)] = taint
+
+    def taint_of(self, t: torch.Tensor) -> frozenset[int]:
+        """The origins behind a non-finite tensor: its own taint and its storage's."""
+        st = self.status.get(t)
+        own = st.taint if st is not None and (st.nan or st.inf) else frozenset()
+        return own | self.storage.get(storage_key(t), frozenset())
+
+    def _put(self, t: torch.Tensor, st: Status) -> None:
+        with contextlib.suppress(TypeError):
+            self.status[t] = st
+
+
+def nonfinite_flags(t: torch.Tensor) -> tuple[bool, bool]:
+    """(has NaN, has Inf) of ``t``'s local values."""
+    t = local(t)
+    if t.numel() == 0:
+        return False, False
+    # A finite float32 sum proves every element finite in one pass with no temporary;
+    # only a non-finite sum (or an overflow of huge finite values) needs the exact check.
+    if t.is_floating_point() and math.isfinite(t.sum(dtype=torch.float32).item()):
+        return False, False
+    if bool(torch.isfinite(t).all()):
+        return False, False
+    return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+
+
+def only_neginf(t: torch.Tensor) -> bool:
+    return not bool((t == math.inf).any()) and not bool(torch.isnan(t).any())
+
+
+def has_inf_created(out: torch.Tensor, inputs: list[Any]) -> bool:
+    """Did an elementwise op make Inf where all its inputs were finite? ``exp`` of a masked
+    row turns finite scores into +Inf beside the mask's -Inf: that is a creation."""
+    if any(isinstance(x, float) and math.isinf(x) for x in inputs):
+        return False  # an explicit +-inf fill value
+    finite = torch.ones(out.shape, dtype=torch.bool, device=out.device)
+    try:
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+                finite &= torch.isfinite(x).broadcast_to(out.shape)
+    except RuntimeError:
+        return False  # not elementwise: fall back to "any Inf input means not created"
+    return bool((torch.isinf(out) & finite).any())
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return -1
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage: views and ``.data`` aliases share it (-1 when there is none)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return -1
