@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import nanguard as ng
 from nanguard.events import read_events
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch
 from nanguard.zoo.runner import CorruptOnce
-from nanguard.zoo.spawn import spawn_ranks
+from nanguard.zoo.spawn import RanksFailed, spawn_ranks
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,3 +237,27 @@ def test_torchrun_end_to_end(tmp_path) -> None:
     for rank in (0, 1):
         kinds = [e["kind"] for e in read_events(tmp_path / f"events-rank{rank}.jsonl")]
         assert kinds.count("trip") == 1 and kinds.count("step") == 5
+
+
+def _fails_on_rank_1(rank, world, tmp):
+    if rank == 1:
+        raise KeyError("boom on rank 1")
+    return {"rank": rank}
+
+
+def _hangs_on_rank_1(rank, world, tmp):
+    if rank == 1:
+        time.sleep(3600)
+    return {"rank": rank}
+
+
+def test_spawn_reports_a_rank_traceback_to_the_parent(tmp_path) -> None:
+    with pytest.raises(RanksFailed) as info:
+        spawn_ranks(_fails_on_rank_1, tmp_path, timeout=120)
+    text = str(info.value)
+    assert "rank 1 failed" in text and "KeyError: 'boom on rank 1'" in text and "_fails_on_rank_1" in text
+
+
+def test_spawn_stops_a_hung_rank_at_the_deadline(tmp_path) -> None:
+    with pytest.raises(RanksFailed, match=r"rank 1: no result before the deadline \(20s"):
+        spawn_ranks(_hangs_on_rank_1, tmp_path, timeout=20)
