@@ -112,12 +112,10 @@ def configs() -> dict[str, Callable[[], None]]:
     return out
 
 
-def ddp_rank(rounds: int) -> dict[str, float]:
+def ddp_rank(rank: int, world: int, rounds: int) -> dict[str, float]:
     """One rank of the DDP comparison: unguarded DDP and guarded DDP, interleaved."""
-    import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank = tdist.get_rank()
     out: dict[str, Callable[[], None]] = {}
     for name, guarded in (("plain DDP", False), ("Guard + DDP", True)):
         model, _ = _setup()
@@ -147,12 +145,9 @@ def ddp_rank(rounds: int) -> dict[str, float]:
 
 
 def ddp_section(rounds: int) -> str:
-    from nanguard.spawn import spawn_ranks
+    from nanguard.zoo.spawn import spawn_ranks
 
-    outcomes = spawn_ranks("overhead:ddp_rank", 2, rounds=rounds)
-    if not all(o["ok"] for o in outcomes):
-        raise RuntimeError(next(o["error"] for o in outcomes if not o["ok"]))
-    times = outcomes[0]["value"]
+    times = spawn_ranks(ddp_rank, rounds, world=2)[0]
     base = times["plain DDP"]
     rows = "\n".join(f"| {name} | {t * 1e3:.2f} | {t / base:.3f}x |" for name, t in times.items())
     return f"""## Guard overhead under DDP (2 gloo ranks, CPU)

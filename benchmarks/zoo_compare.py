@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from _common import machine, write_section
+from nanguard.text import short_op
 from nanguard.zoo import SCENARIOS, Scenario, build
 from nanguard.zoo.runner import run_distributed, run_scenario
 
@@ -46,11 +47,7 @@ class Score:
 
 def _norm(name: str | None) -> str:
     """``aten._softmax.default`` / ``SoftmaxBackward0`` -> ``softmax``: comparable op names."""
-    if not name:
-        return ""
-    name = name.split(".")[1] if name.startswith("aten.") else name
-    name = re.sub(r"Backward\d*$", "", name)
-    return name.replace("_", "").lower()
+    return re.sub(r"Backward\d*$", "", short_op(name)).replace("_", "").lower()
 
 
 def _steps_until_fault(s: Scenario, step_fn: Callable[[Any, dict], bool]) -> tuple[bool, float]:

@@ -11,14 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import nanguard.bundle as bundle_mod
+import nanguard.cli.replay as replay_cli
 from nanguard.bundle import (
     Bundle,
     default_step,
     load_bundle,
-    main_replay,
     replay,
     save_bundle,
 )
+from nanguard.cli.replay import main_replay
 from nanguard.errors import BundleError
 from nanguard.findings import Diagnosis
 from nanguard.rng import fork_rng_state, get_rng_state, set_rng_state
@@ -435,7 +436,7 @@ def test_main_replay_builds_the_model_and_loads_weights(tmp_path: Path, monkeypa
         calls.update(bundle=bundle, model=model, fn=fn)
         return None
 
-    monkeypatch.setattr(bundle_mod, "replay", fake_replay)
+    monkeypatch.setattr(replay_cli, "replay", fake_replay)
     loaded, diag = main_replay(str(path), f"{name}:build", str(weights), f"{name}:step")
     assert diag is None and loaded.path == path and calls["bundle"] is loaded
     assert torch.equal(calls["model"].weight, state["weight"])

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from _dist import run_ranks
 from nanguard import compat, dist
+from nanguard.zoo.spawn import spawn_ranks
 
 
 def test_foreach_copy_and_norm() -> None:
@@ -125,7 +125,7 @@ def _ranks(rank: int, world: int, tmp: str) -> dict[str, object]:
 
 @pytest.mark.dist
 def test_ddp_hooks_and_fsdp2_internals(tmp_path) -> None:
-    for r in run_ranks(_ranks, tmp_path):
+    for r in spawn_ranks(_ranks, tmp_path):
         assert r["hooks"] == (False, True)
         assert r["fsdp_state"], "FSDP2 no longer exposes _get_fsdp_state()._fsdp_param_group.fsdp_params"
         assert r["held"], "FSDP2 no longer keeps the unsynced gradients where compat clears them"

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,10 @@ import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nanguard as ng
-from _dist import run_ranks
 from nanguard.events import read_events
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch
+from nanguard.zoo.runner import CorruptOnce
+from nanguard.zoo.spawn import RanksFailed, spawn_ranks
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,7 +83,7 @@ def _bad_data_ddp(rank, world, tmp):
 
 
 def test_bad_data_on_rank_1_under_ddp(tmp_path) -> None:
-    results = run_ranks(_bad_data_ddp, tmp_path)
+    results = spawn_ranks(_bad_data_ddp, tmp_path)
     for r in results:
         assert r["skipped"] == 1 and r["equal"] and r["finite"]
         d = r["diag"]
@@ -93,42 +95,18 @@ def test_bad_data_on_rank_1_under_ddp(tmp_path) -> None:
         assert trip["rank"] == rank and trip["step"] == 2 and trip["diagnosis"]["rank"] == 1
 
 
-class _CorruptOnce:
-    """A comm hook that all-reduces, then corrupts the synchronized result once."""
-
-    def __init__(self, at_call: int) -> None:
-        self.calls = 0
-        self.at_call = at_call
-
-    def __call__(self, state, bucket):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        self.calls += 1
-        fut = allreduce_hook(state, bucket)
-        if self.calls != self.at_call:
-            return fut
-
-        def corrupt(f):
-            out = f.value()[0] if isinstance(f.value(), list) else f.value()
-            out[0] = float("nan")
-            return out
-
-        return fut.then(corrupt)
-
-
 def _transient(rank, world, tmp):
     model = _model()
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    hook = _CorruptOnce(at_call=3)
-    hook.__qualname__ = "corrupt_once"
+    hook = CorruptOnce(at_call=3)
     guard = ng.Guard(ddp, opt, comm_hook=(None, hook))
     _loop(model, ddp, opt, guard, rank, steps=4)
     return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict(), "equal": _equal_across_ranks(model)}
 
 
 def test_transient_corruption_of_synchronized_gradients(tmp_path) -> None:
-    for r in run_ranks(_transient, tmp_path):
+    for r in spawn_ranks(_transient, tmp_path):
         assert r["skipped"] == 1 and r["equal"]
         d = r["diag"]
         assert d["cause"] == "distributed.transient" and d["phase"] == "communication"
@@ -150,7 +128,7 @@ def _replicas(rank, world, tmp):
 
 
 def test_replica_divergence_is_named_and_repaired(tmp_path) -> None:
-    for r in run_ranks(_replicas, tmp_path):
+    for r in spawn_ranks(_replicas, tmp_path):
         d = r["diag"]
         assert d is not None and d["cause"] == "distributed.replica_divergence"
         assert d["rank"] == 1 and d["evidence"]["first_parameter"] == "blocks.1.mlp.fc.weight"
@@ -172,7 +150,7 @@ def _fsdp(rank, world, tmp):
 
 
 def test_fsdp2_bad_data_on_one_rank(tmp_path) -> None:
-    for r in run_ranks(_fsdp, tmp_path):
+    for r in spawn_ranks(_fsdp, tmp_path):
         assert r["skipped"] == 1 and r["finite"]
         d = r["diag"]
         assert (d["cause"], d["rank"], d["ranks"]) == ("data.nonfinite", 1, [1])
@@ -188,7 +166,7 @@ def _rollback(rank, world, tmp):
 
 
 def test_rollback_under_ddp_keeps_replicas_equal(tmp_path) -> None:
-    for r in run_ranks(_rollback, tmp_path):
+    for r in spawn_ranks(_rollback, tmp_path):
         assert r["rollbacks"] == 1 and r["equal"] and r["action"] == "step"
 
 
@@ -206,7 +184,7 @@ def _check_batch_one_rank(rank, world, tmp):
 
 
 def test_check_batch_on_one_rank_is_agreed_before_the_forward(tmp_path) -> None:
-    for r in run_ranks(_check_batch_one_rank, tmp_path):
+    for r in spawn_ranks(_check_batch_one_rank, tmp_path):
         assert r["skipped"] == 1 and r["equal"]
         d = r["diag"]
         assert (d["cause"], d["rank"], d["ranks"], d["step"], d["phase"]) == (
@@ -233,7 +211,7 @@ def _manual_allreduce(rank, world, tmp):
 
 
 def test_plain_all_reduce_loop_attributes_by_the_local_loss(tmp_path) -> None:
-    for r in run_ranks(_manual_allreduce, tmp_path):
+    for r in spawn_ranks(_manual_allreduce, tmp_path):
         assert r["skipped"] == 1 and r["equal"]
         d = r["diag"]
         assert (d["cause"], d["rank"], d["ranks"], d["evidence"]["flagged_ranks"]) == ("data.nonfinite", 1, [1], [1])
@@ -259,3 +237,27 @@ def test_torchrun_end_to_end(tmp_path) -> None:
     for rank in (0, 1):
         kinds = [e["kind"] for e in read_events(tmp_path / f"events-rank{rank}.jsonl")]
         assert kinds.count("trip") == 1 and kinds.count("step") == 5
+
+
+def _fails_on_rank_1(rank, world, tmp):
+    if rank == 1:
+        raise KeyError("boom on rank 1")
+    return {"rank": rank}
+
+
+def _hangs_on_rank_1(rank, world, tmp):
+    if rank == 1:
+        time.sleep(3600)
+    return {"rank": rank}
+
+
+def test_spawn_reports_a_rank_traceback_to_the_parent(tmp_path) -> None:
+    with pytest.raises(RanksFailed) as info:
+        spawn_ranks(_fails_on_rank_1, tmp_path, timeout=120)
+    text = str(info.value)
+    assert "rank 1 failed" in text and "KeyError: 'boom on rank 1'" in text and "_fails_on_rank_1" in text
+
+
+def test_spawn_stops_a_hung_rank_at_the_deadline(tmp_path) -> None:
+    with pytest.raises(RanksFailed, match=r"rank 1: no result before the deadline \(20s"):
+        spawn_ranks(_hangs_on_rank_1, tmp_path, timeout=20)

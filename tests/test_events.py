@@ -36,7 +36,7 @@ def test_missing_file_names_it(tmp_path) -> None:
 
 
 def test_atomic_write_leaves_no_partial_or_temporary_file(tmp_path) -> None:
-    from nanguard.files import atomic_write_text
+    from nanguard._io import atomic_write_text
 
     target = tmp_path / "out" / "report.html"
     atomic_write_text(target, "old")

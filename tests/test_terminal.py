@@ -8,12 +8,12 @@ import re
 import pytest
 from rich.console import Console as RichConsole
 
-from nanguard.demo import run_demo
-from nanguard.explain import explain, where_lines
 from nanguard.findings import Diagnosis
 from nanguard.report.terminal import Console, diagnosis_panel, diagnosis_text
+from nanguard.text import where_lines
 from nanguard.tracer import locate
 from nanguard.zoo import build, get, train_step
+from nanguard.zoo.demo import run_demo
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
 
@@ -66,7 +66,7 @@ def test_plain_console_prints_text_without_ansi_or_boxes(diag: Diagnosis) -> Non
     assert diagnosis_text(diag) in text
     # Everything the one-paragraph explanation says is in the plain diagnosis too.
     squashed = _squash(text)
-    for line in explain(diag).splitlines():
+    for line in str(diag).splitlines():
         assert " ".join(line.split()) in squashed, line
 
 

@@ -22,6 +22,8 @@ import torch
 
 from nanguard.dtypes import dtype_facts
 from nanguard.findings import Diagnosis, Finding
+from nanguard.stats import INIT_RATIO_HIGH
+from nanguard.text import short_op as _short
 
 __all__ = [
     "RULES",
@@ -49,23 +51,11 @@ def _origin(ev: Evidence) -> dict[str, Any]:
     return ev.get("origin") or {}
 
 
-def _short(op: str | None) -> str:
-    """``aten.log.default`` -> ``log``."""
-    if not op:
-        return ""
-    parts = op.split(".")
-    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else op
-
-
 def _where(o: dict[str, Any]) -> str:
     module = o.get("module")
     if module is None:
         return "code outside any module"
     return f"module '{module}'" if module else "the root module"
-
-
-def _sum(stats: list[dict[str, Any]], key: str) -> int:
-    return sum(int(s.get(key) or 0) for s in stats)
 
 
 def _first_input(o: dict[str, Any]) -> dict[str, Any]:
@@ -157,13 +147,13 @@ def init_scale(ev: Evidence) -> Verdict | None:
     # The guard passes the scale the run started from; locate alone sees the current one.
     scale = ev.get("initial_weight_scale", ev.get("weight_scale")) or {}
     ratio = scale.get("max_ratio") or 0.0
-    if o.get("category") != "op" or ratio < INIT_RATIO_LIMIT:
+    if o.get("category") != "op" or ratio < INIT_RATIO_HIGH:
         return None
     absmax = max((s.get("absmax") or 0.0 for s in o.get("inputs") or []), default=0.0)
     if ev.get("kind") != "inf" and absmax < 1e4:
         return None
     why = (
-        f"weights of '{scale.get('module')}' have std x sqrt(fan_in) = {ratio:.3g} (healthy is "
+        f"weights of '{scale.get('module')}' have rms x sqrt(fan_in) = {ratio:.3g} (healthy is "
         f"about 0.5-1), so activations grow by that factor per layer until {o.get('op')} "
         f"overflowed (inputs up to {absmax:.3g})"
     )
@@ -174,9 +164,6 @@ def init_scale(ev: Evidence) -> Verdict | None:
         "ng.audit_model(model) flags every weight far from 1/sqrt(fan_in)",
     ]
     return Verdict("init.scale", why, fixes)
-
-
-INIT_RATIO_LIMIT = 10.0
 
 
 def divergence(ev: Evidence) -> Verdict | None:

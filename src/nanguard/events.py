@@ -27,23 +27,13 @@ from typing import Any, TextIO
 from nanguard.errors import EventLogError
 from nanguard.findings import jsonable
 
-__all__ = ["KNOWN_KINDS", "EventLog", "event_path", "number", "read_events"]
+__all__ = ["KNOWN_KINDS", "EventLog", "event_path", "read_events"]
 
 KNOWN_KINDS = frozenset({"start", "step", "trip", "skip", "rollback", "spike", "overflow", "end"})
 
 
 def event_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / f"events-rank{rank}.jsonl"
-
-
-def number(value: Any) -> float | None:
-    """Read a float written by the log back: ``"nan"``/``"inf"`` strings included."""
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 class EventLog:

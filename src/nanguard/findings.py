@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from nanguard.text import diagnosis_text, summary
+
 __all__ = ["CAUSES", "KINDS", "PHASES", "Diagnosis", "Finding", "jsonable"]
 
 CAUSES: Mapping[str, str] = MappingProxyType(
@@ -108,28 +110,10 @@ class Diagnosis:
 
     def summary(self) -> str:
         """One line: cause, what was created and where."""
-        where = _where(self)
-        kind = {"nan": "NaN", "inf": "Inf"}[self.kind]
-        return f"{self.cause}: {kind} {where}" if where else self.cause
+        return summary(self)
 
     def __str__(self) -> str:
-        from nanguard.explain import explain
-
-        return explain(self)
-
-
-def _where(diag: Diagnosis) -> str:
-    parts = []
-    if diag.op:
-        parts.append(f"in {diag.op}")
-    if diag.module is not None:
-        parts.append(f"module {diag.module or '<root>'!r}")
-    parts.append(f"({diag.phase})")
-    if diag.rank is not None:
-        parts.append(f"rank {diag.rank}")
-    if diag.step is not None:
-        parts.append(f"step {diag.step}")
-    return " ".join(parts)
+        return diagnosis_text(self, evidence=False)
 
 
 @dataclass

@@ -10,7 +10,16 @@ import torch
 
 from nanguard import compat
 
-__all__ = ["grad_health", "is_float", "local", "tensor_stats"]
+__all__ = [
+    "INIT_RATIO_HIGH",
+    "INIT_RATIO_LOW",
+    "fan_in",
+    "grad_health",
+    "init_ratio",
+    "is_float",
+    "local",
+    "tensor_stats",
+]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -94,3 +103,31 @@ def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0]
     return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]))
+
+
+# The init ratio is rms(weight) * sqrt(fan_in): PyTorch's default init gives ~0.58,
+# Xavier/Kaiming 1-1.4, GPT-style std=0.02 0.5-1.1. Ten times too large compounds per layer
+# into overflow; a thousand times too small leaves gradients that round to zero in 16 bits.
+INIT_RATIO_HIGH = 10.0
+INIT_RATIO_LOW = 1e-3
+
+
+def fan_in(weight: torch.Tensor) -> int:
+    """Inputs per output unit of a Linear/Conv weight: the product of all but the first dim."""
+    return math.prod(weight.shape[1:])
+
+
+def init_ratio(weight: torch.Tensor) -> torch.Tensor:
+    """``rms(weight) * sqrt(fan_in)`` as a float32 device scalar: ~1 for a well-initialized layer.
+
+    The sum of squares is accumulated in float32 at least: in 16 bits it overflows.
+
+    Example:
+        >>> w = torch.nn.Linear(256, 64).weight
+        >>> 0.3 < init_ratio(w).item() < 1.0
+        True
+    """
+    w = local(weight).detach()
+    acc = torch.float32 if w.element_size() < 4 else w.dtype
+    rms = torch.linalg.vector_norm(w, 2, dtype=acc) / math.sqrt(max(w.numel(), 1))
+    return (rms * math.sqrt(fan_in(weight))).float()

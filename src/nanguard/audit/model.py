@@ -19,14 +19,10 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from nanguard.dtypes import dtype_facts
 from nanguard.findings import Finding
+from nanguard.stats import INIT_RATIO_HIGH, INIT_RATIO_LOW, fan_in, init_ratio
 
-__all__ = ["INIT_RATIO_HIGH", "INIT_RATIO_LOW", "audit_model"]
+__all__ = ["audit_model"]
 
-# ratio = rms(weight) * sqrt(fan_in); PyTorch's default init gives ~0.58, Xavier/Kaiming
-# 1-1.4, GPT-style std=0.02 0.5-1.1. Ten times too large compounds per layer into
-# overflow; a thousand times too small leaves gradients that round to zero in 16 bits.
-INIT_RATIO_HIGH = 10.0
-INIT_RATIO_LOW = 1e-3
 _EPS_ATTRS = ("variance_epsilon", "eps")
 # Modules with an ``eps`` that is not a normalization's variance guard.
 _NOT_NORMS: tuple[type[nn.Module], ...] = (_Loss, nn.CosineSimilarity, nn.PairwiseDistance)
@@ -77,16 +73,16 @@ def audit_model(model: nn.Module, *, data_parallel: bool | None = None) -> list[
         and m.weight.ndim >= 2
         and id(m.weight) not in embedding_weights
     }
-    absmax, finite, rms = _stats(entries, weights)
+    absmax, finite, ratios = _stats(entries, weights)
 
     findings = _nonfinite(entries, finite)
     findings += _norm_eps(modules, _dominant_dtype(entries))
-    for entry, top, ok, scale in zip(entries, absmax, finite, rms, strict=True):
+    for entry, top, ok, ratio in zip(entries, absmax, finite, ratios, strict=True):
         if not ok:
             continue
         owner = weights.get(id(entry.tensor))
-        if owner is not None and scale is not None:
-            findings += _init_scale(owner[0], owner[1], entry.tensor, scale, top)
+        if owner is not None and ratio is not None:
+            findings += _init_scale(owner[0], owner[1], entry.tensor, ratio, top)
         findings += _near_max(entry, top)
     if data_parallel:
         findings += _batchnorm_without_sync(modules)
@@ -123,7 +119,7 @@ def _entries(modules: list[tuple[str, nn.Module]]) -> list[_Entry]:
 def _stats(
     entries: list[_Entry], weights: dict[int, tuple[str, nn.Module]]
 ) -> tuple[list[float], list[bool], list[float | None]]:
-    """Per entry: absmax, all-finite flag, and rms for audited weights, in one host read."""
+    """Per entry: absmax, all-finite flag, and the init ratio of audited weights, in one host read."""
     if not entries:
         return [], [], []
     target = next((e.tensor.device for e in entries if e.tensor.device.type != "cpu"), torch.device("cpu"))
@@ -132,20 +128,16 @@ def _stats(
         for e in entries:
             t = e.tensor.detach()
             top = torch.linalg.vector_norm(t, math.inf)
-            # rms is accumulated in float32 at least: a 16-bit sum of squares overflows.
-            if id(e.tensor) in weights and not t.is_complex():
-                acc = torch.float32 if t.element_size() < 4 else t.dtype
-                rms = torch.linalg.vector_norm(t, 2, dtype=acc) / math.sqrt(t.numel())
-            else:
-                rms = torch.full_like(top, -1.0)
+            audited = id(e.tensor) in weights and not t.is_complex()
+            ratio = init_ratio(t) if audited else torch.full_like(top, -1.0)
             # The finite flag is taken before the cast: a large float64 is finite yet
             # overflows float32.
-            rows.append(torch.stack([top.float(), top.isfinite().float(), rms.float()]).to(target))
+            rows.append(torch.stack([top.float(), top.isfinite().float(), ratio.float()]).to(target))
         values = torch.stack(rows).tolist()
     absmax = [v[0] for v in values]
     finite = [v[1] > 0 for v in values]
-    rms_list = [v[2] if v[2] >= 0 else None for v in values]
-    return absmax, finite, rms_list
+    ratios = [v[2] if v[2] >= 0 else None for v in values]
+    return absmax, finite, ratios
 
 
 def _dominant_dtype(entries: list[_Entry]) -> torch.dtype:
@@ -266,16 +258,16 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _init_scale(name: str, module: nn.Module, weight: torch.Tensor, rms: float, absmax: float) -> list[Finding]:
-    fan_in = math.prod(weight.shape[1:])
-    ratio = rms * math.sqrt(fan_in)
+def _init_scale(name: str, module: nn.Module, weight: torch.Tensor, ratio: float, absmax: float) -> list[Finding]:
+    fans = fan_in(weight)
+    rms = ratio / math.sqrt(fans)
     label = type(module).__name__
     details = {
         "module_type": type(module).__name__,
         "rms": rms,
-        "fan_in": fan_in,
+        "fan_in": fans,
         "ratio": ratio,
-        "expected_rms": 1 / math.sqrt(fan_in),
+        "expected_rms": 1 / math.sqrt(fans),
     }
     if ratio > INIT_RATIO_HIGH:
         return [
@@ -283,7 +275,7 @@ def _init_scale(name: str, module: nn.Module, weight: torch.Tensor, rms: float, 
                 cause="init.scale",
                 where=name,
                 message=(
-                    f"{label} weight rms {rms:.3g} is {ratio:.3g}x 1/sqrt(fan_in={fan_in}); "
+                    f"{label} weight rms {rms:.3g} is {ratio:.3g}x 1/sqrt(fan_in={fans}); "
                     f"each such layer multiplies activations by ~{ratio:.3g}, which overflows "
                     "within a few layers"
                 ),
@@ -301,7 +293,7 @@ def _init_scale(name: str, module: nn.Module, weight: torch.Tensor, rms: float, 
             what = "weight is all zeros"
             fix = f"Fine if deliberate (zero-init residual branch, LoRA B). Otherwise: {fix}"
         else:
-            what = f"weight rms {rms:.3g} is only {ratio:.3g}x 1/sqrt(fan_in={fan_in})"
+            what = f"weight rms {rms:.3g} is only {ratio:.3g}x 1/sqrt(fan_in={fans})"
         return [
             Finding(
                 cause="init.scale",

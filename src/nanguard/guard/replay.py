@@ -22,7 +22,7 @@ from nanguard.guard.history import History
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
-from nanguard.tracer.replay import module_stats
+from nanguard.tracer.module_stats import module_stats
 
 __all__ = ["Diagnoser", "Replayed", "replay_trip"]
 

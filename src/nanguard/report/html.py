@@ -11,13 +11,12 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from nanguard.explain import where_lines
-from nanguard.files import atomic_write_text
+from nanguard._io import atomic_write_text
 from nanguard.report import plots
 from nanguard.report.load import RunReport, Trip
-from nanguard.report.words import KIND_NAMES, RANK_COLUMNS, event_words, evidence_lines, op_path, rank_rows
+from nanguard.text import RANK_COLUMNS, event_words, evidence_lines, kind_name, op_path, rank_rows, where_lines
 
-__all__ = ["MAX_DETAILED_TRIPS", "plot_count", "render_html", "write_html"]
+__all__ = ["MAX_DETAILED_TRIPS", "render_html", "write_html"]
 
 MAX_DETAILED_TRIPS = 20
 """Trips shown in full (diagnosis, op path, module plot); later ones get a table row."""
@@ -108,7 +107,7 @@ def _diagnosis_html(trip: Trip) -> str:
             f'<section class="diagnosis" id="trip-{trip.step}"><h3>{_e(head)}: trip without a readable '
             f"diagnosis</h3><p>action {_e(trip.action)}, ranks {_e(trip.ranks)}</p></section>"
         )
-    kind = KIND_NAMES.get(diag.kind, diag.kind)
+    kind = kind_name(diag.kind)
     origin = trip.origin_rank
     tags = [f'<span class="tag red">{_e(kind)} created</span>', f'<span class="tag">action: {_e(trip.action)}</span>']
     if origin is not None and (diag.rank is not None or len(trip.reported_by) > 1):
@@ -314,16 +313,6 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
     out.append('<p class="muted">Made by nanguard. This page is self-contained: it loads nothing.</p>')
     out.append("</main></body></html>")
     return "\n".join(out)
-
-
-def plot_count(report: RunReport) -> int:
-    """How many plots ``render_html`` draws: the fixed four, plus one per detailed trip with module stats.
-
-    Example:
-        >>> plot_count(load_run("runs/exp1"))
-        5
-    """
-    return 4 + sum(1 for t in report.trips[:MAX_DETAILED_TRIPS] if t.module_stats)
 
 
 def write_html(report: RunReport, path: str | Path, *, progress: Callable[[str], None] | None = None) -> Path:

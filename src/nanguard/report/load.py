@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from nanguard.errors import BundleError, EventLogError
-from nanguard.events import number, read_events
+from nanguard.events import read_events
 from nanguard.findings import Diagnosis, jsonable
+from nanguard.text import number
 
 __all__ = ["BundleInfo", "Marker", "RankLog", "RunReport", "StepRecord", "Trip", "load_run"]
 

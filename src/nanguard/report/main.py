@@ -13,7 +13,7 @@ from nanguard.errors import NanguardError
 from nanguard.report.html import MAX_DETAILED_TRIPS, write_html
 from nanguard.report.load import RunReport, load_run
 from nanguard.report.terminal import Console
-from nanguard.report.words import RANK_COLUMNS, event_words, rank_rows
+from nanguard.text import RANK_COLUMNS, event_words, rank_rows
 
 __all__ = ["print_summary", "run_report"]
 

@@ -19,8 +19,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from nanguard.events import number
 from nanguard.report.load import RunReport, Trip
+from nanguard.text import number
 
 __all__ = [
     "MAX_POINTS",

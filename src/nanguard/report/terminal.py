@@ -14,15 +14,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from nanguard.explain import where_lines
 from nanguard.findings import Diagnosis
-from nanguard.report.words import KIND_NAMES, evidence_lines
+from nanguard.text import diagnosis_text, evidence_lines, kind_name, where_lines
 
 __all__ = ["Console", "diagnosis_panel", "diagnosis_text"]
 
 
 def _title(diag: Diagnosis) -> str:
-    kind = KIND_NAMES.get(diag.kind, diag.kind)
+    kind = kind_name(diag.kind)
     return f"nanguard: {kind} at step {diag.step}" if diag.step is not None else f"nanguard: {kind}"
 
 
@@ -36,7 +35,7 @@ def diagnosis_panel(diag: Diagnosis) -> Panel:
     grid.add_column(style="bold cyan", no_wrap=True, justify="right")
     grid.add_column(overflow="fold")
     grid.add_row("cause", Text(diag.cause, style="bold red") + Text(f"  {diag.meaning}"))
-    grid.add_row("created", Text(KIND_NAMES.get(diag.kind, diag.kind), style="bold"))
+    grid.add_row("created", Text(kind_name(diag.kind), style="bold"))
     for label, value in where_lines(diag):
         grid.add_row(label, Text(value, style="bold" if label in ("module", "op") else ""))
     evidence = evidence_lines(diag)
@@ -49,22 +48,6 @@ def diagnosis_panel(diag: Diagnosis) -> Panel:
         for i, fix in enumerate(diag.fixes, start=1):
             grid.add_row("try" if i == 1 else "", Text(f"{i}. ") + Text(fix, style="green"))
     return Panel(grid, title=_title(diag), title_align="left", border_style="red")
-
-
-def diagnosis_text(diag: Diagnosis) -> str:
-    """The panel's content as plain lines, for logs and pipes.
-
-    Example:
-        >>> print(diagnosis_text(diag).splitlines()[0])
-        nanguard: NaN created - op.masked_softmax (softmax over a row that is entirely -inf ...)
-    """
-    kind = KIND_NAMES.get(diag.kind, diag.kind)
-    rows = [*where_lines(diag), *evidence_lines(diag)]
-    rows += [("try" if i == 1 else "", f"{i}. {fix}") for i, fix in enumerate(diag.fixes, start=1)]
-    width = max((len(label) for label, _ in rows), default=5)
-    lines = [f"nanguard: {kind} created - {diag.cause} ({diag.meaning})"]
-    lines += [f"  {label:<{width}}  {value}" for label, value in rows]
-    return "\n".join(lines)
 
 
 class Console:

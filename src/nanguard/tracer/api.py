@@ -13,7 +13,7 @@ from torch import nn
 from nanguard import dist
 from nanguard.diagnose import diagnose
 from nanguard.findings import Diagnosis
-from nanguard.stats import local
+from nanguard.stats import init_ratio, local
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
 from nanguard.tracer.modules import ModuleStack
 from nanguard.tracer.protect import Backup
@@ -203,7 +203,7 @@ def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> l
 
 
 def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
-    """How far Linear/Conv weights sit from the 1/sqrt(fan_in) scale: std * sqrt(fan_in)."""
+    """How far Linear/Conv weights sit from the 1/sqrt(fan_in) scale: ``stats.init_ratio``, rms * sqrt(fan_in)."""
     named = [
         (name, m.weight)
         for name, m in root.named_modules()
@@ -214,12 +214,7 @@ def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
     if not named:
         return {}
     with torch.no_grad():
-        ratios = torch.stack(
-            [
-                local(w).detach().float().std().nan_to_num(0.0, 0.0, 0.0).cpu() * math.sqrt(math.prod(w.shape[1:]))
-                for _, w in named
-            ]
-        ).tolist()
+        ratios = torch.stack([init_ratio(w).nan_to_num(0.0, 0.0, 0.0).cpu() for _, w in named]).tolist()
     ranked = sorted(zip((n for n, _ in named), ratios, strict=True), key=lambda x: -x[1])
     return {
         "max_ratio": ranked[0][1],

@@ -20,7 +20,7 @@ from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.zoo.scenarios import SCENARIOS, Run, Scenario, build, get
 
-__all__ = ["Result", "dist_rank", "run_scenario", "run_zoo"]
+__all__ = ["CorruptOnce", "Result", "dist_rank", "run_scenario", "run_zoo"]
 
 FIELDS = ("cause", "op", "module", "phase", "kind", "rank")
 
@@ -107,21 +107,28 @@ def run_scenario(s: Scenario, seed: int = 0) -> Result:
     return Result(s.name, _expected(s), _summary(diag), detect, _first_bad_step(s, seed), seconds)
 
 
-class _CorruptOnce:
-    """A DDP comm hook that all-reduces, and when armed corrupts the synchronized result once."""
+class CorruptOnce:
+    """A DDP comm hook that all-reduces, and corrupts the synchronized result of call ``at_call`` (1-based).
 
-    __qualname__ = "corrupt_once"
+    ``at_call=None`` corrupts nothing until it is set, e.g. to ``hook.calls + 1`` for the next call.
 
-    def __init__(self) -> None:
-        self.armed = False
+    Example:
+        >>> hook = CorruptOnce(at_call=3)
+        >>> ng.Guard(ddp, optimizer, comm_hook=(None, hook))
+    """
+
+    def __init__(self, at_call: int | None = None) -> None:
+        self.calls = 0
+        self.at_call = at_call
+        self.__qualname__ = "corrupt_once"  # DDP logs a comm hook by its qualified name
 
     def __call__(self, state: Any, bucket: Any) -> Any:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+        self.calls += 1
         fut = allreduce_hook(state, bucket)
-        if not self.armed:
+        if self.calls != self.at_call:
             return fut
-        self.armed = False
 
         def corrupt(f: Any) -> torch.Tensor:
             out = f.value()[0] if isinstance(f.value(), list) else f.value()
@@ -131,17 +138,15 @@ class _CorruptOnce:
         return fut.then(corrupt)
 
 
-def dist_rank(name: str, seed: int) -> dict[str, Any]:
+def dist_rank(rank: int, world: int, name: str, seed: int) -> dict[str, Any]:
     """One rank of a distributed scenario (run under an initialized process group)."""
-    import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel
 
     s = get(name)
-    rank, world = tdist.get_rank(), tdist.get_world_size()
     last = rank == world - 1
     run = build(s, seed, rank=rank)
     ddp = DistributedDataParallel(run.model)
-    hook = _CorruptOnce()
+    hook = CorruptOnce()
     comm = (None, hook) if s.dist_fault == "comm" else None
     guard = Guard(ddp, run.optimizer, policy="skip", comm_hook=comm,
                   fingerprint_every=1 if s.dist_fault == "replica" else 100)  # fmt: skip
@@ -149,7 +154,8 @@ def dist_rank(name: str, seed: int) -> dict[str, Any]:
     detect: int | None = None
     for step in range(s.run_steps):
         if step == s.fault_step:
-            hook.armed = s.dist_fault == "comm"
+            if s.dist_fault == "comm":
+                hook.at_call = hook.calls + 1
             if s.dist_fault == "replica" and last:
                 with torch.no_grad():
                     run.model.blocks[1].mlp.fc.weight.mul_(1.01)
@@ -162,15 +168,14 @@ def dist_rank(name: str, seed: int) -> dict[str, Any]:
 
 
 def run_distributed(s: Scenario, seed: int = 0) -> Result:
-    from nanguard.spawn import spawn_ranks
+    from nanguard.zoo.spawn import RanksFailed, spawn_ranks
 
     start = time.perf_counter()
-    outcomes = spawn_ranks("nanguard.zoo.runner:dist_rank", s.ranks, name=s.name, seed=seed)
+    try:
+        values = spawn_ranks(dist_rank, s.name, seed, world=s.ranks)
+    except RanksFailed as err:
+        raise RuntimeError(f"scenario {s.name} failed on a rank:\n{err}") from None
     seconds = time.perf_counter() - start
-    failed = [o["error"] for o in outcomes if not o["ok"]]
-    if failed:
-        raise RuntimeError(f"scenario {s.name} failed on a rank:\n{failed[0]}")
-    values = [o["value"] for o in outcomes]
     agree = all(v == values[0] for v in values)
     return Result(s.name, _expected(s), values[0]["diag"], values[0]["detect"], None, seconds, agree)
 

@@ -1,4 +1,4 @@
-"""The ``nanguard`` command: demo, zoo, report, replay, doctor."""
+"""The ``nanguard`` command: demo, zoo, report, replay, doctor. Subcommands load their code on first use."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from nanguard.demo import list_faults, run_demo
+    from nanguard.zoo.demo import list_faults, run_demo
 
     if args.list:
         print(list_faults())
@@ -33,7 +33,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from nanguard.bundle import main_replay
+    from nanguard.cli.replay import main_replay
     from nanguard.report.terminal import Console
 
     bundle, diag = main_replay(args.bundle, args.model, args.weights, args.fn)

@@ -1,18 +1,70 @@
-"""A diagnosis's evidence in words, and its op path: shared by the terminal and HTML reports."""
+"""Diagnoses, evidence and events in words: the one text layer for ``str(diag)``, the terminal and HTML.
+
+A fact is worded here once, whoever shows it. This module imports nothing else from nanguard
+at run time, so the records in ``findings`` can use it for ``str(diag)`` without an import cycle.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanguard.events import number
-from nanguard.findings import Diagnosis
+if TYPE_CHECKING:
+    from nanguard.findings import Diagnosis
 
-__all__ = ["KIND_NAMES", "event_words", "evidence_lines", "fmt", "op_path", "tensor_words"]
+__all__ = [
+    "KIND_NAMES",
+    "RANK_COLUMNS",
+    "diagnosis_text",
+    "event_words",
+    "evidence_lines",
+    "fmt",
+    "kind_name",
+    "number",
+    "op_path",
+    "rank_rows",
+    "short_op",
+    "summary",
+    "tensor_words",
+    "where_lines",
+]
 
 KIND_NAMES = {"nan": "NaN", "inf": "Inf"}
 _MAX_LISTED = 6
+
+
+def kind_name(kind: str) -> str:
+    """``"nan"`` -> ``"NaN"``, ``"inf"`` -> ``"Inf"``; anything else as given."""
+    return KIND_NAMES.get(kind, kind)
+
+
+def short_op(op: Any) -> str:
+    """An ATen op's name without namespace and overload; other names as given.
+
+    Example:
+        >>> short_op("aten._softmax.default"), short_op("aten.add.Tensor"), short_op(None)
+        ('_softmax', 'add', '')
+    """
+    if not op:
+        return ""
+    parts = str(op).split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else str(op)
+
+
+def number(value: Any) -> float | None:
+    """Read a float written by the log back: ``"nan"``/``"inf"`` strings included.
+
+    Example:
+        >>> number("nan"), number(2), number("x")
+        (nan, 2.0, None)
+    """
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def fmt(value: Any, digits: int = 4) -> str:
@@ -64,6 +116,74 @@ def _listed(items: Sequence[Any], total: int | None = None) -> str:
     shown = ", ".join(str(i) for i in items[:_MAX_LISTED])
     more = (total if total is not None else len(items)) - min(len(items), _MAX_LISTED)
     return shown + (f" and {more} more" if more > 0 else "")
+
+
+def summary(diag: Diagnosis) -> str:
+    """One line: cause, what was created and where.
+
+    Example:
+        >>> summary(Diagnosis(cause="op.log_domain", op="aten.log.default", module="head", step=3))
+        "op.log_domain: NaN in aten.log.default module 'head' (forward) step 3"
+    """
+    parts = []
+    if diag.op:
+        parts.append(f"in {diag.op}")
+    if diag.module is not None:
+        parts.append(f"module {diag.module or '<root>'!r}")
+    parts.append(f"({diag.phase})")
+    if diag.rank is not None:
+        parts.append(f"rank {diag.rank}")
+    if diag.step is not None:
+        parts.append(f"step {diag.step}")
+    return f"{diag.cause}: {kind_name(diag.kind)} {' '.join(parts)}"
+
+
+def where_lines(diag: Diagnosis) -> list[tuple[str, str]]:
+    """(label, value) pairs saying where the origin is: module, op, autograd node, input, source, phase, rank, step."""
+    origin = diag.evidence.get("origin") or {}
+    rows: list[tuple[str, str]] = []
+    if diag.module is not None:
+        mtype = origin.get("module_type")
+        rows.append(("module", f"{diag.module or '<root>'}" + (f" ({mtype})" if mtype else "")))
+    if diag.op:
+        rows.append(("op", diag.op))
+    if origin.get("node"):
+        fwd = origin.get("forward_op")
+        rows.append(("autograd", origin["node"] + (f" (backward of {fwd})" if fwd else "")))
+    if origin.get("path"):
+        rows.append(("input", origin["path"]))
+    if diag.source:
+        rows.append(("your code", diag.source))
+    rows.append(("phase", diag.phase))
+    if diag.rank is not None:
+        ranks = ", ".join(str(r) for r in diag.ranks) if len(diag.ranks) > 1 else str(diag.rank)
+        rows.append(("rank", ranks))
+    if diag.step is not None:
+        rows.append(("step", str(diag.step)))
+    return rows
+
+
+def diagnosis_text(diag: Diagnosis, *, evidence: bool = True) -> str:
+    """The diagnosis as plain lines: what was created and why, where, the evidence, and fixes.
+
+    ``str(diag)`` is the short form, ``evidence=False``: of the evidence only the ``why`` line.
+    The terminal prints the full form when its output is not a TTY.
+
+    Example:
+        >>> print(diagnosis_text(diag).splitlines()[0])
+        nanguard: NaN created - op.masked_softmax (softmax over a row that is entirely -inf ...)
+    """
+    if evidence:
+        facts = evidence_lines(diag)
+    else:
+        why = (diag.evidence or {}).get("why")
+        facts = [("why", str(why))] if why else []
+    rows = [*where_lines(diag), *facts]
+    rows += [("try" if i == 1 else "", f"{i}. {fix}") for i, fix in enumerate(diag.fixes, start=1)]
+    width = max((len(label) for label, _ in rows), default=5)
+    lines = [f"nanguard: {kind_name(diag.kind)} created - {diag.cause} ({diag.meaning})"]
+    lines += [f"  {label:<{width}}  {value}" for label, value in rows]
+    return "\n".join(lines)
 
 
 def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
@@ -132,13 +252,13 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
         lines.append(("reached", f"{total} non-finite result(s): {_listed(names, total)}"))
     after = ev.get("after")
     if isinstance(after, list) and after:
-        ops = [_short_op(a.get("op")) for a in after if isinstance(a, Mapping)]
+        ops = [short_op(a.get("op")) or "?" for a in after if isinstance(a, Mapping)]
         lines.append(("then", " -> ".join(ops[:_MAX_LISTED]) + (" -> ..." if len(ops) > _MAX_LISTED else "")))
     if ev.get("parameters"):
         lines.append(("parameters", _listed(ev["parameters"], ev.get("nonfinite_parameters"))))
     scale = ev.get("weight_scale")
     if isinstance(scale, Mapping) and scale.get("max_ratio") is not None and float(scale["max_ratio"]) > 3:
-        lines.append(("init", f"weight std*sqrt(fan_in) reaches {fmt(scale['max_ratio'], 3)} in {scale.get('module')}"))
+        lines.append(("init", f"weight rms*sqrt(fan_in) reaches {fmt(scale['max_ratio'], 3)} in {scale.get('module')}"))
     if ev.get("error"):
         lines.append(("error", str(ev["error"])))
     elif origin.get("error"):
@@ -146,11 +266,6 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
     if ev.get("bundle"):
         lines.append(("bundle", str(ev["bundle"])))
     return lines
-
-
-def _short_op(op: Any) -> str:
-    text = str(op or "?")
-    return text.removeprefix("aten.").removesuffix(".default")
 
 
 def op_path(diag: Diagnosis) -> list[dict[str, Any]]:
@@ -175,7 +290,7 @@ def op_path(diag: Diagnosis) -> list[dict[str, Any]]:
             "op": diag.op or origin.get("op") or f"({origin.get('category', 'input')})",
             "module": diag.module if diag.module is not None else origin.get("module"),
             "phase": diag.phase,
-            "carries": KIND_NAMES.get(diag.kind, diag.kind),
+            "carries": kind_name(diag.kind),
         }
     )
     for item in ev.get("after") or []:

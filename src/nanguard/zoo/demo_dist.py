@@ -12,8 +12,8 @@ import torch
 import torch.distributed as tdist
 
 from nanguard.guard import Guard
-from nanguard.spawn import spawn_ranks
 from nanguard.zoo import build, get, synthetic_batch
+from nanguard.zoo.spawn import RanksFailed, spawn_ranks
 
 __all__ = ["ddp_rank_loop", "demo_rank", "run_distributed_demo"]
 
@@ -46,10 +46,10 @@ def ddp_rank_loop(fault: str, *, steps: int, run_dir: str | None, seed: int = 0,
     return guard
 
 
-def demo_rank(fault: str, steps: int, run_dir: str | None, seed: int) -> dict[str, Any]:
+def demo_rank(rank: int, world: int, fault: str, steps: int, run_dir: str | None, seed: int) -> dict[str, Any]:
     guard = ddp_rank_loop(fault, steps=steps, run_dir=run_dir, seed=seed)
     diag = guard.last_diagnosis
-    return {"rank": tdist.get_rank(), "skipped": guard.skipped, "diagnosis": diag.to_dict() if diag else None}
+    return {"rank": rank, "skipped": guard.skipped, "diagnosis": diag.to_dict() if diag else None}
 
 
 def run_distributed_demo(fault: str, *, steps: int, ranks: int, run_dir: str | None, seed: int = 0) -> int:
@@ -61,13 +61,11 @@ def run_distributed_demo(fault: str, *, steps: int, ranks: int, run_dir: str | N
     console.title(
         f"nanguard demo: {scenario.name} on {ranks} gloo ranks", f"{scenario.summary} (rank {ranks - 1} only)"
     )
-    outcomes = spawn_ranks("nanguard.demo_dist:demo_rank", ranks, fault=fault, steps=steps, run_dir=run_dir, seed=seed)
-    for rank, outcome in enumerate(outcomes):
-        if not outcome["ok"]:
-            console.line(f"rank {rank} failed:\n{outcome['error']}")
-    if not all(o["ok"] for o in outcomes):
+    try:
+        results = spawn_ranks(demo_rank, fault, steps, run_dir, seed, world=ranks)
+    except RanksFailed as err:
+        console.line(str(err))
         return 1
-    results = [o["value"] for o in outcomes]
     console.line("skipped per rank: " + ", ".join(f"rank {r['rank']}: {r['skipped']}" for r in results))
     diag = results[0]["diagnosis"]
     if diag is not None:

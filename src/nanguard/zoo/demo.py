@@ -30,7 +30,7 @@ def run_demo(fault: str, *, steps: int = 8, ranks: int = 1, run_dir: str | None 
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     if ranks > 1:
-        from nanguard.demo_dist import run_distributed_demo
+        from nanguard.zoo.demo_dist import run_distributed_demo
 
         return run_distributed_demo(scenario.name, steps=steps, ranks=ranks, run_dir=run_dir, seed=seed)
     from nanguard.report.terminal import Console

@@ -1,0 +1,111 @@
+"""``nanguard replay``: build the user's model from ``pkg.module:factory``, load weights, replay a bundle.
+
+Only the code the ``--model`` and ``--fn`` specs name runs; weights load as safetensors or
+with ``torch.load(weights_only=True)``. Wrong options raise ValueError naming the option.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanguard.bundle import Bundle, load_bundle, replay
+from nanguard.findings import Diagnosis
+
+__all__ = ["main_replay"]
+
+
+def main_replay(
+    bundle_path: str, model_spec: str, weights: str | None, fn_spec: str | None
+) -> tuple[Bundle, Diagnosis | None]:
+    """``nanguard replay``: load a bundle, build the model, replay the step under ``locate``.
+
+    ``model_spec`` is ``"pkg.module:factory"``; the factory is called with no arguments.
+    ``weights`` is a ``.safetensors`` file or a ``torch.save`` state dict (loaded with
+    ``weights_only=True``). ``fn_spec`` is ``"pkg.module:function"``, called as
+    ``function(model)`` to get the step closure. Only the code these specs name runs.
+
+    Example:
+        >>> bundle, diag = main_replay("runs/a/bundles/step-00000812-rank-0",
+        ...                            "mytrain.model:build", "ckpt.safetensors", None)
+    """
+    _parse_spec(model_spec, "--model", "pkg.module:factory")
+    if fn_spec is not None:
+        _parse_spec(fn_spec, "--fn", "pkg.module:function")
+    bundle = load_bundle(bundle_path)
+
+    factory = _resolve(model_spec, "--model", "pkg.module:factory")
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model: {model_spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    if weights is not None:
+        _load_weights(model, weights)
+    fn = None
+    if fn_spec is not None:
+        fn = _resolve(fn_spec, "--fn", "pkg.module:function")(model)
+        if not callable(fn):
+            raise ValueError(f"--fn: {fn_spec!r} returned a {type(fn).__name__}, not a function")
+    return bundle, replay(bundle, model, fn)
+
+
+def _parse_spec(spec: str, option: str, example: str) -> tuple[str, str]:
+    module, sep, attr = spec.partition(":")
+    names = [*module.split("."), *attr.split(".")]
+    if not sep or not all(name.isidentifier() for name in names):
+        raise ValueError(f"{option} must look like {example!r}, got {spec!r}")
+    return module, attr
+
+
+def _resolve(spec: str, option: str, example: str) -> Callable[..., Any]:
+    module_name, attr = _parse_spec(spec, option, example)
+    # The CLI is run from the user's project: let its modules import as under `python -m`.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        missing = err.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise ValueError(f"{option}: no module named {missing!r} (in {spec!r})") from None
+        raise
+    for name in attr.split("."):
+        try:
+            obj = getattr(obj, name)
+        except AttributeError:
+            raise ValueError(f"{option}: {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"{option}: {spec!r} is not callable")
+    return obj
+
+
+def _load_weights(model: torch.nn.Module, weights: str) -> None:
+    path = Path(weights)
+    if not path.is_file():
+        raise ValueError(f"--weights: no such file {weights!r}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--weights: cannot load {weights!r}: {first_line}") from None
+    if isinstance(state, Mapping):
+        for key in ("state_dict", "model_state_dict", "model"):
+            if isinstance(state.get(key), Mapping):
+                state = state[key]
+                break
+    if not isinstance(state, Mapping):
+        raise ValueError(f"--weights: {weights!r} holds a {type(state).__name__}, not a state dict")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise ValueError(f"--weights: {weights!r} does not fit the model: {err}") from None
