@@ -126,7 +126,7 @@ def _ranks(rank: int, world: int, tmp: str) -> dict[str, object]:
 @pytest.mark.dist
 def test_ddp_hooks_and_fsdp2_internals(tmp_path) -> None:
     for r in spawn_ranks(_ranks, tmp_path):
-        assert r["hooks"] == (False, True)
+        assert r["hooks"] == [False, True]  # results travel as JSON
         assert r["fsdp_state"], "FSDP2 no longer exposes _get_fsdp_state()._fsdp_param_group.fsdp_params"
         assert r["held"], "FSDP2 no longer keeps the unsynced gradients where compat clears them"
         assert r["dropped"] and r["same_grads"]
