@@ -30,7 +30,6 @@ from nanguard.guard.replay import Diagnoser
 from nanguard.rng import get_rng_state
 from nanguard.spikes import SpikeDetector
 from nanguard.stats import local
-from nanguard.tracer.headroom import HeadroomCheck
 
 __all__ = ["Guard"]
 
@@ -105,10 +104,7 @@ class Guard:
         self._pending: StepHealth | None = None
         self._health_now: StepHealth | None = None  # this step's, once read
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
-        # -- remedies and early warning (policy="auto", headroom_every)
-        self._remedies = Remedies(model, optimizer, config=c, emit=self.recorder.remedy, run_dir=run_dir,
-                                  scheduler=lambda: getattr(self, "scheduler", None))  # fmt: skip
-        self.headroom = HeadroomCheck(dist.unwrap(model), every=c.headroom_every, emit=self.recorder.headroom)
+        self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, lambda: getattr(self, "scheduler", None))
         if c.policy in ("rollback", "auto"):
             self.recovery.take_snapshot(self.step_count)
 
@@ -133,8 +129,6 @@ class Guard:
     def step(self, closure: Callable[[], Any], batch: Any = None, sample_ids: Any = None) -> Any:
         """Run ``closure``, check it, then step the optimizer or recover.
 
-        ``sample_ids`` are the dataset indices of the batch's rows (a 1-D tensor or list):
-        under ``policy="auto"`` the rows that hold bad data are quarantined by them.
         Returns the closure's loss, or None when the step was skipped or its batch dropped.
         """
         if not callable(closure):
@@ -147,7 +141,7 @@ class Guard:
         self.health.comm.reset()
         self._closure_error = None
         try:
-            with torch.enable_grad(), self.headroom.watch(self.step_count):
+            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count):
                 loss = closure()
         except (IndexError, RuntimeError) as err:
             if not _index_error(err):
@@ -311,8 +305,7 @@ class Guard:
         if new_scale < c.loss_scale_floor or streak >= c.max_overflow_streak:
             diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
                                        overflows=self.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
-            if self._remedies.rescue_scaler(h.step, diag, self.scaler):
-                self.recovery.overflow_streak = 0
+            if self._remedies.rescue_scaler(h.step, diag, self.scaler, self.recovery):
                 return
             self.last_diagnosis = diag
             self.recorder.trip(h.step, action="raise", ranks=[self.rank], diagnosis=diag)
@@ -343,8 +336,7 @@ class Guard:
         module_stats: dict[str, Any] | None = None,
     ) -> None:
         self.last_diagnosis = diag
-        action, message = self._remedies.choose(diag, self.recovery.policy_for(diag), step=step, batch=batch,
-                                                has_snapshot=self.recovery.snapshot is not None)  # fmt: skip
+        action, message = self._remedies.choose(diag, self.recovery, step=step, batch=batch)
         extra = {"module_stats": module_stats} if module_stats else {}
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         self.recorder.trip(step, action=action, ranks=flagged, diagnosis=diag, **extra)

@@ -25,9 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import sampler
+from nanguard import dist, sampler
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
+from nanguard.guard.recorder import NullRecorder
+from nanguard.guard.recovery import Recovery
+from nanguard.tracer.headroom import HeadroomCheck
 from nanguard.tree import leaves_with_path, path_str
 
 __all__ = ["ACTIONS", "UNSKIPPABLE", "Remedies", "bad_rows"]
@@ -44,8 +47,9 @@ class Remedies:
     """Chooses and applies remedies; ``entries`` is ``guard.remedies``.
 
     Example:
-        >>> remedies = Remedies(model, optimizer, config=GuardConfig(policy="auto"), emit=print)
-        >>> remedies.choose(diag, "auto", step=7, batch=batch, has_snapshot=True)
+        >>> remedies = Remedies(model, optimizer, GuardConfig(policy="auto"), NullRecorder(), run_dir="runs/exp1")
+        >>> remedies.begin_step(sample_ids=[40, 41, 42, 43])
+        >>> remedies.choose(diag, recovery, step=7, batch=batch)
         ('skip', None)
         >>> remedies.entries[-1]["action"]
         'quarantine'
@@ -55,16 +59,16 @@ class Remedies:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        *,
         config: GuardConfig,
-        emit: Callable[..., None],
+        recorder: NullRecorder,
         run_dir: Any = None,
         scheduler: Callable[[], Any] = lambda: None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.config = config
-        self.emit = emit
+        self.emit = recorder.remedy
+        self.headroom = HeadroomCheck(dist.unwrap(model), every=config.headroom_every, emit=recorder.headroom)
         self.run_dir = run_dir
         self.scheduler = scheduler
         self.entries: list[dict[str, Any]] = []
@@ -83,11 +87,9 @@ class Remedies:
         ids = sample_ids.reshape(-1).tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids
         self.previous_ids, self.sample_ids = self.sample_ids, [int(i) for i in ids] if ids is not None else None
 
-    def choose(
-        self, diag: Diagnosis, action: str, *, step: int, batch: Any, has_snapshot: bool
-    ) -> tuple[str, str | None]:
-        """The guard's action for a trip ("skip", "rollback" or "raise") and, for "raise",
-        the message; ``action`` is what the policy alone would do."""
+    def choose(self, diag: Diagnosis, recovery: Recovery, *, step: int, batch: Any) -> tuple[str, str | None]:
+        """The guard's action for a trip ("skip", "rollback" or "raise") and, for "raise", the message."""
+        action, has_snapshot = recovery.policy_for(diag), recovery.snapshot is not None
         if diag.phase == "data" and batch is not None:
             rows = bad_rows(diag, batch, len(self.sample_ids) if self.sample_ids else None)
             if rows is not None:
@@ -112,7 +114,7 @@ class Remedies:
         self._lower_lr()
         take_snapshot()
 
-    def rescue_scaler(self, step: int, diag: Diagnosis, scaler: Any) -> bool:
+    def rescue_scaler(self, step: int, diag: Diagnosis, scaler: Any, recovery: Recovery) -> bool:
         """``precision.loss_scale`` under auto: reset the scale once; False when the run must stop."""
         if self.config.policy != "auto":
             return False
@@ -121,6 +123,7 @@ class Remedies:
             return False
         self.used[diag.cause] = 1
         scaler.update(SANE_SCALE)
+        recovery.overflow_streak = 0
         self._record(
             step, diag.cause, "skip", None, f"GradScaler scale reset to {SANE_SCALE:g}; raises if it collapses again"
         )
