@@ -40,6 +40,8 @@ log = logging.getLogger("nanguard")
 ACTIONS = ("skip", "quarantine", "upcast", "rollback", "lower_lr", "raise")
 UNSKIPPABLE = ("parameters.nonfinite", "optimizer.nonfinite_update")
 """Causes whose damage is already in the parameters: a skipped step leaves it there."""
+BUDGETED = ("precision.overflow", "optimizer.divergence", *UNSKIPPABLE)
+"""Causes whose remedy changes the run (upcast, rollback, LR): each gets ``remedy_budget`` of them."""
 SANE_SCALE = 2.0**16  # GradScaler's own default initial scale
 
 
@@ -132,7 +134,8 @@ class Remedies:
     # -- the remedies ------------------------------------------------------------------
     def _auto(self, diag: Diagnosis, step: int, has_snapshot: bool) -> tuple[str, str | None]:
         cause = diag.cause
-        used = self.used[cause] = self.used.get(cause, 0) + 1
+        # Quarantines and plain skips are bounded by the dataset and max_consecutive_skips.
+        used = self.used[cause] = self.used.get(cause, 0) + (cause in BUDGETED)
         if used > self.config.remedy_budget:
             reason = f"remedy_budget={self.config.remedy_budget} for {cause} is spent: the remedies did not hold"
             self._record(step, cause, "raise", None, reason)
