@@ -90,7 +90,8 @@ def measure_headroom(model: nn.Module) -> Iterator[list[Headroom]]:
 
 class HeadroomCheck:
     """Runs ``measure_headroom`` on every ``every``-th step's closure and reports each module
-    through ``emit(step, headroom)``; a failure of its own only warns.
+    through ``emit(step, headroom)``. The first check that sees no float16/bfloat16 op output
+    turns the checks off.
 
     Example:
         >>> check = HeadroomCheck(model, every=100, emit=lambda step, h: print(step, h))
@@ -110,6 +111,10 @@ class HeadroomCheck:
             return
         with measure_headroom(self.model) as found:
             yield
+        if not found:
+            # No float16/bfloat16 op ran: a float32 run stays one, so stop paying for the trace.
+            log.info("nanguard: step %d: no low-precision op outputs; headroom checks stop", step)
+            self.every = 0
         for h in found:
             self.emit(step, h)
             if h.close:

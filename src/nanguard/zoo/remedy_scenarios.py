@@ -160,6 +160,19 @@ def _data_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, state
     return last
 
 
+def _stopped_by(err: NonFiniteError) -> str:
+    text = str(err)
+    why = next((w for k, w in _STOPS if k in text), "raised")
+    return f"{err.diagnosis.cause}, {why}" if err.diagnosis else why
+
+
+_STOPS = (
+    ("max_consecutive_skips", "max_consecutive_skips reached"),
+    ("remedy_budget", "remedy_budget spent"),
+    ("skipping cannot help", "a skip cannot fix it"),
+)
+
+
 def _finite(loss: Any, last: float) -> float:
     if loss is None:
         return last
@@ -192,7 +205,7 @@ REMEDY_SCENARIOS: tuple[RemedyScenario, ...] = (
     ),
     RemedyScenario(
         "nan_rows_3_epochs",
-        "8 of 96 rows hold a NaN; 3 epochs through a QuarantineSampler",
+        "9 of 96 rows hold a NaN; 3 epochs through a QuarantineSampler",
         _gentle_regression,
         _data_loop,
         {},
@@ -212,7 +225,7 @@ def run_remedy_scenario(scenario: RemedyScenario, policy: str, seed: int = 0) ->
         try:
             last = scenario.loop(guard, model, opt, {**state, "run_dir": run_dir, "scaler": scaler})
         except NonFiniteError as err:
-            last, error = math.nan, str(err).splitlines()[0][:120]
+            last, error = math.nan, _stopped_by(err)
         finally:
             guard.close()
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
