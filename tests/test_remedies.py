@@ -396,3 +396,14 @@ def test_sample_ids_must_be_ids() -> None:
     guard = ng.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="auto")
     with pytest.raises(ValueError, match="sample_ids"):
         guard.step(lambda: model(torch.ones(1, 2)).sum(), sample_ids="abc")
+
+
+def test_zoo_remedy_scenarios_auto_finishes_where_skip_cannot() -> None:
+    from nanguard.zoo.remedy_scenarios import REMEDY_SCENARIOS, run_remedy_scenario
+
+    by_name = {s.name: s for s in REMEDY_SCENARIOS}
+    for name in ("nan_weight", "loss_scale_collapse"):
+        skip = run_remedy_scenario(by_name[name], "skip")
+        auto = run_remedy_scenario(by_name[name], "auto")
+        assert not skip["finished"] and skip["stopped_by"]
+        assert auto["ok"] and math.isfinite(auto["final_loss"]) and auto["remedies"]
