@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler
 
 import nanguard as ng
 from nanguard.events import read_events
+from nanguard.report.html import render_html
 from nanguard.report.load import load_run
 from nanguard.report.main import print_summary
 from nanguard.report.terminal import Console
@@ -152,8 +153,11 @@ def test_auto_quarantines_bad_rows_and_the_next_epoch_never_sees_them(tmp_path) 
     assert guard.last_diagnosis is not None and guard.last_diagnosis.evidence["rows"] == [1, 2]
     guard.close()
     out = io.StringIO()
-    print_summary(load_run(tmp_path), Console(out))
+    report = load_run(tmp_path)
+    print_summary(report, Console(out))
     assert "Remedies" in out.getvalue() and "quarantine" in out.getvalue()
+    page = render_html(report)
+    assert 'id="remedies"' in page and "[13, 14]" in page
 
 
 def test_quarantine_scope_previous_takes_the_batch_before_too(tmp_path) -> None:
