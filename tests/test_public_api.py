@@ -15,6 +15,7 @@ def test_all_is_pinned() -> None:
             "Finding",
             "Guard",
             "NonFiniteError",
+            "QuarantineSampler",
             "audit_model",
             "check_batch",
             "load_bundle",
@@ -94,6 +95,11 @@ def test_finding_validates_cause() -> None:
         (lambda: _guard(max_consecutive_skips=0), "max_consecutive_skips"),
         (lambda: _guard(spike_threshold=-1.0), "spike_threshold"),
         (lambda: _guard(frobnicate=True), "unknown Guard option"),
+        (lambda: _guard(lr_factor=2.0), "lr_factor"),
+        (lambda: _guard(quarantine="all"), "quarantine must be one of"),
+        (lambda: _guard(headroom_every=-1), "headroom_every"),
+        (lambda: _guard(remedy_budget=-1), "remedy_budget"),
+        (lambda: ng.QuarantineSampler(3, "runs"), "inner_sampler"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(call, match: str) -> None:

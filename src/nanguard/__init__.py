@@ -5,6 +5,7 @@ from nanguard.bundle import load_bundle, replay
 from nanguard.errors import NonFiniteError
 from nanguard.findings import CAUSES, Diagnosis, Finding
 from nanguard.guard import Guard
+from nanguard.sampler import QuarantineSampler
 from nanguard.tracer import locate
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "Finding",
     "Guard",
     "NonFiniteError",
+    "QuarantineSampler",
     "audit_model",
     "check_batch",
     "load_bundle",

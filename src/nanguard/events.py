@@ -29,7 +29,7 @@ from nanguard.findings import jsonable
 
 __all__ = ["KNOWN_KINDS", "EventLog", "event_path", "read_events"]
 
-KNOWN_KINDS = frozenset({"start", "step", "trip", "skip", "rollback", "spike", "overflow", "end"})
+KNOWN_KINDS = frozenset({"start", "step", "trip", "skip", "rollback", "spike", "overflow", "end", "remedy", "headroom"})
 
 
 def event_path(run_dir: str | Path, rank: int) -> Path:

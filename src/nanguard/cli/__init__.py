@@ -49,6 +49,10 @@ def _replay(args: argparse.Namespace) -> int:
 def _zoo(args: argparse.Namespace) -> int:
     from nanguard.zoo.runner import run_zoo
 
+    if args.remedies:
+        from nanguard.zoo.remedy_scenarios import print_scores
+
+        return print_scores(as_json=args.json)
     return run_zoo(ranks=args.ranks, as_json=args.json, only=args.only)
 
 
@@ -77,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--ranks", type=int, default=1, help="also run the distributed scenarios on N gloo ranks")
     zoo.add_argument("--json", action="store_true", help="print the results as JSON")
     zoo.add_argument("--only", default=None, metavar="NAME", help="run one scenario")
+    zoo.add_argument("--remedies", action="store_true", help="score skip, rollback and auto on the remedy scenarios")
     zoo.set_defaults(func=_zoo)
 
     report = sub.add_parser("report", help="summarize a run directory; --html writes a self-contained page")

@@ -8,7 +8,8 @@ from typing import Any
 
 __all__ = ["POLICIES", "GuardConfig"]
 
-POLICIES = ("skip", "rollback", "raise")
+POLICIES = ("skip", "rollback", "raise", "auto")
+QUARANTINE_SCOPES = ("rows", "batch", "previous", "off")
 
 
 @dataclass(kw_only=True)
@@ -20,7 +21,8 @@ class GuardConfig:
     """
 
     policy: str = "skip"
-    """What a trip does: "skip" the update, "rollback" to the last snapshot, or "raise"."""
+    """What a trip does: "skip" the update, "rollback" to the last snapshot, "raise", or "auto":
+    the remedy the diagnosed cause calls for (``nanguard.guard.remedies``)."""
     max_consecutive_skips: int = 10
     """Raise NonFiniteError after this many skipped (or rolled-back) steps in a row."""
     snapshot_every: int = 50
@@ -56,6 +58,18 @@ class GuardConfig:
     """How many recent (step, loss, grad norm) records to keep for the history rules."""
     max_bundle_bytes: int = 64 * 2**20
     """Batches larger than this are stored in a bundle as shapes only."""
+    # -- remedies (policy="auto") and early warning
+    remedy_budget: int = 3
+    """policy="auto": how many remedies one cause may get before the run stops (raise)."""
+    lr_factor: float = 0.5
+    """policy="auto": optimizer.divergence multiplies every group's LR by this (1.0 keeps the LR)."""
+    upcast: bool = True
+    """policy="auto": run a module whose float16/bfloat16 op overflowed in float32 from then on."""
+    quarantine: str = "rows"
+    """policy="auto", data causes with ``sample_ids``: quarantine the bad "rows", the whole "batch"
+    when the rows cannot be told, that and the "previous" batch, or "off"."""
+    headroom_every: int = 100
+    """Every N steps, measure how close float16/bfloat16 op outputs per module come to overflow (0 = off)."""
 
     @classmethod
     def from_options(cls, policy: str, options: Mapping[str, Any]) -> GuardConfig:
@@ -75,7 +89,8 @@ class GuardConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("rollback_skip_batches", "param_check_every", "fingerprint_every", "max_bundle_bytes"):
+        for name in ("rollback_skip_batches", "param_check_every", "fingerprint_every", "max_bundle_bytes",
+                     "remedy_budget", "headroom_every"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -83,5 +98,10 @@ class GuardConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        factor = self.lr_factor
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+            raise ValueError(f"lr_factor must be a number in (0, 1], got {self.lr_factor!r}")
+        if self.quarantine not in QUARANTINE_SCOPES:
+            raise ValueError(f"quarantine must be one of {QUARANTINE_SCOPES}, got {self.quarantine!r}")
         if self.spike_warmup > self.spike_window:
             raise ValueError(f"spike_warmup must be <= spike_window ({self.spike_window}), got {self.spike_warmup}")

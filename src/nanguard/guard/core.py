@@ -25,6 +25,7 @@ from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
+from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser
 from nanguard.rng import get_rng_state
 from nanguard.spikes import SpikeDetector
@@ -103,7 +104,8 @@ class Guard:
         self._pending: StepHealth | None = None
         self._health_now: StepHealth | None = None  # this step's, once read
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
-        if c.policy == "rollback":
+        self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, lambda: getattr(self, "scheduler", None))
+        if c.policy in ("rollback", "auto"):
             self.recovery.take_snapshot(self.step_count)
 
     # Counters owned by the parts, read where users always found them.
@@ -113,6 +115,7 @@ class Guard:
     consecutive_skips = property(lambda self: self.recovery.consecutive_skips, doc="Skips and rollbacks in a row.")
     overflow_streak = property(lambda self: self.recovery.overflow_streak, doc="Overflow steps in a row.")
     spikes = property(lambda self: self.history.spikes, doc="Loss and grad-norm spikes seen.")
+    remedies = property(lambda self: self._remedies.entries, doc="Remedies applied, oldest first.")
 
     @property
     def loss_spikes(self) -> SpikeDetector:
@@ -123,13 +126,14 @@ class Guard:
         return self.history.grad_spikes
 
     # -- the step ------------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any], batch: Any = None) -> Any:
+    def step(self, closure: Callable[[], Any], batch: Any = None, sample_ids: Any = None) -> Any:
         """Run ``closure``, check it, then step the optimizer or recover.
 
         Returns the closure's loss, or None when the step was skipped or its batch dropped.
         """
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
+        self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
         rng = get_rng_state(self._cuda_devices)
@@ -137,7 +141,7 @@ class Guard:
         self.health.comm.reset()
         self._closure_error = None
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count):
                 loss = closure()
         except (IndexError, RuntimeError) as err:
             if not _index_error(err):
@@ -301,6 +305,8 @@ class Guard:
         if new_scale < c.loss_scale_floor or streak >= c.max_overflow_streak:
             diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
                                        overflows=self.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
+            if self._remedies.rescue_scaler(h.step, diag, self.scaler, self.recovery):
+                return
             self.last_diagnosis = diag
             self.recorder.trip(h.step, action="raise", ranks=[self.rank], diagnosis=diag)
             raise NonFiniteError(diag)
@@ -330,7 +336,7 @@ class Guard:
         module_stats: dict[str, Any] | None = None,
     ) -> None:
         self.last_diagnosis = diag
-        action = self.recovery.policy_for(diag)
+        action, message = self._remedies.choose(diag, self.recovery, step=step, batch=batch)
         extra = {"module_stats": module_stats} if module_stats else {}
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         self.recorder.trip(step, action=action, ranks=flagged, diagnosis=diag, **extra)
@@ -338,9 +344,10 @@ class Guard:
         log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
         if action == "raise":
             self.last_action = "raise"
-            raise NonFiniteError(diag)
+            raise NonFiniteError(diag, message)
         if action == "rollback":
             restored = self.recovery.rollback(diag)
+            self._remedies.after_rollback(step, lambda: self.recovery.take_snapshot(restored))
             self.health.forget_update()
             self.last_action = "rollback"
             self.recorder.rollback(step, restored_step=restored, skip_batches=self.recovery.drop_batches,
@@ -365,6 +372,7 @@ class Guard:
             **self.recovery.state_dict(),
             **self.history.state_dict(),
             "last_diagnosis": self.last_diagnosis.to_dict() if self.last_diagnosis else None,
+            "remedies": self._remedies.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -373,6 +381,7 @@ class Guard:
         self.history.load_state_dict(state)
         last = state.get("last_diagnosis")
         self.last_diagnosis = Diagnosis.from_dict(last) if last else None
+        self._remedies.load_state_dict(state.get("remedies") or {})
 
     def close(self) -> None:
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)

@@ -18,6 +18,7 @@ from nanguard.events import EventLog
 from nanguard.findings import Diagnosis
 from nanguard.rng import get_rng_state
 from nanguard.spikes import Spike
+from nanguard.tracer.headroom import Headroom
 
 __all__ = ["NullRecorder", "Recorder", "recorder_for"]
 
@@ -50,6 +51,13 @@ class NullRecorder:
 
     def overflow(self, step: int, *, scale: float, new_scale: float, streak: int) -> None:
         self._write("overflow", step, scale=scale, new_scale=new_scale, streak=streak)
+
+    def remedy(self, *, step: int, cause: str, action: str, target: Any, reason: str) -> None:
+        self._write("remedy", step, cause=cause, action=action, target=target, reason=reason)
+
+    def headroom(self, step: int, headroom: Headroom) -> None:
+        self._write("headroom", step, module=headroom.module, dtype=headroom.dtype, absmax=headroom.absmax,
+                    limit=headroom.limit, close=headroom.close)  # fmt: skip
 
     def end(self, step: int, *, skipped: int, rollbacks: int) -> None:
         self._write("end", step, skipped=skipped, rollbacks=rollbacks)

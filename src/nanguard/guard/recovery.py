@@ -133,8 +133,8 @@ class Recovery:
         }
 
     def snapshot_if_due(self, step: int) -> None:
-        """Under the rollback policy, snapshot every ``snapshot_every`` good steps."""
-        if self.config.policy == "rollback" and self.good_steps % self.config.snapshot_every == 0:
+        """Under the rollback and auto policies, snapshot every ``snapshot_every`` good steps."""
+        if self.config.policy in ("rollback", "auto") and self.good_steps % self.config.snapshot_every == 0:
             self.take_snapshot(step)
 
     def state_dict(self) -> dict[str, int]:

@@ -201,6 +201,36 @@ def _events_html(report: RunReport) -> str:
     return _table(("step", "event", "ranks", "detail"), rows, cls="events") + tail
 
 
+def _remedies_html(report: RunReport) -> str:
+    """The remedies section (policy="auto") and modules near overflow; empty when there are none."""
+    out = []
+    if report.remedies:
+        rows = [
+            (
+                str(m.step),
+                str(m.fields.get("cause")),
+                str(m.fields.get("action")),
+                "-" if m.fields.get("target") is None else str(m.fields.get("target")),
+                str(m.fields.get("reason")),
+            )
+            for m in report.remedies[:_MAX_EVENT_ROWS]
+        ]
+        out += ['<h2 id="remedies">Remedies</h2>', _table(("step", "cause", "remedy", "target", "reason"), rows)]
+    close = [m for m in report.headroom if m.fields.get("close")]
+    if close:
+        rows = [
+            (
+                str(m.step),
+                str(m.fields.get("module")),
+                str(m.fields.get("dtype")),
+                f"{m.fields.get('absmax'):.4g} of {m.fields.get('limit'):.4g}",
+            )
+            for m in close[:_MAX_EVENT_ROWS]
+        ]
+        out += ['<h2 id="headroom">Close to overflow</h2>', _table(("step", "module", "dtype", "absmax"), rows)]
+    return "\n".join(out)
+
+
 def _ranks_html(data: dict[str, Any]) -> str:
     return _table(RANK_COLUMNS, rank_rows(data), cls="ranks")
 
@@ -306,6 +336,7 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
 
     out.append('<h2 id="events">Skips, rollbacks, spikes and overflows</h2>')
     out.append(_events_html(report))
+    out.append(_remedies_html(report))
     if report.bundles:
         rows = [(b.path.name, str(b.step), str(b.rank), b.cause or "-", b.error or "ok") for b in report.bundles[:200]]
         out.append('<h2 id="bundles">Bundles</h2>')

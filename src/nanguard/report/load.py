@@ -126,6 +126,8 @@ class RunReport:
     rollbacks: list[Marker] = field(default_factory=list)
     spikes: list[Marker] = field(default_factory=list)
     overflows: list[Marker] = field(default_factory=list)
+    remedies: list[Marker] = field(default_factory=list)
+    headroom: list[Marker] = field(default_factory=list)
     bundles: list[BundleInfo] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     world_size: int | None = None
@@ -184,6 +186,7 @@ class RunReport:
                 "rollbacks": [_marker_dict(m) for m in self.rollbacks],
                 "spikes": [_marker_dict(m) for m in self.spikes],
                 "overflows": [_marker_dict(m) for m in self.overflows],
+                "remedies": [_marker_dict(m) for m in self.remedies],
                 "bundles": [_bundle_dict(b) for b in self.bundles],
                 "warnings": list(self.warnings),
             }
@@ -384,6 +387,8 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]], note
         "rollback": lambda e: (e.get("restored_step"),),
         "spike": lambda e: (str(e.get("metric")),),
         "overflow": lambda e: (),
+        "remedy": lambda e: (str(e.get("cause")), str(e.get("action"))),
+        "headroom": lambda e: (str(e.get("module")), str(e.get("dtype"))),
     }
     merged: dict[str, dict[tuple[Any, ...], list[tuple[int, dict[str, Any]]]]] = defaultdict(dict)
     for rank, events in sorted(per_rank.items()):
@@ -404,6 +409,8 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]], note
         ("rollback", report.rollbacks),
         ("spike", report.spikes),
         ("overflow", report.overflows),
+        ("remedy", report.remedies),
+        ("headroom", report.headroom),
     ):
         for entries in merged[kind].values():
             first = entries[0][1]

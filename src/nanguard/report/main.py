@@ -126,3 +126,39 @@ def print_summary(report: RunReport, console: Console) -> None:
         console.line(f"... {len(report.trips) - _MAX_PANELS} more trips (see --html or --json)")
     if not report.trips:
         console.line("no trips: every logged step was finite")
+    print_remedies(report, console)
+
+
+def print_remedies(report: RunReport, console: Console) -> None:
+    """The remedies a ``policy="auto"`` guard applied, and modules close to float16 overflow."""
+    if report.remedies:
+        rows = [
+            [
+                str(m.step),
+                str(m.fields.get("cause")),
+                str(m.fields.get("action")),
+                _target(m.fields.get("target")),
+                str(m.fields.get("reason")),
+            ]
+            for m in report.remedies
+        ]
+        console.table(["step", "cause", "remedy", "target", "reason"], rows[:_MAX_EVENT_ROWS], title="Remedies")
+    close = [m for m in report.headroom if m.fields.get("close")]
+    if close:
+        rows = [
+            [
+                str(m.step),
+                str(m.fields.get("module")),
+                str(m.fields.get("dtype")),
+                f"{m.fields.get('absmax'):.4g} of {m.fields.get('limit'):.4g}",
+            ]
+            for m in close
+        ]
+        console.table(["step", "module", "dtype", "absmax"], rows[:_MAX_EVENT_ROWS], title="Close to overflow")
+
+
+def _target(target: object) -> str:
+    if isinstance(target, list):
+        shown = ", ".join(map(str, target[:8]))
+        return f"ids {shown}" + (f" (+{len(target) - 8})" if len(target) > 8 else "")
+    return "-" if target is None else str(target)
