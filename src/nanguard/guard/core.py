@@ -6,8 +6,11 @@ See the package docstring for the host and device paths.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import numbers
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -24,9 +27,9 @@ from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.recorder import recorder_for
-from nanguard.guard.recovery import Recovery
+from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.replay import Diagnoser
-from nanguard.rng import get_rng_state
+from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.spikes import SpikeDetector
 from nanguard.stats import local
 
@@ -41,7 +44,9 @@ class Guard:
     ``closure`` follows the ``torch.optim`` convention: it zeroes the gradients, runs
     forward and backward, and returns the loss. With a ``torch.amp.GradScaler`` pass it
     as ``scaler=`` and call ``scaler.scale(loss).backward()`` in the closure; the guard
-    unscales, steps and updates the scaler.
+    unscales, steps and updates the scaler. Pass the LR scheduler as ``scheduler=`` so a
+    rollback restores it with the optimizer; step it only after an applied update (when
+    ``step`` returned a loss).
 
     Example:
         >>> guard = ng.Guard(model, optimizer, policy="skip", run_dir="runs/exp1")
@@ -72,6 +77,7 @@ class Guard:
         policy: str = "skip",
         *,
         scaler: Any = None,
+        scheduler: Any = None,
         run_dir: str | Path | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         **config: Any,
@@ -80,10 +86,13 @@ class Guard:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_has(scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict"))
+        _check_has(scheduler, "scheduler", ("step", "state_dict", "load_state_dict"))
         c = self.config = GuardConfig.from_options(policy, config)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.scheduler = scheduler
         self.rank = dist.rank()
         self.step_count = 0
         self.last_diagnosis: Diagnosis | None = None
@@ -91,7 +100,7 @@ class Guard:
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
                                   param_check_every=c.param_check_every)  # fmt: skip
-        self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c)
+        self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)
         self.history = History.from_config(c)
         self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats)
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
@@ -127,6 +136,9 @@ class Guard:
         """Run ``closure``, check it, then step the optimizer or recover.
 
         Returns the closure's loss, or None when the step was skipped or its batch dropped.
+        A skip puts buffers and the RNG back as they were before the forward. When the
+        closure (or a replay) raises, even ``KeyboardInterrupt``, buffers, RNG and step count
+        are put back and the step's gradients dropped before the error goes on.
         """
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
@@ -134,11 +146,22 @@ class Guard:
             return None
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
+        step_count = self.step_count
+        try:
+            return self._step(closure, batch, rng)
+        except NonFiniteError:
+            raise  # the policy's own verdict: the trip is recorded and the state already restored
+        except BaseException:
+            self._undo_step(rng, step_count)
+            raise
+
+    def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
         self.health.comm.reset()
         self._closure_error = None
         try:
             with torch.enable_grad():
                 loss = closure()
+            value = _loss_value(loss, "the closure's return value", allow_none=False)
         except (IndexError, RuntimeError) as err:
             if not _index_error(err):
                 raise
@@ -152,12 +175,12 @@ class Guard:
             # by a NaN loss, and its replay turns the error into a data diagnosis.
             self._closure_error = err
             self.model.zero_grad(set_to_none=True)
-            loss = torch.full((), math.nan, device=self._params[0].device if self._params else None)
+            loss = value = torch.full((), math.nan, device=self._params[0].device if self._params else None)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         # A spike verdict comes after the host read, too late for the device path.
         device_step = self._fused and self.scaler is None and not self.config.skip_spikes
-        if not self._check(loss, closure, batch, rng, device_step=device_step):
+        if not self._check(value, closure, batch, rng, device_step=device_step):
             return None
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -187,14 +210,21 @@ class Guard:
             >>> if guard.check(loss, replay=lambda: rerun(batch), batch=batch):
             ...     optimizer.step()
             ...     guard.after_step()
+
+        ``loss`` None lets the gradients alone decide.
         """
+        value = _loss_value(loss, "loss", allow_none=True)
+        if replay is not None and not callable(replay):
+            raise ValueError(f"replay must be callable or None, got {type(replay).__name__}")
+        if rng is not None and not isinstance(rng, Mapping):
+            raise ValueError(f"rng must be a dict from nanguard.rng.get_rng_state() or None, got {type(rng).__name__}")
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
         self._closure_error = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        return self._check(loss, replay, batch, rng, device_step=False, restore_buffers=False)
+        return self._check(value, replay, batch, rng, device_step=False, restore_buffers=False)
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -232,9 +262,14 @@ class Guard:
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))
         h = measured.read(step, agreed, scaled=self.scaler is not None)
         self._health_now = h
+        own_rng = rng if restore_buffers else None  # step() took it: a skip puts it back
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
-            self.recovery.abandon(restore_buffers)
-            self._trip(self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, batch, rng)
+            self.recovery.abandon(restore_buffers, own_rng)
+            try:
+                diag = self.diagnoser.nonfinite_update(step - 1, params_bad)
+            except Exception as err:  # nanguard's own failure must not kill training
+                diag = _diagnosis_failed(err, step - 1, h)
+            self._trip(diag, step - 1, batch, rng)
             return False
         if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
             self._overflow(h)
@@ -243,10 +278,16 @@ class Guard:
             if restore_buffers:
                 self.recovery.buffers.restore()  # the replays start from the step's own state...
             error, self._closure_error = self._closure_error, None
-            replayed = self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error)
-            self.recovery.abandon(restore_buffers)  # ...and leave none of theirs behind
-            assert replayed.diagnosis is not None
-            self._trip(replayed.diagnosis, step, batch, rng, module_stats=replayed.module_stats)
+            try:
+                replayed = self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error)
+                assert replayed.diagnosis is not None
+                diag, stats = replayed.diagnosis, replayed.module_stats
+            except Exception as err:
+                if err is error:
+                    raise  # not an id out of range: the user's own bug, theirs to see
+                diag, stats = _diagnosis_failed(err, step, h), None  # nanguard's own: never kill training
+            self.recovery.abandon(restore_buffers, own_rng)  # ...and leave none of theirs behind
+            self._trip(diag, step, batch, rng, module_stats=stats)
             return False
         spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
         for spike in spikes:
@@ -254,7 +295,7 @@ class Guard:
             log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
                         step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
         if spikes and self.config.skip_spikes:
-            self.recovery.abandon(restore_buffers)
+            self.recovery.abandon(restore_buffers, own_rng)
             self._skip(step, f"{spikes[0].metric} spike (z={spikes[0].score:.1f})", h)
             return False
         self._pending = h
@@ -333,8 +374,11 @@ class Guard:
         action = self.recovery.policy_for(diag)
         extra = {"module_stats": module_stats} if module_stats else {}
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
-        self.recorder.trip(step, action=action, ranks=flagged, diagnosis=diag, **extra)
-        self.recorder.bundle(diag, step, batch, rng, meta=self._bundle_meta)
+        try:
+            self.recorder.trip(step, action=action, ranks=flagged, diagnosis=diag, **extra)
+            self.recorder.bundle(diag, step, batch, rng, meta=self._bundle_meta)
+        except Exception as err:  # recording is evidence, never worth killing training
+            warnings.warn(f"nanguard: could not record the trip of step {step}: {err!r}", stacklevel=4)
         log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
         if action == "raise":
             self.last_action = "raise"
@@ -357,6 +401,22 @@ class Guard:
                            scale=h.scale if h else None, skipped=True)  # fmt: skip
         self.recovery.count_in_a_row(self.last_diagnosis)
 
+    def _undo_step(self, rng: dict[str, torch.Tensor], step_count: int) -> None:
+        """The closure or a replay raised: leave no trace of the step (buffers, RNG, the
+        step's gradients, counters, an open scaler unscale)."""
+        self.recovery.buffers.restore()
+        set_rng_state(rng)
+        self.model.zero_grad(set_to_none=True)
+        if self.scaler is not None and self.step_count != step_count:
+            # unscale_ ran (it comes before the count): close it, keeping the scale as it was.
+            scale = self.scaler.state_dict()
+            with contextlib.suppress(AssertionError, RuntimeError):  # already closed by a skip
+                self.scaler.update()
+            self.scaler.load_state_dict(scale)
+        self.step_count = step_count
+        self._pending = self._health_now = None
+        self._closure_error = None
+
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters, history and detector windows, so a resumed run keeps them."""
@@ -368,6 +428,25 @@ class Guard:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load ``state_dict()``; a bad entry is a ValueError naming it, and nothing is applied.
+
+        Example:
+            >>> guard.load_state_dict(checkpoint["guard"])
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state must be a mapping from Guard.state_dict(), got {type(state).__name__}")
+        for name in ("step_count", *COUNTERS):
+            value = state.get(name, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"state[{name!r}] must be an int >= 0, got {value!r}")
+        before = self.state_dict()
+        try:
+            self._apply_state(state)
+        except Exception as err:
+            self._apply_state(before)
+            raise ValueError(f"cannot load the guard state: {err}") from err
+
+    def _apply_state(self, state: Mapping[str, Any]) -> None:
         self.step_count = int(state.get("step_count", 0))
         self.recovery.load_state_dict(state)
         self.history.load_state_dict(state)
@@ -377,6 +456,41 @@ class Guard:
     def close(self) -> None:
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
+
+
+def _check_has(obj: Any, name: str, methods: tuple[str, ...]) -> None:
+    if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
+        raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
+
+
+def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:
+    """The loss as the health check reads it: a number or a one-element tensor. A larger
+    tensor reads as its mean, or, when any element is NaN/Inf, as a non-finite value."""
+    if loss is None and allow_none:
+        return None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() == 0:
+            raise ValueError(f"{name} is an empty tensor; it must hold the loss")
+        if loss.numel() == 1:
+            return loss
+        x = loss.detach().float()
+        return torch.where(torch.isfinite(x).all(), x.mean(), x.sum())  # any NaN/Inf makes the sum non-finite
+    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return loss
+    raise TypeError(f"{name} must be the loss (a tensor or a number), got {type(loss).__name__}")
+
+
+def _diagnosis_failed(err: Exception, step: int, h: StepHealth) -> Diagnosis:
+    """The diagnosis of a trip whose diagnosis itself failed: ``unknown``, with the error."""
+    warnings.warn(f"nanguard: the diagnosis of step {step} failed: {err!r}", stacklevel=5)
+    return Diagnosis(
+        cause="unknown",
+        kind="nan" if math.isnan(h.loss) or math.isnan(h.grad_norm) else "inf",
+        phase="backward",
+        step=step,
+        evidence={"loss": h.loss, "grad_norm": h.grad_norm, "why": f"nanguard's diagnosis failed: {err!r}"},
+        fixes=["the step was handled by the policy; rerun it with ng.locate to find its origin"],
+    )
 
 
 def _index_error(err: BaseException) -> bool:
