@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -120,7 +119,7 @@ def test_a_real_full_file_system_warns_once_per_kind_and_training_goes_on(tmp_pa
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run(
         ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-         f'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$1" -c "$2"', str(mount), sys.executable, script],
+         'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$1" -c "$2"', str(mount), sys.executable, script],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -180,9 +179,7 @@ def test_an_interrupt_during_the_replay_leaves_no_trace() -> None:
 
 
 # -- 3. the closure's return value ---------------------------------------------------------
-@pytest.mark.parametrize(
-    ("returned", "error"), [(None, TypeError), ("0.5", TypeError), (torch.tensor([]), ValueError)]
-)
+@pytest.mark.parametrize(("returned", "error"), [(None, TypeError), ("0.5", TypeError), (torch.tensor([]), ValueError)])
 def test_a_closure_that_returns_no_loss_is_an_error_and_no_update(returned: object, error: type) -> None:
     model = _model()
     guard, opt = _guard(model)

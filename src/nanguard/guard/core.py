@@ -11,7 +11,7 @@ import logging
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,8 @@ from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
-from nanguard.guard.replay import Diagnoser
-from nanguard.rng import get_rng_state, set_rng_state
+from nanguard.guard.replay import Diagnoser, Replayed
+from nanguard.rng import get_rng_state
 from nanguard.spikes import SpikeDetector
 from nanguard.stats import local
 
@@ -44,9 +44,7 @@ class Guard:
     ``closure`` follows the ``torch.optim`` convention: it zeroes the gradients, runs
     forward and backward, and returns the loss. With a ``torch.amp.GradScaler`` pass it
     as ``scaler=`` and call ``scaler.scale(loss).backward()`` in the closure; the guard
-    unscales, steps and updates the scaler. Pass the LR scheduler as ``scheduler=`` so a
-    rollback restores it with the optimizer; step it only after an applied update (when
-    ``step`` returned a loss).
+    unscales, steps and updates the scaler. A rollback restores a ``scheduler=`` too.
 
     Example:
         >>> guard = ng.Guard(model, optimizer, policy="skip", run_dir="runs/exp1")
@@ -86,13 +84,11 @@ class Guard:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        _check_has(scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict"))
-        _check_has(scheduler, "scheduler", ("step", "state_dict", "load_state_dict"))
+        _check_parts(scaler, scheduler)
         c = self.config = GuardConfig.from_options(policy, config)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.scheduler = scheduler
         self.rank = dist.rank()
         self.step_count = 0
         self.last_diagnosis: Diagnosis | None = None
@@ -136,9 +132,7 @@ class Guard:
         """Run ``closure``, check it, then step the optimizer or recover.
 
         Returns the closure's loss, or None when the step was skipped or its batch dropped.
-        A skip puts buffers and the RNG back as they were before the forward. When the
-        closure (or a replay) raises, even ``KeyboardInterrupt``, buffers, RNG and step count
-        are put back and the step's gradients dropped before the error goes on.
+        A skip or an error (even ``KeyboardInterrupt``) leaves no trace: README, "What nanguard guarantees".
         """
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
@@ -146,14 +140,8 @@ class Guard:
             return None
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
-        step_count = self.step_count
-        try:
+        with _undo_on_error(self, rng):
             return self._step(closure, batch, rng)
-        except NonFiniteError:
-            raise  # the policy's own verdict: the trip is recorded and the state already restored
-        except BaseException:
-            self._undo_step(rng, step_count)
-            raise
 
     def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
         self.health.comm.reset()
@@ -210,14 +198,8 @@ class Guard:
             >>> if guard.check(loss, replay=lambda: rerun(batch), batch=batch):
             ...     optimizer.step()
             ...     guard.after_step()
-
-        ``loss`` None lets the gradients alone decide.
         """
-        value = _loss_value(loss, "loss", allow_none=True)
-        if replay is not None and not callable(replay):
-            raise ValueError(f"replay must be callable or None, got {type(replay).__name__}")
-        if rng is not None and not isinstance(rng, Mapping):
-            raise ValueError(f"rng must be a dict from nanguard.rng.get_rng_state() or None, got {type(rng).__name__}")
+        value = _check_args(loss, replay, rng)
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
@@ -235,7 +217,7 @@ class Guard:
         good_steps = self.recovery.good_step()
         every = self.config.fingerprint_every
         if every and dist.is_distributed() and good_steps % every == 0:
-            self._check_replicas(h.step)
+            _check_replicas(self, h.step)
         self.recovery.snapshot_if_due(self.step_count)
         self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
         self.last_action = "step"
@@ -262,13 +244,9 @@ class Guard:
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))
         h = measured.read(step, agreed, scaled=self.scaler is not None)
         self._health_now = h
-        own_rng = rng if restore_buffers else None  # step() took it: a skip puts it back
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
-            self.recovery.abandon(restore_buffers, own_rng)
-            try:
-                diag = self.diagnoser.nonfinite_update(step - 1, params_bad)
-            except Exception as err:  # nanguard's own failure must not kill training
-                diag = _diagnosis_failed(err, step - 1, h)
+            self.recovery.abandon(restore_buffers, rng)
+            diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
             self._trip(diag, step - 1, batch, rng)
             return False
         if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
@@ -278,16 +256,12 @@ class Guard:
             if restore_buffers:
                 self.recovery.buffers.restore()  # the replays start from the step's own state...
             error, self._closure_error = self._closure_error, None
-            try:
-                replayed = self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error)
-                assert replayed.diagnosis is not None
-                diag, stats = replayed.diagnosis, replayed.module_stats
-            except Exception as err:
-                if err is error:
-                    raise  # not an id out of range: the user's own bug, theirs to see
-                diag, stats = _diagnosis_failed(err, step, h), None  # nanguard's own: never kill training
-            self.recovery.abandon(restore_buffers, own_rng)  # ...and leave none of theirs behind
-            self._trip(diag, step, batch, rng, module_stats=stats)
+            replayed = _replayed_or_unknown(
+                lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), step, h, error
+            )
+            self.recovery.abandon(restore_buffers, rng)  # ...and leave none of theirs behind
+            assert replayed.diagnosis is not None
+            self._trip(replayed.diagnosis, step, batch, rng, module_stats=replayed.module_stats)
             return False
         spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
         for spike in spikes:
@@ -295,7 +269,7 @@ class Guard:
             log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
                         step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
         if spikes and self.config.skip_spikes:
-            self.recovery.abandon(restore_buffers, own_rng)
+            self.recovery.abandon(restore_buffers, rng)
             self._skip(step, f"{spikes[0].metric} spike (z={spikes[0].score:.1f})", h)
             return False
         self._pending = h
@@ -346,18 +320,6 @@ class Guard:
             self.recorder.trip(h.step, action="raise", ranks=[self.rank], diagnosis=diag)
             raise NonFiniteError(diag)
 
-    def _check_replicas(self, step: int) -> None:
-        differ, first = dist.replica_mismatch(self.model)
-        if not differ:
-            return
-        diag = self.last_diagnosis = replica_divergence(step=step, ranks=differ, first_parameter=first)
-        action = "raise" if self.config.policy == "raise" else "resync"
-        self.recorder.trip(step, action=action, ranks=differ, diagnosis=diag)
-        log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
-        if action == "raise":
-            raise NonFiniteError(diag)
-        dist.broadcast_state(self.model, src=0)
-
     # -- trips -------------------------------------------------------------------------
     def _bundle_meta(self) -> dict[str, Any]:
         return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
@@ -374,11 +336,8 @@ class Guard:
         action = self.recovery.policy_for(diag)
         extra = {"module_stats": module_stats} if module_stats else {}
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
-        try:
-            self.recorder.trip(step, action=action, ranks=flagged, diagnosis=diag, **extra)
-            self.recorder.bundle(diag, step, batch, rng, meta=self._bundle_meta)
-        except Exception as err:  # recording is evidence, never worth killing training
-            warnings.warn(f"nanguard: could not record the trip of step {step}: {err!r}", stacklevel=4)
+        self.recorder.trip_and_bundle(step, action=action, ranks=flagged, diagnosis=diag, batch=batch, rng=rng,
+                                      meta=self._bundle_meta, **extra)  # fmt: skip
         log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
         if action == "raise":
             self.last_action = "raise"
@@ -401,22 +360,6 @@ class Guard:
                            scale=h.scale if h else None, skipped=True)  # fmt: skip
         self.recovery.count_in_a_row(self.last_diagnosis)
 
-    def _undo_step(self, rng: dict[str, torch.Tensor], step_count: int) -> None:
-        """The closure or a replay raised: leave no trace of the step (buffers, RNG, the
-        step's gradients, counters, an open scaler unscale)."""
-        self.recovery.buffers.restore()
-        set_rng_state(rng)
-        self.model.zero_grad(set_to_none=True)
-        if self.scaler is not None and self.step_count != step_count:
-            # unscale_ ran (it comes before the count): close it, keeping the scale as it was.
-            scale = self.scaler.state_dict()
-            with contextlib.suppress(AssertionError, RuntimeError):  # already closed by a skip
-                self.scaler.update()
-            self.scaler.load_state_dict(scale)
-        self.step_count = step_count
-        self._pending = self._health_now = None
-        self._closure_error = None
-
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters, history and detector windows, so a resumed run keeps them."""
@@ -428,25 +371,7 @@ class Guard:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load ``state_dict()``; a bad entry is a ValueError naming it, and nothing is applied.
-
-        Example:
-            >>> guard.load_state_dict(checkpoint["guard"])
-        """
-        if not isinstance(state, Mapping):
-            raise ValueError(f"state must be a mapping from Guard.state_dict(), got {type(state).__name__}")
-        for name in ("step_count", *COUNTERS):
-            value = state.get(name, 0)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"state[{name!r}] must be an int >= 0, got {value!r}")
-        before = self.state_dict()
-        try:
-            self._apply_state(state)
-        except Exception as err:
-            self._apply_state(before)
-            raise ValueError(f"cannot load the guard state: {err}") from err
-
-    def _apply_state(self, state: Mapping[str, Any]) -> None:
+        _check_state(state, self.config)  # a bad entry is a ValueError, and nothing is applied
         self.step_count = int(state.get("step_count", 0))
         self.recovery.load_state_dict(state)
         self.history.load_state_dict(state)
@@ -458,9 +383,67 @@ class Guard:
         self.recorder.close()
 
 
-def _check_has(obj: Any, name: str, methods: tuple[str, ...]) -> None:
-    if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
-        raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
+@contextlib.contextmanager
+def _undo_on_error(guard: Guard, rng: dict[str, torch.Tensor]) -> Iterator[None]:
+    """An error in the closure or a replay (even ``KeyboardInterrupt``) leaves no trace of the
+    step; the policy's own ``NonFiniteError`` comes after the state was restored."""
+    count = guard.step_count
+    try:
+        yield
+    except BaseException as err:
+        if not isinstance(err, NonFiniteError):
+            guard.recovery.undo(rng, unscaled=guard.step_count != count)  # unscale_ comes before the count
+            guard.step_count, guard._pending = count, None
+        raise
+
+
+def _check_replicas(guard: Guard, step: int) -> None:
+    """Compare the replicas' parameter fingerprints; a mismatch is resynced from rank 0 or raised."""
+    differ, first = dist.replica_mismatch(guard.model)
+    if not differ:
+        return
+    diag = guard.last_diagnosis = replica_divergence(step=step, ranks=differ, first_parameter=first)
+    action = "raise" if guard.config.policy == "raise" else "resync"
+    guard.recorder.trip(step, action=action, ranks=differ, diagnosis=diag)
+    log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
+    if action == "raise":
+        raise NonFiniteError(diag)
+    dist.broadcast_state(guard.model, src=0)
+
+
+def _check_args(loss: Any, replay: Any, rng: Any) -> Any:
+    """``check()``'s arguments; returns the loss as the health check reads it."""
+    if replay is not None and not callable(replay):
+        raise ValueError(f"replay must be callable or None, got {type(replay).__name__}")
+    if rng is not None and not isinstance(rng, Mapping):
+        raise ValueError(f"rng must be a dict from nanguard.rng.get_rng_state() or None, got {type(rng).__name__}")
+    return _loss_value(loss, "loss", allow_none=True)
+
+
+def _check_state(state: Any, config: GuardConfig) -> None:
+    """Check a ``Guard.state_dict()`` before any of it is applied: a ValueError names what is wrong."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state must be a mapping from Guard.state_dict(), got {type(state).__name__}")
+    for name in ("step_count", *COUNTERS):
+        value = state.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"state[{name!r}] must be an int >= 0, got {value!r}")
+    try:  # the history and the diagnosis are checked by loading them into throwaway copies
+        History.from_config(config).load_state_dict(state)
+        last = state.get("last_diagnosis")
+        if last:
+            Diagnosis.from_dict(last)
+    except Exception as err:
+        raise ValueError(f"cannot load the guard state (history or last_diagnosis): {err!r}") from None
+
+
+def _check_parts(scaler: Any, scheduler: Any) -> None:
+    for obj, name, methods in [
+        (scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict")),
+        (scheduler, "scheduler", ("step", "state_dict", "load_state_dict")),
+    ]:
+        if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
+            raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
 
 
 def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:
@@ -480,8 +463,27 @@ def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:
     raise TypeError(f"{name} must be the loss (a tensor or a number), got {type(loss).__name__}")
 
 
-def _diagnosis_failed(err: Exception, step: int, h: StepHealth) -> Diagnosis:
-    """The diagnosis of a trip whose diagnosis itself failed: ``unknown``, with the error."""
+def _replayed_or_unknown(
+    replay: Callable[[], Replayed], step: int, h: StepHealth, closure_error: BaseException | None
+) -> Replayed:
+    """The replays' findings, or an ``unknown`` diagnosis when nanguard's own diagnosis fails
+    (its failure must never kill training); the closure's own error goes on to the user."""
+    try:
+        return replay()
+    except Exception as err:
+        if err is closure_error:
+            raise
+        return Replayed(_unknown(err, step, h), located=False)
+
+
+def _or_unknown(diagnose: Callable[[], Diagnosis], step: int, h: StepHealth) -> Diagnosis:
+    try:
+        return diagnose()
+    except Exception as err:
+        return _unknown(err, step, h)
+
+
+def _unknown(err: Exception, step: int, h: StepHealth) -> Diagnosis:
     warnings.warn(f"nanguard: the diagnosis of step {step} failed: {err!r}", stacklevel=5)
     return Diagnosis(
         cause="unknown",

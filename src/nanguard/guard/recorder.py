@@ -65,6 +65,25 @@ class NullRecorder:
     ) -> None:
         """Save a repro bundle of a tripped step (``meta`` is called only when one is written)."""
 
+    def trip_and_bundle(
+        self,
+        step: int,
+        *,
+        action: str,
+        ranks: list[int],
+        diagnosis: Diagnosis,
+        batch: Any,
+        rng: dict[str, torch.Tensor] | None,
+        meta: Callable[[], dict[str, Any]],
+        **extra: Any,
+    ) -> None:
+        """The trip event and its bundle; a failure warns, since recording must never kill training."""
+        try:
+            self.trip(step, action=action, ranks=ranks, diagnosis=diagnosis, **extra)
+            self.bundle(diagnosis, step, batch, rng, meta)
+        except Exception as err:
+            warnings.warn(f"nanguard: could not record the trip of step {step}: {err!r}", stacklevel=4)
+
     def close(self) -> None:
         pass
 

@@ -7,6 +7,7 @@ skips and rollbacks in a row, batches to drop after a rollback, GradScaler overf
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
 from typing import Any
@@ -62,17 +63,29 @@ class Recovery:
 
     # -- one step ------------------------------------------------------------------------
     def abandon(self, restore_buffers: bool, rng: dict[str, torch.Tensor] | None = None) -> None:
-        """Undo what the step's forward and backward left: buffers, gradients, the scaler's
-        unscale, and (given the state from before the forward) the random numbers drawn, so
-        the next batch draws what the abandoned one did."""
+        """Undo what the step's forward and backward left: gradients, the scaler's unscale and,
+        when the guard owns the step (``restore_buffers``), buffers and the RNG state from
+        before the forward, so the next batch draws the random numbers the abandoned one did."""
         if restore_buffers:
             self.buffers.restore()
-        if rng is not None:
-            set_rng_state(rng)
+            if rng is not None:
+                set_rng_state(rng)
         self.model.zero_grad(set_to_none=True)
         if self.scaler is not None:
             # unscale_ already ran for this step: update() closes it, or the next unscale_ raises.
             self.scaler.update()
+
+    def undo(self, rng: dict[str, torch.Tensor], *, unscaled: bool) -> None:
+        """The closure or a replay raised: put back buffers and RNG, drop the step's gradients,
+        and close the scaler's ``unscale_`` (when it ran) with the scale as it was."""
+        self.buffers.restore()
+        set_rng_state(rng)
+        self.model.zero_grad(set_to_none=True)
+        if self.scaler is not None and unscaled:
+            scale = self.scaler.state_dict()
+            with contextlib.suppress(AssertionError, RuntimeError):  # already closed by abandon()
+                self.scaler.update()
+            self.scaler.load_state_dict(scale)
 
     def take_drop(self) -> bool:
         """True when this call's batch is to be dropped (one of the batches after a rollback)."""
