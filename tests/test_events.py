@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +48,23 @@ def test_atomic_write_leaves_no_partial_or_temporary_file(tmp_path) -> None:
     assert [p.name for p in target.parent.iterdir()] == ["report.html"]
     atomic_write_text(target, "new")
     assert target.read_text() == "new"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
+def test_a_log_that_cannot_be_opened_or_written_warns_once_and_never_raises(tmp_path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="event log disabled") as record:
+        unopenable = EventLog(blocker / "run", rank=0)  # its directory cannot be made
+    unopenable.write("step", 0, loss=1.0)
+    unopenable.close()
+    assert len(record) == 1 and not unopenable.enabled
+
+    (tmp_path / "events-rank0.jsonl").symlink_to("/dev/full")
+    full = EventLog(tmp_path, rank=0)
+    assert full.enabled
+    with pytest.warns(UserWarning, match="No space left") as record:
+        for step in range(3):
+            full.write("step", step, loss=1.0)
+        full.close()
+    assert len(record) == 1 and not full.enabled

@@ -524,6 +524,12 @@ def replay(
         >>> diag = replay(load_bundle(path), model)
         >>> print(diag)
     """
+    if not isinstance(bundle, Bundle):
+        raise ValueError(f"bundle must be a Bundle from load_bundle(path), got {type(bundle).__name__}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if fn is not None and not callable(fn):
+        raise ValueError(f"fn must be callable or None, got {type(fn).__name__}")
     if not bundle.batch_stored:
         raise BundleError(bundle.path, "batch not stored: shapes only (it was over max_batch_bytes)")
     if locate_fn is None:

@@ -18,6 +18,7 @@ Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections.abc import Iterator
@@ -37,7 +38,10 @@ def event_path(run_dir: str | Path, rank: int) -> Path:
 
 
 class EventLog:
-    """Append-only JSONL writer for one rank.
+    """Append-only JSONL writer for one rank; it never raises.
+
+    A full or unwritable disk (or a field that cannot be written) costs the log, not the
+    run: the first failure warns once and the log stops.
 
     Example:
         >>> log = EventLog("runs/a", rank=0)
@@ -47,26 +51,45 @@ class EventLog:
     def __init__(self, run_dir: str | Path, rank: int = 0) -> None:
         self.rank = rank
         self.path = event_path(run_dir, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self._file: TextIO | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        except OSError as err:
+            self._disable(err)
+
+    @property
+    def enabled(self) -> bool:
+        """False once a write failed: the rest of the run is not logged."""
+        return self._file is not None
 
     def write(self, kind: str, step: int, **fields: Any) -> None:
         if self._file is None:
             return
         record = {"kind": kind, "step": step, "rank": self.rank, **fields}
-        line = json.dumps(jsonable(record), separators=(",", ":"), allow_nan=False)
         try:
+            line = json.dumps(jsonable(record), separators=(",", ":"), allow_nan=False)
             self._file.write(line + "\n")
             self._file.flush()
-        except OSError as err:
-            # The log must never kill training: warn once and stop logging.
-            warnings.warn(f"nanguard: cannot write {self.path} ({err}); event log disabled", stacklevel=2)
-            self.close()
+        except Exception as err:  # the log must never kill training
+            self._disable(err)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        handle, self._file = self._file, None
+        if handle is None:
+            return
+        try:
+            handle.close()
+        except OSError as err:
+            self._disable(err)
+
+    def _disable(self, err: BaseException) -> None:
+        """Warn once and stop logging; a buffered line that cannot be flushed is dropped."""
+        handle, self._file = self._file, None
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                handle.close()
+        warnings.warn(f"nanguard: cannot write {self.path} ({err}); event log disabled", stacklevel=3)
 
 
 def read_events(path: str | Path) -> Iterator[dict[str, Any]]:

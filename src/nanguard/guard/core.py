@@ -6,9 +6,12 @@ See the package docstring for the host and device paths.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping
+import numbers
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,10 @@ from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.recorder import recorder_for
-from nanguard.guard.recovery import Recovery
+from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies
-from nanguard.guard.replay import Diagnoser
+from nanguard.guard.replay import Diagnoser, Replayed
 from nanguard.rng import get_rng_state
-from nanguard.spikes import SpikeDetector
 from nanguard.stats import local
 
 __all__ = ["Guard"]
@@ -42,7 +44,7 @@ class Guard:
     ``closure`` follows the ``torch.optim`` convention: it zeroes the gradients, runs
     forward and backward, and returns the loss. With a ``torch.amp.GradScaler`` pass it
     as ``scaler=`` and call ``scaler.scale(loss).backward()`` in the closure; the guard
-    unscales, steps and updates the scaler.
+    unscales, steps and updates the scaler. A rollback restores a ``scheduler=`` too.
 
     Example:
         >>> guard = ng.Guard(model, optimizer, policy="skip", run_dir="runs/exp1")
@@ -73,6 +75,7 @@ class Guard:
         policy: str = "skip",
         *,
         scaler: Any = None,
+        scheduler: Any = None,
         run_dir: str | Path | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         **config: Any,
@@ -81,6 +84,7 @@ class Guard:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_parts(scaler, scheduler)
         c = self.config = GuardConfig.from_options(policy, config)
         self.model = model
         self.optimizer = optimizer
@@ -92,7 +96,7 @@ class Guard:
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
                                   param_check_every=c.param_check_every)  # fmt: skip
-        self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c)
+        self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)
         self.history = History.from_config(c)
         self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats)
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
@@ -117,19 +121,15 @@ class Guard:
     spikes = property(lambda self: self.history.spikes, doc="Loss and grad-norm spikes seen.")
     remedies = property(lambda self: self._remedies.entries, doc="Remedies applied, oldest first.")
 
-    @property
-    def loss_spikes(self) -> SpikeDetector:
-        return self.history.loss_spikes
-
-    @property
-    def grad_spikes(self) -> SpikeDetector:
-        return self.history.grad_spikes
+    loss_spikes = property(lambda self: self.history.loss_spikes, doc="The loss spike detector.")
+    grad_spikes = property(lambda self: self.history.grad_spikes, doc="The grad-norm spike detector.")
 
     # -- the step ------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any], batch: Any = None, sample_ids: Any = None) -> Any:
         """Run ``closure``, check it, then step the optimizer or recover.
 
         Returns the closure's loss, or None when the step was skipped or its batch dropped.
+        A skip or an error (even ``KeyboardInterrupt``) leaves no trace: README, "What nanguard guarantees".
         """
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
@@ -138,11 +138,16 @@ class Guard:
             return None
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
+        with _undo_on_error(self, rng):
+            return self._step(closure, batch, rng)
+
+    def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
         self.health.comm.reset()
         self._closure_error = None
         try:
             with torch.enable_grad(), self._remedies.headroom.watch(self.step_count):
                 loss = closure()
+            value = _loss_value(loss, "the closure's return value", allow_none=False)
         except (IndexError, RuntimeError) as err:
             if not _index_error(err):
                 raise
@@ -156,12 +161,12 @@ class Guard:
             # by a NaN loss, and its replay turns the error into a data diagnosis.
             self._closure_error = err
             self.model.zero_grad(set_to_none=True)
-            loss = torch.full((), math.nan, device=self._params[0].device if self._params else None)
+            loss = value = torch.full((), math.nan, device=self._params[0].device if self._params else None)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         # A spike verdict comes after the host read, too late for the device path.
         device_step = self._fused and self.scaler is None and not self.config.skip_spikes
-        if not self._check(loss, closure, batch, rng, device_step=device_step):
+        if not self._check(value, closure, batch, rng, device_step=device_step):
             return None
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -192,13 +197,14 @@ class Guard:
             ...     optimizer.step()
             ...     guard.after_step()
         """
+        value = _check_args(loss, replay, rng)
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
         self._closure_error = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        return self._check(loss, replay, batch, rng, device_step=False, restore_buffers=False)
+        return self._check(value, replay, batch, rng, device_step=False, restore_buffers=False)
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -209,7 +215,7 @@ class Guard:
         good_steps = self.recovery.good_step()
         every = self.config.fingerprint_every
         if every and dist.is_distributed() and good_steps % every == 0:
-            self._check_replicas(h.step)
+            _check_replicas(self, h.step)
         self.recovery.snapshot_if_due(self.step_count)
         self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
         self.last_action = "step"
@@ -237,8 +243,9 @@ class Guard:
         h = measured.read(step, agreed, scaled=self.scaler is not None)
         self._health_now = h
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
-            self.recovery.abandon(restore_buffers)
-            self._trip(self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, batch, rng)
+            self.recovery.abandon(restore_buffers, rng)
+            diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
+            self._trip(diag, step - 1, batch, rng)
             return False
         if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
             self._overflow(h)
@@ -247,8 +254,10 @@ class Guard:
             if restore_buffers:
                 self.recovery.buffers.restore()  # the replays start from the step's own state...
             error, self._closure_error = self._closure_error, None
-            replayed = self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error)
-            self.recovery.abandon(restore_buffers)  # ...and leave none of theirs behind
+            replayed = _replayed_or_unknown(
+                lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), step, h, error
+            )
+            self.recovery.abandon(restore_buffers, rng)  # ...and leave none of theirs behind
             assert replayed.diagnosis is not None
             self._trip(replayed.diagnosis, step, batch, rng, module_stats=replayed.module_stats)
             return False
@@ -258,7 +267,7 @@ class Guard:
             log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
                         step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
         if spikes and self.config.skip_spikes:
-            self.recovery.abandon(restore_buffers)
+            self.recovery.abandon(restore_buffers, rng)
             self._skip(step, f"{spikes[0].metric} spike (z={spikes[0].score:.1f})", h)
             return False
         self._pending = h
@@ -311,18 +320,6 @@ class Guard:
             self.recorder.trip(h.step, action="raise", ranks=[self.rank], diagnosis=diag)
             raise NonFiniteError(diag)
 
-    def _check_replicas(self, step: int) -> None:
-        differ, first = dist.replica_mismatch(self.model)
-        if not differ:
-            return
-        diag = self.last_diagnosis = replica_divergence(step=step, ranks=differ, first_parameter=first)
-        action = "raise" if self.config.policy == "raise" else "resync"
-        self.recorder.trip(step, action=action, ranks=differ, diagnosis=diag)
-        log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
-        if action == "raise":
-            raise NonFiniteError(diag)
-        dist.broadcast_state(self.model, src=0)
-
     # -- trips -------------------------------------------------------------------------
     def _bundle_meta(self) -> dict[str, Any]:
         return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
@@ -339,8 +336,8 @@ class Guard:
         action, message = self._remedies.choose(diag, self.recovery, step=step, batch=batch)
         extra = {"module_stats": module_stats} if module_stats else {}
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
-        self.recorder.trip(step, action=action, ranks=flagged, diagnosis=diag, **extra)
-        self.recorder.bundle(diag, step, batch, rng, meta=self._bundle_meta)
+        self.recorder.trip_and_bundle(step, action=action, ranks=flagged, diagnosis=diag, batch=batch, rng=rng,
+                                      meta=self._bundle_meta, **extra)  # fmt: skip
         log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
         if action == "raise":
             self.last_action = "raise"
@@ -376,6 +373,7 @@ class Guard:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_state(state, self.config)  # a bad entry is a ValueError, and nothing is applied
         self.step_count = int(state.get("step_count", 0))
         self.recovery.load_state_dict(state)
         self.history.load_state_dict(state)
@@ -386,6 +384,118 @@ class Guard:
     def close(self) -> None:
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
+
+
+@contextlib.contextmanager
+def _undo_on_error(guard: Guard, rng: dict[str, torch.Tensor]) -> Iterator[None]:
+    """An error in the closure or a replay (even ``KeyboardInterrupt``) leaves no trace of the
+    step; the policy's own ``NonFiniteError`` comes after the state was restored."""
+    count = guard.step_count
+    try:
+        yield
+    except BaseException as err:
+        if not isinstance(err, NonFiniteError):
+            guard.recovery.undo(rng, unscaled=guard.step_count != count)  # unscale_ comes before the count
+            guard.step_count, guard._pending = count, None
+        raise
+
+
+def _check_replicas(guard: Guard, step: int) -> None:
+    """Compare the replicas' parameter fingerprints; a mismatch is resynced from rank 0 or raised."""
+    differ, first = dist.replica_mismatch(guard.model)
+    if not differ:
+        return
+    diag = guard.last_diagnosis = replica_divergence(step=step, ranks=differ, first_parameter=first)
+    action = "raise" if guard.config.policy == "raise" else "resync"
+    guard.recorder.trip(step, action=action, ranks=differ, diagnosis=diag)
+    log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
+    if action == "raise":
+        raise NonFiniteError(diag)
+    dist.broadcast_state(guard.model, src=0)
+
+
+def _check_args(loss: Any, replay: Any, rng: Any) -> Any:
+    """``check()``'s arguments; returns the loss as the health check reads it."""
+    if replay is not None and not callable(replay):
+        raise ValueError(f"replay must be callable or None, got {type(replay).__name__}")
+    if rng is not None and not isinstance(rng, Mapping):
+        raise ValueError(f"rng must be a dict from nanguard.rng.get_rng_state() or None, got {type(rng).__name__}")
+    return _loss_value(loss, "loss", allow_none=True)
+
+
+def _check_state(state: Any, config: GuardConfig) -> None:
+    """Check a ``Guard.state_dict()`` before any of it is applied: a ValueError names what is wrong."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state must be a mapping from Guard.state_dict(), got {type(state).__name__}")
+    for name in ("step_count", *COUNTERS):
+        value = state.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"state[{name!r}] must be an int >= 0, got {value!r}")
+    try:  # the history and the diagnosis are checked by loading them into throwaway copies
+        History.from_config(config).load_state_dict(state)
+        last = state.get("last_diagnosis")
+        if last:
+            Diagnosis.from_dict(last)
+    except Exception as err:
+        raise ValueError(f"cannot load the guard state (history or last_diagnosis): {err!r}") from None
+
+
+def _check_parts(scaler: Any, scheduler: Any) -> None:
+    for obj, name, methods in [
+        (scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict")),
+        (scheduler, "scheduler", ("step", "state_dict", "load_state_dict")),
+    ]:
+        if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
+            raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
+
+
+def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:
+    """The loss as the health check reads it: a number or a one-element tensor. A larger
+    tensor reads as its mean, or, when any element is NaN/Inf, as a non-finite value."""
+    if loss is None and allow_none:
+        return None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() == 0:
+            raise ValueError(f"{name} is an empty tensor; it must hold the loss")
+        if loss.numel() == 1:
+            return loss
+        x = loss.detach().float()
+        return torch.where(torch.isfinite(x).all(), x.mean(), x.sum())  # any NaN/Inf makes the sum non-finite
+    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return loss
+    raise TypeError(f"{name} must be the loss (a tensor or a number), got {type(loss).__name__}")
+
+
+def _replayed_or_unknown(
+    replay: Callable[[], Replayed], step: int, h: StepHealth, closure_error: BaseException | None
+) -> Replayed:
+    """The replays' findings, or an ``unknown`` diagnosis when nanguard's own diagnosis fails
+    (its failure must never kill training); the closure's own error goes on to the user."""
+    try:
+        return replay()
+    except Exception as err:
+        if err is closure_error:
+            raise
+        return Replayed(_unknown(err, step, h), located=False)
+
+
+def _or_unknown(diagnose: Callable[[], Diagnosis], step: int, h: StepHealth) -> Diagnosis:
+    try:
+        return diagnose()
+    except Exception as err:
+        return _unknown(err, step, h)
+
+
+def _unknown(err: Exception, step: int, h: StepHealth) -> Diagnosis:
+    warnings.warn(f"nanguard: the diagnosis of step {step} failed: {err!r}", stacklevel=5)
+    return Diagnosis(
+        cause="unknown",
+        kind="nan" if math.isnan(h.loss) or math.isnan(h.grad_norm) else "inf",
+        phase="backward",
+        step=step,
+        evidence={"loss": h.loss, "grad_norm": h.grad_norm, "why": f"nanguard's diagnosis failed: {err!r}"},
+        fixes=["the step was handled by the policy; rerun it with ng.locate to find its origin"],
+    )
 
 
 def _index_error(err: BaseException) -> bool:

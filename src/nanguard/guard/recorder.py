@@ -7,6 +7,7 @@ asking which it has. The event kinds and their fields are described in ``nanguar
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -72,6 +73,25 @@ class NullRecorder:
     ) -> None:
         """Save a repro bundle of a tripped step (``meta`` is called only when one is written)."""
 
+    def trip_and_bundle(
+        self,
+        step: int,
+        *,
+        action: str,
+        ranks: list[int],
+        diagnosis: Diagnosis,
+        batch: Any,
+        rng: dict[str, torch.Tensor] | None,
+        meta: Callable[[], dict[str, Any]],
+        **extra: Any,
+    ) -> None:
+        """The trip event and its bundle; a failure warns, since recording must never kill training."""
+        try:
+            self.trip(step, action=action, ranks=ranks, diagnosis=diagnosis, **extra)
+            self.bundle(diagnosis, step, batch, rng, meta)
+        except Exception as err:
+            warnings.warn(f"nanguard: could not record the trip of step {step}: {err!r}", stacklevel=4)
+
     def close(self) -> None:
         pass
 
@@ -80,8 +100,9 @@ class NullRecorder:
 
 
 class Recorder(NullRecorder):
-    """Writes ``run_dir/events-rank{R}.jsonl`` and ``run_dir/bundles/``; a failed bundle
-    only warns, since nanguard must never kill the run it watches.
+    """Writes ``run_dir/events-rank{R}.jsonl`` and ``run_dir/bundles/``. It never raises:
+    nanguard must never kill the run it watches, so a full disk or a failed bundle warns
+    once and the run goes on.
 
     Example:
         >>> recorder = Recorder("runs/exp1", rank=0, max_bundle_bytes=64 * 2**20)
@@ -93,6 +114,7 @@ class Recorder(NullRecorder):
         self.rank = rank
         self.max_bundle_bytes = max_bundle_bytes
         self.events = EventLog(self.run_dir, rank)
+        self._bundle_warned = False
 
     def bundle(
         self,
@@ -118,7 +140,10 @@ class Recorder(NullRecorder):
             )
             diag.evidence["bundle"] = str(path)
         except Exception as err:  # a failed bundle must not kill training
-            warnings.warn(f"nanguard: could not write the bundle for step {step}: {err!r}", stacklevel=3)
+            if not self._bundle_warned:
+                self._bundle_warned = True
+                warnings.warn(f"nanguard: could not write the bundle for step {step}: {err!r}; "
+                              "later bundle failures are not reported", stacklevel=3)  # fmt: skip
 
     def close(self) -> None:
         self.events.close()
@@ -128,7 +153,15 @@ class Recorder(NullRecorder):
 
 
 def recorder_for(run_dir: str | Path | None, *, rank: int, max_bundle_bytes: int) -> NullRecorder:
-    """A ``Recorder`` under ``run_dir``, or a ``NullRecorder`` when it is None."""
+    """A ``Recorder`` under ``run_dir``, or a ``NullRecorder`` when it is None.
+
+    A ``run_dir`` that is not a path, or names an existing file, is a ValueError.
+    """
     if run_dir is None:
         return NullRecorder()
-    return Recorder(run_dir, rank=rank, max_bundle_bytes=max_bundle_bytes)
+    if not isinstance(run_dir, (str, os.PathLike)) or isinstance(run_dir, bytes):
+        raise ValueError(f"run_dir must be a str or os.PathLike directory path or None, got {type(run_dir).__name__}")
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"run_dir must be a directory, but {str(path)!r} is a file")
+    return Recorder(path, rank=rank, max_bundle_bytes=max_bundle_bytes)

@@ -1,12 +1,13 @@
 """Recovery: undo a bad step, keep snapshots to roll back to, and count what the policy did.
 
 ``Recovery`` owns the buffer backup taken before each forward, the CPU snapshot of model,
-optimizer and scaler (rollback policy), and the counters that bound recovery: skips and
-rollbacks in a row, batches to drop after a rollback, GradScaler overflows in a row.
+optimizer, scaler and LR scheduler (rollback policy), and the counters that bound recovery:
+skips and rollbacks in a row, batches to drop after a rollback, GradScaler overflows in a row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from nanguard.backup import BufferBackup
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
+from nanguard.rng import set_rng_state
 
 __all__ = ["COUNTERS", "Recovery"]
 
@@ -35,10 +37,19 @@ class Recovery:
         0
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any, config: GuardConfig) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: Any,
+        config: GuardConfig,
+        scheduler: Any = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
+        self.scheduler = scheduler
         self.config = config
         self.buffers = BufferBackup(list(model.buffers()))
         self.snapshot: dict[str, Any] | None = None
@@ -51,14 +62,30 @@ class Recovery:
         self.drop_batches = 0
 
     # -- one step ------------------------------------------------------------------------
-    def abandon(self, restore_buffers: bool) -> None:
-        """Undo what the step's forward and backward left: buffers, gradients, the scaler's unscale."""
+    def abandon(self, restore_buffers: bool, rng: dict[str, torch.Tensor] | None = None) -> None:
+        """Undo what the step's forward and backward left: gradients, the scaler's unscale and,
+        when the guard owns the step (``restore_buffers``), buffers and the RNG state from
+        before the forward, so the next batch draws the random numbers the abandoned one did."""
         if restore_buffers:
             self.buffers.restore()
+            if rng is not None:
+                set_rng_state(rng)
         self.model.zero_grad(set_to_none=True)
         if self.scaler is not None:
             # unscale_ already ran for this step: update() closes it, or the next unscale_ raises.
             self.scaler.update()
+
+    def undo(self, rng: dict[str, torch.Tensor], *, unscaled: bool) -> None:
+        """The closure or a replay raised: put back buffers and RNG, drop the step's gradients,
+        and close the scaler's ``unscale_`` (when it ran) with the scale as it was."""
+        self.buffers.restore()
+        set_rng_state(rng)
+        self.model.zero_grad(set_to_none=True)
+        if self.scaler is not None and unscaled:
+            scale = self.scaler.state_dict()
+            with contextlib.suppress(AssertionError, RuntimeError):  # already closed by abandon()
+                self.scaler.update()
+            self.scaler.load_state_dict(scale)
 
     def take_drop(self) -> bool:
         """True when this call's batch is to be dropped (one of the batches after a rollback)."""
@@ -104,9 +131,12 @@ class Recovery:
             raise NonFiniteError(diag, f"{diag}\n(no snapshot to roll back to)")
         snap = self.snapshot
         self.model.load_state_dict(snap["model"])
+        # A copy: the optimizer may keep CPU tensors it is given, and the snapshot is refreshed in place.
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         if self.scaler is not None and snap["scaler"] is not None:
             self.scaler.load_state_dict(snap["scaler"])
+        if self.scheduler is not None and snap["scheduler"] is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
         self.model.zero_grad(set_to_none=True)
         self.rollbacks += 1
         self.drop_batches = self.config.rollback_skip_batches
@@ -125,11 +155,19 @@ class Recovery:
 
     # -- snapshots and state -------------------------------------------------------------
     def take_snapshot(self, step: int) -> None:
+        """Copy model, optimizer, scaler and scheduler state to the CPU.
+
+        A refresh copies into the previous snapshot's tensors where shapes and dtypes match,
+        so it holds one snapshot's memory, not two.
+        """
+        old = self.snapshot or {}
+        self.snapshot = None  # a refresh that fails midway leaves no half-new snapshot
         self.snapshot = {
             "step": step,
-            "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
-            "optimizer": _to_cpu(copy.deepcopy(self.optimizer.state_dict())),
+            "model": _copy_to_cpu(self.model.state_dict(), old.get("model")),
+            "optimizer": _copy_to_cpu(self.optimizer.state_dict(), old.get("optimizer")),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
         }
 
     def snapshot_if_due(self, step: int) -> None:
@@ -145,11 +183,18 @@ class Recovery:
             setattr(self, name, int(state.get(name, 0)))
 
 
-def _to_cpu(obj: Any) -> Any:
+def _copy_to_cpu(obj: Any, into: Any) -> Any:
+    """A CPU copy of ``obj`` (tensors in dicts, lists and tuples), written into the tensors of
+    ``into`` (a previous copy) where they match, allocating only what is new."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        src = obj.detach()
+        if isinstance(into, torch.Tensor) and into.shape == src.shape and into.dtype == src.dtype:
+            return into.copy_(src)
+        return src.to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
+        old = into if isinstance(into, dict) else {}
+        return {k: _copy_to_cpu(v, old.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        old = into if isinstance(into, type(obj)) and len(into) == len(obj) else [None] * len(obj)
+        return type(obj)(_copy_to_cpu(v, o) for v, o in zip(obj, old, strict=True))
+    return copy.deepcopy(obj)
