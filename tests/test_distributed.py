@@ -25,9 +25,9 @@ pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _model(vision: bool = True) -> GPT:
+def _model(vision: bool = True, n_embd: int = 64) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vision_dim=16 if vision else 0, n_embd=64, block_size=16))
+    return GPT(GPTConfig(vision_dim=16 if vision else 0, n_embd=n_embd, block_size=16))
 
 
 def _batch(model: GPT, rank: int, step: int, bad: bool = False) -> dict:
@@ -261,3 +261,57 @@ def test_spawn_reports_a_rank_traceback_to_the_parent(tmp_path) -> None:
 def test_spawn_stops_a_hung_rank_at_the_deadline(tmp_path) -> None:
     with pytest.raises(RanksFailed, match=r"rank 1: no result before the deadline \(20s"):
         spawn_ranks(_hangs_on_rank_1, tmp_path, timeout=20)
+
+
+def _fault_placement(rank, world, tmp, mode, placements):
+    """For each set of bad ranks in ``placements``: a fresh model under ``mode``, NaN pixels on those ranks."""
+    out = []
+    for bad in placements:
+        model = _model(n_embd=32)
+        if mode == "ddp":
+            wrapped, after = DDP(model), None
+        elif mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            wrapped, after = fully_shard(model), None
+        else:
+            wrapped = model
+
+            def after():
+                for p in model.parameters():
+                    tdist.all_reduce(p.grad)
+                    p.grad /= world
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = ng.Guard(wrapped, opt, module_stats=False)
+        for step in range(2):
+            batch = _batch(model, rank, step, bad=step == 1 and rank in bad)
+
+            def closure(batch=batch):
+                opt.zero_grad(set_to_none=True)
+                _, loss = wrapped(**batch)
+                loss.backward()
+                if after is not None:
+                    after()
+                return loss
+
+            guard.step(closure, batch=batch)
+        d = guard.last_diagnosis
+        out.append({"skipped": guard.skipped, "diag": d.to_dict() if d else None})
+    return out
+
+
+PLACEMENTS = [[0], [2], [1, 3]]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "allreduce"])
+def test_rank_attribution_wherever_the_fault_lands(tmp_path, mode) -> None:
+    results = spawn_ranks(_fault_placement, tmp_path, mode, PLACEMENTS, world=4, timeout=120)
+    for per_rank in results:
+        for bad, r in zip(PLACEMENTS, per_rank, strict=True):
+            assert r["skipped"] == 1, (bad, r)
+            d = r["diag"]
+            assert (d["cause"], d["rank"], d["ranks"], d["step"]) == ("data.nonfinite", bad[0], bad, 1), (bad, d)
+            assert d["evidence"]["flagged_ranks"] == bad
