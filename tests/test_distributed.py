@@ -315,3 +315,111 @@ def test_rank_attribution_wherever_the_fault_lands(tmp_path, mode) -> None:
             d = r["diag"]
             assert (d["cause"], d["rank"], d["ranks"], d["step"]) == ("data.nonfinite", bad[0], bad, 1), (bad, d)
             assert d["evidence"]["flagged_ranks"] == bad
+
+
+def _nanogpt_loop(rank, world, tmp):
+    """nanoGPT's loop: gradient accumulation that toggles ``require_backward_grad_sync`` itself,
+    checked with ``guard.check``; rank 1's first micro-batch at step 1 holds NaN pixels."""
+    from nanguard.rng import get_rng_state
+
+    model = _model(n_embd=32)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, module_stats=False)
+    accum, skips_at = 2, []
+
+    def forward_backward(step: int) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        for micro in range(accum):
+            ddp.require_backward_grad_sync = micro == accum - 1
+            _, loss = ddp(**_batch(model, rank, step * accum + micro, bad=(step, micro, rank) == (1, 0, 1)))
+            (loss / accum).backward()
+        return loss
+
+    for step in range(4):
+        rng = get_rng_state()
+        loss = forward_backward(step)
+        if guard.check(loss, replay=lambda step=step: forward_backward(step), rng=rng):
+            opt.step()
+            guard.after_step()
+        else:
+            skips_at.append(step)
+    return {"skips_at": skips_at, "diag": guard.last_diagnosis.to_dict(), "equal": _equal_across_ranks(model)}
+
+
+def test_a_loop_that_toggles_grad_sync_replays_without_communication(tmp_path) -> None:
+    for r in spawn_ranks(_nanogpt_loop, tmp_path, timeout=120):
+        assert r["skips_at"] == [1] and r["equal"], r
+        d = r["diag"]
+        assert (d["cause"], d["rank"], d["ranks"], d["step"]) == ("data.nonfinite", 1, [1], 1), d
+
+
+class _TwoPath(torch.nn.Module):
+    """``side`` is used only where the caller says: under DDP, a weight one rank may leave unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.main = torch.nn.Linear(8, 8)
+        self.side = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        y = self.main(x)
+        return (y + self.side(x) if use_side else y).pow(2).mean()
+
+
+def _resync(rank, world, tmp, nan_ranks, policy):
+    """Rank 0 uses ``side`` at steps 0-1; before step 2 ``nan_ranks`` write NaN into it; step 2
+    leaves it unused, so only the fingerprint check sees the NaN; step 3 uses it again."""
+    model = _TwoPath()
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    guard = ng.Guard(ddp, opt, policy=policy, fingerprint_every=1, snapshot_every=1)
+    error = None
+    try:
+        for step in range(4):
+            if step == 2 and rank in nan_ranks:
+                with torch.no_grad():
+                    model.side.weight[0, 0] = float("nan")
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+
+            def closure(x=x, use=rank == 0 and step != 2):
+                opt.zero_grad(set_to_none=True)
+                loss = ddp(x, use)
+                loss.backward()
+                return loss
+
+            guard.step(closure)
+    except ng.NonFiniteError as err:
+        error = err.diagnosis.cause
+    d = guard.last_diagnosis
+    return {
+        "diag": d.to_dict() if d else None,
+        "error": error,
+        "steps": guard.step_count,
+        "skipped": guard.skipped,
+        "rollbacks": guard.rollbacks,
+        "equal": _equal_across_ranks(model),
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+    }
+
+
+def test_resync_copies_from_a_finite_rank_never_spreading_a_nan(tmp_path) -> None:
+    for r in spawn_ranks(_resync, tmp_path, [0], "skip", timeout=120):
+        d = r["diag"]
+        assert (d["cause"], d["rank"], d["ranks"]) == ("distributed.replica_divergence", 0, [0]), d
+        assert d["evidence"]["source_rank"] == 1 and d["evidence"]["nonfinite_ranks"] == [0]
+        assert d["evidence"]["first_parameter"] == "side.weight"
+        assert r["error"] is None and r["steps"] == 4 and r["skipped"] == 0 and r["equal"] and r["finite"], r
+
+
+def test_no_finite_replica_raises_on_every_rank_at_once(tmp_path) -> None:
+    for r in spawn_ranks(_resync, tmp_path, [0, 1], "skip", timeout=120):
+        assert r["error"] == "distributed.replica_divergence" and r["steps"] == 3, r
+        d = r["diag"]
+        assert d["ranks"] == [0, 1] and d["evidence"]["source_rank"] is None
+
+
+def test_no_finite_replica_rolls_back_under_the_rollback_policy(tmp_path) -> None:
+    for r in spawn_ranks(_resync, tmp_path, [0, 1], "rollback", timeout=120):
+        assert r["error"] is None and r["rollbacks"] == 1 and r["equal"] and r["finite"], r

@@ -476,9 +476,33 @@ def loss_scale_collapse(
     )
 
 
-def replica_divergence(*, step: int, ranks: list[int], first_parameter: str | None) -> Diagnosis:
-    """After ``step`` the parameters of ``ranks`` differ from rank 0's, first at ``first_parameter``."""
+def replica_divergence(
+    *,
+    step: int,
+    ranks: list[int],
+    first_parameter: str | None,
+    source: int | None = 0,
+    nonfinite_ranks: list[int] | None = None,
+) -> Diagnosis:
+    """After ``step`` the parameters of ``ranks`` are non-finite (``nonfinite_ranks``) or differ
+    from those of rank ``source`` (the majority among finite ranks; None when no rank is finite),
+    first at ``first_parameter``.
+
+    Example:
+        >>> replica_divergence(step=9, ranks=[0], first_parameter="fc.weight", source=1, nonfinite_ranks=[0]).rank
+        0
+    """
     first = first_parameter
+    bad = list(nonfinite_ranks or [])
+    why = f"after step {step} the parameters of rank(s) {ranks} "
+    why += f"hold NaN/Inf (rank(s) {bad}) or " if bad else ""
+    why += f"differ from rank {source}'s" if source is not None else "are non-finite on every rank"
+    resync = (
+        f"the guard re-broadcasts rank {source}'s parameters and buffers (the majority among finite ranks); "
+        "optimizer state may still differ"
+        if source is not None
+        else "no rank holds finite parameters: the guard rolls back to its snapshot, or raises without one"
+    )
     return Diagnosis(
         cause="distributed.replica_divergence",
         kind="nan",
@@ -489,15 +513,17 @@ def replica_divergence(*, step: int, ranks: list[int], first_parameter: str | No
         step=step,
         evidence={
             "first_parameter": first,
-            "ranks_differing_from_rank0": ranks,
-            "why": f"after step {step} the parameters of rank(s) {ranks} differ from rank 0's, first at {first}",
+            "ranks_differing": ranks,
+            "nonfinite_ranks": bad,
+            "source_rank": source,
+            "why": why + f", first at {first}",
         },
         fixes=[
             "a rank stepped while another skipped, or a parameter was changed on one rank only "
             "(a custom init, loading a checkpoint on rank 0 without a broadcast)",
             "parameters that DDP does not all-reduce (requires_grad=False, or unused with "
             "find_unused_parameters=False) drift when changed in place",
-            "the guard re-broadcasts rank 0's parameters and buffers; optimizer state may still differ",
+            resync,
         ],
     )
 

@@ -306,16 +306,27 @@ class Guard:
             raise NonFiniteError(diag)
 
     def _check_replicas(self, step: int) -> None:
-        differ, first = dist.replica_mismatch(self.model)
-        if not differ:
+        check = dist.replica_mismatch(self.model)
+        if not check.differ:
             return
-        diag = self.last_diagnosis = replica_divergence(step=step, ranks=differ, first_parameter=first)
+        diag = self.last_diagnosis = replica_divergence(
+            step=step, ranks=check.differ, first_parameter=check.first_parameter, source=check.source,
+            nonfinite_ranks=check.nonfinite,
+        )  # fmt: skip
         action = "raise" if self.config.policy == "raise" else "resync"
-        self.recorder.trip(step, action=action, ranks=differ, diagnosis=diag)
+        if check.source is None:  # no finite replica to copy from
+            action = "rollback" if self.recovery.snapshot is not None else "raise"
+        self.recorder.trip(step, action=action, ranks=check.differ, diagnosis=diag)
         log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
         if action == "raise":
             raise NonFiniteError(diag)
-        dist.broadcast_state(self.model, src=0)
+        if action == "rollback":
+            restored = self.recovery.rollback(diag)
+            self.recorder.rollback(step, restored_step=restored, skip_batches=self.recovery.drop_batches,
+                                   reason=diag.cause)  # fmt: skip
+        else:
+            dist.broadcast_state(self.model, src=check.source)
+        self.health.forget_update()  # the queued parameter check saw the replicas before the repair
 
     # -- trips -------------------------------------------------------------------------
     def _bundle_meta(self) -> dict[str, Any]:
