@@ -423,3 +423,39 @@ def test_no_finite_replica_raises_on_every_rank_at_once(tmp_path) -> None:
 def test_no_finite_replica_rolls_back_under_the_rollback_policy(tmp_path) -> None:
     for r in spawn_ranks(_resync, tmp_path, [0, 1], "rollback", timeout=120):
         assert r["error"] is None and r["rollbacks"] == 1 and r["equal"] and r["finite"], r
+
+
+def _fp16_wire(rank, world, tmp, big_ranks):
+    """fp16 compression hook; at step 1 the ranks in ``big_ranks`` feed inputs x1e4, so their
+    local gradients (finite in float32) exceed float16's 65504."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    model = _TwoPath()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, comm_hook=(None, fp16_compress_hook), module_stats=False)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+        if step == 1 and rank in big_ranks:
+            x = x * 1e4
+
+        def closure(x=x):
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(x, True)
+            loss.backward()
+            return loss
+
+        guard.step(closure)
+    d = guard.last_diagnosis
+    return {"skipped": guard.skipped, "diag": d.to_dict() if d else None, "equal": _equal_across_ranks(model)}
+
+
+def test_fp16_compression_overflow_is_named_as_communication_precision(tmp_path) -> None:
+    for r in spawn_ranks(_fp16_wire, tmp_path, [0], timeout=120):
+        assert r["skipped"] == 1 and r["equal"], r
+        d = r["diag"]
+        assert (d["cause"], d["phase"], d["kind"], d["rank"], d["ranks"], d["step"]) == (
+            "precision.overflow", "communication", "inf", 0, [0], 1
+        ), d  # fmt: skip
+        assert "main.weight" in d["evidence"]["parameters"] and d["evidence"]["wire_dtype"] == "float16"
+        assert d["evidence"]["absmax"] > 65504

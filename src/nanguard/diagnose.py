@@ -28,6 +28,7 @@ from nanguard.text import short_op as _short
 __all__ = [
     "RULES",
     "Verdict",
+    "communication_overflow",
     "diagnose",
     "loss_scale_collapse",
     "nonfinite_update",
@@ -446,6 +447,46 @@ def transient_fault(
             "the communication layer, or nondeterministic kernels",
             "if it repeats on the same rank or node, drain that node; run NCCL with "
             "TORCH_NCCL_NAN_CHECK=1 to catch a bad collective",
+        ],
+    )
+
+
+def communication_overflow(
+    *, step: int, hook: str, wire_dtype: str, parameters: list[str], absmax: float, rank: int
+) -> Diagnosis:
+    """A DDP compression hook cast finite local gradients of ``parameters`` (up to ``absmax``)
+    to ``wire_dtype``, where they overflowed: Inf made by the communication, on every step
+    that reaches such values, never by the compute.
+
+    Example:
+        >>> communication_overflow(step=4, hook="fp16_compress_hook", wire_dtype="float16",
+        ...                        parameters=["fc.weight"], absmax=1e5, rank=1).phase
+        'communication'
+    """
+    first = parameters[0] if parameters else None
+    wire_max = torch.finfo(getattr(torch, wire_dtype)).max
+    return Diagnosis(
+        cause="precision.overflow",
+        kind="inf",
+        phase="communication",
+        op=hook,
+        module=first.rpartition(".")[0] if first else None,
+        rank=rank,
+        ranks=[rank],
+        step=step,
+        evidence={
+            "parameters": parameters[:16],
+            "wire_dtype": wire_dtype,
+            "absmax": absmax,
+            "dtype_max": wire_max,
+            "why": f"rank {rank}'s gradients were finite (absmax {absmax:.3g}), but {hook} sends them in "
+            f"{wire_dtype} (max {wire_max:.3g}): the cast made Inf in the bucket of {first}",
+        },
+        fixes=[
+            "use bf16_compress_hook (float32's exponent range) or no compression hook",
+            "average the loss instead of summing it (or lower the loss multiplier), so local gradients "
+            "stay far below the wire dtype's max",
+            f"find why {first} gets gradients above {wire_max:.3g}: ng.audit_model(model) and the step's grad norms",
         ],
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import warnings
 import weakref
 from collections import Counter
@@ -26,6 +27,7 @@ from nanguard.stats import local
 __all__ = [
     "CommWatch",
     "ReplicaCheck",
+    "WireOverflow",
     "agree",
     "agree_flag",
     "broadcast_state",
@@ -102,8 +104,28 @@ class CommWatch:
         pass
 
     def local_flag(self, device: torch.device) -> torch.Tensor | None:
-        """Device bool: were this rank's own gradients non-finite? None when not watched."""
+        """Device bool: were this rank's own gradients non-finite? None when not watched.
+        Reading it closes the step: the next backward's buckets start a new one."""
         return None
+
+    def wire_flag(self, device: torch.device) -> torch.Tensor | None:
+        """Device bool, after ``local_flag``: did a finite local bucket of the step overflow
+        the comm hook's wire dtype (a float16 compression hook)? None when not watched."""
+        return None
+
+    def overflowed(self) -> WireOverflow | None:
+        """On a trip only (host reads): the step's buckets that overflowed the wire dtype."""
+        return None
+
+
+@dataclass(frozen=True)
+class WireOverflow:
+    """This rank's gradient buckets whose finite values overflowed a compression hook's dtype."""
+
+    hook: str
+    dtype: str
+    parameters: list[str]
+    absmax: float
 
 
 class DDPCommWatch(CommWatch):
@@ -111,14 +133,21 @@ class DDPCommWatch(CommWatch):
 
     A finite sum proves the bucket finite, so one small reduction per bucket, accumulated
     on the device, says whether *this* rank's gradients held NaN/Inf before averaging
-    spread them to every rank. No host sync. While ``local`` is set (a replay) the hook
-    sends nothing and returns this rank's own bucket, whatever the loop does to
-    ``require_backward_grad_sync``.
+    spread them to every rank. No host sync. Under a compression hook (float16/bfloat16 on
+    the wire) each bucket's absmax is kept too: cast to the wire dtype, a finite absmax that
+    becomes Inf means the hook's cast, not this rank's compute, made the Inf. While
+    ``local`` is set (a replay) the hook sends nothing and returns this rank's own bucket,
+    whatever the loop does to ``require_backward_grad_sync``.
     """
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, hook: Callable[..., Any], state: Any) -> None:
         self._acc: torch.Tensor | None = None
         self.local = False
+        self.hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+        self.wire = _wire_dtype(hook)
+        self._names = {id(p): n for n, p in unwrap(ddp).named_parameters()}
+        self._buckets: list[tuple[torch.Tensor, list[str]]] = []
+        self._measured: list[tuple[torch.Tensor, list[str]]] = []
         inner = hook
 
         # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
@@ -127,22 +156,57 @@ class DDPCommWatch(CommWatch):
                 done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
                 done.set_result(bucket.buffer())
                 return done
-            part = bucket.buffer().sum(dtype=torch.float32)
+            buffer = bucket.buffer()
+            part = buffer.sum(dtype=torch.float32)
             self._acc = part if self._acc is None else self._acc + part
+            if self.wire is not None:
+                names = [self._names.get(id(p), "?") for p in bucket.parameters()]
+                self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
             return inner(state, bucket)
 
-        watched.__qualname__ = f"nanguard_watch({getattr(hook, '__qualname__', 'hook')})"
+        watched.__qualname__ = f"nanguard_watch({self.hook_name})"
         ddp.register_comm_hook(state, watched)
         _WATCHES[ddp] = self
 
     def reset(self) -> None:
         self._acc = None
+        self._buckets = []
 
     def local_flag(self, device: torch.device) -> torch.Tensor | None:
         acc, self._acc = self._acc, None
+        self._measured, self._buckets = self._buckets, []
         if acc is None:
             return torch.zeros((), dtype=torch.bool, device=device)
         return ~torch.isfinite(acc.to(device))
+
+    def wire_flag(self, device: torch.device) -> torch.Tensor | None:
+        if self.wire is None:
+            return None
+        if not self._measured:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        absmax = torch.stack([a for a, _ in self._measured]).to(device)
+        return (torch.isfinite(absmax) & ~torch.isfinite(absmax.to(self.wire))).any()
+
+    def overflowed(self) -> WireOverflow | None:
+        if self.wire is None:
+            return None
+        bad = [
+            (float(a), names)  # a trip: host reads are fine here
+            for a, names in self._measured
+            if bool(torch.isfinite(a) & ~torch.isfinite(a.to(self.wire)))
+        ]
+        if not bad:
+            return None
+        params = [n for _, names in bad for n in names]
+        return WireOverflow(self.hook_name, str(self.wire).removeprefix("torch."), params, max(a for a, _ in bad))
+
+
+def _wire_dtype(hook: Callable[..., Any]) -> torch.dtype | None:
+    """The dtype a known compression hook sends gradients in; None for any other hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    wires = {default_hooks.fp16_compress_hook: torch.float16, default_hooks.bf16_compress_hook: torch.bfloat16}
+    return wires.get(hook)
 
 
 _WATCHES: weakref.WeakKeyDictionary[nn.Module, DDPCommWatch] = weakref.WeakKeyDictionary()

@@ -93,7 +93,8 @@ class Guard:
                                   param_check_every=c.param_check_every)  # fmt: skip
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c)
         self.history = History.from_config(c)
-        self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats)
+        self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats,
+                                   comm=self.health.comm)  # fmt: skip
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})

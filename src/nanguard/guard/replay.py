@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from nanguard import dist
-from nanguard.diagnose import nonfinite_update, rejected_batch, rejudge, transient_fault
+from nanguard.diagnose import communication_overflow, nonfinite_update, rejected_batch, rejudge, transient_fault
 from nanguard.findings import Diagnosis
-from nanguard.guard.health import StepHealth
+from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
@@ -50,9 +50,17 @@ class Diagnoser:
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, history: History, *, locate: bool, module_stats: bool
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        history: History,
+        *,
+        locate: bool,
+        module_stats: bool,
+        comm: dist.CommWatch | None = None,
     ) -> None:
         self.model = model
+        self.comm = comm or dist.CommWatch()
         self.optimizer = optimizer
         self.history = history
         self.locate = locate
@@ -82,7 +90,11 @@ class Diagnoser:
         found = replayed.diagnosis
         if closure_error is not None and (found is None or not found.cause.startswith("data.")):
             raise closure_error  # not an id out of range: the user's own bug, theirs to see
-        diag = dist.gather_diagnosis(found, h.bad_ranks)
+        flagged = h.bad_ranks
+        if found is None and (wire_ranks := h.ranks_with(HealthFlag.WIRE)):
+            # Not reproduced without communication: the comm hook's cast made it, on these ranks.
+            found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
+        diag = dist.gather_diagnosis(found, flagged)
         if diag is None:
             diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
                                    located=replayed.located, distributed=dist.is_distributed())  # fmt: skip
@@ -90,6 +102,13 @@ class Diagnoser:
         history = self.history.evidence(h.step, self._lr())
         replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
         return replayed
+
+    def _wire_overflow(self, step: int) -> Diagnosis | None:
+        over = self.comm.overflowed()
+        if over is None:
+            return None
+        return communication_overflow(step=step, hook=over.hook, wire_dtype=over.dtype, parameters=over.parameters,
+                                      absmax=over.absmax, rank=dist.rank())  # fmt: skip
 
     def nonfinite_update(self, step: int, ranks: list[int]) -> Diagnosis:
         """The update of ``step`` left non-finite parameters on ``ranks``; name them."""
