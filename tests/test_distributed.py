@@ -459,3 +459,44 @@ def test_fp16_compression_overflow_is_named_as_communication_precision(tmp_path)
         ), d  # fmt: skip
         assert "main.weight" in d["evidence"]["parameters"] and d["evidence"]["wire_dtype"] == "float16"
         assert d["evidence"]["absmax"] > 65504
+
+
+def _fsdp_shard_nan(rank, world, tmp, repeats):
+    """FSDP2 on 4 ranks: rank 2 writes a NaN into its own shard of one weight; ``repeats`` fresh runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = []
+    for _ in range(repeats):
+        model = _model(n_embd=32)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = ng.Guard(model, opt, module_stats=False)
+        for step in range(2):
+            if step == 1 and rank == 2:
+                with torch.no_grad():
+                    model.blocks[1].mlp.fc.weight.to_local()[0, 0] = float("nan")
+            batch = _batch(model, rank, step)
+
+            def closure(batch=batch):
+                opt.zero_grad(set_to_none=True)
+                _, loss = model(**batch)
+                loss.backward()
+                return loss
+
+            guard.step(closure, batch=batch)
+        out.append({"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict()})
+    return out
+
+
+def test_fsdp2_nan_in_one_ranks_shard_is_attributed_to_that_rank(tmp_path) -> None:
+    results = spawn_ranks(_fsdp_shard_nan, tmp_path, 3, world=4, timeout=120)
+    for per_rank in results:
+        for r in per_rank:
+            d = r["diag"]
+            assert r["skipped"] == 1
+            assert (d["cause"], d["phase"], d["rank"], d["ranks"], d["module"], d["step"]) == (
+                "parameters.nonfinite", "parameters", 2, [2], "blocks.1.mlp.fc", 1
+            ), d  # fmt: skip
+            assert d["evidence"]["parameters"] == ["blocks.1.mlp.fc.weight"]

@@ -31,6 +31,7 @@ __all__ = [
     "communication_overflow",
     "diagnose",
     "loss_scale_collapse",
+    "nonfinite_shards",
     "nonfinite_update",
     "rejected_batch",
     "rejudge",
@@ -448,6 +449,37 @@ def transient_fault(
             "if it repeats on the same rank or node, drain that node; run NCCL with "
             "TORCH_NCCL_NAN_CHECK=1 to catch a bad collective",
         ],
+    )
+
+
+def nonfinite_shards(*, step: int, parameters: list[str], nan: int, inf: int, rank: int) -> Diagnosis:
+    """This rank's own shards of ``parameters`` (FSDP2) hold ``nan`` NaN and ``inf`` Inf values:
+    every rank sees them after the all-gather, but they live here.
+
+    Example:
+        >>> nonfinite_shards(step=3, parameters=["blocks.1.mlp.fc.weight"], nan=1, inf=0, rank=2).module
+        'blocks.1.mlp.fc'
+    """
+    first = parameters[0]
+    module = first.rpartition(".")[0]
+    origin = {"category": "parameters", "path": first, "module": module, "inputs": [{"nan": nan, "posinf": inf}]}
+    verdict = nonfinite_parameters({"origin": origin})
+    assert verdict is not None
+    return Diagnosis(
+        cause=verdict.cause,
+        kind="nan" if nan else "inf",
+        phase="parameters",
+        module=module,
+        rank=rank,
+        ranks=[rank],
+        step=step,
+        evidence={
+            "origin": origin,
+            "parameters": parameters[:16],
+            "sharded": True,
+            "why": f"rank {rank}'s own shard of " + verdict.why,
+        },
+        fixes=verdict.fixes,
     )
 
 

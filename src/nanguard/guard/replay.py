@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from nanguard import dist
-from nanguard.diagnose import communication_overflow, nonfinite_update, rejected_batch, rejudge, transient_fault
+from nanguard.diagnose import (
+    communication_overflow,
+    nonfinite_shards,
+    nonfinite_update,
+    rejected_batch,
+    rejudge,
+    transient_fault,
+)
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
@@ -61,6 +68,7 @@ class Diagnoser:
     ) -> None:
         self.model = model
         self.comm = comm or dist.CommWatch()
+        self.sharded = dist.is_distributed() and any(local(p) is not p for p in model.parameters())
         self.optimizer = optimizer
         self.history = history
         self.locate = locate
@@ -91,6 +99,12 @@ class Diagnoser:
         if closure_error is not None and (found is None or not found.cause.startswith("data.")):
             raise closure_error  # not an id out of range: the user's own bug, theirs to see
         flagged = h.bad_ranks
+        if self.sharded:
+            # Under FSDP2 every rank all-gathers a bad shard and reproduces its NaN: the rank
+            # that holds the shard is the origin.
+            shard = self._nonfinite_shards(h.step)
+            if shard_ranks := dist.agree_flag(shard is not None):
+                found, flagged = shard, shard_ranks
         if found is None and (wire_ranks := h.ranks_with(HealthFlag.WIRE)):
             # Not reproduced without communication: the comm hook's cast made it, on these ranks.
             found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
@@ -102,6 +116,20 @@ class Diagnoser:
         history = self.history.evidence(h.step, self._lr())
         replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
         return replayed
+
+    def _nonfinite_shards(self, step: int) -> Diagnosis | None:
+        """This rank's own non-finite parameter shards, or None (host reads: on a trip only)."""
+        counts = []
+        with torch.no_grad():
+            for name, p in dist.unwrap(self.model).named_parameters():
+                shard = local(p).detach()
+                nan, inf = int(shard.isnan().sum()), int(shard.isinf().sum())
+                if nan or inf:
+                    counts.append((name, nan, inf))
+        if not counts:
+            return None
+        return nonfinite_shards(step=step, parameters=[n for n, _, _ in counts], nan=sum(c[1] for c in counts),
+                                inf=sum(c[2] for c in counts), rank=dist.rank())  # fmt: skip
 
     def _wire_overflow(self, step: int) -> Diagnosis | None:
         over = self.comm.overflowed()
