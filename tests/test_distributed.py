@@ -265,42 +265,44 @@ def test_spawn_stops_a_hung_rank_at_the_deadline(tmp_path) -> None:
 
 def _fault_placement(rank, world, tmp, mode, placements):
     """For each set of bad ranks in ``placements``: a fresh model under ``mode``, NaN pixels on those ranks."""
-    out = []
-    for bad in placements:
-        model = _model(n_embd=32)
-        if mode == "ddp":
-            wrapped, after = DDP(model), None
-        elif mode == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
+    return [_placement_run(rank, world, mode, bad) for bad in placements]
 
-            for block in model.blocks:
-                fully_shard(block)
-            wrapped, after = fully_shard(model), None
-        else:
-            wrapped = model
 
-            def after():
-                for p in model.parameters():
-                    tdist.all_reduce(p.grad)
-                    p.grad /= world
+def _placement_run(rank, world, mode, bad):
+    model = _model(n_embd=32)
+    after = None
+    if mode == "ddp":
+        wrapped = DDP(model)
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
 
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        guard = ng.Guard(wrapped, opt, module_stats=False)
-        for step in range(2):
-            batch = _batch(model, rank, step, bad=step == 1 and rank in bad)
+        for block in model.blocks:
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    else:
+        wrapped = model
 
-            def closure(batch=batch):
-                opt.zero_grad(set_to_none=True)
-                _, loss = wrapped(**batch)
-                loss.backward()
-                if after is not None:
-                    after()
-                return loss
+        def after():
+            for p in model.parameters():
+                tdist.all_reduce(p.grad)
+                p.grad /= world
 
-            guard.step(closure, batch=batch)
-        d = guard.last_diagnosis
-        out.append({"skipped": guard.skipped, "diag": d.to_dict() if d else None})
-    return out
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = ng.Guard(wrapped, opt, module_stats=False)
+    for step in range(2):
+        batch = _batch(model, rank, step, bad=step == 1 and rank in bad)
+
+        def closure(batch=batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = wrapped(**batch)
+            loss.backward()
+            if after is not None:
+                after()
+            return loss
+
+        guard.step(closure, batch=batch)
+    d = guard.last_diagnosis
+    return {"skipped": guard.skipped, "diag": d.to_dict() if d else None}
 
 
 PLACEMENTS = [[0], [2], [1, 3]]
@@ -463,31 +465,32 @@ def test_fp16_compression_overflow_is_named_as_communication_precision(tmp_path)
 
 def _fsdp_shard_nan(rank, world, tmp, repeats):
     """FSDP2 on 4 ranks: rank 2 writes a NaN into its own shard of one weight; ``repeats`` fresh runs."""
+    return [_shard_run(rank) for _ in range(repeats)]
+
+
+def _shard_run(rank):
     from torch.distributed.fsdp import fully_shard
 
-    out = []
-    for _ in range(repeats):
-        model = _model(n_embd=32)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        guard = ng.Guard(model, opt, module_stats=False)
-        for step in range(2):
-            if step == 1 and rank == 2:
-                with torch.no_grad():
-                    model.blocks[1].mlp.fc.weight.to_local()[0, 0] = float("nan")
-            batch = _batch(model, rank, step)
+    model = _model(n_embd=32)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = ng.Guard(model, opt, module_stats=False)
+    for step in range(2):
+        if step == 1 and rank == 2:
+            with torch.no_grad():
+                model.blocks[1].mlp.fc.weight.to_local()[0, 0] = float("nan")
+        batch = _batch(model, rank, step)
 
-            def closure(batch=batch):
-                opt.zero_grad(set_to_none=True)
-                _, loss = model(**batch)
-                loss.backward()
-                return loss
+        def closure(batch=batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(**batch)
+            loss.backward()
+            return loss
 
-            guard.step(closure, batch=batch)
-        out.append({"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict()})
-    return out
+        guard.step(closure, batch=batch)
+    return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict()}
 
 
 def test_fsdp2_nan_in_one_ranks_shard_is_attributed_to_that_rank(tmp_path) -> None:
@@ -500,3 +503,92 @@ def test_fsdp2_nan_in_one_ranks_shard_is_attributed_to_that_rank(tmp_path) -> No
                 "parameters.nonfinite", "parameters", 2, [2], "blocks.1.mlp.fc", 1
             ), d  # fmt: skip
             assert d["evidence"]["parameters"] == ["blocks.1.mlp.fc.weight"]
+
+
+def _persistent_nan(rank, world, tmp):
+    """From step 1 rank 1's ``main.weight`` holds a NaN that no skip removes."""
+    model = _TwoPath()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, max_consecutive_skips=3, module_stats=False)
+    raised_at = cause = None
+    for step in range(6):
+        if step == 1 and rank == 1:
+            with torch.no_grad():
+                model.main.weight[0, 0] = float("nan")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+
+        def closure(x=x):
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(x, True)
+            loss.backward()
+            return loss
+
+        try:
+            guard.step(closure)
+        except ng.NonFiniteError as err:
+            raised_at, cause = step, err.diagnosis.cause
+            break
+    return {"raised_at": raised_at, "cause": cause, "skipped": guard.skipped, "rank": guard.last_diagnosis.rank}
+
+
+def test_a_persistent_fault_escalates_on_every_rank_at_the_same_step(tmp_path) -> None:
+    results = spawn_ranks(_persistent_nan, tmp_path, timeout=120)
+    assert results[0] == results[1], results
+    r = results[0]
+    assert (r["raised_at"], r["cause"], r["skipped"], r["rank"]) == (3, "parameters.nonfinite", 3, 1), r
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+
+
+def _collectives_per_step(rank, world, tmp, steps):
+    """torch.distributed collectives called during ``steps`` healthy DDP steps, with and without the guard.
+    Both run the Python all-reduce hook, so the difference is what the guard adds."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from nanguard import compat
+
+    calls = {"n": 0}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def run(guarded: bool) -> int:
+        model = _TwoPath()
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        guard = ng.Guard(ddp, opt, fingerprint_every=0) if guarded else None
+        if guard is None:
+            ddp.register_comm_hook(None, allreduce_hook)
+        calls["n"] = 0
+        with compat.swap_collectives({name: counting(getattr(tdist, name)) for name in _COLLECTIVES}):
+            for step in range(steps):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+
+                def closure(x=x):
+                    opt.zero_grad(set_to_none=True)
+                    loss = ddp(x, True)
+                    loss.backward()
+                    return loss
+
+                if guard is None:
+                    closure()
+                    opt.step()
+                else:
+                    assert guard.step(closure) is not None
+        return calls["n"]
+
+    return {"plain": run(False), "guarded": run(True)}
+
+
+def test_collectives_the_guard_adds_per_healthy_ddp_step(tmp_path) -> None:
+    steps = 4
+    for r in spawn_ranks(_collectives_per_step, tmp_path, steps, timeout=120):
+        assert r["plain"] >= steps  # the count sees DDP's own gradient all-reduce
+        # Today: the one agreement all-reduce (issue 12's target of 0 under DDP is not reached).
+        assert (r["guarded"] - r["plain"]) / steps == 1, r
