@@ -135,8 +135,18 @@ class Diagnoser:
         over = self.comm.overflowed()
         if over is None:
             return None
-        return communication_overflow(step=step, hook=over.hook, wire_dtype=over.dtype, parameters=over.parameters,
-                                      absmax=over.absmax, rank=dist.rank())  # fmt: skip
+        # The replay left this rank's own gradients in .grad: name the parameters whose values
+        # overflow the wire dtype, not every parameter that shares their bucket.
+        wire, in_bucket = getattr(torch, over.dtype), set(over.parameters)
+        with torch.no_grad():
+            hot = [
+                n
+                for n, p in dist.unwrap(self.model).named_parameters()
+                if n in in_bucket and p.grad is not None and not torch.isfinite(p.grad.abs().amax().to(wire))
+            ]
+        return communication_overflow(step=step, hook=over.hook, wire_dtype=over.dtype,
+                                      parameters=hot or over.parameters, absmax=over.absmax,
+                                      rank=dist.rank())  # fmt: skip
 
     def nonfinite_update(self, step: int, ranks: list[int]) -> Diagnosis:
         """The update of ``step`` left non-finite parameters on ``ranks``; name them."""
