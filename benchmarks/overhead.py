@@ -162,7 +162,7 @@ rounds as seen by rank 0.
 **Collectives per healthy step.** The guard adds exactly one (counted by
 `tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step`, which wraps
 `torch.distributed`): carrying the flags and the loss inside the gradient all-reduce (0 extra) is not
-done yet, so the ratio above is still that extra round trip on 2 gloo ranks.
+done yet, so a healthy step still pays that round trip.
 
 **Cost per step as the world grows (an estimate, not measured).** The guard's one collective is an all-reduce of
 `world_size + 2` float32 values (each rank writes its own flag slot; the mean loss and the squared grad norm
