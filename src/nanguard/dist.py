@@ -246,18 +246,18 @@ class ReplicaCheck:
 
     Example:
         >>> check = replica_mismatch(model)
-        >>> check.differ, check.source, check.nonfinite
+        >>> check.ranks, check.source, check.nonfinite_ranks
         ([0], 1, [0])
     """
 
-    differ: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
     """Ranks whose parameters are non-finite or differ from the source's."""
     first_parameter: str | None = None
     """The first parameter (in ``named_parameters`` order) where a rank differs from the source."""
     source: int | None = None
     """The rank to resync from: the lowest rank holding the majority digest among the ranks
     whose parameters are all finite; None when no rank is finite."""
-    nonfinite: list[int] = field(default_factory=list)
+    nonfinite_ranks: list[int] = field(default_factory=list)
     """Ranks whose parameters hold NaN/Inf."""
 
 

@@ -308,23 +308,19 @@ class Guard:
 
     def _check_replicas(self, step: int) -> None:
         check = dist.replica_mismatch(self.model)
-        if not check.differ:
+        if not check.ranks:
             return
-        diag = self.last_diagnosis = replica_divergence(
-            step=step, ranks=check.differ, first_parameter=check.first_parameter, source=check.source,
-            nonfinite_ranks=check.nonfinite,
-        )  # fmt: skip
+        diag = self.last_diagnosis = replica_divergence(step=step, **vars(check))
         action = "raise" if self.config.policy == "raise" else "resync"
         if check.source is None:  # no finite replica to copy from
             action = "rollback" if self.recovery.snapshot is not None else "raise"
-        self.recorder.trip(step, action=action, ranks=check.differ, diagnosis=diag)
+        self.recorder.trip(step, action=action, ranks=check.ranks, diagnosis=diag)
         log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
         if action == "raise":
             raise NonFiniteError(diag)
-        if action == "rollback":
-            restored = self.recovery.rollback(diag)
-            self.recorder.rollback(step, restored_step=restored, skip_batches=self.recovery.drop_batches,
-                                   reason=diag.cause)  # fmt: skip
+        if action == "rollback":  # restored_step is evaluated first: rollback() sets drop_batches
+            self.recorder.rollback(step, restored_step=self.recovery.rollback(diag),
+                                   skip_batches=self.recovery.drop_batches, reason=diag.cause)  # fmt: skip
         else:
             dist.broadcast_state(self.model, src=check.source)
         self.health.forget_update()  # the queued parameter check saw the replicas before the repair
