@@ -159,15 +159,22 @@ rounds as seen by rank 0.
 |---|---:|---:|
 {rows}
 
-**Cost per step as the world grows.** The guard adds one collective per step: an all-reduce of
+**Collectives per healthy step.** The guard adds exactly one (counted by
+`tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step`, which wraps
+`torch.distributed`): carrying the flags and the loss inside the gradient all-reduce (0 extra) is not
+done yet, so a healthy step still pays that round trip.
+
+**Cost per step as the world grows (an estimate, not measured).** The guard's one collective is an all-reduce of
 `world_size + 2` float32 values (each rank writes its own flag slot; the mean loss and the squared grad norm
 ride along), so 4 bytes x (world_size + 2): 16 bytes here, about 4 KiB at 1024 ranks. It is latency-bound:
 with NCCL's tree all-reduce about 2 x log2(1024) = 20 hops of ~5-10 us on
 InfiniBand, i.e. roughly 0.1-0.2 ms per step at 1024 ranks, against a gradient all-reduce of hundreds of MB
 for a 1B-parameter model. Under DDP the pre-communication check adds one float32 sum per gradient bucket
-(no extra collective, no host sync). The replica fingerprint (one float64 all-gather per rank, every
-`fingerprint_every` = 100 updates by default) adds 8 bytes x world_size every 100 steps. Only a trip costs
-more: each rank replays its own step, and the diagnoses are all-gathered as JSON bytes."""
+(no extra collective, no host sync; a compression hook adds one absmax per bucket). The replica
+fingerprint (an all-gather of two float64 per rank, finite? and a digest, every `fingerprint_every` = 100
+updates by default) adds 16 bytes x world_size every 100 steps. Only a trip costs more: each rank replays
+its own step, and the diagnoses are all-gathered as JSON bytes (FSDP2 adds one small all-reduce to agree on
+which ranks hold a non-finite shard)."""
 
 
 def main() -> None:

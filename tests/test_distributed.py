@@ -25,9 +25,9 @@ pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _model(vision: bool = True) -> GPT:
+def _model(vision: bool = True, n_embd: int = 64) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vision_dim=16 if vision else 0, n_embd=64, block_size=16))
+    return GPT(GPTConfig(vision_dim=16 if vision else 0, n_embd=n_embd, block_size=16))
 
 
 def _batch(model: GPT, rank: int, step: int, bad: bool = False) -> dict:
@@ -261,3 +261,334 @@ def test_spawn_reports_a_rank_traceback_to_the_parent(tmp_path) -> None:
 def test_spawn_stops_a_hung_rank_at_the_deadline(tmp_path) -> None:
     with pytest.raises(RanksFailed, match=r"rank 1: no result before the deadline \(20s"):
         spawn_ranks(_hangs_on_rank_1, tmp_path, timeout=20)
+
+
+def _fault_placement(rank, world, tmp, mode, placements):
+    """For each set of bad ranks in ``placements``: a fresh model under ``mode``, NaN pixels on those ranks."""
+    return [_placement_run(rank, world, mode, bad) for bad in placements]
+
+
+def _placement_run(rank, world, mode, bad):
+    model = _model(n_embd=32)
+    after = None
+    if mode == "ddp":
+        wrapped = DDP(model)
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    else:
+        wrapped = model
+
+        def after():
+            for p in model.parameters():
+                tdist.all_reduce(p.grad)
+                p.grad /= world
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = ng.Guard(wrapped, opt, module_stats=False)
+    for step in range(2):
+        batch = _batch(model, rank, step, bad=step == 1 and rank in bad)
+
+        def closure(batch=batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = wrapped(**batch)
+            loss.backward()
+            if after is not None:
+                after()
+            return loss
+
+        guard.step(closure, batch=batch)
+    d = guard.last_diagnosis
+    return {"skipped": guard.skipped, "diag": d.to_dict() if d else None}
+
+
+PLACEMENTS = [[0], [2], [1, 3]]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "allreduce"])
+def test_rank_attribution_wherever_the_fault_lands(tmp_path, mode) -> None:
+    results = spawn_ranks(_fault_placement, tmp_path, mode, PLACEMENTS, world=4, timeout=120)
+    for per_rank in results:
+        for bad, r in zip(PLACEMENTS, per_rank, strict=True):
+            assert r["skipped"] == 1, (bad, r)
+            d = r["diag"]
+            assert (d["cause"], d["rank"], d["ranks"], d["step"]) == ("data.nonfinite", bad[0], bad, 1), (bad, d)
+            assert d["evidence"]["flagged_ranks"] == bad
+
+
+def _nanogpt_loop(rank, world, tmp):
+    """nanoGPT's loop: gradient accumulation that toggles ``require_backward_grad_sync`` itself,
+    checked with ``guard.check``; rank 1's first micro-batch at step 1 holds NaN pixels."""
+    from nanguard.rng import get_rng_state
+
+    model = _model(n_embd=32)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, module_stats=False)
+    accum, skips_at = 2, []
+
+    def forward_backward(step: int) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        for micro in range(accum):
+            ddp.require_backward_grad_sync = micro == accum - 1
+            _, loss = ddp(**_batch(model, rank, step * accum + micro, bad=(step, micro, rank) == (1, 0, 1)))
+            (loss / accum).backward()
+        return loss
+
+    for step in range(4):
+        rng = get_rng_state()
+        loss = forward_backward(step)
+        if guard.check(loss, replay=lambda step=step: forward_backward(step), rng=rng):
+            opt.step()
+            guard.after_step()
+        else:
+            skips_at.append(step)
+    return {"skips_at": skips_at, "diag": guard.last_diagnosis.to_dict(), "equal": _equal_across_ranks(model)}
+
+
+def test_a_loop_that_toggles_grad_sync_replays_without_communication(tmp_path) -> None:
+    for r in spawn_ranks(_nanogpt_loop, tmp_path, timeout=120):
+        assert r["skips_at"] == [1] and r["equal"], r
+        d = r["diag"]
+        assert (d["cause"], d["rank"], d["ranks"], d["step"]) == ("data.nonfinite", 1, [1], 1), d
+
+
+class _TwoPath(torch.nn.Module):
+    """``side`` is used only where the caller says: under DDP, a weight one rank may leave unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.main = torch.nn.Linear(8, 8)
+        self.side = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        y = self.main(x)
+        return (y + self.side(x) if use_side else y).pow(2).mean()
+
+
+def _resync(rank, world, tmp, nan_ranks, policy):
+    """Rank 0 uses ``side`` at steps 0-1; before step 2 ``nan_ranks`` write NaN into it; step 2
+    leaves it unused, so only the fingerprint check sees the NaN; step 3 uses it again."""
+    model = _TwoPath()
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    guard = ng.Guard(ddp, opt, policy=policy, fingerprint_every=1, snapshot_every=1)
+    error = None
+    try:
+        for step in range(4):
+            if step == 2 and rank in nan_ranks:
+                with torch.no_grad():
+                    model.side.weight[0, 0] = float("nan")
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+
+            def closure(x=x, use=rank == 0 and step != 2):
+                opt.zero_grad(set_to_none=True)
+                loss = ddp(x, use)
+                loss.backward()
+                return loss
+
+            guard.step(closure)
+    except ng.NonFiniteError as err:
+        error = err.diagnosis.cause
+    d = guard.last_diagnosis
+    return {
+        "diag": d.to_dict() if d else None,
+        "error": error,
+        "steps": guard.step_count,
+        "skipped": guard.skipped,
+        "rollbacks": guard.rollbacks,
+        "equal": _equal_across_ranks(model),
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+    }
+
+
+def test_resync_copies_from_a_finite_rank_never_spreading_a_nan(tmp_path) -> None:
+    for r in spawn_ranks(_resync, tmp_path, [0], "skip", timeout=120):
+        d = r["diag"]
+        assert (d["cause"], d["rank"], d["ranks"]) == ("distributed.replica_divergence", 0, [0]), d
+        assert d["evidence"]["source_rank"] == 1 and d["evidence"]["nonfinite_ranks"] == [0]
+        assert d["evidence"]["first_parameter"] == "side.weight"
+        assert r["error"] is None and r["steps"] == 4 and r["skipped"] == 0 and r["equal"] and r["finite"], r
+
+
+def test_no_finite_replica_raises_on_every_rank_at_once(tmp_path) -> None:
+    for r in spawn_ranks(_resync, tmp_path, [0, 1], "skip", timeout=120):
+        assert r["error"] == "distributed.replica_divergence" and r["steps"] == 3, r
+        d = r["diag"]
+        assert d["ranks"] == [0, 1] and d["evidence"]["source_rank"] is None
+
+
+def test_no_finite_replica_rolls_back_under_the_rollback_policy(tmp_path) -> None:
+    for r in spawn_ranks(_resync, tmp_path, [0, 1], "rollback", timeout=120):
+        assert r["error"] is None and r["rollbacks"] == 1 and r["equal"] and r["finite"], r
+
+
+def _fp16_wire(rank, world, tmp, big_ranks):
+    """fp16 compression hook; at step 1 the ranks in ``big_ranks`` feed inputs x1e4, so their
+    local gradients (finite in float32) exceed float16's 65504."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    model = _TwoPath()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, comm_hook=(None, fp16_compress_hook), module_stats=False)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+        if step == 1 and rank in big_ranks:
+            x = x * 1e4
+
+        def closure(x=x):
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(x, True)
+            loss.backward()
+            return loss
+
+        guard.step(closure)
+    d = guard.last_diagnosis
+    return {"skipped": guard.skipped, "diag": d.to_dict() if d else None, "equal": _equal_across_ranks(model)}
+
+
+def test_fp16_compression_overflow_is_named_as_communication_precision(tmp_path) -> None:
+    for r in spawn_ranks(_fp16_wire, tmp_path, [0], timeout=120):
+        assert r["skipped"] == 1 and r["equal"], r
+        d = r["diag"]
+        assert (d["cause"], d["phase"], d["kind"], d["rank"], d["ranks"], d["step"]) == (
+            "precision.overflow", "communication", "inf", 0, [0], 1
+        ), d  # fmt: skip
+        assert "main.weight" in d["evidence"]["parameters"] and d["evidence"]["wire_dtype"] == "float16"
+        assert d["evidence"]["absmax"] > 65504
+
+
+def _fsdp_shard_nan(rank, world, tmp, repeats):
+    """FSDP2 on 4 ranks: rank 2 writes a NaN into its own shard of one weight; ``repeats`` fresh runs."""
+    return [_shard_run(rank) for _ in range(repeats)]
+
+
+def _shard_run(rank):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(n_embd=32)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = ng.Guard(model, opt, module_stats=False)
+    for step in range(2):
+        if step == 1 and rank == 2:
+            with torch.no_grad():
+                model.blocks[1].mlp.fc.weight.to_local()[0, 0] = float("nan")
+        batch = _batch(model, rank, step)
+
+        def closure(batch=batch):
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(**batch)
+            loss.backward()
+            return loss
+
+        guard.step(closure, batch=batch)
+    return {"skipped": guard.skipped, "diag": guard.last_diagnosis.to_dict()}
+
+
+def test_fsdp2_nan_in_one_ranks_shard_is_attributed_to_that_rank(tmp_path) -> None:
+    results = spawn_ranks(_fsdp_shard_nan, tmp_path, 3, world=4, timeout=120)
+    for per_rank in results:
+        for r in per_rank:
+            d = r["diag"]
+            assert r["skipped"] == 1
+            assert (d["cause"], d["phase"], d["rank"], d["ranks"], d["module"], d["step"]) == (
+                "parameters.nonfinite", "parameters", 2, [2], "blocks.1.mlp.fc", 1
+            ), d  # fmt: skip
+            assert d["evidence"]["parameters"] == ["blocks.1.mlp.fc.weight"]
+
+
+def _persistent_nan(rank, world, tmp):
+    """From step 1 rank 1's ``main.weight`` holds a NaN that no skip removes."""
+    model = _TwoPath()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, max_consecutive_skips=3, module_stats=False)
+    raised_at = cause = None
+    for step in range(6):
+        if step == 1 and rank == 1:
+            with torch.no_grad():
+                model.main.weight[0, 0] = float("nan")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+
+        def closure(x=x):
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(x, True)
+            loss.backward()
+            return loss
+
+        try:
+            guard.step(closure)
+        except ng.NonFiniteError as err:
+            raised_at, cause = step, err.diagnosis.cause
+            break
+    return {"raised_at": raised_at, "cause": cause, "skipped": guard.skipped, "rank": guard.last_diagnosis.rank}
+
+
+def test_a_persistent_fault_escalates_on_every_rank_at_the_same_step(tmp_path) -> None:
+    results = spawn_ranks(_persistent_nan, tmp_path, timeout=120)
+    assert results[0] == results[1], results
+    r = results[0]
+    assert (r["raised_at"], r["cause"], r["skipped"], r["rank"]) == (3, "parameters.nonfinite", 3, 1), r
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+
+
+def _collectives_per_step(rank, world, tmp, steps):
+    """torch.distributed collectives called during ``steps`` healthy DDP steps, with and without the guard.
+    Both run the Python all-reduce hook, so the difference is what the guard adds."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from nanguard import compat
+
+    calls = {"n": 0}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def run(guarded: bool) -> int:
+        model = _TwoPath()
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        guard = ng.Guard(ddp, opt, fingerprint_every=0) if guarded else None
+        if guard is None:
+            ddp.register_comm_hook(None, allreduce_hook)
+        calls["n"] = 0
+        with compat.swap_collectives({name: counting(getattr(tdist, name)) for name in _COLLECTIVES}):
+            for step in range(steps):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+
+                def closure(x=x):
+                    opt.zero_grad(set_to_none=True)
+                    loss = ddp(x, True)
+                    loss.backward()
+                    return loss
+
+                if guard is None:
+                    closure()
+                    opt.step()
+                else:
+                    assert guard.step(closure) is not None
+        return calls["n"]
+
+    return {"plain": run(False), "guarded": run(True)}
+
+
+def test_collectives_the_guard_adds_per_healthy_ddp_step(tmp_path) -> None:
+    steps = 4
+    for r in spawn_ranks(_collectives_per_step, tmp_path, steps, timeout=120):
+        assert r["plain"] >= steps  # the count sees DDP's own gradient all-reduce
+        # Today: the one agreement all-reduce (issue 12's target of 0 under DDP is not reached).
+        assert (r["guarded"] - r["plain"]) / steps == 1, r

@@ -28,8 +28,10 @@ from nanguard.text import short_op as _short
 __all__ = [
     "RULES",
     "Verdict",
+    "communication_overflow",
     "diagnose",
     "loss_scale_collapse",
+    "nonfinite_shards",
     "nonfinite_update",
     "rejected_batch",
     "rejudge",
@@ -450,6 +452,77 @@ def transient_fault(
     )
 
 
+def nonfinite_shards(*, step: int, parameters: list[str], nan: int, inf: int, rank: int) -> Diagnosis:
+    """This rank's own shards of ``parameters`` (FSDP2) hold ``nan`` NaN and ``inf`` Inf values:
+    every rank sees them after the all-gather, but they live here.
+
+    Example:
+        >>> nonfinite_shards(step=3, parameters=["blocks.1.mlp.fc.weight"], nan=1, inf=0, rank=2).module
+        'blocks.1.mlp.fc'
+    """
+    first = parameters[0]
+    module = first.rpartition(".")[0]
+    origin = {"category": "parameters", "path": first, "module": module, "inputs": [{"nan": nan, "posinf": inf}]}
+    verdict = nonfinite_parameters({"origin": origin})
+    assert verdict is not None
+    return Diagnosis(
+        cause=verdict.cause,
+        kind="nan" if nan else "inf",
+        phase="parameters",
+        module=module,
+        rank=rank,
+        ranks=[rank],
+        step=step,
+        evidence={
+            "origin": origin,
+            "parameters": parameters[:16],
+            "sharded": True,
+            "why": f"rank {rank}'s own shard of " + verdict.why,
+        },
+        fixes=verdict.fixes,
+    )
+
+
+def communication_overflow(
+    *, step: int, hook: str, wire_dtype: str, parameters: list[str], absmax: float, rank: int
+) -> Diagnosis:
+    """A DDP compression hook cast finite local gradients of ``parameters`` (up to ``absmax``)
+    to ``wire_dtype``, where they overflowed: Inf made by the communication, on every step
+    that reaches such values, never by the compute.
+
+    Example:
+        >>> communication_overflow(step=4, hook="fp16_compress_hook", wire_dtype="float16",
+        ...                        parameters=["fc.weight"], absmax=1e5, rank=1).phase
+        'communication'
+    """
+    first = parameters[0] if parameters else None
+    wire_max = torch.finfo(getattr(torch, wire_dtype)).max
+    return Diagnosis(
+        cause="precision.overflow",
+        kind="inf",
+        phase="communication",
+        op=hook,
+        module=first.rpartition(".")[0] if first else None,
+        rank=rank,
+        ranks=[rank],
+        step=step,
+        evidence={
+            "parameters": parameters[:16],
+            "wire_dtype": wire_dtype,
+            "absmax": absmax,
+            "dtype_max": wire_max,
+            "why": f"rank {rank}'s gradients were finite (absmax {absmax:.3g}), but {hook} sends them in "
+            f"{wire_dtype} (max {wire_max:.3g}): the cast made Inf in the bucket of {first}",
+        },
+        fixes=[
+            "use bf16_compress_hook (float32's exponent range) or no compression hook",
+            "average the loss instead of summing it (or lower the loss multiplier), so local gradients "
+            "stay far below the wire dtype's max",
+            f"find why {first} gets gradients above {wire_max:.3g}: ng.audit_model(model) and the step's grad norms",
+        ],
+    )
+
+
 def loss_scale_collapse(
     *, step: int, scale: float, floor: float, streak: int, overflows: int, rank: int | None
 ) -> Diagnosis:
@@ -476,9 +549,33 @@ def loss_scale_collapse(
     )
 
 
-def replica_divergence(*, step: int, ranks: list[int], first_parameter: str | None) -> Diagnosis:
-    """After ``step`` the parameters of ``ranks`` differ from rank 0's, first at ``first_parameter``."""
+def replica_divergence(
+    *,
+    step: int,
+    ranks: list[int],
+    first_parameter: str | None,
+    source: int | None = 0,
+    nonfinite_ranks: list[int] | None = None,
+) -> Diagnosis:
+    """After ``step`` the parameters of ``ranks`` are non-finite (``nonfinite_ranks``) or differ
+    from those of rank ``source`` (the majority among finite ranks; None when no rank is finite),
+    first at ``first_parameter``.
+
+    Example:
+        >>> replica_divergence(step=9, ranks=[0], first_parameter="fc.weight", source=1, nonfinite_ranks=[0]).rank
+        0
+    """
     first = first_parameter
+    bad = list(nonfinite_ranks or [])
+    why = f"after step {step} the parameters of rank(s) {ranks} "
+    why += f"hold NaN/Inf (rank(s) {bad}) or " if bad else ""
+    why += f"differ from rank {source}'s" if source is not None else "are non-finite on every rank"
+    resync = (
+        f"the guard re-broadcasts rank {source}'s parameters and buffers (the majority among finite ranks); "
+        "optimizer state may still differ"
+        if source is not None
+        else "no rank holds finite parameters: the guard rolls back to its snapshot, or raises without one"
+    )
     return Diagnosis(
         cause="distributed.replica_divergence",
         kind="nan",
@@ -489,15 +586,17 @@ def replica_divergence(*, step: int, ranks: list[int], first_parameter: str | No
         step=step,
         evidence={
             "first_parameter": first,
-            "ranks_differing_from_rank0": ranks,
-            "why": f"after step {step} the parameters of rank(s) {ranks} differ from rank 0's, first at {first}",
+            "ranks_differing": ranks,
+            "nonfinite_ranks": bad,
+            "source_rank": source,
+            "why": why + f", first at {first}",
         },
         fixes=[
             "a rank stepped while another skipped, or a parameter was changed on one rank only "
             "(a custom init, loading a checkpoint on rank 0 without a broadcast)",
             "parameters that DDP does not all-reduce (requires_grad=False, or unused with "
             "find_unused_parameters=False) drift when changed in place",
-            "the guard re-broadcasts rank 0's parameters and buffers; optimizer state may still differ",
+            resync,
         ],
     )
 

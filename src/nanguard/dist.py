@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import warnings
+import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +26,8 @@ from nanguard.stats import local
 
 __all__ = [
     "CommWatch",
+    "ReplicaCheck",
+    "WireOverflow",
     "agree",
     "agree_flag",
     "broadcast_state",
@@ -98,8 +104,28 @@ class CommWatch:
         pass
 
     def local_flag(self, device: torch.device) -> torch.Tensor | None:
-        """Device bool: were this rank's own gradients non-finite? None when not watched."""
+        """Device bool: were this rank's own gradients non-finite? None when not watched.
+        Reading it closes the step: the next backward's buckets start a new one."""
         return None
+
+    def wire_flag(self, device: torch.device) -> torch.Tensor | None:
+        """Device bool, after ``local_flag``: did a finite local bucket of the step overflow
+        the comm hook's wire dtype (a float16 compression hook)? None when not watched."""
+        return None
+
+    def overflowed(self) -> WireOverflow | None:
+        """On a trip only (host reads): the step's buckets that overflowed the wire dtype."""
+        return None
+
+
+@dataclass(frozen=True)
+class WireOverflow:
+    """This rank's gradient buckets whose finite values overflowed a compression hook's dtype."""
+
+    hook: str
+    dtype: str
+    parameters: list[str]
+    absmax: float
 
 
 class DDPCommWatch(CommWatch):
@@ -107,30 +133,84 @@ class DDPCommWatch(CommWatch):
 
     A finite sum proves the bucket finite, so one small reduction per bucket, accumulated
     on the device, says whether *this* rank's gradients held NaN/Inf before averaging
-    spread them to every rank. No host sync.
+    spread them to every rank. No host sync. Under a compression hook (float16/bfloat16 on
+    the wire) each bucket's absmax is kept too: cast to the wire dtype, a finite absmax that
+    becomes Inf means the hook's cast, not this rank's compute, made the Inf. While
+    ``local`` is set (a replay) the hook sends nothing and returns this rank's own bucket,
+    whatever the loop does to ``require_backward_grad_sync``.
     """
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, hook: Callable[..., Any], state: Any) -> None:
         self._acc: torch.Tensor | None = None
+        self.local = False
+        self.hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+        self.wire = _wire_dtype(hook)
+        self._names = {id(p): n for n, p in unwrap(ddp).named_parameters()}
+        self._buckets: list[tuple[torch.Tensor, list[str]]] = []
+        self._measured: list[tuple[torch.Tensor, list[str]]] = []
         inner = hook
 
         # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
         def watched(state, bucket):
-            part = bucket.buffer().sum(dtype=torch.float32)
+            if self.local:
+                done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+                done.set_result(bucket.buffer())
+                return done
+            buffer = bucket.buffer()
+            part = buffer.sum(dtype=torch.float32)
             self._acc = part if self._acc is None else self._acc + part
+            if self.wire is not None:
+                names = [self._names.get(id(p), "?") for p in bucket.parameters()]
+                self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
             return inner(state, bucket)
 
-        watched.__qualname__ = f"nanguard_watch({getattr(hook, '__qualname__', 'hook')})"
+        watched.__qualname__ = f"nanguard_watch({self.hook_name})"
         ddp.register_comm_hook(state, watched)
+        _WATCHES[ddp] = self
 
     def reset(self) -> None:
         self._acc = None
+        self._buckets = []
 
     def local_flag(self, device: torch.device) -> torch.Tensor | None:
         acc, self._acc = self._acc, None
+        self._measured, self._buckets = self._buckets, []
         if acc is None:
             return torch.zeros((), dtype=torch.bool, device=device)
         return ~torch.isfinite(acc.to(device))
+
+    def wire_flag(self, device: torch.device) -> torch.Tensor | None:
+        if self.wire is None:
+            return None
+        if not self._measured:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        absmax = torch.stack([a for a, _ in self._measured]).to(device)
+        return (torch.isfinite(absmax) & ~torch.isfinite(absmax.to(self.wire))).any()
+
+    def overflowed(self) -> WireOverflow | None:
+        if self.wire is None:
+            return None
+        bad = [
+            (float(a), names)  # a trip: host reads are fine here
+            for a, names in self._measured
+            if bool(torch.isfinite(a) & ~torch.isfinite(a.to(self.wire)))
+        ]
+        if not bad:
+            return None
+        params = [n for _, names in bad for n in names]
+        return WireOverflow(self.hook_name, str(self.wire).removeprefix("torch."), params, max(a for a, _ in bad))
+
+
+def _wire_dtype(hook: Callable[..., Any]) -> torch.dtype | None:
+    """The dtype a known compression hook sends gradients in; None for any other hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    wires = {default_hooks.fp16_compress_hook: torch.float16, default_hooks.bf16_compress_hook: torch.bfloat16}
+    return wires.get(hook)
+
+
+_WATCHES: weakref.WeakKeyDictionary[nn.Module, DDPCommWatch] = weakref.WeakKeyDictionary()
+"""The watch on each guarded DDP model, so a replay can turn its communication off."""
 
 
 def watch_communication(model: nn.Module, comm_hook: tuple[Any, Callable[..., Any]] | None = None) -> CommWatch:
@@ -160,36 +240,69 @@ def watch_communication(model: nn.Module, comm_hook: tuple[Any, Callable[..., An
     return DDPCommWatch(model, hook, state)
 
 
-def replica_mismatch(model: nn.Module) -> tuple[list[int], str | None]:
-    """Compare a per-parameter fingerprint across ranks.
+@dataclass(frozen=True)
+class ReplicaCheck:
+    """What a fingerprint comparison across ranks found.
 
-    One all-gather of one float64 per rank (a weighted sum of parameter norms); only when
-    they differ are the full per-parameter vectors gathered to name the first parameter that
-    differs. Returns (ranks that differ from rank 0, first differing parameter name).
+    Example:
+        >>> check = replica_mismatch(model)
+        >>> check.ranks, check.source, check.nonfinite_ranks
+        ([0], 1, [0])
+    """
+
+    ranks: list[int] = field(default_factory=list)
+    """Ranks whose parameters are non-finite or differ from the source's."""
+    first_parameter: str | None = None
+    """The first parameter (in ``named_parameters`` order) where a rank differs from the source."""
+    source: int | None = None
+    """The rank to resync from: the lowest rank holding the majority digest among the ranks
+    whose parameters are all finite; None when no rank is finite."""
+    nonfinite_ranks: list[int] = field(default_factory=list)
+    """Ranks whose parameters hold NaN/Inf."""
+
+
+def replica_mismatch(model: nn.Module) -> ReplicaCheck:
+    """Compare a per-parameter fingerprint across ranks and pick a rank to resync from.
+
+    One all-gather of two float64 per rank (all parameters finite?, a weighted sum of
+    parameter norms); only when they differ are the full per-parameter vectors gathered to
+    name the first parameter that differs. A non-finite rank is never the source, so a
+    resync never copies NaN/Inf onto a healthy replica.
     """
     if not is_distributed():
-        return [], None
+        return ReplicaCheck()
     inner = unwrap(model)
     if any(local(p) is not p for p in inner.parameters()):
-        return [], None  # sharded (FSDP2): ranks hold different shards by design
+        return ReplicaCheck()  # sharded (FSDP2): ranks hold different shards by design
     names = [n for n, _ in inner.named_parameters()]
     norms = torch.tensor(fingerprint(inner), dtype=torch.float64)
     weights = torch.arange(1, len(norms) + 1, dtype=torch.float64)
+    finite = bool(torch.isfinite(norms).all())  # a norm is finite exactly when its tensor is
     device = _comm_device()
-    digest = (norms * weights).sum().reshape(1).to(device)
-    digests = [torch.zeros_like(digest) for _ in range(world_size())]
-    tdist.all_gather(digests, digest)
-    values = [float(d) for d in digests]
-    if all(v == values[0] for v in values):
-        return [], None
+    mine = torch.stack([torch.tensor(float(finite), dtype=torch.float64), (norms * weights).sum()]).to(device)
+    gathered = [torch.zeros_like(mine) for _ in range(world_size())]
+    tdist.all_gather(gathered, mine)
+    rows = [g.tolist() for g in gathered]
+    nonfinite = [r for r, (ok, _) in enumerate(rows) if not ok]
+    digests = {r: d for r, (ok, d) in enumerate(rows) if ok}
+    if not nonfinite and len(set(digests.values())) == 1:
+        return ReplicaCheck()
+    source = None
+    if digests:
+        counts = Counter(digests.values())
+        majority = max(counts, key=lambda d: (counts[d], -min(r for r, v in digests.items() if v == d)))
+        source = min(r for r, d in digests.items() if d == majority)
+    differ = sorted(nonfinite + [r for r, d in digests.items() if source is not None and d != digests[source]])
     full = [torch.zeros_like(norms.to(device)) for _ in range(world_size())]
     tdist.all_gather(full, norms.to(device))
-    differ = [r for r, v in enumerate(values) if v != values[0]]
-    first = next((i for i in range(len(norms)) if any(float(f[i]) != float(full[0][i]) for f in full)), None)
-    return differ, names[first] if first is not None else None
+    ref = full[source if source is not None else 0].tolist()
+    rows_full = [f.tolist() for f in full]
+    # NaN != NaN, so a non-finite parameter always counts as differing.
+    first = next((i for i in range(len(ref)) if any(f[i] != ref[i] for f in rows_full)), None)
+    return ReplicaCheck(differ, names[first] if first is not None else None, source, nonfinite)
 
 
-def broadcast_state(model: nn.Module, src: int = 0) -> None:
+def broadcast_state(model: nn.Module, src: int) -> None:
     """Make every replica equal to rank ``src``'s parameters and buffers."""
     if not is_distributed():
         return
@@ -208,8 +321,16 @@ def unwrap(model: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def _no_grad_sync(model: nn.Module) -> Iterator[None]:
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
+        watch = _WATCHES.get(model)
+        if watch is not None:
+            watch.local = True
+        try:
+            with model.no_sync(), _local_collectives():
+                yield
+        finally:
+            if watch is not None:
+                watch.local = False
+                watch.reset()  # nothing the replay did may reach the next step's check
         return
     setter = getattr(model, "set_requires_gradient_sync", None)  # FSDP2 fully_shard
     if callable(setter):

@@ -98,7 +98,8 @@ class Guard:
                                   param_check_every=c.param_check_every)  # fmt: skip
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)
         self.history = History.from_config(c)
-        self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats)
+        self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats,
+                                   comm=self.health.comm)  # fmt: skip
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
@@ -401,17 +402,24 @@ def _undo_on_error(guard: Guard, rng: dict[str, torch.Tensor]) -> Iterator[None]
 
 
 def _check_replicas(guard: Guard, step: int) -> None:
-    """Compare the replicas' parameter fingerprints; a mismatch is resynced from rank 0 or raised."""
-    differ, first = dist.replica_mismatch(guard.model)
-    if not differ:
+    """Compare the replicas' fingerprints; resync from a finite majority replica, else roll back or raise."""
+    check = dist.replica_mismatch(guard.model)
+    if not check.ranks:
         return
-    diag = guard.last_diagnosis = replica_divergence(step=step, ranks=differ, first_parameter=first)
+    diag = guard.last_diagnosis = replica_divergence(step=step, **vars(check))
     action = "raise" if guard.config.policy == "raise" else "resync"
-    guard.recorder.trip(step, action=action, ranks=differ, diagnosis=diag)
+    if check.source is None:  # no finite replica to copy from
+        action = "rollback" if guard.recovery.snapshot is not None else "raise"
+    guard.recorder.trip(step, action=action, ranks=check.ranks, diagnosis=diag)
     log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
     if action == "raise":
         raise NonFiniteError(diag)
-    dist.broadcast_state(guard.model, src=0)
+    if action == "rollback":  # restored_step is evaluated first: rollback() sets drop_batches
+        guard.recorder.rollback(step, restored_step=guard.recovery.rollback(diag),
+                                skip_batches=guard.recovery.drop_batches, reason=diag.cause)  # fmt: skip
+    else:
+        dist.broadcast_state(guard.model, src=check.source)
+    guard.health.forget_update()  # the queued parameter check saw the replicas before the repair
 
 
 def _check_args(loss: Any, replay: Any, rng: Any) -> Any:

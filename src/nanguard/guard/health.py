@@ -31,6 +31,8 @@ class HealthFlag(IntFlag):
     """The previous update left non-finite parameters."""
     SYNCED = 4
     """The gradients it holds now (after any all-reduce) are non-finite."""
+    WIRE = 8
+    """Its own gradients were finite, but overflowed the comm hook's wire dtype (float16 compression)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ class HealthCheck:
         else:
             scale = gn.new_ones(())
         flags = local.to(torch.int32) * HealthFlag.LOCAL + grads_bad.to(torch.int32) * HealthFlag.SYNCED
+        wire = self.comm.wire_flag(device)
+        if wire is not None:
+            flags = flags + wire.to(torch.int32) * HealthFlag.WIRE
         if self._param_flag is not None:
             flags = flags + self._param_flag.to(device).to(torch.int32) * HealthFlag.PARAMS
             self._param_flag = None

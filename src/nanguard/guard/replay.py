@@ -15,9 +15,16 @@ import torch
 from torch import nn
 
 from nanguard import dist
-from nanguard.diagnose import nonfinite_update, rejected_batch, rejudge, transient_fault
+from nanguard.diagnose import (
+    communication_overflow,
+    nonfinite_shards,
+    nonfinite_update,
+    rejected_batch,
+    rejudge,
+    transient_fault,
+)
 from nanguard.findings import Diagnosis
-from nanguard.guard.health import StepHealth
+from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
@@ -50,9 +57,18 @@ class Diagnoser:
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, history: History, *, locate: bool, module_stats: bool
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        history: History,
+        *,
+        locate: bool,
+        module_stats: bool,
+        comm: dist.CommWatch | None = None,
     ) -> None:
         self.model = model
+        self.comm = comm or dist.CommWatch()
+        self.sharded = dist.is_distributed() and any(local(p) is not p for p in model.parameters())
         self.optimizer = optimizer
         self.history = history
         self.locate = locate
@@ -82,7 +98,17 @@ class Diagnoser:
         found = replayed.diagnosis
         if closure_error is not None and (found is None or not found.cause.startswith("data.")):
             raise closure_error  # not an id out of range: the user's own bug, theirs to see
-        diag = dist.gather_diagnosis(found, h.bad_ranks)
+        flagged = h.bad_ranks
+        if self.sharded:
+            # Under FSDP2 every rank all-gathers a bad shard and reproduces its NaN: the rank
+            # that holds the shard is the origin.
+            shard = self._nonfinite_shards(h.step)
+            if shard_ranks := dist.agree_flag(shard is not None):
+                found, flagged = shard, shard_ranks
+        if found is None and (wire_ranks := h.ranks_with(HealthFlag.WIRE)):
+            # Not reproduced without communication: the comm hook's cast made it, on these ranks.
+            found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
+        diag = dist.gather_diagnosis(found, flagged)
         if diag is None:
             diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
                                    located=replayed.located, distributed=dist.is_distributed())  # fmt: skip
@@ -90,6 +116,37 @@ class Diagnoser:
         history = self.history.evidence(h.step, self._lr())
         replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
         return replayed
+
+    def _nonfinite_shards(self, step: int) -> Diagnosis | None:
+        """This rank's own non-finite parameter shards, or None (host reads: on a trip only)."""
+        counts = []
+        with torch.no_grad():
+            for name, p in dist.unwrap(self.model).named_parameters():
+                shard = local(p).detach()
+                nan, inf = int(shard.isnan().sum()), int(shard.isinf().sum())
+                if nan or inf:
+                    counts.append((name, nan, inf))
+        if not counts:
+            return None
+        return nonfinite_shards(step=step, parameters=[n for n, _, _ in counts], nan=sum(c[1] for c in counts),
+                                inf=sum(c[2] for c in counts), rank=dist.rank())  # fmt: skip
+
+    def _wire_overflow(self, step: int) -> Diagnosis | None:
+        over = self.comm.overflowed()
+        if over is None:
+            return None
+        # The replay left this rank's own gradients in .grad: name the parameters whose values
+        # overflow the wire dtype, not every parameter that shares their bucket.
+        wire, in_bucket = getattr(torch, over.dtype), set(over.parameters)
+        with torch.no_grad():
+            hot = [
+                n
+                for n, p in dist.unwrap(self.model).named_parameters()
+                if n in in_bucket and p.grad is not None and not torch.isfinite(p.grad.abs().amax().to(wire))
+            ]
+        return communication_overflow(step=step, hook=over.hook, wire_dtype=over.dtype,
+                                      parameters=hot or over.parameters, absmax=over.absmax,
+                                      rank=dist.rank())  # fmt: skip
 
     def nonfinite_update(self, step: int, ranks: list[int]) -> Diagnosis:
         """The update of ``step`` left non-finite parameters on ``ranks``; name them."""

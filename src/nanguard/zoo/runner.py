@@ -18,6 +18,7 @@ import torch
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
+from nanguard.zoo.dist_scenarios import EDGE_FAULTS, edge_rank
 from nanguard.zoo.scenarios import SCENARIOS, Run, Scenario, build, get
 
 __all__ = ["CorruptOnce", "Result", "dist_rank", "run_scenario", "run_zoo"]
@@ -56,6 +57,10 @@ class Result:
 
 def _expected(s: Scenario) -> dict[str, Any]:
     return {**{k: getattr(s.expect, k) for k in FIELDS}, "step": s.trip_step}
+
+
+def _summarized(diag: Diagnosis | None, step: int | None) -> tuple[dict[str, Any] | None, int | None]:
+    return _summary(diag), step
 
 
 def _summary(diag: Diagnosis | None) -> dict[str, Any] | None:
@@ -143,6 +148,8 @@ def dist_rank(rank: int, world: int, name: str, seed: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     s = get(name)
+    if s.dist_fault in EDGE_FAULTS:
+        return dict(zip(("diag", "detect"), _summarized(*edge_rank(s, rank, seed)), strict=True))
     last = rank == world - 1
     run = build(s, seed, rank=rank)
     ddp = DistributedDataParallel(run.model)

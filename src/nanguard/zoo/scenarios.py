@@ -404,6 +404,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
 )
 
+SCENARIOS += __import__("nanguard.zoo.dist_scenarios", fromlist=["_"]).EDGE_SCENARIOS  # built on the classes above
+
 
 def get(name: str) -> Scenario:
     for scenario in SCENARIOS:
