@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from nanguard import compat, dist
+from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
@@ -80,7 +80,9 @@ class Guard:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        c = self.config = GuardConfig.from_options(policy, config)
+        c = self.config = GuardConfig.from_options(environ.policy(policy), config)
+        self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
+        run_dir = None if self.disabled else environ.run_dir(run_dir)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -130,6 +132,8 @@ class Guard:
         """
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
+        if self.disabled:
+            return self._plain_step(closure)
         if self._drop_batch() or self._bad_batch(batch):
             return None
         rng = get_rng_state(self._cuda_devices)
@@ -167,6 +171,18 @@ class Guard:
         self.after_step()
         return loss
 
+    def _plain_step(self, closure: Callable[[], Any]) -> Any:
+        """The step of a disabled guard: what the loop would do without nanguard."""
+        self.step_count += 1
+        self.last_action = "step"
+        loss = closure()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return loss
+
     def check(
         self,
         loss: Any,
@@ -188,6 +204,8 @@ class Guard:
             ...     optimizer.step()
             ...     guard.after_step()
         """
+        if self.disabled:
+            return True
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
@@ -312,12 +330,17 @@ class Guard:
         diag = self.last_diagnosis = replica_divergence(step=step, ranks=differ, first_parameter=first)
         action = "raise" if self.config.policy == "raise" else "resync"
         self.recorder.trip(step, action=action, ranks=differ, diagnosis=diag)
-        log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
+        self._announce(step, diag, action)
         if action == "raise":
             raise NonFiniteError(diag)
         dist.broadcast_state(self.model, src=0)
 
     # -- trips -------------------------------------------------------------------------
+    def _announce(self, step: int, diag: Diagnosis, action: str) -> None:
+        """One log line per trip: the step once, and which rank speaks under torch.distributed."""
+        who = f"rank {self.rank}: " if dist.is_distributed() else ""
+        log.warning("nanguard: %sstep %d: %s -> %s", who, step, replace(diag, step=None).summary(), action)
+
     def _bundle_meta(self) -> dict[str, Any]:
         return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
 
@@ -335,7 +358,7 @@ class Guard:
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         self.recorder.trip(step, action=action, ranks=flagged, diagnosis=diag, **extra)
         self.recorder.bundle(diag, step, batch, rng, meta=self._bundle_meta)
-        log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
+        self._announce(step, diag, action)
         if action == "raise":
             self.last_action = "raise"
             raise NonFiniteError(diag)

@@ -6,6 +6,7 @@ own data and compute make.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from nanguard.tracer import trace, weight_scale
 from nanguard.tracer.module_stats import module_stats
 
 __all__ = ["Diagnoser", "Replayed", "replay_trip"]
+
+log = logging.getLogger("nanguard")
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Diagnoser:
         """
         replayed = Replayed(None, located=False)
         if self.locate and closure is not None:
+            log.info("nanguard: replaying step %d under the tracer…", h.step)
             replayed = replay_trip(
                 self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats
             )
