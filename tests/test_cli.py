@@ -171,3 +171,17 @@ def test_the_demo_shows_a_diagnosis_for_every_fault(scenario, capsys) -> None:
     else:
         assert f"created - {scenario.expect.cause} (" in out, out
         assert f"step   {scenario.trip_step}" in out or f"step {scenario.trip_step}" in out
+
+
+def test_report_html_without_matplotlib_names_the_extra(tmp_path) -> None:
+    model = torch.nn.Linear(2, 1)
+    Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path).close()
+    code = f"""
+import sys
+sys.modules["matplotlib"] = None  # as if the [report] extra were not installed
+from nanguard.cli import main
+print("exit", main(["report", {str(tmp_path)!r}, "--html", {str(tmp_path / "r.html")!r}]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "exit 1" in done.stdout and "pip install 'nanguard[report]'" in done.stderr
+    assert not (tmp_path / "r.html").exists()
