@@ -56,6 +56,9 @@ class GuardConfig:
     """How many recent (step, loss, grad norm) records to keep for the history rules."""
     max_bundle_bytes: int = 64 * 2**20
     """Batches larger than this are stored in a bundle as shapes only."""
+    clip_grad_norm: float | None = None
+    """Clip the gradients' global norm to this after the guard's unscale and check, before the
+    optimizer step; the history keeps the norm before clipping, so divergence still shows."""
 
     @classmethod
     def from_options(cls, policy: str, options: Mapping[str, Any]) -> GuardConfig:
@@ -83,5 +86,8 @@ class GuardConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        clip = self.clip_grad_norm
+        if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or not clip > 0):
+            raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip!r}")
         if self.spike_warmup > self.spike_window:
             raise ValueError(f"spike_warmup must be <= spike_window ({self.spike_window}), got {self.spike_warmup}")

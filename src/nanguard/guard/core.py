@@ -157,12 +157,13 @@ class Guard:
             self._closure_error = err
             self.model.zero_grad(set_to_none=True)
             loss = torch.full((), math.nan, device=self._params[0].device if self._params else None)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        self._unscale()
         # A spike verdict comes after the host read, too late for the device path.
         device_step = self._fused and self.scaler is None and not self.config.skip_spikes
+        device_step = device_step and self.config.clip_grad_norm is None  # the clip comes before the step
         if not self._check(loss, closure, batch, rng, device_step=device_step):
             return None
+        self._clip()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -210,9 +211,21 @@ class Guard:
             self.health.comm.reset()
             return False
         self._closure_error = None
-        if self.scaler is not None:
+        self._unscale()
+        ok = self._check(loss, replay, batch, rng, device_step=False, restore_buffers=False)
+        if ok:
+            self._clip()
+        return ok
+
+    def _unscale(self) -> None:
+        """Unscale the gradients once: a loop that unscaled already (to clip) is not an error."""
+        if self.scaler is not None and not compat.scaler_unscaled(self.scaler, self.optimizer):
             self.scaler.unscale_(self.optimizer)
-        return self._check(loss, replay, batch, rng, device_step=False, restore_buffers=False)
+
+    def _clip(self) -> None:
+        """``clip_grad_norm``: after the check, which measured (and recorded) the norm before it."""
+        if self.config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
