@@ -67,3 +67,63 @@ def test_nanogpt_loop_with_accumulation_scaler_clipping_and_compile_catches_micr
     diag = guard.last_diagnosis
     assert (diag.cause, diag.step) == ("data.nonfinite", 1)
     assert diag.evidence["origin"]["path"] == "batch[0]['pixel_values']"  # the first micro-batch, not the last
+
+
+def test_on_event_sends_scalars_and_trips_to_a_real_summary_writer(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from nanguard.integrations.scalars import to_tensorboard, to_wandb
+
+    model, optimizer, x, y = _regression()
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    logged = []
+
+    class Run:  # the one method of a W&B run the hook uses
+        def log(self, values, step):
+            logged.append((step, values))
+
+    tb, wb = to_tensorboard(writer), to_wandb(Run())
+    guard = ng.Guard(model, optimizer, on_event=lambda e: (tb(e), wb(e)))
+    for step in range(4):
+        bad = x.clone()
+        if step == 2:
+            bad[0, 0] = float("nan")
+
+        def closure(bad=bad) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(bad), y)
+            loss.backward()
+            return loss
+
+        guard.step(closure)
+    guard.close()
+    writer.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("nanguard/loss")] == [0, 1, 3]
+    assert [(e.step, e.value) for e in acc.Scalars("nanguard/trips")] == [(2, 1.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("nanguard/skips")] == [(2, 1.0)]
+    assert [e.step for e in acc.Tensors("nanguard/cause/text_summary")] == [2]
+    assert [step for step, values in logged if "nanguard/loss" in values] == [0, 1, 3]
+    assert [(step, values["nanguard/cause"]) for step, values in logged if "nanguard/cause" in values] == [
+        (2, "data.nonfinite")
+    ]
+
+
+def test_a_failing_on_event_warns_once_and_training_goes_on() -> None:
+    model, optimizer, x, y = _regression()
+
+    def broken(event):
+        raise KeyError("oops")
+
+    with pytest.warns(UserWarning, match="on_event failed on a start event"):
+        guard = ng.Guard(model, optimizer, on_event=broken)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    assert guard.step(closure) is not None and guard.step(closure) is not None and guard.step_count == 2

@@ -62,7 +62,9 @@ class Guard:
     (``batch['pixel_values']``), a repro bundle stores it, and ``check_batch=True`` audits
     it before the forward. Under DDP the guard wraps the model's comm hook to see each
     rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
-    hook)``. Every other option is a ``GuardConfig`` field.
+    hook)``. ``on_event=fn`` receives every event the guard records (``{"kind": "step" |
+    "trip" | "skip" | ..., "step": N, ...}``), e.g. ``nanguard.integrations.scalars.to_tensorboard(writer)``.
+    Every other option is a ``GuardConfig`` field.
     """
 
     def __init__(
@@ -74,12 +76,15 @@ class Guard:
         scaler: Any = None,
         run_dir: str | Path | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
         **config: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if on_event is not None and not callable(on_event):
+            raise ValueError(f"on_event must be None or a callable taking an event dict, got {type(on_event).__name__}")
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
@@ -97,6 +102,7 @@ class Guard:
         self.history = History.from_config(c)
         self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats)
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
+        self.recorder.listener = None if self.disabled else on_event
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._fused = compat.supports_found_inf(optimizer)
