@@ -52,3 +52,12 @@ def test_many_trips_get_one_grouped_label(tmp_path: Path) -> None:
     svg = figure_svg(rank_plot(report))
     assert "8 trips, steps 3–10, precision.overflow" in svg
     assert svg.count("precision.overflow") == 1
+
+
+def test_html_groups_repeated_trips_into_one_card(tmp_path: Path) -> None:
+    from nanguard.report.html import render_html
+
+    page = render_html(load_run(_run(tmp_path, 40, range(3, 11))))
+    assert "8 trips in a row with this cause, steps 3–10 (8)" in page
+    assert "<td>3–10 (8)</td>" in page
+    assert page.count('<section class="diagnosis"') == 1

@@ -35,6 +35,7 @@ __all__ = [
     "nonfinite_plot",
     "rank_plot",
     "smooth",
+    "trip_groups",
 ]
 
 P = ParamSpec("P")
@@ -146,22 +147,34 @@ def smooth(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xs.mean(axis=1), means
 
 
+def trip_groups(trips: Sequence[Trip]) -> list[list[Trip]]:
+    """Consecutive trips (adjacent steps) of one cause together, in step order.
+
+    Example:
+        >>> [[t.step for t in g] for g in trip_groups(report.trips)]
+        [[3, 4, 5, 6, 7, 8, 9, 10]]
+    """
+    groups: list[list[Trip]] = []
+    for trip in sorted(trips, key=lambda t: t.step):
+        if groups and _cause(groups[-1][-1]) == _cause(trip) and trip.step - groups[-1][-1].step <= 1:
+            groups[-1].append(trip)
+        else:
+            groups.append([trip])
+    return groups
+
+
+def _cause(trip: Trip) -> str:
+    return trip.diagnosis.cause if trip.diagnosis else "trip"
+
+
 def group_trips(trips: Sequence[Trip]) -> list[tuple[int, int, int, str]]:
-    """Consecutive trips of one cause as (first step, last step, count, cause), in step order.
+    """Each group of ``trip_groups`` as (first step, last step, count, cause).
 
     Example:
         >>> [g[:3] for g in group_trips(report.trips)]
         [(3, 10, 8)]
     """
-    groups: list[list[Any]] = []
-    for trip in sorted(trips, key=lambda t: t.step):
-        cause = trip.diagnosis.cause if trip.diagnosis else "trip"
-        if groups and groups[-1][3] == cause and trip.step - groups[-1][1] <= 1:
-            groups[-1][1] = trip.step
-            groups[-1][2] += 1
-        else:
-            groups.append([trip.step, trip.step, 1, cause])
-    return [(a, b, n, c) for a, b, n, c in groups]
+    return [(g[0].step, g[-1].step, len(g), _cause(g[0])) for g in trip_groups(trips)]
 
 
 def group_label(first: int, last: int, count: int, cause: str) -> str:
