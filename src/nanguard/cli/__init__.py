@@ -14,6 +14,8 @@ from nanguard.errors import NanguardError
 
 __all__ = ["main"]
 
+DEFAULT_RUN_DIR = "runs/demo"
+
 ENVIRONMENT = """\
 environment (read by every Guard, so a job script can change them without touching code):
   NANGUARD_POLICY=skip|rollback|raise  the policy of every Guard, overriding the code's
@@ -87,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--ranks", type=int, default=1, help="spawn N gloo ranks on CPU (default 1; distributed faults spawn 2)"
     )
-    demo.add_argument("--run-dir", default="runs/demo", help="write events and bundles here (default runs/demo)")
+    demo.add_argument(
+        "--run-dir", default=DEFAULT_RUN_DIR, help=f"write events and bundles here (default {DEFAULT_RUN_DIR})"
+    )
     demo.add_argument("--no-run-dir", action="store_true", help="write nothing to disk")
     demo.add_argument("--seed", type=int, default=0, help="seed of the model's init and the data (default 0)")
     demo.set_defaults(func=_demo)

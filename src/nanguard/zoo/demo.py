@@ -16,9 +16,7 @@ from nanguard.zoo import SCENARIOS, build, get
 if TYPE_CHECKING:
     from nanguard.report.terminal import Console
 
-__all__ = ["DEFAULT_RUN_DIR", "list_faults", "run_demo"]
-
-DEFAULT_RUN_DIR = "runs/demo"
+__all__ = ["list_faults", "run_demo"]
 
 
 def list_faults() -> str:
@@ -31,15 +29,16 @@ def run_demo(
     *,
     steps: int | None = None,
     ranks: int = 1,
-    run_dir: str | None = DEFAULT_RUN_DIR,
+    run_dir: str | None = None,
     seed: int = 0,
 ) -> int:
     """Train the tiny GPT with ``fault`` injected and print what the guard finds; 0 when it showed it.
 
     ``steps`` defaults to the scenario's own length; a scenario that needs ranks spawns them.
+    ``nanguard demo`` passes ``run_dir="runs/demo"`` unless told otherwise.
 
     Example:
-        >>> run_demo("padding_fully_masked", run_dir=None)
+        >>> run_demo("padding_fully_masked")
         0
     """
     scenario = get(fault)
