@@ -127,3 +127,9 @@ def test_a_failing_on_event_warns_once_and_training_goes_on() -> None:
         return loss
 
     assert guard.step(closure) is not None and guard.step(closure) is not None and guard.step_count == 2
+
+
+def test_on_event_must_be_callable() -> None:
+    model, optimizer, _, _ = _regression()
+    with pytest.raises(ValueError, match="on_event must be None or a callable"):
+        ng.Guard(model, optimizer, on_event="tensorboard")

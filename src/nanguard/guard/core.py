@@ -62,9 +62,8 @@ class Guard:
     (``batch['pixel_values']``), a repro bundle stores it, and ``check_batch=True`` audits
     it before the forward. Under DDP the guard wraps the model's comm hook to see each
     rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
-    hook)``. ``on_event=fn`` receives every event the guard records (``{"kind": "step" |
-    "trip" | "skip" | ..., "step": N, ...}``), e.g. ``nanguard.integrations.scalars.to_tensorboard(writer)``.
-    Every other option is a ``GuardConfig`` field.
+    hook)``. ``on_event=fn`` gets each recorded event as a dict (see ``integrations.scalars``);
+    every other option is a ``GuardConfig`` field.
     """
 
     def __init__(
@@ -83,8 +82,6 @@ class Guard:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if on_event is not None and not callable(on_event):
-            raise ValueError(f"on_event must be None or a callable taking an event dict, got {type(on_event).__name__}")
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
@@ -102,7 +99,7 @@ class Guard:
         self.history = History.from_config(c)
         self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats)
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
-        self.recorder.listener = None if self.disabled else on_event
+        self.recorder.listener = _listener(on_event, self.disabled)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._fused = compat.supports_found_inf(optimizer)
@@ -139,7 +136,7 @@ class Guard:
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
-            return self._plain_step(closure)
+            return _plain_step(self, closure)
         if self._drop_batch() or self._bad_batch(batch):
             return None
         rng = get_rng_state(self._cuda_devices)
@@ -163,31 +160,18 @@ class Guard:
             self._closure_error = err
             self.model.zero_grad(set_to_none=True)
             loss = torch.full((), math.nan, device=self._params[0].device if self._params else None)
-        self._unscale()
+        _unscale(self.scaler, self.optimizer)
         # A spike verdict comes after the host read, too late for the device path.
         device_step = self._fused and self.scaler is None and not self.config.skip_spikes
         device_step = device_step and self.config.clip_grad_norm is None  # the clip comes before the step
-        if not self._check(loss, closure, batch, rng, device_step=device_step):
+        if not (self._check(loss, closure, batch, rng, device_step=device_step) and _clip(self)):
             return None
-        self._clip()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif not device_step:
             self.optimizer.step()
         self.after_step()
-        return loss
-
-    def _plain_step(self, closure: Callable[[], Any]) -> Any:
-        """The step of a disabled guard: what the loop would do without nanguard."""
-        self.step_count += 1
-        self.last_action = "step"
-        loss = closure()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
         return loss
 
     def check(
@@ -217,21 +201,8 @@ class Guard:
             self.health.comm.reset()
             return False
         self._closure_error = None
-        self._unscale()
-        ok = self._check(loss, replay, batch, rng, device_step=False, restore_buffers=False)
-        if ok:
-            self._clip()
-        return ok
-
-    def _unscale(self) -> None:
-        """Unscale the gradients once: a loop that unscaled already (to clip) is not an error."""
-        if self.scaler is not None and not compat.scaler_unscaled(self.scaler, self.optimizer):
-            self.scaler.unscale_(self.optimizer)
-
-    def _clip(self) -> None:
-        """``clip_grad_norm``: after the check, which measured (and recorded) the norm before it."""
-        if self.config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
+        _unscale(self.scaler, self.optimizer)
+        return self._check(loss, replay, batch, rng, device_step=False, restore_buffers=False) and _clip(self)
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -349,17 +320,12 @@ class Guard:
         diag = self.last_diagnosis = replica_divergence(step=step, ranks=differ, first_parameter=first)
         action = "raise" if self.config.policy == "raise" else "resync"
         self.recorder.trip(step, action=action, ranks=differ, diagnosis=diag)
-        self._announce(step, diag, action)
+        _announce(self.rank, step, diag, action)
         if action == "raise":
             raise NonFiniteError(diag)
         dist.broadcast_state(self.model, src=0)
 
     # -- trips -------------------------------------------------------------------------
-    def _announce(self, step: int, diag: Diagnosis, action: str) -> None:
-        """One log line per trip: the step once, and which rank speaks under torch.distributed."""
-        who = f"rank {self.rank}: " if dist.is_distributed() else ""
-        log.warning("nanguard: %sstep %d: %s -> %s", who, step, replace(diag, step=None).summary(), action)
-
     def _bundle_meta(self) -> dict[str, Any]:
         return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
 
@@ -377,7 +343,7 @@ class Guard:
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         self.recorder.trip(step, action=action, ranks=flagged, diagnosis=diag, **extra)
         self.recorder.bundle(diag, step, batch, rng, meta=self._bundle_meta)
-        self._announce(step, diag, action)
+        _announce(self.rank, step, diag, action)
         if action == "raise":
             self.last_action = "raise"
             raise NonFiniteError(diag)
@@ -419,6 +385,44 @@ class Guard:
     def close(self) -> None:
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
+
+
+def _plain_step(guard: Guard, closure: Callable[[], Any]) -> Any:
+    """The step of a disabled guard (NANGUARD_DISABLE=1): what the loop would do without nanguard."""
+    guard.step_count += 1
+    guard.last_action = "step"
+    loss = closure()
+    if guard.scaler is not None:
+        guard.scaler.step(guard.optimizer)
+        guard.scaler.update()
+    else:
+        guard.optimizer.step()
+    return loss
+
+
+def _unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Unscale the gradients once: a loop that unscaled already (to clip) is not an error."""
+    if scaler is not None and not compat.scaler_unscaled(scaler, optimizer):
+        scaler.unscale_(optimizer)
+
+
+def _clip(guard: Guard) -> bool:
+    """``clip_grad_norm``, after the check that measured (and recorded) the norm before it; always True."""
+    if guard.config.clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(guard._params, guard.config.clip_grad_norm)
+    return True
+
+
+def _listener(on_event: Any, disabled: bool) -> Callable[[dict[str, Any]], None] | None:
+    if on_event is not None and not callable(on_event):
+        raise ValueError(f"on_event must be None or a callable taking an event dict, got {type(on_event).__name__}")
+    return None if disabled else on_event
+
+
+def _announce(rank: int, step: int, diag: Diagnosis, action: str) -> None:
+    """One log line per trip: the step once, and which rank speaks under torch.distributed."""
+    who = f"rank {rank}: " if dist.is_distributed() else ""
+    log.warning("nanguard: %sstep %d: %s -> %s", who, step, replace(diag, step=None).summary(), action)
 
 
 def _index_error(err: BaseException) -> bool:
