@@ -12,6 +12,7 @@ from nanguard.events import EventLog
 from nanguard.findings import Diagnosis
 from nanguard.report.load import load_run
 from nanguard.report.plots import figure_svg, group_trips, loss_plot, rank_plot, smooth
+from test_report import _not_blank, browser  # noqa: F401  (the headless Chromium fixture)
 
 
 def _run(tmp_path: Path, steps: int, trips: range) -> Path:
@@ -61,3 +62,17 @@ def test_html_groups_repeated_trips_into_one_card(tmp_path: Path) -> None:
     assert "8 trips in a row with this cause, steps 3–10 (8)" in page
     assert "<td>3–10 (8)</td>" in page
     assert page.count('<section class="diagnosis"') == 1
+
+
+def test_long_many_trip_run_in_chromium(tmp_path: Path, browser) -> None:  # noqa: F811
+    from nanguard.cli import main
+
+    run_dir = _run(tmp_path / "run", 6000, range(3000, 3008))
+    out = tmp_path / "report.html"
+    assert main(["report", str(run_dir), "--html", str(out)]) == 0
+    page = browser.open(out)
+    assert page.console_errors() == []
+    assert _not_blank(page.screenshot) > 0.05
+    assert all(p["decoded"] and p["width"] > 300 for p in page.info["plots"])
+    assert "8 trips in a row with this cause, steps 3000–3007 (8)" in page.text
+    assert out.read_text(encoding="utf-8").count('<section class="diagnosis"') == 1  # one card, not eight
