@@ -1,6 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+CORE_STAMP := $(VENV)/.installed-core
+STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test lint bench clean
 
@@ -9,12 +10,18 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # torch first, pinned to the CPU build that lies on local disk; the package itself asks for torch>=2.4.
-$(STAMP): $(PY) pyproject.toml
+# The demo needs only the core (torch, safetensors, rich): a first run from a fresh clone stays fast.
+$(CORE_STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e .
+	touch $(CORE_STAMP)
+
+# The tests need the extras: report (matplotlib), lightning, transformers, accelerate, tensorboard.
+$(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(VENV)/bin/nanguard demo
 
 lint: $(STAMP)

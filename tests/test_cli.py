@@ -1,6 +1,7 @@
 """The nanguard command, run in process."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import torch
 from nanguard.bundle import load_bundle
 from nanguard.cli import main
 from nanguard.guard import Guard
-from nanguard.zoo import build, get, train_step
+from nanguard.zoo import SCENARIOS, build, get, train_step
 
 
 def test_demo_default_breaks_skips_and_explains(capsys, tmp_path) -> None:
@@ -97,3 +98,90 @@ def test_doctor_json(capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert code in (0, 1) and {"items", "summary"} <= data.keys()
     assert any(item["name"].lower().startswith("torch") for item in data["items"])
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, **env})  # fmt: skip
+
+
+def test_help_of_every_command_and_the_version_never_import_torch() -> None:
+    code = """
+import sys
+from nanguard.cli import main
+for argv in (["--help"], ["--version"], ["demo", "--help"], ["zoo", "--help"], ["report", "--help"],
+             ["replay", "--help"], ["doctor", "--help"]):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code == 0, argv
+    assert "torch" not in sys.modules, argv
+print("no torch")
+"""
+    out = _run_python(code).stdout
+    assert "no torch" in out and "NANGUARD_POLICY" in out and "nanguard 0.1.0" in out
+    assert "seed of the model's init" in out
+
+
+def test_import_nanguard_loads_neither_matplotlib_nor_rich() -> None:
+    code = "import sys, nanguard as ng\nng.Guard\nprint(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))"
+    assert _run_python(code).stdout.strip() == "[]"
+
+
+def test_zoo_only_takes_commas_and_repeats(monkeypatch) -> None:
+    import nanguard.zoo.runner as runner
+
+    seen = {}
+    monkeypatch.setattr(runner, "run_zoo", lambda **kwargs: seen.update(kwargs) or 0)
+    assert main(["zoo", "--only", "nan_weight,huge_init", "--only", "nan_pixels", "--seed", "3"]) == 0
+    assert seen["only"] == ["nan_weight", "huge_init", "nan_pixels"] and seen["seed"] == 3
+
+
+def test_piped_zoo_table_keeps_whole_cells(capsys) -> None:
+    assert main(["zoo", "--only", "token_id_out_of_range,all_labels_ignored"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if " data " in line]  # the table's rows, not the progress lines
+    assert len(rows) == 2
+    assert "data.index_out_of_range" in rows[0] and "aten.embedding.default" in rows[0] and "wte" in rows[0]
+    assert "data.no_valid_targets" in rows[1] and "aten.nll_loss_forward.default" in rows[1]
+    assert all(row.rstrip().endswith("ok") for row in rows)
+    assert max(len(line) for line in out.splitlines()) > 80  # rich would have folded these rows at 80 columns
+
+
+def test_default_demo_writes_runs_demo_narrates_the_replay_and_points_at_the_report(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "replaying step 3 under the tracer" in out
+    assert out.rstrip().endswith("see `nanguard report runs/demo`")
+    assert (tmp_path / "runs" / "demo" / "events-rank0.jsonl").exists()
+
+
+def _slow_demo(s):
+    return pytest.param(s, marks=pytest.mark.dist) if s.ranks > 1 else s
+
+
+@pytest.mark.parametrize("scenario", [_slow_demo(s) for s in SCENARIOS], ids=lambda s: s.name)
+def test_the_demo_shows_a_diagnosis_for_every_fault(scenario, capsys) -> None:
+    code = main(["demo", "--fault", scenario.name, "--no-run-dir"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    if scenario.expect.cause is None:
+        assert "nanguard stayed quiet" in out
+    else:
+        assert f"created - {scenario.expect.cause} (" in out, out
+        assert re.search(rf"\bstep\s+{scenario.trip_step}\n", out), out
+
+
+def test_report_html_without_matplotlib_names_the_extra(tmp_path) -> None:
+    model = torch.nn.Linear(2, 1)
+    Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path).close()
+    code = f"""
+import sys
+sys.modules["matplotlib"] = None  # as if the [report] extra were not installed
+from nanguard.cli import main
+print("exit", main(["report", {str(tmp_path)!r}, "--html", {str(tmp_path / "r.html")!r}]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "exit 1" in done.stdout and "pip install 'nanguard[report]'" in done.stderr
+    assert not (tmp_path / "r.html").exists()

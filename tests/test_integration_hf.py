@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -85,11 +86,14 @@ def test_nan_batch_is_skipped_as_if_it_never_happened(tmp_path: Path) -> None:
     assert diag.evidence["origin"]["path"] == "batch['inputs_embeds']"
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
-    # The trip is in the Trainer's logs and state.
-    entries = [e for e in trainer.state.log_history if "nanguard/skipped" in e]
+    # The trip is in the Trainer's logs and state; the skipped step logs no loss or grad norm.
+    entries = [e for e in trainer.state.log_history if "nanguard/cause" in e]
     assert len(entries) == 1
     assert entries[0]["nanguard/cause"] == "data.nonfinite" and entries[0]["nanguard/action"] == "skip"
     assert entries[0]["step"] == bad_step + 1 and entries[0]["nanguard/skipped"] == 1
+    assert "loss" not in entries[0] and "grad_norm" not in entries[0]
+    counted = [e["nanguard/skipped"] for e in trainer.state.log_history if "nanguard/skipped" in e]
+    assert counted == [0] * bad_step + [1] * (steps - bad_step)
     saved = trainer.state.stateful_callbacks["NanGuardCallback"]["attributes"]["guard_state"]
     assert saved["skipped"] == 1 and saved["last_diagnosis"]["cause"] == "data.nonfinite"
 
@@ -113,6 +117,33 @@ def test_nan_batch_is_skipped_as_if_it_never_happened(tmp_path: Path) -> None:
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), key
+
+
+def test_counters_reach_tensorboard_through_the_trainer(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    bad_step, steps = 0, 4
+    guard_cb = NanGuardCallback(policy="skip")
+    args = _args(tmp_path, max_steps=steps, report_to=["tensorboard"], logging_steps=2)
+    data = Samples(BATCH * steps, nan_at=BATCH * bad_step)
+    trainer = Trainer(model=_gpt2(), args=args, train_dataset=data, callbacks=[guard_cb])
+    trainer.train()
+    assert guard_cb.skipped == 1
+    assert (tmp_path / "out" / "nanguard" / "events-rank0.jsonl").exists()  # run_dir under output_dir
+
+    (events,) = {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    skipped = {e.step: e.value for e in acc.Scalars("train/nanguard/skipped")}
+    trips = {e.step: e.value for e in acc.Scalars("train/nanguard/trips")}
+    # The first step trips and is logged at once (logging_steps=2 would wait), with no fake loss
+    # or grad norm: it has no good step to average.
+    assert skipped == {1: 1.0, 2: 1.0, 4: 1.0} and trips == {1: 1.0, 2: 1.0, 4: 1.0}
+    assert sorted(e.step for e in acc.Scalars("train/loss")) == [2, 4]
+    assert sorted(e.step for e in acc.Scalars("train/grad_norm")) == [2, 4]
+    assert all(math.isfinite(e.value) and e.value > 0.5 for e in acc.Scalars("train/loss"))
+    cause = [e for e in acc.Tensors("train/nanguard/cause/text_summary")]
+    assert [e.step for e in cause] == [1] and b"data.nonfinite" in cause[0].tensor_proto.string_val[0]
 
 
 def test_gradient_accumulation_replays_every_micro_batch(tmp_path: Path) -> None:

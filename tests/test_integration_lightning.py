@@ -119,6 +119,34 @@ def test_nan_batch_is_skipped_diagnosed_and_logged(tmp_path: Path) -> None:
     assert '"trip"' in events and "data.nonfinite" in events
 
 
+class ScheduledNet(Net):
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_skip_holds_the_lr_schedule_and_counters_reach_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    guard_cb = NanGuard(policy="skip")
+    logger = L.pytorch.loggers.TensorBoardLogger(tmp_path, name="tb")
+    trainer = _trainer(tmp_path, [guard_cb], logger=logger, log_every_n_steps=1)
+    trainer.fit(ScheduledNet(), DataLoader(Regression(), batch_size=BATCH))
+
+    assert guard_cb.skipped == 1
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == STEPS - 1  # the skipped step did not advance the schedule
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** (STEPS - 1))
+    assert (Path(logger.log_dir) / "nanguard" / "events-rank0.jsonl").exists()  # run_dir under the log dir
+
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    skipped = [(e.step, e.value) for e in acc.Scalars("nanguard/skipped")]
+    trips = [(e.step, e.value) for e in acc.Scalars("nanguard/trips")]
+    assert skipped == [(BAD, 1.0)] and trips == [(BAD, 1.0)]
+
+
 def test_raise_policy_stops_fit_before_the_bad_update(tmp_path: Path) -> None:
     model = Net()
     snaps = Snapshots()

@@ -1,12 +1,21 @@
-"""nanguard: catch the first NaN/Inf in PyTorch training, name its cause, keep training."""
+"""nanguard: catch the first NaN/Inf in PyTorch training, name its cause, keep training.
 
-from nanguard.audit import audit_model, check_batch
-from nanguard.bundle import load_bundle, replay
-from nanguard.errors import NonFiniteError
-from nanguard.findings import CAUSES, Diagnosis, Finding
-from nanguard.guard import Guard
-from nanguard.sampler import QuarantineSampler
-from nanguard.tracer import locate
+The public names load on first use, so ``nanguard --help`` answers without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanguard.audit import audit_model, check_batch
+    from nanguard.bundle import load_bundle, replay
+    from nanguard.errors import NonFiniteError
+    from nanguard.findings import CAUSES, Diagnosis, Finding
+    from nanguard.guard import Guard
+    from nanguard.sampler import QuarantineSampler
+    from nanguard.tracer import locate
 
 __all__ = [
     "CAUSES",
@@ -22,3 +31,29 @@ __all__ = [
     "replay",
 ]
 __version__ = "0.1.0"
+
+_HOME = {
+    "CAUSES": "nanguard.findings",
+    "Diagnosis": "nanguard.findings",
+    "Finding": "nanguard.findings",
+    "Guard": "nanguard.guard",
+    "QuarantineSampler": "nanguard.sampler",
+    "NonFiniteError": "nanguard.errors",
+    "audit_model": "nanguard.audit",
+    "check_batch": "nanguard.audit",
+    "load_bundle": "nanguard.bundle",
+    "locate": "nanguard.tracer",
+    "replay": "nanguard.bundle",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'nanguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -50,6 +50,14 @@ def scaler_scale(scaler: Any) -> torch.Tensor:
     return scaler._scale
 
 
+# Known to work: torch 2.13.0. GradScaler keeps, per optimizer, whether ``unscale_`` ran
+# this step; a second call raises, and a loop may already have unscaled to clip.
+def scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    from torch.amp.grad_scaler import OptState
+
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
 # Known to work: torch 2.13.0. The protocol GradScaler uses with fused optimizers: an
 # optimizer with ``_step_supports_amp_scaling`` reads ``optimizer.found_inf`` in ``step()``
 # and skips the update on the device when it is nonzero.

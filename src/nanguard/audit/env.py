@@ -17,6 +17,8 @@ from typing import TextIO
 
 import torch
 
+from nanguard import environ
+
 __all__ = ["MIN_TORCH", "NCCL_NAN_CHECK_SINCE", "STATUSES", "DoctorItem", "collect", "run"]
 
 STATUSES = ("ok", "warning", "error")
@@ -228,6 +230,16 @@ def _check_debug_variables() -> list[DoctorItem]:
     return [DoctorItem(name, "ok", os.environ.get(name, "unset"), advice) for name, advice in DEBUG_VARIABLES]
 
 
+def _check_nanguard_variables() -> list[DoctorItem]:
+    items = []
+    for name, meaning in environ.VARIABLES:
+        value = os.environ.get(name)
+        bad = name == "NANGUARD_POLICY" and bool(value) and value.strip() not in environ.POLICIES
+        advice = f"must be one of {environ.POLICIES}: every Guard will refuse to start" if bad else meaning
+        items.append(DoctorItem(name, "error" if bad else "ok", value if value is not None else "unset", advice))
+    return items
+
+
 def _check_nccl_nan_check() -> DoctorItem:
     value = os.environ.get("TORCH_NCCL_NAN_CHECK")
     need = ".".join(map(str, NCCL_NAN_CHECK_SINCE))
@@ -277,4 +289,5 @@ _PROBES: tuple[tuple[str, Callable[[], DoctorItem | list[DoctorItem]]], ...] = (
     ("debug_variables", _check_debug_variables),
     ("TORCH_NCCL_NAN_CHECK", _check_nccl_nan_check),
     ("tf32", _check_tf32),
+    ("nanguard_variables", _check_nanguard_variables),
 )

@@ -1,4 +1,7 @@
-"""The ``nanguard`` command: demo, zoo, report, replay, doctor. Subcommands load their code on first use."""
+"""The ``nanguard`` command: demo, zoo, report, replay, doctor.
+
+Subcommands load their code on first use: ``--help`` and ``--version`` never import torch.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from nanguard import __version__
 from nanguard.errors import NanguardError
 
 __all__ = ["main"]
+
+DEFAULT_RUN_DIR = "runs/demo"
+
+ENVIRONMENT = """\
+environment (read by every Guard, so a job script can change them without touching code):
+  NANGUARD_POLICY=skip|rollback|raise  the policy of every Guard, overriding the code's
+  NANGUARD_RUN_DIR=DIR                 write events and bundles here when the code sets no run_dir
+  NANGUARD_DISABLE=1                   turn every Guard into a plain optimizer step (no checks)
+`nanguard doctor` shows the values in effect."""
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -17,7 +30,8 @@ def _demo(args: argparse.Namespace) -> int:
     if args.list:
         print(list_faults())
         return 0
-    return run_demo(args.fault, steps=args.steps, ranks=args.ranks, run_dir=args.run_dir, seed=args.seed)
+    run_dir = None if args.no_run_dir else args.run_dir
+    return run_demo(args.fault, steps=args.steps, ranks=args.ranks, run_dir=run_dir, seed=args.seed)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -53,14 +67,18 @@ def _zoo(args: argparse.Namespace) -> int:
         from nanguard.zoo.remedy_scenarios import print_scores
 
         return print_scores(as_json=args.json)
-    return run_zoo(ranks=args.ranks, as_json=args.json, only=args.only)
+    only = [name.strip() for value in args.only or () for name in value.split(",") if name.strip()]
+    return run_zoo(ranks=args.ranks, as_json=args.json, only=only or None, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanguard",
         description="Catch the first NaN/Inf in PyTorch training, name its cause, keep training.",
+        epilog=ENVIRONMENT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"nanguard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -71,16 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--fault", default="padding_fully_masked", help="zoo scenario (see --list)")
     demo.add_argument("--list", action="store_true", help="list the faults and exit")
-    demo.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
-    demo.add_argument("--ranks", type=int, default=1, help="spawn N gloo ranks on CPU (default 1)")
-    demo.add_argument("--run-dir", default=None, help="write events and bundles here")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default: the fault's own)")
+    demo.add_argument(
+        "--ranks", type=int, default=1, help="spawn N gloo ranks on CPU (default 1; distributed faults spawn 2)"
+    )
+    demo.add_argument(
+        "--run-dir", default=DEFAULT_RUN_DIR, help=f"write events and bundles here (default {DEFAULT_RUN_DIR})"
+    )
+    demo.add_argument("--no-run-dir", action="store_true", help="write nothing to disk")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the model's init and the data (default 0)")
     demo.set_defaults(func=_demo)
 
     zoo = sub.add_parser("zoo", help="run every fault scenario under the guard and score the diagnoses")
     zoo.add_argument("--ranks", type=int, default=1, help="also run the distributed scenarios on N gloo ranks")
     zoo.add_argument("--json", action="store_true", help="print the results as JSON")
-    zoo.add_argument("--only", default=None, metavar="NAME", help="run one scenario")
+    zoo.add_argument(
+        "--only", action="append", metavar="NAME[,NAME]", help="run only these scenarios (repeat or comma-separate)"
+    )
+    zoo.add_argument("--seed", type=int, default=0, help="seed of the models' init and the data (default 0)")
     zoo.add_argument("--remedies", action="store_true", help="score skip, rollback and auto on the remedy scenarios")
     zoo.set_defaults(func=_zoo)
 
@@ -97,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--fn", default=None, metavar="PKG.MODULE:FUNCTION", help="fn(model) -> step(batch)")
     replay.set_defaults(func=_replay)
 
-    doctor = sub.add_parser("doctor", help="check torch, CUDA, NCCL and debug settings")
+    doctor = sub.add_parser("doctor", help="check torch, CUDA, NCCL, debug settings and NANGUARD_* variables")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=_doctor)
     return parser

@@ -70,6 +70,9 @@ class GuardConfig:
     when the rows cannot be told, that and the "previous" batch, or "off"."""
     headroom_every: int = 100
     """Every N steps, measure how close float16/bfloat16 op outputs per module come to overflow (0 = off)."""
+    clip_grad_norm: float | None = None
+    """Clip the gradients' global norm to this after the guard's unscale and check, before the
+    optimizer step; the history keeps the norm before clipping, so divergence still shows."""
 
     @classmethod
     def from_options(cls, policy: str, options: Mapping[str, Any]) -> GuardConfig:
@@ -103,5 +106,8 @@ class GuardConfig:
             raise ValueError(f"lr_factor must be a number in (0, 1], got {self.lr_factor!r}")
         if self.quarantine not in QUARANTINE_SCOPES:
             raise ValueError(f"quarantine must be one of {QUARANTINE_SCOPES}, got {self.quarantine!r}")
+        clip = self.clip_grad_norm
+        if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or not clip > 0):
+            raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip!r}")
         if self.spike_warmup > self.spike_window:
             raise ValueError(f"spike_warmup must be <= spike_window ({self.spike_window}), got {self.spike_warmup}")

@@ -12,14 +12,14 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from nanguard import compat, dist
+from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
@@ -65,7 +65,8 @@ class Guard:
     (``batch['pixel_values']``), a repro bundle stores it, and ``check_batch=True`` audits
     it before the forward. Under DDP the guard wraps the model's comm hook to see each
     rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
-    hook)``. Every other option is a ``GuardConfig`` field.
+    hook)``. ``on_event=fn`` gets each recorded event as a dict (see ``integrations.scalars``);
+    every other option is a ``GuardConfig`` field.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class Guard:
         scheduler: Any = None,
         run_dir: str | Path | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
         **config: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -85,7 +87,9 @@ class Guard:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         _check_parts(scaler, scheduler)
-        c = self.config = GuardConfig.from_options(policy, config)
+        c = self.config = GuardConfig.from_options(environ.policy(policy), config)
+        self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
+        run_dir = None if self.disabled else environ.run_dir(run_dir)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -101,6 +105,7 @@ class Guard:
         self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats,
                                    comm=self.health.comm)  # fmt: skip
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
+        self.recorder.listener = _listener(on_event, self.disabled)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._fused = compat.supports_found_inf(optimizer)
@@ -121,7 +126,6 @@ class Guard:
     overflow_streak = property(lambda self: self.recovery.overflow_streak, doc="Overflow steps in a row.")
     spikes = property(lambda self: self.history.spikes, doc="Loss and grad-norm spikes seen.")
     remedies = property(lambda self: self._remedies.entries, doc="Remedies applied, oldest first.")
-
     loss_spikes = property(lambda self: self.history.loss_spikes, doc="The loss spike detector.")
     grad_spikes = property(lambda self: self.history.grad_spikes, doc="The grad-norm spike detector.")
 
@@ -134,6 +138,8 @@ class Guard:
         """
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
+        if self.disabled:
+            return _plain_step(self, closure)
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
@@ -163,11 +169,11 @@ class Guard:
             self._closure_error = err
             self.model.zero_grad(set_to_none=True)
             loss = value = torch.full((), math.nan, device=self._params[0].device if self._params else None)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        _unscale(self.scaler, self.optimizer)
         # A spike verdict comes after the host read, too late for the device path.
         device_step = self._fused and self.scaler is None and not self.config.skip_spikes
-        if not self._check(value, closure, batch, rng, device_step=device_step):
+        device_step = device_step and self.config.clip_grad_norm is None  # the clip comes before the step
+        if not (self._check(value, closure, batch, rng, device_step=device_step) and _clip(self)):
             return None
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -199,13 +205,14 @@ class Guard:
             ...     guard.after_step()
         """
         value = _check_args(loss, replay, rng)
+        if self.disabled:
+            return True
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
         self._closure_error = None
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        return self._check(value, replay, batch, rng, device_step=False, restore_buffers=False)
+        _unscale(self.scaler, self.optimizer)
+        return self._check(value, replay, batch, rng, device_step=False, restore_buffers=False) and _clip(self)
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -283,8 +290,7 @@ class Guard:
     def _drop_batch(self) -> bool:
         if not self.recovery.take_drop():
             return False
-        step = self._next_step()
-        self.last_action = "drop_batch"
+        step, self.last_action = self._next_step(), "drop_batch"
         self.recorder.skip(step, reason="rollback: dropping the batch after a bad one")
         log.warning("nanguard: step %d: batch dropped after rollback", step)
         return True
@@ -322,9 +328,6 @@ class Guard:
             raise NonFiniteError(diag)
 
     # -- trips -------------------------------------------------------------------------
-    def _bundle_meta(self) -> dict[str, Any]:
-        return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
-
     def _trip(
         self,
         diag: Diagnosis,
@@ -338,8 +341,8 @@ class Guard:
         extra = {"module_stats": module_stats} if module_stats else {}
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         self.recorder.trip_and_bundle(step, action=action, ranks=flagged, diagnosis=diag, batch=batch, rng=rng,
-                                      meta=self._bundle_meta, **extra)  # fmt: skip
-        log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
+                                      meta=lambda: _bundle_meta(self), **extra)  # fmt: skip
+        _announce(self.rank, step, diag, action)
         if action == "raise":
             self.last_action = "raise"
             raise NonFiniteError(diag, message)
@@ -411,7 +414,7 @@ def _check_replicas(guard: Guard, step: int) -> None:
     if check.source is None:  # no finite replica to copy from
         action = "rollback" if guard.recovery.snapshot is not None else "raise"
     guard.recorder.trip(step, action=action, ranks=check.ranks, diagnosis=diag)
-    log.warning("nanguard: step %d: %s -> %s", step, diag.summary(), action)
+    _announce(guard.rank, step, diag, action)
     if action == "raise":
         raise NonFiniteError(diag)
     if action == "rollback":  # restored_step is evaluated first: rollback() sets drop_batches
@@ -504,6 +507,48 @@ def _unknown(err: Exception, step: int, h: StepHealth) -> Diagnosis:
         evidence={"loss": h.loss, "grad_norm": h.grad_norm, "why": f"nanguard's diagnosis failed: {err!r}"},
         fixes=["the step was handled by the policy; rerun it with ng.locate to find its origin"],
     )
+
+
+def _plain_step(guard: Guard, closure: Callable[[], Any]) -> Any:
+    """The step of a disabled guard (NANGUARD_DISABLE=1): what the loop would do without nanguard."""
+    guard.step_count += 1
+    guard.last_action = "step"
+    loss = closure()
+    if guard.scaler is not None:
+        guard.scaler.step(guard.optimizer)
+        guard.scaler.update()
+    else:
+        guard.optimizer.step()
+    return loss
+
+
+def _unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Unscale the gradients once: a loop that unscaled already (to clip) is not an error."""
+    if scaler is not None and not compat.scaler_unscaled(scaler, optimizer):
+        scaler.unscale_(optimizer)
+
+
+def _clip(guard: Guard) -> bool:
+    """``clip_grad_norm``, after the check that measured (and recorded) the norm before it; always True."""
+    if guard.config.clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(guard._params, guard.config.clip_grad_norm)
+    return True
+
+
+def _listener(on_event: Any, disabled: bool) -> Callable[[dict[str, Any]], None] | None:
+    if on_event is not None and not callable(on_event):
+        raise ValueError(f"on_event must be None or a callable taking an event dict, got {type(on_event).__name__}")
+    return None if disabled else on_event
+
+
+def _bundle_meta(guard: Guard) -> dict[str, Any]:
+    return {**guard.history.tail(), "fingerprint": dist.fingerprint(guard.model)}
+
+
+def _announce(rank: int, step: int, diag: Diagnosis, action: str) -> None:
+    """One log line per trip: the step once, and which rank speaks under torch.distributed."""
+    who = f"rank {rank}: " if dist.is_distributed() else ""
+    log.warning("nanguard: %sstep %d: %s -> %s", who, step, replace(diag, step=None).summary(), action)
 
 
 def _index_error(err: BaseException) -> bool:

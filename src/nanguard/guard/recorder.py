@@ -27,8 +27,11 @@ __all__ = ["NullRecorder", "Recorder", "recorder_for"]
 class NullRecorder:
     """Drops every event and bundle: the recorder of a guard without ``run_dir``.
 
-    Each method names one event kind; ``Recorder`` writes them.
+    Each method names one event kind; ``Recorder`` writes them. Either hands each event to
+    ``listener`` (``Guard(on_event=...)``) as a dict: ``{"kind", "step", **fields}``.
     """
+
+    listener: Callable[[dict[str, Any]], None] | None = None
 
     def start(self, config: Mapping[str, Any], world_size: int, path: str) -> None:
         self._write("start", 0, config=dict(config), world_size=world_size, path=path)
@@ -96,7 +99,17 @@ class NullRecorder:
         pass
 
     def _write(self, kind: str, step: int, **fields: Any) -> None:
-        pass
+        self._tell(kind, step, fields)
+
+    def _tell(self, kind: str, step: int, fields: dict[str, Any]) -> None:
+        if self.listener is None:
+            return
+        try:
+            self.listener({"kind": kind, "step": step, **fields})
+        except Exception as err:  # the user's hook must not kill the run either
+            warnings.warn(f"nanguard: on_event failed on a {kind} event at step {step}: {err!r}; "
+                          "it gets no more events", stacklevel=4)  # fmt: skip
+            self.listener = None
 
 
 class Recorder(NullRecorder):
@@ -150,6 +163,7 @@ class Recorder(NullRecorder):
 
     def _write(self, kind: str, step: int, **fields: Any) -> None:
         self.events.write(kind, step, **fields)
+        self._tell(kind, step, fields)
 
 
 def recorder_for(run_dir: str | Path | None, *, rank: int, max_bundle_bytes: int) -> NullRecorder:

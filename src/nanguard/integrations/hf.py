@@ -7,9 +7,14 @@ micro-batch's inputs, RNG state and loss. A tripped step is replayed (forward an
 on the same inputs and RNG state) under ``ng.locate`` to name its cause, and the policy
 applies. A skipped step leaves the weights, the optimizer state, normalization running
 statistics and the LR scheduler exactly as if it had not happened; ``state.global_step``
-still counts it. Each trip adds a ``nanguard/*`` entry to ``trainer.state.log_history``,
-and the guard's counters and last diagnosis are kept in
-``trainer.state.stateful_callbacks["NanGuardCallback"]`` (saved with checkpoints).
+still counts it, and its NaN loss and grad norm are left out of the logs (no fake ``loss 0.0``).
+
+The counters go through the Trainer's own logging, so every ``report_to`` backend
+(TensorBoard, W&B, ...) gets ``nanguard/skipped``, ``nanguard/trips`` and, on a trip,
+``nanguard/cause``; a tripped step is always logged. The full diagnosis is printed once (by
+the main process). ``run_dir`` defaults to ``<output_dir>/nanguard``. The guard's counters and
+last diagnosis are kept in ``trainer.state.stateful_callbacks["NanGuardCallback"]`` (saved
+with checkpoints).
 
 Example:
     >>> from nanguard.integrations.hf import NanGuardCallback
@@ -22,6 +27,9 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,11 +37,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from nanguard import environ
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, drop_grads, guard_options, require, running_stats
 from nanguard.rng import get_rng_state, set_rng_state
+from nanguard.text import diagnosis_text
 
 _callbacks = require("transformers.trainer_callback", "hf", "Hugging Face transformers")
 
@@ -41,6 +51,8 @@ if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
 __all__ = ["NanGuardCallback"]
+
+log = logging.getLogger("nanguard")
 
 
 class _Micro:
@@ -81,6 +93,11 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._stepped = False
         self._lr_state: tuple[dict[str, Any], list[Any]] | None = None
         self._stats = running_stats(nn.Module())
+        self.trips = 0
+        self._logs_through_trainer = False
+        self._pending: dict[str, Any] = {}  # the trip entry waiting for the next log event
+        self._good_since_log = 0
+        self._last_skipped = False
 
     def state(self) -> dict[str, Any]:
         guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state
@@ -94,7 +111,10 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model, optimizer = kwargs["model"], kwargs["optimizer"]
-        self.guard = Guard(model, optimizer, self.policy, run_dir=self.run_dir, **self.options)
+        self._logs_through_trainer = _run_first(self)
+        default = os.path.join(args.output_dir, "nanguard") if args.output_dir else None
+        run_dir = self.run_dir or environ.run_dir(None) or default
+        self.guard = Guard(model, optimizer, self.policy, run_dir=run_dir, **self.options)
         if self.guard_state:
             self.guard.load_state_dict(self.guard_state)
         self._stats = running_stats(model)
@@ -146,9 +166,13 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     ) -> None:
         if self.guard is not None and self._stepped:
             self._stepped = False
+            self._good_since_log += 1
+            self._last_skipped = False
             self.guard.after_step()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._pending and self._logs_through_trainer:
+            control.should_log = True  # a trip is always logged, whatever logging_steps says
         if self._lr_state is None:
             return
         scheduler_state, lrs = self._lr_state
@@ -163,6 +187,29 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._remove_hooks()
         if self.guard is not None:
             self.guard.close()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.guard is None or logs is None or "loss" not in logs or not self._logs_through_trainer:
+            return  # evaluation logs, the final summary, or no trainer to log through
+        # This callback runs first, so the backends that follow see the edited logs; the
+        # history entry is a copy the Trainer made just before, edited the same way.
+        entry = state.log_history[-1] if state.log_history and state.log_history[-1].get("loss") is logs["loss"] else {}
+        extra = {"nanguard/skipped": self.guard.skipped, "nanguard/trips": self.trips, **self._pending}
+        drop = ["loss"] if self._good_since_log == 0 else []  # every step of the window was skipped
+        if self._last_skipped:
+            drop.append("grad_norm")  # the norm of the skipped step's gradients
+        for target in (logs, entry):
+            target.update(extra)
+            for key in drop:
+                target.pop(key, None)
+        self._pending, self._good_since_log = {}, 0
 
     # -- recording and replay --------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -210,12 +257,19 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             "nanguard/rollbacks": guard.rollbacks,
             "nanguard/action": guard.last_action,
         }
+        self._last_skipped = True
         diag = guard.last_diagnosis
         if diag is not None and diag is not before:
+            self.trips += 1
             entry["nanguard/cause"] = diag.cause
             entry["nanguard/diagnosis"] = diag.summary()
-        # HF numbers a log entry by the steps completed after it: this step is global_step + 1.
-        state.log_history.append({**entry, "step": state.global_step + 1})
+            if state.is_world_process_zero:  # every rank agreed on this diagnosis: print it once
+                log.warning("%s", diagnosis_text(diag))
+        if self._logs_through_trainer and guard.last_action != "raise":
+            self._pending = entry
+        else:
+            # HF numbers a log entry by the steps completed after it: this step is global_step + 1.
+            state.log_history.append({**entry, "nanguard/trips": self.trips, "step": state.global_step + 1})
         if isinstance(state.stateful_callbacks, dict):
             state.stateful_callbacks[type(self).__name__] = self.state()
 
@@ -223,6 +277,27 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _run_first(callback: NanGuardCallback) -> bool:
+    """Move ``callback`` to the front of its Trainer's callbacks; False when no Trainer is found.
+
+    Callbacks are not handed the Trainer; ``on_train_begin`` is called from its training loop,
+    whose frame holds it. Running first lets ``on_log`` add the counters before the
+    ``report_to`` callbacks (added ahead of the user's) write the logs out.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            handler = getattr(frame.f_locals.get("self"), "callback_handler", None)
+            callbacks = getattr(handler, "callbacks", None)
+            if isinstance(callbacks, list) and any(c is callback for c in callbacks):
+                callbacks.sort(key=lambda c: c is not callback)  # stable: the others keep their order
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        del frame
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:

@@ -6,8 +6,10 @@ through the guard's one collective. A tripped step is replayed (``training_step`
 backward on the same batch and RNG state) under ``ng.locate`` to name its cause, and the
 policy applies: ``skip`` clears the gradients so Lightning's own ``optimizer.step()``
 changes neither the weights nor the optimizer state, ``rollback`` restores the last
-snapshot, ``raise`` stops ``fit`` with ``ng.NonFiniteError``. Trips and skips are logged to
-the trainer's loggers as ``nanguard/*`` metrics.
+snapshot, ``raise`` stops ``fit`` with ``ng.NonFiniteError``. A skipped step does not step
+the LR schedulers either. Trips and skips go to every logger of the trainer (CSV,
+TensorBoard, W&B, ...) as ``nanguard/*`` metrics, and the full diagnosis is printed once (by
+global rank 0). ``run_dir`` defaults to ``<trainer.log_dir>/nanguard``.
 
 Example:
     >>> from nanguard.integrations.lightning import NanGuard
@@ -19,16 +21,21 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nanguard import environ
 from nanguard.errors import NonFiniteError
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, drop_grads, guard_options, require, running_stats
 from nanguard.rng import get_rng_state, set_rng_state
+from nanguard.text import diagnosis_text
 
 _pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
 
@@ -36,6 +43,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["NanGuard"]
+
+log = logging.getLogger("nanguard")
 
 
 class NanGuard(GuardedCallback, _pl.Callback):
@@ -64,6 +73,8 @@ class NanGuard(GuardedCallback, _pl.Callback):
         self._state: Mapping[str, Any] | None = None
         self._closed = False
         self._stats = running_stats(torch.nn.Module())
+        self._schedulers: list[tuple[Any, dict[str, Any]]] = []  # saved on a skip, put back after Lightning steps them
+        self._lrs: list[float] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -74,7 +85,9 @@ class NanGuard(GuardedCallback, _pl.Callback):
         if len(trainer.optimizers) != 1:
             raise ValueError(f"NanGuard needs exactly one optimizer, got {len(trainer.optimizers)}")
         self._stats = running_stats(pl_module)
-        self.guard = Guard(pl_module, trainer.optimizers[0], self.policy, run_dir=self.run_dir, **self.options)
+        default = os.path.join(trainer.log_dir, "nanguard") if trainer.log_dir else None  # log_dir: on every rank
+        run_dir = self.run_dir or environ.run_dir(None) or default
+        self.guard = Guard(pl_module, trainer.optimizers[0], self.policy, run_dir=run_dir, **self.options)
         if self._state is not None:
             self.guard.load_state_dict(self._state)
             self._state = None
@@ -115,11 +128,20 @@ class NanGuard(GuardedCallback, _pl.Callback):
             drop_grads(optimizer)
             if self.guard.last_action != "rollback":  # a rollback restored every buffer already
                 self._stats.restore()
+            self._schedulers = [(c.scheduler, copy.deepcopy(c.scheduler.state_dict()))
+                                for c in trainer.lr_scheduler_configs if c.interval == "step"]  # fmt: skip
+            self._lrs = [group["lr"] for group in optimizer.param_groups]
             self._record(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._schedulers:  # Lightning stepped them after the skipped step: put them back
+            for scheduler, state in self._schedulers:
+                scheduler.load_state_dict(state)
+            for group, lr in zip(trainer.optimizers[0].param_groups, self._lrs, strict=True):
+                group["lr"] = lr
+            self._schedulers, self._lrs = [], []
         if self.guard is not None:
             self.guard.after_step()  # a no-op unless this batch ended a checked, stepped update
 
@@ -147,6 +169,8 @@ class NanGuard(GuardedCallback, _pl.Callback):
         if guard.last_action not in ("skip", "rollback", "raise"):
             return  # a batch dropped after a rollback is counted by the guard, not a new trip
         self.trips += 1
+        if trainer.is_global_zero and guard.last_diagnosis is not None:  # the ranks agreed on it: print once
+            log.warning("%s", diagnosis_text(guard.last_diagnosis))
         metrics = {
             "nanguard/trips": float(self.trips),
             "nanguard/skipped": float(guard.skipped),

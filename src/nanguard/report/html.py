@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,18 @@ def _diagnosis_html(trip: Trip) -> str:
     parts += _bundles_html(trip)
     parts.append("</section>")
     return "".join(parts)
+
+
+def _steps(group: Sequence[Trip]) -> str:
+    return str(group[0].step) if len(group) == 1 else f"{group[0].step}–{group[-1].step} ({len(group)})"
+
+
+def _where(trip: Trip) -> str:
+    """The summary without the cause and step, which have their own columns."""
+    if trip.diagnosis is None:
+        return ""
+    text = replace(trip.diagnosis, step=None).summary()
+    return text.removeprefix(f"{trip.diagnosis.cause}: ")
 
 
 def _path_html(trip: Trip) -> list[str]:
@@ -266,16 +279,17 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
         out.append(f'<div class="warnings" id="warnings"><strong>While reading:</strong><ul>{items}{more}</ul></div>')
 
     out.append('<h2 id="summary">Diagnoses</h2>')
+    groups = plots.trip_groups(report.trips)
     if report.trips:
         rows = [
             (
-                str(t.step),
-                t.diagnosis.cause if t.diagnosis else "?",
-                t.diagnosis.summary() if t.diagnosis else "",
-                t.action,
-                "-" if t.origin_rank is None else str(t.origin_rank),
+                _steps(g),
+                g[0].diagnosis.cause if g[0].diagnosis else "?",
+                _where(g[0]),
+                g[0].action,
+                "-" if g[0].origin_rank is None else str(g[0].origin_rank),
             )
-            for t in report.trips
+            for g in groups
         ]
         out.append(_table(("step", "cause", "where", "action", "origin rank"), rows, cls="trips"))
     else:
@@ -327,12 +341,15 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
 
     if report.trips:
         out.append(f'<h2 id="trips">Trips ({counts["trips"]})</h2>')
-        for trip in report.trips[:MAX_DETAILED_TRIPS]:
-            out.append(_diagnosis_html(trip))
-            advance(f"trip at step {trip.step}")
-        if len(report.trips) > MAX_DETAILED_TRIPS:
-            out.append(f'<p class="muted">{len(report.trips) - MAX_DETAILED_TRIPS} later trips are listed in '
-                       "the table above only.</p>")  # fmt: skip
+        for group in groups[:MAX_DETAILED_TRIPS]:
+            if len(group) > 1:
+                out.append(f'<p class="group">{len(group)} trips in a row with this cause, steps {_steps(group)}; '
+                           "the first is shown.</p>")  # fmt: skip
+            out.append(_diagnosis_html(group[0]))
+            advance(f"trip at step {group[0].step}")
+        if len(groups) > MAX_DETAILED_TRIPS:
+            later = sum(len(g) for g in groups[MAX_DETAILED_TRIPS:])
+            out.append(f'<p class="muted">{later} later trips are listed in the table above only.</p>')
 
     out.append('<h2 id="events">Skips, rollbacks, spikes and overflows</h2>')
     out.append(_events_html(report))

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TextIO
 
 from nanguard.errors import NanguardError
-from nanguard.report.html import MAX_DETAILED_TRIPS, write_html
 from nanguard.report.load import RunReport, load_run
 from nanguard.report.terminal import Console
 from nanguard.text import RANK_COLUMNS, event_words, rank_rows
@@ -54,6 +53,14 @@ def run_report(
 
     written: Path | None = None
     if html is not None:
+        try:
+            from nanguard.report.html import MAX_DETAILED_TRIPS, write_html
+        except ImportError as error:  # matplotlib comes with the [report] extra, needed by --html only
+            if (error.name or "").split(".")[0] != "matplotlib":
+                raise
+            print("nanguard report: error: --html draws with matplotlib: pip install 'nanguard[report]'",
+                  file=err, flush=True)  # fmt: skip
+            return 1
         total = 4 + min(len(report.trips), MAX_DETAILED_TRIPS)
         try:
             with status.progress(total, "drawing", echo=False) as advance:

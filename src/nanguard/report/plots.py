@@ -24,18 +24,25 @@ from nanguard.text import number
 
 __all__ = [
     "MAX_POINTS",
+    "SMOOTH_FROM",
     "decimate",
     "figure_svg",
     "grad_norm_plot",
+    "group_label",
+    "group_trips",
     "loss_plot",
     "module_plot",
     "nonfinite_plot",
     "rank_plot",
+    "smooth",
+    "trip_groups",
 ]
 
 P = ParamSpec("P")
 
 MAX_POINTS = 3000
+SMOOTH_FROM = 1000
+"""Curves longer than this get a smoothed trend line over a faint every-step curve."""
 """Points per rank and curve above which a curve is thinned to each bucket's min and max."""
 _MAX_MODULE_ROWS = 48
 
@@ -117,6 +124,64 @@ def decimate(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tupl
     return x[order], y[order]
 
 
+def _window(n: int) -> int:
+    return max(2, n // 200)
+
+
+def smooth(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The curve's mean over windows of about len/200 steps (NaN gaps left out), one point per window.
+
+    Example:
+        >>> sx, sy = smooth(np.arange(6000.0), np.ones(6000))
+        >>> len(sx), float(sy[0])
+        (200, 1.0)
+    """
+    window = _window(len(x))
+    n = len(x) // window * window
+    xs = x[:n].reshape(-1, window)
+    ys = y[:n].reshape(-1, window)
+    counts = np.isfinite(ys).sum(axis=1)
+    sums = np.where(np.isfinite(ys), ys, 0.0).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.where(counts > 0, sums / np.maximum(counts, 1), math.nan)
+    return xs.mean(axis=1), means
+
+
+def trip_groups(trips: Sequence[Trip]) -> list[list[Trip]]:
+    """Consecutive trips (adjacent steps) of one cause together, in step order.
+
+    Example:
+        >>> [[t.step for t in g] for g in trip_groups(report.trips)]
+        [[3, 4, 5, 6, 7, 8, 9, 10]]
+    """
+    groups: list[list[Trip]] = []
+    for trip in sorted(trips, key=lambda t: t.step):
+        if groups and _cause(groups[-1][-1]) == _cause(trip) and trip.step - groups[-1][-1].step <= 1:
+            groups[-1].append(trip)
+        else:
+            groups.append([trip])
+    return groups
+
+
+def _cause(trip: Trip) -> str:
+    return trip.diagnosis.cause if trip.diagnosis else "trip"
+
+
+def group_trips(trips: Sequence[Trip]) -> list[tuple[int, int, int, str]]:
+    """Each group of ``trip_groups`` as (first step, last step, count, cause).
+
+    Example:
+        >>> [g[:3] for g in group_trips(report.trips)]
+        [(3, 10, 8)]
+    """
+    return [(g[0].step, g[-1].step, len(g), _cause(g[0])) for g in trip_groups(trips)]
+
+
+def group_label(first: int, last: int, count: int, cause: str) -> str:
+    """'8 trips, steps 3–10, precision.overflow', or 'precision.overflow' for one trip."""
+    return cause if count == 1 else f"{count} trips, steps {first}–{last}, {cause}"
+
+
 def _series(report: RunReport, rank: int, metric: str) -> tuple[np.ndarray, np.ndarray]:
     log = report.ranks[rank]
     logged = {s.step for s in log.steps}
@@ -163,9 +228,17 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
     else:
         label_all = label
     for rank, (x, y) in series.items():
+        name = f"rank {rank}" if multi else label_all
+        long_run = len(x) > SMOOTH_FROM
+        if long_run:
+            # Thousands of noisy steps draw a solid band: keep it faint and draw the trend on top.
+            sx, sy = smooth(x, y)
+            ax.plot(sx, sy, color=_rank_color(rank), lw=1.8, zorder=3)
         x, y = decimate(x, y)
         curves.append(y)
-        (line,) = ax.plot(x, y, color=_rank_color(rank), lw=1.3, label=f"rank {rank}" if multi else label_all)
+        (line,) = ax.plot(x, y, color=_rank_color(rank), lw=0.6 if long_run else 1.3, alpha=0.35 if long_run else 1.0,
+                          label=f"{name} (faint: every step; line: mean of {_window(len(series[rank][0]))})"
+                          if long_run else name)  # fmt: skip
         handles.append(line)
     _set_scale(ax, curves)
     ax.set_xlabel("step")
@@ -173,7 +246,8 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
     handles += _mark_events(ax, report, metric)
     if not any(np.isfinite(c).any() for c in curves):
         ax.text(0.5, 0.5, f"no finite {label} logged", transform=ax.transAxes, ha="center", va="center")
-    ax.legend(handles=handles, loc="best", fontsize=8, ncols=min(len(handles), 3), framealpha=0.85)
+    # The legend sits outside the axes, right of the plot: never on the data.
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, framealpha=0.85)
     ax.set_title(f"{label} per step" + (" per rank" if multi else ""), loc="left")
     return fig
 
@@ -191,7 +265,10 @@ def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
     skip_steps = [m.step for m in report.skips]
     if skip_steps:
         ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_SKIP, lw=1, ls=":", alpha=0.9)
-        handles.append(Line2D([], [], color=_SKIP, ls=":", label=f"skip ({len(skip_steps)})"))
+        # A skip usually shares its step with a trip: its marker sits above the trip's line and X.
+        ax.scatter(skip_steps, [0.9] * len(skip_steps), transform=ax.get_xaxis_transform(), marker="v", s=36,
+                   color=_SKIP, edgecolors="black", linewidths=0.4, zorder=7)  # fmt: skip
+        handles.append(Line2D([], [], color=_SKIP, ls=":", marker="v", label=f"skip ({len(skip_steps)})"))
     for m in report.rollbacks:
         restored = m.fields.get("restored_step")
         if isinstance(restored, int) and restored < m.step:
@@ -309,8 +386,10 @@ def rank_plot(report: RunReport) -> Figure:
                        zorder=4)  # fmt: skip
         if trip.origin_rank is not None:
             ax.scatter([trip.step], [trip.origin_rank], marker="X", s=120, color=_TRIP, zorder=5)
-            cause = trip.diagnosis.cause if trip.diagnosis else "trip"
-            ax.annotate(f"{cause} (origin)", (trip.step, trip.origin_rank), xytext=(6, 6),
+    for rank in sorted({t.origin_rank for t in report.trips if t.origin_rank is not None}):
+        # One label per run of consecutive same-cause trips: eight labels on eight steps overlap.
+        for first, last, count, cause in group_trips([t for t in report.trips if t.origin_rank == rank]):
+            ax.annotate(f"{group_label(first, last, count, cause)} (origin)", (first, rank), xytext=(6, 6),
                         textcoords="offset points", fontsize=8, color=_TRIP)  # fmt: skip
     for m in report.rollbacks:
         ax.vlines(m.step, -0.5, len(ranks) - 0.5, colors=_ROLLBACK, ls="--", lw=1)

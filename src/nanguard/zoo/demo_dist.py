@@ -1,7 +1,8 @@
-"""``nanguard demo --ranks N``: the demo under real torch.distributed (gloo ranks on CPU, DDP).
+"""``nanguard demo`` on real torch.distributed ranks (gloo on CPU, DDP).
 
-The fault hits the last rank's data only; every rank skips the same step, and the diagnosis
-names the rank it came from.
+A single-process fault hits the last rank's data only; a distributed scenario applies its
+own fault (bad data on one rank, gradients corrupted in transit, one replica changed behind
+DDP's back). Every rank skips the same step, and the diagnosis names the rank it came from.
 """
 
 from __future__ import annotations
@@ -9,67 +10,63 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as tdist
 
 from nanguard.guard import Guard
-from nanguard.zoo import build, get, synthetic_batch
+from nanguard.zoo import build, get
+from nanguard.zoo.runner import CorruptOnce
 from nanguard.zoo.spawn import RanksFailed, spawn_ranks
 
-__all__ = ["ddp_rank_loop", "demo_rank", "run_distributed_demo"]
-
-
-def ddp_rank_loop(fault: str, *, steps: int, run_dir: str | None, seed: int = 0, **guard_config: Any) -> Guard:
-    """One rank's guarded DDP loop on the tiny GPT; the fault hits the last rank's batch.
-
-    Needs an initialized process group. Each rank draws its own data; the model starts
-    identical everywhere.
-    """
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    scenario = get(fault)
-    run = build(scenario, seed)
-    model = torch.nn.parallel.DistributedDataParallel(run.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=scenario.lr)
-    guard = Guard(model, optimizer, policy="skip", run_dir=run_dir, **guard_config)
-    for step in range(steps):
-        batch = synthetic_batch(run.model.config, torch.Generator().manual_seed(seed * 7919 + rank * 1000 + step))
-        if rank == world - 1 and step == scenario.fault_step and scenario.fault is not None:
-            batch = scenario.fault(run.model, batch)
-
-        def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            _, loss = model(**batch)
-            loss.backward()
-            return loss
-
-        guard.step(closure, batch=batch)
-    guard.close()
-    return guard
+__all__ = ["demo_rank", "run_distributed_demo"]
 
 
 def demo_rank(rank: int, world: int, fault: str, steps: int, run_dir: str | None, seed: int) -> dict[str, Any]:
-    guard = ddp_rank_loop(fault, steps=steps, run_dir=run_dir, seed=seed)
+    """One rank's guarded DDP loop on the tiny GPT (run under an initialized process group)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    scenario = get(fault)
+    kind = scenario.dist_fault or "data"
+    last = rank == world - 1
+    run = build(scenario, seed, rank=rank)
+    ddp = DistributedDataParallel(run.model)
+    hook = CorruptOnce()
+    guard = Guard(ddp, run.optimizer, policy="skip", scaler=run.scaler, run_dir=run_dir,
+                  comm_hook=(None, hook) if kind == "comm" else None,
+                  fingerprint_every=1 if kind == "replica" else 100, max_consecutive_skips=10**6)  # fmt: skip
+    for step in range(steps):
+        if step == scenario.fault_step and kind == "comm":
+            hook.at_call = hook.calls + 1
+        if step == scenario.fault_step and kind == "replica" and last:
+            with torch.no_grad():
+                run.model.blocks[1].mlp.fc.weight.mul_(1.01)
+        batch = run.batch(step, faulty=kind == "data" and last)
+        guard.step(run.closure(batch, ddp), batch=batch)
+    guard.close()
     diag = guard.last_diagnosis
     return {"rank": rank, "skipped": guard.skipped, "diagnosis": diag.to_dict() if diag else None}
 
 
 def run_distributed_demo(fault: str, *, steps: int, ranks: int, run_dir: str | None, seed: int = 0) -> int:
+    """Spawn ``ranks`` gloo ranks, run the demo on each, print the agreed diagnosis once."""
     from nanguard.findings import Diagnosis
     from nanguard.report.terminal import Console
 
     console = Console()
     scenario = get(fault)
-    console.title(
-        f"nanguard demo: {scenario.name} on {ranks} gloo ranks", f"{scenario.summary} (rank {ranks - 1} only)"
-    )
+    where = "" if scenario.dist_fault else f" (rank {ranks - 1} only)"
+    console.title(f"nanguard demo: {scenario.name} on {ranks} gloo ranks", f"{scenario.summary}{where}")
+    console.line(f"spawning {ranks} ranks on CPU...")
     try:
         results = spawn_ranks(demo_rank, fault, steps, run_dir, seed, world=ranks)
     except RanksFailed as err:
         console.line(str(err))
         return 1
     console.line("skipped per rank: " + ", ".join(f"rank {r['rank']}: {r['skipped']}" for r in results))
-    diag = results[0]["diagnosis"]
-    if diag is not None:
-        console.diagnosis(Diagnosis.from_dict(diag))
+    shown = next((r["diagnosis"] for r in results if r["diagnosis"] is not None), None)
+    if shown is not None:
+        console.diagnosis(Diagnosis.from_dict(shown))
+    elif scenario.expect.cause is not None:
+        console.line(f"no trip in {steps} steps; the fault hits at step {scenario.trip_step}: raise --steps")
+        return 1
     if run_dir is not None:
         console.line(f"events and bundles in {run_dir}; see `nanguard report {run_dir}`")
     return 0

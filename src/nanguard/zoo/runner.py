@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -191,15 +192,14 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def run_zoo(*, ranks: int = 1, as_json: bool = False, only: str | None = None, seed: int = 0) -> int:
-    """Run the zoo, print the scored table (or JSON); exit code 1 on any miss."""
-    from rich.table import Table
-
+def run_zoo(*, ranks: int = 1, as_json: bool = False, only: Sequence[str] | str | None = None, seed: int = 0) -> int:
+    """Run the zoo (or the scenarios named in ``only``), print the scored table (or JSON); exit code 1 on any miss."""
     from nanguard.report.terminal import Console
 
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    scenarios = [get(only)] if only else [s for s in SCENARIOS if s.ranks == 1 or ranks >= s.ranks]
+    names = [only] if isinstance(only, str) else list(only or ())
+    scenarios = [get(name) for name in names] if names else [s for s in SCENARIOS if s.ranks == 1 or ranks >= s.ranks]
     console = Console()
     results: list[Result] = []
     progress = console.progress(len(scenarios), "zoo") if not as_json else _quiet(len(scenarios))
@@ -212,9 +212,7 @@ def run_zoo(*, ranks: int = 1, as_json: bool = False, only: str | None = None, s
     if as_json:
         print(json.dumps({"results": [r.to_dict() for r in results], "total": len(results), "misses": len(misses)}))
         return 1 if misses else 0
-    table = Table(title="nanguard fault zoo")
-    for column in ("scenario", "cause (expected / got)", "op", "module", "phase", "rank", "step", "late", "ok"):
-        table.add_column(column)
+    rows = []
     for r in results:
         got = r.got or {}
         exp = r.expected
@@ -223,11 +221,13 @@ def run_zoo(*, ranks: int = 1, as_json: bool = False, only: str | None = None, s
             same = got.get(key) == exp.get(key)
             return _cell(exp.get(key)) if same else f"{_cell(exp.get(key))} / {_cell(got.get(key))}"
 
-        table.add_row(r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"), pair("step"),
-                      _cell(r.steps_late), "ok" if r.ok else "MISS")  # fmt: skip
-    console.rich.print(table)
+        rows.append([r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"), pair("step"),
+                     _cell(r.steps_late), "ok" if r.ok else "MISS"])  # fmt: skip
+    # Console.table: rich on a terminal, full-width aligned columns when piped (never cut to 80).
+    columns = ("scenario", "cause (expected / got)", "op", "module", "phase", "rank", "step", "late", "ok")
+    console.table(columns, rows, title="nanguard fault zoo")
     console.line(f"{len(results) - len(misses)}/{len(results)} scenarios right; {len(misses)} miss(es)")
-    if ranks == 1 and any(s.ranks > 1 for s in SCENARIOS) and not only:
+    if ranks == 1 and any(s.ranks > 1 for s in SCENARIOS) and not names:
         console.line("distributed scenarios skipped: run `nanguard zoo --ranks 2` to include them")
     return 1 if misses else 0
 

@@ -1,0 +1,78 @@
+"""Plots of long and repeatedly tripping runs stay readable: a trend line, grouped trip labels."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from nanguard.events import EventLog
+from nanguard.findings import Diagnosis
+from nanguard.report.load import load_run
+from nanguard.report.plots import figure_svg, group_trips, loss_plot, rank_plot, smooth
+from test_report import _not_blank, browser  # noqa: F401  (the headless Chromium fixture)
+
+
+def _run(tmp_path: Path, steps: int, trips: range) -> Path:
+    log = EventLog(tmp_path, rank=0)
+    log.write("start", 0, config={}, world_size=1, path="host")
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        if step in trips:
+            diag = Diagnosis(cause="precision.overflow", kind="inf", phase="forward", step=step, rank=0)
+            log.write("trip", step, action="skip", ranks=[0], diagnosis=diag.to_dict())
+            log.write("skip", step, reason="precision.overflow")
+            log.write("step", step, loss=None, grad_norm=None, skipped=True, scale=None)
+        else:
+            loss = 4.0 * math.exp(-step / 2000) + float(rng.normal(0, 0.3))
+            log.write("step", step, loss=abs(loss), grad_norm=1.0 + float(rng.random()), skipped=False, scale=None)
+    log.write("end", steps, skipped=len(trips), rollbacks=0)
+    log.close()
+    return tmp_path
+
+
+def test_smooth_averages_windows_and_skips_gaps() -> None:
+    x = np.arange(6000.0)
+    y = np.where(x % 2 == 0, 1.0, 3.0)
+    y[:30] = math.nan  # the first window is all gap
+    sx, sy = smooth(x, y)
+    assert len(sx) == 200 and math.isnan(sy[0]) and np.allclose(sy[1:], 2.0)
+
+
+def test_long_run_draws_a_trend_line_with_its_text_searchable(tmp_path: Path) -> None:
+    svg = figure_svg(loss_plot(load_run(_run(tmp_path, 6000, range(0)))))
+    assert "mean of 30" in svg  # the legend names the smoothing window, as text (not paths)
+    assert svg.count("<path") < 20_000  # decimated: not one path point per step
+
+
+def test_many_trips_get_one_grouped_label(tmp_path: Path) -> None:
+    report = load_run(_run(tmp_path, 40, range(3, 11)))
+    assert [g[:3] for g in group_trips(report.trips)] == [(3, 10, 8)]
+    svg = figure_svg(rank_plot(report))
+    assert "8 trips, steps 3–10, precision.overflow" in svg
+    assert svg.count("precision.overflow") == 1
+
+
+def test_html_groups_repeated_trips_into_one_card(tmp_path: Path) -> None:
+    from nanguard.report.html import render_html
+
+    page = render_html(load_run(_run(tmp_path, 40, range(3, 11))))
+    assert "8 trips in a row with this cause, steps 3–10 (8)" in page
+    assert "<td>3–10 (8)</td>" in page
+    assert page.count('<section class="diagnosis"') == 1
+
+
+def test_long_many_trip_run_in_chromium(tmp_path: Path, browser) -> None:  # noqa: F811
+    from nanguard.cli import main
+
+    run_dir = _run(tmp_path / "run", 6000, range(3000, 3008))
+    out = tmp_path / "report.html"
+    assert main(["report", str(run_dir), "--html", str(out)]) == 0
+    page = browser.open(out)
+    assert page.console_errors() == []
+    assert _not_blank(page.screenshot) > 0.05
+    assert all(p["decoded"] and p["width"] > 300 for p in page.info["plots"])
+    assert "8 trips in a row with this cause, steps 3000–3007 (8)" in page.text
+    assert out.read_text(encoding="utf-8").count('<section class="diagnosis"') == 1  # one card, not eight
