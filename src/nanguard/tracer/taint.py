@@ -19,7 +19,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from nanguard.stats import local
 
-__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "nonfinite_flags", "only_neginf", "storage_key"]
+__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "nonfinite_flags", "storage_key"]
 
 
 @dataclass
@@ -115,10 +115,6 @@ def nonfinite_flags(t: torch.Tensor) -> tuple[bool, bool]:
     if bool(torch.isfinite(t).all()):
         return False, False
     return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
-
-
-def only_neginf(t: torch.Tensor) -> bool:
-    return not bool((t == math.inf).any()) and not bool(torch.isnan(t).any())
 
 
 def has_inf_created(out: torch.Tensor, inputs: list[Any]) -> bool:
