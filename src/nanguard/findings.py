@@ -46,7 +46,9 @@ CAUSES: Mapping[str, str] = MappingProxyType(
             "a -inf mask fill inside the model reaches the loss or a sum over the masked positions "
             "(label smoothing, an entropy over masked logits)"
         ),
-        "op.nan_write": "code wrote NaN/Inf into a tensor explicitly (index_put_/fill_/copy_), e.g. a missing-value marker",
+        "op.nan_write": (
+            "code wrote NaN/Inf into a tensor explicitly (index_put_/fill_/copy_), e.g. a missing-value marker"
+        ),
     }
 )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -28,7 +29,9 @@ def eager() -> Iterator[None]:
     if set_stance is None:  # or torch < 2.6, which has no stance: compiled code is traced as before
         yield
         return
-    with set_stance("force_eager"):
+    with set_stance("force_eager"), warnings.catch_warnings():
+        # The tracer's global module hooks fire on the OptimizedModule too: expected, and harmless.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         yield
 
 

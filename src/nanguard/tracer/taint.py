@@ -80,7 +80,8 @@ class TaintMap:
         nan, inf = nonfinite_flags(t)
         taint: frozenset[int] = frozenset()
         if nan or inf:
-            taint = self.storage.get(storage_key(t), frozenset()) if st is None else st.taint
+            # Written through a view since last seen: the view's writer tainted the storage.
+            taint = (st.taint if st is not None else frozenset()) | self.storage.get(storage_key(t), frozenset())
             if not taint:
                 taint = frozenset({self.new_source(t, nan, inf)})
         st = Status(version, nan, inf, taint)
