@@ -327,6 +327,38 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
     return Verdict("op.division_by_zero", why, fixes)
 
 
+# -- explicit writes of NaN/Inf (origin category "write", from the tracer) -------------
+def mask_fill_in_loss(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    if o.get("category") != "write" or o.get("written") != "-inf":
+        return None
+    filled = sum(s.get("neginf", 0) for s in o.get("outputs") or o.get("inputs") or [])
+    then = [_short(a.get("op")) for a in ev.get("after") or [] if a.get("op")]
+    why = f"{o.get('op')} in {_where(o)} filled {filled} positions with -inf, and the -inf reached the results"
+    why += f" through {' -> '.join(then[:4])}" if then else ""
+    why += ": a loss or sum that includes the masked positions turns -inf into Inf, or 0 * -inf into NaN"
+    fixes = [
+        "fill with torch.finfo(dtype).min (finite) instead of -inf, or drop the masked positions before the loss",
+        "zero the masked terms of a sum: torch.where(mask, p * logp, 0) for an entropy over masked logits",
+        "label smoothing averages log-probabilities over every class: apply it only over the unmasked classes",
+    ]
+    return Verdict("op.mask_fill_in_loss", why, fixes)
+
+
+def nan_write(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    if o.get("category") != "write" or o.get("written") not in ("nan", "inf"):
+        return None
+    why = f"{o.get('op')} in {_where(o)} wrote {o.get('written')} into a tensor explicitly"
+    if o.get("source"):
+        why += f" at {o['source']}"
+    fixes = [
+        "do not mark missing values with NaN inside the model: keep a boolean mask and write 0 (or a finite fill)",
+        "if NaN marks missing values on purpose, reduce with torch.nanmean / torch.nansum and mask before the loss",
+    ]
+    return Verdict("op.nan_write", why, fixes)
+
+
 def unknown(ev: Evidence) -> Verdict:
     o = _origin(ev)
     why = f"first non-finite value created by {o.get('op') or 'an unknown op'} in {_where(o)}"
@@ -351,6 +383,9 @@ RULES: list[Callable[[Evidence], Verdict | None]] = [
     sqrt_domain,
     exp_overflow,
     division_by_zero,
+    # explicit writes
+    mask_fill_in_loss,
+    nan_write,
 ]
 
 

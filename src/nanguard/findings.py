@@ -42,6 +42,13 @@ CAUSES: Mapping[str, str] = MappingProxyType(
         "distributed.replica_divergence": "model replicas hold different parameters across ranks",
         "distributed.transient": "the step does not reproduce on replay: hardware, communication or nondeterminism",
         "unknown": "none of the above fits: the evidence is still reported",
+        "op.mask_fill_in_loss": (
+            "a -inf mask fill inside the model reaches the loss or a sum over the masked positions "
+            "(label smoothing, an entropy over masked logits)"
+        ),
+        "op.nan_write": (
+            "code wrote NaN/Inf into a tensor explicitly (index_put_/fill_/copy_), e.g. a missing-value marker"
+        ),
     }
 )
 

@@ -14,6 +14,7 @@ from nanguard import dist
 from nanguard.diagnose import diagnose
 from nanguard.findings import Diagnosis
 from nanguard.stats import init_ratio, local
+from nanguard.tracer.compiled import eager, user_name
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
 from nanguard.tracer.modules import ModuleStack
 from nanguard.tracer.protect import Backup
@@ -21,7 +22,7 @@ from nanguard.tree import tensors_with_path
 
 __all__ = ["locate"]
 
-_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "fill": 4}
+_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5}
 _MAX_RESULTS = 8
 
 
@@ -72,7 +73,8 @@ def trace(
     error: BaseException | None = None
     with modules:
         try:
-            with tracer:
+            # A compiled model runs eagerly: dynamo must not trace the tracer.
+            with eager(), tracer:
                 result = fn(*args, **kwargs)
         except Exception as err:
             error = err
@@ -94,6 +96,7 @@ def trace(
             module_type=failure.where.module_type,
             phase="data",
             source=failure.where.source,
+            library_source=failure.where.library,
             extra={
                 "error": f"{type(error).__name__}: {error}".splitlines()[0][:300],
                 "index_inputs": failure.index.inputs,
@@ -143,6 +146,8 @@ def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: n
         "results": [{"path": path, "kind": kind} for path, _, kind in bad[:_MAX_RESULTS]],
         "nonfinite_results": len(bad),
     }
+    if origin.library_source is not None:
+        evidence["library_source"] = origin.library_source
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
     verdict = diagnose(evidence)
@@ -205,7 +210,7 @@ def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> l
 def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
     """How far Linear/Conv weights sit from the 1/sqrt(fan_in) scale: ``stats.init_ratio``, rms * sqrt(fan_in)."""
     named = [
-        (name, m.weight)
+        (user_name(name), m.weight)
         for name, m in root.named_modules()
         if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
         and isinstance(getattr(m, "weight", None), torch.Tensor)

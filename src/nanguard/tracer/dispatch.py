@@ -12,23 +12,25 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanguard.stats import tensor_stats
+from nanguard.stats import local, tensor_stats
 from nanguard.tracer import ops
 from nanguard.tracer.modules import ModuleStack, user_source
 from nanguard.tracer.protect import Backup
-from nanguard.tracer.taint import Inputs, TaintMap, has_inf_created, nonfinite_flags, only_neginf, storage_key
+from nanguard.tracer.taint import Inputs, TaintMap, has_inf_created, nonfinite_flags, storage_key
 from nanguard.tree import op_leaves
 
 __all__ = ["Failure", "Origin", "Tracer"]
 
 _RECENT = 6
 _AFTER = 8
+_CLEAN = Inputs(False, False, frozenset(), frozenset())
 
 
 @dataclass
@@ -36,13 +38,14 @@ class Origin:
     """One place a non-finite value came from: an op that created it, or a source tensor."""
 
     id: int
-    category: str  # "op" | "data" | "parameters" | "fill"
+    category: str  # "op" | "data" | "parameters" | "write" | "fill"
     kind: str  # "nan" | "inf"
     index: int  # op index where it was created or first consumed
     op: str | None
     module: str | None
     phase: str
     source: str | None = None
+    library_source: str | None = None
     node: str | None = None
     forward_op: str | None = None
     module_type: str | None = None
@@ -64,6 +67,7 @@ class Origin:
             "node": self.node,
             "forward_op": self.forward_op,
             "source": self.source,
+            "library_source": self.library_source,
             "path": self.path,
             "inputs": self.inputs,
             "outputs": self.outputs,
@@ -81,6 +85,7 @@ class _Where:
     node: str | None
     forward_op: str | None
     source: str | None
+    library: str | None
     eps: float | None
 
 
@@ -140,14 +145,18 @@ class Tracer:
         self.track_leaves = modules.root is None
         self.taint = TaintMap(lambda t, nan, inf: self._source(t, nan, inf).id)
         self.origins: list[Origin] = []
-        self.nodes: dict[int, tuple[str | None, str | None, str, str | None, float | None]] = {}
+        # Autograd node sequence number -> where its forward ran: module, type, op, source, library, eps.
+        self.nodes: dict[int, tuple[str | None, str | None, str | None, str | None, str | None, float | None]] = {}
+        self.first_node = 0
         self.leaves: dict[int, torch.Tensor] = {}
         self.recent: deque[tuple[Any, str | None, str]] = deque(maxlen=_RECENT)
         self.index = 0
         self.failure: Failure | None = None
         self._mode: _TracerMode | None = None
+        self._func: Any = None  # the op being run, for the origins its inputs make
 
     def __enter__(self) -> Tracer:
+        self.first_node = torch._C._autograd._get_sequence_nr()
         self._mode = _TracerMode(self)
         self._mode.__enter__()
         return self
@@ -164,10 +173,13 @@ class Tracer:
     # -- per-op work -------------------------------------------------------------------
     def before_op(self, func: Any, args: tuple, kwargs: dict) -> tuple[list[Any], Inputs]:
         self.index += 1
+        self._func = func
         flat_in = op_leaves(args)
         if kwargs:
             op_leaves(kwargs, flat_in)
         self.protected.before(func, args, kwargs)
+        if func in ops.LITERALS:
+            return flat_in, _CLEAN
         return flat_in, self.taint.inputs(flat_in)
 
     def op_failed(self, func: Any, args: tuple, err: BaseException) -> None:
@@ -175,8 +187,12 @@ class Tracer:
             self.failure = Failure(ops.op_name(func), self._where(func), err, self._index_facts(func, args))
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, flat_in: list[Any], ins: Inputs, out: Any) -> None:
+        if func in ops.LITERALS:
+            return  # left unseen: the op that consumes the literal writes its value
         flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
         where: _Where | None = None
+        if ins.inf and func in ops.WEIGHTED:
+            self._features(ins)
         for o in flat_out:
             if not (o.is_floating_point() or o.is_complex()):
                 continue
@@ -189,37 +205,42 @@ class Tracer:
                 continue
             created_nan = nan and not ins.nan
             created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, flat_in))
-            if not (created_nan or created_inf) and not any(isinstance(x, torch.Tensor) for x in flat_in):
-                # A factory op filled with NaN or +Inf (torch.full(..., nan)) creates it;
-                # a -inf fill is a mask.
-                created_nan, created_inf = nan, inf and not only_neginf(o)
             out_taint = ins.taint
-            if created_nan or created_inf:
+            if (created_nan or created_inf) and not (created_nan and self._from_written_inf(func, ins)):
                 where = where or self._where(func)
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
                 out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else frozenset())
+            elif not (created_nan or created_inf):
+                value = _written(o, flat_in)
+                if value is not None:
+                    out_taint = out_taint | {self._write(func, value, outputs=[tensor_stats(o)]).id}
             self.taint.set(o, nan, inf, out_taint)
             self._note_after(func, out_taint, nan, where)
 
-        if flat_out and torch.is_grad_enabled():
+        if flat_out:
             self._note_nodes(func, flat_in)
         if func not in ops.QUIET:
             self.recent.append((func, self.modules.current_name(), _phase()))
 
     # -- helpers -----------------------------------------------------------------------
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
-        """A tensor that arrived non-finite: user data, a parameter/buffer, or a constant."""
-        where = self._where(None)
+        """A tensor that arrived non-finite: user data, a parameter/buffer, a literal or a constant."""
         path = self.sources.get(id(t)) or self.source_storage.get(storage_key(t))
         kind = "nan" if nan else "inf"
         stats = tensor_stats(t)
         # A tensor holding only -inf (and finite values) is a mask fill, not an origin by itself.
         neginf_only = not nan and not stats.get("posinf")
+        parameter = path is None and (isinstance(t, torch.nn.Parameter) or self.protected.protects(t))
+        if path is None and not parameter and t.dim() == 0:
+            # A Python number the op got as a tensor (h[i] = nan): the op writes it.
+            return self._write(self._func, _value_name(stats), inputs=[stats])
+        where = self._where(None)
         if path is not None:
-            category = "fill" if neginf_only else "data"
+            # The user's own -inf is data unless it is an additive mask: only 0 and -inf.
+            category = "fill" if neginf_only and _mask_values(t) else "data"
             owner = None
-        elif isinstance(t, torch.nn.Parameter) or self.protected.protects(t):
+        elif parameter:
             category = "parameters"
             path = self.modules.state_name(t)
             owner = path.rpartition(".")[0] if path is not None else None
@@ -237,6 +258,7 @@ class Tracer:
             module_type=where.module_type,
             phase="data" if category in ("data", "fill") else "parameters",
             source=where.source,
+            library_source=where.library,
             path=path,
             inputs=[stats],
             extra={"consumer_op": where.op, "consumer_module": where.module},
@@ -245,11 +267,57 @@ class Tracer:
         self.origins.append(origin)
         return origin
 
+    def _write(
+        self, func: Any, value: str, *, inputs: Sequence[dict[str, Any]] = (), outputs: Sequence[dict[str, Any]] = ()
+    ) -> Origin:
+        """An op that wrote an explicit NaN/Inf (``value``: "nan", "inf" or "-inf"): a mask fill or a marker."""
+        where = self._where(func)
+        origin = Origin(
+            id=len(self.origins),
+            category="write",
+            kind="nan" if value == "nan" else "inf",
+            index=self.index,
+            op=where.op,
+            module=where.module,
+            module_type=where.module_type,
+            phase=where.phase,
+            source=where.source,
+            library_source=where.library,
+            node=where.node,
+            forward_op=where.forward_op,
+            inputs=list(inputs),
+            outputs=list(outputs),
+            extra={"written": value},
+            before=self.recent_ops(),
+        )
+        self.origins.append(origin)
+        return origin
+
+    def _from_written_inf(self, func: Any, ins: Inputs) -> bool:
+        """Is a NaN this op makes only the consequence of an Inf some op wrote on purpose
+        (0 * -inf in an entropy over masked logits)? Softmax-like ops are exempt: a NaN
+        from their all -inf row is a fully masked row, theirs to name."""
+        if not ins.inf_taint or not all(self.origins[i].category == "write" for i in ins.inf_taint):
+            return False
+        if getattr(getattr(func, "overloadpacket", None), "__name__", None) in ops.MASK_AWARE:
+            return False
+        node = torch._C._current_autograd_node()
+        return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
+
+    def _features(self, ins: Inputs) -> None:
+        """A user input kept as an additive mask (only 0 and -inf) is data after all when an
+        op weighs it as features (a matmul, a product)."""
+        for oid in ins.inf_taint:
+            origin = self.origins[oid]
+            if origin.category == "fill" and origin.path is not None:
+                origin.category = "data"
+
     def _where(self, func: Any) -> _Where:
         node = torch._C._current_autograd_node()
         module = self.modules.current
         op = ops.op_name(func) if func is not None else None
         if node is None:
+            source, library = user_source()
             return _Where(
                 op=op,
                 module=self.modules.current_name(),
@@ -257,15 +325,15 @@ class Tracer:
                 phase="forward",
                 node=None,
                 forward_op=None,
-                source=user_source(),
+                source=source,
+                library=library,
                 eps=self.modules.eps(module),
             )
         info = self.nodes.get(node._sequence_nr())
         if info is None:
-            mod_name, mod_type, fwd, source, eps = _accumulate_owner(self.modules, node), None, None, None, None
-        else:
-            mod_name, mod_type, fwd, source, eps = info
-        return _Where(op, mod_name, mod_type, "backward", node.name(), fwd, source, eps)
+            info = (_accumulate_owner(self.modules, node), None, None, None, None, None)
+        mod_name, mod_type, fwd, source, library, eps = info
+        return _Where(op, mod_name, mod_type, "backward", node.name(), fwd, source, library, eps)
 
     def _creation(self, func: Any, args: tuple, kwargs: dict, out: Any, where: _Where, kind: str) -> Origin:
         flat_args = op_leaves(args)
@@ -279,6 +347,7 @@ class Tracer:
             module_type=where.module_type,
             phase=where.phase,
             source=where.source,
+            library_source=where.library,
             node=where.node,
             forward_op=where.forward_op,
             inputs=[tensor_stats(t) for t in flat_args if isinstance(t, torch.Tensor)],
@@ -307,21 +376,27 @@ class Tracer:
 
     def _note_nodes(self, func: Any, ins: list[Any]) -> None:
         """Remember which module and line each forward op ran in, keyed by the sequence
-        number of the autograd node it creates, so its backward can be attributed."""
-        if torch._C._current_autograd_node() is not None:
-            return
+        number of the autograd node it creates, so its backward can be attributed.
+
+        Two kinds of node are made where no grad-recording forward op runs: a custom
+        ``autograd.Function``'s, made by ``apply`` just before its forward runs with grad
+        off, and the nodes of a reentrant checkpoint's forward, re-run inside backward."""
+        if torch._C._current_autograd_node() is not None and self.modules.current is None:
+            return  # a backward op; a forward re-run during backward has a module running
+        grad = torch.is_grad_enabled()
         # Inside dispatch, autograd has already built this op's node: its number is one less.
+        # With grad off no node was built, and one less is the newest node: a Function's.
         seq = torch._C._autograd._get_sequence_nr() - 1
-        if seq not in self.nodes:
+        if seq >= self.first_node and seq not in self.nodes:
             module = self.modules.current
             self.nodes[seq] = (
                 self.modules.current_name(),
                 type(module).__name__ if module is not None else None,
-                ops.op_name(func),
-                user_source(),
+                ops.op_name(func) if grad else None,
+                *user_source(),
                 self.modules.eps(module),
             )
-        if self.track_leaves:
+        if grad and self.track_leaves:
             for x in ins:
                 if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf:
                     self.leaves[id(x)] = x
@@ -336,6 +411,27 @@ class Tracer:
                 stats["path"] = self.sources.get(id(x)) or self.source_storage.get(storage_key(x))
                 inputs.append(stats)
         return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
+
+
+def _written(out: torch.Tensor, inputs: list[Any]) -> str | None:
+    """The explicit non-finite number an op was given (``masked_fill(m, -inf)``,
+    ``fill_(nan)``, ``full(..., inf)``) if its output holds it: "nan", "inf" or "-inf"."""
+    for x in inputs:
+        if isinstance(x, float) and not math.isfinite(x) and out.dtype.is_floating_point:
+            hit = torch.isnan(out).any() if math.isnan(x) else (out == x).any()
+            if bool(hit):
+                return "nan" if math.isnan(x) else "-inf" if x < 0 else "inf"
+    return None
+
+
+def _value_name(stats: dict[str, Any]) -> str:
+    return "nan" if stats.get("nan") else "inf" if stats.get("posinf") else "-inf"
+
+
+def _mask_values(t: torch.Tensor) -> bool:
+    """Does ``t`` hold only 0 and -inf (or the dtype's lowest value): an additive mask?"""
+    x = local(t).detach()
+    return bool(((x == 0) | (x == -math.inf) | (x == torch.finfo(x.dtype).min)).all())
 
 
 def _phase() -> str:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nanguard.stats import local
+from nanguard.tracer.compiled import eager, user_name
 from nanguard.tracer.protect import Backup
 from nanguard.tree import tensors
 
@@ -43,7 +44,7 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
     if max_modules < 1:
         raise ValueError(f"max_modules must be >= 1, got {max_modules}")
 
-    named = [(name, m) for name, m in model.named_modules() if name]
+    named = [(user_name(name), m) for name, m in model.named_modules() if user_name(name)]
     # Per module: a list of device scalars [absmax, nan, inf] per call, read back once at the end.
     seen: dict[str, list[torch.Tensor]] = {}
 
@@ -66,7 +67,8 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
     handles += [m.register_forward_hook(hook_for(name)) for name, m in named]
     error = None
     try:
-        closure()
+        with eager():  # hooks inside a compiled model would make dynamo recompile
+            closure()
     except Exception as err:
         error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     finally:

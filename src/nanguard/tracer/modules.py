@@ -11,12 +11,16 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
+from nanguard.tracer.compiled import user_name
+
 __all__ = ["ModuleStack", "count_as_user_code", "user_source"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _user_dirs: list[str] = []
 _internal: dict[CodeType, bool] = {}
+_library: dict[CodeType, bool] = {}
+_LIBRARY_DIRS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
 def count_as_user_code(directory: str) -> None:
@@ -28,6 +32,7 @@ def count_as_user_code(directory: str) -> None:
     """
     _user_dirs.append(os.path.join(os.path.abspath(directory), ""))
     _internal.clear()
+    _library.clear()
 
 
 def _is_internal(code: CodeType) -> bool:
@@ -44,14 +49,33 @@ def _is_internal(code: CodeType) -> bool:
     return hit
 
 
-def user_source(skip: int = 1) -> str | None:
-    """``file:line`` of the innermost frame outside torch and nanguard itself."""
+def _is_library(code: CodeType) -> bool:
+    """Is this code an installed library's (site-packages), not the user's own?"""
+    hit = _library.get(code)
+    if hit is None:
+        name = os.path.abspath(code.co_filename)
+        hit = any(d in name for d in _LIBRARY_DIRS) and not name.startswith(tuple(_user_dirs))
+        _library[code] = hit
+    return hit
+
+
+def user_source(skip: int = 1) -> tuple[str | None, str | None]:
+    """``(your code, library)``: ``file:line`` of the innermost frame outside torch, nanguard
+    and installed libraries, and of the innermost library frame inside it (None when none).
+
+    Example:
+        >>> user_source()
+        ('train.py:42', '.../site-packages/transformers/loss/loss_utils.py:36')
+    """
     frame = sys._getframe(skip)
-    while frame is not None and _is_internal(frame.f_code):
+    library = None
+    while frame is not None and (_is_internal(frame.f_code) or _is_library(frame.f_code)):
+        if library is None and not _is_internal(frame.f_code):
+            library = f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     if frame is None:
-        return None
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        return None, library
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}", library
 
 
 class ModuleStack:
@@ -105,7 +129,7 @@ class ModuleStack:
         if self._names is None:
             if self.root is None:
                 return None
-            self._names = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
+            self._names = {id(m): user_name(n) for n, m in self.root.named_modules(remove_duplicate=False)}
         return self._names.get(id(module))
 
     def current_name(self) -> str | None:
@@ -128,7 +152,7 @@ class ModuleStack:
         """Qualified name of ``tensor`` as a parameter or buffer of the root (``blocks.0.fc.weight``)."""
         if self.root is None:
             return None
-        return next((name for name, t in _named_state(self.root) if t is tensor), None)
+        return next((user_name(name) for name, t in _named_state(self.root) if t is tensor), None)
 
     def owner_of(self, tensor: torch.Tensor) -> str | None:
         """Qualified name of the module that owns ``tensor`` as a parameter or buffer."""

@@ -20,8 +20,12 @@ import torch
 from nanguard.tree import op_leaves
 
 __all__ = [
+    "LITERALS",
+    "MASK_AWARE",
+    "MASK_AWARE_NODES",
     "MOVES",
     "QUIET",
+    "WEIGHTED",
     "IndexFacts",
     "creation_facts",
     "ignore_index",
@@ -54,6 +58,17 @@ MOVES = {
 }  # fmt: skip
 # Bookkeeping ops autograd inserts: not worth listing among "the ops before".
 QUIET = {aten.detach.default, aten.alias.default}
+# Ops that wrap a Python number (or a literal) in a tensor: the op that consumes the tensor
+# is the one that writes the value (``h[i] = nan`` is lift_fresh, then index_put_).
+LITERALS = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.scalar_tensor.default}
+# Ops (and their backward nodes) built to take -inf as a mask: a NaN they make from an
+# all -inf row is theirs (a fully masked row), not the mask fill's.
+MASK_AWARE = {"_softmax", "_log_softmax", "_safe_softmax", "logsumexp"}  # op packet names
+MASK_AWARE_NODES = ("Softmax", "LogSoftmax", "SafeSoftmax", "Logsumexp")
+# Ops that weigh an input as features: a 0/-inf tensor they consume is data, not an additive mask.
+WEIGHTED = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default, aten.mul.Tensor,
+}  # fmt: skip
 _LOW = (torch.float16, torch.bfloat16)
 
 Facts = Callable[[tuple], dict[str, Any]]

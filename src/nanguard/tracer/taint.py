@@ -19,7 +19,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from nanguard.stats import local
 
-__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "nonfinite_flags", "only_neginf", "storage_key"]
+__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "nonfinite_flags", "storage_key"]
 
 
 @dataclass
@@ -80,7 +80,8 @@ class TaintMap:
         nan, inf = nonfinite_flags(t)
         taint: frozenset[int] = frozenset()
         if nan or inf:
-            taint = self.storage.get(storage_key(t), frozenset()) if st is None else st.taint
+            # Written through a view since last seen: the view's writer tainted the storage.
+            taint = (st.taint if st is not None else frozenset()) | self.storage.get(storage_key(t), frozenset())
             if not taint:
                 taint = frozenset({self.new_source(t, nan, inf)})
         st = Status(version, nan, inf, taint)
@@ -115,10 +116,6 @@ def nonfinite_flags(t: torch.Tensor) -> tuple[bool, bool]:
     if bool(torch.isfinite(t).all()):
         return False, False
     return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
-
-
-def only_neginf(t: torch.Tensor) -> bool:
-    return not bool((t == math.inf).any()) and not bool(torch.isnan(t).any())
 
 
 def has_inf_created(out: torch.Tensor, inputs: list[Any]) -> bool:
