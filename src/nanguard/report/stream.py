@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import warnings
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -342,9 +341,10 @@ def _parse_run(run: bytes, lines: int, rank: int) -> tuple[np.ndarray, bool] | N
     text = text.replace(b',"skipped":false' + tail, b",0," + scale).replace(b',"skipped":true' + tail, b",1," + scale)
     if b'"' in text:  # "nan", "inf", "-inf": what is left between quotes must then parse as a number
         text = text.translate(None, b'"')
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # text that is not all numbers: caught below
+    try:
         values = np.fromstring(text, sep=",")
+    except ValueError:  # text that is not all numbers (older numpy stops early instead: size checked below)
+        return None
     if values.size != 5 * lines:
         return None
     table = values.reshape(lines, 5)
@@ -372,7 +372,7 @@ def _read_other(raw: bytes, lineno: int, found: RankEvents) -> str | None:
     if not isinstance(event, dict):
         return f"skipping event line: a JSON {type(event).__name__}, not an object"
     kind = event.get("kind")
-    if kind not in KNOWN_KINDS:
+    if not isinstance(kind, str) or kind not in KNOWN_KINDS:
         return f"ignoring unknown event kind {_short(kind)}"
     step = event.get("step")
     if not _is_int(step) or not 0 <= step < MAX_STEP:
