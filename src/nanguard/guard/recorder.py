@@ -85,6 +85,9 @@ class Recorder(NullRecorder):
         self.rank = rank
         self.max_bundle_bytes = max_bundle_bytes
         self.events = EventLog(self.run_dir, rank)
+        from nanguard.bundle import clean_stale_bundles
+
+        clean_stale_bundles(self.run_dir, rank)  # half-written bundles of a killed run of this rank
 
     def bundle(
         self,
