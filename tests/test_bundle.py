@@ -561,3 +561,30 @@ def test_bundles_half_written_when_sigkilled_are_cleaned_on_the_next_start(tmp_p
     assert _stale(folder, 0) == [] and other.is_dir()
     for bundle in folder.glob("step-*-rank-0"):
         assert load_bundle(bundle).batch["x"].shape == (4_000_000,)  # the completed ones are untouched
+
+
+@pytest.mark.parametrize("spec", ["os:system", "os:getcwd", "json:loads", "builtins:int.from_bytes"])
+def test_replay_cli_bad_model_values_get_one_line_and_a_nonzero_exit(
+    tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nanguard.cli import main as cli_main
+
+    path = str(_save(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["replay", path, "--model", spec])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert err.startswith("nanguard replay: error: --model: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_replay_cli_names_a_module_that_fails_to_import(tmp_path: Path, monkeypatch, capsys) -> None:
+    from nanguard.cli import main as cli_main
+
+    (tmp_path / "broken_factory_mod.py").write_text("import surely_missing_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = str(_save(tmp_path))
+    with pytest.raises(SystemExit):
+        cli_main(["replay", path, "--model", "broken_factory_mod:build"])
+    err = capsys.readouterr().err
+    assert "--model: importing 'broken_factory_mod' failed" in err and "surely_missing_dependency_xyz" in err

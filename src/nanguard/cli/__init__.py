@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -27,8 +28,13 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from nanguard.audit.env import run
-
+    # torch refuses to import under an invalid TORCH_DISTRIBUTED_DEBUG: import without it, then report it.
+    saved = os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    try:
+        from nanguard.audit.env import run
+    finally:
+        if saved is not None:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = saved
     return run(as_json=args.json)
 
 
