@@ -104,9 +104,9 @@ Target: text report <= 5 s and <= 300 MB on a 200 MB log, HTML bounded likewise.
 | before, rerun on this busy 2-core VM | 201 MB, 1670000 steps | 28.0 | 736 | 50.4 | 848 | |
 {row}
 
-Beyond the import, the text report costs {text_cpu - import_cpu:.1f} CPU s and {text_mb - import_mb:.0f} MB, the HTML
-report {html_cpu - import_cpu:.1f} CPU s and {html_mb - import_mb:.0f} MB: memory no longer grows with the log (the curves
-are thinned), while the time is still linear in it (the step lines are parsed in bulk by numpy).
+Beyond the import, the text report costs {text_cpu - import_cpu:.1f} CPU s and {text_mb - import_mb:.0f} MB,
+the HTML report {html_cpu - import_cpu:.1f} CPU s and {html_mb - import_mb:.0f} MB: memory no longer grows with the
+log (the curves are thinned), while the time is still linear in it (step lines are parsed in bulk by numpy).
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/report_scale.py`.
 """
