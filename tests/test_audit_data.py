@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections import OrderedDict, namedtuple
 from dataclasses import dataclass
 from typing import Any
@@ -328,3 +329,92 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], named: str) -> 
 def test_a_batch_without_structure_is_rejected(batch: Any) -> None:
     with pytest.raises(ValueError, match="batch must be"):
         check_batch(batch)
+
+
+# --------------------------------------------------------------------------- numpy, nesting, sparse, memory
+
+
+def test_nan_in_a_numpy_array_is_found() -> None:
+    import numpy as np
+
+    pixels = np.zeros((4, 3), dtype=np.float32)
+    pixels[2, 1] = np.nan
+    findings = check_batch({"pixel_values": pixels, "names": np.array(["a", "b"])})
+    assert [(f.cause, f.where) for f in findings] == [("data.nonfinite", "batch['pixel_values']")]
+    assert findings[0].details["samples"] == [2]
+
+
+def test_nan_nested_deeper_than_32_levels_is_found() -> None:
+    batch: object = torch.tensor([1.0, float("nan")])
+    for _ in range(40):
+        batch = [batch]
+    findings = check_batch(batch)
+    assert [f.cause for f in findings] == ["data.nonfinite"] and findings[0].where.count("[0]") == 40
+
+
+def test_nesting_past_the_limit_says_where_it_stopped() -> None:
+    from nanguard.audit.data import MAX_DEPTH
+
+    batch: object = torch.tensor([float("nan")])
+    for _ in range(MAX_DEPTH + 5):
+        batch = {"x": batch}
+    with pytest.warns(UserWarning, match=f"stopped at nesting depth {MAX_DEPTH}.*not checked"):
+        assert check_batch(batch) == []
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_nan_in_a_sparse_tensor_is_found(layout: str) -> None:
+    dense = torch.zeros(4, 5)
+    dense[1, 2] = float("nan")
+    dense[3, 0] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "Sparse CSR tensor support is in beta"
+        sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+        findings = check_batch({"features": sparse})
+    assert [(f.cause, f.where) for f in findings] == [("data.nonfinite", "batch['features'] (sparse values)")]
+    assert (findings[0].details["nan"], findings[0].details["posinf"]) == (1, 1)
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (3, 40), (50,), (2, 3, 11)])
+def test_checking_in_chunks_finds_exactly_what_one_pass_finds(monkeypatch: pytest.MonkeyPatch, shape) -> None:
+    import nanguard.audit.data as data_mod
+
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    x.view(-1)[torch.randperm(x.numel())[:9]] = float("nan")
+    x.view(-1)[torch.randperm(x.numel())[:4]] = float("-inf")
+    ids = torch.randint(-3, 120, shape)
+    whole = [f.to_dict() for f in check_batch({"x": x, "input_ids": ids}, vocab_size=100)]
+    monkeypatch.setattr(data_mod, "CHUNK_ELEMENTS", 6)
+    assert [f.to_dict() for f in check_batch({"x": x, "input_ids": ids}, vocab_size=100)] == whole
+    assert {f["cause"] for f in whole} == {"data.nonfinite", "data.index_out_of_range"}
+
+
+_PEAK = """
+import resource, sys, torch
+from nanguard.audit.data import check_batch
+torch.set_num_threads(1)
+x = torch.randn(32 * 2**20)  # 128 MiB of float32, written so every page is resident
+x[12345] = float("nan")
+ids = torch.randint(0, 50, (16 * 2**20,), dtype=torch.int8)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+findings = check_batch({"pixel_values": x, "input_ids": ids}, vocab_size=100)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(len(findings), (peak - base) * 1024)
+"""
+
+
+def test_checking_a_large_batch_streams(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    # Every allocation of 64 KiB or more gets its own mapping, returned when freed: the peak resident
+    # size then follows what is alive, not what glibc's heap happened to keep.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run([sys.executable, "-c", _PEAK], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found, extra = map(int, done.stdout.split())
+    assert found == 1
+    # The old check held several full-size masks (and an int64 copy of the ids): many times this.
+    assert extra <= 0.5 * 128 * 2**20, f"check_batch grew the peak by {extra / 2**20:.0f} MiB"

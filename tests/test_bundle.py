@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import stat
+import subprocess
+import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -12,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import nanguard.bundle as bundle_mod
 import nanguard.cli.replay as replay_cli
+from nanguard._io import atomic_write_text
 from nanguard.bundle import (
     Bundle,
     default_step,
@@ -22,6 +29,7 @@ from nanguard.bundle import (
 from nanguard.cli.replay import main_replay
 from nanguard.errors import BundleError
 from nanguard.findings import Diagnosis
+from nanguard.guard.recorder import Recorder
 from nanguard.rng import fork_rng_state, get_rng_state, set_rng_state
 
 
@@ -230,11 +238,41 @@ def test_truncated_meta_json(tmp_path: Path) -> None:
     _raises_naming(path, "meta.json", "JSON")
 
 
+def _drop_checksums(path: Path) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["checksums"]
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
 def test_truncated_safetensors(tmp_path: Path) -> None:
     path = _save(tmp_path, {"x": torch.randn(100)})
     data = (path / "tensors.safetensors").read_bytes()
     (path / "tensors.safetensors").write_bytes(data[: len(data) // 2])
+    _raises_naming(path, "tensors.safetensors", "checksum mismatch")
+    _drop_checksums(path)  # a bundle from before checksums: safetensors itself finds the truncation
     _raises_naming(path, "tensors.safetensors", "corrupt or truncated")
+
+
+@pytest.mark.parametrize("target", ["batch", "rng"])
+def test_a_flipped_byte_in_tensors_or_rng_state_is_found(tmp_path: Path, target: str) -> None:
+    path = _save(tmp_path, {"x": torch.zeros(64)})
+    data = bytearray((path / "tensors.safetensors").read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    offsets = json.loads(data[8:header])["batch['x']" if target == "batch" else "rng/cpu"]["data_offsets"]
+    data[header + offsets[0] + 3] ^= 0x10  # one bit inside that tensor's bytes
+    (path / "tensors.safetensors").write_bytes(bytes(data))
+    _raises_naming(path, "tensors.safetensors", "checksum mismatch")
+    _drop_checksums(path)
+    assert isinstance(load_bundle(path), Bundle)  # without the checksum, the flip would go unseen
+
+
+def test_errors_in_meta_json_name_meta_json(tmp_path: Path) -> None:
+    path = _save(tmp_path, {"x": torch.zeros(4)})
+    meta = json.loads((path / "meta.json").read_text())
+    meta["batch"]["items"][0][1]["shape"] = [2, 3]  # 6 elements where the file holds 4
+    meta["batch"]["items"][0][1]["stored_as"] = "uint8"
+    (path / "meta.json").write_text(json.dumps(meta))
+    _raises_naming(path, "meta.json", "meta.json says")  # the tensors file passed its checksum
 
 
 def test_missing_tensors_file(tmp_path: Path) -> None:
@@ -271,6 +309,8 @@ def test_tensor_named_in_meta_missing_from_file(tmp_path: Path) -> None:
     tensors = load_file(path / "tensors.safetensors")
     del tensors["batch['y']"]
     save_file(tensors, path / "tensors.safetensors")
+    _raises_naming(path, "tensors.safetensors", "checksum mismatch")
+    _drop_checksums(path)
     _raises_naming(path, "tensors.safetensors", r"batch\['y'\].*missing")
 
 
@@ -279,6 +319,7 @@ def test_tensor_with_wrong_shape_or_malformed_structure(tmp_path: Path) -> None:
     tensors = load_file(path / "tensors.safetensors")
     tensors["batch['x']"] = torch.ones(5)
     save_file(tensors, path / "tensors.safetensors")
+    _drop_checksums(path)
     _raises_naming(path, "tensors.safetensors", "meta.json says")
 
     meta = json.loads((path / "meta.json").read_text())
@@ -462,3 +503,88 @@ def test_main_replay_bad_specs_name_the_argument(tmp_path: Path, monkeypatch) ->
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="--weights: cannot load"):
         main_replay(path, f"{name}:build", str(garbage), None)
+
+
+# --------------------------------------------------------------------------- files on disk
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_bundles_and_atomic_files_honour_the_umask(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        path = _save(tmp_path)
+        page = atomic_write_text(tmp_path / "report.html", "<html></html>")
+    finally:
+        os.umask(old)
+    for file in (path / "meta.json", path / "tensors.safetensors", page):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~umask, file
+    assert stat.S_IMODE(path.stat().st_mode) == 0o777 & ~umask
+
+
+_WRITER = """
+import sys, torch
+from nanguard.bundle import save_bundle
+from nanguard.rng import get_rng_state
+batch = {"x": torch.zeros(4_000_000)}  # 16 MB: most of each save is spent in the temporary directory
+step = 0
+while True:
+    save_bundle(sys.argv[1], step=step % 3, rank=0, batch=batch, rng_state=get_rng_state())
+    step += 1
+"""
+
+
+def _stale(folder: Path, rank: int) -> list[Path]:
+    return [p for p in folder.glob(f".step-*-rank-{rank}.*") if p.name.endswith((".tmp", ".old"))]
+
+
+def test_bundles_half_written_when_sigkilled_are_cleaned_on_the_next_start(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    folder = run_dir / "bundles"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _attempt in range(5):
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(run_dir)], env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while not _stale(folder, 0) and time.monotonic() < deadline and writer.poll() is None:
+                time.sleep(0.002)
+            writer.send_signal(signal.SIGKILL)
+        finally:
+            writer.kill()
+            writer.wait()
+        if _stale(folder, 0):
+            break
+    assert _stale(folder, 0), "a SIGKILL during a write leaves the bundle's temporary directory"
+    other = folder / ".step-00000001-rank-1.0123456789ab.tmp"  # another rank's: it may be writing it now
+    other.mkdir()
+
+    Recorder(run_dir, rank=0, max_bundle_bytes=2**20).close()
+    assert _stale(folder, 0) == [] and other.is_dir()
+    for bundle in folder.glob("step-*-rank-0"):
+        assert load_bundle(bundle).batch["x"].shape == (4_000_000,)  # the completed ones are untouched
+
+
+@pytest.mark.parametrize("spec", ["os:system", "os:getcwd", "json:loads", "builtins:int.from_bytes"])
+def test_replay_cli_bad_model_values_get_one_line_and_a_nonzero_exit(
+    tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nanguard.cli import main as cli_main
+
+    path = str(_save(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["replay", path, "--model", spec])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert err.startswith("nanguard replay: error: --model: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_replay_cli_names_a_module_that_fails_to_import(tmp_path: Path, monkeypatch, capsys) -> None:
+    from nanguard.cli import main as cli_main
+
+    (tmp_path / "broken_factory_mod.py").write_text("import surely_missing_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = str(_save(tmp_path))
+    with pytest.raises(SystemExit):
+        cli_main(["replay", path, "--model", "broken_factory_mod:build"])
+    err = capsys.readouterr().err
+    assert "--model: importing 'broken_factory_mod' failed" in err and "surely_missing_dependency_xyz" in err

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +165,32 @@ def test_doctor_item_rejects_unknown_status() -> None:
         "value": "v",
         "advice": "a",
     }
+
+
+@pytest.mark.parametrize("value", ["bogus", "", " DETAIL"])
+def test_an_invalid_torch_distributed_debug_is_reported_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", value)
+    item = next(i for i in doctor_items() if i.name == "TORCH_DISTRIBUTED_DEBUG")
+    assert item.status == "error" and repr(value) in item.value and "DETAIL" in item.advice
+
+
+@pytest.mark.parametrize("value", ["detail", "OFF"])
+def test_a_valid_torch_distributed_debug_in_any_case_is_fine(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", value)
+    item = next(i for i in doctor_items() if i.name == "TORCH_DISTRIBUTED_DEBUG")
+    assert item.status == "ok" and item.value == value
+
+
+def test_doctor_command_reports_an_invalid_torch_distributed_debug(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TORCH_DISTRIBUTED_DEBUG": "bogus"}
+    probe = subprocess.run([sys.executable, "-c", "import nanguard.cli, sys; print('torch' in sys.modules)"],
+                           env={**env, "TORCH_DISTRIBUTED_DEBUG": "OFF"}, capture_output=True, text=True)  # fmt: skip
+    if probe.stdout.strip() != "False":
+        pytest.skip("`import nanguard` imports torch eagerly, which itself fails under this variable")
+    done = subprocess.run([sys.executable, "-m", "nanguard", "doctor", "--json"], env=env, capture_output=True,
+                          text=True, cwd=tmp_path)  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    items = {i["name"]: i for i in json.loads(done.stdout)["items"]}
+    assert items["TORCH_DISTRIBUTED_DEBUG"]["status"] == "error" and done.returncode == 1

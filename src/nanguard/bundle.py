@@ -7,6 +7,7 @@ A bundle is a directory ``run_dir/bundles/step-{step:08d}-rank-{rank}/`` with tw
   structure. Each tensor leaf names its key in the tensors file, e.g. ``"batch['input_ids']"``.
 - ``tensors.safetensors``: the batch tensors (unless the batch was over the size limit, in
   which case only shapes and dtypes are kept) and the RNG states under ``rng/{device}``.
+  ``meta.json``'s ``checksums`` holds its SHA-256, so a flipped byte is found on load.
 
 Loading never unpickles and never imports code named by the bundle. Containers come back
 as plain ``dict``/``list``/``tuple``: a dataclass or mapping class is recorded by name only.
@@ -14,9 +15,11 @@ as plain ``dict``/``list``/``tuple``: a dataclass or mapping class is recorded b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanguard import tree
-from nanguard._io import atomic_dir, fsync_file
+from nanguard._io import atomic_dir, clean_stale_temps, file_mode, fsync_file
 from nanguard.errors import BundleError
 from nanguard.findings import Diagnosis, jsonable
 from nanguard.rng import fork_rng_state, set_rng_state
@@ -40,6 +43,7 @@ __all__ = [
     "VERSION",
     "Bundle",
     "bundle_dir",
+    "clean_stale_bundles",
     "default_step",
     "load_bundle",
     "replay",
@@ -63,6 +67,7 @@ _RESERVED = frozenset(
         "batch_bytes",
         "batch_reason",
         "rng",
+        "checksums",
     }
 )
 # Dtypes safetensors cannot hold go to disk as their raw bytes (uint8) and are viewed back.
@@ -107,6 +112,18 @@ class Bundle:
 def bundle_dir(run_dir: str | os.PathLike[str], step: int, rank: int) -> Path:
     """Where ``save_bundle`` puts the bundle of ``step`` on ``rank``."""
     return Path(run_dir) / "bundles" / f"step-{step:08d}-rank-{rank}"
+
+
+def clean_stale_bundles(run_dir: str | os.PathLike[str], rank: int) -> list[Path]:
+    """Remove the half-written bundle directories a killed run of ``rank`` left; return them.
+
+    Only ``rank``'s own temporaries are touched, so ranks sharing ``run_dir`` can start in any order.
+
+    Example:
+        >>> clean_stale_bundles("runs/a", rank=0)
+        [PosixPath('runs/a/bundles/.step-00000812-rank-0.3f2a9c1d0b7e.tmp')]
+    """
+    return clean_stale_temps(Path(run_dir) / "bundles", re.compile(rf"step-\d+-rank-{int(rank)}"))
 
 
 # --------------------------------------------------------------------------- saving
@@ -173,15 +190,26 @@ def save_bundle(
     record["batch"] = structure
     record["rng"] = list(rng_state)
     record.update(extra)
-    text = json.dumps(jsonable(record), indent=2, allow_nan=False) + "\n"
+    json.dumps(jsonable(record), allow_nan=False)  # a meta that cannot be written fails before any file is
 
     final = bundle_dir(run_dir, step, rank)
     with atomic_dir(final) as tmp:
         save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
+        os.chmod(tmp / TENSORS_FILE, file_mode())  # safetensors writes 0600
+        record["checksums"] = {TENSORS_FILE: _sha256(tmp / TENSORS_FILE)}
+        text = json.dumps(jsonable(record), indent=2, allow_nan=False) + "\n"
         (tmp / META_FILE).write_text(text, encoding="utf-8")
         fsync_file(tmp / TENSORS_FILE)
         fsync_file(tmp / META_FILE)
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(2**20):
+            digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"
 
 
 def _describe(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]], used: set[str]) -> dict[str, Any]:
@@ -309,18 +337,23 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
     tensors_path = root / TENSORS_FILE
     if not tensors_path.is_file():
         raise BundleError(tensors_path, "missing: the bundle has no tensors file")
+    verified = _verify(tensors_path, meta.get("checksums", {}).get(TENSORS_FILE))
     try:
-        with safe_open(str(tensors_path), framework="pt") as handle:
-            reader = _TensorReader(handle, tensors_path)
-            try:
-                batch = _build(meta["batch"], reader, stored)
-                rng_state = {name: reader.get(f"rng/{name}", "torch.uint8") for name in meta["rng"]}
-            except _Malformed as err:
-                raise BundleError(meta_path, f"malformed batch description: {err}") from None
-    except BundleError:
-        raise
+        opened = safe_open(str(tensors_path), framework="pt")
     except Exception as err:
         raise BundleError(tensors_path, f"corrupt or truncated safetensors file: {err}") from None
+    with opened as handle:
+        try:
+            # A tensors file that passed its checksum is as written: a disagreement is meta.json's fault.
+            reader = _TensorReader(handle, tensors_path, meta_path if verified else tensors_path)
+            batch = _build(meta["batch"], reader, stored)
+            rng_state = {name: reader.get(f"rng/{name}", "torch.uint8") for name in meta["rng"]}
+        except BundleError:
+            raise
+        except _Malformed as err:
+            raise BundleError(meta_path, f"malformed batch description: {err}") from None
+        except Exception as err:  # the reader names the tensors file itself: anything else is meta.json's
+            raise BundleError(meta_path, f"malformed batch description: {type(err).__name__}: {err}") from None
 
     return Bundle(
         path=root,
@@ -356,7 +389,24 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
     rng = meta.get("rng")
     if not isinstance(rng, list) or not all(isinstance(name, str) for name in rng):
         raise BundleError(meta_path, "malformed: 'rng' must be a list of device names")
+    sums = meta.get("checksums", {})
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise BundleError(meta_path, "malformed: 'checksums' must map file names to 'sha256:<hex>'")
     return meta
+
+
+def _verify(path: Path, expected: str | None) -> bool:
+    """True when ``path`` matches its checksum; False when there is none (bundles written before
+    checksums existed are read unchecked)."""
+    if expected is None:
+        return False
+    try:
+        actual = _sha256(path)
+    except OSError as err:
+        raise BundleError(path, f"cannot be read: {err.strerror}") from None
+    if actual != expected:
+        raise BundleError(path, "checksum mismatch: the file changed after it was written (corrupted on disk?)")
+    return True
 
 
 def _read_diagnosis(meta: dict[str, Any], meta_path: Path) -> Diagnosis | None:
@@ -378,18 +428,22 @@ def _read_diagnosis(meta: dict[str, Any], meta_path: Path) -> Diagnosis | None:
 
 
 class _TensorReader:
-    def __init__(self, handle: Any, path: Path) -> None:
+    def __init__(self, handle: Any, path: Path, blame: Path) -> None:
         self._handle = handle
         self._path = path
+        self._blame = blame  # the file named when meta.json and the tensors disagree
         self._keys = set(handle.keys())
 
     def get(self, key: str, dtype: str, shape: list[int] | None = None) -> torch.Tensor:
         if key not in self._keys:
-            raise BundleError(self._path, f"tensor {key!r} named in meta.json is missing")
-        tensor = self._handle.get_tensor(key)
+            raise BundleError(self._blame, f"tensor {key!r} named in meta.json is missing from {TENSORS_FILE}")
+        try:
+            tensor = self._handle.get_tensor(key)
+        except Exception as err:
+            raise BundleError(self._path, f"corrupt or truncated safetensors file: {err}") from None
         if str(tensor.dtype) != dtype or (shape is not None and list(tensor.shape) != shape):
             raise BundleError(
-                self._path,
+                self._blame,
                 f"tensor {key!r} is {tensor.dtype} {list(tensor.shape)}, meta.json says {dtype} {shape}",
             )
         return tensor

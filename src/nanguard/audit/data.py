@@ -7,6 +7,7 @@ one read, so checking a batch on a GPU costs one synchronization.
 from __future__ import annotations
 
 import struct
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,11 +17,13 @@ from torch import nn
 from nanguard import tree
 from nanguard.findings import Finding
 
-__all__ = ["ID_KEYS", "LABEL_KEYS", "MAX_LISTED", "check_batch"]
+__all__ = ["CHUNK_ELEMENTS", "ID_KEYS", "LABEL_KEYS", "MAX_DEPTH", "MAX_LISTED", "check_batch"]
 
 ID_KEYS = frozenset({"input_ids", "token_ids", "ids", "tokens", "idx", "decoder_input_ids"})
 LABEL_KEYS = frozenset({"labels", "targets", "target", "label"})
 MAX_LISTED = 8  # sample indices listed in one finding
+MAX_DEPTH = 256  # nesting levels walked; deeper values are reported as not checked
+CHUNK_ELEMENTS = 1 << 20  # checks run over pieces this size, so their temporaries stay small
 # Additive masks mark masked positions with -inf, finfo.min or a large negative constant;
 # -1e4 is the mildest of those in use (fp16-safe BERT masks).
 _ADDITIVE_MASKED = -1e4
@@ -71,11 +74,18 @@ def check_batch(
     pending: list[_Done] = []
     for where, key, tensor in _leaves(batch):
         t = tensor.detach()
-        if t.layout != torch.strided or t.device.type == "meta":
+        if t.device.type == "meta":
+            continue
+        if t.layout != torch.strided:
+            # A sparse tensor's stored values are all it holds: check those for NaN/Inf.
+            values = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
+            if values.is_floating_point() or values.is_complex():
+                pending.append(_check_nonfinite(reader, f"{where} (sparse values)", values.reshape(-1),
+                                                ignore_neginf=False, per_sample=False))  # fmt: skip
             continue
         role = _role(key)
         if t.is_floating_point() or t.is_complex():
-            pending.append(_check_nonfinite(reader, where, t, ignore_neginf=role == "mask"))
+            pending.append(_check_nonfinite(reader, where, t, ignore_neginf=role == "mask", per_sample=True))
         if role == "mask" and not t.is_complex():
             pending.append(_check_mask(reader, where, key or "", t))
         elif _is_integer(t):
@@ -97,11 +107,44 @@ def check_batch(
 
 
 def _leaves(batch: Any) -> Iterator[tuple[str, str | None, torch.Tensor]]:
-    """(path, lower-cased name of the nearest enclosing key or field, tensor) for every tensor."""
-    for path, leaf in tree.leaves_with_path(batch):
-        if isinstance(leaf, torch.Tensor):
-            name = tree.nearest_name(path)
-            yield tree.path_str("batch", path), name.lower() if name is not None else None, leaf
+    """(path, lower-cased name of the nearest enclosing key or field, tensor) for every tensor and
+    numpy array (as a tensor sharing its memory), walked without recursion down to ``MAX_DEPTH``."""
+    stack: list[tuple[tree.KeyPath, Any, frozenset[int]]] = [((), batch, frozenset())]
+    stopped: list[str] = []
+    while stack:
+        path, obj, seen = stack.pop()
+        items = tree.children(obj)
+        if items is None:
+            tensor = _as_tensor(obj)
+            if tensor is not None:
+                name = tree.nearest_name(path)
+                yield tree.path_str("batch", path), name.lower() if name is not None else None, tensor
+            continue
+        if id(obj) in seen:
+            continue
+        if len(path) >= MAX_DEPTH:
+            stopped.append(tree.path_str("batch", path))
+            continue
+        inner = seen | {id(obj)}
+        stack.extend(((*path, key), value, inner) for key, value in reversed(items))
+    if stopped:
+        warnings.warn(
+            f"check_batch: stopped at nesting depth {MAX_DEPTH} in {len(stopped)} place(s), first "
+            f"{stopped[0][:200]}: values below were not checked",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _as_tensor(leaf: Any) -> torch.Tensor | None:
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    if type(leaf).__module__ == "numpy" and type(leaf).__name__ == "ndarray":
+        try:
+            return torch.from_numpy(leaf)  # shares memory: no copy of a large array
+        except (TypeError, RuntimeError, ValueError):  # object, string or unsupported dtypes
+            return None
+    return None
 
 
 def _role(key: str | None) -> str:
@@ -173,6 +216,11 @@ def _as_float(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
+def _count(flags: torch.Tensor) -> torch.Tensor:
+    """Set flags, counted on the device: ``bool.sum()`` would first copy the flags to int64 (8x)."""
+    return torch.count_nonzero(flags)
+
+
 def _row_flags(bad: torch.Tensor) -> torch.Tensor | None:
     """Per-sample flags along dim 0, or None for a 0-d tensor."""
     if bad.ndim == 0:
@@ -180,18 +228,56 @@ def _row_flags(bad: torch.Tensor) -> torch.Tensor | None:
     return bad if bad.ndim == 1 else bad.flatten(1).any(1)
 
 
-def _first_indices(flags: torch.Tensor) -> torch.Tensor:
-    """Indices of the first MAX_LISTED set flags, padded with len(flags); no host sync."""
+def _first_indices(flags: torch.Tensor, offset: int = 0, pad: int | None = None) -> torch.Tensor:
+    """``offset`` plus the indices of the first MAX_LISTED set flags, padded with ``pad`` (default
+    len(flags)); no host sync, and temporaries of one chunk at a time."""
     n = flags.numel()
-    index = torch.arange(n, device=flags.device)
-    index = torch.where(flags, index, torch.full_like(index, n))
-    return index.topk(min(MAX_LISTED, n), largest=False).values
+    pad = n if pad is None else pad
+    picks = []
+    step = max(CHUNK_ELEMENTS // 8, 1)  # the indices are int64
+    for start in range(0, max(n, 1), step):
+        part = flags[start : start + step]
+        index = torch.arange(offset + start, offset + start + part.numel(), device=flags.device)
+        index = torch.where(part, index, torch.full_like(index, pad))
+        picks.append(index.topk(min(MAX_LISTED, part.numel()), largest=False).values)
+    merged = torch.cat(picks)
+    return merged.topk(min(MAX_LISTED, merged.numel()), largest=False).values
 
 
 def _add_rows(reader: _Reader, flags: torch.Tensor | None) -> tuple[slice, slice, int] | None:
     if flags is None:
         return None
-    return reader.add(flags.sum()), reader.add(_first_indices(flags)), flags.numel()
+    return reader.add(_count(flags)), reader.add(_first_indices(flags)), flags.numel()
+
+
+class _Samples:
+    """Which samples (indices along dim 0) hold a problem, gathered a chunk at a time. A 1-D tensor's
+    samples are its elements, each in one chunk: counted as they come, with no flag per element."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ndim = t.ndim
+        self.n = t.shape[0] if t.ndim else 0
+        self.flags = torch.zeros(self.n, dtype=torch.bool, device=t.device) if t.ndim >= 2 else None
+        self.count = torch.zeros((), dtype=torch.int64, device=t.device)
+        self.picks: list[torch.Tensor] = []
+
+    def add(self, first: int, part: torch.Tensor | None) -> None:
+        if part is None:
+            return
+        if self.flags is not None:
+            self.flags[first : first + part.numel()] |= part
+        else:
+            self.count += _count(part)
+            self.picks.append(_first_indices(part, offset=first, pad=self.n))
+
+    def slots(self, reader: _Reader) -> tuple[slice, slice, int] | None:
+        if self.ndim == 0:
+            return None
+        if self.flags is not None:
+            return _add_rows(reader, self.flags)
+        merged = torch.cat(self.picks) if self.picks else torch.empty(0, dtype=torch.int64)
+        first = merged.topk(min(MAX_LISTED, merged.numel()), largest=False).values
+        return reader.add(self.count), reader.add(first), self.n
 
 
 def _rows(values: list[int], slots: tuple[slice, slice, int] | None) -> tuple[int, list[int]]:
@@ -209,14 +295,39 @@ def _listed(count: int, rows: list[int]) -> str:
 # --------------------------------------------------------------------------- checks
 
 
-def _check_nonfinite(reader: _Reader, where: str, t: torch.Tensor, *, ignore_neginf: bool) -> _Done:
+def _chunks(t: torch.Tensor, limit: int, start: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+    """(index along dim 0 of ``t``'s caller, view) pieces of at most ``limit`` elements where the
+    shape allows: whole rows together, a row too big for one piece split along its own rows."""
+    if t.ndim == 0 or t.numel() <= limit:
+        yield start, t
+        return
+    per_row = t[0].numel() if t.shape[0] else 1
+    step = limit // max(per_row, 1)
+    if step >= 1:
+        for i in range(0, t.shape[0], step):
+            yield start + i, t[i : i + step]
+        return
+    for i in range(t.shape[0]):
+        for _, piece in _chunks(t[i], limit):
+            yield start + i, piece.unsqueeze(0)
+
+
+def _check_nonfinite(reader: _Reader, where: str, t: torch.Tensor, *, ignore_neginf: bool, per_sample: bool) -> _Done:
     real = torch.view_as_real(t) if t.is_complex() else t
-    nan, pos, neg = torch.isnan(real), torch.isposinf(real), torch.isneginf(real)
-    bad = nan | pos if ignore_neginf else nan | pos | neg
-    if t.is_complex():
-        bad = bad.any(-1)
-    counts = reader.add(torch.stack([nan.sum(), pos.sum(), neg.sum(), bad.sum()]))
-    rows = _add_rows(reader, _row_flags(bad))
+    totals = torch.zeros(4, dtype=torch.int64, device=t.device)
+    samples = _Samples(t) if per_sample else None
+    # Keep the last dim of a complex tensor's real view whole: it is one value.
+    limit = max(CHUNK_ELEMENTS, 2)
+    for first, piece in _chunks(real, limit):
+        nan, pos, neg = torch.isnan(piece), torch.isposinf(piece), torch.isneginf(piece)
+        bad = nan | pos if ignore_neginf else nan | pos | neg
+        if t.is_complex():
+            bad = bad.any(-1)
+        totals += torch.stack([_count(nan), _count(pos), _count(neg), _count(bad)])
+        if samples is not None:
+            samples.add(first, _row_flags(bad))
+    counts = reader.add(totals)
+    rows = samples.slots(reader) if samples is not None else None
     shape, dtype = list(t.shape), str(t.dtype).removeprefix("torch.")
 
     def done(values: list[int]) -> list[Finding]:
@@ -262,15 +373,24 @@ def _check_range(
     *,
     ignore_index: int | None,
 ) -> _Done:
-    if t.dtype not in (torch.int32, torch.int64):
-        t = t.to(torch.int64)  # comparisons against a vocab size must not wrap
-    bad = t < 0
-    if ignore_index is not None:
-        bad &= t != ignore_index
-    if vocab is not None:
-        bad |= t >= vocab[0]
-    slots = reader.add(torch.stack([bad.sum(), t.amin(), t.amax()]))
-    rows = _add_rows(reader, _row_flags(bad))
+    totals = [torch.zeros((), dtype=torch.int64, device=t.device)]
+    lows: list[torch.Tensor] = []
+    highs: list[torch.Tensor] = []
+    samples = _Samples(t)
+    for first, piece in _chunks(t, CHUNK_ELEMENTS):
+        if piece.dtype not in (torch.int32, torch.int64):
+            piece = piece.to(torch.int64)  # comparisons against a vocab size must not wrap
+        bad = piece < 0
+        if ignore_index is not None:
+            bad &= piece != ignore_index
+        if vocab is not None:
+            bad |= piece >= vocab[0]
+        totals.append(_count(bad))
+        lows.append(piece.amin().to(torch.int64))
+        highs.append(piece.amax().to(torch.int64))
+        samples.add(first, _row_flags(bad))
+    slots = reader.add(torch.stack([torch.stack(totals).sum(), torch.stack(lows).amin(), torch.stack(highs).amax()]))
+    rows = samples.slots(reader)
     is_labels = ignore_index is not None
 
     def done(values: list[int]) -> list[Finding]:
@@ -316,7 +436,7 @@ def _check_range(
 
 
 def _check_targets(reader: _Reader, where: str, t: torch.Tensor, ignore_index: int) -> _Done:
-    valid = reader.add((t != ignore_index).sum())
+    valid = reader.add(_count(t != ignore_index))
 
     def done(values: list[int]) -> list[Finding]:
         if values[valid][0] > 0:
@@ -351,10 +471,10 @@ def _check_mask(reader: _Reader, where: str, key: str, t: torch.Tensor) -> _Done
         binary_masked = t if padding else ~t
         not01 = not_additive = bounds = None
     else:
-        not01 = reader.add(((t != 0) & (t != 1)).sum())
+        not01 = reader.add(_count((t != 0) & (t != 1)))
         binary_masked = t != 0 if padding else t == 0
         if is_float:
-            not_additive = reader.add((~((t == 0) | (t <= _ADDITIVE_MASKED))).sum())
+            not_additive = reader.add(_count(~((t == 0) | (t <= _ADDITIVE_MASKED))))
             bounds = reader.add_float(torch.stack([t.amin(), t.amax()])) if t.numel() else None
         else:
             not_additive = None

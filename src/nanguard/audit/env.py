@@ -19,12 +19,13 @@ import torch
 
 from nanguard import environ
 
-__all__ = ["MIN_TORCH", "NCCL_NAN_CHECK_SINCE", "STATUSES", "DoctorItem", "collect", "run"]
+__all__ = ["DISTRIBUTED_DEBUG_LEVELS", "MIN_TORCH", "NCCL_NAN_CHECK_SINCE", "STATUSES", "DoctorItem", "collect", "run"]
 
 STATUSES = ("ok", "warning", "error")
 MIN_TORCH = (2, 4)  # the oldest torch nanguard supports (pyproject's torch>=2.4)
 NCCL_NAN_CHECK_SINCE = (2, 5)  # TORCH_NCCL_NAN_CHECK first shipped in torch 2.5
 
+DISTRIBUTED_DEBUG_LEVELS = ("OFF", "INFO", "DETAIL")  # what torch accepts, in any case
 # (variable, advice) for debug variables worth setting when hunting a distributed NaN.
 DEBUG_VARIABLES: tuple[tuple[str, str], ...] = (
     (
@@ -227,7 +228,17 @@ def _check_determinism() -> DoctorItem:
 
 
 def _check_debug_variables() -> list[DoctorItem]:
-    return [DoctorItem(name, "ok", os.environ.get(name, "unset"), advice) for name, advice in DEBUG_VARIABLES]
+    items = [DoctorItem(name, "ok", os.environ.get(name, "unset"), advice) for name, advice in DEBUG_VARIABLES]
+    value = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    if value is not None and value.upper() not in DISTRIBUTED_DEBUG_LEVELS:
+        items[0] = DoctorItem(
+            "TORCH_DISTRIBUTED_DEBUG",
+            "error",
+            repr(value),
+            f"Set it to one of {', '.join(DISTRIBUTED_DEBUG_LEVELS)} or unset it: "
+            "with any other value `import torch` fails with a ValueError.",
+        )
+    return items
 
 
 def _check_nanguard_variables() -> list[DoctorItem]:

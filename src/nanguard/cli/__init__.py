@@ -6,6 +6,7 @@ Subcommands load their code on first use: ``--help`` and ``--version`` never imp
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -41,8 +42,13 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from nanguard.audit.env import run
-
+    # torch refuses to import under an invalid TORCH_DISTRIBUTED_DEBUG: import without it, then report it.
+    saved = os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    try:
+        from nanguard.audit.env import run
+    finally:
+        if saved is not None:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = saved
     return run(as_json=args.json)
 
 

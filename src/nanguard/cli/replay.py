@@ -41,17 +41,26 @@ def main_replay(
     bundle = load_bundle(bundle_path)
 
     factory = _resolve(model_spec, "--model", "pkg.module:factory")
-    model = factory()
+    model = _call(factory, "--model", model_spec)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model: {model_spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
     if weights is not None:
         _load_weights(model, weights)
     fn = None
     if fn_spec is not None:
-        fn = _resolve(fn_spec, "--fn", "pkg.module:function")(model)
+        fn = _call(_resolve(fn_spec, "--fn", "pkg.module:function"), "--fn", fn_spec, model)
         if not callable(fn):
             raise ValueError(f"--fn: {fn_spec!r} returned a {type(fn).__name__}, not a function")
     return bundle, replay(bundle, model, fn)
+
+
+def _call(obj: Callable[..., Any], option: str, spec: str, *args: Any) -> Any:
+    """Call what a spec names; whatever it raises becomes one line naming the option (``os:system``
+    needs an argument, a factory may fail), not a traceback."""
+    try:
+        return obj(*args)
+    except Exception as err:
+        raise ValueError(f"{option}: calling {spec!r} failed: {type(err).__name__}: {err}") from None
 
 
 def _parse_spec(spec: str, option: str, example: str) -> tuple[str, str]:
@@ -73,7 +82,9 @@ def _resolve(spec: str, option: str, example: str) -> Callable[..., Any]:
         missing = err.name or ""
         if module_name == missing or module_name.startswith(missing + "."):
             raise ValueError(f"{option}: no module named {missing!r} (in {spec!r})") from None
-        raise
+        raise ValueError(f"{option}: importing {module_name!r} failed: {err}") from None
+    except Exception as err:  # a syntax error or a failing import in the user's module
+        raise ValueError(f"{option}: importing {module_name!r} failed: {type(err).__name__}: {err}") from None
     for name in attr.split("."):
         try:
             obj = getattr(obj, name)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from nanguard.bundle import clean_stale_bundles
 from nanguard.events import EventLog
 from nanguard.findings import Diagnosis
 from nanguard.rng import get_rng_state
@@ -128,6 +129,7 @@ class Recorder(NullRecorder):
         self.max_bundle_bytes = max_bundle_bytes
         self.events = EventLog(self.run_dir, rank)
         self._bundle_warned = False
+        clean_stale_bundles(self.run_dir, rank)  # half-written bundles of a killed run of this rank
 
     def bundle(
         self,

@@ -153,7 +153,7 @@ def _path_html(trip: Trip) -> list[str]:
         return []
     body = "".join(
         f'<tr class="{_e(r["role"])}"><td>{_e(r["role"])}</td><td class="mono">{_e(r["op"])}</td>'
-        f'<td class="mono">{_e(r["module"] if r["module"] is not None else "-") or "<root>"}</td>'
+        f'<td class="mono">{_e((r["module"] if r["module"] is not None else "-") or "<root>")}</td>'
         f'<td>{_e(r["phase"] or "-")}</td><td class="carries">{_e(r["carries"])}</td></tr>'
         for r in path
     )

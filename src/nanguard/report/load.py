@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import math
+import itertools
 import re
 import warnings
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from nanguard.errors import BundleError, EventLogError
-from nanguard.events import read_events
 from nanguard.findings import Diagnosis, jsonable
-from nanguard.text import number
+from nanguard.report.stream import StepRecord, StepSeries, read_rank_log
 
 __all__ = ["BundleInfo", "Marker", "RankLog", "RunReport", "StepRecord", "Trip", "load_run"]
 
@@ -24,31 +26,32 @@ _BUNDLE_DIR = re.compile(r"^step-(\d+)-rank-(\d+)$")
 
 
 @dataclass
-class StepRecord:
-    """One ``step`` event: ``loss``/``grad_norm`` are None when not logged, NaN/Inf when non-finite."""
-
-    step: int
-    loss: float | None
-    grad_norm: float | None
-    skipped: bool
-    scale: float | None = None
-
-
-@dataclass
 class RankLog:
-    """What one rank's ``events-rank{R}.jsonl`` holds."""
+    """What one rank's ``events-rank{R}.jsonl`` holds.
+
+    ``steps`` is the thinned series of step records (sorted; every skipped or non-finite step,
+    the first and the last, and enough others for a curve); ``steps_logged`` counts them all.
+    """
 
     rank: int
     path: Path
-    steps: list[StepRecord] = field(default_factory=list)
+    series: StepSeries = field(default_factory=StepSeries)
     world_size: int | None = None
     starts: int = 0
     end: dict[str, Any] | None = None
     events: int = 0
 
     @property
+    def steps(self) -> list[StepRecord]:
+        return self.series.points
+
+    @property
+    def steps_logged(self) -> int:
+        return self.series.count
+
+    @property
     def last_step(self) -> int | None:
-        return self.steps[-1].step if self.steps else None
+        return self.series.latest.step if self.series.latest is not None else None
 
 
 @dataclass
@@ -131,16 +134,17 @@ class RunReport:
     bundles: list[BundleInfo] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     world_size: int | None = None
+    _steps: array[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
-    def steps(self) -> list[int]:
-        """Every step number any rank logged, sorted: the common x axis."""
-        seen: set[int] = set()
-        for log in self.ranks.values():
-            seen.update(s.step for s in log.steps)
-        for group in (self.trips, self.skips, self.rollbacks, self.overflows):
-            seen.update(item.step for item in group)
-        return sorted(seen)
+    def steps(self) -> array[int]:
+        """Every step number any rank logged, sorted and distinct: the common x axis."""
+        if self._steps is None:
+            parts = [np.frombuffer(log.series.numbers, dtype=np.int64) for log in self.ranks.values()]
+            events = [item.step for group in (self.trips, self.skips, self.rollbacks, self.overflows) for item in group]
+            parts.append(np.asarray(events, dtype=np.int64))
+            self._steps = array("q", np.unique(np.concatenate(parts)).tobytes())
+        return self._steps
 
     @property
     def steps_run(self) -> int:
@@ -149,12 +153,7 @@ class RunReport:
     def nonfinite_counts(self) -> dict[int, dict[int, int]]:
         """{rank: {step: number of non-finite metrics}}: a logged NaN/Inf loss or grad norm,
         or at least 1 where a trip flagged the rank."""
-        counts: dict[int, dict[int, int]] = {r: {} for r in self.ranks}
-        for rank, log in self.ranks.items():
-            for rec in log.steps:
-                n = sum(1 for v in (rec.loss, rec.grad_norm) if v is not None and not math.isfinite(v))
-                if n:
-                    counts[rank][rec.step] = n
+        counts: dict[int, dict[int, int]] = {r: dict(log.series.nonfinite) for r, log in self.ranks.items()}
         for trip in self.trips:
             for rank in trip.ranks:
                 per_rank = counts.setdefault(rank, {})
@@ -194,12 +193,11 @@ class RunReport:
 
 
 def _rank_summary(log: RankLog, report: RunReport) -> dict[str, Any]:
-    finite = [s for s in log.steps if not s.skipped]
-    last = finite[-1] if finite else None
+    last = log.series.last_applied
     return {
         "file": str(log.path),
         "events": log.events,
-        "steps_logged": len(log.steps),
+        "steps_logged": log.steps_logged,
         "skipped": len(_not_applied(log, report)),
         "last_step": log.last_step,
         "last_loss": last.loss if last else None,
@@ -212,7 +210,7 @@ def _rank_summary(log: RankLog, report: RunReport) -> dict[str, Any]:
 
 def _not_applied(log: RankLog, report: RunReport) -> set[int]:
     """Steps whose update this rank did not apply: skipped, dropped, tripped or rolled back."""
-    steps = {s.step for s in log.steps if s.skipped}
+    steps = set(log.series.skipped)
     steps.update(m.step for m in [*report.skips, *report.rollbacks] if log.rank in m.ranks)
     steps.update(t.step for t in report.trips if log.rank in t.reported_by)
     return steps
@@ -297,7 +295,7 @@ def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunRep
         names = ", ".join(p.name for _, p in files)
         _flush(notes)
         raise EventLogError(root, f"no readable events in {names}: the logs are empty or unreadable")
-    _merge(report, per_rank, notes)
+    _merge(report, per_rank)
     _check_alignment(report, notes)
     report.warnings = notes
     _flush(notes)
@@ -327,37 +325,10 @@ def _bundle_dirs(root: Path) -> list[tuple[int, int, Path]]:
 
 
 def _read_rank(rank: int, path: Path, notes: list[str]) -> tuple[RankLog, list[dict[str, Any]]]:
-    log = RankLog(rank=rank, path=path)
-    events: list[dict[str, Any]] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            for event in read_events(path):
-                log.events += 1
-                kind = event["kind"]
-                if kind == "step":
-                    log.steps.append(
-                        StepRecord(
-                            step=event["step"],
-                            loss=number(event.get("loss")),
-                            grad_norm=number(event.get("grad_norm")),
-                            skipped=bool(event.get("skipped")),
-                            scale=number(event.get("scale")),
-                        )
-                    )
-                elif kind == "start":
-                    log.starts += 1
-                    if isinstance(event.get("world_size"), int):
-                        log.world_size = event["world_size"]
-                elif kind == "end":
-                    log.end = event
-                else:
-                    events.append(event)
-        except EventLogError as err:
-            notes.append(str(err))
-    notes.extend(str(w.message) for w in caught)
-    log.steps.sort(key=lambda s: s.step)
-    return log, events
+    found = read_rank_log(path, rank, notes)
+    log = RankLog(rank=rank, path=path, series=found.steps, world_size=found.world_size, starts=found.starts,
+                  end=found.end, events=found.count)  # fmt: skip
+    return log, found.events
 
 
 def _read_bundle(path: Path, step: int, rank: int, notes: list[str]) -> BundleInfo:
@@ -379,7 +350,7 @@ def _read_bundle(path: Path, step: int, rank: int, notes: list[str]) -> BundleIn
     return info
 
 
-def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]], notes: list[str]) -> None:
+def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> None:
     """Fold each rank's trip/skip/rollback/spike/overflow events into entries keyed by step."""
     keys = {
         "trip": lambda e: (),
@@ -402,7 +373,7 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]], note
             merged[kind].setdefault((*key, nth), []).append((rank, event))
 
     for entries in merged["trip"].values():
-        report.trips.append(_merge_trip(entries, notes))
+        report.trips.append(_merge_trip(entries))
     report.trips.sort(key=lambda t: t.step)
     for kind, target in (
         ("skip", report.skips),
@@ -414,7 +385,7 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]], note
     ):
         for entries in merged[kind].values():
             first = entries[0][1]
-            fields = {k: v for k, v in first.items() if k not in ("kind", "step", "rank")}
+            fields = {k: v for k, v in first.items() if k not in ("kind", "step", "rank") and not k.startswith("_")}
             if kind == "spike" and len(entries) > 1:
                 fields["value_by_rank"] = {str(r): e.get("value") for r, e in entries}
             target.append(Marker(kind=kind, step=first["step"], ranks=[r for r, _ in entries], fields=fields))
@@ -425,24 +396,21 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]], note
         trip.bundles = [by_key[(trip.step, r)] for r in trip.reported_by if (trip.step, r) in by_key]
 
 
-def _merge_trip(entries: list[tuple[int, dict[str, Any]]], notes: list[str]) -> Trip:
+def _merge_trip(entries: list[tuple[int, dict[str, Any]]]) -> Trip:
     step = entries[0][1]["step"]
     diagnosis = None
     flagged: set[int] = set()
     stats: dict[int, dict[str, Any]] = {}
     for rank, event in entries:
-        flagged.update(r for r in event.get("ranks") or [] if isinstance(r, int))
-        data = event.get("diagnosis")
-        evidence = data.get("evidence") if isinstance(data, Mapping) else None
-        if isinstance(evidence, Mapping) and isinstance(evidence.get("flagged_ranks"), list):
-            flagged.update(r for r in evidence["flagged_ranks"] if isinstance(r, int))
+        flagged.update(event.get("ranks") or [])
+        diag = event.get("_diagnosis")
+        if diag is not None:
+            ranks = diag.evidence.get("flagged_ranks")
+            if isinstance(ranks, list):
+                flagged.update(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
+            diagnosis = diagnosis or diag
         if isinstance(event.get("module_stats"), Mapping):
             stats[rank] = dict(event["module_stats"])
-        if diagnosis is None and isinstance(data, Mapping):
-            try:
-                diagnosis = Diagnosis.from_dict(data)
-            except (TypeError, ValueError) as err:
-                notes.append(f"rank {rank}, trip at step {step}: diagnosis could not be read ({err})")
     return Trip(
         step=step,
         action=str(entries[0][1].get("action", "?")),
@@ -460,9 +428,12 @@ def _check_alignment(report: RunReport, notes: list[str]) -> None:
     if len(sizes) > 1:
         notes.append(f"the ranks' logs disagree on world_size ({sorted(sizes)}): several runs share this run_dir?")
     if report.world_size is not None:
-        missing = sorted(set(range(report.world_size)) - set(ranks))
-        if missing:
-            notes.append(f"world_size is {report.world_size} but there is no event log for rank(s) {missing}")
+        present = {r for r in ranks if r < report.world_size}
+        if len(present) < report.world_size:
+            missing = list(itertools.islice((r for r in range(report.world_size) if r not in present), 8))
+            more = report.world_size - len(present) - len(missing)
+            listed = ", ".join(map(str, missing)) + (f" and {more} more" if more else "")
+            notes.append(f"world_size is {report.world_size} but there is no event log for rank(s) {listed}")
     ends = {r: log.last_step for r, log in report.ranks.items() if log.last_step is not None}
     if len(set(ends.values())) > 1:
         last = max(ends.values())

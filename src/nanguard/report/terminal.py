@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO
 
 from rich.console import Console as RichConsole
 from rich.console import Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -17,12 +19,27 @@ from rich.text import Text
 from nanguard.findings import Diagnosis
 from nanguard.text import diagnosis_text, evidence_lines, kind_name, where_lines
 
-__all__ = ["Console", "diagnosis_panel", "diagnosis_text"]
+__all__ = ["Console", "diagnosis_panel", "diagnosis_text", "safe"]
+
+# Escape sequences (CSI, OSC, and the two-byte ones) first, then any other C0/C1 control character.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]?|\x9b[0-?]*[ -/]*[@-~]")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def safe(text: object) -> str:
+    """``text`` as a string that cannot drive the terminal: escape sequences and control characters
+    (other than newline and tab) removed. Everything from a log, a model or a batch goes through it.
+
+    Example:
+        >>> safe("blocks.0\x1b]0;pwned\x07\x1b[31m.attn")
+        'blocks.0.attn'
+    """
+    return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
 
 
 def _title(diag: Diagnosis) -> str:
     kind = kind_name(diag.kind)
-    return f"nanguard: {kind} at step {diag.step}" if diag.step is not None else f"nanguard: {kind}"
+    return safe(f"nanguard: {kind} at step {diag.step}" if diag.step is not None else f"nanguard: {kind}")
 
 
 def diagnosis_panel(diag: Diagnosis) -> Panel:
@@ -34,24 +51,26 @@ def diagnosis_panel(diag: Diagnosis) -> Panel:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold cyan", no_wrap=True, justify="right")
     grid.add_column(overflow="fold")
-    grid.add_row("cause", Text(diag.cause, style="bold red") + Text(f"  {diag.meaning}"))
-    grid.add_row("created", Text(kind_name(diag.kind), style="bold"))
+    grid.add_row("cause", Text(safe(diag.cause), style="bold red") + Text(f"  {safe(diag.meaning)}"))
+    grid.add_row("created", Text(safe(kind_name(diag.kind)), style="bold"))
     for label, value in where_lines(diag):
-        grid.add_row(label, Text(value, style="bold" if label in ("module", "op") else ""))
+        grid.add_row(Text(label), Text(safe(value), style="bold" if label in ("module", "op") else ""))
     evidence = evidence_lines(diag)
     if evidence:
         grid.add_row("", "")
         for label, value in evidence:
-            grid.add_row(label, Text(value))
+            grid.add_row(Text(safe(label)), Text(safe(value)))
     if diag.fixes:
         grid.add_row("", "")
         for i, fix in enumerate(diag.fixes, start=1):
-            grid.add_row("try" if i == 1 else "", Text(f"{i}. ") + Text(fix, style="green"))
-    return Panel(grid, title=_title(diag), title_align="left", border_style="red")
+            grid.add_row("try" if i == 1 else "", Text(f"{i}. ") + Text(safe(fix), style="green"))
+    return Panel(grid, title=Text(_title(diag)), title_align="left", border_style="red")
 
 
 class Console:
     """Rich output on a terminal; plain lines (no colour, no bars) when piped.
+
+    Every string is shown as text, never as rich markup, and passes through ``safe``.
 
     Example:
         >>> console = Console()
@@ -66,17 +85,17 @@ class Console:
 
     def title(self, title: str, subtitle: str = "") -> None:
         if self.tty:
-            self.rich.rule(f"[bold]{title}")
+            self.rich.rule(Text(safe(title), style="bold"))
         else:
-            print(f"== {title} ==", file=self.file, flush=True)
+            print(f"== {safe(title)} ==", file=self.file, flush=True)
         if subtitle:
             self.line(subtitle)
 
     def line(self, text: str) -> None:
         if self.tty:
-            self.rich.print(Text(text))
+            self.rich.print(Text(safe(text)))
         else:
-            print(text, file=self.file, flush=True)
+            print(safe(text), file=self.file, flush=True)
 
     def diagnosis(self, diag: Diagnosis | None) -> None:
         if diag is None:
@@ -84,14 +103,18 @@ class Console:
         if self.tty:
             self.rich.print(diagnosis_panel(diag))
         else:
-            print(diagnosis_text(diag), file=self.file, flush=True)
+            print(safe(diagnosis_text(diag)), file=self.file, flush=True)
 
     def table(self, columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
         """A table: rich on a terminal, space-aligned columns otherwise."""
+        columns = [safe(c) for c in columns]
+        rows = [[safe(v) for v in row] for row in rows]
+        title = safe(title)
         if self.tty:
-            table = Table(*columns, title=title or None, title_justify="left", header_style="bold cyan")
+            heading = Text(title) if title else None
+            table = Table(*columns, title=heading, title_justify="left", header_style="bold cyan")
             for row in rows:
-                table.add_row(*row)
+                table.add_row(*(Text(v) for v in row))
             self.rich.print(table)
             return
         widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
@@ -103,9 +126,9 @@ class Console:
     def group(self, *lines: str) -> None:
         """Several lines printed as one block."""
         if self.tty:
-            self.rich.print(Group(*(Text(line) for line in lines)))
+            self.rich.print(Group(*(Text(safe(line)) for line in lines)))
         else:
-            print("\n".join(lines), file=self.file, flush=True)
+            print("\n".join(safe(line) for line in lines), file=self.file, flush=True)
 
     @contextlib.contextmanager
     def progress(self, total: int, label: str, *, echo: bool = True) -> Iterator[Callable[[str], None]]:
@@ -116,19 +139,19 @@ class Console:
         """
         if not self.tty:
             if echo:
-                yield lambda message: print(message, file=self.file, flush=True)
+                yield lambda message: print(safe(message), file=self.file, flush=True)
             else:
                 yield lambda message: None
             return
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=self.rich, transient=not echo) as bar:
-            task = bar.add_task(label, total=total)
+            task = bar.add_task(escape(safe(label)), total=total)
 
             def advance(message: str) -> None:
                 if echo:
-                    bar.console.print(Text(message))
+                    bar.console.print(Text(safe(message)))
                 else:
-                    bar.update(task, description=f"{label}: {message}")
+                    bar.update(task, description=escape(safe(f"{label}: {message}")))
                 bar.advance(task)
 
             yield advance

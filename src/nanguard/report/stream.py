@@ -1,0 +1,490 @@
+"""Stream one rank's event log: step lines into bounded aggregates, every other event checked.
+
+Memory follows what the report shows, not the log's size: a step line leaves its step number
+(8 bytes, for the count of distinct steps), a place in a thinned series for the plots (at most
+about ``2 * MAX_POINTS`` records, plus every skipped or non-finite step), and counters. The
+other events (trips, skips, rollbacks, spikes, overflows) are few and are kept whole. A line
+that cannot be read, or whose fields the report could not use, is a warning naming file:line;
+the rest of the file is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from math import isfinite
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from nanguard.events import KNOWN_KINDS
+from nanguard.findings import Diagnosis, jsonable
+from nanguard.text import diagnosis_text, op_path, summary
+
+__all__ = ["MAX_LINE_BYTES", "MAX_POINTS", "MAX_STEP", "StepRecord", "StepSeries", "read_rank_log"]
+
+MAX_POINTS = 10_000
+MAX_LINE_BYTES = 16 * 2**20
+MAX_STEP = 2**62  # step numbers are kept as int64
+_MAX_NOTES = 200  # per file: a log of garbage should not become a flood of warnings
+
+_BLOCK_BYTES = 4 * 2**20
+# One match per line: the step line EventLog writes (groups 1-5), or any other line (group 6), which
+# takes the slow, checked path. Values are parsed, and so checked, a block at a time by numpy.
+_STEP_PREFIX = b'{"kind":"step","step":'
+_NOT_STEP = re.compile(rb"\n(?!" + re.escape(_STEP_PREFIX) + rb")")  # a newline that starts another kind of line
+_LINE = re.compile(
+    rb'^(?:\{"kind":"step","step":(\d{1,18}),"rank":-?\d{1,9},"loss":([^,]*),"grad_norm":([^,]*),'
+    rb'"skipped":(true|false),"scale":([^,}]*)\}[ \t\r]*|(.*))$',
+    re.M,
+)
+
+
+@dataclass
+class StepRecord:
+    """One ``step`` event: ``loss``/``grad_norm`` are None when not logged, NaN/Inf when non-finite."""
+
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    skipped: bool
+    scale: float | None = None
+
+    @property
+    def nonfinite(self) -> int:
+        """How many of loss and grad norm are logged and non-finite."""
+        return sum(1 for v in (self.loss, self.grad_norm) if v is not None and not math.isfinite(v))
+
+
+_Row = tuple[int, "float | None", "float | None", bool, "float | None"]
+
+
+@dataclass
+class StepSeries:
+    """One rank's step lines, folded as they stream by.
+
+    ``points`` is the thinned series (sorted by ``finish()``): every ``stride``-th line, the
+    first and the latest step, and every skipped or non-finite one. ``numbers`` holds every
+    logged step number; ``nonfinite`` maps a step to its count of non-finite metrics.
+
+    Example:
+        >>> series = StepSeries()
+        >>> series.add(1, 2.0, 0.5, False, None)
+        >>> series.count, series.last_applied.loss
+        (1, 2.0)
+    """
+
+    numbers: array[int] = field(default_factory=lambda: array("q"))
+    points: list[StepRecord] = field(default_factory=list)
+    nonfinite: dict[int, int] = field(default_factory=dict)
+    skipped: set[int] = field(default_factory=set)
+    stride: int = 1
+    _applied: _Row | None = None
+    _latest: _Row | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.numbers)
+
+    @property
+    def last_applied(self) -> StepRecord | None:
+        """The record of the highest step whose update was applied (not skipped)."""
+        return StepRecord(*self._applied) if self._applied is not None else None
+
+    @property
+    def latest(self) -> StepRecord | None:
+        """The record of the highest step logged."""
+        return StepRecord(*self._latest) if self._latest is not None else None
+
+    def add(self, step: int, loss: float | None, grad_norm: float | None, skipped: bool, scale: float | None) -> None:
+        index = len(self.numbers)
+        self.numbers.append(step)
+        row = (step, loss, grad_norm, skipped, scale)
+        bad = (loss is not None and not isfinite(loss)) + (grad_norm is not None and not isfinite(grad_norm))
+        if bad:
+            self.nonfinite[step] = bad
+        if skipped:
+            self.skipped.add(step)
+        elif self._applied is None or step >= self._applied[0]:
+            self._applied = row
+        if self._latest is None or step >= self._latest[0]:
+            self._latest = row
+        if bad or skipped or index % self.stride == 0:
+            self.points.append(StepRecord(*row))
+            if len(self.points) > 2 * MAX_POINTS:
+                self._thin()
+
+    def add_many(
+        self,
+        steps: np.ndarray,
+        loss: tuple[np.ndarray, np.ndarray],
+        grad_norm: tuple[np.ndarray, np.ndarray],
+        skipped: np.ndarray,
+        scale: tuple[np.ndarray, np.ndarray],
+    ) -> None:
+        """``add`` for a block of lines at once: int64 steps, (values, is_null) float columns, bool skipped."""
+        base = len(self.numbers)
+        self.numbers.frombytes(steps.astype(np.int64).tobytes())
+        bad = (~loss[1] & ~np.isfinite(loss[0])).astype(np.int64) + (~grad_norm[1] & ~np.isfinite(grad_norm[0]))
+
+        def row(i: int) -> _Row:
+            values = [None if col[1][i] else float(col[0][i]) for col in (loss, grad_norm, scale)]
+            return int(steps[i]), values[0], values[1], bool(skipped[i]), values[2]
+
+        for i in np.flatnonzero(bad).tolist():
+            self.nonfinite[int(steps[i])] = int(bad[i])
+        self.skipped.update(steps[skipped].tolist())
+        for rows, attr in ((np.flatnonzero(~skipped), "_applied"), (np.arange(len(steps)), "_latest")):
+            if rows.size:
+                # the highest step, the last line of it on ties
+                best = rows[len(rows) - 1 - int(np.argmax(steps[rows][::-1]))]
+                current = getattr(self, attr)
+                if current is None or steps[best] >= current[0]:
+                    setattr(self, attr, row(int(best)))
+        while self.stride * MAX_POINTS < base + len(steps):
+            self._thin()
+        keep = (bad > 0) | skipped | ((base + np.arange(len(steps))) % self.stride == 0)
+        for i in np.flatnonzero(keep).tolist():
+            self.points.append(StepRecord(*row(i)))
+        while len(self.points) > 2 * MAX_POINTS:
+            self._thin()
+
+    def finish(self) -> None:
+        """Sort the thinned series and make sure it holds the latest step."""
+        latest = self._latest
+        if latest is not None and not any(p.step == latest[0] for p in self.points[-8:]):
+            self.points.append(StepRecord(*latest))
+        self.points.sort(key=lambda p: p.step)
+
+    def _thin(self) -> None:
+        self.stride *= 2
+        kept: list[StepRecord] = []
+        plain = 0
+        for point in self.points:
+            if point.skipped or point.step in self.nonfinite:
+                kept.append(point)
+                continue
+            if plain % 2 == 0:
+                kept.append(point)
+            plain += 1
+        self.points = kept
+
+
+@dataclass
+class RankEvents:
+    """What ``read_rank_log`` found in one file."""
+
+    steps: StepSeries = field(default_factory=StepSeries)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    count: int = 0
+    starts: int = 0
+    world_size: int | None = None
+    end: dict[str, Any] | None = None
+
+
+def read_rank_log(path: Path, rank: int, notes: list[str]) -> RankEvents:
+    """Read ``rank``'s ``events-rank{R}.jsonl``; each bad line adds a note ``path:line: why``.
+
+    A file that cannot be opened adds one note and reads as empty. Every kept non-step event
+    gets ``_line`` (its line number) and, for a trip, ``_diagnosis`` (a checked ``Diagnosis`` or None).
+
+    Example:
+        >>> notes = []
+        >>> found = read_rank_log(Path("runs/exp1/events-rank0.jsonl"), 0, notes)
+        >>> found.steps.count, [e["kind"] for e in found.events]
+        (200, ['trip', 'skip'])
+    """
+    found = RankEvents()
+    bad = 0
+
+    def note(lineno: int, why: str) -> None:
+        nonlocal bad
+        bad += 1
+        if bad <= _MAX_NOTES:
+            notes.append(f"{path}:{lineno}: {why}")
+
+    try:
+        handle = path.open("rb")
+    except OSError as err:
+        notes.append(f"{path}: cannot open event log ({err.strerror or err})")
+        return found
+    with handle:
+        for first, block in _blocks(handle, lambda lineno: note(lineno, "skipping a line over 16 MB")):
+            for lineno, raw in _fold_block(block, first, rank, found):
+                why = _read_other(raw, lineno, found)
+                if why is not None:
+                    note(lineno, why)
+    if bad > _MAX_NOTES:
+        notes.append(f"{path}: {bad - _MAX_NOTES} more unreadable lines not listed")
+    found.steps.finish()
+    return found
+
+
+def _blocks(handle: BinaryIO, too_long: Callable[[int], None]) -> Iterator[tuple[int, bytes]]:
+    """(number of its first line, whole lines ending in a newline) for the file, a block at a time."""
+    lineno = 1
+    carry = b""
+    while chunk := handle.read(_BLOCK_BYTES):
+        data = carry + chunk
+        cut = data.rfind(b"\n") + 1
+        block, carry = data[:cut], data[cut:]
+        if block:
+            yield lineno, block
+            lineno += block.count(b"\n")
+        if len(carry) > MAX_LINE_BYTES:
+            too_long(lineno)
+            carry = _rest_after_newline(handle)
+            lineno += 1
+    if carry:
+        yield lineno, carry + b"\n"
+
+
+def _rest_after_newline(handle: BinaryIO) -> bytes:
+    while chunk := handle.read(_BLOCK_BYTES):
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            return chunk[newline + 1 :]
+    return b""
+
+
+def _fold_block(block: bytes, first: int, rank: int, found: RankEvents) -> Iterator[tuple[int, bytes]]:
+    """Fold a block's step lines into ``found`` in bulk; yield (line number, line) for the others."""
+    runs: list[tuple[int, bytes]] = []
+    start, lineno = 0, first
+    others = [0] if not block.startswith(_STEP_PREFIX) else []
+    others += [m.end() for m in _NOT_STEP.finditer(block) if m.end() < len(block)]
+    for begin in others:
+        run = block[start:begin]
+        runs.append((lineno, run))
+        lineno += run.count(b"\n")
+        start = block.index(b"\n", begin) + 1
+        line = block[begin:start]
+        if line.strip():
+            yield lineno, line
+        lineno += 1
+    runs.append((lineno, block[start:]))
+    whole = b"".join(run for _, run in runs) if len(runs) > 1 else runs[0][1]
+    if _fold_table(whole, rank, found):
+        return
+    for lineno, run in runs:
+        yield from _fold_run(run, lineno, rank, found)
+
+
+def _fold_table(run: bytes, rank: int, found: RankEvents) -> bool:
+    """Fold ``run`` (lines that start like step lines) in one go; False when it must be read line by line."""
+    lines = run.count(b"\n")
+    if not lines:
+        return True
+    parsed = _parse_run(run, lines, rank)
+    if parsed is None:
+        return False
+    table, scale_null = parsed
+    found.count += lines
+    steps = table[:, 0].astype(np.int64)
+    missing = np.zeros(lines, dtype=bool)
+    no_scale = np.full(lines, scale_null)
+    skipped = table[:, 3] == 1
+    found.steps.add_many(steps, (table[:, 1], missing), (table[:, 2], missing), skipped, (table[:, 4], no_scale))
+    return True
+
+
+def _fold_run(run: bytes, first: int, rank: int, found: RankEvents) -> Iterator[tuple[int, bytes]]:
+    """Lines that all start like a step line: parsed in one go when they are exactly what EventLog
+    writes, else matched line by line; yields the lines that are not step lines after all."""
+    if _fold_table(run, rank, found):
+        return
+    lines = run.count(b"\n")
+    rows = _LINE.findall(run)[:lines]
+    if not rows:
+        return
+    steps_c, loss_c, grad_c, skipped_c, scale_c, other_c = zip(*rows, strict=True)
+    numbers = np.array(steps_c)
+    is_step = numbers != b""
+    for i in np.flatnonzero(~is_step).tolist():
+        yield first + i, other_c[i]
+    if not is_step.any():
+        return
+    pick = np.flatnonzero(is_step)
+
+    def column(values: tuple[bytes, ...]) -> np.ndarray:
+        return np.array(values)[pick]
+
+    try:
+        loss, grad, scale = [_floats(column(c)) for c in (loss_c, grad_c, scale_c)]
+    except ValueError:  # a value that is not a number: read these lines one by one, with warnings
+        texts = run.split(b"\n")
+        for i in pick.tolist():
+            yield first + i, texts[i]
+        return
+    steps = column(steps_c).astype(np.int64)
+    found.count += len(steps)
+    found.steps.add_many(steps, loss, grad, column(skipped_c) == b"true", scale)
+
+
+def _parse_run(run: bytes, lines: int, rank: int) -> tuple[np.ndarray, bool] | None:
+    """A (lines, 5) table of step, loss, grad_norm, skipped (0/1), scale when every line of ``run`` is a
+    step line of ``rank`` exactly as EventLog writes it, its keys in order, ``scale`` null on all lines
+    or on none; else None. Counting each key pins the layout, and numpy parses the numbers."""
+    keys = (b',"rank":%d,"loss":' % rank, b',"grad_norm":', b"}\n" + _STEP_PREFIX)
+    counts = zip(keys, (lines, lines, lines - 1), strict=True)
+    if not run.endswith(b"}\n") or any(run.count(key) != count for key, count in counts):
+        return None
+    # Without a GradScaler every scale is null: folded into the skipped token, one pass fewer.
+    no_scale = run.count(b',"scale":null}') == lines
+    tail, scale = (b',"scale":null', b"nan") if no_scale else (b',"scale":', b"")
+    text = run[len(_STEP_PREFIX) : -2].replace(keys[2], b",").replace(keys[0], b",").replace(keys[1], b",")
+    text = text.replace(b',"skipped":false' + tail, b",0," + scale).replace(b',"skipped":true' + tail, b",1," + scale)
+    if b'"' in text:  # "nan", "inf", "-inf": what is left between quotes must then parse as a number
+        text = text.translate(None, b'"')
+    try:
+        values = np.fromstring(text, sep=",")
+    except ValueError:  # text that is not all numbers (older numpy stops early instead: size checked below)
+        return None
+    if values.size != 5 * lines:
+        return None
+    table = values.reshape(lines, 5)
+    steps = table[:, 0]
+    if not (np.all(steps >= 0) and np.all(steps < 2**53) and np.all(steps == np.floor(steps))):
+        return None
+    return table, no_scale
+
+
+def _floats(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, is_null) of a column of JSON numbers, ``null`` and quoted ``"nan"``/``"inf"``/``"-inf"``."""
+    missing = raw == b"null"
+    raw[missing] = b"nan"
+    for quoted in (b'"nan"', b'"inf"', b'"-inf"'):
+        raw[raw == quoted] = quoted[1:-1]
+    return raw.astype(np.float64), missing
+
+
+def _read_other(raw: bytes, lineno: int, found: RankEvents) -> str | None:
+    """Fold one line that is not a plain step line into ``found``; the reason it was skipped, or None."""
+    try:
+        event = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, a 5000-digit number, deep nesting
+        return f"skipping unreadable event line ({_short(err)})"
+    if not isinstance(event, dict):
+        return f"skipping event line: a JSON {type(event).__name__}, not an object"
+    kind = event.get("kind")
+    if not isinstance(kind, str) or kind not in KNOWN_KINDS:
+        return f"ignoring unknown event kind {_short(kind)}"
+    step = event.get("step")
+    if not _is_int(step) or not 0 <= step < MAX_STEP:
+        return f"skipping {kind} event: 'step' must be an int in [0, 2**62), got {_short(step)}"
+    why = _check(kind, event)
+    if why is not None:
+        return f"skipping {kind} event at step {step}: {why}"
+    found.count += 1
+    if kind == "step":
+        found.steps.add(step, _number(event.get("loss")), _number(event.get("grad_norm")),
+                        bool(event.get("skipped")), _number(event.get("scale")))  # fmt: skip
+    elif kind == "start":
+        found.starts += 1
+        if event.get("world_size") is not None:
+            found.world_size = event["world_size"]
+    elif kind == "end":
+        found.end = event
+    else:
+        event["_line"] = lineno
+        if kind == "trip":
+            event["_diagnosis"], why = _diagnosis(event.get("diagnosis"))
+            if why is not None:
+                found.events.append(event)
+                return f"trip at step {step}: diagnosis could not be read ({why}); the trip is kept without it"
+        found.events.append(event)
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    if value is None or _is_int(value) or isinstance(value, float):
+        return True
+    return isinstance(value, str) and value in ("nan", "inf", "-inf")
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+# Fields the report reads, per kind: (name, check, what it must be). Absent fields are fine.
+_FIELDS: dict[str, tuple[tuple[str, Any, str], ...]] = {
+        "step": (("loss", _is_number, "a number"), ("grad_norm", _is_number, "a number"),
+                 ("scale", _is_number, "a number"), ("skipped", lambda v: isinstance(v, bool), "true or false")),
+        "start": (("world_size", lambda v: v is None or (_is_int(v) and 0 < v < 2**31), "a positive int"),),
+        "trip": (("action", lambda v: isinstance(v, str), "a string"), ("ranks", _is_int_list, "a list of ints"),
+                 ("diagnosis", lambda v: v is None or isinstance(v, dict), "an object"),
+                 ("module_stats", lambda v: v is None or isinstance(v, dict), "an object")),
+        "skip": (("reason", lambda v: isinstance(v, str), "a string"),),
+        "rollback": (("restored_step", lambda v: v is None or _is_int(v), "an int"),
+                     ("skip_batches", lambda v: v is None or _is_int(v), "an int"),
+                     ("reason", lambda v: isinstance(v, str), "a string")),
+        "spike": (("metric", lambda v: isinstance(v, str), "a string"), ("value", _is_number, "a number"),
+                  ("median", _is_number, "a number"), ("score", _is_number, "a number")),
+        "overflow": (("scale", _is_number, "a number"), ("new_scale", _is_number, "a number"),
+                     ("streak", lambda v: v is None or _is_int(v), "an int")),
+        "end": (),
+}  # fmt: skip
+
+
+def _check(kind: str, event: dict[str, Any]) -> str | None:
+    for name, ok, what in _FIELDS[kind]:
+        if name in event and not ok(event[name]):
+            return f"{name!r} must be {what}, got {_short(event[name])}"
+    if kind != "step":
+        try:
+            json.dumps(jsonable(event), allow_nan=False)  # the --json report must be able to write it back
+        except (ValueError, TypeError, RecursionError) as err:
+            return f"fields cannot be written back as JSON ({_short(err)})"
+    return None
+
+
+_DIAGNOSIS_FIELDS: tuple[tuple[str, Any, str], ...] = (
+    ("cause", lambda v: isinstance(v, str), "a string"),
+    ("kind", lambda v: isinstance(v, str), "a string"),
+    ("phase", lambda v: isinstance(v, str), "a string"),
+    ("op", lambda v: v is None or isinstance(v, str), "a string"),
+    ("module", lambda v: v is None or isinstance(v, str), "a string"),
+    ("rank", lambda v: v is None or _is_int(v), "an int"),
+    ("ranks", _is_int_list, "a list of ints"),
+    ("step", lambda v: v is None or _is_int(v), "an int"),
+    ("source", lambda v: v is None or isinstance(v, str), "a string"),
+    ("evidence", lambda v: isinstance(v, dict), "an object"),
+    ("fixes", lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v), "a list of strings"),
+)
+
+
+def _diagnosis(data: Any) -> tuple[Diagnosis | None, str | None]:
+    """The trip's diagnosis, checked by rendering it once the ways the report will; else (None, why)."""
+    if data is None:
+        return None, None
+    for name, ok, what in _DIAGNOSIS_FIELDS:
+        if name in data and not ok(data[name]):
+            return None, f"{name!r} must be {what}, got {_short(data[name])}"
+    try:
+        diag = Diagnosis.from_dict(data)
+        diagnosis_text(diag)
+        summary(diag)
+        op_path(diag)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError) as err:
+        return None, _short(err)
+    return diag, None
+
+
+def _number(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
