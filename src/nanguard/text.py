@@ -262,7 +262,8 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
         lines.append(("init", f"weight rms*sqrt(fan_in) reaches {fmt(scale['max_ratio'], 3)} in {scale.get('module')}"))
     count, correction = origin.get("reduced_elements"), origin.get("correction")
     if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
-        lines.append(("reduced", f"{count} element(s), correction {fmt(correction)}: divides by {fmt(count - correction)}"))
+        divisor = fmt(count - correction)
+        lines.append(("reduced", f"{count} element(s), correction {fmt(correction)}: divides by {divisor}"))
     for other in diag.also or []:
         if isinstance(other, Mapping):
             lines.append(("also", f"{other.get('cause')}: {other.get('why', '')}"))

@@ -233,13 +233,11 @@ def _loss(args: tuple, kwargs: dict) -> dict[str, Any]:
     return facts
 
 
-for _ops, _fn in (
-    (_existing("std", "var", "std_mean", "var_mean"), _std_var),
-    ([aten.mean], _mean),
-    (_existing("smooth_l1_loss", "mse_loss", "l1_loss", "huber_loss", "binary_cross_entropy",
-               "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div"), _loss),  # fmt: skip
-):
-    _register(_COUNTS, tuple(_ops), _fn)
+_MEAN_LOSSES = ("smooth_l1_loss", "mse_loss", "l1_loss", "huber_loss", "binary_cross_entropy",
+                "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div")  # fmt: skip
+_register(_COUNTS, tuple(_existing("std", "var", "std_mean", "var_mean")), _std_var)
+_register(_COUNTS, (aten.mean,), _mean)
+_register(_COUNTS, tuple(_existing(*_MEAN_LOSSES)), _loss)
 
 
 def _fp32_recompute(func: Any, args: tuple, kwargs: dict, out: Any) -> dict[str, Any]:
