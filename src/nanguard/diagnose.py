@@ -167,6 +167,22 @@ def nonfinite_parameters(ev: Evidence) -> Verdict | None:
     return Verdict("parameters.nonfinite", why, fixes)
 
 
+_PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention", "mul")
+
+
+def _input_absmax(o: dict[str, Any]) -> float:
+    return max((s.get("absmax") or 0.0 for s in o.get("inputs") or []), default=0.0)
+
+
+def _grown(ev: Evidence) -> bool:
+    """Is the origin an overflow of grown activations: a product of large weights, or inputs already huge?
+
+    log(0) next to large weights is a domain error, not the weights' doing.
+    """
+    o = _origin(ev)
+    return (ev.get("kind") == "inf" and _short(o.get("op")) in _PRODUCTS) or _input_absmax(o) >= 1e4
+
+
 def init_scale(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     # The guard passes the scale the run started from; locate alone sees the current one.
@@ -178,9 +194,9 @@ def init_scale(ev: Evidence) -> Verdict | None:
     # (pretrained) weights: init.scale is for activations that blow up in float32 as well.
     if (o.get("fp32_recompute") or {}).get("finite"):
         return None
-    absmax = max((s.get("absmax") or 0.0 for s in o.get("inputs") or []), default=0.0)
-    if ev.get("kind") != "inf" and absmax < 1e4:
+    if not _grown(ev):
         return None
+    absmax = _input_absmax(o)
     why = (
         f"weights of '{scale.get('module')}' have rms x sqrt(fan_in) = {ratio:.3g} (healthy is "
         f"about 0.5-1), so activations grow by that factor per layer until {o.get('op')} "
@@ -419,7 +435,7 @@ def _weight_scale_hint(ev: Evidence) -> Verdict | None:
     """Weights large for their fan-in, given as a secondary cause when another wins."""
     scale = ev.get("initial_weight_scale", ev.get("weight_scale")) or {}
     ratio = scale.get("max_ratio") or 0.0
-    if ratio < INIT_RATIO_HIGH or _origin(ev).get("category") != "op":
+    if ratio < INIT_RATIO_HIGH or _origin(ev).get("category") != "op" or not _grown(ev):
         return None
     why = f"weights of '{scale.get('module')}' are {ratio:.3g}x the 1/sqrt(fan_in) scale"
     return Verdict("init.scale", why)

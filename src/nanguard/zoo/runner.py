@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -18,9 +18,10 @@ import torch
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.zoo.scenarios import SCENARIOS, Run, Scenario, build, get
+from nanguard.zoo.scenarios import SCENARIOS, Run, Scenario, WildScenario, build, get
+from nanguard.zoo.wild import WILD, get_wild
 
-__all__ = ["CorruptOnce", "Result", "dist_rank", "run_scenario", "run_zoo"]
+__all__ = ["CorruptOnce", "Result", "dist_rank", "run_scenario", "run_wild", "run_zoo"]
 
 FIELDS = ("cause", "op", "module", "phase", "kind", "rank")
 
@@ -54,8 +55,9 @@ class Result:
         return {**asdict(self), "steps_late": self.steps_late, "ok": self.ok}
 
 
-def _expected(s: Scenario) -> dict[str, Any]:
-    return {**{k: getattr(s.expect, k) for k in FIELDS}, "step": s.trip_step}
+def _expected(s: Scenario | WildScenario) -> dict[str, Any]:
+    step = s.trip_step if isinstance(s, Scenario) else 0
+    return {**{k: getattr(s.expect, k) for k in FIELDS}, "step": step}
 
 
 def _summary(diag: Diagnosis | None) -> dict[str, Any] | None:
@@ -96,6 +98,31 @@ def _first_bad_step(s: Scenario, seed: int) -> int | None:
             return step
         run.optimizer_step()
     return None
+
+
+def run_wild(s: WildScenario) -> Result:
+    """One wild scenario: ``ng.locate`` on its faulty step, and the same step run plainly for the reference."""
+    from nanguard.tracer.api import locate
+
+    case = s.build()
+    start = time.perf_counter()
+    diag = locate(case.fn, *case.args, model=case.model)
+    seconds = time.perf_counter() - start
+    if diag is not None:
+        diag = replace(diag, step=0)
+    return Result(s.name, {**_expected(s), "step": 0}, _summary(diag), 0 if diag else None, _plain_bad(s), seconds)
+
+
+def _plain_bad(s: WildScenario) -> int | None:
+    """0 when the wild step run plainly gives a non-finite loss or gradient, else None."""
+    case = s.build()
+    try:
+        loss = case.fn(*case.args)
+    except (IndexError, RuntimeError):
+        return 0
+    grads = [p.grad for p in case.model.parameters() if p.grad is not None]
+    finite = math.isfinite(float(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
+    return None if finite else 0
 
 
 def run_scenario(s: Scenario, seed: int = 0) -> Result:

@@ -16,7 +16,7 @@ import torch
 
 from nanguard.zoo.gpt import GPT, GPTConfig, synthetic_batch
 
-__all__ = ["SCENARIOS", "Expect", "Run", "Scenario", "build", "get", "train_step"]
+__all__ = ["SCENARIOS", "Case", "Expect", "Run", "Scenario", "WildScenario", "build", "get", "train_step"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -55,6 +55,8 @@ class Scenario:
     """For ranks > 1: "data" (fault on the last rank's batch), "comm" (synchronized gradients
     corrupted once), or "replica" (one rank's weights changed behind DDP's back)."""
 
+    group = "gpt"
+
     @property
     def one_step(self) -> bool:
         """Is the fault visible to ``ng.locate`` on the fault step alone (no history, no ranks)?"""
@@ -69,6 +71,30 @@ class Scenario:
         if self.expect.cause is None:
             return None
         return self.expect.step if self.expect.step is not None else self.fault_step
+
+
+@dataclass
+class Case:
+    """A built wild scenario: ``fn(*args)`` runs the faulty step (forward and backward) and returns the loss."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    model: torch.nn.Module
+
+
+@dataclass(frozen=True)
+class WildScenario:
+    name: str
+    source: str
+    """The public bug report it is modelled on, ``owner/repo#number``."""
+    summary: str
+    expect: Expect
+    basis: str
+    """What the expectation is derived from."""
+    build: Callable[[], Case]
+
+    group = "wild"
+    """The zoo's own scenarios are group "gpt"."""
 
 
 @dataclass
