@@ -49,7 +49,7 @@ def _replay(args: argparse.Namespace) -> int:
 def _zoo(args: argparse.Namespace) -> int:
     from nanguard.zoo.runner import run_zoo
 
-    return run_zoo(ranks=args.ranks, as_json=args.json, only=args.only)
+    return run_zoo(ranks=args.ranks, as_json=args.json, only=args.only, group=args.group)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--ranks", type=int, default=1, help="also run the distributed scenarios on N gloo ranks")
     zoo.add_argument("--json", action="store_true", help="print the results as JSON")
     zoo.add_argument("--only", default=None, metavar="NAME", help="run one scenario")
+    zoo.add_argument("--group", default="all", choices=("all", "gpt", "wild"),
+                     help="tiny-GPT scenarios, wild ones (public bug reports, via ng.locate), or both")  # fmt: skip
     zoo.set_defaults(func=_zoo)
 
     report = sub.add_parser("report", help="summarize a run directory; --html writes a self-contained page")
