@@ -19,12 +19,12 @@ import torch
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.zoo.scenarios import SCENARIOS, Run, Scenario, WildScenario, build, get
+from nanguard.zoo.scenarios import FIRST_BAD, SCENARIOS, Run, Scenario, WildScenario, build, get
 from nanguard.zoo.wild import WILD, get_wild
 
 __all__ = ["GROUPS", "CorruptOnce", "Result", "dist_rank", "run_one", "run_scenario", "run_wild", "run_zoo"]
 
-FIELDS = ("cause", "op", "module", "phase", "kind", "rank")
+FIELDS = ("cause", "op", "module", "phase", "kind", "rank", "ranks")
 
 
 @dataclass
@@ -49,8 +49,10 @@ class Result:
             return self.got is None
         if self.got is None or not self.ranks_agree:
             return False
-        fields_ok = all(self.got.get(k) == self.expected[k] for k in FIELDS)
-        return fields_ok and self.got.get("step") == self.expected["step"] and self.steps_late in (0, None)
+        # Only what the expectation names is scored (see Expect).
+        fields_ok = all(self.got.get(k) == v for k, v in self.expected.items() if v is not None and k != "step")
+        step = self.first_bad_step if self.expected["step"] == FIRST_BAD else self.expected["step"]
+        return fields_ok and self.got.get("step") == step and self.steps_late in (0, None)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "steps_late": self.steps_late, "ok": self.ok}
@@ -58,13 +60,16 @@ class Result:
 
 def _expected(s: Scenario | WildScenario) -> dict[str, Any]:
     step = s.trip_step if isinstance(s, Scenario) else 0
-    return {**{k: getattr(s.expect, k) for k in FIELDS}, "step": step}
+    expected = {k: getattr(s.expect, k) for k in FIELDS}
+    if expected["ranks"] is not None:
+        expected["ranks"] = list(expected["ranks"])
+    return {**expected, "step": step}
 
 
 def _summary(diag: Diagnosis | None) -> dict[str, Any] | None:
     if diag is None:
         return None
-    return {**{k: getattr(diag, k) for k in FIELDS}, "step": diag.step}
+    return {**{k: getattr(diag, k) for k in FIELDS}, "ranks": list(diag.ranks), "step": diag.step}
 
 
 def _guarded(run: Run, model: torch.nn.Module, **config: Any) -> tuple[Diagnosis | None, int | None]:
@@ -269,8 +274,11 @@ def run_zoo(
         exp = r.expected
 
         def pair(key: str, got: dict[str, Any] = got, exp: dict[str, Any] = exp) -> str:
-            same = got.get(key) == exp.get(key)
-            return _cell(exp.get(key)) if same else f"{_cell(exp.get(key))} / {_cell(got.get(key))}"
+            want = exp.get(key)
+            if want is None and exp.get("cause") is not None:
+                return "n/a" if got.get(key) is None else f"n/a / {_cell(got.get(key))}"
+            same = got.get(key) == want
+            return _cell(want) if same else f"{_cell(want)} / {_cell(got.get(key))}"
 
         table.add_row(groups[r.name], r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"),
                       pair("step"), _cell(r.steps_late), "ok" if r.ok else "MISS")  # fmt: skip
