@@ -286,7 +286,8 @@ def main() -> None:
     detail += [_detail_row(s, table[s.name]) for s in [*gpt, *wild]]
     n_healthy = sum(s.expect.cause is None for s in gpt)
     counts = f"{len(gpt)} tiny-GPT scenarios ({n_healthy} healthy) and {len(wild)} wild ones"
-    body = f"""## Fault zoo: nanguard against the reference tools
+    title = "Fault zoo" + ("" if args.group == "all" else f", {args.group} group")
+    body = f"""## {title}: nanguard against the reference tools
 
 {counts}. The "gpt" group is `nanguard.zoo`'s short training runs of the tiny GPT from the same seed,
 nanguard under its `Guard`; the "wild" group rebuilds NaN bugs from public issue trackers (each names its
@@ -306,8 +307,10 @@ scored as a miss). Distributed scenarios run for nanguard only: the reference to
 
 </details>
 
-Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/zoo_compare.py --ranks 2` (needs the `bench` extra)."""
-    write_section("zoo-compare", body)
+Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/zoo_compare.py --ranks {args.ranks} --group {args.group}`
+(needs the `bench` extra)."""
+    # Each group has its own section, so one group can be rerun alone.
+    write_section("zoo-compare" if args.group == "all" else f"zoo-compare-{args.group}", body)
     print(body)
 
 
