@@ -7,10 +7,11 @@ Tools:
 - nanguard: ``Guard`` with its replay (``nanguard.zoo.runner``).
 
 Every tool trains the scenario's tiny GPT from the same seed up to its fault step and then
-runs the faulty step. Scored per scenario: detected, right module, right op, right phase,
-cause named, false alarm (a trip on a healthy scenario), and seconds.
+runs the faulty step; a wild scenario is its one faulty step. Scored per scenario: detected,
+right module, op, phase, cause and rank (each only where the expectation names it, else n/a),
+false alarm (a trip on a healthy scenario), and seconds.
 
-Run: ``.venv/bin/python benchmarks/zoo_compare.py [--ranks 2]``; writes BENCHMARKS.md.
+Run: ``.venv/bin/python benchmarks/zoo_compare.py [--ranks 2] [--group wild]``; writes BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -30,19 +31,35 @@ import torch
 
 from _common import machine, write_section
 from nanguard.text import short_op
-from nanguard.zoo import SCENARIOS, Scenario, build
-from nanguard.zoo.runner import run_distributed, run_scenario
+from nanguard.zoo import SCENARIOS, Expect, Scenario, WildScenario, build
+from nanguard.zoo.runner import run_one
+from nanguard.zoo.wild import WILD
+
+FIELDS = ("module", "op", "phase", "cause", "rank")
 
 
 @dataclass
 class Score:
+    """What one tool got on one scenario. A field is None ("n/a") where the expectation names nothing."""
+
     detected: bool
-    module: bool = False
-    op: bool = False
-    phase: bool = False
-    cause: bool = False
+    module: bool | None = False
+    op: bool | None = False
+    phase: bool | None = False
+    cause: bool | None = False
+    rank: bool | None = None
     seconds: float = 0.0
     note: str = ""
+
+    def only_named(self, e: Expect) -> Score:
+        """This score with every field the expectation ``e`` leaves unnamed set to None, for every tool alike."""
+        named = {"module": e.module, "op": e.op, "phase": e.phase, "cause": e.cause, "rank": e.rank}
+        for name, want in named.items():
+            if want is None:
+                setattr(self, name, None)
+            elif getattr(self, name) is None:
+                setattr(self, name, False)
+        return self
 
 
 def _norm(name: str | None) -> str:
@@ -50,8 +67,28 @@ def _norm(name: str | None) -> str:
     return re.sub(r"Backward\d*$", "", short_op(name)).replace("_", "").lower()
 
 
-def _steps_until_fault(s: Scenario, step_fn: Callable[[Any, dict], bool]) -> tuple[bool, float]:
+class _WildRun:
+    """A wild case dressed as a zoo ``Run``: one step, whose "closure" is the case's own step."""
+
+    def __init__(self, s: WildScenario) -> None:
+        self.case = s.build()
+        self.model = self.case.model
+
+    def closure(self, batch: dict) -> Callable[[], torch.Tensor]:
+        return lambda: self.case.fn(*self.case.args)
+
+    def optimizer_step(self) -> None:
+        return None
+
+
+def _steps_until_fault(s: Scenario | WildScenario, step_fn: Callable[[Any, dict], bool]) -> tuple[bool, float]:
     """Train with ``step_fn`` until it reports a detection or the run ends; (detected, seconds)."""
+    if isinstance(s, WildScenario):
+        run: Any = _WildRun(s)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return step_fn(run, {}), time.perf_counter() - start
     run = build(s)
     start = time.perf_counter()
     for step in range(s.run_steps):
@@ -68,13 +105,13 @@ def plain_check(s: Scenario) -> Score:
             return True
         grads = [p.grad for p in run.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
+        if not (math.isfinite(loss.detach().item()) and math.isfinite(norm.item())):
             return True
         run.optimizer_step()
         return False
 
     detected, seconds = _steps_until_fault(s, step)
-    return Score(detected, seconds=seconds)
+    return Score(detected, seconds=seconds).only_named(s.expect)
 
 
 def anomaly(s: Scenario) -> Score:
@@ -92,7 +129,7 @@ def anomaly(s: Scenario) -> Score:
         except IndexError:
             found["node"] = None
             return True
-        if not math.isfinite(loss.item()):
+        if not math.isfinite(loss.detach().item()):
             found["node"] = None  # it only watches backward: a NaN loss with clean gradients passes
             return False
         run.optimizer_step()
@@ -107,7 +144,7 @@ def anomaly(s: Scenario) -> Score:
         phase=detected and e.phase == "backward",
         seconds=seconds,
         note=node or "",
-    )
+    ).only_named(e)
 
 
 def hf_debug(s: Scenario) -> Score:
@@ -123,7 +160,7 @@ def hf_debug(s: Scenario) -> Score:
                 module.register_forward_hook(lambda m, a, out, name=name: seen.append(name))
             found["debug"] = DebugUnderflowOverflow(run.model)
             found["seen"] = seen
-            # It calls .abs() on every input and fails on a bool attention mask: no hooks there.
+            # It calls .abs() on every input and fails on a bool mask: no hooks where one is passed.
             for block in getattr(run.model, "blocks", []):
                 for m in (block, block.attn):
                     hooks = m._forward_hooks
@@ -137,7 +174,9 @@ def hf_debug(s: Scenario) -> Score:
                 raise
             found["module"] = found["seen"][-1] if found["seen"] else None
             return True
-        except (IndexError, RuntimeError):
+        except (IndexError, RuntimeError) as err:
+            if "bool" in str(err).lower():
+                raise  # the tool itself failed on a bool input (a mask): a crash, not a detection
             found["module"] = None
             return True
         run.optimizer_step()
@@ -152,11 +191,11 @@ def hf_debug(s: Scenario) -> Score:
         phase=detected and e.phase == "forward",
         seconds=seconds,
         note=str(module) if module is not None else "",
-    )
+    ).only_named(e)
 
 
-def nanguard_score(s: Scenario) -> Score:
-    result = run_distributed(s) if s.ranks > 1 else run_scenario(s)
+def nanguard_score(s: Scenario | WildScenario) -> Score:
+    result = run_one(s)
     got = result.got or {}
     e = s.expect
     return Score(
@@ -165,12 +204,13 @@ def nanguard_score(s: Scenario) -> Score:
         op=got.get("op") == e.op,
         phase=got.get("phase") == e.phase,
         cause=got.get("cause") == e.cause,
+        rank=got.get("rank") == e.rank and (e.ranks is None or got.get("ranks") == list(e.ranks)),
         seconds=result.seconds,
         note=str(got.get("cause", "")),
-    )
+    ).only_named(e)
 
 
-TOOLS: dict[str, Callable[[Scenario], Score]] = {
+TOOLS: dict[str, Callable[[Any], Score]] = {
     "nanguard": nanguard_score,
     "detect_anomaly": anomaly,
     "HF DebugUnderflowOverflow": hf_debug,
@@ -178,66 +218,86 @@ TOOLS: dict[str, Callable[[Scenario], Score]] = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ranks", type=int, default=1, help="2 also runs the distributed scenarios (nanguard only)")
-    args = parser.parse_args()
-    scenarios = [s for s in SCENARIOS if s.ranks == 1 or args.ranks >= s.ranks]
-    faults = [s for s in scenarios if s.expect.cause is not None]
-    healthy = [s for s in scenarios if s.expect.cause is None]
+def _run_all(scenarios: list[Any]) -> dict[str, dict[str, Score]]:
     table: dict[str, dict[str, Score]] = {}
     for s in scenarios:
         table[s.name] = {}
         for tool, fn in TOOLS.items():
-            if s.ranks > 1 and tool != "nanguard":
+            if getattr(s, "ranks", 1) > 1 and tool != "nanguard":
                 continue
             try:
                 table[s.name][tool] = fn(s)
             except Exception as err:  # a reference tool that crashes on a scenario scores nothing
-                table[s.name][tool] = Score(False, note=f"crashed: {type(err).__name__}")
+                table[s.name][tool] = Score(False, note=f"crashed: {type(err).__name__}").only_named(s.expect)
         print(s.name, {t: (sc.detected, sc.note) for t, sc in table[s.name].items()}, flush=True)
+    return table
 
-    def total(tool: str, attr: str, group: list[Scenario]) -> int:
-        return sum(bool(getattr(table[s.name][tool], attr)) for s in group if tool in table[s.name])
 
-    lines = [
-        "| tool | scenarios run | detected | right module | right op | right phase | cause named |"
-        " false alarms | median s / scenario |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+def _summary_rows(table: dict[str, dict[str, Score]], scenarios: list[Any], label: str) -> list[str]:
+    """One row per tool: detected, and right/named for each field; n/a where no scenario names the field."""
+    faults = [s for s in scenarios if s.expect.cause is not None]
+    healthy = [s for s in scenarios if s.expect.cause is None]
+    rows = []
     for tool in TOOLS:
         ran = [s for s in faults if tool in table[s.name]]
+        if not ran:
+            continue
+        cells = [f"{sum(table[s.name][tool].detected for s in ran)}/{len(ran)}"]
+        for attr in FIELDS:
+            named = [table[s.name][tool] for s in ran if getattr(table[s.name][tool], attr) is not None]
+            cells.append(f"{sum(bool(getattr(sc, attr)) for sc in named)}/{len(named)}" if named else "n/a")
         times = sorted(table[s.name][tool].seconds for s in scenarios if tool in table[s.name])
-        alarms = sum(table[s.name][tool].detected for s in healthy)
-        lines.append(
-            f"| {tool} | {len(ran)} | {total(tool, 'detected', ran)} | {total(tool, 'module', ran)} | "
-            f"{total(tool, 'op', ran)} | {total(tool, 'phase', ran)} | {total(tool, 'cause', ran)} | "
-            f"{alarms}/{len(healthy)} | {times[len(times) // 2]:.2f} |"
-        )
-    detail = ["| scenario | expected cause | " + " | ".join(TOOLS) + " |", "|---|---|" + "---|" * len(TOOLS)]
-    for s in scenarios:
-        cells = []
-        for tool in TOOLS:
-            sc = table[s.name].get(tool)
-            if sc is None:
-                cells.append("n/a")
-                continue
-            marks = "detected" if sc.detected else "missed"
-            if s.expect.cause is None:
-                marks = "false alarm" if sc.detected else "quiet (ok)"
-            elif sc.detected:
-                right = [k for k in ("module", "op", "phase", "cause") if getattr(sc, k)]
-                marks += f" ({', '.join(right)})" if right else ""
-            cells.append(marks + (f": `{sc.note}`" if sc.note and tool != "nanguard" else ""))
-        detail.append(f"| {s.name} | {s.expect.cause or 'healthy'} | " + " | ".join(cells) + " |")
-    body = f"""## Fault zoo: nanguard against the reference tools
+        alarms = f"{sum(table[s.name][tool].detected for s in healthy)}/{len(healthy)}" if healthy else "n/a"
+        rows.append(f"| {label} | {tool} | {' | '.join(cells)} | {alarms} | {times[len(times) // 2]:.2f} |")
+    return rows
 
-{len(faults)} faulty and {len(healthy)} healthy scenarios (`nanguard.zoo`), each a short training run of the tiny
-GPT from the same seed. "Right module/op/phase" compares with the scenario's expectation; detect_anomaly
-names a backward node, compared by op name (`LogBackward0` ~ `aten.log.default`); DebugUnderflowOverflow
-names the module whose forward saw inf/nan first (its hooks are removed from the attention blocks, where it
-crashes on the bool mask). Distributed scenarios run for nanguard only: the reference tools have no notion
-of ranks.
+
+def _detail_row(s: Any, scores: dict[str, Score]) -> str:
+    cells = []
+    for tool in TOOLS:
+        sc = scores.get(tool)
+        if sc is None:
+            cells.append("not run")
+            continue
+        marks = "detected" if sc.detected else "missed"
+        if s.expect.cause is None:
+            marks = "false alarm" if sc.detected else "quiet (ok)"
+        elif sc.detected:
+            right = [k for k in FIELDS if getattr(sc, k)]
+            marks += f" ({', '.join(right)})" if right else ""
+        cells.append(marks + (f": `{sc.note}`" if sc.note and tool != "nanguard" else ""))
+    source = f" ({s.source})" if isinstance(s, WildScenario) else ""
+    return f"| {s.group} | {s.name}{source} | {s.expect.cause or 'healthy'} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ranks", type=int, default=1, help="2 also runs the distributed scenarios (nanguard only)")
+    parser.add_argument("--group", choices=("all", "gpt", "wild"), default="all", help="which zoo group to score")
+    args = parser.parse_args()
+    gpt = [s for s in SCENARIOS if s.ranks == 1 or args.ranks >= s.ranks] if args.group != "wild" else []
+    wild = list(WILD) if args.group != "gpt" else []
+    table = _run_all([*gpt, *wild])
+    head = "| group | tool | detected | right module | right op | right phase | cause named | right rank |"
+    lines = [head + " false alarms | median s / scenario |", "|---|---|" + "---:|" * 8]
+    lines += _summary_rows(table, gpt, "gpt") + _summary_rows(table, wild, "wild")
+    detail = ["| group | scenario | expected cause | " + " | ".join(TOOLS) + " |"]
+    detail.append("|---|---|---|" + "---|" * len(TOOLS))
+    detail += [_detail_row(s, table[s.name]) for s in [*gpt, *wild]]
+    n_healthy = sum(s.expect.cause is None for s in gpt)
+    counts = f"{len(gpt)} tiny-GPT scenarios ({n_healthy} healthy) and {len(wild)} wild ones"
+    title = "Fault zoo" + ("" if args.group == "all" else f", {args.group} group")
+    body = f"""## {title}: nanguard against the reference tools
+
+{counts}. The "gpt" group is `nanguard.zoo`'s short training runs of the tiny GPT from the same seed,
+nanguard under its `Guard`; the "wild" group rebuilds NaN bugs from public issue trackers (each names its
+report) as one faulty step of foreign code, nanguard through `ng.locate`. Each cell is right/named: a field
+counts only in the scenarios whose expectation names it (a data fault names no op, a divergence names only
+its cause), for every tool alike, and "n/a" where no scenario names it. Expectations come from the fault,
+not from any tool's output. detect_anomaly names a backward node, compared by op name (`LogBackward0` ~
+`aten.log.default`); DebugUnderflowOverflow names the module whose forward saw inf/nan first (its hooks are
+removed from the tiny GPT's attention blocks, where it crashes on the bool mask; a crash elsewhere is
+scored as a miss). Distributed scenarios run for nanguard only: the reference tools have no notion of ranks.
 
 {chr(10).join(lines)}
 
@@ -247,8 +307,10 @@ of ranks.
 
 </details>
 
-Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/zoo_compare.py --ranks 2` (needs the `bench` extra)."""
-    write_section("zoo-compare", body)
+Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/zoo_compare.py --ranks {args.ranks} --group {args.group}`
+(needs the `bench` extra)."""
+    # Each group has its own section, so one group can be rerun alone.
+    write_section("zoo-compare" if args.group == "all" else f"zoo-compare-{args.group}", body)
     print(body)
 
 

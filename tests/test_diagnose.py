@@ -54,6 +54,15 @@ CASES = [
     ({**_op("aten.exp.default", input_max=120.0), "kind": "inf"}, "op.exp_overflow", "max"),
     (_op("aten.div.Tensor", [{}, {"zeros": 1}]), "op.division_by_zero", "clamp_min(1)"),
     (_op("aten.mm.default"), "unknown", "input statistics"),
+    (_op("aten.std.correction", reduced_elements=1, correction=1.0), "op.division_by_zero", "std(correction=0)"),
+    (_op("aten.mean.default", reduced_elements=0, correction=0), "op.division_by_zero", "max(n, 1)"),
+    (_op("aten.smooth_l1_loss.default", reduced_elements=0, correction=0, targets=0, reduction=1),
+     "data.no_valid_targets", "reduction='sum'"),
+    ({**_op("aten.acos.default", [{"min": -0.2, "max": 1.03}]), "kind": "nan"}, "op.trig_domain", "clamp"),
+    ({"origin": {"category": "op", "op": "aten.sub.Tensor", "node": "LogsumexpBackward0", "phase": "backward",
+                 "inputs": [{"neginf": 5}, {"neginf": 1}]}, "kind": "nan"}, "op.masked_softmax", "finfo(dtype).min"),
+    ({**_op("aten.pow.Tensor_Scalar", [{"absmax": 1e20, "negative": 0}], input_max=1e20), "kind": "inf"},
+     "op.exp_overflow", "bound the argument"),
 ]  # fmt: skip
 
 
@@ -181,3 +190,108 @@ def test_rejudge_table(build, history, scale, cause, op_cause, new_why) -> None:
     if "origin" in before.evidence:
         assert after.evidence["origin"] == before.evidence["origin"]  # the op-level origin is kept
         assert after.evidence.get("history") == (history or None)
+
+
+# -- issue 11: reductions, low precision with large weights, domains; diag.also ----------
+def test_reductions_with_enough_elements_are_not_a_division_by_zero() -> None:
+    # n - correction = 1 > 0: std of two elements is finite, whatever else made the NaN.
+    assert diagnose(_op("aten.std.correction", reduced_elements=2, correction=1.0)).cause == "unknown"
+    assert diagnose(_op("aten.mean.default", reduced_elements=3, correction=0)).cause == "unknown"
+
+
+def test_a_mean_loss_over_some_targets_is_not_no_valid_targets() -> None:
+    ev = _op("aten.mse_loss.default", reduced_elements=0, correction=0, targets=4, reduction=1)
+    assert diagnose(ev).cause == "op.division_by_zero"
+
+
+def test_division_by_zero_evidence_names_count_and_correction() -> None:
+    why = diagnose(_op("aten.var.correction", reduced_elements=1, correction=1.0)).why
+    assert "1 element(s)" in why and "correction 1" in why and "n - correction = 0" in why
+
+
+def test_low_precision_overflow_with_large_weights_is_precision_with_init_scale_also() -> None:
+    fp32 = {"finite": True, "absmax": 1.0e5, "dtype": "float16", "dtype_max": 65504.0}
+    ev = {**_op("aten.mm.default", [{"absmax": 160.0}], fp32_recompute=fp32), "kind": "inf",
+          "weight_scale": {"max_ratio": 300.0, "module": "ff.wo"}}  # fmt: skip
+    verdict = diagnose(ev)
+    assert verdict.cause == "precision.overflow"
+    assert [a["cause"] for a in verdict.also] == ["init.scale"]
+    assert "ff.wo" in verdict.also[0]["why"] and "300x" in verdict.also[0]["why"]
+    # The same overflow where float32 overflows as well is the init's.
+    ev["origin"]["fp32_recompute"] = {**fp32, "finite": False}
+    assert diagnose(ev).cause == "init.scale"
+
+
+def test_log_of_zero_next_to_large_weights_is_log_domain_without_init_hint() -> None:
+    ev = {**_op("aten.log.default", [{"zeros": 1, "absmax": 1.0}]), "kind": "inf",
+          "weight_scale": {"max_ratio": 17.0, "module": "fc"}}  # fmt: skip
+    verdict = diagnose(ev)
+    assert verdict.cause == "op.log_domain" and verdict.also == []
+
+
+def test_log_rule_matches_log_nodes_only() -> None:
+    for node in ("LogsumexpBackward0", "LogSigmoidBackward0", "LogSoftmaxBackward0"):
+        ev = {"origin": {"category": "op", "op": "aten.mul.Tensor", "node": node, "phase": "backward",
+                         "inputs": [{}, {"zeros": 1}]}}  # fmt: skip
+        assert diagnose(ev).cause != "op.log_domain", node
+    for node in ("LogBackward0", "Log2Backward0", "Log10Backward0"):
+        ev = {"origin": {"category": "op", "op": "aten.div.Tensor", "node": node, "phase": "backward",
+                         "inputs": [{}, {"zeros": 1}]}}  # fmt: skip
+        assert diagnose(ev).cause == "op.log_domain", node
+
+
+def test_pow_of_a_huge_finite_value_is_not_a_sqrt_domain_error() -> None:
+    ev = {**_op("aten.pow.Tensor_Scalar", [{"absmax": 1e20, "negative": 0}], input_max=1e20), "kind": "inf"}
+    assert diagnose(ev).cause != "op.sqrt_domain"
+    ev = {**_op("aten.pow.Tensor_Scalar", [{"min": -3.0, "negative": 1}]), "kind": "nan"}
+    assert diagnose(ev).cause == "op.sqrt_domain"
+
+
+def test_acos_inside_its_domain_is_not_trig_domain() -> None:
+    ev = {**_op("aten.acos.default", [{"min": -0.5, "max": 0.5}]), "kind": "nan"}
+    assert diagnose(ev).cause == "unknown"
+
+
+def test_also_lists_other_fitting_causes_most_likely_first_without_the_winner() -> None:
+    ev = {**_op("aten.exp.default", [{"absmax": 1e5}], input_max=1e5), "kind": "inf",
+          "history": {"diverging": True, "metric": "loss", "growth": 50.0, "window": 4},
+          "weight_scale": {"max_ratio": 40.0, "module": "fc"}}  # fmt: skip
+    verdict = diagnose(ev)
+    causes = [a["cause"] for a in verdict.also]
+    assert verdict.cause == "init.scale"
+    assert causes == ["optimizer.divergence", "op.exp_overflow"]
+    assert all(a["why"] for a in verdict.also)
+
+
+def test_also_round_trips_and_shows_in_text() -> None:
+    diag = Diagnosis(cause="precision.overflow", kind="inf", op="aten.mm.default", module="ff.wo",
+                     evidence={"why": "overflowed"},
+                     also=[{"cause": "init.scale", "why": "weights of 'ff.wo' are 300x the fan-in scale"}])  # fmt: skip
+    back = Diagnosis.from_dict(json.loads(json.dumps(diag.to_dict())))
+    assert back == diag
+    assert "also" in str(diag) and "init.scale: weights of 'ff.wo' are 300x the fan-in" in str(diag)
+    with pytest.raises(ValueError, match="also"):
+        Diagnosis(cause="unknown", also=[{"cause": "no.such", "why": ""}])
+
+
+def test_rejudged_divergence_keeps_the_op_cause_in_also() -> None:
+    ev = {**_op("aten.exp.default", input_max=300.0), "kind": "inf", "why": "exp overflowed"}
+    diag = Diagnosis(cause="op.exp_overflow", kind="inf", op="aten.exp.default", evidence=ev)
+    out = rejudge(diag, history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5})
+    assert out.cause == "optimizer.divergence"
+    assert out.also and out.also[0]["cause"] == "op.exp_overflow"
+
+
+@pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0:UserWarning")
+def test_located_pow_overflow_and_one_sample_std() -> None:
+    import torch
+
+    import nanguard as ng
+
+    x = torch.tensor([1.0, -2.0], requires_grad=True)
+    diag = ng.locate(lambda: ((1e20 * x) ** 2).sum(), model=None)
+    assert diag is not None and diag.op == "aten.pow.Tensor_Scalar" and diag.cause != "op.sqrt_domain"
+    adv = torch.tensor([0.7], requires_grad=True)
+    diag = ng.locate(lambda: ((adv - adv.mean()) / (adv.std() + 1e-8)).sum())
+    assert diag is not None and diag.cause == "op.division_by_zero" and diag.op == "aten.std.correction"
+    assert diag.evidence["origin"]["reduced_elements"] == 1 and diag.evidence["origin"]["correction"] == 1

@@ -4,12 +4,30 @@ import json
 
 import pytest
 
+import nanguard as ng
 from nanguard.cli import main
-from nanguard.zoo import SCENARIOS
-from nanguard.zoo.runner import run_distributed, run_scenario
+from nanguard.zoo import SCENARIOS, build, get
+from nanguard.zoo.runner import run_distributed, run_scenario, run_wild
+from nanguard.zoo.wild import WILD
 
 SINGLE = [s for s in SCENARIOS if s.ranks == 1]
 DIST = [s for s in SCENARIOS if s.ranks > 1]
+# Wild scenarios whose fix is tracer-side work on another branch (module attribution under
+# compile / checkpointing / custom Functions, -inf fills and inputs, NaN writes), and one that
+# needs the provenance of a denominator (a count of the batch's labels).
+TRACER_SIDE = {"compile_log_zero", "checkpoint_reentrant_sqrt", "custom_function_backward",
+               "label_smoothing_masked_vocab", "masked_action_entropy", "neginf_input_feature",
+               "inplace_nan_index_write"}  # fmt: skip
+PROVENANCE = {"empty_mask_masked_mean"}
+
+
+def _wild_param(s):
+    if s.name in TRACER_SIDE:
+        return pytest.param(s, marks=pytest.mark.xfail(strict=False, reason="fixed by tracer-side work"))
+    if s.name in PROVENANCE:
+        reason = "needs the denominator's provenance from the batch (tracer-side)"
+        return pytest.param(s, marks=pytest.mark.xfail(strict=False, reason=reason))
+    return s
 
 
 def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:
@@ -19,7 +37,7 @@ def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:
     for cause in ("data.nonfinite", "data.index_out_of_range", "data.no_valid_targets", "parameters.nonfinite",
                   "op.log_domain", "op.sqrt_domain", "op.division_by_zero", "op.exp_overflow", "op.masked_softmax",
                   "norm.zero_variance", "precision.overflow", "precision.loss_scale", "optimizer.divergence",
-                  "optimizer.nonfinite_update", "init.scale", "distributed.transient",
+                  "optimizer.nonfinite_update", "distributed.transient",
                   "distributed.replica_divergence", None):  # fmt: skip
         assert cause in causes, cause
 
@@ -51,3 +69,41 @@ def test_zoo_cli_rejects_an_unknown_scenario(capsys) -> None:
     with pytest.raises(SystemExit) as err:
         main(["zoo", "--only", "no_such_fault"])
     assert err.value.code == 2 and "unknown scenario 'no_such_fault'" in capsys.readouterr().err
+
+
+def test_the_wild_group_is_big_enough_and_names_its_reports() -> None:
+    assert len(WILD) >= 14
+    names = [s.name for s in WILD] + [s.name for s in SCENARIOS]
+    assert len(set(names)) == len(names)
+    for s in WILD:
+        owner, _, number = s.source.partition("#")
+        assert "/" in owner and number.isdigit(), s.source
+        assert s.expect.cause is not None and s.basis, s.name
+
+
+@pytest.mark.parametrize("scenario", [_wild_param(s) for s in WILD], ids=lambda s: s.name)
+def test_wild_scenario(scenario) -> None:
+    result = run_wild(scenario)
+    assert result.first_bad_step == 0, "the plain step must go non-finite: the fault is real"
+    assert result.ok, result.to_dict()
+
+
+def test_huge_init_keeps_the_weight_scale_as_a_secondary_cause() -> None:
+    run = build(get("huge_init"))
+    diag = ng.locate(run.closure(run.batch(0)), model=run.model)
+    assert diag is not None and diag.cause == "precision.overflow"
+    assert diag.evidence["origin"]["fp32_recompute"]["finite"] is True
+    assert "init.scale" in [a["cause"] for a in diag.also]
+
+
+def test_zoo_cli_runs_a_wild_scenario_with_its_group(capsys) -> None:
+    code = main(["zoo", "--group", "wild", "--only", "ppo_std_one_sample", "--json"])
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert code == 0 and row["group"] == "wild" and row["got"]["cause"] == "op.division_by_zero"
+
+
+def test_zoo_rejects_an_unknown_group() -> None:
+    from nanguard.zoo.runner import run_zoo
+
+    with pytest.raises(ValueError, match="group must be one of"):
+        run_zoo(group="tame", as_json=True)

@@ -26,6 +26,7 @@ from nanguard.stats import INIT_RATIO_HIGH
 from nanguard.text import short_op as _short
 
 __all__ = [
+    "HINTS",
     "RULES",
     "Verdict",
     "communication_overflow",
@@ -47,6 +48,8 @@ class Verdict:
     cause: str
     why: str
     fixes: list[str] = field(default_factory=list)
+    also: list[dict[str, str]] = field(default_factory=list)
+    """Other causes that fit the evidence, most likely first: ``{"cause", "why"}`` each."""
 
 
 def _origin(ev: Evidence) -> dict[str, Any]:
@@ -63,6 +66,12 @@ def _where(o: dict[str, Any]) -> str:
 def _first_input(o: dict[str, Any]) -> dict[str, Any]:
     inputs = o.get("inputs") or [{}]
     return inputs[0]
+
+
+def _node_op(node: str) -> str:
+    """``LogBackward0`` -> ``log``, ``Log10Backward0`` -> ``log10``: the op an autograd node is the backward of."""
+    name = node.rstrip("0123456789")
+    return name.removesuffix("Backward").lower() if name.endswith("Backward") else ""
 
 
 # -- data ------------------------------------------------------------------------------
@@ -90,6 +99,8 @@ def index_out_of_range(ev: Evidence) -> Verdict | None:
 
 def no_valid_targets(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
+    if o.get("reduced_elements") == 0 and o.get("targets") == 0 and o.get("category") == "op":
+        return _empty_targets(o)
     if not str(o.get("op", "")).startswith("aten.nll_loss") or o.get("valid_targets") != 0:
         return None
     ignore = o.get("ignore_index", -100)
@@ -99,6 +110,20 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
         "to its prompt, or padding-only samples)",
         "use reduction='sum' and divide by max(number of valid targets, 1)",
         "run ng.check_batch(batch) in the data loader to drop such batches",
+    ]
+    return Verdict("data.no_valid_targets", why, fixes)
+
+
+def _empty_targets(o: dict[str, Any]) -> Verdict:
+    """A mean-reduced loss given no targets at all: the batch selected none (no positive anchor, an empty mask)."""
+    why = (
+        f"{o.get('op')} in {_where(o)} got 0 targets, so its mean over 0 elements is 0/0: the selection of "
+        "targets from the batch is empty (e.g. an image without a positive anchor, a mask that keeps nothing)"
+    )
+    fixes = [
+        "skip the loss term when the selection is empty: loss = pred[pos].sum() * 0 if not pos.any() else ...",
+        "use reduction='sum' and divide by max(number of selected targets, 1)",
+        "check the batch: samples without any valid target should be filtered or re-packed",
     ]
     return Verdict("data.no_valid_targets", why, fixes)
 
@@ -144,6 +169,22 @@ def nonfinite_parameters(ev: Evidence) -> Verdict | None:
     return Verdict("parameters.nonfinite", why, fixes)
 
 
+_PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention", "mul")
+
+
+def _input_absmax(o: dict[str, Any]) -> float:
+    return max((s.get("absmax") or 0.0 for s in o.get("inputs") or []), default=0.0)
+
+
+def _grown(ev: Evidence) -> bool:
+    """Is the origin an overflow of grown activations: a product of large weights, or inputs already huge?
+
+    log(0) next to large weights is a domain error, not the weights' doing.
+    """
+    o = _origin(ev)
+    return (ev.get("kind") == "inf" and _short(o.get("op")) in _PRODUCTS) or _input_absmax(o) >= 1e4
+
+
 def init_scale(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     # The guard passes the scale the run started from; locate alone sees the current one.
@@ -151,9 +192,13 @@ def init_scale(ev: Evidence) -> Verdict | None:
     ratio = scale.get("max_ratio") or 0.0
     if o.get("category") != "op" or ratio < INIT_RATIO_HIGH:
         return None
-    absmax = max((s.get("absmax") or 0.0 for s in o.get("inputs") or []), default=0.0)
-    if ev.get("kind") != "inf" and absmax < 1e4:
+    # A low-precision overflow that float32 computes finitely is precision, even with large
+    # (pretrained) weights: init.scale is for activations that blow up in float32 as well.
+    if (o.get("fp32_recompute") or {}).get("finite"):
         return None
+    if not _grown(ev):
+        return None
+    absmax = _input_absmax(o)
     why = (
         f"weights of '{scale.get('module')}' have rms x sqrt(fan_in) = {ratio:.3g} (healthy is "
         f"about 0.5-1), so activations grow by that factor per layer until {o.get('op')} "
@@ -208,14 +253,20 @@ def precision_overflow(ev: Evidence) -> Verdict | None:
 
 def masked_softmax(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    if _short(o.get("op")) not in ("_softmax", "_log_softmax", "_safe_softmax"):
+    node = str(o.get("node") or "")
+    if _short(o.get("op")) in ("_softmax", "_log_softmax", "_safe_softmax") and o.get("fully_masked_rows"):
+        why = (
+            f"{o['fully_masked_rows']} of {o.get('rows')} rows given to {o.get('op')} in {_where(o)} "
+            "are entirely -inf, and softmax of an all -inf row is 0/0"
+        )
+    elif _node_op(node) in ("logsumexp", "softmax", "logsoftmax") and _neginf_inputs(o) >= 2:
+        # The backward of logsumexp/softmax computes exp(x - result): -inf - (-inf) on an all -inf row.
+        why = (
+            f"{o.get('op')} in {node} ({_where(o)}) computed -inf - (-inf): a row given to "
+            f"{_node_op(node)} in forward was entirely -inf, so its gradient is exp(NaN)"
+        )
+    else:
         return None
-    if not o.get("fully_masked_rows"):
-        return None
-    why = (
-        f"{o['fully_masked_rows']} of {o.get('rows')} rows given to {o.get('op')} in {_where(o)} "
-        "are entirely -inf, and softmax of an all -inf row is 0/0"
-    )
     fixes = [
         "mask with torch.finfo(dtype).min instead of -inf, or give every query row at least one "
         "key (padding queries can attend to themselves)",
@@ -223,6 +274,10 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
         "drop all-padding samples: ng.check_batch flags them as data.fully_masked",
     ]
     return Verdict("op.masked_softmax", why, fixes)
+
+
+def _neginf_inputs(o: dict[str, Any]) -> int:
+    return sum(1 for x in o.get("inputs") or [] if x.get("neginf"))
 
 
 _NORM_NODES = ("LayerNorm", "GroupNorm", "BatchNorm", "RmsNorm", "RMSNorm")
@@ -253,10 +308,13 @@ def zero_variance(ev: Evidence) -> Verdict | None:
     return Verdict("norm.zero_variance", why, fixes)
 
 
+_LOG_OPS = ("log", "log2", "log10", "log_", "log2_", "log10_")
+
+
 def log_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node = _short(o.get("op")), str(o.get("node") or "")
-    in_log = op in ("log", "log2", "log10", "log_") or (node.startswith("Log") and "Softmax" not in node)
+    in_log = op in _LOG_OPS or _node_op(node) in _LOG_OPS
     if not in_log:
         return None
     x = _first_input(o)
@@ -275,6 +333,10 @@ def sqrt_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node = _short(o.get("op")), str(o.get("node") or "")
     forward = op in ("sqrt", "rsqrt", "pow", "sqrt_", "rsqrt_") and o.get("phase") == "forward"
+    # An Inf from pow (or rsqrt) of finite values with no negative base is an overflow or a
+    # division by zero, not a domain error.
+    if forward and op == "pow" and (ev.get("kind") != "nan" or not _first_input(o).get("negative")):
+        forward = False
     backward = any(node.startswith(n) for n in ("SqrtBackward", "RsqrtBackward", "PowBackward"))
     if not (forward or backward):
         return None
@@ -298,7 +360,7 @@ def exp_overflow(ev: Evidence) -> Verdict | None:
     if _short(o.get("op")) not in ("exp", "exp_", "pow") or ev.get("kind") != "inf":
         return None
     why = f"{o.get('op')} in {_where(o)} got inputs up to {o.get('input_max', 0):.3g}"
-    why += "; exp(x) overflows float32 above 88.7"
+    why += "; exp(x) overflows float32 above 88.7" if _short(o.get("op")) != "pow" else ": the power overflows"
     fixes = [
         "subtract the row max before exp: (x - x.amax(-1, keepdim=True)).exp(), "
         "or use torch.softmax / torch.logsumexp, which do",
@@ -310,6 +372,9 @@ def exp_overflow(ev: Evidence) -> Verdict | None:
 def division_by_zero(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node = _short(o.get("op")), str(o.get("node") or "")
+    count, correction = o.get("reduced_elements"), o.get("correction")
+    if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
+        return _too_few(o, count, correction)
     if op not in ("div", "div_", "reciprocal", "true_divide") and not node.startswith("DivBackward"):
         return None
     inputs = o.get("inputs") or []
@@ -325,6 +390,57 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
         "or add an eps: x / (d + 1e-8)",
     ]
     return Verdict("op.division_by_zero", why, fixes)
+
+
+def _too_few(o: dict[str, Any], count: int, correction: float) -> Verdict:
+    """A mean, std/var or mean-reduced loss over too few elements divides by n - correction <= 0."""
+    op = _short(o.get("op"))
+    why = f"{o.get('op')} in {_where(o)} reduced {count} element(s) with correction {correction:g}: "
+    why += f"it divides by n - correction = {count - correction:g}"
+    if o.get("source"):
+        why += f" at {o['source']}"
+    fixes = (
+        [
+            "guard the normalization: adv.std() is NaN for one sample (correction=1); use "
+            "(adv - adv.mean()) / (adv.std(correction=0) + 1e-8) or skip minibatches of size 1",
+            "make minibatches at least 2 samples (drop_last=True, or fold the remainder into the previous batch)",
+        ]
+        if op.startswith(("std", "var"))
+        else [
+            "a mean over an empty selection is 0/0: use x.sum() / max(n, 1), or skip the term when n == 0",
+            "check why the selection (a mask, x[idx]) is empty for this batch",
+        ]
+    )
+    return Verdict("op.division_by_zero", why, fixes)
+
+
+def trig_domain(ev: Evidence) -> Verdict | None:
+    o = _origin(ev)
+    op = _short(o.get("op"))
+    if op not in ("acos", "asin", "acos_", "asin_") or ev.get("kind") != "nan":
+        return None
+    x = _first_input(o)
+    lo, hi = x.get("min"), x.get("max")
+    outside = (isinstance(lo, (int, float)) and lo < -1) or (isinstance(hi, (int, float)) and hi > 1)
+    if not outside:
+        return None
+    why = f"{o.get('op')} in {_where(o)} got inputs in [{lo:.9g}, {hi:.9g}], outside its domain [-1, 1]"
+    why += ": a cosine computed as a dot product or (trace - 1) / 2 is rounded past 1"
+    fixes = [
+        "clamp the argument: torch.acos(x.clamp(-1 + 1e-7, 1 - 1e-7)) (the gradient at exactly +-1 is infinite too)",
+        "or use atan2(|a x b|, a . b), which needs no clamp and has a finite gradient",
+    ]
+    return Verdict("op.trig_domain", why, fixes)
+
+
+def _weight_scale_hint(ev: Evidence) -> Verdict | None:
+    """Weights large for their fan-in, given as a secondary cause when another wins."""
+    scale = ev.get("initial_weight_scale", ev.get("weight_scale")) or {}
+    ratio = scale.get("max_ratio") or 0.0
+    if ratio < INIT_RATIO_HIGH or _origin(ev).get("category") != "op" or not _grown(ev):
+        return None
+    why = f"weights of '{scale.get('module')}' are {ratio:.3g}x the 1/sqrt(fan_in) scale"
+    return Verdict("init.scale", why)
 
 
 # -- explicit writes of NaN/Inf (origin category "write", from the tracer) -------------
@@ -383,10 +499,13 @@ RULES: list[Callable[[Evidence], Verdict | None]] = [
     sqrt_domain,
     exp_overflow,
     division_by_zero,
+    trig_domain,
     # explicit writes
     mask_fill_in_loss,
     nan_write,
 ]
+# Rules that never name the cause, only add a secondary one to ``also``.
+HINTS: list[Callable[[Evidence], Verdict | None]] = [_weight_scale_hint]
 
 
 def diagnose(evidence: Evidence) -> Verdict:
@@ -397,11 +516,14 @@ def diagnose(evidence: Evidence) -> Verdict:
         ...                      "inputs": [{"zeros": 3}]}}).cause
         'op.log_domain'
     """
-    for rule in RULES:
-        verdict = rule(evidence)
-        if verdict is not None:
-            return verdict
-    return unknown(evidence)
+    fitting = [v for v in (rule(evidence) for rule in [*RULES, *HINTS]) if v is not None]
+    verdict = fitting[0] if fitting else unknown(evidence)
+    seen = {verdict.cause}
+    for other in fitting[1:]:
+        if other.cause not in seen:
+            seen.add(other.cause)
+            verdict.also.append({"cause": other.cause, "why": other.why})
+    return verdict
 
 
 # -- diagnoses the guard builds from its own state -------------------------------------
@@ -679,8 +801,9 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
         evidence["history"] = history
     verdict = diagnose(evidence)
     if verdict.cause == diag.cause:
-        return replace(diag, evidence=evidence)
+        return replace(diag, evidence=evidence, also=verdict.also if located else diag.also)
     evidence["op_cause"] = diag.cause
+    also = verdict.also if located else [{"cause": diag.cause, "why": str(diag.evidence.get("why", ""))}]
     if located:
         evidence["why"] = verdict.why
-    return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence)
+    return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence, also=also)

@@ -49,6 +49,7 @@ CAUSES: Mapping[str, str] = MappingProxyType(
         "op.nan_write": (
             "code wrote NaN/Inf into a tensor explicitly (index_put_/fill_/copy_), e.g. a missing-value marker"
         ),
+        "op.trig_domain": "acos/asin of a value outside [-1, 1] (a cosine rounded past 1)",
     }
 )
 
@@ -79,6 +80,8 @@ class Diagnosis:
         >>> diag = ng.locate(closure, model=model)
         >>> diag.cause, diag.op, diag.module, diag.phase
         ('op.log_domain', 'aten.log.default', 'head', 'forward')
+        >>> [a["cause"] for a in diag.also]   # other causes that fit, most likely first
+        []
         >>> print(diag)
     """
 
@@ -93,10 +96,15 @@ class Diagnosis:
     source: str | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
     fixes: list[str] = field(default_factory=list)
+    also: list[dict[str, str]] = field(default_factory=list)
+    """Other causes that fit the evidence, most likely first: ``{"cause": id, "why": one line}`` each."""
 
     def __post_init__(self) -> None:
         if self.cause not in CAUSES:
             raise ValueError(f"cause must be one of {sorted(CAUSES)}, got {self.cause!r}")
+        for other in self.also:
+            if not isinstance(other, Mapping) or other.get("cause") not in CAUSES:
+                raise ValueError(f"also must hold {{'cause': one of ng.CAUSES, 'why': str}} dicts, got {other!r}")
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.phase not in PHASES:

@@ -178,6 +178,7 @@ def diagnosis_text(diag: Diagnosis, *, evidence: bool = True) -> str:
     else:
         why = (diag.evidence or {}).get("why")
         facts = [("why", str(why))] if why else []
+        facts += [("also", f"{a.get('cause')}: {a.get('why', '')}") for a in diag.also or [] if isinstance(a, Mapping)]
     rows = [*where_lines(diag), *facts]
     rows += [("try" if i == 1 else "", f"{i}. {fix}") for i, fix in enumerate(diag.fixes, start=1)]
     width = max((len(label) for label, _ in rows), default=5)
@@ -259,6 +260,13 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
     scale = ev.get("weight_scale")
     if isinstance(scale, Mapping) and scale.get("max_ratio") is not None and float(scale["max_ratio"]) > 3:
         lines.append(("init", f"weight rms*sqrt(fan_in) reaches {fmt(scale['max_ratio'], 3)} in {scale.get('module')}"))
+    count, correction = origin.get("reduced_elements"), origin.get("correction")
+    if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
+        divisor = fmt(count - correction)
+        lines.append(("reduced", f"{count} element(s), correction {fmt(correction)}: divides by {divisor}"))
+    for other in diag.also or []:
+        if isinstance(other, Mapping):
+            lines.append(("also", f"{other.get('cause')}: {other.get('why', '')}"))
     if ev.get("error"):
         lines.append(("error", str(ev["error"])))
     elif origin.get("error"):

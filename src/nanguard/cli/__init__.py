@@ -74,7 +74,7 @@ def _zoo(args: argparse.Namespace) -> int:
 
         return print_scores(as_json=args.json)
     only = [name.strip() for value in args.only or () for name in value.split(",") if name.strip()]
-    return run_zoo(ranks=args.ranks, as_json=args.json, only=only or None, seed=args.seed)
+    return run_zoo(ranks=args.ranks, as_json=args.json, only=only or None, seed=args.seed, group=args.group)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zoo.add_argument("--seed", type=int, default=0, help="seed of the models' init and the data (default 0)")
     zoo.add_argument("--remedies", action="store_true", help="score skip, rollback and auto on the remedy scenarios")
+    zoo.add_argument("--group", default="all", choices=("all", "gpt", "wild"),
+                     help="tiny-GPT scenarios, wild ones (public bug reports, via ng.locate), or both")  # fmt: skip
     zoo.set_defaults(func=_zoo)
 
     report = sub.add_parser("report", help="summarize a run directory; --html writes a self-contained page")

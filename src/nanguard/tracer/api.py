@@ -167,6 +167,7 @@ def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: n
         source=origin.source,
         evidence=evidence,
         fixes=verdict.fixes,
+        also=verdict.also,
     )
 
 

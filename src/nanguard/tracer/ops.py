@@ -147,6 +147,10 @@ def creation_facts(func: Any, args: tuple, kwargs: dict, out: Any, module_eps: f
     if facts is not None:
         with contextlib.suppress(RuntimeError, IndexError, TypeError, ValueError, AttributeError):
             extra.update(facts(args))
+    counted = _lookup(_COUNTS, func)
+    if counted is not None:
+        with contextlib.suppress(RuntimeError, IndexError, TypeError, ValueError, AttributeError):
+            extra.update(counted(args, kwargs))
     extra.update(_fp32_recompute(func, args, kwargs, out))
     return extra
 
@@ -210,6 +214,45 @@ def _norm(args: tuple) -> dict[str, Any]:
 @op_facts(aten.exp, aten.exp_, aten.pow)
 def _growth(args: tuple) -> dict[str, Any]:
     return {"input_max": _finite_max(next(a for a in args if isinstance(a, torch.Tensor)))}
+
+
+# -- reductions over too few elements (a mean, std or mean-reduced loss over nothing) -------
+# These read kwargs too: std/var pass ``correction`` as a keyword.
+_COUNTS: dict[Any, Callable[[tuple, dict], dict[str, Any]]] = {}
+
+
+def _reduced(x: torch.Tensor, dim: Any) -> int:
+    """How many elements of ``x`` each output element of a reduction over ``dim`` sums."""
+    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        return int(x.numel())
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return math.prod(int(x.shape[d]) for d in dims) if x.dim() else 1
+
+
+def _std_var(args: tuple, kwargs: dict) -> dict[str, Any]:
+    correction = kwargs.get("correction")
+    correction = 1.0 if correction is None else float(correction)
+    return {"reduced_elements": _reduced(args[0], args[1] if len(args) > 1 else kwargs.get("dim")),
+            "correction": correction}  # fmt: skip
+
+
+def _mean(args: tuple, kwargs: dict) -> dict[str, Any]:
+    return {"reduced_elements": _reduced(args[0], args[1] if len(args) > 1 else kwargs.get("dim")), "correction": 0}
+
+
+def _loss(args: tuple, kwargs: dict) -> dict[str, Any]:
+    reduction = int(args[2]) if len(args) > 2 else int(kwargs.get("reduction", 1))
+    facts: dict[str, Any] = {"targets": int(args[1].numel()), "reduction": reduction}
+    if reduction == 1:  # mean: divides by the number of elements
+        facts.update(reduced_elements=int(args[0].numel()), correction=0)
+    return facts
+
+
+_MEAN_LOSSES = ("smooth_l1_loss", "mse_loss", "l1_loss", "huber_loss", "binary_cross_entropy",
+                "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div")  # fmt: skip
+_register(_COUNTS, tuple(_existing("std", "var", "std_mean", "var_mean")), _std_var)
+_register(_COUNTS, (aten.mean,), _mean)
+_register(_COUNTS, tuple(_existing(*_MEAN_LOSSES)), _loss)
 
 
 def _fp32_recompute(func: Any, args: tuple, kwargs: dict, out: Any) -> dict[str, Any]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -20,11 +21,12 @@ from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.zoo.dist_scenarios import EDGE_FAULTS, edge_rank
-from nanguard.zoo.scenarios import SCENARIOS, Run, Scenario, build, get
+from nanguard.zoo.scenarios import FIRST_BAD, SCENARIOS, Run, Scenario, WildScenario, build, get
+from nanguard.zoo.wild import WILD, get_wild
 
-__all__ = ["CorruptOnce", "Result", "dist_rank", "run_scenario", "run_zoo"]
+__all__ = ["GROUPS", "CorruptOnce", "Result", "dist_rank", "run_one", "run_scenario", "run_wild", "run_zoo"]
 
-FIELDS = ("cause", "op", "module", "phase", "kind", "rank")
+FIELDS = ("cause", "op", "module", "phase", "kind", "rank", "ranks")
 
 
 @dataclass
@@ -49,15 +51,21 @@ class Result:
             return self.got is None
         if self.got is None or not self.ranks_agree:
             return False
-        fields_ok = all(self.got.get(k) == self.expected[k] for k in FIELDS)
-        return fields_ok and self.got.get("step") == self.expected["step"] and self.steps_late in (0, None)
+        # Only what the expectation names is scored (see Expect).
+        fields_ok = all(self.got.get(k) == v for k, v in self.expected.items() if v is not None and k != "step")
+        step = self.first_bad_step if self.expected["step"] == FIRST_BAD else self.expected["step"]
+        return fields_ok and self.got.get("step") == step and self.steps_late in (0, None)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "steps_late": self.steps_late, "ok": self.ok}
 
 
-def _expected(s: Scenario) -> dict[str, Any]:
-    return {**{k: getattr(s.expect, k) for k in FIELDS}, "step": s.trip_step}
+def _expected(s: Scenario | WildScenario) -> dict[str, Any]:
+    step = s.trip_step if isinstance(s, Scenario) else 0
+    expected = {k: getattr(s.expect, k) for k in FIELDS}
+    if expected["ranks"] is not None:
+        expected["ranks"] = list(expected["ranks"])
+    return {**expected, "step": step}
 
 
 def _summarized(diag: Diagnosis | None, step: int | None) -> tuple[dict[str, Any] | None, int | None]:
@@ -67,7 +75,7 @@ def _summarized(diag: Diagnosis | None, step: int | None) -> tuple[dict[str, Any
 def _summary(diag: Diagnosis | None) -> dict[str, Any] | None:
     if diag is None:
         return None
-    return {**{k: getattr(diag, k) for k in FIELDS}, "step": diag.step}
+    return {**{k: getattr(diag, k) for k in FIELDS}, "ranks": list(diag.ranks), "step": diag.step}
 
 
 def _guarded(run: Run, model: torch.nn.Module, **config: Any) -> tuple[Diagnosis | None, int | None]:
@@ -102,6 +110,35 @@ def _first_bad_step(s: Scenario, seed: int) -> int | None:
             return step
         run.optimizer_step()
     return None
+
+
+def run_wild(s: WildScenario) -> Result:
+    """One wild scenario: ``ng.locate`` on its faulty step, and the same step run plainly for the reference."""
+    from nanguard.tracer.api import locate
+
+    case = s.build()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the faulty code's own warnings (std of one element, dynamo)
+        diag = locate(case.fn, *case.args, model=case.model)
+    seconds = time.perf_counter() - start
+    if diag is not None:
+        diag = replace(diag, step=0)
+    return Result(s.name, {**_expected(s), "step": 0}, _summary(diag), 0 if diag else None, _plain_bad(s), seconds)
+
+
+def _plain_bad(s: WildScenario) -> int | None:
+    """0 when the wild step run plainly gives a non-finite loss or gradient, else None."""
+    case = s.build()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = case.fn(*case.args)
+    except (IndexError, RuntimeError):
+        return 0
+    grads = [p.grad for p in case.model.parameters() if p.grad is not None]
+    finite = math.isfinite(float(loss.detach())) and all(bool(torch.isfinite(g).all()) for g in grads)
+    return None if finite else 0
 
 
 def run_scenario(s: Scenario, seed: int = 0) -> Result:
@@ -192,25 +229,50 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def run_zoo(*, ranks: int = 1, as_json: bool = False, only: Sequence[str] | str | None = None, seed: int = 0) -> int:
-    """Run the zoo (or the scenarios named in ``only``), print the scored table (or JSON); exit code 1 on any miss."""
+GROUPS = ("all", "gpt", "wild")
+
+
+def _select(group: str, names: list[str], ranks: int) -> list[Scenario | WildScenario]:
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
+    if names:
+        wild = {w.name for w in WILD}
+        return [get_wild(name) if name in wild else get(name) for name in names]
+    gpt = [s for s in SCENARIOS if s.ranks == 1 or ranks >= s.ranks] if group != "wild" else []
+    return [*gpt, *(WILD if group != "gpt" else ())]
+
+
+def run_one(s: Scenario | WildScenario, seed: int = 0) -> Result:
+    """Any zoo scenario: a wild one through ``ng.locate``, a distributed one on spawned ranks, else guarded."""
+    if isinstance(s, WildScenario):
+        return run_wild(s)
+    return run_distributed(s, seed) if s.ranks > 1 else run_scenario(s, seed)
+
+
+def run_zoo(
+    *, ranks: int = 1, as_json: bool = False, only: Sequence[str] | str | None = None, seed: int = 0, group: str = "all"
+) -> int:
+    """Run the zoo (``group`` "gpt", "wild" or "all", or the scenarios named in ``only``), print the scored
+    table (or JSON); exit code 1 on any miss."""
     from nanguard.report.terminal import Console
 
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     names = [only] if isinstance(only, str) else list(only or ())
-    scenarios = [get(name) for name in names] if names else [s for s in SCENARIOS if s.ranks == 1 or ranks >= s.ranks]
+    scenarios = _select(group, names, ranks)
     console = Console()
     results: list[Result] = []
     progress = console.progress(len(scenarios), "zoo") if not as_json else _quiet(len(scenarios))
     with progress as advance:
         for s in scenarios:
-            result = run_distributed(s, seed) if s.ranks > 1 else run_scenario(s, seed)
+            result = run_one(s, seed)
             results.append(result)
             advance(f"{s.name:<32} {'ok' if result.ok else 'MISS'}  {result.seconds:.1f}s")
     misses = [r for r in results if not r.ok]
+    groups = {s.name: s.group for s in scenarios}
     if as_json:
-        print(json.dumps({"results": [r.to_dict() for r in results], "total": len(results), "misses": len(misses)}))
+        rows = [{**r.to_dict(), "group": groups[r.name]} for r in results]
+        print(json.dumps({"results": rows, "total": len(results), "misses": len(misses)}))
         return 1 if misses else 0
     rows = []
     for r in results:
@@ -218,16 +280,19 @@ def run_zoo(*, ranks: int = 1, as_json: bool = False, only: Sequence[str] | str 
         exp = r.expected
 
         def pair(key: str, got: dict[str, Any] = got, exp: dict[str, Any] = exp) -> str:
-            same = got.get(key) == exp.get(key)
-            return _cell(exp.get(key)) if same else f"{_cell(exp.get(key))} / {_cell(got.get(key))}"
+            want = exp.get(key)
+            if want is None and exp.get("cause") is not None:
+                return "n/a" if got.get(key) is None else f"n/a / {_cell(got.get(key))}"
+            same = got.get(key) == want
+            return _cell(want) if same else f"{_cell(want)} / {_cell(got.get(key))}"
 
-        rows.append([r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"), pair("step"),
-                     _cell(r.steps_late), "ok" if r.ok else "MISS"])  # fmt: skip
+        rows.append([groups[r.name], r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"),
+                     pair("step"), _cell(r.steps_late), "ok" if r.ok else "MISS"])  # fmt: skip
     # Console.table: rich on a terminal, full-width aligned columns when piped (never cut to 80).
-    columns = ("scenario", "cause (expected / got)", "op", "module", "phase", "rank", "step", "late", "ok")
+    columns = ("group", "scenario", "cause (expected / got)", "op", "module", "phase", "rank", "step", "late", "ok")
     console.table(columns, rows, title="nanguard fault zoo")
     console.line(f"{len(results) - len(misses)}/{len(results)} scenarios right; {len(misses)} miss(es)")
-    if ranks == 1 and any(s.ranks > 1 for s in SCENARIOS) and not names:
+    if ranks == 1 and group != "wild" and any(s.ranks > 1 for s in SCENARIOS) and not names:
         console.line("distributed scenarios skipped: run `nanguard zoo --ranks 2` to include them")
     return 1 if misses else 0
 

@@ -1,0 +1,27 @@
+"""The zoo's "wild" group: NaN bugs reported in public issue trackers, rebuilt small.
+
+Each scenario is one faulty step of code nobody here wrote (a loss, a model, a training
+step from the report), run through ``ng.locate``. ``expect`` is derived from the fault as
+the report describes it (which op makes the first non-finite value, in which module, and
+why), never from nanguard's output; ``basis`` says what it rests on. The cases live in
+``wild_losses`` (loss and training-step code), ``wild_models`` (model code) and
+``wild_masks`` (masks, fills and writes).
+"""
+
+from __future__ import annotations
+
+from nanguard.zoo import wild_losses, wild_masks, wild_models
+from nanguard.zoo.scenarios import WildScenario
+
+__all__ = ["WILD", "get_wild"]
+
+
+WILD: tuple[WildScenario, ...] = (*wild_losses.SCENARIOS, *wild_models.SCENARIOS, *wild_masks.SCENARIOS)
+
+
+def get_wild(name: str) -> WildScenario:
+    for scenario in WILD:
+        if scenario.name == name:
+            return scenario
+    names = ", ".join(s.name for s in WILD)
+    raise ValueError(f"unknown wild scenario {name!r}; choose one of: {names}")
