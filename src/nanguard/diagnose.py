@@ -14,6 +14,7 @@ with the run's history: pure functions of their arguments.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -284,10 +285,15 @@ _NORM_NODES = ("LayerNorm", "GroupNorm", "BatchNorm", "RmsNorm", "RMSNorm")
 _NORM_OPS = ("_layer_norm", "_group_norm", "_batch_norm", "rms_norm")
 
 
+# Normalization layers are named *Norm by convention (LayerNorm, LlamaRMSNorm, T5LayerNorm,
+# BatchNorm2d); a NormBlock or Normalizer that divides by an L2 norm is not one.
+_NORM_LAYER = re.compile(r"Norm(\d+d)?$")
+
+
 def zero_variance(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
-    in_norm = any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES) or "Norm" in mtype
+    in_norm = any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES) or _NORM_LAYER.search(mtype)
     if not in_norm:
         return None
     eps = o.get("norm_eps", o.get("module_eps"))
