@@ -6,10 +6,9 @@ own data and compute make.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,23 +30,12 @@ from nanguard.guard.history import History
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
+from nanguard.tracer.compiled import eager
 from nanguard.tracer.module_stats import module_stats
 
 __all__ = ["Diagnoser", "Replayed", "replay_trip"]
 
 log = logging.getLogger("nanguard")
-
-
-@contextlib.contextmanager
-def _eager() -> Iterator[None]:
-    """A torch.compile'd model replays eagerly: the tracer and the statistics hooks would
-    otherwise recompile it on every replay (minutes on CPU), and eager ops are what it names.
-    The hooks torch warns about there are the replay's own."""
-    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-        with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
-            yield
 
 
 @dataclass
@@ -109,7 +97,7 @@ class Diagnoser:
         replayed = Replayed(None, located=False)
         if self.locate and closure is not None:
             log.info("nanguard: replaying step %d under the tracer…", h.step)
-            with _eager():
+            with eager():
                 replayed = replay_trip(
                     self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats
                 )
