@@ -42,6 +42,9 @@ CAUSES: Mapping[str, str] = MappingProxyType(
         "distributed.replica_divergence": "model replicas hold different parameters across ranks",
         "distributed.transient": "the step does not reproduce on replay: hardware, communication or nondeterminism",
         "unknown": "none of the above fits: the evidence is still reported",
+        "step.not_reproduced": (
+            "the step went non-finite but its replay is finite: nondeterminism, hardware, or a borderline value"
+        ),
     }
 )
 

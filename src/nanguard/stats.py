@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,11 +14,13 @@ __all__ = [
     "INIT_RATIO_HIGH",
     "INIT_RATIO_LOW",
     "fan_in",
+    "float_groups",
     "grad_health",
     "init_ratio",
     "is_float",
     "local",
     "tensor_stats",
+    "total_norm",
 ]
 
 
@@ -82,27 +84,70 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     return out
 
 
+def float_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` as local, dense tensors grouped by device and dtype: one foreach kernel each.
+
+    A sparse gradient counts by its coalesced values (an uncoalesced one may repeat an index).
+
+    Example:
+        >>> [len(g) for g in float_groups([torch.ones(2), torch.ones(3), torch.ones(2, dtype=torch.float16)])]
+        [2, 1]
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        t = local(t)
+        if t.is_sparse:
+            t = t.coalesce().values()
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """L2 norm over every tensor of ``groups`` as one float32 device scalar: NaN/Inf exactly when
+    some element is, and finite for finite inputs (a norm past the float32 range reads as its max).
+
+    Squares are summed in float64 where that costs nothing (CUDA: the kernel is memory-bound). On
+    CPU, where a value can be read without a device sync, a float32 sum that overflowed is summed
+    again in float64; the common step pays one float32 pass. Other devices sum in float32.
+
+    Example:
+        >>> 1.9e20 < total_norm([[torch.full((4,), 1e20)]]).item() < 2.1e20
+        True
+    """
+    groups = [g for g in groups if g]
+    if not groups:
+        return torch.zeros((), dtype=torch.float32)
+    device = groups[0][0].device
+    total = _norm_of_norms(groups, device, _ACCUMULATE.get(device.type, torch.float32))
+    if device.type == "cpu" and math.isinf(total.item()):
+        total = _norm_of_norms(groups, device, torch.float64)
+    if total.dtype != torch.float32:
+        big = torch.finfo(torch.float32).max
+        total = torch.where(torch.isinf(total), total, total.clamp(max=big)).float()
+    return total
+
+
+_ACCUMULATE = {"cuda": torch.float64}
+
+
+def _norm_of_norms(groups: list[list[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
+    # One foreach kernel per group; the per-tensor norms are combined in float64 (a short vector).
+    combine = torch.float32 if device.type == "mps" else torch.float64
+    parts = [torch.stack(compat.foreach_norm(ts, 2.0, dtype=acc)).to(device, combine) for ts in groups]
+    return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+
 def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """Total L2 norm of ``grads`` as one float32 device scalar (NaN/Inf when any is non-finite).
 
-    Uses ``torch._foreach_norm`` (through ``compat``) grouped by device and dtype: a handful
-    of kernels, no Python loop of host reads.
+    Finite gradients never overflow it (see ``total_norm``): one foreach kernel per device and
+    dtype, no Python loop of host reads.
+
+    Example:
+        >>> grad_health([torch.full((3,), 1e20), torch.ones(2)]).isfinite().item()
+        True
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        g = local(g)
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    if not groups:
-        return torch.zeros((), dtype=torch.float32)
-    device = next(iter(groups))[0]
-    # One norm per (device, dtype) group, then the norm of those norms: no per-tensor Python work.
-    parts = [
-        torch.linalg.vector_norm(torch.stack(compat.foreach_norm(ts, 2.0, dtype=torch.float32)), dtype=torch.float32)
-        for ts in groups.values()
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]))
+    return total_norm(float_groups(grads))
 
 
 # The init ratio is rms(weight) * sqrt(fan_in): PyTorch's default init gives ~0.58,
