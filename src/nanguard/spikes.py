@@ -1,8 +1,12 @@
 """Robust, adaptive spike detectors for the loss and the gradient norm.
 
-A rolling median and MAD (median absolute deviation) over a window of recent *finite*
-values; a value whose robust z-score passes the threshold is a spike. Non-finite values
-never enter the window, so one NaN cannot poison the statistics that follow.
+A rolling window of recent *finite* values; a value whose robust z-score passes the threshold
+is a spike. Non-finite values never enter the window, so one NaN cannot poison the
+statistics that follow.
+
+Positive series (a loss, a grad norm) are scored in log space: their noise is multiplicative
+and right-skewed, and a spike is a *ratio* to the recent level: scored linearly, the long
+upper tail of a noisy loss passes a median/MAD threshold far more often than its nominal rate.
 """
 
 from __future__ import annotations
@@ -10,12 +14,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from typing import Any
 
 __all__ = ["Spike", "SpikeDetector"]
 
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its std
+_LOG_FLOOR = 0.02  # scale floor in log space: with the default threshold, no rise under ~13% is a spike
 
 
 @dataclass(frozen=True)
@@ -55,14 +59,24 @@ class SpikeDetector:
             return None
         spike = None
         if len(self.values) >= self.warmup:
-            med = median(self.values)
-            mad = median(abs(v - med) for v in self.values)
-            scale = _MAD_TO_STD * mad + 1e-3 * abs(med) + 1e-12
-            score = (value - med) / scale
+            score, med = self.score(value)
             if score > self.threshold:
                 spike = Spike(self.metric, value, med, score)
         self.values.append(value)
         return spike
+
+    def score(self, value: float) -> tuple[float, float]:
+        """The robust z-score of ``value`` against the window, and the window's median."""
+        window = sorted(self.values)
+        med = _median(window)
+        if value > 0 and window[0] > 0:
+            logs = [math.log(v) for v in window]
+            center, floor, x = math.log(med), _LOG_FLOOR, math.log(value)
+        else:
+            logs, center, floor, x = window, med, 1e-3 * abs(med) + 1e-12, value
+        mad = _median(sorted(abs(v - center) for v in logs))
+        scale = max(_MAD_TO_STD * mad, floor)
+        return (x - center) / scale, med
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": list(self.values)}
@@ -70,3 +84,8 @@ class SpikeDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.clear()
         self.values.extend(float(v) for v in state.get("values", []))
+
+
+def _median(ordered: list[float]) -> float:
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
