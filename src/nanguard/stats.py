@@ -118,23 +118,24 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     if not groups:
         return torch.zeros((), dtype=torch.float32)
     device = groups[0][0].device
-    total = _norm_of_norms(groups, device, _ACCUMULATE.get(device.type, torch.float32))
+    acc = _ACCUMULATE.get(device.type, torch.float32)
+    total = _norm_of_norms(groups, device, acc)
     if device.type == "cpu" and math.isinf(total.item()):
-        total = _norm_of_norms(groups, device, torch.float64)
-    if total.dtype != torch.float32:
-        big = torch.finfo(torch.float32).max
-        total = torch.where(torch.isinf(total), total, total.clamp(max=big)).float()
-    return total
+        acc, total = torch.float64, _norm_of_norms(groups, device, torch.float64)
+    if acc == torch.float32:
+        return total
+    big = torch.finfo(torch.float32).max
+    return torch.where(torch.isinf(total), total, total.clamp(max=big)).float()
 
 
 _ACCUMULATE = {"cuda": torch.float64}
 
 
 def _norm_of_norms(groups: list[list[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
-    # One foreach kernel per group; the per-tensor norms are combined in float64 (a short vector).
-    combine = torch.float32 if device.type == "mps" else torch.float64
-    parts = [torch.stack(compat.foreach_norm(ts, 2.0, dtype=acc)).to(device, combine) for ts in groups]
-    return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
+    # One foreach kernel per group, then the norm of the per-tensor norms (a short vector).
+    parts = [torch.stack(compat.foreach_norm(ts, 2.0, dtype=acc)) for ts in groups]
+    flat = parts[0] if len(parts) == 1 else torch.cat([p.to(device) for p in parts])
+    return torch.linalg.vector_norm(flat)
 
 
 def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:

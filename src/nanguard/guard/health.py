@@ -121,33 +121,36 @@ class HealthCheck:
         self.scaler = scaler
         self.comm = comm
         self.param_check_every = param_check_every
-        self._param_flag: torch.Tensor | None = None
+        self._param_norm: torch.Tensor | None = None
 
     def measure(self, loss: Any) -> DeviceHealth:
         gn = self._grad_norm()
         device = gn.device if gn is not None else _device_of(loss)
         gn = gn if gn is not None else torch.zeros((), device=device)
         if isinstance(loss, torch.Tensor):
-            lv = loss.detach().float().reshape(-1)[0].to(device)
+            lv = loss.detach().reshape(-1)[0].to(device, torch.float32)
         else:
             lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
-        grads_bad = ~torch.isfinite(gn)
-        local = ~torch.isfinite(lv)
+        # One isfinite over [loss, grad norm, parameter norm]: few kernels on the step's path.
+        values = [lv, gn] if self._param_norm is None else [lv, gn, self._param_norm.to(device)]
+        bad = torch.isfinite(torch.stack(values)).logical_not_()
+        loss_bad, grads_bad = bad[0], bad[1]
+        local = loss_bad
         pre_comm = self.comm.local_flag(device)
         if pre_comm is not None:
             local = local | pre_comm  # this rank's own gradients, before DDP averaged them
         elif not dist.is_distributed():
-            local = local | grads_bad
+            local = bad[:2].any()
         if self.scaler is not None:
             # Overflowing gradients are the scaler's business; only a bad loss is a trip here.
             scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
-            local, grads_bad = ~torch.isfinite(lv), torch.zeros_like(grads_bad)
+            flags = loss_bad.to(torch.int32) * HealthFlag.LOCAL
         else:
             scale = gn.new_ones(())
-        flags = local.to(torch.int32) * HealthFlag.LOCAL + grads_bad.to(torch.int32) * HealthFlag.SYNCED
-        if self._param_flag is not None:
-            flags = flags + self._param_flag.to(device).to(torch.int32) * HealthFlag.PARAMS
-            self._param_flag = None
+            flags = local.to(torch.int32) * HealthFlag.LOCAL + grads_bad.to(torch.int32) * HealthFlag.SYNCED
+        if self._param_norm is not None:
+            flags = flags + bad[2].to(torch.int32) * HealthFlag.PARAMS
+            self._param_norm = None
         return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
 
     def after_update(self, step: int) -> None:
@@ -156,7 +159,7 @@ class HealthCheck:
         if every and step % every == 0:
             with torch.no_grad():
                 groups = self._groups if self._groups is not None else float_groups(self.params)
-                self._param_flag = ~torch.isfinite(total_norm(groups))
+                self._param_norm = total_norm(groups)  # non-finite exactly when a parameter is
 
     def _grad_norm(self) -> torch.Tensor | None:
         """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
@@ -171,7 +174,7 @@ class HealthCheck:
 
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored."""
-        self._param_flag = None
+        self._param_norm = None
 
 
 def _device_of(loss: Any) -> torch.device:
