@@ -7,6 +7,8 @@ statistics that follow.
 Positive series (a loss, a grad norm) are scored in log space: their noise is multiplicative
 and right-skewed, and a spike is a *ratio* to the recent level: scored linearly, the long
 upper tail of a noisy loss passes a median/MAD threshold far more often than its nominal rate.
+Clean runs still throw the odd value at twice the median, so a spike must also be at least
+twice the largest value in the window.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 __all__ = ["Spike", "SpikeDetector"]
 
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its std
+_PEAK_RATIO = 2.0  # a positive value must be this many times the window's largest to be a spike
 _LOG_FLOOR = 0.02  # scale floor in log space: with the default threshold, no rise under ~13% is a spike
 
 
@@ -60,7 +63,7 @@ class SpikeDetector:
         spike = None
         if len(self.values) >= self.warmup:
             score, med = self.score(value)
-            if score > self.threshold:
+            if score > self.threshold and self._above_recent_peak(value):
                 spike = Spike(self.metric, value, med, score)
         self.values.append(value)
         return spike
@@ -77,6 +80,12 @@ class SpikeDetector:
         mad = _median(sorted(abs(v - center) for v in logs))
         scale = max(_MAD_TO_STD * mad, floor)
         return (x - center) / scale, med
+
+    def _above_recent_peak(self, value: float) -> bool:
+        # Clean losses and grad norms have heavy right tails: a value twice the median comes every
+        # few hundred steps, so a spike must also clear the window's own peak by a margin.
+        peak = max(self.values)
+        return value >= peak * _PEAK_RATIO if peak > 0 else value > peak
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": list(self.values)}
