@@ -15,7 +15,6 @@ __all__ = [
     "INIT_RATIO_LOW",
     "fan_in",
     "float_groups",
-    "grad_health",
     "init_ratio",
     "is_float",
     "local",
@@ -136,19 +135,6 @@ def _norm_of_norms(groups: list[list[torch.Tensor]], device: torch.device, acc: 
     parts = [torch.stack(compat.foreach_norm(ts, 2.0, dtype=acc)) for ts in groups]
     flat = parts[0] if len(parts) == 1 else torch.cat([p.to(device) for p in parts])
     return torch.linalg.vector_norm(flat)
-
-
-def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Total L2 norm of ``grads`` as one float32 device scalar (NaN/Inf when any is non-finite).
-
-    Finite gradients never overflow it (see ``total_norm``): one foreach kernel per device and
-    dtype, no Python loop of host reads.
-
-    Example:
-        >>> grad_health([torch.full((3,), 1e20), torch.ones(2)]).isfinite().item()
-        True
-    """
-    return total_norm(float_groups(grads))
 
 
 # The init ratio is rms(weight) * sqrt(fan_in): PyTorch's default init gives ~0.58,
