@@ -115,9 +115,9 @@ GUARD_CASES = [
     (lambda: transient_fault(step=2, loss=1.0, grad_norm=float("inf"), flagged_ranks=[0], located=False,
                              distributed=False),
      ("unknown", "backward", "inf", None, None), "hardware"),
-    # distributed.* needs torch.distributed: a single process that does not reproduce is unknown
+    # distributed.* needs torch.distributed: a single process that does not reproduce says just that
     (lambda: transient_fault(step=2, loss=NAN, grad_norm=NAN, flagged_ranks=[0], located=True, distributed=False),
-     ("unknown", "backward", "nan", None, None), "hardware"),
+     ("step.not_reproduced", "backward", "nan", None, None), "hardware"),
     (lambda: loss_scale_collapse(step=9, scale=2.0**-10, floor=2.0**-8, streak=7, overflows=9, rank=None),
      ("precision.loss_scale", "backward", "inf", None, None), "bfloat16"),
     (lambda: replica_divergence(step=4, ranks=[1, 3], first_parameter="h.0.fc.weight"),
@@ -172,7 +172,8 @@ REJUDGE_CASES = [
     (lambda: _located("unknown", _BMM, "inf"), {}, {"max_ratio": 0.5}, "unknown", None, False),
     (_update, DIVERGING, None, "optimizer.divergence", "optimizer.nonfinite_update", False),
     (_update, CALM, None, "optimizer.nonfinite_update", None, False),
-    (_transient, DIVERGING, None, "distributed.transient", None, False),
+    (_transient, DIVERGING, None, "optimizer.divergence", "distributed.transient", True),
+    (_transient, CALM, None, "distributed.transient", None, False),
 ]  # fmt: skip
 
 

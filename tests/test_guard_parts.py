@@ -87,3 +87,115 @@ def test_null_recorder_without_run_dir_and_a_real_one_with(tmp_path) -> None:
     recorder.skip(3, "a reason")
     recorder.close()
     assert '"reason":"a reason"' in (tmp_path / "events-rank2.jsonl").read_text()
+
+
+# -- the fused health check against a plain per-tensor reference ---------------------------------
+def _reference(tensors: list[torch.Tensor]) -> tuple[float, bool]:
+    """The slow path: every tensor's values in float64, one by one."""
+    vals = [(t.coalesce().values() if t.is_sparse else t).detach().double().flatten() for t in tensors]
+    flat = torch.cat(vals) if vals else torch.zeros(0, dtype=torch.float64)
+    return float(flat.norm()), bool(torch.isfinite(flat).all())
+
+
+def _params(dtype: torch.dtype, bad: float | None, where: str) -> list[nn.Parameter]:
+    torch.manual_seed(0)
+    # the third is empty (an empty gradient); the last is float32 beside the others, as norms often are
+    params = [nn.Parameter(torch.randn(n).to(dtype)) for n in (5, 7, 0)] + [nn.Parameter(torch.randn(4))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    params[1].grad = None  # a parameter without a gradient
+    if bad is not None:
+        target = params[0].grad if where == "grad" else params[3]
+        with torch.no_grad():
+            target[2] = bad
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("bad", "where"), [(None, "grad"), (float("nan"), "grad"), (float("inf"), "grad"),
+                                            (float("-inf"), "param"), (float("nan"), "param")])  # fmt: skip
+def test_fused_check_flags_what_the_slow_path_flags(dtype: torch.dtype, bad: float | None, where: str) -> None:
+    params = _params(dtype, bad, where)
+    check = HealthCheck(params, scaler=None, comm=CommWatch(), param_check_every=1)
+    check.after_update(0)
+    measured = check.measure(torch.tensor(1.0))
+    h = measured.read(1, measured.agree(sharded=False), scaled=False)
+    norm, grads_finite = _reference([p.grad for p in params if p.grad is not None])
+    _, params_finite = _reference(params)
+    assert (h.bad_ranks == [0]) == (not grads_finite) and h.synced_bad == (not grads_finite)
+    assert (h.ranks_with(HealthFlag.PARAMS) == [0]) == (not params_finite)
+    if grads_finite:
+        assert h.grad_norm == pytest.approx(norm, rel=1e-5)
+
+
+def test_sparse_and_missing_gradients_are_measured_like_dense_ones() -> None:
+    emb, lin = nn.Embedding(10, 3, sparse=True), nn.Linear(3, 2)
+    params = [*emb.parameters(), *lin.parameters(), nn.Parameter(torch.ones(2))]  # the last never gets a grad
+    check = HealthCheck(params, scaler=None, comm=CommWatch(), param_check_every=1)
+    for ids in ([1, 1, 4], [2, 9, 9]):  # repeated ids: an uncoalesced sparse gradient
+        lin(emb(torch.tensor(ids))).sum().backward()
+        measured = check.measure(torch.tensor(1.0))
+        h = measured.read(0, measured.agree(sharded=False), scaled=False)
+        assert emb.weight.grad.is_sparse and h.rank_flags == (HealthFlag.OK,)
+        assert h.grad_norm == pytest.approx(_reference([p.grad for p in params if p.grad is not None])[0], rel=1e-5)
+    check.after_update(0)  # the parameter check works on the slow path too
+    assert check.measure(torch.tensor(1.0)).flags.item() == 0
+
+
+def test_no_gradients_at_all() -> None:
+    check = HealthCheck([nn.Parameter(torch.ones(2))], scaler=None, comm=CommWatch(), param_check_every=1)
+    measured = check.measure(torch.tensor(float("nan")))
+    h = measured.read(0, measured.agree(sharded=False), scaled=False)
+    assert h.grad_norm == 0.0 and h.bad_ranks == [0]
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e30])
+def test_finite_huge_gradients_do_not_overflow_the_norm(scale: float) -> None:
+    w = nn.Parameter(torch.zeros(1000))
+    w.grad = torch.full((1000,), scale)  # the float32 sum of squares would be >= 1e43
+    check = _check(w)
+    check.after_update(0)
+    measured = check.measure(torch.tensor(1.0))
+    h = measured.read(0, measured.agree(sharded=False), scaled=False)
+    assert h.rank_flags == (HealthFlag.OK,)
+    assert h.grad_norm == pytest.approx(scale * 1000**0.5, rel=1e-5)
+
+
+def test_growing_finite_gradients_then_a_nan_are_divergence() -> None:
+    import nanguard as ng
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    guard = ng.Guard(model, torch.optim.SGD(model.parameters(), lr=0.0), policy="raise")
+    x = torch.randn(4, 8)
+    for k in range(5):  # gradients ~1e18 .. 1e22: finite, each step 10x the last
+        guard.step(lambda k=k: _scaled_loss(model, x, 10.0 ** (18 + k)))
+    assert guard.skipped == 0
+    assert all(1e17 < p.grad_norm < 1e24 for p in guard.history)
+    with pytest.raises(ng.NonFiniteError) as info:
+        guard.step(lambda: _scaled_loss(model, x, 1e39))  # float32 overflow: a real Inf at last
+    diag = info.value.diagnosis
+    assert diag.cause == "optimizer.divergence" and diag.evidence["history"]["growth"] >= 1e3
+
+
+def _scaled_loss(model: nn.Module, x: torch.Tensor, scale: float) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean() * scale
+    loss.backward()
+    return loss
+
+
+# -- non-reproduction outside torch.distributed ----------------------------------------------------
+def test_a_single_process_step_that_does_not_reproduce_claims_no_distribution() -> None:
+    from nanguard.diagnose import rejudge, transient_fault
+    from nanguard.findings import CAUSES
+
+    assert "distribut" not in CAUSES["step.not_reproduced"]
+    diag = transient_fault(step=3, loss=float("nan"), grad_norm=1.0, flagged_ranks=[0], located=True,
+                           distributed=False)  # fmt: skip
+    assert diag.cause == "step.not_reproduced" and diag.rank is None and diag.ranks == []
+    assert not any("NCCL" in fix for fix in diag.fixes)
+    grew = {"diverging": True, "metric": "loss", "growth": 50.0, "window": 4, "lr": 1.0}
+    after = rejudge(diag, history=grew)
+    assert after.cause == "optimizer.divergence" and after.evidence["op_cause"] == "step.not_reproduced"
+    assert rejudge(diag, history={**grew, "diverging": False}).cause == "step.not_reproduced"

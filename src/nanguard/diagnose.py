@@ -589,29 +589,41 @@ def transient_fault(
 ) -> Diagnosis:
     """A step went non-finite but no rank's replay reproduces it (or no replay ran: ``located`` False).
 
-    ``distributed.transient`` needs torch.distributed; a single process that does not
-    reproduce its own fault gets ``unknown``, with the same evidence.
+    ``distributed.transient`` needs torch.distributed; a single process whose replay is finite
+    gets ``step.not_reproduced``, which claims no distribution; without a replay it is ``unknown``.
+
+    Example:
+        >>> transient_fault(step=4, loss=float("nan"), grad_norm=1.0, flagged_ranks=[0], located=True,
+        ...                 distributed=False).cause
+        'step.not_reproduced'
     """
     if located:
         why = "the step went non-finite, but replaying it from the same RNG state and parameters"
         why += " on every rank gives finite values" if distributed else " gives finite values"
+        cause = "distributed.transient" if distributed else "step.not_reproduced"
     else:
-        why = "the step went non-finite (locate is off, so no replay was run)"
+        why, cause = "the step went non-finite (locate is off, so no replay was run)", "unknown"
+    fixes = [
+        "a fault that does not reproduce points at hardware (a flaky GPU, memory errors), "
+        + ("the communication layer, " if distributed else "")
+        + "or nondeterministic kernels",
+    ]
+    if distributed:
+        fixes.append("if it repeats on the same rank or node, drain that node; run NCCL with "
+                     "TORCH_NCCL_NAN_CHECK=1 to catch a bad collective")  # fmt: skip
+    else:
+        fixes.append("a value at the edge of its range (a borderline overflow) can round either way: "
+                     "if it repeats, lower the learning rate or run ng.locate on the saved bundle")  # fmt: skip
     # No rank reproduces it: the rank is unknown, but every rank reports the same.
     return Diagnosis(
-        cause="distributed.transient" if located and distributed else "unknown",
+        cause=cause,
         kind="nan" if math.isnan(loss) or math.isnan(grad_norm) else "inf",
         phase="communication" if distributed else "backward",
         rank=flagged_ranks[0] if flagged_ranks and distributed else None,
         ranks=list(flagged_ranks) if distributed else [],
         step=step,
         evidence={"loss": loss, "grad_norm": grad_norm, "flagged_ranks": flagged_ranks, "why": why},
-        fixes=[
-            "a fault that does not reproduce points at hardware (a flaky GPU, memory errors), "
-            "the communication layer, or nondeterministic kernels",
-            "if it repeats on the same rank or node, drain that node; run NCCL with "
-            "TORCH_NCCL_NAN_CHECK=1 to catch a bad collective",
-        ],
+        fixes=fixes,
     )
 
 
@@ -789,9 +801,11 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
     scale the run started from. Returns a new Diagnosis; ``diag`` is left as it was.
 
     A located diagnosis (one with an ``origin``) goes through ``RULES`` again, and a cause
-    that changes keeps the op-level one as ``evidence["op_cause"]``. A non-finite update
-    (no origin) becomes divergence when the history shows it; its own ``why`` then stays,
-    since it says what the update did. Any other diagnosis is returned as it is.
+    that changes keeps the op-level one as ``evidence["op_cause"]``. A diagnosis without an
+    origin (a non-finite update, a step whose replay is finite or did not run) becomes
+    divergence when the history shows it: growth wins over non-reproduction, since a
+    borderline value may round either way on replay. A non-finite update keeps its own
+    ``why``, since it says what the update did.
 
     Example:
         >>> rejudge(diag, history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5}).cause
@@ -801,7 +815,7 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
     located = "origin" in evidence
     if located:
         evidence["initial_weight_scale"] = initial_weight_scale
-    elif diag.cause != "optimizer.nonfinite_update" or not history.get("diverging"):
+    elif diag.cause not in _UNLOCATED or not history.get("diverging"):
         return diag
     if history:
         evidence["history"] = history
@@ -810,6 +824,10 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
         return replace(diag, evidence=evidence, also=verdict.also if located else diag.also)
     evidence["op_cause"] = diag.cause
     also = verdict.also if located else [{"cause": diag.cause, "why": str(diag.evidence.get("why", ""))}]
-    if located:
+    if located or diag.cause != "optimizer.nonfinite_update":
         evidence["why"] = verdict.why
     return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence, also=also)
+
+
+# Diagnoses the history may overrule though no replay located them.
+_UNLOCATED = frozenset({"optimizer.nonfinite_update", "step.not_reproduced", "distributed.transient", "unknown"})

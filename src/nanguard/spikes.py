@@ -1,8 +1,14 @@
 """Robust, adaptive spike detectors for the loss and the gradient norm.
 
-A rolling median and MAD (median absolute deviation) over a window of recent *finite*
-values; a value whose robust z-score passes the threshold is a spike. Non-finite values
-never enter the window, so one NaN cannot poison the statistics that follow.
+A rolling window of recent *finite* values; a value whose robust z-score passes the threshold
+is a spike. Non-finite values never enter the window, so one NaN cannot poison the
+statistics that follow.
+
+Positive series (a loss, a grad norm) are scored in log space: their noise is multiplicative
+and right-skewed, and a spike is a *ratio* to the recent level: scored linearly, the long
+upper tail of a noisy loss passes a median/MAD threshold far more often than its nominal rate.
+Clean runs still throw the odd value at twice the median, so a spike must also be at least
+twice the largest value in the window.
 """
 
 from __future__ import annotations
@@ -10,12 +16,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from typing import Any
 
 __all__ = ["Spike", "SpikeDetector"]
 
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its std
+_PEAK_RATIO = 2.0  # a positive value must be this many times the window's largest to be a spike
+_LOG_FLOOR = 0.02  # scale floor in log space: with the default threshold, no rise under ~13% is a spike
 
 
 @dataclass(frozen=True)
@@ -55,14 +62,30 @@ class SpikeDetector:
             return None
         spike = None
         if len(self.values) >= self.warmup:
-            med = median(self.values)
-            mad = median(abs(v - med) for v in self.values)
-            scale = _MAD_TO_STD * mad + 1e-3 * abs(med) + 1e-12
-            score = (value - med) / scale
-            if score > self.threshold:
+            score, med = self.score(value)
+            if score > self.threshold and self._above_recent_peak(value):
                 spike = Spike(self.metric, value, med, score)
         self.values.append(value)
         return spike
+
+    def score(self, value: float) -> tuple[float, float]:
+        """The robust z-score of ``value`` against the window, and the window's median."""
+        window = sorted(self.values)
+        med = _median(window)
+        if value > 0 and window[0] > 0:
+            logs = [math.log(v) for v in window]
+            center, floor, x = math.log(med), _LOG_FLOOR, math.log(value)
+        else:
+            logs, center, floor, x = window, med, 1e-3 * abs(med) + 1e-12, value
+        mad = _median(sorted(abs(v - center) for v in logs))
+        scale = max(_MAD_TO_STD * mad, floor)
+        return (x - center) / scale, med
+
+    def _above_recent_peak(self, value: float) -> bool:
+        # Clean losses and grad norms have heavy right tails: a value twice the median comes every
+        # few hundred steps, so a spike must also clear the window's own peak by a margin.
+        peak = max(self.values)
+        return value >= peak * _PEAK_RATIO if peak > 0 else value > peak
 
     def state_dict(self) -> dict[str, Any]:
         return {"values": list(self.values)}
@@ -70,3 +93,8 @@ class SpikeDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.clear()
         self.values.extend(float(v) for v in state.get("values", []))
+
+
+def _median(ordered: list[float]) -> float:
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,11 +14,12 @@ __all__ = [
     "INIT_RATIO_HIGH",
     "INIT_RATIO_LOW",
     "fan_in",
-    "grad_health",
+    "float_groups",
     "init_ratio",
     "is_float",
     "local",
     "tensor_stats",
+    "total_norm",
 ]
 
 
@@ -82,27 +83,58 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def grad_health(grads: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Total L2 norm of ``grads`` as one float32 device scalar (NaN/Inf when any is non-finite).
+def float_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` as local, dense tensors grouped by device and dtype: one foreach kernel each.
 
-    Uses ``torch._foreach_norm`` (through ``compat``) grouped by device and dtype: a handful
-    of kernels, no Python loop of host reads.
+    A sparse gradient counts by its coalesced values (an uncoalesced one may repeat an index).
+
+    Example:
+        >>> [len(g) for g in float_groups([torch.ones(2), torch.ones(3), torch.ones(2, dtype=torch.float16)])]
+        [2, 1]
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        g = local(g)
-        groups.setdefault((g.device, g.dtype), []).append(g)
+    for t in tensors:
+        t = local(t)
+        if t.is_sparse:
+            t = t.coalesce().values()
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """L2 norm over every tensor of ``groups`` as one float32 device scalar: NaN/Inf exactly when
+    some element is, and finite for finite inputs (a norm past the float32 range reads as its max).
+
+    Squares are summed in float64 where that costs nothing (CUDA: the kernel is memory-bound). On
+    CPU, where a value can be read without a device sync, a float32 sum that overflowed is summed
+    again in float64; the common step pays one float32 pass. Other devices sum in float32.
+
+    Example:
+        >>> 1.9e20 < total_norm([[torch.full((4,), 1e20)]]).item() < 2.1e20
+        True
+    """
+    groups = [g for g in groups if g]
     if not groups:
         return torch.zeros((), dtype=torch.float32)
-    device = next(iter(groups))[0]
-    # One norm per (device, dtype) group, then the norm of those norms: no per-tensor Python work.
-    parts = [
-        torch.linalg.vector_norm(torch.stack(compat.foreach_norm(ts, 2.0, dtype=torch.float32)), dtype=torch.float32)
-        for ts in groups.values()
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]))
+    device = groups[0][0].device
+    acc = _ACCUMULATE.get(device.type, torch.float32)
+    total = _norm_of_norms(groups, device, acc)
+    if device.type == "cpu" and math.isinf(total.item()):
+        acc, total = torch.float64, _norm_of_norms(groups, device, torch.float64)
+    if acc == torch.float32:
+        return total
+    big = torch.finfo(torch.float32).max
+    return torch.where(torch.isinf(total), total, total.clamp(max=big)).float()
+
+
+_ACCUMULATE = {"cuda": torch.float64}
+
+
+def _norm_of_norms(groups: list[list[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
+    # One foreach kernel per group, then the norm of the per-tensor norms (a short vector).
+    parts = [torch.stack(compat.foreach_norm(ts, 2.0, dtype=acc)) for ts in groups]
+    flat = parts[0] if len(parts) == 1 else torch.cat([p.to(device) for p in parts])
+    return torch.linalg.vector_norm(flat)
 
 
 # The init ratio is rms(weight) * sqrt(fan_in): PyTorch's default init gives ~0.58,

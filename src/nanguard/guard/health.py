@@ -16,7 +16,7 @@ import torch
 
 from nanguard import compat, dist
 from nanguard.dist import CommWatch
-from nanguard.stats import grad_health
+from nanguard.stats import float_groups, local, total_norm
 
 __all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "StepHealth"]
 
@@ -91,12 +91,13 @@ class DeviceHealth:
 
     def read(self, step: int, agreed: torch.Tensor, *, scaled: bool) -> StepHealth:
         world = dist.world_size()
-        extra = torch.stack([self.scale.float(), self.loss.float()]).to(agreed.device)
+        extra = torch.stack([self.scale.float(), self.loss.float(), self.grad_norm.float()]).to(agreed.device)
         values: list[float] = torch.cat([agreed, extra]).tolist()  # the one host read of this step
         return StepHealth(
             step=step,
             loss=values[world],
-            grad_norm=values[world + 1],
+            # One process reads its own norm: the agreement squares it in float32, past 1.8e19 an overflow.
+            grad_norm=values[world + 1] if world > 1 else values[world + 4],
             scale=values[world + 2] if scaled else None,
             own_loss=values[world + 3],
             rank_flags=tuple(HealthFlag(int(c)) for c in values[:world]),
@@ -114,39 +115,47 @@ class HealthCheck:
 
     def __init__(self, params: Sequence[torch.Tensor], *, scaler: Any, comm: CommWatch, param_check_every: int) -> None:
         self.params = list(params)
+        # Grouped by device and dtype once. DTensor shards are taken anew each step, and a
+        # sparse gradient (found on the first step that has one) needs its values coalesced.
+        self._groups: list[list[torch.Tensor]] | None = None
+        if not any(local(p) is not p for p in self.params):
+            self._groups = float_groups(self.params)
         self.scaler = scaler
         self.comm = comm
         self.param_check_every = param_check_every
-        self._param_flag: torch.Tensor | None = None
+        self._param_norm: torch.Tensor | None = None
 
     def measure(self, loss: Any) -> DeviceHealth:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        device = grads[0].device if grads else _device_of(loss)
-        gn = grad_health(grads).to(device)
+        gn = self._grad_norm()
+        device = gn.device if gn is not None else _device_of(loss)
+        gn = gn if gn is not None else torch.zeros((), device=device)
         if isinstance(loss, torch.Tensor):
-            lv = loss.detach().float().reshape(-1)[0].to(device)
+            lv = loss.detach().reshape(-1)[0].to(device, torch.float32)
         else:
             lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
-        grads_bad = ~torch.isfinite(gn)
-        local = ~torch.isfinite(lv)
+        # One isfinite over [loss, grad norm, parameter norm]: few kernels on the step's path.
+        values = [lv, gn] if self._param_norm is None else [lv, gn, self._param_norm.to(device)]
+        bad = torch.isfinite(torch.stack(values)).logical_not_()
+        loss_bad, grads_bad = bad[0], bad[1]
+        local = loss_bad
         pre_comm = self.comm.local_flag(device)
         if pre_comm is not None:
             local = local | pre_comm  # this rank's own gradients, before DDP averaged them
         elif not dist.is_distributed():
-            local = local | grads_bad
+            local = bad[:2].any()
         if self.scaler is not None:
             # Overflowing gradients are the scaler's business; only a bad loss is a trip here.
             scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
-            local, grads_bad = ~torch.isfinite(lv), torch.zeros_like(grads_bad)
+            flags = loss_bad.to(torch.int32) * HealthFlag.LOCAL
         else:
             scale = gn.new_ones(())
-        flags = local.to(torch.int32) * HealthFlag.LOCAL + grads_bad.to(torch.int32) * HealthFlag.SYNCED
+            flags = local.to(torch.int32) * HealthFlag.LOCAL + grads_bad.to(torch.int32) * HealthFlag.SYNCED
         wire = self.comm.wire_flag(device)
         if wire is not None:
             flags = flags + wire.to(torch.int32) * HealthFlag.WIRE
-        if self._param_flag is not None:
-            flags = flags + self._param_flag.to(device).to(torch.int32) * HealthFlag.PARAMS
-            self._param_flag = None
+        if self._param_norm is not None:
+            flags = flags + bad[2].to(torch.int32) * HealthFlag.PARAMS
+            self._param_norm = None
         return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
 
     def after_update(self, step: int) -> None:
@@ -154,11 +163,23 @@ class HealthCheck:
         every = self.param_check_every
         if every and step % every == 0:
             with torch.no_grad():
-                self._param_flag = ~torch.isfinite(grad_health(self.params))
+                groups = self._groups if self._groups is not None else float_groups(self.params)
+                self._param_norm = total_norm(groups)  # non-finite exactly when a parameter is
+
+    def _grad_norm(self) -> torch.Tensor | None:
+        """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
+        if self._groups is not None:
+            groups = [g for g in ([p.grad for p in ps if p.grad is not None] for ps in self._groups) if g]
+            try:
+                return total_norm(groups) if groups else None
+            except (RuntimeError, NotImplementedError):
+                self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
+        groups = float_groups(p.grad for p in self.params if p.grad is not None)
+        return total_norm(groups) if groups else None
 
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored."""
-        self._param_flag = None
+        self._param_norm = None
 
 
 def _device_of(loss: Any) -> torch.device:
