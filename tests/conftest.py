@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-
 # Reductions split their work by thread count, so a float result near a boundary could
 # depend on the machine's core count: every test runs with the same two threads.
 torch.set_num_threads(2)
