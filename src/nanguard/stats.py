@@ -119,7 +119,7 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     device = groups[0][0].device
     acc = _ACCUMULATE.get(device.type, torch.float32)
     total = _norm_of_norms(groups, device, acc)
-    if device.type == "cpu" and math.isinf(total.item()):
+    if acc == torch.float32 and device.type == "cpu" and math.isinf(total.item()):
         acc, total = torch.float64, _norm_of_norms(groups, device, torch.float64)
     if acc == torch.float32:
         return total

@@ -431,12 +431,18 @@ _FIELDS: dict[str, tuple[tuple[str, Any, str], ...]] = {
                   ("median", _is_number, "a number"), ("score", _is_number, "a number")),
         "overflow": (("scale", _is_number, "a number"), ("new_scale", _is_number, "a number"),
                      ("streak", lambda v: v is None or _is_int(v), "an int")),
+        "remedy": (("cause", lambda v: isinstance(v, str), "a string"),
+                   ("action", lambda v: isinstance(v, str), "a string"),
+                   ("reason", lambda v: v is None or isinstance(v, str), "a string")),
+        "headroom": (("module", lambda v: isinstance(v, str), "a string"),
+                     ("dtype", lambda v: isinstance(v, str), "a string"),
+                     ("absmax", _is_number, "a number"), ("limit", _is_number, "a number")),
         "end": (),
 }  # fmt: skip
 
 
 def _check(kind: str, event: dict[str, Any]) -> str | None:
-    for name, ok, what in _FIELDS[kind]:
+    for name, ok, what in _FIELDS.get(kind, ()):
         if name in event and not ok(event[name]):
             return f"{name!r} must be {what}, got {_short(event[name])}"
     if kind != "step":
