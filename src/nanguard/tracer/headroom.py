@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanguard.dtypes import OVERFLOW_FRACTION, dtype_facts
+from nanguard.tracer.compiled import eager
 from nanguard.tracer.modules import ModuleStack
 from nanguard.tree import op_leaves
 
@@ -109,7 +110,8 @@ class HeadroomCheck:
         if not self.every or step % self.every:
             yield
             return
-        with measure_headroom(self.model) as found:
+        # A compiled model runs this step eagerly: the mode must see the aten ops, not dynamo.
+        with eager(), measure_headroom(self.model) as found:
             yield
         if not found:
             # No float16/bfloat16 op ran: a float32 run stays one, so stop paying for the trace.

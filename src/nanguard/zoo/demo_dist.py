@@ -13,6 +13,7 @@ import torch
 
 from nanguard.guard import Guard
 from nanguard.zoo import build, get
+from nanguard.zoo.dist_scenarios import EDGE_FAULTS, edge_rank
 from nanguard.zoo.runner import CorruptOnce
 from nanguard.zoo.spawn import RanksFailed, spawn_ranks
 
@@ -24,6 +25,9 @@ def demo_rank(rank: int, world: int, fault: str, steps: int, run_dir: str | None
     from torch.nn.parallel import DistributedDataParallel
 
     scenario = get(fault)
+    if scenario.dist_fault in EDGE_FAULTS:  # FSDP2 shards, a compression hook, a resync: loops of their own
+        diag, _ = edge_rank(scenario, rank, seed)
+        return {"rank": rank, "skipped": None, "diagnosis": diag.to_dict() if diag else None}
     kind = scenario.dist_fault or "data"
     last = rank == world - 1
     run = build(scenario, seed, rank=rank)
@@ -60,7 +64,10 @@ def run_distributed_demo(fault: str, *, steps: int, ranks: int, run_dir: str | N
     except RanksFailed as err:
         console.line(str(err))
         return 1
-    console.line("skipped per rank: " + ", ".join(f"rank {r['rank']}: {r['skipped']}" for r in results))
+    console.line(
+        "skipped per rank: "
+        + ", ".join(f"rank {r['rank']}: {'-' if r['skipped'] is None else r['skipped']}" for r in results)
+    )
     shown = next((r["diagnosis"] for r in results if r["diagnosis"] is not None), None)
     if shown is not None:
         console.diagnosis(Diagnosis.from_dict(shown))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.zoo.scenarios import Expect, Scenario, build
@@ -84,7 +85,10 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
                 # The update itself goes bad on rank 0 only, just before the fingerprint check.
                 handle = optimizer.register_step_post_hook(lambda *_: _spoil(weight))
         batch = run.batch(step, faulty=False)
-        guard.step(run.closure(batch, net), batch=batch)
+        try:
+            guard.step(run.closure(batch, net), batch=batch)
+        except NonFiniteError as err:  # what a skip cannot repair escalates at once
+            return err.diagnosis, step
         if handle is not None:
             handle.remove()
         if guard.last_diagnosis is not None:
