@@ -64,10 +64,7 @@ def run_distributed_demo(fault: str, *, steps: int, ranks: int, run_dir: str | N
     except RanksFailed as err:
         console.line(str(err))
         return 1
-    console.line(
-        "skipped per rank: "
-        + ", ".join(f"rank {r['rank']}: {'-' if r['skipped'] is None else r['skipped']}" for r in results)
-    )
+    console.line("skipped per rank: " + ", ".join(f"rank {r['rank']}: {_count(r['skipped'])}" for r in results))
     shown = next((r["diagnosis"] for r in results if r["diagnosis"] is not None), None)
     if shown is not None:
         console.diagnosis(Diagnosis.from_dict(shown))
@@ -77,3 +74,7 @@ def run_distributed_demo(fault: str, *, steps: int, ranks: int, run_dir: str | N
     if run_dir is not None:
         console.line(f"events and bundles in {run_dir}; see `nanguard report {run_dir}`")
     return 0
+
+
+def _count(skipped: int | None) -> str:
+    return "-" if skipped is None else str(skipped)
