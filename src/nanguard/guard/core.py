@@ -274,6 +274,10 @@ class Guard:
             self.recorder.spike(step, spike)
             log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
                         step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
+        if trend := self.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm):
+            self.recorder.forecast(step, trend)
+            log.warning("nanguard: step %d: %s %.4g grows x%.3g per step: float32 overflow predicted in %d steps",
+                        step, trend.metric, trend.value, trend.growth, trend.predicted_overflow_in)  # fmt: skip
         if spikes and self.config.skip_spikes:
             self.recovery.abandon(restore_buffers, rng)
             self._skip(step, f"{spikes[0].metric} spike (z={spikes[0].score:.1f})", h)
