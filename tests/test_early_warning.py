@@ -44,6 +44,8 @@ def test_forecast_stays_quiet_on_slow_broken_or_too_distant_growth() -> None:
     broken = _history()
     zigzag = [1.0, 1e6, 1e3, 1e9, 1e5, 1e12, 1e7, 1e15]  # huge jumps, but not a steady climb
     assert all(broken.forecast(s, loss=1.0, grad_norm=g) is None for s, g in enumerate(zigzag))
+    jump = _history()  # one jump, then slow growth: a bf16 model's grad norm early in training
+    assert all(jump.forecast(s, loss=5.0, grad_norm=g) is None for s, g in enumerate([1.7, 2.1, 3673.0, 4842.0]))
     short = _history(size=8)  # the same fast climb, but the overflow lies beyond an 8-step window
     assert all(short.forecast(s, loss=1.0, grad_norm=1e3 * 100.0**s) is None for s in range(4))
     nonfinite = _history()
@@ -128,6 +130,11 @@ def test_clean_runs_never_warn() -> None:
     for i in range(120):
         batch = run.batch(i)
         zoo_guard.step(run.closure(batch), batch=batch)
-    assert guard.skipped == 0 and zoo_guard.skipped == 0
+    bf16 = build(get("healthy_bf16_large_activations"), seed=0)
+    bf16_guard = ng.Guard(bf16.model, bf16.optimizer, policy="skip", on_event=events.append)
+    for i in range(20):
+        batch = bf16.batch(i)
+        bf16_guard.step(bf16.closure(batch), batch=batch)
+    assert guard.skipped == 0 and zoo_guard.skipped == 0 and bf16_guard.skipped == 0
     assert sum(e["kind"] == "step" for e in events) > 0  # the listener saw the runs
     assert _warnings(events) == []

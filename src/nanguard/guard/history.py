@@ -102,8 +102,8 @@ class History:
 
     def forecast(self, step: int, *, loss: float, grad_norm: float) -> Forecast | None:
         """A warning, once per episode, when the last ``TREND_POINTS`` steps' grad norm or loss
-        grow every step and their log-linear fit reaches float32's overflow within the history
-        window (``size`` steps). The episode ends after ``TREND_POINTS`` quiet steps.
+        grow every step and, growing at their slowest step's rate, reach float32's overflow within
+        the history window (``size`` steps). The episode ends after ``TREND_POINTS`` quiet steps.
 
         Example:
             >>> history = History(size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0,
@@ -134,14 +134,14 @@ class History:
             vals = [getattr(p, metric) for p in self._trend]
             if not all(math.isfinite(v) and v > 0 for v in vals):
                 continue
-            if any(b <= a for a, b in pairwise(vals)):  # only a steady climb predicts anything
+            # The slowest step's growth: one jump followed by a plateau predicts nothing.
+            pairs = pairwise(zip(steps, vals, strict=True))
+            rate = min(math.log(b / a) / max(sb - sa, 1) for (sa, a), (sb, b) in pairs)
+            if rate <= 0:
                 continue
-            slope = _slope(steps, [math.log(v) for v in vals])
-            if slope <= 0:
-                continue
-            left = (_LOG_FLOAT32_MAX - math.log(vals[-1])) / slope
+            left = (_LOG_FLOAT32_MAX - math.log(vals[-1])) / rate
             if left <= horizon and (best is None or left < best.predicted_overflow_in):
-                best = Forecast(metric, vals[-1], math.exp(slope), max(1, math.ceil(left)))
+                best = Forecast(metric, vals[-1], math.exp(rate), max(1, math.ceil(left)))
         return best
 
     def tail(self, n: int = 16) -> dict[str, list[float]]:
@@ -186,10 +186,3 @@ class History:
         self.points.extend(Point(int(s), float(lv), float(g)) for s, lv, g in state.get("history", []))
         self.loss_spikes.load_state_dict(state.get("loss_spikes", {}))
         self.grad_spikes.load_state_dict(state.get("grad_spikes", {}))
-
-
-def _slope(xs: list[int], ys: list[float]) -> float:
-    """The least-squares slope of ``ys`` over ``xs``."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
