@@ -10,6 +10,8 @@ from torch import nn
 
 import nanguard as ng
 from nanguard.guard.history import TREND_POINTS, History
+from nanguard.report.html import render_html
+from nanguard.report.load import load_run
 from nanguard.zoo import get
 from nanguard.zoo.scenarios import build
 
@@ -63,20 +65,26 @@ def _first_nonfinite_plain(name: str, steps: int) -> int:
     raise AssertionError(f"{name} stayed finite for {steps} steps")
 
 
-def test_warning_comes_two_steps_before_the_zoo_lr_too_high_overflow() -> None:
+def test_warning_comes_two_steps_before_the_zoo_lr_too_high_overflow(tmp_path) -> None:
     torch.set_num_threads(1)
     first_bad = _first_nonfinite_plain("lr_too_high", 10)
     run = build(get("lr_too_high"), seed=0)
     events: list[dict[str, Any]] = []
-    guard = ng.Guard(run.model, run.optimizer, policy="skip", locate=False, module_stats=False, on_event=events.append)
+    guard = ng.Guard(run.model, run.optimizer, policy="skip", locate=False, module_stats=False, on_event=events.append,
+                     run_dir=tmp_path)  # fmt: skip
     for i in range(first_bad + 1):
         batch = run.batch(i)
         guard.step(run.closure(batch), batch=batch)
+    guard.close()
     assert guard.skipped == 1  # the guard tripped where the plain run went non-finite
     warned = _warnings(events)
     assert len(warned) == 1
     assert warned[0]["step"] <= first_bad - 2
     assert warned[0]["predicted_overflow_in"] >= 1
+    report = load_run(tmp_path)  # the report reads the warning as a spike marker, and renders it
+    assert [m.fields.get("predicted_overflow_in") for m in report.spikes] == [warned[0]["predicted_overflow_in"]]
+    assert not report.warnings
+    render_html(report)  # a spike without median or score must not break the page
 
 
 def test_warning_comes_before_the_overflow_of_sgd_on_a_quadratic() -> None:
