@@ -411,3 +411,43 @@ def test_zoo_remedy_scenarios_auto_finishes_where_skip_cannot() -> None:
         auto = run_remedy_scenario(by_name[name], "auto")
         assert not skip["finished"] and skip["stopped_by"]
         assert auto["ok"] and math.isfinite(auto["final_loss"]) and auto["remedies"]
+
+
+def test_a_repeating_overflow_is_recognized_without_a_second_full_replay(tmp_path, monkeypatch) -> None:
+    import nanguard.guard.replay as replay
+
+    traced = []
+    real_trace = replay.trace
+    monkeypatch.setattr(replay, "trace", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
+    torch.manual_seed(0)
+    model = Net(1e5)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = ng.Guard(model, opt, policy="skip", run_dir=tmp_path, max_consecutive_skips=100)
+    x, y = torch.randn(4, 6, 8) * 3, torch.randn(4)
+    diagnoses, calls = [], []
+    for step in range(5):
+        batch = x.clone()
+        if step == 3:
+            batch[1, 2, 0] = math.nan  # a different fault: the input, not the module, is non-finite
+
+        def closure(batch=batch):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(batch).float() - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        assert guard.step(closure, batch=batch) is None
+        diagnoses.append(guard.last_diagnosis)
+        calls.append(len(traced))
+    guard.close()
+    causes = [(d.cause, d.module) for d in diagnoses]
+    assert causes[:3] == [("precision.overflow", "attn")] * 3
+    assert calls == [1, 1, 1, 2, 3]  # full replays: the first trip, the new fault, and the trip after it
+    assert "repeat_of" not in diagnoses[0].evidence
+    assert [d.evidence.get("repeat_of") for d in diagnoses[1:3]] == [0, 1]
+    assert [d.step for d in diagnoses[:3]] == [0, 1, 2]
+    assert diagnoses[3].cause == "data.nonfinite" and "repeat_of" not in diagnoses[3].evidence
+    assert diagnoses[4].cause == "precision.overflow" and "repeat_of" not in diagnoses[4].evidence
+    trips = [e for e in read_events(tmp_path / "events-rank0.jsonl") if e["kind"] == "trip"]
+    assert [t["diagnosis"]["evidence"].get("repeat_of") for t in trips] == [None, 0, 1, None, None]

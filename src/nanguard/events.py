@@ -9,7 +9,8 @@ Each line is one JSON object with at least ``kind``, ``step`` and ``rank``. Kind
   ranks whose own values were non-finite) and ``diagnosis`` (``Diagnosis.to_dict()``).
 - ``skip``, ``rollback``: the recovery taken, with ``reason`` and, for rollbacks,
   ``restored_step`` and ``skip_batches``.
-- ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``.
+- ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``; or the
+  divergence warning: ``metric``, ``value``, ``growth`` and ``predicted_overflow_in``.
 - ``overflow``: a GradScaler overflow step it skipped on purpose (normal, not a trip).
 
 Every line is flushed as it is written, so a crash loses at most the line in flight.

@@ -31,6 +31,7 @@ from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser, Replayed
 from nanguard.rng import get_rng_state
+from nanguard.spikes import Spike
 from nanguard.stats import local
 
 __all__ = ["Guard"]
@@ -269,11 +270,7 @@ class Guard:
             assert replayed.diagnosis is not None
             self._trip(replayed.diagnosis, step, batch, rng, module_stats=replayed.module_stats)
             return False
-        spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
-        for spike in spikes:
-            self.recorder.spike(step, spike)
-            log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
-                        step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
+        spikes = _watch_trends(self, step, h)
         if spikes and self.config.skip_spikes:
             self.recovery.abandon(restore_buffers, rng)
             self._skip(step, f"{spikes[0].metric} spike (z={spikes[0].score:.1f})", h)
@@ -423,6 +420,20 @@ def _check_replicas(guard: Guard, step: int) -> None:
     else:
         dist.broadcast_state(guard.model, src=check.source)
     guard.health.forget_update()  # the queued parameter check saw the replicas before the repair
+
+
+def _watch_trends(guard: Guard, step: int, h: StepHealth) -> list[Spike]:
+    """A finite step's spikes and divergence warning, logged and recorded; returns the spikes."""
+    spikes = guard.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
+    for spike in spikes:
+        guard.recorder.spike(step, spike)
+        log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
+                    step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
+    if trend := guard.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm):
+        guard.recorder.forecast(step, trend)
+        log.warning("nanguard: step %d: %s %.4g grows x%.3g per step: float32 overflow predicted in %d steps",
+                    step, trend.metric, trend.value, trend.growth, trend.predicted_overflow_in)  # fmt: skip
+    return spikes
 
 
 def _check_args(loss: Any, replay: Any, rng: Any) -> Any:

@@ -1,8 +1,8 @@
 """The run's recent loss and grad-norm history, and its spike detectors.
 
-The guard feeds every checked step to ``observe`` (spike detection) and every finished
-update to ``append``; on a trip, ``evidence`` says whether the run was diverging, which
-``diagnose.rejudge`` reads.
+The guard feeds every checked step to ``observe`` (spike detection) and ``forecast`` (the
+early divergence warning), and every finished update to ``append``; on a trip, ``evidence``
+says whether the run was diverging, which ``diagnose.rejudge`` reads.
 """
 
 from __future__ import annotations
@@ -10,18 +10,34 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator, Mapping
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 from nanguard.guard.config import GuardConfig
 from nanguard.spikes import Spike, SpikeDetector
 
-__all__ = ["History", "Point"]
+__all__ = ["Forecast", "History", "Point"]
+
+TREND_POINTS = 4
+"""How many recent steps the divergence forecast fits."""
+_LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)
 
 
 class Point(NamedTuple):
     step: int
     loss: float
     grad_norm: float
+
+
+class Forecast(NamedTuple):
+    """A metric growing geometrically towards the float32 overflow."""
+
+    metric: str
+    value: float
+    growth: float
+    """The fitted growth factor per step."""
+    predicted_overflow_in: int
+    """Steps until the extrapolated metric passes float32's largest finite value."""
 
 
 class History:
@@ -53,6 +69,9 @@ class History:
         self.divergence_factor = divergence_factor
         self.spikes = 0
         self._recent_spike_step: int | None = None
+        self._trend: deque[Point] = deque(maxlen=TREND_POINTS)
+        self._warned = False
+        self._quiet = 0
 
     @classmethod
     def from_config(cls, config: GuardConfig) -> History:
@@ -80,6 +99,50 @@ class History:
                 self.spikes += 1
                 self._recent_spike_step = step
         return found
+
+    def forecast(self, step: int, *, loss: float, grad_norm: float) -> Forecast | None:
+        """A warning, once per episode, when the last ``TREND_POINTS`` steps' grad norm or loss
+        grow every step and, growing at their slowest step's rate, reach float32's overflow within
+        the history window (``size`` steps). The episode ends after ``TREND_POINTS`` quiet steps.
+
+        Example:
+            >>> history = History(size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0,
+            ...                   divergence_window=5, divergence_factor=10.0)
+            >>> [history.forecast(s, loss=2.0, grad_norm=10.0 ** (4 * s)) for s in range(4)][-1].metric
+            'grad_norm'
+        """
+        self._trend.append(Point(step, loss, grad_norm))
+        found = self._predict()
+        if found is None:
+            self._quiet += 1
+            if self._quiet >= TREND_POINTS:
+                self._warned = False
+            return None
+        self._quiet = 0
+        if self._warned:
+            return None
+        self._warned = True
+        return found
+
+    def _predict(self) -> Forecast | None:
+        if len(self._trend) < TREND_POINTS:
+            return None
+        horizon = self.points.maxlen or TREND_POINTS
+        steps = [p.step for p in self._trend]
+        best: Forecast | None = None
+        for metric in ("grad_norm", "loss"):
+            vals = [getattr(p, metric) for p in self._trend]
+            if not all(math.isfinite(v) and v > 0 for v in vals):
+                continue
+            # The slowest step's growth: one jump followed by a plateau predicts nothing.
+            pairs = pairwise(zip(steps, vals, strict=True))
+            rate = min(math.log(b / a) / max(sb - sa, 1) for (sa, a), (sb, b) in pairs)
+            if rate <= 0:
+                continue
+            left = (_LOG_FLOAT32_MAX - math.log(vals[-1])) / rate
+            if left <= horizon and (best is None or left < best.predicted_overflow_in):
+                best = Forecast(metric, vals[-1], math.exp(rate), max(1, math.ceil(left)))
+        return best
 
     def tail(self, n: int = 16) -> dict[str, list[float]]:
         """The last ``n`` losses and grad norms, for a repro bundle."""

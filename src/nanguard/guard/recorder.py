@@ -18,6 +18,7 @@ import torch
 from nanguard.bundle import clean_stale_bundles
 from nanguard.events import EventLog
 from nanguard.findings import Diagnosis
+from nanguard.guard.history import Forecast
 from nanguard.rng import get_rng_state
 from nanguard.spikes import Spike
 from nanguard.tracer.headroom import Headroom
@@ -53,6 +54,11 @@ class NullRecorder:
 
     def spike(self, step: int, spike: Spike) -> None:
         self._write("spike", step, metric=spike.metric, value=spike.value, median=spike.median, score=spike.score)
+
+    def forecast(self, step: int, forecast: Forecast) -> None:
+        """The early divergence warning, as a ``spike`` event with ``predicted_overflow_in``."""
+        self._write("spike", step, metric=forecast.metric, value=forecast.value, growth=forecast.growth,
+                    predicted_overflow_in=forecast.predicted_overflow_in)  # fmt: skip
 
     def overflow(self, step: int, *, scale: float, new_scale: float, streak: int) -> None:
         self._write("overflow", step, scale=scale, new_scale=new_scale, streak=streak)

@@ -2,14 +2,19 @@
 per-module statistics), agree on one diagnosis across ranks, and re-judge it with the run's
 history. Each rank replays with its gradient communication off, so it sees only what its
 own data and compute make.
+
+A trip right after a trip of the same batch-independent fault (a float16 overflow every step
+under ``policy="skip"``, a NaN weight) is not replayed in full again: one forward up to the
+last origin's module confirms it, and the last diagnosis is reused with ``repeat_of``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,10 +37,14 @@ from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
 from nanguard.tracer.compiled import eager
 from nanguard.tracer.module_stats import module_stats
+from nanguard.tree import tensors
 
-__all__ = ["Diagnoser", "Replayed", "replay_trip"]
+__all__ = ["REPEATABLE", "Diagnoser", "Replayed", "makes_nonfinite", "replay_trip"]
 
 log = logging.getLogger("nanguard")
+
+REPEATABLE = frozenset({"precision.overflow", "parameters.nonfinite", "init.scale"})
+"""Causes that come from the model or its precision, not the batch: the next step repeats them."""
 
 
 @dataclass
@@ -48,6 +57,13 @@ class Replayed:
     """Whether the tracer ran to the end (False when it failed or did not run)."""
     module_stats: dict[str, Any] | None = None
     """Per-module activation absmax and grad norm, for the report."""
+
+
+@dataclass
+class _LastTrip:
+    step: int
+    ranks: list[int]
+    diagnosis: Diagnosis
 
 
 class Diagnoser:
@@ -79,6 +95,7 @@ class Diagnoser:
         self.module_stats = module_stats
         # init.scale is about the weights the run started from, not weights grown by training.
         self.initial_scale = weight_scale(dist.unwrap(model))
+        self._last: _LastTrip | None = None
 
     def tripped(
         self,
@@ -94,6 +111,9 @@ class Diagnoser:
         ``closure_error`` is the out-of-range index error the forward raised, if any: raised
         again unless the replay shows it was the data's fault.
         """
+        if closure_error is None and (repeat := self._repeat(closure, h, rng)) is not None:
+            self._last = _LastTrip(h.step, h.bad_ranks, repeat)
+            return Replayed(repeat, located=True)
         replayed = Replayed(None, located=False)
         if self.locate and closure is not None:
             log.info("nanguard: replaying step %d under the tracer…", h.step)
@@ -121,7 +141,40 @@ class Diagnoser:
         diag.step = h.step
         history = self.history.evidence(h.step, self._lr())
         replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
+        self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
+
+    def _repeat(
+        self, closure: Callable[[], Any] | None, h: StepHealth, rng: dict[str, torch.Tensor] | None
+    ) -> Diagnosis | None:
+        """The last trip's diagnosis for this step, when this trip directly follows it on the same
+        ranks with a ``REPEATABLE`` cause, and one forward shows the last origin's module making
+        a non-finite output from finite inputs again on each flagged rank; else None.
+
+        Every rank takes the same branch: the trips and the diagnosis they compare are agreed.
+        """
+        last = self._last
+        if not self.locate or closure is None or last is None or self.sharded:
+            return None
+        diag = last.diagnosis
+        if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or diag.cause not in REPEATABLE:
+            return None
+        module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
+        if module is None:
+            return None
+        if rng is not None:
+            set_rng_state(rng)
+        try:
+            with eager():
+                seen = dist.replay_locally(self.model, lambda: makes_nonfinite(module, closure))
+        except Exception as err:  # the full replay follows: never worth killing training
+            warnings.warn(f"nanguard: the repeat check of step {h.step} failed: {err!r}", stacklevel=5)
+            seen = False
+        expected = not dist.is_distributed() or dist.rank() in h.bad_ranks
+        if dist.agree_flag(expected and not seen):
+            return None
+        log.info("nanguard: step %d repeats the trip of step %d in %s", h.step, last.step, diag.module)
+        return replace(diag, step=h.step, evidence={**copy.deepcopy(diag.evidence), "repeat_of": last.step})
 
     def _nonfinite_shards(self, step: int) -> Diagnosis | None:
         """This rank's own non-finite parameter shards, or None (host reads: on a trip only)."""
@@ -182,6 +235,40 @@ class Diagnoser:
 
     def _lr(self) -> Any:
         return self.optimizer.param_groups[0].get("lr")
+
+
+class _Stop(Exception):
+    """Ends a repeat check's forward once the watched module has answered."""
+
+
+def makes_nonfinite(module: nn.Module, closure: Callable[[], Any]) -> bool:
+    """Run ``closure`` until ``module`` first returns: True when its output is non-finite while
+    its inputs are all finite (the fault starts inside it). The rest of the step is not run.
+
+    Example:
+        >>> makes_nonfinite(model.attn, closure)
+        True
+    """
+    verdict = False
+
+    def hook(_module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        nonlocal verdict
+        out = [t for t in tensors(output) if t.is_floating_point()]
+        if not any(not bool(torch.isfinite(t).all()) for t in out):
+            return  # a later call of the module may be the one that overflows
+        ins = [t for t in tensors((args, kwargs)) if t.is_floating_point()]
+        verdict = all(bool(torch.isfinite(t).all()) for t in ins)
+        raise _Stop
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        with torch.enable_grad():
+            closure()
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return verdict
 
 
 def replay_trip(
