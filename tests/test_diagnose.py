@@ -16,6 +16,7 @@ from nanguard.diagnose import (
     transient_fault,
 )
 from nanguard.findings import Diagnosis, Finding
+from nanguard.text import diagnosis_text, kind_name, summary
 
 
 def _op(op, inputs=None, **extra):
@@ -121,9 +122,9 @@ GUARD_CASES = [
     (lambda: loss_scale_collapse(step=9, scale=2.0**-10, floor=2.0**-8, streak=7, overflows=9, rank=None),
      ("precision.loss_scale", "backward", "inf", None, None), "bfloat16"),
     (lambda: replica_divergence(step=4, ranks=[1, 3], first_parameter="h.0.fc.weight"),
-     ("distributed.replica_divergence", "parameters", "nan", "h.0.fc", 1), "broadcast"),
+     ("distributed.replica_divergence", "parameters", "invalid", "h.0.fc", 1), "broadcast"),
     (lambda: rejected_batch([_MASKED], step=0, rank=None, ranks=[]),
-     ("data.fully_masked", "data", "nan", None, None), "drop the sample"),
+     ("data.fully_masked", "data", "invalid", None, None), "drop the sample"),
 ]  # fmt: skip
 
 
@@ -296,3 +297,21 @@ def test_located_pow_overflow_and_one_sample_std() -> None:
     diag = ng.locate(lambda: ((adv - adv.mean()) / (adv.std() + 1e-8)).sum())
     assert diag is not None and diag.cause == "op.division_by_zero" and diag.op == "aten.std.correction"
     assert diag.evidence["origin"]["reduced_elements"] == 1 and diag.evidence["origin"]["correction"] == 1
+
+
+def test_kind_is_invalid_only_where_nothing_non_finite_exists() -> None:
+    finite = replica_divergence(step=4, ranks=[1], first_parameter="h.0.fc.weight", source=0)
+    nonfinite = replica_divergence(step=4, ranks=[1], first_parameter="h.0.fc.weight", source=0, nonfinite_ranks=[1])
+    assert (finite.kind, nonfinite.kind) == ("invalid", "nan")
+    nan_input = Finding("data.nonfinite", "batch['x']", "3 NaN values", fix="drop the sample")
+    assert rejected_batch([nan_input], step=0, rank=None, ranks=[]).kind == "nan"
+    assert rejected_batch([_MASKED], step=0, rank=None, ranks=[]).kind == "invalid"
+
+
+def test_kind_is_validated_and_worded() -> None:
+    diag = Diagnosis(cause="data.index_out_of_range", kind="invalid", phase="data", op="aten.embedding.default")
+    assert kind_name("invalid") == "invalid value" and kind_name("nan") == "NaN"
+    assert "invalid value" in summary(diag) and "NaN" not in summary(diag)
+    assert "invalid value created" in diagnosis_text(diag)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Diagnosis(cause="unknown", kind="finite")

@@ -215,3 +215,44 @@ def test_overflow_of_a_power_records_its_input_max() -> None:
     diag = ng.locate(lambda x: (x**2).sum(), x)
     assert diag.op == "aten.pow.Tensor_Scalar" and diag.kind == "inf"
     assert diag.evidence["origin"]["input_max"] == pytest.approx(3e20)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "created_in"),
+    [
+        ("token_id_out_of_range", "invalid", {"op": "aten.embedding.default", "phase": "forward"}),
+        ("label_out_of_range", "invalid", {"op": "aten.nll_loss_forward.default", "phase": "forward"}),
+        ("all_labels_ignored", "nan", {"op": "aten.nll_loss_forward.default", "phase": "forward"}),
+    ],
+)
+def test_data_causes_keep_phase_data_and_name_the_op_that_met_the_input(name, kind, created_in) -> None:
+    scenario = next(s for s in SCENARIOS if s.name == name)
+    diag = _locate_fault_only(scenario)
+    assert (diag.cause, diag.phase, diag.kind) == (scenario.expect.cause, "data", kind)
+    assert diag.evidence["created_in"] == created_in
+    assert ng.Diagnosis.from_dict(diag.to_dict()).kind == kind  # "invalid" survives the JSON round trip
+
+
+def _locate_fault_only(scenario):
+    """The faulty batch on the freshly built model: a data fault does not need the steps before it."""
+    run = build(scenario)
+    return ng.locate(train_step, run.model, run.batch(scenario.fault_step), model=run.model)
+
+
+def test_an_index_error_outside_any_module_is_invalid_and_created_in_the_forward() -> None:
+    emb = nn.Embedding(4, 2)
+    ids = torch.tensor([0, 1])
+
+    def fn():
+        out = emb(ids).sum(0)
+        return torch.index_select(out, 0, torch.tensor([5])).sum()
+
+    diag = ng.locate(fn, model=emb)
+    assert diag.cause == "data.index_out_of_range" and diag.kind == "invalid"
+    assert diag.phase == "data" and diag.evidence["created_in"]["phase"] == "forward"
+
+
+def test_data_nonfinite_inputs_have_no_op_that_created_them() -> None:
+    diag = _locate_fault_only(next(s for s in SCENARIOS if s.name == "nan_pixels"))
+    assert (diag.cause, diag.phase, diag.kind) == ("data.nonfinite", "data", "nan")
+    assert "created_in" not in diag.evidence  # the NaN came in with the batch

@@ -1,3 +1,4 @@
+import importlib
 import json
 
 import pytest
@@ -23,8 +24,61 @@ def test_all_is_pinned() -> None:
             "replay",
         ]
     )
-    for name in ng.__all__:
-        assert getattr(ng, name) is not None
+    for name in ng.__all__:  # each public name is the object of its home module, loaded on first use
+        assert getattr(ng, name) is getattr(importlib.import_module(HOMES[name]), name), name
+
+
+HOMES = {
+    "CAUSES": "nanguard.findings",
+    "Diagnosis": "nanguard.findings",
+    "Finding": "nanguard.findings",
+    "Guard": "nanguard.guard",
+    "NonFiniteError": "nanguard.errors",
+    "QuarantineSampler": "nanguard.sampler",
+    "audit_model": "nanguard.audit",
+    "check_batch": "nanguard.audit",
+    "load_bundle": "nanguard.bundle",
+    "locate": "nanguard.tracer",
+    "replay": "nanguard.bundle",
+}
+
+
+def test_public_names_have_their_kinds() -> None:
+    for name in ("Diagnosis", "Finding", "Guard", "QuarantineSampler"):
+        assert isinstance(getattr(ng, name), type), name
+    assert issubclass(ng.NonFiniteError, Exception)
+    for name in ("audit_model", "check_batch", "load_bundle", "locate", "replay"):
+        fn = getattr(ng, name)
+        assert callable(fn) and not isinstance(fn, type) and fn.__doc__, name
+    assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in ng.CAUSES.items())
+    with pytest.raises(AttributeError, match="no attribute 'banana'"):
+        ng.banana  # noqa: B018
+
+
+def test_locate_names_a_real_fault_with_every_contract_field() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(dim=-1))
+    x = torch.randn(3, 4)
+
+    def step() -> torch.Tensor:
+        probs = model(x)
+        loss = -torch.log(probs * torch.tensor([1.0, 0.0, 1.0, 1.0])).mean()  # a probability zeroed: log(0)
+        loss.backward()
+        return loss
+
+    before = model[0].weight.detach().clone()
+    diag = ng.locate(step, model=model)
+    assert isinstance(diag, ng.Diagnosis)
+    assert (diag.cause, diag.kind, diag.phase, diag.op) == ("op.log_domain", "inf", "forward", "aten.log.default")
+    assert diag.module is None and diag.rank is None and diag.ranks == [] and diag.step is None
+    assert diag.source is not None and diag.source.split(":")[0].endswith("test_public_api.py")
+    assert diag.evidence["origin"]["inputs"][0]["zeros"] >= 3  # one zeroed column of 3 rows
+    assert json.loads(json.dumps(diag.to_dict()))["cause"] == "op.log_domain"
+    assert diag.fixes and all(isinstance(f, str) and f for f in diag.fixes)
+    assert all(a["cause"] in ng.CAUSES and a["why"] for a in diag.also)
+    assert torch.equal(model[0].weight, before)  # locate steps no optimizer
+    model.zero_grad(set_to_none=True)  # locate leaves the gradients as the step made them: NaN
+    assert ng.locate(lambda: model(x).sum().backward(), model=model) is None
 
 
 CONTRACT_CAUSES = [

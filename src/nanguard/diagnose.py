@@ -753,7 +753,7 @@ def replica_divergence(
     )
     return Diagnosis(
         cause="distributed.replica_divergence",
-        kind="nan",
+        kind="nan" if bad else "invalid",  # finite replicas that differ hold nothing non-finite
         phase="parameters",
         module=first.rpartition(".")[0] if first else None,
         rank=ranks[0] if ranks else None,
@@ -781,7 +781,7 @@ def rejected_batch(errors: list[Finding], *, step: int, rank: int | None, ranks:
     first = errors[0]
     return Diagnosis(
         cause=first.cause,
-        kind="nan",
+        kind="nan" if first.cause == "data.nonfinite" else "invalid",  # the forward never ran
         phase="data",
         module=None,
         rank=rank,

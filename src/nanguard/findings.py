@@ -57,7 +57,9 @@ CAUSES: Mapping[str, str] = MappingProxyType(
 )
 
 PHASES = ("data", "parameters", "forward", "backward", "optimizer", "communication")
-KINDS = ("nan", "inf")
+KINDS = ("nan", "inf", "invalid")
+"""``Diagnosis.kind``: what the origin created. "invalid" when nothing non-finite exists at the origin: an
+index out of range (the op raised) or replicas whose finite parameters differ."""
 
 
 def jsonable(value: Any) -> Any:

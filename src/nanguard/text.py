@@ -30,12 +30,12 @@ __all__ = [
     "where_lines",
 ]
 
-KIND_NAMES = {"nan": "NaN", "inf": "Inf"}
+KIND_NAMES = {"nan": "NaN", "inf": "Inf", "invalid": "invalid value"}
 _MAX_LISTED = 6
 
 
 def kind_name(kind: str) -> str:
-    """``"nan"`` -> ``"NaN"``, ``"inf"`` -> ``"Inf"``; anything else as given."""
+    """``"nan"`` -> ``"NaN"``, ``"inf"`` -> ``"Inf"``, ``"invalid"`` -> ``"invalid value"``; anything else as given."""
     return KIND_NAMES.get(kind, kind)
 
 

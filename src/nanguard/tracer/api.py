@@ -89,12 +89,12 @@ def trace(
         origin = Origin(
             id=-1,
             category="index",
-            kind="nan",
+            kind="invalid",  # the op raised: nothing non-finite was created
             index=tracer.index,
             op=failure.op,
             module=failure.where.module,
             module_type=failure.where.module_type,
-            phase="data",
+            phase=failure.where.phase,
             source=failure.where.source,
             library_source=failure.where.library,
             extra={
@@ -153,6 +153,9 @@ def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: n
     verdict = diagnose(evidence)
     evidence["why"] = verdict.why
     phase = "data" if verdict.cause.startswith("data.") else origin.phase
+    if phase == "data" and origin.category in ("op", "index"):
+        # The contract's phase of a data cause is "data"; the op that met the bad input keeps its own phase here.
+        evidence["created_in"] = {"op": origin.op, "phase": origin.phase}
     if verdict.cause == "parameters.nonfinite":
         phase = "parameters"
     rank = dist.rank_or_none()

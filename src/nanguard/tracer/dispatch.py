@@ -39,7 +39,7 @@ class Origin:
 
     id: int
     category: str  # "op" | "data" | "parameters" | "write" | "fill"
-    kind: str  # "nan" | "inf"
+    kind: str  # "nan" | "inf" | "invalid" (an index op raised)
     index: int  # op index where it was created or first consumed
     op: str | None
     module: str | None

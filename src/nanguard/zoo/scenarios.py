@@ -325,13 +325,13 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "token_id_out_of_range",
         "a token id equal to vocab_size (tokenizer and embedding disagree)",
-        Expect("data.index_out_of_range", "aten.embedding.default", "wte", "data", "nan"),
+        Expect("data.index_out_of_range", "aten.embedding.default", "wte", "data", "invalid"),
         fault=_token_past_vocab,
     ),
     Scenario(
         "label_out_of_range",
         "a label id past the vocabulary",
-        Expect("data.index_out_of_range", "aten.nll_loss_forward.default", "", "data", "nan"),
+        Expect("data.index_out_of_range", "aten.nll_loss_forward.default", "", "data", "invalid"),
         fault=_label_past_vocab,
     ),
     Scenario(
@@ -420,7 +420,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "replica_divergence",
         "2 ranks under DDP; rank 1 changes a weight in place, behind DDP's back",
-        Expect("distributed.replica_divergence", None, "blocks.1.mlp.fc", "parameters", "nan", rank=1, ranks=(1,)),
+        Expect("distributed.replica_divergence", None, "blocks.1.mlp.fc", "parameters", "invalid", rank=1, ranks=(1,)),
         ranks=2,
         dist_fault="replica",
     ),
