@@ -271,27 +271,9 @@ class Tracer:
         self, func: Any, value: str, *, inputs: Sequence[dict[str, Any]] = (), outputs: Sequence[dict[str, Any]] = ()
     ) -> Origin:
         """An op that wrote an explicit NaN/Inf (``value``: "nan", "inf" or "-inf"): a mask fill or a marker."""
-        where = self._where(func)
-        origin = Origin(
-            id=len(self.origins),
-            category="write",
-            kind="nan" if value == "nan" else "inf",
-            index=self.index,
-            op=where.op,
-            module=where.module,
-            module_type=where.module_type,
-            phase=where.phase,
-            source=where.source,
-            library_source=where.library,
-            node=where.node,
-            forward_op=where.forward_op,
-            inputs=list(inputs),
-            outputs=list(outputs),
-            extra={"written": value},
-            before=self.recent_ops(),
-        )
-        self.origins.append(origin)
-        return origin
+        kind = "nan" if value == "nan" else "inf"
+        return self._record(self._where(func), "write", kind, inputs=list(inputs), outputs=list(outputs),
+                            extra={"written": value})  # fmt: skip
 
     def _from_written_inf(self, func: Any, ins: Inputs) -> bool:
         """Is a NaN this op makes only the consequence of an Inf some op wrote on purpose
@@ -337,9 +319,21 @@ class Tracer:
 
     def _creation(self, func: Any, args: tuple, kwargs: dict, out: Any, where: _Where, kind: str) -> Origin:
         flat_args = op_leaves(args)
+        return self._record(
+            where,
+            "op",
+            kind,
+            inputs=[tensor_stats(t) for t in flat_args if isinstance(t, torch.Tensor)],
+            outputs=[tensor_stats(t) for t in op_leaves(out) if isinstance(t, torch.Tensor)],
+            scalars=[_scalar(x) for x in flat_args if isinstance(x, (int, float, bool))],
+            extra=ops.creation_facts(func, args, kwargs, out, where.eps),
+        )
+
+    def _record(self, where: _Where, category: str, kind: str, **facts: Any) -> Origin:
+        """A new origin at ``where``, with the ops that ran just before it."""
         origin = Origin(
             id=len(self.origins),
-            category="op",
+            category=category,
             kind=kind,
             index=self.index,
             op=where.op,
@@ -350,11 +344,8 @@ class Tracer:
             library_source=where.library,
             node=where.node,
             forward_op=where.forward_op,
-            inputs=[tensor_stats(t) for t in flat_args if isinstance(t, torch.Tensor)],
-            outputs=[tensor_stats(t) for t in op_leaves(out) if isinstance(t, torch.Tensor)],
-            scalars=[_scalar(x) for x in flat_args if isinstance(x, (int, float, bool))],
-            extra=ops.creation_facts(func, args, kwargs, out, where.eps),
             before=self.recent_ops(),
+            **facts,
         )
         self.origins.append(origin)
         return origin
