@@ -353,3 +353,47 @@ def rank_rows(data: dict[str, Any]) -> list[list[str]]:
         ]
         for r, d in data["per_rank"].items()
     ]
+
+
+REMEDY_COLUMNS = ("step", "cause", "remedy", "target", "reason")
+HEADROOM_COLUMNS = ("step", "module", "dtype", "absmax")
+
+
+def remedy_rows(markers: Any) -> list[list[str]]:
+    """One row a remedy event (``.step``, ``.fields``), in ``REMEDY_COLUMNS`` order.
+
+    Example:
+        >>> remedy_rows(report.remedies)[0]
+        ['3', 'data.nonfinite', 'quarantine', 'ids 5, 9', 'rows [1, 2] of the batch hold the bad values']
+    """
+    return [
+        [
+            str(m.step),
+            str(m.fields.get("cause")),
+            str(m.fields.get("action")),
+            _target(m.fields.get("target")),
+            str(m.fields.get("reason")),
+        ]
+        for m in markers
+    ]
+
+
+def headroom_rows(markers: Any) -> list[list[str]]:
+    """One row a headroom event close to overflow, in ``HEADROOM_COLUMNS`` order."""
+    return [
+        [
+            str(m.step),
+            str(m.fields.get("module")),
+            str(m.fields.get("dtype")),
+            f"{m.fields.get('absmax'):.4g} of {m.fields.get('limit'):.4g}",
+        ]
+        for m in markers
+        if m.fields.get("close")
+    ]
+
+
+def _target(target: object) -> str:
+    if isinstance(target, list):
+        shown = ", ".join(map(str, target[:8]))
+        return f"ids {shown}" + (f" (+{len(target) - 8})" if len(target) > 8 else "")
+    return "-" if target is None else str(target)

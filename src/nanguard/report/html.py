@@ -15,7 +15,19 @@ from matplotlib.figure import Figure
 from nanguard._io import atomic_write_text
 from nanguard.report import plots
 from nanguard.report.load import RunReport, Trip
-from nanguard.text import RANK_COLUMNS, event_words, evidence_lines, kind_name, op_path, rank_rows, where_lines
+from nanguard.text import (
+    HEADROOM_COLUMNS,
+    RANK_COLUMNS,
+    REMEDY_COLUMNS,
+    event_words,
+    evidence_lines,
+    headroom_rows,
+    kind_name,
+    op_path,
+    rank_rows,
+    remedy_rows,
+    where_lines,
+)
 
 __all__ = ["MAX_DETAILED_TRIPS", "render_html", "write_html"]
 
@@ -218,29 +230,11 @@ def _remedies_html(report: RunReport) -> str:
     """The remedies section (policy="auto") and modules near overflow; empty when there are none."""
     out = []
     if report.remedies:
-        rows = [
-            (
-                str(m.step),
-                str(m.fields.get("cause")),
-                str(m.fields.get("action")),
-                "-" if m.fields.get("target") is None else str(m.fields.get("target")),
-                str(m.fields.get("reason")),
-            )
-            for m in report.remedies[:_MAX_EVENT_ROWS]
-        ]
-        out += ['<h2 id="remedies">Remedies</h2>', _table(("step", "cause", "remedy", "target", "reason"), rows)]
-    close = [m for m in report.headroom if m.fields.get("close")]
+        rows = remedy_rows(report.remedies[:_MAX_EVENT_ROWS])
+        out += ['<h2 id="remedies">Remedies</h2>', _table(REMEDY_COLUMNS, rows)]
+    close = headroom_rows(report.headroom)
     if close:
-        rows = [
-            (
-                str(m.step),
-                str(m.fields.get("module")),
-                str(m.fields.get("dtype")),
-                f"{m.fields.get('absmax'):.4g} of {m.fields.get('limit'):.4g}",
-            )
-            for m in close[:_MAX_EVENT_ROWS]
-        ]
-        out += ['<h2 id="headroom">Close to overflow</h2>', _table(("step", "module", "dtype", "absmax"), rows)]
+        out += ['<h2 id="headroom">Close to overflow</h2>', _table(HEADROOM_COLUMNS, close[:_MAX_EVENT_ROWS])]
     return "\n".join(out)
 
 

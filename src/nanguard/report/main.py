@@ -12,7 +12,15 @@ from typing import TextIO
 from nanguard.errors import NanguardError
 from nanguard.report.load import RunReport, load_run
 from nanguard.report.terminal import Console
-from nanguard.text import RANK_COLUMNS, event_words, rank_rows
+from nanguard.text import (
+    HEADROOM_COLUMNS,
+    RANK_COLUMNS,
+    REMEDY_COLUMNS,
+    event_words,
+    headroom_rows,
+    rank_rows,
+    remedy_rows,
+)
 
 __all__ = ["print_summary", "run_report"]
 
@@ -139,33 +147,7 @@ def print_summary(report: RunReport, console: Console) -> None:
 def print_remedies(report: RunReport, console: Console) -> None:
     """The remedies a ``policy="auto"`` guard applied, and modules close to float16 overflow."""
     if report.remedies:
-        rows = [
-            [
-                str(m.step),
-                str(m.fields.get("cause")),
-                str(m.fields.get("action")),
-                _target(m.fields.get("target")),
-                str(m.fields.get("reason")),
-            ]
-            for m in report.remedies
-        ]
-        console.table(["step", "cause", "remedy", "target", "reason"], rows[:_MAX_EVENT_ROWS], title="Remedies")
-    close = [m for m in report.headroom if m.fields.get("close")]
+        console.table(list(REMEDY_COLUMNS), remedy_rows(report.remedies[:_MAX_EVENT_ROWS]), title="Remedies")
+    close = headroom_rows(report.headroom)
     if close:
-        rows = [
-            [
-                str(m.step),
-                str(m.fields.get("module")),
-                str(m.fields.get("dtype")),
-                f"{m.fields.get('absmax'):.4g} of {m.fields.get('limit'):.4g}",
-            ]
-            for m in close
-        ]
-        console.table(["step", "module", "dtype", "absmax"], rows[:_MAX_EVENT_ROWS], title="Close to overflow")
-
-
-def _target(target: object) -> str:
-    if isinstance(target, list):
-        shown = ", ".join(map(str, target[:8]))
-        return f"ids {shown}" + (f" (+{len(target) - 8})" if len(target) > 8 else "")
-    return "-" if target is None else str(target)
+        console.table(list(HEADROOM_COLUMNS), close[:_MAX_EVENT_ROWS], title="Close to overflow")
