@@ -10,7 +10,6 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # torch first, pinned to the CPU build that lies on local disk; the package itself asks for torch>=2.4.
-# The demo needs only the core (torch, safetensors, rich): a first run from a fresh clone stays fast.
 $(CORE_STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e .
@@ -21,7 +20,7 @@ $(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-demo: $(CORE_STAMP)
+demo: $(STAMP)
 	$(VENV)/bin/nanguard demo
 
 lint: $(STAMP)
