@@ -256,3 +256,21 @@ def test_data_nonfinite_inputs_have_no_op_that_created_them() -> None:
     diag = _locate_fault_only(next(s for s in SCENARIOS if s.name == "nan_pixels"))
     assert (diag.cause, diag.phase, diag.kind) == ("data.nonfinite", "data", "nan")
     assert "created_in" not in diag.evidence  # the NaN came in with the batch
+
+
+def test_profiler_regions_leave_no_ops_in_the_path() -> None:
+    """torch.profiler.record_function (HF models use it) dispatches ops of its own: bookkeeping, not the path."""
+    x = torch.rand(4, 4, requires_grad=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.profiler.record_function("block"):
+            y = torch.log(x - x)  # log(0): -inf
+        with torch.profiler.record_function("head"):
+            loss = (y * 2).sum()
+        loss.backward()
+        return loss
+
+    diag = ng.locate(step, x)
+    assert diag is not None and diag.op == "aten.log.default"
+    path = [o["op"] for o in diag.evidence["before"] + diag.evidence["after"] if o.get("op")]
+    assert path and not [op for op in path if op.startswith("profiler.")], path

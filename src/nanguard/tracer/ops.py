@@ -56,8 +56,19 @@ MOVES = {
     aten.neg.default, aten.clamp.default, aten.where.self, aten.masked_fill.Scalar,
     aten.threshold_backward.default, aten._softmax.default,
 }  # fmt: skip
+
+
 # Bookkeeping ops autograd inserts: not worth listing among "the ops before".
-QUIET = {aten.detach.default, aten.alias.default}
+def _record_function_ops() -> set[Any]:
+    """The ops ``torch.profiler.record_function`` dispatches to mark a region (HF models and Lightning use it)."""
+    try:
+        return {torch.ops.profiler._record_function_enter_new.default,
+                torch.ops.profiler._record_function_exit._RecordFunction}  # fmt: skip
+    except (AttributeError, RuntimeError):  # a torch without them: nothing to hide
+        return set()
+
+
+QUIET = {aten.detach.default, aten.alias.default, *_record_function_ops()}
 # Ops that wrap a Python number (or a literal) in a tensor: the op that consumes the tensor
 # is the one that writes the value (``h[i] = nan`` is lift_fresh, then index_put_).
 LITERALS = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.scalar_tensor.default}
