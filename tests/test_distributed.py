@@ -37,11 +37,12 @@ def _batch(model: GPT, rank: int, step: int, bad: bool = False) -> dict:
     return batch
 
 
-def _loop(model, ddp, opt, guard, rank, steps, bad_step=None, bad_rank=1, spoil=None, after_backward=None):
-    """Guarded steps; at ``bad_step`` on ``bad_rank`` the batch gets NaN pixels, or ``spoil(batch)``."""
+def _loop(model, ddp, opt, guard, rank, steps, bad_step=None, bad_ranks=(1,), spoil=None, after_backward=None):
+    """Guarded steps; at ``bad_step`` on ``bad_ranks`` the batch gets NaN pixels, or ``spoil(batch)``."""
     for step in range(steps):
-        batch = _batch(model, rank, step, bad=step == bad_step and rank == bad_rank and spoil is None)
-        if spoil is not None and step == bad_step and rank == bad_rank:
+        faulty = step == bad_step and rank in bad_ranks
+        batch = _batch(model, rank, step, bad=faulty and spoil is None)
+        if spoil is not None and faulty:
             spoil(batch)
 
         def closure(batch=batch):
@@ -161,7 +162,7 @@ def _rollback(rank, world, tmp):
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     guard = ng.Guard(ddp, opt, policy="rollback", snapshot_every=2, rollback_skip_batches=1)
-    _loop(model, ddp, opt, guard, rank, steps=7, bad_step=3, bad_rank=0)
+    _loop(model, ddp, opt, guard, rank, steps=7, bad_step=3, bad_ranks=(0,))
     return {"rollbacks": guard.rollbacks, "equal": _equal_across_ranks(model), "action": guard.last_action}
 
 
@@ -289,18 +290,7 @@ def _placement_run(rank, world, mode, bad):
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = ng.Guard(wrapped, opt, module_stats=False)
-    for step in range(2):
-        batch = _batch(model, rank, step, bad=step == 1 and rank in bad)
-
-        def closure(batch=batch):
-            opt.zero_grad(set_to_none=True)
-            _, loss = wrapped(**batch)
-            loss.backward()
-            if after is not None:
-                after()
-            return loss
-
-        guard.step(closure, batch=batch)
+    _loop(model, wrapped, opt, guard, rank, steps=2, bad_step=1, bad_ranks=bad, after_backward=after)
     d = guard.last_diagnosis
     return {"skipped": guard.skipped, "diag": d.to_dict() if d else None}
 

@@ -27,6 +27,7 @@ from nanguard.guard import Guard
 from nanguard.report import run_report
 from nanguard.report.terminal import Console
 from nanguard.zoo import build, get
+from test_report import _scaled_step
 
 STEPS = 6
 SPIKE_STEP = 5
@@ -50,13 +51,6 @@ class Mutant:
     line: int  # 1-based line number in the log
     text: str
     surely_bad: bool
-
-
-def _scaled_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], factor: float) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    _, loss = model(**batch)
-    (loss * factor).backward()
-    return loss * factor
 
 
 @pytest.fixture(scope="module")

@@ -15,20 +15,7 @@ from nanguard.report.load import load_run
 from nanguard.report.main import print_summary
 from nanguard.report.terminal import Console
 from nanguard.sampler import add_quarantined, read_quarantined
-
-
-class Attention(nn.Module):
-    """Scores grow with ``scale``; softmax keeps the module's output small either way."""
-
-    def __init__(self, dim: int, scale: float) -> None:
-        super().__init__()
-        self.q = nn.Linear(dim, dim)
-        self.scale = scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q(x)
-        scores = (q @ q.transpose(-1, -2)) * self.scale
-        return scores.softmax(-1) @ q
+from nanguard.zoo.remedy_scenarios import Attention
 
 
 class Net(nn.Module):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanguard.bundle import clean_stale_bundles
+from nanguard.bundle import clean_stale_bundles, save_bundle
 from nanguard.events import EventLog
 from nanguard.findings import Diagnosis
 from nanguard.guard.history import Forecast
@@ -147,8 +147,6 @@ class Recorder(NullRecorder):
     ) -> None:
         if batch is None:
             return
-        from nanguard.bundle import save_bundle
-
         try:
             path = save_bundle(
                 self.run_dir,

@@ -42,7 +42,9 @@ class RemedyScenario:
     options: dict[str, Any]
 
 
-class _Attention(nn.Module):
+class Attention(nn.Module):
+    """Scores grow with ``scale``; softmax keeps the module's output small either way."""
+
     def __init__(self, dim: int, scale: float) -> None:
         super().__init__()
         self.q = nn.Linear(dim, dim)
@@ -54,7 +56,7 @@ class _Attention(nn.Module):
 
 
 def _overflow_model() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
-    model = nn.Sequential(nn.Linear(8, 8), _Attention(8, 1e5), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(8, 8), Attention(8, 1e5), nn.Linear(8, 1))
     return model, torch.optim.SGD(model.parameters(), lr=1e-3), {}
 
 
@@ -79,27 +81,20 @@ def _regression() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
     return model, torch.optim.SGD(model.parameters(), lr=1.5), {"w": torch.randn(8, 1)}
 
 
-def _lr_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> float:
+def _regression_loop(
+    guard: Guard,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    state: dict[str, Any],
+    *,
+    steps: int,
+    poison_at: int = -1,
+) -> float:
+    """SGD on a linear regression; at step ``poison_at`` a bad in-place write corrupts one weight."""
     w = state["w"]
     last = math.nan
-    for _ in range(200):
-        x = torch.randn(32, 8)
-
-        def closure(x: torch.Tensor = x) -> torch.Tensor:
-            opt.zero_grad()
-            loss = ((model(x) - x @ w) ** 2).mean()
-            loss.backward()
-            return loss
-
-        last = _finite(guard.step(closure, batch=x), last)
-    return last
-
-
-def _poison_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> float:
-    w = state["w"]
-    last = math.nan
-    for step in range(60):
-        if step == 20:  # a bad in-place write corrupts one weight
+    for step in range(steps):
+        if step == poison_at:
             with torch.no_grad():
                 model.weight[0, 0] = math.nan  # type: ignore[index]
         x = torch.randn(32, 8)
@@ -112,6 +107,14 @@ def _poison_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, sta
 
         last = _finite(guard.step(closure, batch=x), last)
     return last
+
+
+def _lr_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> float:
+    return _regression_loop(guard, model, opt, state, steps=200)
+
+
+def _poison_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> float:
+    return _regression_loop(guard, model, opt, state, steps=60, poison_at=20)
 
 
 def _gentle_regression() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
