@@ -1,6 +1,6 @@
 """Repro bundles: one captured step on disk, and its replay.
 
-A bundle is a directory ``run_dir/bundles/step-{step:08d}-rank-{rank}/`` with two files:
+A bundle is a directory ``run_dir/bundles/step-{step:08d}-rank-{rank}/`` with two or three files:
 
 - ``meta.json``: the format marker and version, step, rank, torch version, creation time,
   the caller's fields (``diagnosis``, ``loss_tail``, ...) and a description of the batch's
@@ -8,6 +8,9 @@ A bundle is a directory ``run_dir/bundles/step-{step:08d}-rank-{rank}/`` with tw
 - ``tensors.safetensors``: the batch tensors (unless the batch was over the size limit, in
   which case only shapes and dtypes are kept) and the RNG states under ``rng/{device}``.
   ``meta.json``'s ``checksums`` holds its SHA-256, so a flipped byte is found on load.
+- ``weights.safetensors`` (optional): the model's parameters and buffers under their
+  ``state_dict`` names, a plain safetensors state dict. ``meta.json``'s ``weights`` says whether
+  they are there, how large they are, and why not; it is read only by ``Bundle.load_weights()``.
 
 Loading never unpickles and never imports code named by the bundle. Containers come back
 as plain ``dict``/``list``/``tuple``: a dataclass or mapping class is recorded by name only.
@@ -40,6 +43,7 @@ from nanguard.rng import fork_rng_state, set_rng_state
 
 __all__ = [
     "FORMAT",
+    "MAX_WEIGHTS_BYTES",
     "VERSION",
     "Bundle",
     "bundle_dir",
@@ -54,6 +58,9 @@ FORMAT = "nanguard-bundle"
 VERSION = 1
 META_FILE = "meta.json"
 TENSORS_FILE = "tensors.safetensors"
+WEIGHTS_FILE = "weights.safetensors"
+MAX_WEIGHTS_BYTES = 2**30
+"""The weights limit of ``Guard(bundle_weights=True)``: a larger model's bundles leave them out."""
 _RESERVED = frozenset(
     {
         "format",
@@ -68,6 +75,7 @@ _RESERVED = frozenset(
         "batch_reason",
         "rng",
         "checksums",
+        "weights",
     }
 )
 # Dtypes safetensors cannot hold go to disk as their raw bytes (uint8) and are viewed back.
@@ -105,6 +113,30 @@ class Bundle:
         return self.meta["step"]
 
     @property
+    def weights_stored(self) -> bool:
+        """Whether the bundle carries the model's weights (``Guard(bundle_weights=True)``)."""
+        return bool(self.meta.get("weights", {}).get("stored"))
+
+    @property
+    def weights_note(self) -> str:
+        """Why the weights are not there, or what they are (one rank's shards of a sharded model)."""
+        weights = self.meta.get("weights", {})
+        return str(weights.get("reason") or weights.get("note") or "")
+
+    def load_weights(self) -> dict[str, torch.Tensor]:
+        """The stored parameters and buffers, keyed by ``state_dict`` name, on the CPU.
+
+        Never unpickles. Raises ``BundleError`` naming ``weights.safetensors`` when it is missing,
+        corrupt, truncated or changed since it was written, or when the bundle has no weights.
+
+        Example:
+            >>> bundle = load_bundle("runs/a/bundles/step-00000812-rank-0")
+            >>> if bundle.weights_stored:
+            ...     model.load_state_dict(bundle.load_weights())
+        """
+        return _load_weights(self.path, self.meta)
+
+    @property
     def rank(self) -> int:
         return self.meta["rank"]
 
@@ -138,12 +170,18 @@ def save_bundle(
     rng_state: Mapping[str, torch.Tensor],
     meta: Mapping[str, Any] | None = None,
     max_batch_bytes: int = 64 * 2**20,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    max_weights_bytes: int = MAX_WEIGHTS_BYTES,
+    weights_note: str | None = None,
 ) -> Path:
     """Write one step's batch, RNG states and ``meta`` atomically; return the bundle dir.
 
     ``rng_state`` must be the state from *before* the step ran (``rng.get_rng_state()``),
     so a replay draws the same dropout masks. A batch over ``max_batch_bytes`` keeps only
-    its shapes and dtypes. An existing bundle for the same step and rank is replaced.
+    its shapes and dtypes. ``weights`` (a ``state_dict``, plain tensors) go to
+    ``weights.safetensors`` when they fit in ``max_weights_bytes``; otherwise ``meta.json``
+    says they were left out and why. ``weights_note`` says what they are when that needs
+    saying (one rank's shards). An existing bundle for the same step and rank is replaced.
 
     Example:
         >>> state = get_rng_state()
@@ -172,6 +210,7 @@ def save_bundle(
             tensors[key] = _storable(tensor)
     for name, state in rng_state.items():
         tensors[f"rng/{name}"] = _cpu_copy(state)
+    weights_record, weight_tensors = _weights_record(weights, max_weights_bytes, weights_note)
 
     record: dict[str, Any] = {
         "format": FORMAT,
@@ -189,6 +228,7 @@ def save_bundle(
         )
     record["batch"] = structure
     record["rng"] = list(rng_state)
+    record["weights"] = weights_record
     record.update(extra)
     json.dumps(jsonable(record), allow_nan=False)  # a meta that cannot be written fails before any file is
 
@@ -197,11 +237,40 @@ def save_bundle(
         save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
         os.chmod(tmp / TENSORS_FILE, file_mode())  # safetensors writes 0600
         record["checksums"] = {TENSORS_FILE: _sha256(tmp / TENSORS_FILE)}
+        if weight_tensors is not None:
+            save_file(weight_tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            os.chmod(tmp / WEIGHTS_FILE, file_mode())
+            record["checksums"][WEIGHTS_FILE] = _sha256(tmp / WEIGHTS_FILE)
+            fsync_file(tmp / WEIGHTS_FILE)
         text = json.dumps(jsonable(record), indent=2, allow_nan=False) + "\n"
         (tmp / META_FILE).write_text(text, encoding="utf-8")
         fsync_file(tmp / TENSORS_FILE)
         fsync_file(tmp / META_FILE)
     return final
+
+
+def _weights_record(
+    weights: Mapping[str, torch.Tensor] | None, max_bytes: int, note: str | None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """The ``weights`` entry of meta.json and the tensors to write (None when left out)."""
+    if weights is None:
+        return {"stored": False, "reason": "not recorded: Guard(bundle_weights=True) records them"}, None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"max_weights_bytes must be an int >= 0, got {max_bytes!r}")
+    for key, value in weights.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise ValueError(f"weights must map str names to tensors, got {key!r}: {type(value).__name__}")
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    record: dict[str, Any] = {"stored": nbytes <= max_bytes, "bytes": nbytes, "tensors": len(weights)}
+    if note:
+        record["note"] = note
+    if not record["stored"]:
+        record["reason"] = f"the model's state is {nbytes} bytes, over the limit of {max_bytes}: left out"
+        return record, None
+    raw = {key: [str(t.dtype), list(t.shape)] for key, t in weights.items() if t.dtype not in _NATIVE_DTYPES}
+    if raw:
+        record["raw"] = raw  # stored as their bytes (uint8), viewed back on load
+    return record, {key: _storable(t) for key, t in weights.items()}
 
 
 def _sha256(path: Path) -> str:
@@ -337,6 +406,8 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
     tensors_path = root / TENSORS_FILE
     if not tensors_path.is_file():
         raise BundleError(tensors_path, "missing: the bundle has no tensors file")
+    if meta.get("weights", {}).get("stored") and not (root / WEIGHTS_FILE).is_file():
+        raise BundleError(root / WEIGHTS_FILE, "missing: meta.json says the bundle carries the weights")
     verified = _verify(tensors_path, meta.get("checksums", {}).get(TENSORS_FILE))
     try:
         opened = safe_open(str(tensors_path), framework="pt")
@@ -389,6 +460,9 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
     rng = meta.get("rng")
     if not isinstance(rng, list) or not all(isinstance(name, str) for name in rng):
         raise BundleError(meta_path, "malformed: 'rng' must be a list of device names")
+    weights = meta.get("weights", {})
+    if not isinstance(weights, dict) or not isinstance(weights.get("stored", False), bool):
+        raise BundleError(meta_path, "malformed: 'weights' must be an object with a bool 'stored'")
     sums = meta.get("checksums", {})
     if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
         raise BundleError(meta_path, "malformed: 'checksums' must map file names to 'sha256:<hex>'")
@@ -407,6 +481,48 @@ def _verify(path: Path, expected: str | None) -> bool:
     if actual != expected:
         raise BundleError(path, "checksum mismatch: the file changed after it was written (corrupted on disk?)")
     return True
+
+
+def _load_weights(root: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    path = root / WEIGHTS_FILE
+    record = meta.get("weights", {})
+    if not record.get("stored"):
+        reason = record.get("reason") or "written before bundles could carry them"
+        raise BundleError(root, f"the bundle carries no weights ({reason})")
+    if not path.is_file():
+        raise BundleError(path, "missing: meta.json says the bundle carries the weights")
+    _verify(path, meta.get("checksums", {}).get(WEIGHTS_FILE))
+    raw = record.get("raw", {})
+    if not isinstance(raw, dict):
+        raise BundleError(root / META_FILE, "malformed: 'weights.raw' must map names to [dtype, shape]")
+    try:
+        opened = safe_open(str(path), framework="pt")
+    except Exception as err:
+        raise BundleError(path, f"corrupt or truncated safetensors file: {err}") from None
+    state: dict[str, torch.Tensor] = {}
+    with opened as handle:
+        for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
+            try:
+                tensor = handle.get_tensor(key)
+            except Exception as err:
+                raise BundleError(path, f"corrupt or truncated safetensors file: {err}") from None
+            state[key] = _view_raw(tensor, raw[key], key, root / META_FILE) if key in raw else tensor
+    missing = sorted(raw.keys() - state.keys())
+    if missing or len(state) != record.get("tensors", len(state)):
+        raise BundleError(path, f"holds {len(state)} tensors, meta.json says {record.get('tensors')}")
+    return state
+
+
+def _view_raw(tensor: torch.Tensor, spec: Any, key: str, meta_path: Path) -> torch.Tensor:
+    """A tensor saved as its bytes, viewed back as the dtype and shape meta.json records."""
+    ok = isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], list)
+    dtype = getattr(torch, str(spec[0]).removeprefix("torch."), None) if ok else None
+    if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in spec[1]):
+        raise BundleError(meta_path, f"malformed: 'weights.raw' entry of {key!r} is {spec!r:.80}")
+    nbytes = math.prod(spec[1]) * torch.empty((), dtype=dtype).element_size()
+    if tensor.dtype != torch.uint8 or list(tensor.shape) != [nbytes]:
+        raise BundleError(meta_path, f"weight {key!r} is {tensor.dtype} {list(tensor.shape)}, not {nbytes} raw bytes")
+    return tensor.view(dtype).reshape(spec[1])
 
 
 def _read_diagnosis(meta: dict[str, Any], meta_path: Path) -> Diagnosis | None:

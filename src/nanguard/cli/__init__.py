@@ -56,13 +56,15 @@ def _replay(args: argparse.Namespace) -> int:
     from nanguard.cli.replay import main_replay
     from nanguard.report.terminal import Console
 
-    bundle, diag = main_replay(args.bundle, args.model, args.weights, args.fn)
+    result = main_replay(args.bundle, args.model, args.weights, args.fn)
     console = Console()
-    if diag is None:
-        console.line(f"{bundle.path}: the replay is finite: the fault does not reproduce on this machine")
+    if result.diagnosis is None:
+        console.line(result.finite_hint())
         return 1
-    diag.step = bundle.step
-    console.diagnosis(diag)
+    if result.weights is not None:
+        console.line(f"weights: {result.weights}")
+    result.diagnosis.step = result.bundle.step
+    console.diagnosis(result.diagnosis)
     return 0
 
 
@@ -124,10 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
     report.set_defaults(func=_report)
 
-    replay = sub.add_parser("replay", help="re-run a captured bad step and print its diagnosis")
+    replay = sub.add_parser(
+        "replay",
+        help="re-run a captured bad step and print its diagnosis",
+        description="Build the model, load the weights (--weights, else the bundle's own when it carries them: "
+        "Guard(bundle_weights=True)), and replay the captured step under the tracer. Exit 0: diagnosed; "
+        "1: the replay is finite or the bundle is unreadable; 2: a bad option.",
+    )
     replay.add_argument("bundle", metavar="BUNDLE", help="a bundle directory (run_dir/bundles/step-...)")
-    replay.add_argument("--model", required=True, metavar="PKG.MODULE:FACTORY", help="builds the model")
-    replay.add_argument("--weights", default=None, metavar="CKPT", help="state dict (.pt or .safetensors)")
+    replay.add_argument("--model", required=True, metavar="PKG.MODULE:FACTORY",
+                        help="an importable function that builds the model with no arguments")  # fmt: skip
+    replay.add_argument("--weights", default=None, metavar="PATH",
+                        help="a state dict (.safetensors, or .pt read with weights_only=True); "
+                             "overrides the bundle's weights")  # fmt: skip
     replay.add_argument("--fn", default=None, metavar="PKG.MODULE:FUNCTION", help="fn(model) -> step(batch)")
     replay.set_defaults(func=_replay)
 

@@ -7,33 +7,60 @@ with ``torch.load(weights_only=True)``. Wrong options raise ValueError naming th
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from nanguard.bundle import Bundle, load_bundle, replay
+from nanguard.bundle import WEIGHTS_FILE, Bundle, load_bundle, replay
 from nanguard.findings import Diagnosis
 
-__all__ = ["main_replay"]
+__all__ = ["Replayed", "main_replay"]
 
 
-def main_replay(
-    bundle_path: str, model_spec: str, weights: str | None, fn_spec: str | None
-) -> tuple[Bundle, Diagnosis | None]:
+class Replayed(NamedTuple):
+    """What ``main_replay`` did: the bundle, the diagnosis (None: the replay is finite), and
+    where the weights came from (None: as the factory built them)."""
+
+    bundle: Bundle
+    diagnosis: Diagnosis | None
+    weights: str | None
+
+    def finite_hint(self) -> str:
+        """The one line for a finite replay: what may be missing, and how to get it."""
+        where = f"{self.bundle.path}: the replay is finite"
+        if self.weights is not None:
+            return f"{where}: the fault does not reproduce on this machine (weights: {self.weights})"
+        record = self.bundle.meta.get("weights", {})
+        if record.get("stored"):
+            why = f"this bundle carries {record.get('note')}, which one process cannot load"
+            return f"{where}; the fault may live in the weights: {why}: pass --weights PATH with the full state dict"
+        if "bytes" in record:
+            how = f"raise Guard(bundle_weights=N bytes) or pass --weights PATH ({record.get('reason')})"
+        else:
+            how = "record them with Guard(bundle_weights=True) or pass --weights PATH"
+        return f"{where} with the factory's weights; the fault may live in the weights, which this bundle lacks: {how}"
+
+
+def main_replay(bundle_path: str, model_spec: str, weights: str | None, fn_spec: str | None) -> Replayed:
     """``nanguard replay``: load a bundle, build the model, replay the step under ``locate``.
 
     ``model_spec`` is ``"pkg.module:factory"``; the factory is called with no arguments.
     ``weights`` is a ``.safetensors`` file or a ``torch.save`` state dict (loaded with
-    ``weights_only=True``). ``fn_spec`` is ``"pkg.module:function"``, called as
-    ``function(model)`` to get the step closure. Only the code these specs name runs.
+    ``weights_only=True``); without it, the weights the bundle carries are loaded, if any
+    (``Guard(bundle_weights=True)``), unless they are one rank's shards. ``fn_spec`` is
+    ``"pkg.module:function"``, called as ``function(model)`` to get the step closure. Only
+    the code these specs name runs.
 
     Example:
-        >>> bundle, diag = main_replay("runs/a/bundles/step-00000812-rank-0",
-        ...                            "mytrain.model:build", "ckpt.safetensors", None)
+        >>> bundle, diag, weights = main_replay("runs/a/bundles/step-00000812-rank-0",
+        ...                                     "mytrain.model:build", None, None)
+        >>> weights
+        'the bundle (weights.safetensors)'
     """
     _parse_spec(model_spec, "--model", "pkg.module:factory")
     if fn_spec is not None:
@@ -44,30 +71,56 @@ def main_replay(
     model = _call(factory, "--model", model_spec)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model: {model_spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    source = None
     if weights is not None:
-        _load_weights(model, weights)
+        _fit(model, _read_weights(weights), f"--weights: {weights!r}")
+        source = weights
+    elif bundle.weights_stored and not bundle.meta["weights"].get("note"):  # a note: one rank's shards
+        _fit(model, bundle.load_weights(), f"--model: the bundle's {WEIGHTS_FILE}")
+        source = f"the bundle ({WEIGHTS_FILE})"
     fn = None
     if fn_spec is not None:
         fn = _call(_resolve(fn_spec, "--fn", "pkg.module:function"), "--fn", fn_spec, model)
         if not callable(fn):
             raise ValueError(f"--fn: {fn_spec!r} returned a {type(fn).__name__}, not a function")
-    return bundle, replay(bundle, model, fn)
+    return Replayed(bundle, replay(bundle, model, fn), source)
 
 
 def _call(obj: Callable[..., Any], option: str, spec: str, *args: Any) -> Any:
     """Call what a spec names; whatever it raises becomes one line naming the option (``os:system``
     needs an argument, a factory may fail), not a traceback."""
+    needed = _required_after(obj, len(args))
+    if needed:
+        given = "none" if not args else "only the model"
+        raise ValueError(
+            f"{option}: {spec!r} needs argument(s) {', '.join(needed)} but is called with {given}: "
+            "name a function that builds it without them"
+        )
     try:
         return obj(*args)
     except Exception as err:
         raise ValueError(f"{option}: calling {spec!r} failed: {type(err).__name__}: {err}") from None
 
 
+def _required_after(obj: Callable[..., Any], given: int) -> list[str]:
+    """The names of the parameters ``obj`` requires beyond the first ``given`` positional ones."""
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins): calling it tells
+        return []
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    positional = [p for p in required if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [p.name for p in positional[given:]] + [p.name for p in required if p.kind is p.KEYWORD_ONLY]
+
+
 def _parse_spec(spec: str, option: str, example: str) -> tuple[str, str]:
     module, sep, attr = spec.partition(":")
     names = [*module.split("."), *attr.split(".")]
     if not sep or not all(name.isidentifier() for name in names):
-        raise ValueError(f"{option} must look like {example!r}, got {spec!r}")
+        hint = ""
+        if "/" in module or "\\" in module or module.endswith(".py"):
+            hint = " (a module's import name, not a file path: run from the folder it imports from)"
+        raise ValueError(f"{option} must look like {example!r}, got {spec!r}{hint}")
     return module, attr
 
 
@@ -95,7 +148,7 @@ def _resolve(spec: str, option: str, example: str) -> Callable[..., Any]:
     return obj
 
 
-def _load_weights(model: torch.nn.Module, weights: str) -> None:
+def _read_weights(weights: str) -> Mapping[str, Any]:
     path = Path(weights)
     if not path.is_file():
         raise ValueError(f"--weights: no such file {weights!r}")
@@ -116,7 +169,12 @@ def _load_weights(model: torch.nn.Module, weights: str) -> None:
                 break
     if not isinstance(state, Mapping):
         raise ValueError(f"--weights: {weights!r} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def _fit(model: torch.nn.Module, state: Mapping[str, Any], what: str) -> None:
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
-        raise ValueError(f"--weights: {weights!r} does not fit the model: {err}") from None
+        detail = " ".join(str(err).split())
+        raise ValueError(f"{what} does not fit the model: {detail}") from None

@@ -58,6 +58,10 @@ class GuardConfig:
     """How many recent (step, loss, grad norm) records to keep for the history rules."""
     max_bundle_bytes: int = 64 * 2**20
     """Batches larger than this are stored in a bundle as shapes only."""
+    bundle_weights: bool | int = False
+    """Store the model's parameters and buffers in each trip's bundle (``weights.safetensors``), so
+    ``nanguard replay`` reproduces a fault in the weights: True up to 1 GiB, an int N up to N bytes.
+    A larger model's bundle says they were left out. Under FSDP2 each rank stores its own shards."""
     # -- remedies (policy="auto") and early warning
     remedy_budget: int = 3
     """policy="auto": how many remedies one cause may get before the run stops (raise)."""
@@ -106,6 +110,9 @@ class GuardConfig:
             raise ValueError(f"lr_factor must be a number in (0, 1], got {self.lr_factor!r}")
         if self.quarantine not in QUARANTINE_SCOPES:
             raise ValueError(f"quarantine must be one of {QUARANTINE_SCOPES}, got {self.quarantine!r}")
+        weights = self.bundle_weights
+        if not isinstance(weights, (bool, int)) or weights < 0:
+            raise ValueError(f"bundle_weights must be True, False or a byte limit (an int >= 0), got {weights!r}")
         clip = self.clip_grad_norm
         if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or not clip > 0):
             raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip!r}")

@@ -105,7 +105,8 @@ class Guard:
         self.history = History.from_config(c)
         self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats,
                                    comm=self.health.comm)  # fmt: skip
-        self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes)
+        self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
+                                     bundle_weights=c.bundle_weights)  # fmt: skip
         self.recorder.listener = _listener(on_event, self.disabled)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-from nanguard.bundle import clean_stale_bundles, save_bundle
+from nanguard import dist
+from nanguard.bundle import MAX_WEIGHTS_BYTES, clean_stale_bundles, save_bundle
 from nanguard.events import EventLog
 from nanguard.findings import Diagnosis
 from nanguard.guard.history import Forecast
 from nanguard.rng import get_rng_state
 from nanguard.spikes import Spike
+from nanguard.stats import local
 from nanguard.tracer.headroom import Headroom
 
 __all__ = ["NullRecorder", "Recorder", "recorder_for"]
@@ -124,15 +126,28 @@ class Recorder(NullRecorder):
     nanguard must never kill the run it watches, so a full disk or a failed bundle warns
     once and the run goes on.
 
+    With a ``model`` and ``max_weights_bytes`` > 0, each bundle also carries the model's
+    parameters and buffers as they were when the step tripped (``Guard(bundle_weights=...)``).
+
     Example:
         >>> recorder = Recorder("runs/exp1", rank=0, max_bundle_bytes=64 * 2**20)
         >>> recorder.skip(3, reason="loss spike (z=7.1)")
     """
 
-    def __init__(self, run_dir: str | Path, *, rank: int, max_bundle_bytes: int) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        rank: int,
+        max_bundle_bytes: int,
+        model: torch.nn.Module | None = None,
+        max_weights_bytes: int = 0,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.max_bundle_bytes = max_bundle_bytes
+        self.model = model if max_weights_bytes else None
+        self.max_weights_bytes = max_weights_bytes
         self.events = EventLog(self.run_dir, rank)
         self._bundle_warned = False
         clean_stale_bundles(self.run_dir, rank)  # half-written bundles of a killed run of this rank
@@ -148,6 +163,7 @@ class Recorder(NullRecorder):
         if batch is None:
             return
         try:
+            weights, note = _model_state(self.model, self.rank) if self.model is not None else (None, None)
             path = save_bundle(
                 self.run_dir,
                 step=step,
@@ -156,6 +172,9 @@ class Recorder(NullRecorder):
                 rng_state=rng or get_rng_state(),
                 meta={"diagnosis": diag.to_dict(), **meta()},
                 max_batch_bytes=self.max_bundle_bytes,
+                weights=weights,
+                max_weights_bytes=self.max_weights_bytes,
+                weights_note=note,
             )
             diag.evidence["bundle"] = str(path)
         except Exception as err:  # a failed bundle must not kill training
@@ -172,9 +191,31 @@ class Recorder(NullRecorder):
         self._tell(kind, step, fields)
 
 
-def recorder_for(run_dir: str | Path | None, *, rank: int, max_bundle_bytes: int) -> NullRecorder:
+def _model_state(model: torch.nn.Module, rank: int) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The state dict a replay's model loads: names as the user's module has them (no DDP
+    ``module.`` or ``torch.compile`` ``_orig_mod.`` prefix); a sharded model gives this rank's shards."""
+    inner = dist.unwrap(model)
+    while isinstance(getattr(inner, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
+        inner = dist.unwrap(inner._orig_mod)
+    state = {key: value for key, value in inner.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)}
+    shards = {key: local(value).detach() for key, value in state.items()}
+    if any(local(value) is not value for value in state.values()):
+        return shards, f"rank {rank}'s local shards of a sharded (DTensor/FSDP2) model, not the full weights"
+    return shards, None
+
+
+def recorder_for(
+    run_dir: str | Path | None,
+    *,
+    rank: int,
+    max_bundle_bytes: int,
+    model: torch.nn.Module | None = None,
+    bundle_weights: bool | int = False,
+) -> NullRecorder:
     """A ``Recorder`` under ``run_dir``, or a ``NullRecorder`` when it is None.
 
+    ``bundle_weights`` (``GuardConfig.bundle_weights``): True stores ``model``'s weights in
+    each bundle up to ``MAX_WEIGHTS_BYTES``, an int up to that many bytes, False/0 never.
     A ``run_dir`` that is not a path, or names an existing file, is a ValueError.
     """
     if run_dir is None:
@@ -184,4 +225,5 @@ def recorder_for(run_dir: str | Path | None, *, rank: int, max_bundle_bytes: int
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"run_dir must be a directory, but {str(path)!r} is a file")
-    return Recorder(path, rank=rank, max_bundle_bytes=max_bundle_bytes)
+    limit = MAX_WEIGHTS_BYTES if bundle_weights is True else int(bundle_weights)
+    return Recorder(path, rank=rank, max_bundle_bytes=max_bundle_bytes, model=model, max_weights_bytes=limit)
