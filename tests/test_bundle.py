@@ -478,8 +478,8 @@ def test_main_replay_builds_the_model_and_loads_weights(tmp_path: Path, monkeypa
         return None
 
     monkeypatch.setattr(replay_cli, "replay", fake_replay)
-    loaded, diag = main_replay(str(path), f"{name}:build", str(weights), f"{name}:step")
-    assert diag is None and loaded.path == path and calls["bundle"] is loaded
+    loaded, diag, source = main_replay(str(path), f"{name}:build", str(weights), f"{name}:step")
+    assert diag is None and loaded.path == path and calls["bundle"] is loaded and source == str(weights)
     assert torch.equal(calls["model"].weight, state["weight"])
     assert calls["fn"]({"x": torch.ones(2)}).item() == 6.0
 
@@ -503,6 +503,144 @@ def test_main_replay_bad_specs_name_the_argument(tmp_path: Path, monkeypatch) ->
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="--weights: cannot load"):
         main_replay(path, f"{name}:build", str(garbage), None)
+
+
+# --------------------------------------------------------------------------- weights in bundles
+
+
+class _WithBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.register_buffer("phase", torch.randn(4, dtype=torch.complex128))  # not a safetensors dtype
+
+
+def test_weights_round_trip_as_a_plain_safetensors_state_dict(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _WithBuffer()
+    with torch.no_grad():
+        model.lin.weight[1, 2] = float("nan")
+    assert torch.complex128 not in bundle_mod._NATIVE_DTYPES  # else the raw-bytes path is not exercised
+    path = _save(tmp_path, weights=model.state_dict())
+    bundle = load_bundle(path)
+    assert bundle.weights_stored and bundle.weights_note == ""
+    state = bundle.load_weights()
+    assert sorted(state) == sorted(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert state[key].dtype == value.dtype and torch.equal(state[key].nan_to_num(), value.nan_to_num())
+    assert state["lin.weight"].isnan().sum().item() == 1
+    fresh = _WithBuffer()
+    fresh.load_state_dict(state)  # the names are the model's own
+    plain = load_file(path / "weights.safetensors")  # readable without nanguard, under the same names
+    assert torch.equal(plain["lin.bias"], model.lin.bias.detach())
+
+
+def test_weights_over_the_limit_are_left_out_and_the_bundle_says_why(tmp_path: Path) -> None:
+    weights = {"w": torch.zeros(100)}  # 400 bytes
+    path = _save(tmp_path, weights=weights, max_weights_bytes=399)
+    bundle = load_bundle(path)
+    assert not bundle.weights_stored and not (path / "weights.safetensors").exists()
+    assert "400 bytes, over the limit of 399" in bundle.weights_note
+    with pytest.raises(BundleError, match=r"carries no weights.*400 bytes"):
+        bundle.load_weights()
+    assert load_bundle(_save(tmp_path, step=13, weights=weights, max_weights_bytes=400)).weights_stored
+    with pytest.raises(ValueError, match="max_weights_bytes must be an int >= 0"):
+        _save(tmp_path, weights=weights, max_weights_bytes=-1)
+
+
+def test_a_bundle_without_weights_says_how_to_record_them(tmp_path: Path) -> None:
+    bundle = load_bundle(_save(tmp_path))
+    assert not bundle.weights_stored and "bundle_weights=True" in bundle.weights_note
+    with pytest.raises(BundleError, match="carries no weights"):
+        bundle.load_weights()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage_unchecked", "delete"])
+def test_a_corrupt_weights_file_is_an_error_naming_it(tmp_path: Path, damage: str) -> None:
+    path = _save(tmp_path, weights={"w": torch.arange(64, dtype=torch.float32)})
+    target = path / "weights.safetensors"
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0xFF
+        target.write_bytes(bytes(data))
+        problem = "checksum mismatch"
+    elif damage == "truncate":
+        target.write_bytes(bytes(data[: len(data) // 2]))
+        problem = "checksum mismatch"
+    elif damage == "garbage_unchecked":  # a bundle edited by hand: no checksum to catch it
+        meta = json.loads((path / "meta.json").read_text())
+        del meta["checksums"]["weights.safetensors"]
+        (path / "meta.json").write_text(json.dumps(meta))
+        target.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+        problem = "corrupt or truncated safetensors file"
+    else:
+        target.unlink()
+        with pytest.raises(BundleError, match=r"weights\.safetensors: missing"):
+            load_bundle(path)
+        return
+    bundle = load_bundle(path)  # the batch stays replayable; only the weights are bad
+    with pytest.raises(BundleError) as err:
+        bundle.load_weights()
+    assert err.value.path == str(target) and problem in err.value.problem
+
+
+def test_malformed_weights_entry_in_meta_json(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["weights"] = {"stored": "yes"}
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(BundleError, match=r"meta\.json: malformed: 'weights'"):
+        load_bundle(path)
+
+
+def test_recorder_stores_the_users_names_and_nothing_without_bundle_weights(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(2, 2)
+    compiled = torch.nn.Module()
+    compiled._orig_mod = inner  # where torch.compile's wrapper keeps the user's module (compiling costs seconds)
+    wrapped = torch.nn.DataParallel(compiled)
+    assert sorted(wrapped.state_dict()) == ["module._orig_mod.bias", "module._orig_mod.weight"]
+    for run, limit in (("on", 2**20), ("off", 0)):
+        recorder = Recorder(tmp_path / run, rank=0, max_bundle_bytes=2**20, model=wrapped, max_weights_bytes=limit)
+        recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(2)}, None, dict)
+        recorder.close()
+    state = load_bundle(tmp_path / "on" / "bundles" / "step-00000001-rank-0").load_weights()
+    assert sorted(state) == ["bias", "weight"] and torch.equal(state["weight"], inner.weight.detach())
+    assert not load_bundle(tmp_path / "off" / "bundles" / "step-00000001-rank-0").weights_stored
+
+
+def test_recorder_notes_that_sharded_weights_are_one_ranks_shards(tmp_path: Path, monkeypatch) -> None:
+    import nanguard.guard.recorder as recorder_mod
+
+    model = torch.nn.Linear(4, 2)
+    shard = {id(p): p.detach()[:1].clone() for p in model.parameters()}  # what DTensor.to_local() would give
+    monkeypatch.setattr(recorder_mod, "local", lambda t: shard.get(id(t), t))
+    recorder = Recorder(tmp_path, rank=3, max_bundle_bytes=2**20, model=model, max_weights_bytes=2**20)
+    recorder.bundle(Diagnosis(cause="unknown", step=2), 2, {"x": torch.ones(4)}, None, dict)
+    recorder.close()
+    bundle = load_bundle(tmp_path / "bundles" / "step-00000002-rank-3")
+    assert bundle.weights_stored and "rank 3's local shards" in bundle.weights_note
+    assert bundle.load_weights()["weight"].shape == (1, 4)
+
+
+def test_recorder_for_takes_true_or_a_byte_limit(tmp_path: Path) -> None:
+    from nanguard.guard.recorder import recorder_for
+
+    model = torch.nn.Linear(2, 2)
+    for option, limit in ((True, bundle_mod.MAX_WEIGHTS_BYTES), (1000, 1000), (False, 0)):
+        recorder = recorder_for(tmp_path, rank=0, max_bundle_bytes=0, model=model, bundle_weights=option)
+        assert isinstance(recorder, Recorder) and recorder.max_weights_bytes == limit
+        assert (recorder.model is model) == bool(limit)
+        recorder.close()
+
+
+@pytest.mark.parametrize("value", ["yes", -1, 1.5, None])
+def test_bundle_weights_must_be_a_bool_or_a_byte_limit(value) -> None:
+    from nanguard.guard import Guard
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="bundle_weights must be True, False or a byte limit"):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), bundle_weights=value)
 
 
 # --------------------------------------------------------------------------- files on disk

@@ -3,15 +3,18 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from nanguard.bundle import load_bundle
+from nanguard.bundle import load_bundle, save_bundle
 from nanguard.cli import main
+from nanguard.errors import NonFiniteError
 from nanguard.guard import Guard
+from nanguard.rng import get_rng_state
 from nanguard.zoo import SCENARIOS, build, get, train_step
 from nanguard.zoo.scenarios import FIRST_BAD
 
@@ -92,6 +95,103 @@ def test_a_real_guard_bundle_replays_offline_to_the_same_diagnosis(tmp_path, cap
     out = capsys.readouterr().out
     assert code == 0
     assert "data.nonfinite" in out and "batch['pixel_values']" in out and "vis_proj" in out
+
+
+def make_nan_weight_gpt():
+    """A factory for `nanguard replay --model test_cli:make_nan_weight_gpt`: finite weights."""
+    torch.manual_seed(0)
+    return build(get("nan_weight")).model
+
+
+def _nan_weight_bundle(run_dir, **options):
+    """Train the nan_weight scenario under a guard until its trip; return the trip's bundle dir."""
+    torch.manual_seed(0)
+    run = build(get("nan_weight"))
+    guard = Guard(run.model, run.optimizer, run_dir=run_dir, module_stats=False, **options)
+    with pytest.raises(NonFiniteError):  # a NaN parameter cannot be skipped past: the guard raises
+        for _, batch in run.batches(6):
+            guard.step(lambda b=batch: train_step(run.model, b), batch=batch)
+    guard.close()
+    assert guard.last_diagnosis.cause == "parameters.nonfinite"
+    (bundle_dir,) = (run_dir / "bundles").iterdir()
+    return bundle_dir
+
+
+@pytest.fixture(scope="module")
+def nan_weight_bundles(tmp_path_factory):
+    """The nan_weight scenario's trip bundle with the weights and without them."""
+    root = tmp_path_factory.mktemp("nan_weight")
+    return _nan_weight_bundle(root / "with", bundle_weights=True), _nan_weight_bundle(root / "without")
+
+
+REPLAY_NAN_WEIGHT = ["--model", "test_cli:make_nan_weight_gpt"]
+
+
+def test_a_nan_weight_reproduces_from_a_bundle_with_weights(nan_weight_bundles, capsys) -> None:
+    with_weights, _ = nan_weight_bundles
+    assert main(["replay", str(with_weights), *REPLAY_NAN_WEIGHT]) == 0
+    out = capsys.readouterr().out
+    assert "weights: the bundle (weights.safetensors)" in out
+    assert "parameters.nonfinite" in out and "blocks.1.mlp.fc" in out
+
+
+def test_without_weights_the_finite_replay_says_the_fault_may_live_in_them(nan_weight_bundles, capsys) -> None:
+    with_weights, without = nan_weight_bundles
+    assert not (without / "weights.safetensors").exists()
+    assert main(["replay", str(without), *REPLAY_NAN_WEIGHT]) == 1
+    hint = " ".join(capsys.readouterr().out.split())  # rich may wrap the one line on a narrow terminal
+    assert "the replay is finite" in hint and "the fault may live in the weights" in hint
+    assert "Guard(bundle_weights=True)" in hint and "--weights PATH" in hint
+    # The weights file of one bundle is a plain state dict: --weights takes it for the other.
+    other = str(with_weights / "weights.safetensors")
+    assert main(["replay", str(without), *REPLAY_NAN_WEIGHT, "--weights", other]) == 0
+    assert "parameters.nonfinite" in capsys.readouterr().out
+
+
+def test_weights_over_the_bundle_limit_are_left_out_and_the_finite_replay_says_so(
+    nan_weight_bundles, tmp_path, capsys
+) -> None:
+    with_weights, _ = nan_weight_bundles
+    bundle = load_bundle(with_weights)
+    bundle_dir = save_bundle(tmp_path, step=3, rank=0, batch=bundle.batch, rng_state=bundle.rng_state,
+                             weights=bundle.load_weights(), max_weights_bytes=1000)  # fmt: skip
+    assert not (bundle_dir / "weights.safetensors").exists()
+    assert main(["replay", str(bundle_dir), *REPLAY_NAN_WEIGHT]) == 1
+    hint = " ".join(capsys.readouterr().out.split())
+    assert "over the limit of 1000: left out" in hint and "bundle_weights=N" in hint
+
+
+def test_a_corrupt_weights_file_in_a_bundle_is_one_line_naming_it(nan_weight_bundles, tmp_path, capsys) -> None:
+    bundle_dir = tmp_path / "copy"
+    shutil.copytree(nan_weight_bundles[0], bundle_dir)
+    weights = bundle_dir / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert main(["replay", str(bundle_dir), *REPLAY_NAN_WEIGHT]) == 1
+    err = capsys.readouterr().err
+    assert f"{weights}: checksum mismatch" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def needs_arguments(width, depth=2):
+    """Not a valid --model factory: it needs an argument."""
+    return torch.nn.Linear(width, depth)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("test_cli:needs_arguments", "--model: 'test_cli:needs_arguments' needs argument(s) width but is called"),
+        ("tests/test_cli.py:make_nan_weight_gpt", "a module's import name, not a file path"),
+        ("test_cli:no_such_factory", "--model: 'test_cli' has no attribute 'no_such_factory'"),
+        ("no_such_module_xyz.models:build", "--model: no module named 'no_such_module_xyz'"),
+    ],
+)
+def test_model_errors_are_one_line_and_exit_2(tmp_path, capsys, spec, message) -> None:
+    bundle_dir = save_bundle(tmp_path, step=0, rank=0, batch={"x": torch.ones(2)}, rng_state=get_rng_state())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", str(bundle_dir), "--model", spec])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_doctor_json(capsys) -> None:

@@ -501,7 +501,7 @@ def _load_weights(root: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
         raise BundleError(path, f"corrupt or truncated safetensors file: {err}") from None
     state: dict[str, torch.Tensor] = {}
     with opened as handle:
-        for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
+        for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
             try:
                 tensor = handle.get_tensor(key)
             except Exception as err:
