@@ -634,6 +634,13 @@ def test_recorder_for_takes_true_or_a_byte_limit(tmp_path: Path) -> None:
         recorder.close()
 
 
+def test_bundle_weights_that_do_not_fit_the_model_name_them(tmp_path: Path, monkeypatch) -> None:
+    name = _user_module(tmp_path, monkeypatch)
+    path = _save(tmp_path, weights={"w": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"--model: the bundle's weights\.safetensors does not fit the model"):
+        main_replay(str(path), f"{name}:build", None, None)
+
+
 @pytest.mark.parametrize("value", ["yes", -1, 1.5, None])
 def test_bundle_weights_must_be_a_bool_or_a_byte_limit(value) -> None:
     from nanguard.guard import Guard

@@ -176,5 +176,7 @@ def _fit(model: torch.nn.Module, state: Mapping[str, Any], what: str) -> None:
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
-        detail = " ".join(str(err).split())
+        detail = " ".join(str(err).split())  # one line, however many keys torch lists
+        if len(detail) > 300:
+            detail = detail[:300] + "..."
         raise ValueError(f"{what} does not fit the model: {detail}") from None
