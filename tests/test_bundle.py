@@ -609,18 +609,43 @@ def test_recorder_stores_the_users_names_and_nothing_without_bundle_weights(tmp_
     assert not load_bundle(tmp_path / "off" / "bundles" / "step-00000001-rank-0").weights_stored
 
 
-def test_recorder_notes_that_sharded_weights_are_one_ranks_shards(tmp_path: Path, monkeypatch) -> None:
-    import nanguard.guard.recorder as recorder_mod
+_SHARDED = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from nanguard.findings import Diagnosis
+from nanguard.guard.recorder import Recorder
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+model = torch.nn.Linear(4, 2)
+for name, param in list(model.named_parameters()):  # as FSDP2's fully_shard leaves them
+    setattr(model, name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
+recorder = Recorder(sys.argv[1], rank=0, max_bundle_bytes=2**20, model=model, max_weights_bytes=2**20)
+recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(4)}, None, dict)
+recorder.close()
+torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, sys.argv[1] + "/full.pt")
+dist.destroy_process_group()
+"""
 
-    model = torch.nn.Linear(4, 2)
-    shard = {id(p): p.detach()[:1].clone() for p in model.parameters()}  # what DTensor.to_local() would give
-    monkeypatch.setattr(recorder_mod, "local", lambda t: shard.get(id(t), t))
-    recorder = Recorder(tmp_path, rank=3, max_bundle_bytes=2**20, model=model, max_weights_bytes=2**20)
-    recorder.bundle(Diagnosis(cause="unknown", step=2), 2, {"x": torch.ones(4)}, None, dict)
-    recorder.close()
-    bundle = load_bundle(tmp_path / "bundles" / "step-00000002-rank-3")
-    assert bundle.weights_stored and "rank 3's local shards" in bundle.weights_note
-    assert bundle.load_weights()["weight"].shape == (1, 4)
+
+@pytest.mark.dist
+def test_dtensor_weights_are_stored_as_this_ranks_shards_and_replay_says_so(tmp_path: Path, monkeypatch) -> None:
+    if not hasattr(pytest.importorskip("torch.distributed.tensor"), "distribute_tensor"):
+        pytest.skip("DTensor is public from torch 2.5")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path), str(tmp_path / "store")], env=env, check=True,
+                   timeout=120)  # fmt: skip
+    path = tmp_path / "bundles" / "step-00000001-rank-0"
+    bundle = load_bundle(path)
+    assert bundle.weights_stored and "rank 0's local shards of a sharded (DTensor/FSDP2) model" in bundle.weights_note
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert all(torch.equal(bundle.load_weights()[key], value) for key, value in full.items())  # one rank: all of it
+
+    name = _user_module(tmp_path, monkeypatch)  # a Linear(2, 1): shards of Linear(4, 2) would not even fit
+    monkeypatch.setattr(replay_cli, "replay", lambda bundle, model, fn: None)
+    result = main_replay(str(path), f"{name}:build", None, None)
+    assert result.weights is None  # one rank's shards are not loaded into a one-process model
+    assert "which one process cannot load: pass --weights PATH" in result.finite_hint()
 
 
 def test_recorder_for_takes_true_or_a_byte_limit(tmp_path: Path) -> None:
