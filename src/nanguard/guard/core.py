@@ -11,7 +11,7 @@ import logging
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
+from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.history import History
@@ -148,6 +149,25 @@ class Guard:
         self.recovery.buffers.save()
         with _undo_on_error(self, rng):
             return self._step(closure, batch, rng)
+
+    def step_accumulated(
+        self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True, sample_ids: Any = None
+    ) -> Any:
+        """One optimizer step over several micro-batches (gradient accumulation), as ``step``.
+
+        ``loss_fn(micro_batch)`` runs the forward and returns the loss; the guard zeroes the
+        gradients, divides each loss by the number of micro-batches (``mean=False``: as is),
+        scales it with ``scaler=`` and runs backward, inside the model's ``no_sync()`` (DDP)
+        for all but the last micro-batch. The check sees the summed loss and a trip replays
+        every micro-batch. Returns that sum, or None when the step was skipped.
+
+        Example:
+            >>> micro = [get_batch() for _ in range(4)]
+            >>> loss = guard.step_accumulated(micro, lambda b: model(**b).loss)
+        """
+        batches = micro_batch_list(micro_batches, loss_fn, mean)
+        closure = accumulation_closure(self.model, self.optimizer, self.scaler, batches, loss_fn, mean=mean)
+        return self.step(closure, batch=batches, sample_ids=sample_ids)
 
     def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
         self.health.comm.reset()
