@@ -144,9 +144,10 @@ def _ddp_accumulation(rank: int, world: int, bad_step: int) -> dict:
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     tdist.all_gather(gathered, flat)
     diag = guard.last_diagnosis
+    pairs = zip(guarded.parameters(), by_hand.parameters(), strict=True)
     return {
         "synced": synced[:MICRO],
-        "same_as_by_hand": all(torch.equal(p, q) for p, q in zip(guarded.parameters(), by_hand.parameters())),
+        "same_as_by_hand": all(torch.equal(p, q) for p, q in pairs),
         "equal_across_ranks": all(torch.equal(g, gathered[0]) for g in gathered),
         "skipped": guard.skipped,
         "diag": (diag.cause, diag.rank, diag.step, diag.evidence["origin"]["path"]) if diag else None,
