@@ -31,6 +31,7 @@ from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser, Replayed
+from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
 from nanguard.rng import get_rng_state
 from nanguard.spikes import Spike
 from nanguard.stats import local
@@ -46,7 +47,8 @@ class Guard:
     ``closure`` follows the ``torch.optim`` convention: it zeroes the gradients, runs
     forward and backward, and returns the loss. With a ``torch.amp.GradScaler`` pass it
     as ``scaler=`` and call ``scaler.scale(loss).backward()`` in the closure; the guard
-    unscales, steps and updates the scaler. A rollback restores a ``scheduler=`` too.
+    unscales, steps and updates the scaler. An Accelerate-prepared optimizer brings its
+    own scaler (``accelerator.scaler``), used once. A rollback restores a ``scheduler=`` too.
 
     Example:
         >>> guard = ng.Guard(model, optimizer, policy="skip", run_dir="runs/exp1")
@@ -88,6 +90,7 @@ class Guard:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
         _check_parts(scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
@@ -197,8 +200,7 @@ class Guard:
         if not (self._check(value, closure, batch, rng, device_step=device_step) and _clip(self)):
             return None
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            scaler_step(self.optimizer, self.scaler)
         elif not device_step:
             self.optimizer.step()
         self.after_step()
@@ -546,8 +548,7 @@ def _plain_step(guard: Guard, closure: Callable[[], Any]) -> Any:
     guard.last_action = "step"
     loss = closure()
     if guard.scaler is not None:
-        guard.scaler.step(guard.optimizer)
-        guard.scaler.update()
+        scaler_step(guard.optimizer, guard.scaler)
     else:
         guard.optimizer.step()
     return loss
@@ -555,6 +556,7 @@ def _plain_step(guard: Guard, closure: Callable[[], Any]) -> Any:
 
 def _unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Unscale the gradients once: a loop that unscaled already (to clip) is not an error."""
+    optimizer = scaled_optimizer(optimizer)  # where the scaler keeps its per-optimizer state
     if scaler is not None and not compat.scaler_unscaled(scaler, optimizer):
         scaler.unscale_(optimizer)
 
