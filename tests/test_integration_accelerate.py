@@ -48,24 +48,25 @@ def _unguarded(accelerator: Accelerator, scaler=None) -> nn.Module:
     return model
 
 
-def _guarded(accelerator: Accelerator, scaler=None, **options) -> tuple[nn.Module, ng.Guard]:
+def _guarded(accelerator: Accelerator, scaler=None, unscale: bool = False) -> tuple[nn.Module, ng.Guard]:
+    """The README's recipe; ``unscale`` unscales in the closure as ``accelerator.clip_grad_norm_`` does."""
     model, optimizer, loader = _parts(accelerator, scaler, bad=True)
-    guard = ng.Guard(model, optimizer, **options)
-    it = iter(loader)
-    for _ in range(STEPS):
-        micro = [next(it) for _ in range(GA)]
+    guard = ng.Guard(model, optimizer)
+    for micro in zip(*[iter(loader)] * GA, strict=False):  # the README's recipe
 
         def closure(micro=micro) -> torch.Tensor:
             optimizer.zero_grad()
-            total = torch.zeros(())
+            total = 0.0
             for x, y in micro:
                 with accelerator.accumulate(model):
                     loss = nn.functional.mse_loss(model(x).float(), y)
                     accelerator.backward(loss)
-                total += loss.detach().float() / GA
+                total += loss.detach() / len(micro)
+            if unscale:
+                accelerator.scaler.unscale_(optimizer.optimizer)
             return total
 
-        guard.step(closure, batch=micro)
+        guard.step(closure, batch=list(micro))
     guard.close()
     return model, guard
 
@@ -86,13 +87,14 @@ def test_an_accelerate_loop_skips_a_fault_and_otherwise_matches_accelerates_own_
     _check(model, guard, reference)
 
 
-def test_accelerates_grad_scaler_is_found_and_unscales_once() -> None:
+@pytest.mark.parametrize("unscale", [False, True])
+def test_accelerates_grad_scaler_is_found_and_unscales_once(unscale) -> None:
     def scaler() -> torch.amp.GradScaler:
         return torch.amp.GradScaler("cpu", init_scale=2.0**10)
 
     ref_scaler, guard_scaler = scaler(), scaler()
     reference = _unguarded(_fresh_accelerator(cpu=True), ref_scaler)
-    model, guard = _guarded(_fresh_accelerator(cpu=True), guard_scaler)
+    model, guard = _guarded(_fresh_accelerator(cpu=True), guard_scaler, unscale=unscale)
     assert guard.scaler is guard_scaler  # found on the prepared optimizer, not passed in
     _check(model, guard, reference)  # unscaled twice, the updates would be 1024x too small
 

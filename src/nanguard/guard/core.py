@@ -11,7 +11,7 @@ import logging
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
-from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
+from nanguard.guard.accumulate import step_accumulated
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.history import History
@@ -135,6 +135,8 @@ class Guard:
     grad_spikes = property(lambda self: self.history.grad_spikes, doc="The grad-norm spike detector.")
 
     # -- the step ------------------------------------------------------------------------
+    step_accumulated = step_accumulated  # gradient accumulation: guard/accumulate.py
+
     def step(self, closure: Callable[[], Any], batch: Any = None, sample_ids: Any = None) -> Any:
         """Run ``closure``, check it, then step the optimizer or recover.
 
@@ -152,25 +154,6 @@ class Guard:
         self.recovery.buffers.save()
         with _undo_on_error(self, rng):
             return self._step(closure, batch, rng)
-
-    def step_accumulated(
-        self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True, sample_ids: Any = None
-    ) -> Any:
-        """One optimizer step over several micro-batches (gradient accumulation), as ``step``.
-
-        ``loss_fn(micro_batch)`` runs the forward and returns the loss; the guard zeroes the
-        gradients, divides each loss by the number of micro-batches (``mean=False``: as is),
-        scales it with ``scaler=`` and runs backward, inside the model's ``no_sync()`` (DDP)
-        for all but the last micro-batch. The check sees the summed loss and a trip replays
-        every micro-batch. Returns that sum, or None when the step was skipped.
-
-        Example:
-            >>> micro = [get_batch() for _ in range(4)]
-            >>> loss = guard.step_accumulated(micro, lambda b: model(**b).loss)
-        """
-        batches = micro_batch_list(micro_batches, loss_fn, mean)
-        closure = accumulation_closure(self.model, self.optimizer, self.scaler, batches, loss_fn, mean=mean)
-        return self.step(closure, batch=batches, sample_ids=sample_ids)
 
     def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
         self.health.comm.reset()
@@ -285,6 +268,7 @@ class Guard:
             if restore_buffers:
                 self.recovery.buffers.restore()  # the replays start from the step's own state...
             error, self._closure_error = self._closure_error, None
+            replay = _scaler_aside(self.scaler, replay)
             replayed = _replayed_or_unknown(
                 lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), step, h, error
             )
@@ -559,6 +543,18 @@ def _unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
     optimizer = scaled_optimizer(optimizer)  # where the scaler keeps its per-optimizer state
     if scaler is not None and not compat.scaler_unscaled(scaler, optimizer):
         scaler.unscale_(optimizer)
+
+
+def _scaler_aside(scaler: Any, replay: Callable[[], Any] | None) -> Callable[[], Any] | None:
+    """The replay re-runs a closure that may unscale itself (to clip): this step's unscale_ is still open."""
+    if scaler is None or replay is None:
+        return replay
+
+    def run() -> Any:
+        with compat.scaler_steps_aside(scaler):
+            return replay()
+
+    return run
 
 
 def _clip(guard: Guard) -> bool:
