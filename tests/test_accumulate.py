@@ -154,6 +154,7 @@ def _ddp_accumulation(rank: int, world: int, bad_step: int) -> dict:
     }
 
 
+@pytest.mark.dist
 def test_ddp_accumulation_syncs_on_the_last_micro_batch_and_matches_the_hand_written_loop() -> None:
     for r in spawn_ranks(_ddp_accumulation, 2, timeout=120.0):
         assert r["synced"] == [False] * (MICRO - 1) + [True]

@@ -58,8 +58,7 @@ def accumulation_closure(
 
     Example:
         >>> closure = accumulation_closure(model, optimizer, None, [b0, b1], lambda b: model(b).mean(), mean=True)
-        >>> closure()  # (loss(b0) + loss(b1)) / 2, gradients accumulated
-        tensor(0.1234)
+        >>> total = closure()  # (loss(b0) + loss(b1)) / 2, with both gradients accumulated
     """
     n = len(micro_batches)
 
