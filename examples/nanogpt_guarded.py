@@ -3,11 +3,10 @@
     python examples/nanogpt_guarded.py --steps 8 --bad-step 3 --compile
 
 The loop is nanoGPT's ``train.py`` inner loop with the changes marked ``# nanguard``: the
-micro-batches of a step are fetched before it (the replay needs every one of them), the
-micro-steps move into a closure that returns their summed loss, and the guard unscales,
-checks, clips (``clip_grad_norm=``) and steps. Under DDP keep nanoGPT's
-``model.require_backward_grad_sync`` line in the closure: gradients sync on the last
-micro-step only.
+micro-batches of a step are fetched before it (the replay needs every one of them), and
+``guard.step_accumulated`` runs the micro-steps (forward under autocast in ``loss_fn``; the
+backward divided by their number and scaled; ``no_sync()`` under DDP but on the last one),
+checks their summed loss, unscales, clips (``clip_grad_norm=``) and steps.
 """
 
 from __future__ import annotations
@@ -42,18 +41,11 @@ def train(steps: int, *, bad_step: int | None = None, grad_clip: float = 1.0, ac
         if step == bad_step:
             batches[0]["pixel_values"][0, 0, 0] = float("nan")
 
-        def closure(batches: list[dict[str, torch.Tensor]] = batches) -> torch.Tensor:  # nanguard: the micro-steps
-            optimizer.zero_grad(set_to_none=True)
-            total = torch.zeros(())
-            for batch in batches:
-                with ctx:
-                    _, loss = model(**batch)
-                    loss = loss / accumulation
-                scaler.scale(loss).backward()
-                total += loss.detach().float()
-            return total  # nanguard: the summed loss, checked as a whole
+        def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:  # nanguard: one micro-step's forward
+            with ctx:
+                return model(**batch)[1]
 
-        guard.step(closure, batch=batches)  # nanguard: unscale, check, clip, step, update
+        guard.step_accumulated(batches, loss_fn)  # nanguard: micro-steps, check, unscale, clip, step, update
     guard.close()
     return guard
 

@@ -130,3 +130,19 @@ def test_ddp_hooks_and_fsdp2_internals(tmp_path) -> None:
         assert r["fsdp_state"], "FSDP2 no longer exposes _get_fsdp_state()._fsdp_param_group.fsdp_params"
         assert r["held"], "FSDP2 no longer keeps the unsynced gradients where compat clears them"
         assert r["dropped"] and r["same_grads"]
+
+
+def test_scaler_steps_aside_lets_a_replay_unscale_again() -> None:
+    from nanguard.compat import scaler_steps_aside, scaler_unscaled
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))  # the scale tensor is made on first use
+    param.grad = torch.full((2,), 8.0)
+    scaler.unscale_(opt)
+    with scaler_steps_aside(scaler):
+        assert not scaler_unscaled(scaler, opt)
+        scaler.unscale_(opt)  # would raise: unscale_() has already been called
+    assert scaler_unscaled(scaler, opt)
+    assert torch.equal(param.grad, torch.full((2,), 0.5))

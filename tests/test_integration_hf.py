@@ -201,3 +201,33 @@ def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delitem(sys.modules, "nanguard.integrations.hf")
     with pytest.raises(ImportError, match=r"pip install nanguard\[hf\]"):
         importlib.import_module("nanguard.integrations.hf")
+
+
+@pytest.mark.parametrize("nan_inf_filter", [True, False])
+def test_a_skipped_step_counts_neither_in_train_loss_nor_in_the_logged_loss(tmp_path: Path, nan_inf_filter) -> None:
+    bad_step, steps = 1, 5
+    guard_cb = NanGuardCallback(policy="skip")
+    args = _args(tmp_path, max_steps=steps, logging_steps=2, logging_nan_inf_filter=nan_inf_filter)
+    trainer = Trainer(model=_gpt2(), args=args, train_dataset=Samples(BATCH * steps, nan_at=BATCH * bad_step),
+                      callbacks=[guard_cb])  # fmt: skip
+    out = trainer.train()
+    assert guard_cb.skipped == 1
+
+    # The losses of the steps that trained, one by one: the same run without the bad batch.
+    ref = Trainer(
+        model=_gpt2(),
+        args=_args(tmp_path, max_steps=steps),
+        train_dataset=Samples(BATCH * steps, drop=tuple(range(BATCH * bad_step, BATCH * bad_step + BATCH))),
+        callbacks=[StopAfter(steps - 1)],
+    )
+    ref.train()
+    good = [e["loss"] for e in ref.state.log_history if "loss" in e]
+    assert len(good) == steps - 1 and all(math.isfinite(x) and x > 1.0 for x in good)
+
+    expected = sum(good) / len(good)
+    assert out.training_loss == pytest.approx(expected, rel=1e-5)
+    assert out.metrics["train_loss"] == pytest.approx(expected, rel=1e-5)
+    logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    # Steps 1-2 hold the first good step and the skipped one; steps 3-4 the next two good steps.
+    assert logged[2] == pytest.approx(good[0], rel=1e-5)
+    assert logged[4] == pytest.approx((good[1] + good[2]) / 2, rel=1e-5)

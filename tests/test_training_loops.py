@@ -133,3 +133,23 @@ def test_on_event_must_be_callable() -> None:
     model, optimizer, _, _ = _regression()
     with pytest.raises(ValueError, match="on_event must be None or a callable"):
         ng.Guard(model, optimizer, on_event="tensorboard")
+
+
+def test_a_closure_that_unscales_itself_is_still_diagnosed_on_a_trip() -> None:
+    model, optimizer, x, y = _regression()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    guard = ng.Guard(model, optimizer, scaler=scaler)
+    bad = x.clone()
+    bad[3, 2] = float("nan")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(bad), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # to clip: the replay runs this again
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss
+
+    assert guard.step(closure, batch={"x": bad}) is None
+    diag = guard.last_diagnosis
+    assert (diag.cause, diag.evidence["origin"]["path"]) == ("data.nonfinite", "batch['x']")

@@ -22,6 +22,7 @@ __all__ = [
     "foreach_copy_",
     "foreach_norm",
     "scaler_scale",
+    "scaler_steps_aside",
     "step_with_found_inf",
     "supports_found_inf",
     "swap_collectives",
@@ -56,6 +57,24 @@ def scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     from torch.amp.grad_scaler import OptState
 
     return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
+# Known to work: torch 2.13.0. ``update()`` starts each step from a fresh
+# ``defaultdict(_refresh_per_optimizer_state)``; swapping one in lets a replayed closure call
+# ``unscale_`` again before the step's own ``unscale_`` is closed.
+@contextlib.contextmanager
+def scaler_steps_aside(scaler: Any) -> Iterator[None]:
+    """Inside the block the scaler has no record of this step's ``unscale_``; after it, it has again."""
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    saved = scaler._per_optimizer_states
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+    try:
+        yield
+    finally:
+        scaler._per_optimizer_states = saved
 
 
 # Known to work: torch 2.13.0. The protocol GradScaler uses with fused optimizers: an

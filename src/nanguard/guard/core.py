@@ -23,6 +23,7 @@ from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
+from nanguard.guard.accumulate import step_accumulated
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.history import History
@@ -30,6 +31,7 @@ from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser, Replayed
+from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
 from nanguard.rng import get_rng_state
 from nanguard.spikes import Spike
 from nanguard.stats import local
@@ -45,7 +47,8 @@ class Guard:
     ``closure`` follows the ``torch.optim`` convention: it zeroes the gradients, runs
     forward and backward, and returns the loss. With a ``torch.amp.GradScaler`` pass it
     as ``scaler=`` and call ``scaler.scale(loss).backward()`` in the closure; the guard
-    unscales, steps and updates the scaler. A rollback restores a ``scheduler=`` too.
+    unscales, steps and updates the scaler. An Accelerate-prepared optimizer brings its
+    own scaler (``accelerator.scaler``), used once. A rollback restores a ``scheduler=`` too.
 
     Example:
         >>> guard = ng.Guard(model, optimizer, policy="skip", run_dir="runs/exp1")
@@ -87,6 +90,7 @@ class Guard:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
         _check_parts(scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
@@ -132,6 +136,8 @@ class Guard:
     grad_spikes = property(lambda self: self.history.grad_spikes, doc="The grad-norm spike detector.")
 
     # -- the step ------------------------------------------------------------------------
+    step_accumulated = step_accumulated  # gradient accumulation: guard/accumulate.py
+
     def step(self, closure: Callable[[], Any], batch: Any = None, sample_ids: Any = None) -> Any:
         """Run ``closure``, check it, then step the optimizer or recover.
 
@@ -178,8 +184,7 @@ class Guard:
         if not (self._check(value, closure, batch, rng, device_step=device_step) and _clip(self)):
             return None
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            scaler_step(self.optimizer, self.scaler)
         elif not device_step:
             self.optimizer.step()
         self.after_step()
@@ -264,6 +269,7 @@ class Guard:
             if restore_buffers:
                 self.recovery.buffers.restore()  # the replays start from the step's own state...
             error, self._closure_error = self._closure_error, None
+            replay = _scaler_aside(self.scaler, replay)
             replayed = _replayed_or_unknown(
                 lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), step, h, error
             )
@@ -527,8 +533,7 @@ def _plain_step(guard: Guard, closure: Callable[[], Any]) -> Any:
     guard.last_action = "step"
     loss = closure()
     if guard.scaler is not None:
-        guard.scaler.step(guard.optimizer)
-        guard.scaler.update()
+        scaler_step(guard.optimizer, guard.scaler)
     else:
         guard.optimizer.step()
     return loss
@@ -536,8 +541,21 @@ def _plain_step(guard: Guard, closure: Callable[[], Any]) -> Any:
 
 def _unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Unscale the gradients once: a loop that unscaled already (to clip) is not an error."""
+    optimizer = scaled_optimizer(optimizer)  # where the scaler keeps its per-optimizer state
     if scaler is not None and not compat.scaler_unscaled(scaler, optimizer):
         scaler.unscale_(optimizer)
+
+
+def _scaler_aside(scaler: Any, replay: Callable[[], Any] | None) -> Callable[[], Any] | None:
+    """The replay re-runs a closure that may unscale itself (to clip): this step's unscale_ is still open."""
+    if scaler is None or replay is None:
+        return replay
+
+    def run() -> Any:
+        with compat.scaler_steps_aside(scaler):
+            return replay()
+
+    return run
 
 
 def _clip(guard: Guard) -> bool:

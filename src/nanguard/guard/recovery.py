@@ -19,6 +19,7 @@ from nanguard.backup import BufferBackup
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
+from nanguard.guard.wrapped import scaler_step
 from nanguard.rng import set_rng_state
 
 __all__ = ["COUNTERS", "Recovery"]
@@ -105,8 +106,7 @@ class Recovery:
         """A GradScaler overflow step: the scaler skips the update itself and lowers its
         scale; count it and return the new scale."""
         assert self.scaler is not None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        scaler_step(self.optimizer, self.scaler)
         self.overflows += 1
         self.overflow_streak += 1
         return float(self.scaler.get_scale())

@@ -7,7 +7,9 @@ micro-batch's inputs, RNG state and loss. A tripped step is replayed (forward an
 on the same inputs and RNG state) under ``ng.locate`` to name its cause, and the policy
 applies. A skipped step leaves the weights, the optimizer state, normalization running
 statistics and the LR scheduler exactly as if it had not happened; ``state.global_step``
-still counts it, and its NaN loss and grad norm are left out of the logs (no fake ``loss 0.0``).
+still counts it, and its loss and grad norm are left out of the logs (no fake ``loss 0.0``): the
+logged ``loss`` averages the window's trained steps only, and ``train_loss`` (and the final
+throughput metrics) count only the steps that updated the weights.
 
 The counters go through the Trainer's own logging, so every ``report_to`` backend
 (TensorBoard, W&B, ...) gets ``nanguard/skipped``, ``nanguard/trips`` and, on a trip,
@@ -30,6 +32,7 @@ import copy
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,9 +97,12 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._lr_state: tuple[dict[str, Any], list[Any]] | None = None
         self._stats = running_stats(nn.Module())
         self.trips = 0
+        self._trainer: Any = None  # a weak reference, once on_train_begin found the Trainer
+        self._loss_before: torch.Tensor | None = None  # the Trainer's running loss sum before this step
         self._logs_through_trainer = False
         self._pending: dict[str, Any] = {}  # the trip entry waiting for the next log event
         self._good_since_log = 0
+        self._skipped_since_log = 0  # skipped steps whose loss was taken back out of the Trainer's sum
         self._last_skipped = False
 
     def state(self) -> dict[str, Any]:
@@ -111,7 +117,9 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model, optimizer = kwargs["model"], kwargs["optimizer"]
-        self._logs_through_trainer = _run_first(self)
+        trainer = _run_first(self)
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
+        self._logs_through_trainer = trainer is not None
         default = os.path.join(args.output_dir, "nanguard") if args.output_dir else None
         run_dir = self.run_dir or environ.run_dir(None) or default
         self.guard = Guard(model, optimizer, self.policy, run_dir=run_dir, **self.options)
@@ -128,6 +136,9 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._micro = []
+        self._loss_before = _loss_sum(self._trainer)
+        if self._loss_before is not None:
+            self._loss_before = self._loss_before.clone()  # the Trainer adds to its sum in place
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -156,6 +167,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         drop_grads(optimizer)
         if guard.last_action != "rollback":  # a rollback restored every buffer already
             self._stats.restore()
+        self._forget_step_loss()
         if scheduler is not None:
             # The Trainer steps the scheduler after any optimizer step; on_step_end puts it back.
             self._lr_state = (copy.deepcopy(scheduler.state_dict()), [g["lr"] for g in optimizer.param_groups])
@@ -203,13 +215,16 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         entry = state.log_history[-1] if state.log_history and state.log_history[-1].get("loss") is logs["loss"] else {}
         extra = {"nanguard/skipped": self.guard.skipped, "nanguard/trips": self.trips, **self._pending}
         drop = ["loss"] if self._good_since_log == 0 else []  # every step of the window was skipped
+        if self._good_since_log and self._skipped_since_log:
+            # The Trainer divided the trained steps' loss sum by every step of the window.
+            extra["loss"] = logs["loss"] * (self._good_since_log + self._skipped_since_log) / self._good_since_log
         if self._last_skipped:
             drop.append("grad_norm")  # the norm of the skipped step's gradients
         for target in (logs, entry):
             target.update(extra)
             for key in drop:
                 target.pop(key, None)
-        self._pending, self._good_since_log = {}, 0
+        self._pending, self._good_since_log, self._skipped_since_log = {}, 0, 0
 
     # -- recording and replay --------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -247,6 +262,21 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             self._replaying = False
         return results
 
+    def _forget_step_loss(self) -> None:
+        """Take a skipped step out of the Trainer's loss bookkeeping: its micro-batches' losses
+        (or the stand-ins the Trainer adds for NaN ones) leave the running sum, and the step leaves
+        the count ``train_loss`` divides by. Private Trainer attributes: when they are missing,
+        the Trainer's own numbers stand."""
+        trainer = self._trainer() if self._trainer is not None else None
+        before, self._loss_before = self._loss_before, None
+        total = _loss_sum(self._trainer)
+        first = getattr(trainer, "_initial_global_step", None)
+        if before is None or total is None or not isinstance(first, int):
+            return
+        total.copy_(before)
+        trainer._initial_global_step = first + 1
+        self._skipped_since_log += 1
+
     def _record(self, state: TrainerState, before: Diagnosis | None) -> None:
         guard = self.guard
         assert guard is not None
@@ -279,8 +309,8 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._hooks = []
 
 
-def _run_first(callback: NanGuardCallback) -> bool:
-    """Move ``callback`` to the front of its Trainer's callbacks; False when no Trainer is found.
+def _run_first(callback: NanGuardCallback) -> Any:
+    """Move ``callback`` to the front of its Trainer's callbacks; returns the Trainer, or None.
 
     Callbacks are not handed the Trainer; ``on_train_begin`` is called from its training loop,
     whose frame holds it. Running first lets ``on_log`` add the counters before the
@@ -293,11 +323,17 @@ def _run_first(callback: NanGuardCallback) -> bool:
             callbacks = getattr(handler, "callbacks", None)
             if isinstance(callbacks, list) and any(c is callback for c in callbacks):
                 callbacks.sort(key=lambda c: c is not callback)  # stable: the others keep their order
-                return True
+                return frame.f_locals["self"]
             frame = frame.f_back
-        return False
+        return None
     finally:
         del frame
+
+
+def _loss_sum(trainer_ref: Any) -> torch.Tensor | None:
+    """The Trainer's running sum of step losses since its last log (a private attribute)."""
+    total = getattr(trainer_ref() if trainer_ref is not None else None, "_tr_loss", None)
+    return total if isinstance(total, torch.Tensor) and total.numel() == 1 else None
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
