@@ -670,3 +670,20 @@ def test_the_loss_rides_in_the_gradient_all_reduce(tmp_path) -> None:
     for step, loss in r["history"]:  # the mean over ranks of the loss each rank's backward ran on
         mean = sum(ranks[step] for ranks in r["every_rank"]) / 2
         assert abs(loss - mean) <= 1e-6 * abs(mean), (step, loss, mean)
+
+
+def test_backward_roots_records_each_backward_and_always_unpatches() -> None:
+    from nanguard.dist import backward_roots
+
+    original = torch.autograd.backward
+    w = torch.ones(2, requires_grad=True)
+    with backward_roots() as roots:
+        first = (w * 2).sum()
+        first.backward()
+        second = (w * 3).sum()
+        torch.autograd.backward([second])
+    assert len(roots) == 2 and roots[0] is first and roots[1] is second
+    assert torch.autograd.backward is original
+    with pytest.raises(RuntimeError), backward_roots():
+        torch.ones(1).backward()  # no graph: backward raises inside the patch
+    assert torch.autograd.backward is original

@@ -118,6 +118,9 @@ class CommWatch:
         """On a trip only (host reads): the step's buckets that overflowed the wire dtype."""
         return None
 
+    rides = False
+    """Can the guard's extras ride in this watch's gradient all-reduce (see ``ride``)?"""
+
     @contextlib.contextmanager
     def ride(self, extras: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
         """While open, the step's last gradient bucket may carry ``extras(pre_comm_flag)`` (float32,
@@ -174,6 +177,7 @@ class DDPCommWatch(CommWatch):
         group = (state if state is not None else tdist.group.WORLD) if hook is _default_hook() else None
         same_slots = group is not None and group.size() == world_size() and tdist.get_rank(group) == rank()
         self._group = group if same_slots else None  # the extras' slots are indexed by global rank
+        self.rides = self._group is not None
         inner = hook
 
         # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
@@ -188,7 +192,7 @@ class DDPCommWatch(CommWatch):
             if self.wire is not None:
                 names = [self._names.get(id(p), "?") for p in bucket.parameters()]
                 self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
-            if self._extras is not None and self._group is not None and bucket.is_last() and _exact(buffer):
+            if self._extras is not None and self.rides and bucket.is_last() and _exact(buffer):
                 return self._ride(buffer, self._extras(~torch.isfinite(self._acc)))
             return inner(state, bucket)
 

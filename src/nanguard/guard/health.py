@@ -202,6 +202,9 @@ class HealthCheck:
         ``[one-hot code slot x world, loss, 1 if its loss was known]``: LOCAL covers its own
         gradients before averaging and its loss's finiteness, PARAMS the last update.
         """
+        if not self.comm.rides:
+            yield
+            return
         with dist.backward_roots() as roots, self.comm.ride(lambda pre_comm: self._extras(pre_comm, roots)):
             yield
 
