@@ -672,6 +672,43 @@ def test_the_loss_rides_in_the_gradient_all_reduce(tmp_path) -> None:
         assert abs(loss - mean) <= 1e-6 * abs(mean), (step, loss, mean)
 
 
+def _scaled_riding(rank, world, tmp):
+    """A GradScaler: backward runs on the scaled loss; at step 1 rank 1's loss alone is NaN."""
+    model = _TwoPath()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    guard = ng.Guard(ddp, opt, scaler=scaler, fingerprint_every=0, module_stats=False)
+    returned = []
+    for step in range(3):
+
+        def closure(step=step):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+            loss = ddp(x, True)
+            if (step, rank) == (1, 1):
+                loss = loss + torch.log(torch.tensor(-1.0))
+            scaler.scale(loss).backward()
+            return loss
+
+        result = guard.step(closure)
+        returned.append(None if result is None else float(result))
+    every_rank = [None] * world
+    tdist.all_gather_object(every_rank, returned)
+    d = guard.last_diagnosis
+    return {"every_rank": every_rank, "history": [(p.step, p.loss) for p in guard.history], "ranks": d.ranks}
+
+
+def test_the_riding_loss_is_unscaled_under_a_grad_scaler(tmp_path) -> None:
+    results = spawn_ranks(_scaled_riding, tmp_path, timeout=120)
+    assert results[0] == results[1]
+    r = results[0]
+    assert r["ranks"] == [1] and [s for s, _ in r["history"]] == [0, 2], r
+    for step, loss in r["history"]:
+        mean = sum(ranks[step] for ranks in r["every_rank"]) / 2
+        assert abs(loss - mean) <= 1e-6 * abs(mean), (step, loss, mean)
+
+
 def test_backward_roots_records_each_backward_and_always_unpatches() -> None:
     from nanguard.dist import backward_roots
 

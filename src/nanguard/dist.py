@@ -203,7 +203,9 @@ class DDPCommWatch(CommWatch):
     def _ride(self, buffer: torch.Tensor, extras: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         assert self._group is not None
         n = buffer.numel()
-        payload = torch.cat([buffer / self._group.size(), extras.to(buffer.device, buffer.dtype)])
+        payload = buffer.new_empty(n + extras.numel())
+        torch.div(buffer, self._group.size(), out=payload[:n])  # averaged first, as DDP's own hook does
+        payload[n:] = extras
         fut = tdist.all_reduce(payload, group=self._group, async_op=True).get_future()
 
         def unpack(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
