@@ -672,6 +672,41 @@ def test_the_loss_rides_in_the_gradient_all_reduce(tmp_path) -> None:
         assert abs(loss - mean) <= 1e-6 * abs(mean), (step, loss, mean)
 
 
+def _local_change_after_the_all_reduce(rank, world, tmp):
+    """At step 1 rank 1 alone writes a NaN into its averaged gradient after backward: no collective
+    could share that in time, so the ranks must still decide alike (and nobody may hang)."""
+    model = _TwoPath()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    guard = ng.Guard(ddp, opt, module_stats=False, fingerprint_every=0)
+    actions = []
+    try:
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+
+            def closure(x=x, step=step):
+                opt.zero_grad(set_to_none=True)
+                loss = ddp(x, True)
+                loss.backward()
+                if (step, rank) == (1, 1):
+                    model.main.weight.grad[0, 0] = float("nan")
+                return loss
+
+            guard.step(closure)
+            actions.append(guard.last_action)
+    except ng.NonFiniteError as err:
+        d = err.diagnosis
+        return {"actions": actions, "raised": [len(actions), d.cause, d.rank, d.ranks]}
+    return {"actions": actions, "raised": None}
+
+
+def test_a_rank_local_change_after_the_all_reduce_splits_no_decision(tmp_path) -> None:
+    results = spawn_ranks(_local_change_after_the_all_reduce, tmp_path, timeout=120)
+    assert results[0] == results[1], results
+    # Seen one step late, alike on every rank: the next parameter check finds rank 1's NaN update.
+    assert results[0] == {"actions": ["step", "step"], "raised": [2, "optimizer.nonfinite_update", 1, [1]]}, results
+
+
 def _scaled_riding(rank, world, tmp):
     """A GradScaler: backward runs on the scaled loss; at step 1 rank 1's loss alone is NaN."""
     model = _TwoPath()

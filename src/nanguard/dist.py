@@ -128,8 +128,9 @@ class CommWatch:
         yield
 
     def carried(self) -> torch.Tensor | None:
-        """The extras summed over ranks by the step's gradient all-reduce, once; None when they
-        did not ride (then the caller agrees by its own collective)."""
+        """The extras summed over ranks by the step's gradient all-reduce, then 1.0 when an averaged
+        gradient bucket was non-finite (else 0.0); once. None when they did not ride (then the
+        caller agrees by its own collective)."""
         return None
 
 
@@ -162,6 +163,8 @@ class DDPCommWatch(CommWatch):
     depends only on whether DDP ran this hook, which it does on every rank or none, and on
     the bucket's dtype (the same on every rank), so all ranks take the same path. A
     float16/bfloat16 bucket or a user hook (whose wire format is its own) does not ride.
+    While riding, each bucket's averaged result is summed too: it is the same on every rank,
+    so a non-finite average (finite values whose sum overflows) is known alike everywhere.
     """
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, hook: Callable[..., Any], state: Any) -> None:
@@ -174,6 +177,7 @@ class DDPCommWatch(CommWatch):
         self._measured: list[tuple[torch.Tensor, list[str]]] = []
         self._extras: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._carried: torch.Tensor | None = None
+        self._received: list[torch.Tensor] = []  # appended by the futures' callbacks
         group = (state if state is not None else tdist.group.WORLD) if hook is _default_hook() else None
         same_slots = group is not None and group.size() == world_size() and tdist.get_rank(group) == rank()
         self._group = group if same_slots else None  # the extras' slots are indexed by global rank
@@ -192,9 +196,11 @@ class DDPCommWatch(CommWatch):
             if self.wire is not None:
                 names = [self._names.get(id(p), "?") for p in bucket.parameters()]
                 self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
-            if self._extras is not None and self.rides and bucket.is_last() and _exact(buffer):
+            if self._extras is None or not self.rides:
+                return inner(state, bucket)
+            if bucket.is_last() and _exact(buffer):
                 return self._ride(buffer, self._extras(~torch.isfinite(self._acc)))
-            return inner(state, bucket)
+            return inner(state, bucket).then(self._receive)
 
         watched.__qualname__ = f"nanguard_watch({self.hook_name})"
         ddp.register_comm_hook(state, watched)
@@ -211,14 +217,20 @@ class DDPCommWatch(CommWatch):
         def unpack(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             out = done.value()[0]
             buffer.copy_(out[:n])
+            self._received.append(buffer.sum(dtype=torch.float32))
             self._carried = out[n:].float()
             return buffer
 
         return fut.then(unpack)
 
+    def _receive(self, done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        out = done.value()
+        self._received.append(out.sum(dtype=torch.float32))
+        return out
+
     @contextlib.contextmanager
     def ride(self, extras: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-        self._extras, self._carried = extras, None
+        self._extras, self._carried, self._received = extras, None, []
         try:
             yield
         finally:
@@ -226,12 +238,17 @@ class DDPCommWatch(CommWatch):
 
     def carried(self) -> torch.Tensor | None:
         carried, self._carried = self._carried, None
-        return carried
+        received, self._received = self._received, []
+        if carried is None:
+            return None
+        bad = ~torch.isfinite(torch.stack([r.to(carried.device) for r in received]).sum())
+        return torch.cat([carried, bad.float().reshape(1)])
 
     def reset(self) -> None:
         self._acc = None
         self._buckets = []
         self._carried = None
+        self._received = []
 
     def local_flag(self, device: torch.device) -> torch.Tensor | None:
         acc, self._acc = self._acc, None

@@ -245,7 +245,7 @@ class Guard:
         before the forward (``check()``: the caller owns its loop)."""
         step = self._next_step()
         measured = self.health.measure(loss)
-        agreed = measured.agree(sharded=self._sharded, carried=self.health.comm.carried())
+        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
         if device_step:
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))

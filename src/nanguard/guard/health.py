@@ -85,19 +85,18 @@ class DeviceHealth:
 
     def agree(self, *, sharded: bool, carried: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's flags, the mean loss, the global grad norm: from ``carried`` (what rode in
-        the gradient all-reduce, see ``HealthCheck.riding``) when given, else by one collective.
+        the gradient all-reduce, from ``HealthCheck.carried``) when given, else by one collective.
 
-        What rode was measured before the all-reduce finished, so the SYNCED bit is added here:
-        DDP leaves the same averaged gradients on every rank, so this rank's own SYNCED bit and
-        grad norm are every rank's. A rank-local change to the gradients after the all-reduce
-        (which the collective would have shared) is seen by that rank alone.
+        Riding, the grad norm is this rank's own: DDP leaves the same averaged gradients on
+        every rank. Decisions use only what rode, so a rank-local change to its gradients after
+        the all-reduce cannot split the ranks' decisions (its update shows in the next
+        parameter check, which rides too).
         """
         if carried is None:
             return dist.agree(self.flags, self.loss, self.grad_norm * self.grad_norm, sharded=sharded)
         world = dist.world_size()
-        codes = carried[:world].to(torch.int32) | (self.flags & HealthFlag.SYNCED)
         mean_loss = carried[world] / carried[world + 1].clamp_min(1)  # over the ranks whose loss was known
-        return torch.cat([codes.float(), torch.stack([mean_loss, self.grad_norm.float().to(carried.device)])])
+        return torch.cat([carried[:world], torch.stack([mean_loss, self.grad_norm.float().to(carried.device)])])
 
     @staticmethod
     def found_inf(agreed: torch.Tensor) -> torch.Tensor:
@@ -207,6 +206,19 @@ class HealthCheck:
             return
         with dist.backward_roots() as roots, self.comm.ride(lambda pre_comm: self._extras(pre_comm, roots)):
             yield
+
+    def carried(self) -> torch.Tensor | None:
+        """What rode in this step's gradient all-reduce as ``[code x world, loss sum, ranks with a
+        known loss]``, SYNCED set on every rank's code when an averaged bucket was non-finite
+        (without a GradScaler, whose business overflowing gradients are); None when nothing rode."""
+        raw = self.comm.carried()
+        if raw is None:
+            return None
+        world = dist.world_size()
+        codes = raw[:world].to(torch.int32)
+        if self.scaler is None:
+            codes = codes | (raw[world + 2] > 0).to(torch.int32) * HealthFlag.SYNCED
+        return torch.cat([codes.float(), raw[world : world + 2]])
 
     def _extras(self, pre_comm: torch.Tensor, roots: list[torch.Tensor]) -> torch.Tensor:
         device, world = pre_comm.device, dist.world_size()
