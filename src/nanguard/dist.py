@@ -164,7 +164,7 @@ class DDPCommWatch(CommWatch):
     the bucket's dtype (the same on every rank), so all ranks take the same path. A
     float16/bfloat16 bucket or a user hook (whose wire format is its own) does not ride.
     While riding, each bucket's averaged result is summed too: it is the same on every rank,
-    so a non-finite average (finite values whose sum overflows) is known alike everywhere.
+    so a non-finite average (say, corrupted in transit) is known alike everywhere.
     """
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, hook: Callable[..., Any], state: Any) -> None:
