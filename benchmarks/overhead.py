@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import io
 import itertools
+import os
 from collections.abc import Callable
 
 import torch
@@ -156,6 +157,7 @@ def ddp_rank(rank: int, world: int, rounds: int) -> dict[str, float]:
 def ddp_section(rounds: int) -> str:
     from nanguard.zoo.spawn import spawn_ranks
 
+    load = os.getloadavg()[0]
     times = spawn_ranks(ddp_rank, rounds, world=2, timeout=1800)[0]
     base = times["plain DDP"]
     rows = "\n".join(f"| {name} | {t * 1e3:.2f} | {t / base:.3f}x |" for name, t in times.items())
@@ -164,7 +166,8 @@ def ddp_section(rounds: int) -> str:
 Same tiny GPT, DistributedDataParallel over gloo, 2 ranks on this machine (intra-op threads split between them),
 median of {rounds} interleaved rounds as seen by rank 0. The third row is the guard with its flags
 agreed by their own all-reduce, as every step was before they rode in the gradient all-reduce.
-Reproduce: `.venv/bin/python benchmarks/overhead.py --ddp-only` (`--ddp` also runs the CPU table).
+Load average (1 min) when it started: {load:.2f}. Reproduce: `.venv/bin/python benchmarks/overhead.py
+--ddp-only` (`--ddp` also runs the CPU table).
 
 | configuration | median step ms | ratio to plain DDP |
 |---|---:|---:|
