@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import io
 import itertools
+import os
 from collections.abc import Callable
 
 import torch
@@ -113,18 +114,26 @@ def configs() -> dict[str, Callable[[], None]]:
     return out
 
 
+GUARD_DDP = "Guard + DDP (flags ride in the gradient all-reduce)"
+GUARD_DDP_OWN = "Guard + DDP, own agreement all-reduce (before)"
+
+
 def ddp_rank(rank: int, world: int, rounds: int) -> dict[str, float]:
-    """One rank of the DDP comparison: unguarded DDP and guarded DDP, interleaved."""
+    """One rank of the DDP comparison: unguarded DDP, the guard as it runs, and the guard with its
+    flags agreed by their own small all-reduce (what every step paid before they rode in the
+    gradient all-reduce; today's fallback for ``check()``), interleaved."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out: dict[str, Callable[[], None]] = {}
-    for name, guarded in (("plain DDP", False), ("Guard + DDP", True)):
+    for name in ("plain DDP", GUARD_DDP, GUARD_DDP_OWN):
         model, _ = _setup()
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
         pool = [synthetic_batch(model.config, torch.Generator().manual_seed(rank * 100 + i)) for i in range(8)]
         it = itertools.cycle(pool)
-        guard = ng.Guard(ddp, opt) if guarded else None
+        guard = None if name == "plain DDP" else ng.Guard(ddp, opt)
+        if guard is not None and name == GUARD_DDP_OWN:
+            guard.health.comm.rides = False  # the step then agrees by dist.agree's own all-reduce
 
         def step(ddp=ddp, opt=opt, it=it, guard=guard) -> None:
             batch = next(it)
@@ -148,34 +157,41 @@ def ddp_rank(rank: int, world: int, rounds: int) -> dict[str, float]:
 def ddp_section(rounds: int) -> str:
     from nanguard.zoo.spawn import spawn_ranks
 
-    times = spawn_ranks(ddp_rank, rounds, world=2)[0]
+    load = os.getloadavg()[0]
+    times = spawn_ranks(ddp_rank, rounds, world=2, timeout=1800)[0]
     base = times["plain DDP"]
     rows = "\n".join(f"| {name} | {t * 1e3:.2f} | {t / base:.3f}x |" for name, t in times.items())
     return f"""## Guard overhead under DDP (2 gloo ranks, CPU)
 
-Same tiny GPT, DistributedDataParallel over gloo, 2 ranks on this machine, median of {rounds} interleaved
-rounds as seen by rank 0.
+Same tiny GPT, DistributedDataParallel over gloo, 2 ranks on this machine (intra-op threads split between them),
+median of {rounds} interleaved rounds as seen by rank 0. The third row is the guard with its flags
+agreed by their own all-reduce, as every step was before they rode in the gradient all-reduce.
+Load average (1 min) when it started: {load:.2f}. Reproduce: `.venv/bin/python benchmarks/overhead.py
+--ddp-only` (`--ddp` also runs the CPU table).
 
 | configuration | median step ms | ratio to plain DDP |
 |---|---:|---:|
 {rows}
 
-**Collectives per healthy step.** The guard adds exactly one (counted by
+**Collectives per healthy step: 1 -> 0 under DDP.** Under `guard.step(closure)` with DDP's default
+all-reduce, the guard's flags (one slot per rank) and the loss ride as `world_size + 2` extra float32
+values in the all-reduce of the last gradient bucket, so a healthy step adds no collective (counted by
 `tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step`, which wraps
-`torch.distributed`): carrying the flags and the loss inside the gradient all-reduce (0 extra) is not
-done yet, so a healthy step still pays that round trip.
+`torch.distributed`). The fallback, one all-reduce of `world_size + 2` float32 per step, remains for
+`guard.check(loss)` (the loss is known only after backward), steps whose backward sent no gradients
+(every micro-step under `no_sync`), a user comm hook (its wire format is its own: fp16 compression),
+float16/bfloat16 buckets, FSDP2 and hand-written all-reduce loops.
 
-**Cost per step as the world grows (an estimate, not measured).** The guard's one collective is an all-reduce of
-`world_size + 2` float32 values (each rank writes its own flag slot; the mean loss and the squared grad norm
-ride along), so 4 bytes x (world_size + 2): 16 bytes here, about 4 KiB at 1024 ranks. It is latency-bound:
-with NCCL's tree all-reduce about 2 x log2(1024) = 20 hops of ~5-10 us on
-InfiniBand, i.e. roughly 0.1-0.2 ms per step at 1024 ranks, against a gradient all-reduce of hundreds of MB
-for a 1B-parameter model. Under DDP the pre-communication check adds one float32 sum per gradient bucket
-(no extra collective, no host sync; a compression hook adds one absmax per bucket). The replica
-fingerprint (an all-gather of two float64 per rank, finite? and a digest, every `fingerprint_every` = 100
-updates by default) adds 16 bytes x world_size every 100 steps. Only a trip costs more: each rank replays
-its own step, and the diagnoses are all-gathered as JSON bytes (FSDP2 adds one small all-reduce to agree on
-which ranks hold a non-finite shard)."""
+**Cost per step as the world grows (an estimate, not measured).** Riding adds `world_size + 2` float32
+to one bucket: 16 bytes here, about 4 KiB at 1024 ranks, against a gradient all-reduce of hundreds of MB
+for a 1B-parameter model. The fallback all-reduce is latency-bound: with NCCL's tree all-reduce about
+2 x log2(1024) = 20 hops of ~5-10 us on InfiniBand (an assumed figure), roughly 0.1-0.2 ms per step at
+1024 ranks. Under DDP the pre-communication check adds one float32 sum per gradient bucket (no extra
+collective, no host sync; a compression hook adds one absmax per bucket). The replica fingerprint (an
+all-gather of two float64 per rank, finite? and a digest, every `fingerprint_every` = 100 updates by
+default) adds 16 bytes x world_size every 100 steps. Only a trip costs more: each rank replays its own
+step, and the diagnoses are all-gathered as JSON bytes (FSDP2 adds one small all-reduce to agree on which
+ranks hold a non-finite shard)."""
 
 
 def _table(times: dict[str, float]) -> str:
@@ -188,11 +204,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--ddp", action="store_true", help="also measure Guard vs plain DDP on 2 gloo ranks")
+    parser.add_argument("--ddp-only", action="store_true", help="measure Guard vs plain DDP only")
     args = parser.parse_args()
-    if args.ddp:
+    if args.ddp or args.ddp_only:
         body = ddp_section(args.rounds)
         write_section("overhead-ddp", body)
         print(body)
+        if args.ddp_only:
+            return
     times = interleaved(configs(), rounds=args.rounds)
     mid = interleaved(guard_configs(MID), rounds=args.rounds)
     cfg, n_mid = TINY, sum(p.numel() for p in GPT(MID).parameters())

@@ -30,6 +30,7 @@ __all__ = [
     "WireOverflow",
     "agree",
     "agree_flag",
+    "backward_roots",
     "broadcast_state",
     "fingerprint",
     "gather_diagnosis",
@@ -117,6 +118,21 @@ class CommWatch:
         """On a trip only (host reads): the step's buckets that overflowed the wire dtype."""
         return None
 
+    rides = False
+    """Can the guard's extras ride in this watch's gradient all-reduce (see ``ride``)?"""
+
+    @contextlib.contextmanager
+    def ride(self, extras: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+        """While open, the step's last gradient bucket may carry ``extras(pre_comm_flag)`` (float32,
+        ``world_size + 2`` values) in its own all-reduce; ``carried`` then returns their sum."""
+        yield
+
+    def carried(self) -> torch.Tensor | None:
+        """The extras summed over ranks by the step's gradient all-reduce, then 1.0 when an averaged
+        gradient bucket was non-finite (else 0.0); once. None when they did not ride (then the
+        caller agrees by its own collective)."""
+        return None
+
 
 @dataclass(frozen=True)
 class WireOverflow:
@@ -138,6 +154,17 @@ class DDPCommWatch(CommWatch):
     becomes Inf means the hook's cast, not this rank's compute, made the Inf. While
     ``local`` is set (a replay) the hook sends nothing and returns this rank's own bucket,
     whatever the loop does to ``require_backward_grad_sync``.
+
+    Riding (DDP's default all-reduce only): inside ``ride``, the last bucket of the backward
+    (``bucket.is_last()``: DDP sends buckets in order, so every bucket's local sum is in by
+    then) is all-reduced together with the guard's extras (one-hot flag slots, loss), so a
+    healthy step adds no collective. The gradient part is divided by the world first, as
+    DDP's own hook does, so gradients come out as without the guard. Whether a step rode
+    depends only on whether DDP ran this hook, which it does on every rank or none, and on
+    the bucket's dtype (the same on every rank), so all ranks take the same path. A
+    float16/bfloat16 bucket or a user hook (whose wire format is its own) does not ride.
+    While riding, each bucket's averaged result is summed too: it is the same on every rank,
+    so a non-finite average (say, corrupted in transit) is known alike everywhere.
     """
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, hook: Callable[..., Any], state: Any) -> None:
@@ -148,6 +175,13 @@ class DDPCommWatch(CommWatch):
         self._names = {id(p): n for n, p in unwrap(ddp).named_parameters()}
         self._buckets: list[tuple[torch.Tensor, list[str]]] = []
         self._measured: list[tuple[torch.Tensor, list[str]]] = []
+        self._extras: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._carried: torch.Tensor | None = None
+        self._received: list[torch.Tensor] = []  # appended by the futures' callbacks
+        group = (state if state is not None else tdist.group.WORLD) if hook is _default_hook() else None
+        same_slots = group is not None and group.size() == world_size() and tdist.get_rank(group) == rank()
+        self._group = group if same_slots else None  # the extras' slots are indexed by global rank
+        self.rides = self._group is not None
         inner = hook
 
         # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
@@ -162,15 +196,59 @@ class DDPCommWatch(CommWatch):
             if self.wire is not None:
                 names = [self._names.get(id(p), "?") for p in bucket.parameters()]
                 self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
-            return inner(state, bucket)
+            if self._extras is None or not self.rides:
+                return inner(state, bucket)
+            if bucket.is_last() and _exact(buffer):
+                return self._ride(buffer, self._extras(~torch.isfinite(self._acc)))
+            return inner(state, bucket).then(self._receive)
 
         watched.__qualname__ = f"nanguard_watch({self.hook_name})"
         ddp.register_comm_hook(state, watched)
         _WATCHES[ddp] = self
 
+    def _ride(self, buffer: torch.Tensor, extras: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        assert self._group is not None
+        n = buffer.numel()
+        payload = buffer.new_empty(n + extras.numel())
+        torch.div(buffer, self._group.size(), out=payload[:n])  # averaged first, as DDP's own hook does
+        payload[n:] = extras
+        fut = tdist.all_reduce(payload, group=self._group, async_op=True).get_future()
+
+        def unpack(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            out = done.value()[0]
+            buffer.copy_(out[:n])
+            self._received.append(buffer.sum(dtype=torch.float32))
+            self._carried = out[n:].float()
+            return buffer
+
+        return fut.then(unpack)
+
+    def _receive(self, done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        out = done.value()
+        self._received.append(out.sum(dtype=torch.float32))
+        return out
+
+    @contextlib.contextmanager
+    def ride(self, extras: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+        self._extras, self._carried, self._received = extras, None, []
+        try:
+            yield
+        finally:
+            self._extras = None
+
+    def carried(self) -> torch.Tensor | None:
+        carried, self._carried = self._carried, None
+        received, self._received = self._received, []
+        if carried is None:
+            return None
+        bad = ~torch.isfinite(torch.stack([r.to(carried.device) for r in received]).sum())
+        return torch.cat([carried, bad.float().reshape(1)])
+
     def reset(self) -> None:
         self._acc = None
         self._buckets = []
+        self._carried = None
+        self._received = []
 
     def local_flag(self, device: torch.device) -> torch.Tensor | None:
         acc, self._acc = self._acc, None
@@ -199,6 +277,17 @@ class DDPCommWatch(CommWatch):
             return None
         params = [n for _, names in bad for n in names]
         return WireOverflow(self.hook_name, str(self.wire).removeprefix("torch."), params, max(a for a, _ in bad))
+
+
+def _exact(buffer: torch.Tensor) -> bool:
+    """A bucket whose dtype holds the riding loss exactly (float16/bfloat16 would round it)."""
+    return buffer.dtype in (torch.float32, torch.float64)
+
+
+def _default_hook() -> Callable[..., Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook
 
 
 def _wire_dtype(hook: Callable[..., Any]) -> torch.dtype | None:
@@ -233,9 +322,7 @@ def watch_communication(model: nn.Module, comm_hook: tuple[Any, Callable[..., An
         )
         return CommWatch()
     if comm_hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        comm_hook = (model.process_group, allreduce_hook)
+        comm_hook = (model.process_group, _default_hook())
     state, hook = comm_hook
     return DDPCommWatch(model, hook, state)
 
@@ -395,6 +482,31 @@ def _local_collectives() -> Iterator[None]:
         return
     with compat.swap_collectives(_LOCAL_STAND_INS):
         yield
+
+
+@contextlib.contextmanager
+def backward_roots() -> Iterator[list[torch.Tensor]]:
+    """Record the tensors ``backward`` is called on (``Tensor.backward`` goes through
+    ``torch.autograd.backward``) while open: the loss, before any comm hook runs.
+
+    Example:
+        >>> with backward_roots() as roots:
+        ...     loss.backward()
+        >>> roots[0] is loss
+        True
+    """
+    roots: list[torch.Tensor] = []
+    original = torch.autograd.backward
+
+    def recording(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        roots.extend([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
+        return original(tensors, *args, **kwargs)
+
+    torch.autograd.backward = recording  # type: ignore[assignment]
+    try:
+        yield roots
+    finally:
+        torch.autograd.backward = original
 
 
 def replay_locally(model: nn.Module, fn: Callable[[], Any]) -> Any:

@@ -160,7 +160,7 @@ class Guard:
         self.health.comm.reset()
         self._closure_error = None
         try:
-            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count):
+            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count), self.health.riding():
                 loss = closure()
             value = _loss_value(loss, "the closure's return value", allow_none=False)
         except (IndexError, RuntimeError) as err:
@@ -251,7 +251,7 @@ class Guard:
         before the forward (``check()``: the caller owns its loop)."""
         step = self._next_step()
         measured = self.health.measure(loss)
-        agreed = measured.agree(sharded=self._sharded)
+        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
         if device_step:
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))

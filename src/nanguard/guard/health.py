@@ -2,12 +2,15 @@
 agreed across ranks in one collective, and read to the host once as a ``StepHealth``.
 
 Each rank encodes what it found as ``HealthFlag`` bits. ``dist.agree`` gives every rank
-every other rank's flags, so all ranks take the same decision.
+every other rank's flags, so all ranks take the same decision. Under DDP's default hook,
+``HealthCheck.riding`` makes the flags and the loss ride in the gradient all-reduce instead,
+so a healthy step adds no collective (``DeviceHealth.agree`` then only reads what rode).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntFlag
 from typing import Any
@@ -80,9 +83,20 @@ class DeviceHealth:
     flags: torch.Tensor
     """int32 ``HealthFlag`` bits of this rank."""
 
-    def agree(self, *, sharded: bool) -> torch.Tensor:
-        """The step's one collective: every rank's flags, the mean loss, the global grad norm."""
-        return dist.agree(self.flags, self.loss, self.grad_norm * self.grad_norm, sharded=sharded)
+    def agree(self, *, sharded: bool, carried: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's flags, the mean loss, the global grad norm: from ``carried`` (what rode in
+        the gradient all-reduce, from ``HealthCheck.carried``) when given, else by one collective.
+
+        Riding, the grad norm is this rank's own: DDP leaves the same averaged gradients on
+        every rank. Decisions use only what rode, so a rank-local change to its gradients after
+        the all-reduce cannot split the ranks' decisions (its update shows in the next
+        parameter check, which rides too).
+        """
+        if carried is None:
+            return dist.agree(self.flags, self.loss, self.grad_norm * self.grad_norm, sharded=sharded)
+        world = dist.world_size()
+        mean_loss = carried[world] / carried[world + 1].clamp_min(1)  # over the ranks whose loss was known
+        return torch.cat([carried[:world], torch.stack([mean_loss, self.grad_norm.float().to(carried.device)])])
 
     @staticmethod
     def found_inf(agreed: torch.Tensor) -> torch.Tensor:
@@ -176,6 +190,52 @@ class HealthCheck:
                 self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
         groups = float_groups(p.grad for p in self.params if p.grad is not None)
         return total_norm(groups) if groups else None
+
+    @contextlib.contextmanager
+    def riding(self) -> Iterator[None]:
+        """Around ``Guard.step``'s closure: the flags and the loss ride in DDP's gradient all-reduce.
+
+        The loss is the sum of the tensors ``backward`` was called on (micro-batches summed,
+        divided by the GradScaler's scale, a power of two, so exactly), known before the last
+        bucket is sent; the closure's return value stays this rank's own loss. Each rank sends
+        ``[one-hot code slot x world, loss, 1 if its loss was known]``: LOCAL covers its own
+        gradients before averaging and its loss's finiteness, PARAMS the last update.
+        """
+        if not self.comm.rides:
+            yield
+            return
+        with dist.backward_roots() as roots, self.comm.ride(lambda pre_comm: self._extras(pre_comm, roots)):
+            yield
+
+    def carried(self) -> torch.Tensor | None:
+        """What rode in this step's gradient all-reduce as ``[code x world, loss sum, ranks with a
+        known loss]``, SYNCED set on every rank's code when an averaged bucket was non-finite
+        (without a GradScaler, whose business overflowing gradients are); None when nothing rode."""
+        raw = self.comm.carried()
+        if raw is None:
+            return None
+        world = dist.world_size()
+        codes = raw[:world].to(torch.int32)
+        if self.scaler is None:
+            codes = codes | (raw[world + 2] > 0).to(torch.int32) * HealthFlag.SYNCED
+        return torch.cat([codes.float(), raw[world : world + 2]])
+
+    def _extras(self, pre_comm: torch.Tensor, roots: list[torch.Tensor]) -> torch.Tensor:
+        device, world = pre_comm.device, dist.world_size()
+        known = bool(roots)
+        loss = sum((r.detach().float().mean().to(device) for r in roots), torch.zeros((), device=device))
+        if self.scaler is not None:
+            loss = loss / compat.scaler_scale(self.scaler).to(device).float().reshape(())
+        loss_bad = ~torch.isfinite(loss)
+        local = loss_bad if self.scaler is not None else loss_bad | pre_comm  # as measure() decides
+        code = local.to(torch.int32) * HealthFlag.LOCAL
+        if self._param_norm is not None:
+            code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * HealthFlag.PARAMS
+        extras = torch.zeros(world + 2, dtype=torch.float32, device=device)
+        extras[dist.rank()] = code.float()
+        extras[world] = loss
+        extras[world + 1] = float(known)
+        return extras
 
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored."""
