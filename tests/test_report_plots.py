@@ -70,9 +70,16 @@ def test_long_many_trip_run_in_chromium(tmp_path: Path, browser) -> None:  # noq
     run_dir = _run(tmp_path / "run", 6000, range(3000, 3008))
     out = tmp_path / "report.html"
     assert main(["report", str(run_dir), "--html", str(out)]) == 0
-    page = browser.open(out)
+    label = "8 trips, steps 3000–3007, precision.overflow (origin)"
+    page = browser.open(out, find=(label, "mean of 30"))
     assert page.console_errors() == []
     assert _not_blank(page.screenshot) > 0.05
-    assert all(p["decoded"] and p["width"] > 300 for p in page.info["plots"])
+    assert all(p["drawn"] > 300 and p["width"] > 300 for p in page.info["plots"])
+    plots = {p["id"]: p["texts"] for p in page.info["plots"]}
+    assert "step" in plots["plot-loss"] and "loss (log)" in plots["plot-loss"]  # axis labels are text
+    assert label in plots["plot-ranks"]  # the grouped trip label too
+    assert page.info["found"] == [label, "mean of 30"]  # and the browser's find-in-page finds them
     assert "8 trips in a row with this cause, steps 3000–3007 (8)" in page.text
-    assert out.read_text(encoding="utf-8").count('<section class="diagnosis"') == 1  # one card, not eight
+    html = out.read_text(encoding="utf-8")
+    assert html.count('<section class="diagnosis"') == 1  # one card, not eight
+    assert "<img" not in html and html.count("<svg") == 4

@@ -40,16 +40,18 @@ __all__ = [
 
 P = ParamSpec("P")
 
-MAX_POINTS = 3000
+MAX_POINTS = 1500
+"""Points per rank and curve above which a curve is thinned to each bucket's first, min and max: about
+one bucket per pixel of the plot's width, so the page stays small and the drawn curve the same."""
 SMOOTH_FROM = 1000
 """Curves longer than this get a smoothed trend line over a faint every-step curve."""
-"""Points per rank and curve above which a curve is thinned to each bucket's min and max."""
 _MAX_MODULE_ROWS = 48
 
 _RC = {
     "svg.fonttype": "none",
     "svg.hashsalt": "nanguard",
     "font.size": 9,
+    "font.sans-serif": ["DejaVu Sans", "Arial", "Helvetica"],  # also the fallbacks the SVG text names
     "axes.spines.top": False,
     "axes.spines.right": False,
     "axes.grid": True,
