@@ -55,6 +55,15 @@ def test_many_trips_get_one_grouped_label(tmp_path: Path) -> None:
     assert svg.count("precision.overflow") == 1
 
 
+def test_trips_spread_over_a_long_run_share_a_label_per_cluster(tmp_path: Path) -> None:
+    report = load_run(_run(tmp_path, 6000, [1000, 1500, 2000, 4500]))  # a label spans ~1/4 of the axis
+    assert len(group_trips(report.trips)) == 4  # not consecutive: four cards
+    svg = figure_svg(rank_plot(report))
+    assert "3 trips, steps 1000–2000, precision.overflow (origin)" in svg
+    assert ">precision.overflow (origin)<" in svg  # the trip at 4500, 2500 steps on, has its own
+    assert svg.count("precision.overflow") == 2
+
+
 def test_html_groups_repeated_trips_into_one_card(tmp_path: Path) -> None:
     from nanguard.report.html import render_html
 
