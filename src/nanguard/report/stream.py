@@ -34,7 +34,7 @@ MAX_LINE_BYTES = 16 * 2**20
 MAX_STEP = 2**62  # step numbers are kept as int64
 _MAX_NOTES = 200  # per file: a log of garbage should not become a flood of warnings
 
-_BLOCK_BYTES = 4 * 2**20
+_BLOCK_BYTES = 2**20  # a block's split into cells stays small (and in cache)
 # One match per line: the step line EventLog writes (groups 1-5), or any other line (group 6), which
 # takes the slow, checked path. Values are parsed, and so checked, a block at a time by numpy.
 _STEP_PREFIX = b'{"kind":"step","step":'
@@ -423,14 +423,30 @@ def _cells(cells: list[bytes], key: bytes, lines: int) -> Cells | None:
         return None
     null = bad = np.zeros(lines, dtype=bool)
     if b'"' in text or b"null" in text:
-        raw = np.array(cells)
-        null = raw == key + b"null"
-        bad = np.isin(raw, [key + word for word in _NON_FINITE])
-        for word in (*_NON_FINITE, b"null"):
+        words = (b"null", *_NON_FINITE)
+        masks = [m for word in words if (m := _where(cells, key + word, text.count(word), lines)) is not None]
+        if len(masks) < len(words):  # a cell that holds one of these words and more
+            return None
+        null, bad = masks[0], np.logical_or.reduce(masks[1:])
+        for word in words:
             text = text.replace(word, b"")
     if text.translate(None, _NUMBER_CHARS):  # anything else: the line-by-line path names the line
         return None
     return Cells(cells, key, null, bad)
+
+
+def _where(cells: list[bytes], cell: bytes, count: int, lines: int) -> np.ndarray | None:
+    """Where ``cells`` equal ``cell``, which the text holds ``count`` times; None if one of those is not a
+    whole cell. Found by ``list.index``: a scan in C, as these cells are few."""
+    found = np.zeros(lines, dtype=bool)
+    at = -1
+    try:
+        for _ in range(count):
+            at = cells.index(cell, at + 1)
+            found[at] = True
+    except ValueError:
+        return None
+    return found
 
 
 def _values(cells: list[bytes], key: bytes, lines: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -463,11 +479,11 @@ def _numbers(text: bytes, lines: int, dtype: type) -> np.ndarray | None:
 
 def _flags(cells: list[bytes], lines: int) -> np.ndarray | None:
     """The ``skipped`` cells as bools; None unless each says true or false."""
-    if b"".join(cells) == b'"skipped":false' * lines:
-        return np.zeros(lines, dtype=bool)
-    values = np.array(cells)
-    skipped = values == b'"skipped":true'
-    return skipped if (skipped | (values == b'"skipped":false')).all() else None
+    text = b"".join(cells)
+    true, false = text.count(b'"skipped":true'), text.count(b'"skipped":false')
+    if true + false != lines or len(text) != 14 * true + 15 * false:
+        return None
+    return _where(cells, b'"skipped":true', true, lines)
 
 
 def _floats(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
