@@ -423,11 +423,12 @@ def _cells(cells: list[bytes], key: bytes, lines: int) -> Cells | None:
         return None
     null = bad = np.zeros(lines, dtype=bool)
     if b'"' in text or b"null" in text:
-        words = (b"null", *_NON_FINITE)
-        masks = [m for word in words if (m := _where(cells, key + word, text.count(word), lines)) is not None]
-        if len(masks) < len(words):  # a cell that holds one of these words and more
+        words = {word: n for word in (b"null", *_NON_FINITE) if (n := text.count(word))}
+        masks = {word: _where(cells, key + word, n, lines) for word, n in words.items()}
+        if any(mask is None for mask in masks.values()):  # a cell that holds one of these words and more
             return None
-        null, bad = masks[0], np.logical_or.reduce(masks[1:])
+        null = masks.pop(b"null", null)
+        bad = np.logical_or.reduce([bad, *masks.values()])
         for word in words:
             text = text.replace(word, b"")
     if text.translate(None, _NUMBER_CHARS):  # anything else: the line-by-line path names the line
