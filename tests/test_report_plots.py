@@ -47,6 +47,15 @@ def test_long_run_draws_a_trend_line_with_its_text_searchable(tmp_path: Path) ->
     assert svg.count("<path") < 20_000  # decimated: not one path point per step
 
 
+def test_the_page_does_not_grow_with_the_run(tmp_path: Path) -> None:
+    from nanguard.report.html import render_html
+
+    short = render_html(load_run(_run(tmp_path / "short", 6000, range(3000, 3008))))
+    long = render_html(load_run(_run(tmp_path / "long", 30_000, range(3000, 3008))))
+    assert len(long) < 1.3 * len(short)  # curves are thinned to a fixed number of points
+    assert len(short) < 250_000  # the same page with base64 images and 3000-point curves was 320 KB
+
+
 def test_many_trips_get_one_grouped_label(tmp_path: Path) -> None:
     report = load_run(_run(tmp_path, 40, range(3, 11)))
     assert [g[:3] for g in group_trips(report.trips)] == [(3, 10, 8)]
