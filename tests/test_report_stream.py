@@ -86,7 +86,8 @@ def test_bulk_reading_matches_json_line_by_line(tmp_path: Path, scaler: bool) ->
 # always kept); on the other lines only its characters are checked.
 @pytest.mark.parametrize(
     ("bad_value", "skipped"),
-    [('"loss":1.2x3', False), ('"loss":', False), ('"loss":"1.5"', False), ('"loss":nul', False),
+    [('"step":-1', False), ('"step":99999999999999999999', False),
+     ('"loss":1.2x3', False), ('"loss":', False), ('"loss":"1.5"', False), ('"loss":nul', False),
      ('"loss":true', False), ('"loss":"nanx"', False), ('"loss":1.5.2', True)],
 )  # fmt: skip
 def test_a_bad_value_deep_in_a_large_log_is_named_by_line(tmp_path: Path, bad_value: str, skipped: bool) -> None:
@@ -94,7 +95,8 @@ def test_a_bad_value_deep_in_a_large_log_is_named_by_line(tmp_path: Path, bad_va
     path = tmp_path / "events-rank0.jsonl"
     lines = path.read_text().splitlines(keepends=True)
     target = next(i for i in range(LINES // 2, len(lines)) if '"skipped":false' in lines[i] and i % 7 != 0)
-    head, _, rest = lines[target].partition('"loss":')
+    field = bad_value.partition(":")[0] + ":"
+    head, _, rest = lines[target].partition(field)
     lines[target] = head + bad_value + "," + rest.partition(",")[2]
     if skipped:
         lines[target] = lines[target].replace('"skipped":false', '"skipped":true')

@@ -407,7 +407,8 @@ def _parse_run(run: bytes, lines: int, rank: int) -> tuple[np.ndarray, Column, C
     skipped = _flags(parts[5::6], lines)
     if steps is None or loss is None or grad_norm is None or skipped is None or scale is None:
         return None
-    return (steps, loss, grad_norm, skipped, scale) if (steps >= 0).all() else None
+    in_range = (steps >= 0).all() and (steps < MAX_STEP).all()  # numpy clamps what int64 cannot hold
+    return (steps, loss, grad_norm, skipped, scale) if in_range else None
 
 
 def _column(cells: list[bytes], key: bytes, lines: int) -> bytes | None:
