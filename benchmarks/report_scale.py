@@ -8,7 +8,7 @@ not of the benchmark that started it). ``--compare SRC`` times another checkout'
 the version before a change) in the same run, interleaved round by round.
 
 Reproduce: ``.venv/bin/python benchmarks/report_scale.py`` (before/after: add
-``--compare /tmp/before/src``, made by ``git archive BEFORE src | tar -x -C /tmp/before``).
+``--compare /tmp/before/src --before-label LABEL``, made by ``git archive BEFORE src | tar -x -C /tmp/before``).
 """
 
 from __future__ import annotations
@@ -115,9 +115,10 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=200.0, help="size of the event log in MB")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--compare", type=Path, help="another checkout's src/ to measure alongside, as 'before'")
+    parser.add_argument("--before-label", default="before", help="row label of the --compare checkout")
     parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = parser.parse_args()
-    versions = {"before": args.compare.resolve()} if args.compare else {}
+    versions = {args.before_label: args.compare.resolve()} if args.compare else {}
     versions["after"] = SRC
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -186,8 +187,8 @@ HTML page size (plots are inline SVG, their text is text; curves thinned to 1500
 {chr(10).join(page_rows)}
 
 Machine: {machine()}, load average up to {load:.1f} during the run (other jobs shared the cores).
-Reproduce: `.venv/bin/python benchmarks/report_scale.py` (add `--compare /tmp/before/src` for the before
-row, after `git archive BEFORE src | tar -x -C /tmp/before`).
+Reproduce: `.venv/bin/python benchmarks/report_scale.py` (for the before row add `--compare /tmp/before/src
+--before-label "before (main at 4389f1e)"`, after `git archive 4389f1e src | tar -x -C /tmp/before`).
 """
     write_section("report-scale", body)
 
