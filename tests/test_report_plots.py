@@ -10,6 +10,7 @@ pytest.importorskip("matplotlib")
 
 from nanguard.events import EventLog
 from nanguard.findings import Diagnosis
+from nanguard.report import stream
 from nanguard.report.load import load_run
 from nanguard.report.plots import figure_svg, group_trips, loss_plot, rank_plot, smooth
 from test_report import _not_blank, browser  # noqa: F401  (the headless Chromium fixture)
@@ -53,6 +54,9 @@ def test_the_page_does_not_grow_with_the_run(tmp_path: Path) -> None:
     short = render_html(load_run(_run(tmp_path / "short", 6000, range(3000, 3008))))
     long = render_html(load_run(_run(tmp_path / "long", 30_000, range(3000, 3008))))
     assert len(long) < 1.3 * len(short)  # curves are thinned to a fixed number of points
+    stride = next(s for s in (1, 2, 4, 8, 16) if s * stream.MAX_POINTS >= 30_000)  # the reader's thinning
+    assert "faint: every step; line: mean of 30 steps" in short
+    assert f"faint: 1 in {stride} steps; line: mean of" in long  # the legend says what a point is
     assert len(short) < 250_000  # the same page with base64 images and 3000-point curves was 320 KB
 
 

@@ -247,11 +247,11 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
             # Thousands of noisy steps draw a solid band: keep it faint and draw the trend on top.
             sx, sy = smooth(x, y)
             ax.plot(sx, sy, color=_rank_color(rank), lw=1.8, zorder=3)
+            name += f" (faint: {_every(x)}; line: mean of {round(_window(len(x)) * _spacing(x))} steps)"
         x, y = decimate(x, y)
         curves.append(y)
         (line,) = ax.plot(x, y, color=_rank_color(rank), lw=0.6 if long_run else 1.3, alpha=0.35 if long_run else 1.0,
-                          label=f"{name} (faint: every step; line: mean of {_window(len(series[rank][0]))})"
-                          if long_run else name)  # fmt: skip
+                          label=name)  # fmt: skip
         handles.append(line)
     _set_scale(ax, curves)
     ax.set_xlabel("step")
@@ -263,6 +263,16 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, framealpha=0.85)
     ax.set_title(f"{label} per step" + (" per rank" if multi else ""), loc="left")
     return fig
+
+
+def _spacing(x: np.ndarray) -> float:
+    """Steps between the points of a curve: 1, or the reader's stride on a thinned long log."""
+    return float(np.median(np.diff(x))) if len(x) > 1 else 1.0
+
+
+def _every(x: np.ndarray) -> str:
+    spacing = round(_spacing(x))
+    return "every step" if spacing <= 1 else f"1 in {spacing} steps"
 
 
 def _identical(series: list[tuple[np.ndarray, np.ndarray]]) -> bool:
