@@ -1,16 +1,23 @@
-"""`nanguard report` on a large event log: wall time and peak memory of the text and HTML reports.
+"""`nanguard report` on a large event log: wall time, CPU time and peak memory of the text and HTML
+reports, and the size of the HTML pages of a long run and of a run that trips many times.
 
-The log is written by the guard's own ``EventLog`` (step lines, with a skip, a trip and a
-spike every few thousand steps) until it reaches ``--mb`` megabytes; each report runs in a
-fresh subprocess, whose peak resident memory comes from ``getrusage(RUSAGE_CHILDREN)``.
+The log is written by the guard's own ``EventLog`` (step lines, with a skip, a trip and a spike
+every few thousand steps) until it reaches ``--mb`` megabytes. Each report runs in a fresh
+process, which reads its own peak resident memory (``VmHWM``: the peak of that process alone,
+not of the benchmark that started it). ``--compare SRC`` times another checkout's ``src`` (say,
+the version before a change) in the same run, interleaved round by round.
+
+Reproduce: ``.venv/bin/python benchmarks/report_scale.py`` (before/after: add
+``--compare /tmp/before/src --before-label LABEL``, made by ``git archive BEFORE src | tar -x -C /tmp/before``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
-import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -19,7 +26,9 @@ from pathlib import Path
 
 from _common import machine, write_section
 from nanguard.events import EventLog
+from nanguard.findings import Diagnosis
 
+SRC = Path(__file__).resolve().parent.parent / "src"
 _TRIP_DIAGNOSIS = {
     "cause": "op.log_domain",
     "kind": "nan",
@@ -29,6 +38,20 @@ _TRIP_DIAGNOSIS = {
     "phase": "forward",
     "evidence": {"input_min": -1.0},
 }
+# Runs nanguard's CLI, then reports this process's own peak RSS on the last line of stderr.
+_CHILD = """
+import resource, sys
+from nanguard.cli import main
+code = main(sys.argv[1:]) if len(sys.argv) > 1 else 0
+try:
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+except OSError:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sys.stdout.flush()
+sys.stderr.write(f"\\npeak_kb={peak}\\n")
+sys.exit(code)
+"""
 
 
 def write_log(run_dir: Path, megabytes: float, seed: int = 0) -> int:
@@ -54,61 +77,118 @@ def write_log(run_dir: Path, megabytes: float, seed: int = 0) -> int:
     return step
 
 
-def measure(command: list[str]) -> tuple[float, float, float]:
-    """(wall seconds, CPU seconds, peak MiB) of ``python COMMAND`` in a fresh process."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+def write_small_run(run_dir: Path, steps: int, trips: range) -> None:
+    """A run of ``steps`` noisy steps whose ``trips`` steps overflow and are skipped."""
+    rng = random.Random(0)
+    log = EventLog(run_dir, rank=0)
+    log.write("start", 0, config={}, world_size=1, path="host")
+    for step in range(steps):
+        if step in trips:
+            diag = Diagnosis(cause="precision.overflow", kind="inf", phase="forward", step=step, rank=0)
+            log.write("trip", step, action="skip", ranks=[0], diagnosis=diag.to_dict())
+            log.write("skip", step, reason="precision.overflow")
+            log.write("step", step, loss=None, grad_norm=None, skipped=True, scale=None)
+        else:
+            loss = abs(4.0 * math.exp(-step / 2000) + rng.gauss(0, 0.3))
+            log.write("step", step, loss=loss, grad_norm=1.0 + rng.random(), skipped=False, scale=None)
+    log.write("end", steps, skipped=len(trips), rollbacks=0)
+    log.close()
+
+
+def measure(src: Path, args: list[str]) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak MiB) of nanguard's CLI with ``args``, from ``src``, in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    before = os.times()
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, *command], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
+    after = os.times()
     if done.returncode != 0:
-        raise SystemExit(f"{command} failed:\n{done.stderr[-2000:]}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
-    # ru_maxrss of children is the largest child so far: run the lightest command first.
-    return seconds, cpu, after.ru_maxrss / 1024
+        raise SystemExit(f"{args} failed:\n{done.stderr[-2000:]}")
+    peak_kb = int(done.stderr.rstrip().rpartition("peak_kb=")[2])
+    cpu = after.children_user + after.children_system - before.children_user - before.children_system
+    return seconds, cpu, peak_kb / 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mb", type=float, default=200.0, help="size of the event log in MB")
-    parser.add_argument("--label", default="after", help="row label in BENCHMARKS.md")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--compare", type=Path, help="another checkout's src/ to measure alongside, as 'before'")
+    parser.add_argument("--before-label", default="before", help="row label of the --compare checkout")
     parser.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = parser.parse_args()
+    versions = {args.before_label: args.compare.resolve()} if args.compare else {}
+    versions["after"] = SRC
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp)
-        steps = write_log(run_dir, args.mb)
-        size = (run_dir / "events-rank0.jsonl").stat().st_size / 2**20
-        import_s, import_cpu, import_mb = measure(["-c", "import nanguard.cli"])
-        report = ["-m", "nanguard", "report", str(run_dir)]
-        text_s, text_cpu, text_mb = measure(report)
-        html_s, html_cpu, html_mb = measure([*report, "--html", str(run_dir / "report.html")])
-    log = f"{size:.0f} MB, {steps} steps"
-    row = (
-        f"| {args.label} | {log} | {text_s:.1f} ({text_cpu:.1f}) | {text_mb:.0f} | {html_s:.1f} ({html_cpu:.1f}) "
-        f"| {html_mb:.0f} | {import_s:.1f} ({import_cpu:.1f}), {import_mb:.0f} MB |"
-    )
-    print(row)
+        root = Path(tmp)
+        steps = write_log(root / "big", args.mb)
+        size = (root / "big" / "events-rank0.jsonl").stat().st_size / 2**20
+        write_small_run(root / "long", 6000, range(3000, 3008))
+        write_small_run(root / "many", 40, range(3, 11))
+        load = os.getloadavg()[0]
+        runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for _ in range(args.rounds):
+            for name, src in versions.items():
+                for what, extra in (("import", []), ("text", []), ("html", ["--html", str(root / f"{name}.html")])):
+                    cli = ["report", str(root / "big"), *extra] if what != "import" else []
+                    runs.setdefault((name, what), []).append(measure(src, cli))
+        pages: dict[tuple[str, str], float] = {}
+        for name, src in versions.items():
+            pages[(name, "big")] = (root / f"{name}.html").stat().st_size / 1024
+            for run in ("long", "many"):
+                out = root / f"{name}-{run}.html"
+                measure(src, ["report", str(root / run), "--html", str(out)])
+                pages[(name, run)] = out.stat().st_size / 1024
+        load = max(load, os.getloadavg()[0])
+
+    def cell(name: str, what: str) -> tuple[str, str]:
+        wall, cpu, peak = (statistics.median(v) for v in zip(*runs[(name, what)], strict=True))
+        return f"{wall:.1f} ({cpu:.1f})", f"{peak:.0f}"
+
+    rows = []
+    for name in versions:
+        (text_s, text_mb), (html_s, html_mb), (imp_s, imp_mb) = (cell(name, w) for w in ("text", "html", "import"))
+        rows.append(f"| {name} | {size:.0f} MB, {steps} steps | {text_s} | {text_mb} | {html_s} | {html_mb} "
+                    f"| {imp_s}, {imp_mb} MB |")  # fmt: skip
+    page_rows = [
+        f"| {name} | {pages[(name, 'long')]:.0f} KB | {pages[(name, 'many')]:.0f} KB | {pages[(name, 'big')]:.0f} KB |"
+        for name in versions
+    ]
+    print("\n".join(rows + page_rows))
     if args.no_write:
         return
     body = f"""## Report on a large event log
 
 `nanguard report RUN_DIR` (text) and `nanguard report RUN_DIR --html OUT` on one rank's event log written
-by the guard's `EventLog`, each in a fresh process: wall seconds (CPU seconds in brackets, less
-sensitive to a busy machine) and the process's peak resident memory. The last column is what
-`import nanguard.cli` alone costs: today it imports torch, a fixed share of every number here.
-Target: text report <= 5 s and <= 300 MB on a 200 MB log, HTML bounded likewise.
+by the guard's `EventLog`, each in a fresh process: median wall seconds of {args.rounds} interleaved rounds
+(CPU seconds in brackets, less sensitive to a busy machine) and the process's own peak resident memory
+(`VmHWM`). The last column is what starting Python and importing `nanguard.cli` alone costs.
+Target (issue 16): text report <= 5 s and <= 300 MB on a 200 MB log, HTML bounded likewise.
 
 | version | log | text s | text peak MB | html s | html peak MB | import alone |
 |---|---|---:|---:|---:|---:|---|
-| before (issue 13, every line kept as a dict and a record) | 200 MB | 17.0 | 736 | 32.0 | 848 | |
-| before, rerun on this busy 2-core VM | 201 MB, 1670000 steps | 28.0 | 736 | 50.4 | 848 | |
-{row}
+{chr(10).join(rows)}
 
-Beyond the import, the text report costs {text_cpu - import_cpu:.1f} CPU s and {text_mb - import_mb:.0f} MB,
-the HTML report {html_cpu - import_cpu:.1f} CPU s and {html_mb - import_mb:.0f} MB: memory no longer grows with the
-log (the curves are thinned), while the time is still linear in it (step lines are parsed in bulk by numpy).
+Earlier rows (each measured by its own run, peak from the benchmark's `ru_maxrss`, which counted the
+benchmark's own memory too): issue 13's first reader (every line kept as a dict) 17.0 s / 736 MB text,
+32.0 s / 848 MB HTML; the first streamed reader 13.9 s / 381 MB text, 22.9 s / 381 MB HTML, of which
+3.4 s and 223 MB were importing torch, which `nanguard report` no longer does.
 
-Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/report_scale.py`.
+How: step lines are split on commas into columns checked against their keys and parsed as one text each;
+loss, grad norm and scale are parsed only at the rows the thinned curves keep (a value elsewhere is
+checked to be made of number characters; "nan"/"inf" and null are found as text); the distinct steps
+need no sort when each rank's steps rise. A bad line is still a warning naming file:line.
+
+HTML page size (plots are inline SVG, their text is text; curves thinned to 1500 points per rank):
+
+| version | long run (6000 steps, 8 trips) | many trips (40 steps, 8 in a row) | the {size:.0f} MB log above |
+|---|---:|---:|---:|
+{chr(10).join(page_rows)}
+
+Machine: {machine()}, load average up to {load:.1f} during the run (other jobs shared the cores).
+Reproduce: `.venv/bin/python benchmarks/report_scale.py` (for the before row add `--compare /tmp/before/src
+--before-label "before (main at 4389f1e)"`, after `git archive 4389f1e src | tar -x -C /tmp/before`).
 """
     write_section("report-scale", body)
 

@@ -331,7 +331,8 @@ class Browser:
         message, _, self._buf = self._buf.partition(b"\0")
         return json.loads(message)
 
-    def open(self, path: Path) -> Page:
+    def open(self, path: Path, find: tuple[str, ...] = ()) -> Page:
+        """Load ``path``, then look for each of ``find`` as the browser's find-in-page does."""
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
@@ -343,7 +344,11 @@ class Browser:
         self.wait_for("Page.loadEventFired", session)
         result = self.call(
             "Runtime.evaluate",
-            {"expression": _INSPECT, "awaitPromise": True, "returnByValue": True},
+            {
+                "expression": _INSPECT.replace("FIND", json.dumps(list(find))),
+                "awaitPromise": True,
+                "returnByValue": True,
+            },
             session,
         )
         shot = self.call("Page.captureScreenshot", {"format": "png"}, session)["data"]
@@ -366,13 +371,14 @@ class Browser:
 _INSPECT = """
 (async () => {
   const figures = Array.from(document.querySelectorAll('figure.plot'));
-  const plots = await Promise.all(figures.map(async (f) => {
-    const img = f.querySelector('img');
-    let decoded = false;
-    if (img) { try { await img.decode(); decoded = true; } catch (e) { decoded = false; } }
-    return {id: f.id, decoded, width: img ? img.naturalWidth : 0, height: img ? img.naturalHeight : 0};
-  }));
-  return JSON.stringify({text: document.body.innerText, plots,
+  const plots = figures.map((f) => {
+    const svg = f.querySelector('svg');
+    const box = svg ? svg.getBoundingClientRect() : {width: 0, height: 0};
+    const texts = svg ? Array.from(svg.querySelectorAll('text')).map((t) => t.textContent) : [];
+    return {id: f.id, width: box.width, height: box.height, texts, drawn: svg ? svg.getBBox().width : 0};
+  });
+  const found = FIND.filter((words) => { window.getSelection().removeAllRanges(); return window.find(words); });
+  return JSON.stringify({text: document.body.innerText, plots, found,
                          height: document.documentElement.scrollHeight});
 })()
 """
@@ -446,15 +452,21 @@ def _check_page(page: Page, html_path: Path) -> None:
     assert _not_blank(page.screenshot) > 0.05, "the screenshot is (nearly) blank"
     assert page.info["height"] > 2000
     for plot in page.info["plots"]:
-        assert plot["decoded"] and plot["width"] > 300 and plot["height"] > 100, plot
+        assert plot["drawn"] > 300 and plot["width"] > 300 and plot["height"] > 100, plot
+        assert "step" in plot["texts"] or plot["id"].startswith("plot-modules-"), plot  # the x axis label, as text
 
 
 def _self_contained(html: str) -> None:
     assert not re.search(r"""(src|href)\s*=\s*["'](?!data:|#)""", html), "the page refers to an outside resource"
     assert "http://" not in html.split("<svg")[0] and "<script" not in html
-    images = re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', html)
-    assert images and all(base64.b64decode(i).lstrip().startswith(b"<?xml") for i in images)
-    assert all(b"matplotlib" in base64.b64decode(i)[:2000] for i in images)  # drawn by matplotlib
+    # Plots are inline SVG with their words as <text>: no images, and no ids shared between plots.
+    assert "<img" not in html and "base64" not in html and "<?xml" not in html
+    figures = re.findall(r'<figure class="plot".*?</figure>', html, re.S)
+    assert figures and all(f.count("<svg") == 1 and "<text" in f for f in figures)
+    ids = re.findall(r'\bid="([^"]+)"', html)
+    assert len(ids) == len(set(ids)), "duplicate ids"
+    refs = set(re.findall(r'(?:url\(#|href="#)([^)"]+)', html))
+    assert refs and refs <= set(ids), "a plot refers to an id it does not have"
 
 
 def test_browser_check_catches_console_errors(browser: Browser, tmp_path: Path) -> None:
@@ -517,11 +529,13 @@ def test_html_module_plot_in_chromium(one_rank: OneRank, browser: Browser, tmp_p
     out = write_html(report, tmp_path / "modules.html")
     html = out.read_text(encoding="utf-8")
     assert "not collected" not in html
-    svg = base64.b64decode(re.search(rf'id="plot-modules-{trip.step}".*?base64,([^"]+)"', html).group(1)).decode()
-    assert "blocks.0.attn (Attention)" in svg and "NaN" in svg and "lm_head (Linear)" in svg
-    page = browser.open(out)
+    svg = re.search(rf'id="plot-modules-{trip.step}".*?(<svg.*?</svg>)', html, re.S).group(1)
+    assert ">blocks.0.attn (Attention)</text>" in svg and ">lm_head (Linear)</text>" in svg
+    page = browser.open(out, find=("blocks.0.attn (Attention)", "lm_head (Linear)"))
     _check_page(page, out)
-    assert f"plot-modules-{trip.step}" in [p["id"] for p in page.info["plots"]]
+    plot = next(p for p in page.info["plots"] if p["id"] == f"plot-modules-{trip.step}")
+    assert "blocks.0.attn (Attention)" in plot["texts"] and any("NaN" in t for t in plot["texts"])
+    assert page.info["found"] == ["blocks.0.attn (Attention)", "lm_head (Linear)"]  # find-in-page reaches the plot
 
 
 def test_healthy_run_reports_no_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

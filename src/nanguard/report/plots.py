@@ -40,16 +40,18 @@ __all__ = [
 
 P = ParamSpec("P")
 
-MAX_POINTS = 3000
+MAX_POINTS = 1500
+"""Points per rank and curve above which a curve is thinned to each bucket's first, min and max: about
+one bucket per pixel of the plot's width, so the page stays small and the drawn curve the same."""
 SMOOTH_FROM = 1000
 """Curves longer than this get a smoothed trend line over a faint every-step curve."""
-"""Points per rank and curve above which a curve is thinned to each bucket's min and max."""
 _MAX_MODULE_ROWS = 48
 
 _RC = {
     "svg.fonttype": "none",
     "svg.hashsalt": "nanguard",
     "font.size": 9,
+    "font.sans-serif": ["DejaVu Sans", "Arial", "Helvetica"],  # also the fallbacks the SVG text names
     "axes.spines.top": False,
     "axes.spines.right": False,
     "axes.grid": True,
@@ -167,14 +169,25 @@ def _cause(trip: Trip) -> str:
     return trip.diagnosis.cause if trip.diagnosis else "trip"
 
 
-def group_trips(trips: Sequence[Trip]) -> list[tuple[int, int, int, str]]:
-    """Each group of ``trip_groups`` as (first step, last step, count, cause).
+def group_trips(trips: Sequence[Trip], gap: int = 1) -> list[tuple[int, int, int, str]]:
+    """Trips as (first step, last step, count, cause): ``trip_groups`` by default; with a wider
+    ``gap``, each cause's trips within ``gap`` steps of the one before it together.
 
     Example:
         >>> [g[:3] for g in group_trips(report.trips)]
         [(3, 10, 8)]
     """
-    return [(g[0].step, g[-1].step, len(g), _cause(g[0])) for g in trip_groups(trips)]
+    if gap <= 1:
+        groups = trip_groups(trips)
+    else:
+        groups = []
+        for cause in dict.fromkeys(_cause(t) for t in trips):
+            for trip in sorted((t for t in trips if _cause(t) == cause), key=lambda t: t.step):
+                if groups and _cause(groups[-1][-1]) == cause and trip.step - groups[-1][-1].step <= gap:
+                    groups[-1].append(trip)
+                else:
+                    groups.append([trip])
+    return [(g[0].step, g[-1].step, len(g), _cause(g[0])) for g in groups]
 
 
 def group_label(first: int, last: int, count: int, cause: str) -> str:
@@ -234,11 +247,11 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
             # Thousands of noisy steps draw a solid band: keep it faint and draw the trend on top.
             sx, sy = smooth(x, y)
             ax.plot(sx, sy, color=_rank_color(rank), lw=1.8, zorder=3)
+            name += f" (faint: {_every(x)}; line: mean of {round(_window(len(x)) * _spacing(x))} steps)"
         x, y = decimate(x, y)
         curves.append(y)
         (line,) = ax.plot(x, y, color=_rank_color(rank), lw=0.6 if long_run else 1.3, alpha=0.35 if long_run else 1.0,
-                          label=f"{name} (faint: every step; line: mean of {_window(len(series[rank][0]))})"
-                          if long_run else name)  # fmt: skip
+                          label=name)  # fmt: skip
         handles.append(line)
     _set_scale(ax, curves)
     ax.set_xlabel("step")
@@ -252,6 +265,16 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
     return fig
 
 
+def _spacing(x: np.ndarray) -> float:
+    """Steps between the points of a curve: 1, or the reader's stride on a thinned long log."""
+    return float(np.median(np.diff(x))) if len(x) > 1 else 1.0
+
+
+def _every(x: np.ndarray) -> str:
+    spacing = round(_spacing(x))
+    return "every step" if spacing <= 1 else f"1 in {spacing} steps"
+
+
 def _identical(series: list[tuple[np.ndarray, np.ndarray]]) -> bool:
     x0, y0 = series[0]
     return all(
@@ -260,14 +283,26 @@ def _identical(series: list[tuple[np.ndarray, np.ndarray]]) -> bool:
     )
 
 
+_DENSE = 60
+"""Events per plot above which their lines and markers are drawn thin and faint, so hundreds of
+trips over a long run mark where they fall instead of painting the plot red."""
+
+
+def _weight(count: int) -> tuple[float, float, float]:
+    """(line width, line alpha, marker area scale) for ``count`` events of one kind."""
+    return (1.6, 0.9, 1.0) if count <= _DENSE else (0.5, 0.35, 0.4)
+
+
 def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
     handles: list[Any] = []
     skip_steps = [m.step for m in report.skips]
     if skip_steps:
-        ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_SKIP, lw=1, ls=":", alpha=0.9)
+        lw, alpha, area = _weight(len(skip_steps))
+        ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_SKIP, lw=lw * 0.6, ls=":",
+                  alpha=alpha)  # fmt: skip
         # A skip usually shares its step with a trip: its marker sits above the trip's line and X.
-        ax.scatter(skip_steps, [0.9] * len(skip_steps), transform=ax.get_xaxis_transform(), marker="v", s=36,
-                   color=_SKIP, edgecolors="black", linewidths=0.4, zorder=7)  # fmt: skip
+        ax.scatter(skip_steps, [0.9] * len(skip_steps), transform=ax.get_xaxis_transform(), marker="v",
+                   s=36 * area, color=_SKIP, edgecolors="black", linewidths=0.4, zorder=7)  # fmt: skip
         handles.append(Line2D([], [], color=_SKIP, ls=":", marker="v", label=f"skip ({len(skip_steps)})"))
     for m in report.rollbacks:
         restored = m.fields.get("restored_step")
@@ -279,16 +314,18 @@ def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
         handles.append(Line2D([], [], color=_ROLLBACK, ls="--", label=f"rollback ({len(steps)})"))
     if report.trips:
         steps = [t.step for t in report.trips]
-        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_TRIP, lw=1.6)
-        ax.scatter(steps, [0.97] * len(steps), transform=ax.get_xaxis_transform(), marker="X", s=50, color=_TRIP,
-                   zorder=5)  # fmt: skip
+        lw, alpha, area = _weight(len(steps))
+        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_TRIP, lw=lw, alpha=min(1.0, alpha + 0.1))
+        ax.scatter(steps, [0.97] * len(steps), transform=ax.get_xaxis_transform(), marker="X", s=50 * area,
+                   color=_TRIP, zorder=5)  # fmt: skip
         handles.append(Line2D([], [], color=_TRIP, marker="X", label=f"trip ({len(steps)})"))
     spikes = [m for m in report.spikes if m.fields.get("metric") == metric]
     if spikes:
         values = [number(m.fields.get("value")) for m in spikes]
         pts = [(m.step, v) for m, v in zip(spikes, values, strict=True) if v is not None and math.isfinite(v)]
         if pts:
-            ax.scatter(*zip(*pts, strict=True), marker="*", s=110, color=_SPIKE, edgecolors="black", lw=0.5, zorder=6)
+            ax.scatter(*zip(*pts, strict=True), marker="*", s=110 * _weight(len(pts))[2], color=_SPIKE,
+                       edgecolors="black", lw=0.5, zorder=6)  # fmt: skip
         handles.append(Line2D([], [], color=_SPIKE, marker="*", ls="", markeredgecolor="black",
                               label=f"spike ({len(spikes)})"))  # fmt: skip
     return handles
@@ -379,20 +416,26 @@ def rank_plot(report: RunReport) -> Figure:
         skipped = [s.step for s in log.steps if s.skipped]
         if skipped:
             ax.scatter(skipped, [rank] * len(skipped), marker="|", s=140, color=_SKIP, zorder=3)
-    for trip in report.trips:
-        others = [r for r in trip.ranks if r != trip.origin_rank]
-        if others:
-            ax.scatter([trip.step] * len(others), others, marker="o", s=60, facecolors="none", edgecolors=_TRIP,
-                       zorder=4)  # fmt: skip
-        if trip.origin_rank is not None:
-            ax.scatter([trip.step], [trip.origin_rank], marker="X", s=120, color=_TRIP, zorder=5)
-    for rank in sorted({t.origin_rank for t in report.trips if t.origin_rank is not None}):
-        # One label per run of consecutive same-cause trips: eight labels on eight steps overlap.
-        for first, last, count, cause in group_trips([t for t in report.trips if t.origin_rank == rank]):
-            ax.annotate(f"{group_label(first, last, count, cause)} (origin)", (first, rank), xytext=(6, 6),
-                        textcoords="offset points", fontsize=8, color=_TRIP)  # fmt: skip
-    for m in report.rollbacks:
-        ax.vlines(m.step, -0.5, len(ranks) - 0.5, colors=_ROLLBACK, ls="--", lw=1)
+    others = [(t.step, r) for t in report.trips for r in t.ranks if r != t.origin_rank]
+    origins = [(t.step, t.origin_rank) for t in report.trips if t.origin_rank is not None]
+    area = _weight(len(report.trips))[2]
+    if others:  # one scatter per kind, not per trip: a long run may trip hundreds of times
+        ax.scatter(*zip(*others, strict=True), marker="o", s=60 * area, facecolors="none", edgecolors=_TRIP,
+                   zorder=4)  # fmt: skip
+    if origins:
+        ax.scatter(*zip(*origins, strict=True), marker="X", s=120 * area, color=_TRIP, zorder=5)
+    # One label per cause and cluster of trips: a label is about a quarter of the axis wide, so trips
+    # closer than that share one ("8 trips, steps 3–10, ..."); several causes stack their labels.
+    span = report.steps[-1] - report.steps[0] if report.steps else 0
+    for rank in sorted({rank for _, rank in origins}):
+        mine = [t for t in report.trips if t.origin_rank == rank]
+        causes = list(dict.fromkeys(_cause(t) for t in mine))
+        for first, last, count, cause in group_trips(mine, gap=max(1, span // 4)):
+            ax.annotate(f"{group_label(first, last, count, cause)} (origin)", (first, rank),
+                        xytext=(6, 6 + 10 * causes.index(cause)), textcoords="offset points", fontsize=8,
+                        color=_TRIP)  # fmt: skip
+    if report.rollbacks:
+        ax.vlines([m.step for m in report.rollbacks], -0.5, len(ranks) - 0.5, colors=_ROLLBACK, ls="--", lw=1)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(min(ranks) - 0.6, max(ranks) + 0.6)
     ax.invert_yaxis()

@@ -6,6 +6,10 @@ about ``2 * MAX_POINTS`` records, plus every skipped or non-finite step), and co
 other events (trips, skips, rollbacks, spikes, overflows) are few and are kept whole. A line
 that cannot be read, or whose fields the report could not use, is a warning naming file:line;
 the rest of the file is read.
+
+Speed: the step lines of a block are split on commas into columns, each checked against its key
+and parsed as one text by numpy; loss, grad norm and scale are parsed only at the rows the thinned
+series keeps, and elsewhere checked to be made of a number's characters, null, or "nan"/"inf".
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,9 +38,10 @@ MAX_LINE_BYTES = 16 * 2**20
 MAX_STEP = 2**62  # step numbers are kept as int64
 _MAX_NOTES = 200  # per file: a log of garbage should not become a flood of warnings
 
-_BLOCK_BYTES = 4 * 2**20
-# One match per line: the step line EventLog writes (groups 1-5), or any other line (group 6), which
-# takes the slow, checked path. Values are parsed, and so checked, a block at a time by numpy.
+_BLOCK_BYTES = 2**20  # a block's split into cells stays small (and in cache)
+# Step lines exactly as EventLog writes them are read by columns (``_parse_run``). A run of lines that
+# is not goes through ``_LINE``, one match per line: a step line in another layout (groups 1-5), or any
+# other line (group 6), which takes the slow, checked path.
 _STEP_PREFIX = b'{"kind":"step","step":'
 _NOT_STEP = re.compile(rb"\n(?!" + re.escape(_STEP_PREFIX) + rb")")  # a newline that starts another kind of line
 _LINE = re.compile(
@@ -84,6 +90,8 @@ class StepSeries:
     nonfinite: dict[int, int] = field(default_factory=dict)
     skipped: set[int] = field(default_factory=set)
     stride: int = 1
+    ordered: bool = True
+    """Every step number is larger than the one before: the numbers are already sorted and distinct."""
     _applied: _Row | None = None
     _latest: _Row | None = None
 
@@ -103,6 +111,8 @@ class StepSeries:
 
     def add(self, step: int, loss: float | None, grad_norm: float | None, skipped: bool, scale: float | None) -> None:
         index = len(self.numbers)
+        if index and step <= self.numbers[-1]:
+            self.ordered = False
         self.numbers.append(step)
         row = (step, loss, grad_norm, skipped, scale)
         bad = (loss is not None and not isfinite(loss)) + (grad_norm is not None and not isfinite(grad_norm))
@@ -119,40 +129,46 @@ class StepSeries:
             if len(self.points) > 2 * MAX_POINTS:
                 self._thin()
 
-    def add_many(
-        self,
-        steps: np.ndarray,
-        loss: tuple[np.ndarray, np.ndarray],
-        grad_norm: tuple[np.ndarray, np.ndarray],
-        skipped: np.ndarray,
-        scale: tuple[np.ndarray, np.ndarray],
-    ) -> None:
-        """``add`` for a block of lines at once: int64 steps, (values, is_null) float columns, bool skipped."""
+    def add_many(self, steps: np.ndarray, loss: Column, grad_norm: Column, skipped: np.ndarray,
+                 scale: Column) -> bool:  # fmt: skip
+        """``add`` for a block of lines at once: int64 steps, bool skipped, and float columns read only at
+        the rows the series keeps. False, and nothing added, when a value there is not a number."""
+        n = len(steps)
         base = len(self.numbers)
-        self.numbers.frombytes(steps.astype(np.int64).tobytes())
-        bad = (~loss[1] & ~np.isfinite(loss[0])).astype(np.int64) + (~grad_norm[1] & ~np.isfinite(grad_norm[0]))
+        bad = loss.bad.astype(np.int64) + grad_norm.bad
+        stride = self.stride
+        while stride * MAX_POINTS < base + n:
+            stride *= 2
+        keep = np.flatnonzero((bad > 0) | skipped | ((base + np.arange(n)) % stride == 0))
+        best = {attr: _last_highest(steps, rows) for attr, rows in (("_applied", np.flatnonzero(~skipped)),
+                                                                    ("_latest", np.arange(n)))}  # fmt: skip
+        rows = np.union1d(keep, [i for i in best.values() if i is not None])
+        picked = [column.pick(rows) for column in (loss, grad_norm, scale)]
+        columns = [(p[0].tolist(), p[1].tolist()) for p in picked if p is not None]
+        if len(columns) < len(picked):
+            return False
 
-        def row(i: int) -> _Row:
-            values = [None if col[1][i] else float(col[0][i]) for col in (loss, grad_norm, scale)]
+        def record(at: int) -> _Row:
+            i = int(rows[at])
+            values = [None if null[at] else float(vals[at]) for vals, null in columns]
             return int(steps[i]), values[0], values[1], bool(skipped[i]), values[2]
 
+        if n and ((base and steps[0] <= self.numbers[-1]) or (np.diff(steps) <= 0).any()):
+            self.ordered = False
+        self.numbers.frombytes(steps.astype(np.int64).tobytes())
         for i in np.flatnonzero(bad).tolist():
             self.nonfinite[int(steps[i])] = int(bad[i])
         self.skipped.update(steps[skipped].tolist())
-        for rows, attr in ((np.flatnonzero(~skipped), "_applied"), (np.arange(len(steps)), "_latest")):
-            if rows.size:
-                # the highest step, the last line of it on ties
-                best = rows[len(rows) - 1 - int(np.argmax(steps[rows][::-1]))]
-                current = getattr(self, attr)
-                if current is None or steps[best] >= current[0]:
-                    setattr(self, attr, row(int(best)))
-        while self.stride * MAX_POINTS < base + len(steps):
+        for attr, i in best.items():
+            current = getattr(self, attr)
+            if i is not None and (current is None or steps[i] >= current[0]):
+                setattr(self, attr, record(int(np.searchsorted(rows, i))))
+        while self.stride < stride:
             self._thin()
-        keep = (bad > 0) | skipped | ((base + np.arange(len(steps))) % self.stride == 0)
-        for i in np.flatnonzero(keep).tolist():
-            self.points.append(StepRecord(*row(i)))
+        self.points.extend(StepRecord(*record(at)) for at in np.searchsorted(rows, keep).tolist())
         while len(self.points) > 2 * MAX_POINTS:
             self._thin()
+        return True
 
     def finish(self) -> None:
         """Sort the thinned series and make sure it holds the latest step."""
@@ -173,6 +189,51 @@ class StepSeries:
                 kept.append(point)
             plain += 1
         self.points = kept
+
+
+def _last_highest(steps: np.ndarray, rows: np.ndarray) -> int | None:
+    """The row of ``rows`` with the highest step, the last such row on ties."""
+    if not rows.size:
+        return None
+    return int(rows[len(rows) - 1 - int(np.argmax(steps[rows][::-1]))])
+
+
+@dataclass
+class Parsed:
+    """A float column of a block of step lines, every value parsed."""
+
+    values: np.ndarray
+    null: np.ndarray
+
+    @property
+    def bad(self) -> np.ndarray:
+        """Where a value is logged and non-finite."""
+        return ~self.null & ~np.isfinite(self.values)
+
+    def pick(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.values[rows], self.null[rows]
+
+
+@dataclass
+class Cells:
+    """A float column of a block of step lines kept as its raw ``key`` + value cells.
+
+    Where a value is null or non-finite is known from the text ("nan", "inf" and "-inf" are
+    strings); the numbers themselves are parsed only at the rows the series keeps, and every
+    other cell is checked to hold only the characters of a number.
+    """
+
+    cells: list[bytes]
+    key: bytes
+    null: np.ndarray
+    bad: np.ndarray
+
+    def pick(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(values, is_null) at ``rows``; None when one of them is not a number."""
+        return _values([self.cells[i] for i in rows.tolist()], self.key, len(rows))
+
+
+Column = Parsed | Cells
 
 
 @dataclass
@@ -275,24 +336,6 @@ def _fold_block(block: bytes, first: int, rank: int, found: RankEvents) -> Itera
         yield from _fold_run(run, lineno, rank, found)
 
 
-def _fold_table(run: bytes, rank: int, found: RankEvents) -> bool:
-    """Fold ``run`` (lines that start like step lines) in one go; False when it must be read line by line."""
-    lines = run.count(b"\n")
-    if not lines:
-        return True
-    parsed = _parse_run(run, lines, rank)
-    if parsed is None:
-        return False
-    table, scale_null = parsed
-    found.count += lines
-    steps = table[:, 0].astype(np.int64)
-    missing = np.zeros(lines, dtype=bool)
-    no_scale = np.full(lines, scale_null)
-    skipped = table[:, 3] == 1
-    found.steps.add_many(steps, (table[:, 1], missing), (table[:, 2], missing), skipped, (table[:, 4], no_scale))
-    return True
-
-
 def _fold_run(run: bytes, first: int, rank: int, found: RankEvents) -> Iterator[tuple[int, bytes]]:
     """Lines that all start like a step line: parsed in one go when they are exactly what EventLog
     writes, else matched line by line; yields the lines that are not step lines after all."""
@@ -315,7 +358,7 @@ def _fold_run(run: bytes, first: int, rank: int, found: RankEvents) -> Iterator[
         return np.array(values)[pick]
 
     try:
-        loss, grad, scale = [_floats(column(c)) for c in (loss_c, grad_c, scale_c)]
+        loss, grad, scale = [Parsed(*_floats(column(c))) for c in (loss_c, grad_c, scale_c)]
     except ValueError:  # a value that is not a number: read these lines one by one, with warnings
         texts = run.split(b"\n")
         for i in pick.tolist():
@@ -326,32 +369,128 @@ def _fold_run(run: bytes, first: int, rank: int, found: RankEvents) -> Iterator[
     found.steps.add_many(steps, loss, grad, column(skipped_c) == b"true", scale)
 
 
-def _parse_run(run: bytes, lines: int, rank: int) -> tuple[np.ndarray, bool] | None:
-    """A (lines, 5) table of step, loss, grad_norm, skipped (0/1), scale when every line of ``run`` is a
-    step line of ``rank`` exactly as EventLog writes it, its keys in order, ``scale`` null on all lines
-    or on none; else None. Counting each key pins the layout, and numpy parses the numbers."""
-    keys = (b',"rank":%d,"loss":' % rank, b',"grad_norm":', b"}\n" + _STEP_PREFIX)
-    counts = zip(keys, (lines, lines, lines - 1), strict=True)
-    if not run.endswith(b"}\n") or any(run.count(key) != count for key, count in counts):
+def _fold_table(run: bytes, rank: int, found: RankEvents) -> bool:
+    """Fold ``run`` (lines that start like step lines) in one go; False when it must be read line by line."""
+    lines = run.count(b"\n")
+    if not lines:
+        return True
+    columns = _parse_run(run, lines, rank)
+    if columns is None or not found.steps.add_many(*columns):
+        return False
+    found.count += lines
+    return True
+
+
+_KIND = b'{"kind":"step"'
+_NEXT_LINE = b"}\n" + _KIND
+_NUMBER_CHARS = b"0123456789.eE+-,"
+_NON_FINITE = (b'"nan"', b'"inf"', b'"-inf"')
+
+
+def _parse_run(run: bytes, lines: int, rank: int) -> tuple[np.ndarray, Column, Column, np.ndarray, Column] | None:
+    """Steps, loss, grad_norm, skipped and scale of ``run`` when every line is a step line of ``rank`` exactly
+    as EventLog writes it (these keys in this order, nothing else); else None.
+
+    A step line has six commas, so the run split on commas lays its fields out in columns: each
+    column is checked against its key as one text, not line by line.
+    """
+    parts = run.split(b",")
+    if len(parts) != 6 * lines + 1 or parts[0] != _KIND or b"".join(parts[2::6]) != b'"rank":%d' % rank * lines:
         return None
-    # Without a GradScaler every scale is null: folded into the skipped token, one pass fewer.
-    no_scale = run.count(b',"scale":null}') == lines
-    tail, scale = (b',"scale":null', b"nan") if no_scale else (b',"scale":', b"")
-    text = run[len(_STEP_PREFIX) : -2].replace(keys[2], b",").replace(keys[0], b",").replace(keys[1], b",")
-    text = text.replace(b',"skipped":false' + tail, b",0," + scale).replace(b',"skipped":true' + tail, b",1," + scale)
-    if b'"' in text:  # "nan", "inf", "-inf": what is left between quotes must then parse as a number
-        text = text.translate(None, b'"')
+    tails = b"".join(parts[6::6])  # '"scale":S}\n{"kind":"step"' per line, the last one '"scale":S}\n'
+    if not tails.endswith(b"}\n") or tails.count(_NEXT_LINE) != lines - 1:
+        return None
+    scale: Column | None
+    if tails == (b'"scale":null' + _NEXT_LINE) * (lines - 1) + b'"scale":null}\n':  # no GradScaler
+        scale = Parsed(np.full(lines, math.nan), np.ones(lines, dtype=bool))
+    else:
+        scale = _cells(tails[:-2].split(_NEXT_LINE), b'"scale":', lines)
+    text = _column(parts[1::6], b'"step":', lines)
+    steps = _numbers(text, lines, np.int64) if text is not None else None
+    loss = _cells(parts[3::6], b'"loss":', lines)
+    grad_norm = _cells(parts[4::6], b'"grad_norm":', lines)
+    skipped = _flags(parts[5::6], lines)
+    if steps is None or loss is None or grad_norm is None or skipped is None or scale is None:
+        return None
+    in_range = (steps >= 0).all() and (steps < MAX_STEP).all()  # numpy clamps what int64 cannot hold
+    return (steps, loss, grad_norm, skipped, scale) if in_range else None
+
+
+def _column(cells: list[bytes], key: bytes, lines: int) -> bytes | None:
+    """The cells' values as one comma-separated text, if each of the ``lines`` cells has ``key``."""
+    text = b"".join(cells)
+    return text.replace(key, b",")[1:] if text.count(key) == lines else None
+
+
+def _cells(cells: list[bytes], key: bytes, lines: int) -> Cells | None:
+    """The column, if each cell holds ``key`` and a number, null, or "nan", "inf" or "-inf"."""
+    text = _column(cells, key, lines)
+    if text is None or b",," in text or text.startswith(b",") or text.endswith(b","):
+        return None
+    null = bad = np.zeros(lines, dtype=bool)
+    if b'"' in text or b"null" in text:
+        words = {word: n for word in (b"null", *_NON_FINITE) if (n := text.count(word))}
+        masks = {word: _where(cells, key + word, n, lines) for word, n in words.items()}
+        if any(mask is None for mask in masks.values()):  # a cell that holds one of these words and more
+            return None
+        null = masks.pop(b"null", null)
+        bad = np.logical_or.reduce([bad, *masks.values()])
+        for word in words:
+            text = text.replace(word, b"")
+    if text.translate(None, _NUMBER_CHARS):  # anything else: the line-by-line path names the line
+        return None
+    return Cells(cells, key, null, bad)
+
+
+def _where(cells: list[bytes], cell: bytes, count: int, lines: int) -> np.ndarray | None:
+    """Where ``cells`` equal ``cell``, which the text holds ``count`` times; None if one of those is not a
+    whole cell. Found by ``list.index``: a scan in C, as these cells are few."""
+    found = np.zeros(lines, dtype=bool)
+    at = -1
     try:
-        values = np.fromstring(text, sep=",")
-    except ValueError:  # text that is not all numbers (older numpy stops early instead: size checked below)
+        for _ in range(count):
+            at = cells.index(cell, at + 1)
+            found[at] = True
+    except ValueError:
         return None
-    if values.size != 5 * lines:
+    return found
+
+
+def _values(cells: list[bytes], key: bytes, lines: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, is_null) of cells holding ``key`` and a JSON number, null, or "nan", "inf" or "-inf"."""
+    text = _column(cells, key, lines)
+    if text is None:
         return None
-    table = values.reshape(lines, 5)
-    steps = table[:, 0]
-    if not (np.all(steps >= 0) and np.all(steps < 2**53) and np.all(steps == np.floor(steps))):
+    if b'"' in text:
+        if text.count(b'"') != 2 * sum(text.count(word) for word in _NON_FINITE):
+            return None
+        text = text.translate(None, b'"')
+    null = np.zeros(lines, dtype=bool)
+    if b"null" in text:
+        null = np.array(text.split(b",")) == b"null"
+        text = text.replace(b"null", b"nan")
+    values = _numbers(text, lines, np.float64)
+    return None if values is None else (values, null)
+
+
+def _numbers(text: bytes, lines: int, dtype: type) -> np.ndarray | None:
+    """``lines`` comma-separated numbers parsed by numpy; None when the text holds anything else."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # numpy < 2 warns and stops at text it cannot read
+        try:
+            values = np.fromstring(text, dtype=dtype, sep=",")
+        except ValueError:
+            return None
+    return values if values.size == lines else None
+
+
+def _flags(cells: list[bytes], lines: int) -> np.ndarray | None:
+    """The ``skipped`` cells as bools; None unless each says true or false."""
+    text = b"".join(cells)
+    true, false = text.count(b'"skipped":true'), text.count(b'"skipped":false')
+    if true + false != lines or len(text) != 14 * true + 15 * false:
         return None
-    return table, no_scale
+    return _where(cells, b'"skipped":true', true, lines)
 
 
 def _floats(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
