@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +19,13 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from nanguard.stats import local
 
-__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "nonfinite_flags", "storage_key"]
+__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "many_nonfinite_flags", "nonfinite_flags", "storage_key"]
 
 
 @dataclass
 class Status:
+    """A tensor's flags at its version: ``inf`` is "Inf and no NaN" (``nonfinite_flags``)."""
+
     version: int
     nan: bool
     inf: bool
@@ -105,17 +107,52 @@ class TaintMap:
 
 
 def nonfinite_flags(t: torch.Tensor) -> tuple[bool, bool]:
-    """(has NaN, has Inf) of ``t``'s local values."""
-    t = local(t)
+    """(has NaN, has Inf and no NaN) of ``t``'s local values, from one min/max pass.
+
+    The Inf of a tensor that also holds NaN is not reported: the tracer never reads it (a
+    NaN input already rules out any creation), and telling it would cost another pass.
+
+    Example:
+        >>> nonfinite_flags(torch.tensor([1.0, float("inf")]))
+        (False, True)
+    """
+    bounds = _bounds(local(t))
+    return (False, False) if bounds is None else _flags(*bounds.tolist())
+
+
+def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
+    """``nonfinite_flags`` of each tensor, with one host read for all of them."""
+    bounds = [_bounds(local(t)) for t in ts]
+    present = [b for b in bounds if b is not None]
+    if not present:
+        return [(False, False)] * len(ts)
+    if len(present) == 1:
+        rows = present[0][None]
+    else:
+        rows = torch.stack([b.to(present[0].device, torch.float64) for b in present])
+    values = iter(rows.tolist())
+    return [(False, False) if b is None else _flags(*next(values)) for b in bounds]
+
+
+def _flags(lo: float, hi: float) -> tuple[bool, bool]:
+    nan = math.isnan(lo) or math.isnan(hi)
+    return nan, not nan and (math.isinf(lo) or math.isinf(hi))
+
+
+def _bounds(t: torch.Tensor) -> torch.Tensor | None:
+    """[min, max] of ``t`` as one device tensor, NaN when it holds any NaN; None when empty.
+
+    A min/max reduction reads each element once and writes no temporary, where
+    ``isfinite``/``isnan``/``isinf`` each write a mask as large as the tensor."""
     if t.numel() == 0:
-        return False, False
-    # A finite float32 sum proves every element finite in one pass with no temporary;
-    # only a non-finite sum (or an overflow of huge finite values) needs the exact check.
-    if t.is_floating_point() and math.isfinite(t.sum(dtype=torch.float32).item()):
-        return False, False
-    if bool(torch.isfinite(t).all()):
-        return False, False
-    return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+        return None
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if t.element_size() == 1:  # float8 has no min/max kernel
+        t = t.float()
+    return torch.stack(torch.aminmax(t.detach()))
 
 
 def has_inf_created(out: torch.Tensor, inputs: list[Any]) -> bool:
