@@ -8,14 +8,13 @@ storage, so a fresh view of a tainted tensor inherits it.
 
 from __future__ import annotations
 
-import contextlib
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from nanguard.stats import local
 
@@ -51,7 +50,9 @@ class TaintMap:
 
     def __init__(self, new_source: Callable[[torch.Tensor, bool, bool], int]) -> None:
         self.new_source = new_source
-        self.status: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        # Keyed by id with a weak reference to check the tensor is still the same one: a
+        # tensor hashes in Python, and this map is read for every input of every op.
+        self.status: dict[int, tuple[weakref.ref[torch.Tensor], Status]] = {}
         self.storage: dict[int, frozenset[int]] = {}
 
     def inputs(self, flat: list[Any]) -> Inputs:
@@ -76,7 +77,7 @@ class TaintMap:
 
     def status_of(self, t: torch.Tensor) -> Status:
         version = _version(t)
-        st = self.status.get(t)
+        st = self._get(t)
         if st is not None and st.version == version:
             return st
         nan, inf = nonfinite_flags(t)
@@ -97,13 +98,16 @@ class TaintMap:
 
     def taint_of(self, t: torch.Tensor) -> frozenset[int]:
         """The origins behind a non-finite tensor: its own taint and its storage's."""
-        st = self.status.get(t)
+        st = self._get(t)
         own = st.taint if st is not None and (st.nan or st.inf) else frozenset()
         return own | self.storage.get(storage_key(t), frozenset())
 
+    def _get(self, t: torch.Tensor) -> Status | None:
+        entry = self.status.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
     def _put(self, t: torch.Tensor, st: Status) -> None:
-        with contextlib.suppress(TypeError):
-            self.status[t] = st
+        self.status[id(t)] = (weakref.ref(t), st)
 
 
 def nonfinite_flags(t: torch.Tensor) -> tuple[bool, bool]:
