@@ -43,13 +43,14 @@ aten = torch.ops.aten
 
 # Ops that keep finite inputs finite: they only move, select, copy or bound values (a view
 # reads its input's own values; every op below computes nothing that can overflow or divide).
-# Casts are not here: float32 -> float16 overflows; nor are sums, products, scalings.
+# Casts are not here: float32 -> float16 overflows; nor are sums, products, scalings, nor gelu
+# (bfloat16's largest value comes out Inf).
 # The tracer skips the output check of these ops when no input (tensor or number) is NaN/Inf.
 KEEPS_FINITE = {
     aten.clone, aten.cat, aten.stack, aten.embedding, aten.index_select, aten.gather, aten.index,
     aten.zeros_like, aten.ones_like, aten.empty_like, aten.new_zeros, aten.new_ones, aten.new_empty,
     aten.new_empty_strided, aten.zero_, aten._unsafe_view, aten.constant_pad_nd, aten.flip, aten.roll,
-    aten.repeat, aten.slice_backward, aten.select_backward, aten.relu, aten.gelu, aten.tanh, aten.sigmoid,
+    aten.repeat, aten.slice_backward, aten.select_backward, aten.relu, aten.tanh, aten.sigmoid,
     aten.abs, aten.neg, aten.clamp, aten.where, aten.masked_fill, aten.threshold_backward, aten._softmax,
     aten.maximum, aten.minimum, aten.max, aten.min, aten.amax, aten.amin, aten.sort, aten.topk,
     aten.relu_, aten.clamp_, aten.masked_fill_, aten.clamp_min, aten.clamp_max,
