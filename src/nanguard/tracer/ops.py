@@ -5,6 +5,9 @@ non-finite value by one of those ops, the facts the diagnosis rules read (``full
 ``valid_targets``, ``min_variance``, ...). ``@index_op(aten.embedding.default, ...)`` marks an
 op that raises on an out-of-range index and says how many entries it indexes. Targets are
 op overload packets (every overload) or single overloads.
+
+``info(func)`` gathers what the tracer asks about an op on every call (its name, its table
+memberships, whether finite inputs keep it finite, which arguments it writes) once per overload.
 """
 
 from __future__ import annotations
