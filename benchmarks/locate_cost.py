@@ -6,9 +6,9 @@ rows plant the fault early: a forward hook takes the log of a module's output (a
 of it negative), so NaN runs through the rest of the forward and the whole backward. The
 healthy rows time the same models without the fault, for comparison.
 
-Each row runs in its own process. With ``--baseline SRC`` the same rows also run against the
-nanguard sources at SRC (``/work/main/src``: the code before a change), alternating the two
-processes row by row, so before and after share the machine's load.
+Each row runs in its own process, on the sources of this checkout. With ``--baseline SRC`` the
+same rows also run against the nanguard sources at SRC (``/work/main/src``: the code before a
+change), alternating the two processes row by row, so before and after share the machine's load.
 
 Peak memory (Linux): the resident-set high-water mark above the resting RSS while one plain
 step runs, and while one ``locate`` runs (``/proc/self/clear_refs`` resets the mark).
@@ -118,10 +118,9 @@ def child(row: str, rounds: int) -> dict[str, Any]:
     return {"times": times, "memory": memory}
 
 
-def _run(row: str, rounds: int, src: Path | None) -> dict[str, Any]:
+def _run(row: str, rounds: int, src: Path) -> dict[str, Any]:
     env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", row, "--rounds", str(rounds)]
     done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -132,7 +131,7 @@ def _cells(results: list[dict[str, Any]]) -> tuple[float, float, float, str]:
     plain = statistics.median(r["times"]["plain"] for r in results) * 1e3
     located = statistics.median(r["times"]["locate"] for r in results) * 1e3
     ratio = statistics.median(r["times"]["locate"] / r["times"]["plain"] for r in results)
-    peaks = [r["memory"] for r in results if r["memory"]["plain"]]
+    peaks = [r["memory"] for r in results if r["memory"]["plain"] is not None]
     memory = "n/a"
     if peaks:
         plain_mib = statistics.median(p["plain"] for p in peaks)
@@ -160,7 +159,7 @@ def main() -> None:
     rows = [r for r in ROWS if not r.startswith("gpt2")]
     if not args.no_gpt2 and importlib.util.find_spec("transformers") is not None:
         rows.append("gpt2-faulty")
-    versions: dict[str, Path | None] = {"after": None}
+    versions = {"after": HERE.parent / "src"}
     if args.baseline is not None:
         versions = {"before": args.baseline.resolve(), **versions}
     lines = []

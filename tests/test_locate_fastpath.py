@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nanguard as ng
-from nanguard.tracer.taint import many_nonfinite_flags, nonfinite_flags
+from nanguard.tracer.taint import TaintMap, many_nonfinite_flags, nonfinite_flags
 
 NAN, INF = math.nan, math.inf
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
@@ -100,3 +100,15 @@ def test_a_skippable_op_given_an_infinite_number_is_still_checked() -> None:
     assert diag is not None
     assert diag.evidence["origin"]["category"] == "write"
     assert diag.evidence["origin"]["op"] == "aten.masked_fill.Scalar"
+
+
+def test_a_new_tensor_at_a_dead_ones_address_is_read_afresh() -> None:
+    # Statuses are keyed by id(): an entry left by another tensor must not be taken for this one's.
+    taint = TaintMap(lambda t, nan, inf: 0)
+    old = torch.tensor([NAN])
+    taint.set(old, True, False, frozenset({5}))
+    new = torch.tensor([1.0])
+    assert new._version == old._version
+    taint.status[id(new)] = taint.status[id(old)]  # what a reused address would look like
+    assert taint.status_of(new).nan is False
+    assert taint.taint_of(new) == frozenset()
