@@ -29,7 +29,7 @@ def _planted(dtype: torch.dtype, values: tuple[float, ...], where: int, n: int =
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_one_pass_flags_match_the_elementwise_tests(dtype: torch.dtype, threads: int) -> None:
+def test_fast_flags_match_the_elementwise_tests(dtype: torch.dtype, threads: int) -> None:
     # 70001 elements: past the size at which a reduction is split across threads, and odd, so
     # the planted values land in vectorized bodies and in a tail.
     before = torch.get_num_threads()
@@ -39,7 +39,9 @@ def test_one_pass_flags_match_the_elementwise_tests(dtype: torch.dtype, threads:
             for where in (0, 35000, 70000):
                 t = _planted(dtype, values, where)
                 for view in (t, t[::3], t[:69967].reshape(-1, 37).t()):
-                    assert nonfinite_flags(view) == _reference(view), (values, where, view.shape)
+                    expected = _reference(view)
+                    assert nonfinite_flags(view) == expected, (values, where, view.shape)
+                    assert nonfinite_flags(view, likely=True) == expected, (values, where, view.shape)
     finally:
         torch.set_num_threads(before)
 
@@ -50,7 +52,10 @@ def test_complex_parts_and_conjugates_are_read() -> None:
 
 
 def test_empty_scalar_sparse_and_float8_tensors() -> None:
-    assert nonfinite_flags(torch.empty(0, 3)) == (False, False)
+    assert nonfinite_flags(torch.empty(0, 3)) == nonfinite_flags(torch.empty(0), likely=True) == (False, False)
+    # Finite values whose sum overflows: the sum is not the last word.
+    huge = torch.full((4,), torch.finfo(torch.float32).max)
+    assert nonfinite_flags(huge) == (False, False)
     assert nonfinite_flags(torch.tensor(-INF)) == (False, True)
     assert nonfinite_flags(torch.tensor([[0.0, NAN], [1.0, 0.0]]).to_sparse()) == (True, False)
     assert nonfinite_flags(torch.tensor([[0.0, 2.0], [1.0, 0.0]]).to_sparse()) == (False, False)

@@ -204,7 +204,7 @@ class Tracer:
             if clean:
                 self.taint.set(o, False, False, frozenset())
                 continue
-            nan, inf = nonfinite_flags(o)
+            nan, inf = nonfinite_flags(o, likely=ins.nan or ins.inf)
             if not (nan or inf):
                 self.taint.set(o, False, False, frozenset())
                 continue
