@@ -1,4 +1,4 @@
-"""Cost of ``ng.locate`` against the plain step: ratio of medians, interleaved.
+"""Cost of ``ng.locate`` against the plain step: ratio of medians, interleaved, and peak memory.
 
 Users meet ``locate`` on a faulty step (the guard replays a tripped one), where NaN flows
 through most later ops, forward and backward, and every one of them is tracked. The faulty
@@ -6,7 +6,14 @@ rows plant the fault early: a forward hook takes the log of a module's output (a
 of it negative), so NaN runs through the rest of the forward and the whole backward. The
 healthy rows time the same models without the fault, for comparison.
 
-Run: ``.venv/bin/python benchmarks/locate_cost.py [--rounds N] [--gpt2-rounds N] [--no-gpt2]``;
+Each row runs in its own process, on the sources of this checkout. With ``--baseline SRC`` the
+same rows also run against the nanguard sources at SRC (``/work/main/src``: the code before a
+change), alternating the two processes row by row, so before and after share the machine's load.
+
+Peak memory (Linux): the resident-set high-water mark above the resting RSS while one plain
+step runs, and while one ``locate`` runs (``/proc/self/clear_refs`` resets the mark).
+
+Run: ``.venv/bin/python benchmarks/locate_cost.py [--rounds N] [--gpt2-rounds N] [--no-gpt2] [--baseline SRC]``;
 writes BENCHMARKS.md. The GPT-2 row (81M parameters) needs transformers.
 """
 
@@ -14,16 +21,28 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
+import statistics
+import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-import nanguard as ng
-from _common import interleaved, machine, write_section
-from nanguard.zoo import GPT, GPTConfig, synthetic_batch, train_step
+HERE = Path(__file__).resolve().parent
+ROWS = {
+    "tiny-healthy": "tiny GPT (the zoo's default): 2 layers, d=128, T=32, batch 8, healthy step",
+    "tiny-faulty": "tiny GPT (the zoo's default): 2 layers, d=128, T=32, batch 8, faulty step (log of blocks.0.mlp.fc)",
+    "small-healthy": "small GPT: 4 layers, d=384, T=64, batch 8, healthy step",
+    "small-faulty": "small GPT: 4 layers, d=384, T=64, batch 8, faulty step (log of blocks.0.mlp.fc)",
+    "gpt2-faulty": (
+        "GPT-2 (transformers): 6 layers, d=768, vocab 50257, 2 x 128 tokens, 1 thread, faulty step (log of h.4.mlp.act)"
+    ),
+}
 
 
 def _plant_log_fault(module: nn.Module) -> None:
@@ -31,25 +50,16 @@ def _plant_log_fault(module: nn.Module) -> None:
     module.register_forward_hook(lambda _m, _args, output: output.log())
 
 
-def _row(label: str, step: Callable[[], Any], model: nn.Module, rounds: int, warmup: int) -> tuple[str, float]:
-    times = interleaved(
-        {"plain": step, "locate": lambda: ng.locate(step, model=model)},
-        rounds=rounds,
-        warmup=warmup,
-    )
-    ratio = times["locate"] / times["plain"]
-    return f"| {label} | {times['plain'] * 1e3:.0f} | {times['locate'] * 1e3:.0f} | {ratio:.2f}x |", ratio
+def _gpt(row: str) -> tuple[nn.Module, Callable[[], Any]]:
+    from nanguard.zoo import GPT, GPTConfig, synthetic_batch, train_step
 
-
-def _gpt(cfg: GPTConfig, faulty: bool) -> tuple[GPT, Callable[[], Any], str]:
+    cfg = GPTConfig() if row.startswith("tiny") else GPTConfig(n_layer=4, n_embd=384, n_head=6, block_size=64)
     torch.manual_seed(0)
     model = GPT(cfg)
     batch = synthetic_batch(cfg, torch.Generator().manual_seed(0))
-    where = "healthy step"
-    if faulty:
+    if row.endswith("faulty"):
         _plant_log_fault(model.blocks[0].mlp.fc)
-        where = "faulty step (log of blocks.0.mlp.fc's output)"
-    return model, lambda: train_step(model, batch), where
+    return model, lambda: train_step(model, batch)
 
 
 def _gpt2() -> tuple[nn.Module, Callable[[], Any]]:
@@ -71,53 +81,120 @@ def _gpt2() -> tuple[nn.Module, Callable[[], Any]]:
     return model, step
 
 
+def _peak_mib(fn: Callable[[], Any]) -> float | None:
+    """The RSS high-water mark above the resting RSS while ``fn`` runs, MiB (None off Linux)."""
+    status, clear = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+    if not (status.exists() and clear.exists()):
+        return None
+
+    def kib(field: str) -> int:
+        line = next(line for line in status.read_text().splitlines() if line.startswith(field + ":"))
+        return int(line.split()[1])
+
+    clear.write_text("5")  # high-water mark := current RSS
+    before = kib("VmRSS")
+    fn()
+    return (kib("VmHWM") - before) / 1024
+
+
+def child(row: str, rounds: int) -> dict[str, Any]:
+    """Time one row in this process: medians of interleaved rounds, then peak memory."""
+    import nanguard as ng
+    from _common import interleaved
+
+    if row.startswith("gpt2"):
+        torch.set_num_threads(1)
+        model, step = _gpt2()
+        warmup = 1
+    else:
+        model, step = _gpt(row)
+        warmup = 3
+    if row.endswith("faulty"):  # the benchmark times the fault it claims to time
+        diag = ng.locate(step, model=model)
+        assert diag is not None and diag.cause == "op.log_domain", diag
+    configs = {"plain": step, "locate": lambda: ng.locate(step, model=model)}
+    times = interleaved(configs, rounds=rounds, warmup=warmup)
+    memory = {name: _peak_mib(fn) for name, fn in configs.items()}
+    return {"times": times, "memory": memory}
+
+
+def _run(row: str, rounds: int, src: Path) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", row, "--rounds", str(rounds)]
+    done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _cells(results: list[dict[str, Any]]) -> tuple[float, float, float, str]:
+    """Plain ms, locate ms, ratio of medians (median over the processes), peak memory ratio."""
+    plain = statistics.median(r["times"]["plain"] for r in results) * 1e3
+    located = statistics.median(r["times"]["locate"] for r in results) * 1e3
+    ratio = statistics.median(r["times"]["locate"] / r["times"]["plain"] for r in results)
+    peaks = [r["memory"] for r in results if r["memory"]["plain"] is not None]
+    memory = "n/a"
+    if peaks:
+        plain_mib = statistics.median(p["plain"] for p in peaks)
+        locate_mib = statistics.median(p["locate"] for p in peaks)
+        memory = f"{plain_mib:.0f} / {locate_mib:.0f} MiB"
+        if plain_mib >= 50:  # a smaller step's peak is lost among the allocator's reused pages
+            memory += f" = {locate_mib / plain_mib:.2f}x"
+    return plain, located, ratio, memory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--gpt2-rounds", type=int, default=5)
     parser.add_argument("--no-gpt2", action="store_true", help="skip the 81M GPT-2 row")
+    parser.add_argument("--baseline", type=Path, help="nanguard sources to compare with (a src/ folder)")
+    parser.add_argument("--processes", type=int, default=2, help="processes per row and version")
+    parser.add_argument("--child", choices=list(ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rows = []
-    for label, cfg in (
-        ("tiny GPT (the zoo's default)", GPTConfig()),
-        ("small GPT", GPTConfig(n_layer=4, n_embd=384, n_head=6, block_size=64)),
-    ):
-        shape = f"{cfg.n_layer} layers, d={cfg.n_embd}, T={cfg.block_size}, batch 8"
-        for faulty in (False, True):
-            model, step, where = _gpt(cfg, faulty)
-            if faulty:  # the benchmark times the fault it claims to time
-                diag = ng.locate(step, model=model)
-                assert diag is not None and diag.cause == "op.log_domain", diag
-            rows.append(_row(f"{label}: {shape}, {where}", step, model, args.rounds, warmup=3)[0])
-            print(rows[-1], flush=True)
-    gpt2 = not args.no_gpt2 and importlib.util.find_spec("transformers") is not None
-    if gpt2:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            model, step = _gpt2()
-            diag = ng.locate(step, model=model)
-            assert diag is not None and diag.cause == "op.log_domain", diag
-            label = (
-                "GPT-2 (transformers): 6 layers, d=768, vocab 50257, 2 x 128 tokens, 1 thread, "
-                "faulty step (log of h.4.mlp.act's output)"
-            )
-            rows.append(_row(label, step, model, args.gpt2_rounds, warmup=1)[0])
-            print(rows[-1], flush=True)
-        finally:
-            torch.set_num_threads(threads)
-    table = "\n".join(rows)
-    rounds = f"{args.rounds} interleaved rounds" + (f" ({args.gpt2_rounds} for GPT-2)" if gpt2 else "")
+    if args.child:
+        print(json.dumps(child(args.child, args.rounds)))
+        return
+    from _common import machine, write_section
+
+    rows = [r for r in ROWS if not r.startswith("gpt2")]
+    if not args.no_gpt2 and importlib.util.find_spec("transformers") is not None:
+        rows.append("gpt2-faulty")
+    versions = {"after": HERE.parent / "src"}
+    if args.baseline is not None:
+        versions = {"before": args.baseline.resolve(), **versions}
+    lines = []
+    for row in rows:
+        rounds = args.gpt2_rounds if row.startswith("gpt2") else args.rounds
+        results: dict[str, list[dict[str, Any]]] = {v: [] for v in versions}
+        for _ in range(args.processes):
+            for version, src in versions.items():
+                results[version].append(_run(row, rounds, src))
+        cells = {v: _cells(rs) for v, rs in results.items()}
+        plain, located, ratio, memory = cells["after"]
+        line = f"| {ROWS[row]} | {plain:.0f} | {located:.0f} | {ratio:.2f}x | {memory} |"
+        if "before" in cells:
+            _, _, b_ratio, b_memory = cells["before"]
+            line += f" {b_ratio:.2f}x | {b_memory} |"
+        lines.append(line)
+        print(line, flush=True)
+    rounds = f"{args.rounds} interleaved rounds" + (
+        " (GPT-2: " + str(args.gpt2_rounds) + ")" if "gpt2-faulty" in rows else ""
+    )
+    header = "| model, step | plain step ms | locate ms | ratio | peak memory above rest: plain / locate |"
+    rule = "|---|---:|---:|---:|---:|"
+    if args.baseline is not None:
+        header += " ratio before | peak memory before |"
+        rule += "---:|---:|"
+    table = "\n".join([header, rule, *lines])
     body = f"""## Locate replay cost
 
-`ng.locate(step)` against the same plain step (float32 forward + backward), ratio of the medians of
-{rounds}. A faulty step is the case users meet: the guard replays a tripped step, where NaN
-flows through every op after the fault, forward and backward, and each is tracked; the healthy
-rows are for comparison. Target: <= 3x one training step. The tracer's cost is per op, so the
-ratio falls as ops get bigger.
+`ng.locate(step)` against the same plain step (float32 forward + backward): ratio of the medians of
+{rounds}, median over {args.processes} processes per row. A faulty step is the case users meet: the
+guard replays a tripped step, where NaN flows through every op after the fault, forward and backward,
+and each is tracked; the healthy rows are for comparison. Targets (issue 16): <= 2.5x on the faulty
+tiny GPT, <= 2x on the faulty GPT-2, peak memory <= 1.2x the plain step's. Peak memory is the
+resident-set high-water mark above the resting process while one step (or one locate) runs.
 
-| model, step | plain step ms | locate ms | ratio |
-|---|---:|---:|---:|
 {table}
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/locate_cost.py {" ".join(sys.argv[1:])}`

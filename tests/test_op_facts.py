@@ -151,3 +151,137 @@ def test_registering_twice_or_a_non_op_is_refused() -> None:
         ops.op_facts(aten._softmax)(lambda args: {})
     with pytest.raises(ValueError, match="targets must be aten ops"):
         ops.op_facts("aten.exp")(lambda args: {})
+
+
+# -- the class of ops that keep finite inputs finite (their output check is skipped) -------
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _extremes(dtype: torch.dtype) -> torch.Tensor:
+    """A 3x4 finite tensor at the dtype's edges: its largest, smallest normal, zeros, signs."""
+    info = torch.finfo(dtype)
+    values = [info.max, -info.max, info.tiny, -info.tiny, 0.0, -0.0, 1.0, -1.0, 3.5, -2.25, info.max / 2, -7.0]
+    return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(3, 4)
+
+
+_IDX = torch.tensor([2, 0])
+# One call per member of ops.KEEPS_FINITE on the extreme tensor x.
+KEEPERS: dict[Any, Any] = {
+    aten.clone: lambda x: (x,),
+    aten.cat: lambda x: ([x, x.flip(0)],),
+    aten.stack: lambda x: ([x, x],),
+    aten.embedding: lambda x: (x, torch.tensor([[0, 2], [1, 0]])),
+    aten.index_select: lambda x: (x, 0, _IDX),
+    aten.gather: lambda x: (x, 1, torch.tensor([[0, 1], [2, 3], [1, 1]])),
+    aten.index: lambda x: (x, [_IDX]),
+    aten.zeros_like: lambda x: (x,),
+    aten.ones_like: lambda x: (x,),
+    aten.new_zeros: lambda x: (x, [2, 3]),
+    aten.new_ones: lambda x: (x, [2, 3]),
+    aten.zero_: lambda x: (x.clone(),),
+    aten._unsafe_view: lambda x: (x, [4, 3]),
+    aten.constant_pad_nd: lambda x: (x, [1, 1], 0.0),
+    aten.flip: lambda x: (x, [0]),
+    aten.roll: lambda x: (x, [1], [0]),
+    aten.repeat: lambda x: (x, [2, 1]),
+    aten.slice_backward: lambda x: (x, [6, 4], 0, 0, 6, 2),
+    aten.select_backward: lambda x: (x, [2, 3, 4], 0, 1),
+    aten.relu: lambda x: (x,),
+    aten.tanh: lambda x: (x,),
+    aten.sigmoid: lambda x: (x,),
+    aten.abs: lambda x: (x,),
+    aten.neg: lambda x: (x,),
+    aten.clamp: lambda x: (x, -1.0, 1.0),
+    aten.clamp_min: lambda x: (x, 0.0),
+    aten.clamp_max: lambda x: (x, 0.0),
+    aten.where: lambda x: (x > 0, x, x.flip(1)),
+    aten.masked_fill: lambda x: (x, x > 0, 2.0),
+    aten.threshold_backward: lambda x: (x, x.flip(0), 0.0),
+    aten._softmax: lambda x: (x, 1, False),
+    aten.maximum: lambda x: (x, x.flip(0)),
+    aten.minimum: lambda x: (x, x.flip(0)),
+    aten.max: lambda x: (x,),
+    aten.min: lambda x: (x,),
+    aten.amax: lambda x: (x, [1]),
+    aten.amin: lambda x: (x, [0]),
+    aten.sort: lambda x: (x,),
+    aten.topk: lambda x: (x, 2),
+    aten.relu_: lambda x: (x.clone(),),
+    aten.clamp_: lambda x: (x.clone(), -1.0, 1.0),
+    aten.masked_fill_: lambda x: (x.clone(), x > 0, 2.0),
+}
+# They allocate without writing: what they hold is not a value until an op writes it (and is checked).
+ALLOCATORS = {aten.empty_like, aten.new_empty, aten.new_empty_strided}
+
+
+def test_every_op_that_keeps_finite_values_has_a_case() -> None:
+    assert set(KEEPERS) | ALLOCATORS == ops.KEEPS_FINITE
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("op", list(KEEPERS), ids=str)
+def test_ops_that_keep_finite_values_do_on_every_float_dtype(op: Any, dtype: torch.dtype) -> None:
+    x = _extremes(dtype)
+    assert all(ops.info(getattr(op, name)).keeps_finite for name in op.overloads())
+    out = op(*KEEPERS[op](x))
+    floats = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if t.is_floating_point()]
+    assert floats
+    for t in floats:
+        assert bool(torch.isfinite(t).all()), f"{op} made a non-finite value from finite {dtype} inputs"
+
+
+# Ops that make NaN/Inf from finite inputs: never in the class, each shown on an extreme tensor.
+_H, _B = torch.float16, torch.bfloat16
+CREATORS = [
+    (aten.exp.default, _H, lambda x: (x,)),
+    (aten.log.default, _H, lambda x: (x,)),
+    (aten.sqrt.default, _H, lambda x: (x,)),
+    (aten.reciprocal.default, _H, lambda x: (x,)),
+    (aten.div.Tensor, _H, lambda x: (x, torch.zeros_like(x))),
+    (aten.mul.Tensor, _H, lambda x: (x, x)),
+    (aten.add.Tensor, _H, lambda x: (x, x)),
+    (aten.pow.Tensor_Scalar, _H, lambda x: (x, 2)),
+    (aten.sum.default, _H, lambda x: (x.abs(),)),
+    (aten.mm.default, _H, lambda x: (x, x.t())),
+    (aten.gelu.default, _B, lambda x: (x,)),  # rounds bfloat16's largest value up to Inf
+    (aten._to_copy.default, _H, lambda x: (x.double() * 4,)),  # cast down: dtype=float16 below
+    (aten.view.dtype, _H, lambda x: (torch.full(x.shape, -1, dtype=torch.int16), _H)),  # all-ones bits: NaN
+    (aten._softmax_backward_data.default, _H, lambda x: (x, x, 1, torch.float16)),
+]
+
+
+@pytest.mark.parametrize(("op", "dtype", "args"), CREATORS, ids=lambda v: str(v) if not callable(v) else None)
+def test_ops_that_make_nonfinite_values_are_not_in_the_class(op: Any, dtype: torch.dtype, args: Any) -> None:
+    kwargs = {"dtype": torch.float16} if op is aten._to_copy.default else {}
+    out = op(*args(_extremes(dtype)), **kwargs)
+    assert not bool(torch.isfinite(out).all())
+    assert not ops.info(op).keeps_finite
+
+
+@pytest.mark.parametrize(
+    "op",
+    [aten.view.default, aten.t.default, aten.transpose.int, aten.expand.default, aten.select.int, aten.slice.Tensor,
+     aten.unsqueeze.default, aten.permute.default, aten.split.Tensor, aten.detach.default, aten.view_as_real.default],
+    ids=str,
+)  # fmt: skip
+def test_plain_views_keep_finite_values(op: Any) -> None:
+    assert ops.info(op).keeps_finite
+
+
+def test_views_that_reread_bits_or_reach_past_their_input_are_checked() -> None:
+    # as_strided can read storage outside its input; view(dtype) reinterprets bits.
+    base = torch.tensor([1.0, 2.0, math.nan])
+    assert bool(aten.as_strided.default(base[:2], [3], [1]).isnan().any())
+    for op in (aten.as_strided.default, aten.view.dtype, aten.as_strided_.default):
+        assert not ops.info(op).keeps_finite
+
+
+def test_op_info_is_cached_per_overload_and_reads_the_schema() -> None:
+    assert ops.info(aten.add_.Tensor) is ops.info(aten.add_.Tensor)
+    assert ops.info(aten.add_.Tensor).writes == ((0, "self"),)
+    assert ops.info(aten.add.Tensor).writes == ()
+    assert ops.info(aten.exp.default).name == "aten.exp.default"
+    assert ops.info(aten.lift_fresh.default).literal and ops.info(aten.detach.default).quiet
+    assert ops.info(aten._softmax.default).mask_aware and not ops.info(aten.exp.default).mask_aware
+    assert ops.info(aten.mm.default).weighted and not ops.info(aten.add.Tensor).weighted

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from nanguard.tracer.compiled import eager, user_name
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
 from nanguard.tracer.modules import ModuleStack
 from nanguard.tracer.protect import Backup
+from nanguard.tracer.taint import many_nonfinite_flags
 from nanguard.tree import tensors_with_path
 
 __all__ = ["locate"]
@@ -197,18 +197,11 @@ def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> l
         for i, t in enumerate(tracer.leaves.values())
         if id(t) not in seen and t.grad is not None
     ]
-    floats = [(p, local(t)) for p, t in candidates if t.is_floating_point() and local(t).numel()]
-    if not floats:
-        return []
-    with torch.no_grad():
-        # A finite float32 sum proves a tensor finite; one read for all of them.
-        sums = torch.stack([t.sum(dtype=torch.float32).to(floats[0][1].device) for _, t in floats]).tolist()
-        flags = [math.isfinite(s) or bool(torch.isfinite(t).all()) for s, (_, t) in zip(sums, floats, strict=True)]
-    bad = []
-    for (path, t), ok in zip(floats, flags, strict=True):
-        if not ok:
-            bad.append((path, t, "nan" if bool(torch.isnan(t).any()) else "inf"))
-    return bad
+    floats = [(p, local(t)) for p, t in candidates if t.is_floating_point()]
+    flags = many_nonfinite_flags([t for _, t in floats])
+    return [
+        (path, t, "nan" if nan else "inf") for (path, t), (nan, inf) in zip(floats, flags, strict=True) if nan or inf
+    ]
 
 
 def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:

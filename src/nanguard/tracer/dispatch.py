@@ -113,13 +113,14 @@ class _TracerMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tracer = self.tracer
-        flat_in, inputs = tracer.before_op(func, args, kwargs)
+        facts = ops.info(func)
+        flat_in, inputs = tracer.before_op(func, facts, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except BaseException as err:
             tracer.op_failed(func, args, err)
             raise
-        tracer.after_op(func, args, kwargs, flat_in, inputs, out)
+        tracer.after_op(func, facts, args, kwargs, flat_in, inputs, out)
         return out
 
 
@@ -171,14 +172,15 @@ class Tracer:
         self.protected.restore()
 
     # -- per-op work -------------------------------------------------------------------
-    def before_op(self, func: Any, args: tuple, kwargs: dict) -> tuple[list[Any], Inputs]:
+    def before_op(self, func: Any, facts: ops.OpInfo, args: tuple, kwargs: dict) -> tuple[list[Any], Inputs]:
         self.index += 1
         self._func = func
         flat_in = op_leaves(args)
         if kwargs:
             op_leaves(kwargs, flat_in)
-        self.protected.before(func, args, kwargs)
-        if func in ops.LITERALS:
+        if facts.writes:
+            self.protected.before(facts.writes, args, kwargs)
+        if facts.literal:
             return flat_in, _CLEAN
         return flat_in, self.taint.inputs(flat_in)
 
@@ -186,20 +188,23 @@ class Tracer:
         if self.failure is None:
             self.failure = Failure(ops.op_name(func), self._where(func), err, self._index_facts(func, args))
 
-    def after_op(self, func: Any, args: tuple, kwargs: dict, flat_in: list[Any], ins: Inputs, out: Any) -> None:
-        if func in ops.LITERALS:
+    def after_op(
+        self, func: Any, facts: ops.OpInfo, args: tuple, kwargs: dict, flat_in: list[Any], ins: Inputs, out: Any
+    ) -> None:
+        if facts.literal:
             return  # left unseen: the op that consumes the literal writes its value
         flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
         where: _Where | None = None
-        if ins.inf and func in ops.WEIGHTED:
+        if ins.inf and facts.weighted:
             self._features(ins)
+        clean = facts.keeps_finite and not (ins.nan or ins.inf)
         for o in flat_out:
             if not (o.is_floating_point() or o.is_complex()):
                 continue
-            if func in ops.MOVES and not (ins.nan or ins.inf):
+            if clean:
                 self.taint.set(o, False, False, frozenset())
                 continue
-            nan, inf = nonfinite_flags(o)
+            nan, inf = nonfinite_flags(o, likely=ins.nan or ins.inf)
             if not (nan or inf):
                 self.taint.set(o, False, False, frozenset())
                 continue
@@ -216,11 +221,11 @@ class Tracer:
                 if value is not None:
                     out_taint = out_taint | {self._write(func, value, outputs=[tensor_stats(o)]).id}
             self.taint.set(o, nan, inf, out_taint)
-            self._note_after(func, out_taint, nan, where)
+            self._note_after(func, facts, out_taint, nan, where)
 
         if flat_out:
-            self._note_nodes(func, flat_in)
-        if func not in ops.QUIET:
+            self._note_nodes(func, facts, flat_in)
+        if not facts.quiet:
             self.recent.append((func, self.modules.current_name(), _phase()))
 
     # -- helpers -----------------------------------------------------------------------
@@ -281,7 +286,7 @@ class Tracer:
         from their all -inf row is a fully masked row, theirs to name."""
         if not ins.inf_taint or not all(self.origins[i].category == "write" for i in ins.inf_taint):
             return False
-        if getattr(getattr(func, "overloadpacket", None), "__name__", None) in ops.MASK_AWARE:
+        if ops.info(func).mask_aware:
             return False
         node = torch._C._current_autograd_node()
         return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
@@ -353,8 +358,8 @@ class Tracer:
     def recent_ops(self) -> list[dict[str, Any]]:
         return [{"op": ops.op_name(func), "module": module, "phase": phase} for func, module, phase in self.recent]
 
-    def _note_after(self, func: Any, taint: frozenset[int], nan: bool, where: _Where | None) -> None:
-        if func in ops.QUIET:
+    def _note_after(self, func: Any, facts: ops.OpInfo, taint: frozenset[int], nan: bool, where: _Where | None) -> None:
+        if facts.quiet or not taint:
             return
         for oid in taint:
             origin = self.origins[oid]
@@ -365,7 +370,7 @@ class Tracer:
             w = where or self._where(func)
             origin.after.append({"index": self.index, "op": w.op, "module": w.module, "phase": w.phase, "nan": nan})
 
-    def _note_nodes(self, func: Any, ins: list[Any]) -> None:
+    def _note_nodes(self, func: Any, facts: ops.OpInfo, ins: list[Any]) -> None:
         """Remember which module and line each forward op ran in, keyed by the sequence
         number of the autograd node it creates, so its backward can be attributed.
 
@@ -383,7 +388,7 @@ class Tracer:
             self.nodes[seq] = (
                 self.modules.current_name(),
                 type(module).__name__ if module is not None else None,
-                ops.op_name(func) if grad else None,
+                facts.name if grad else None,
                 *user_source(),
                 self.modules.eps(module),
             )

@@ -5,6 +5,9 @@ non-finite value by one of those ops, the facts the diagnosis rules read (``full
 ``valid_targets``, ``min_variance``, ...). ``@index_op(aten.embedding.default, ...)`` marks an
 op that raises on an out-of-range index and says how many entries it indexes. Targets are
 op overload packets (every overload) or single overloads.
+
+``info(func)`` gathers what the tracer asks about an op on every call (its name, its table
+memberships, whether finite inputs keep it finite, which arguments it writes) once per overload.
 """
 
 from __future__ import annotations
@@ -20,17 +23,19 @@ import torch
 from nanguard.tree import op_leaves
 
 __all__ = [
+    "KEEPS_FINITE",
     "LITERALS",
     "MASK_AWARE",
     "MASK_AWARE_NODES",
-    "MOVES",
     "QUIET",
     "WEIGHTED",
     "IndexFacts",
+    "OpInfo",
     "creation_facts",
     "ignore_index",
     "index_op",
     "index_size",
+    "info",
     "is_index_op",
     "op_facts",
     "op_name",
@@ -39,23 +44,22 @@ __all__ = [
 
 aten = torch.ops.aten
 
-# Ops that only move or select values: finite in, finite out. Casts are not here:
-# float32 -> float16 overflows.
-MOVES = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-    aten.transpose.int, aten.t.default, aten.expand.default, aten.slice.Tensor,
-    aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-    aten.clone.default, aten.detach.default, aten.alias.default, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.unbind.int, aten.cat.default, aten.stack.default,
-    aten.embedding.default, aten.index_select.default, aten.as_strided.default,
-    aten.zeros_like.default, aten.zero_.default, aten.view_as_real.default,
-    aten.ones_like.default, aten.empty_like.default, aten.new_zeros.default,
-    aten.new_empty_strided.default, aten.unsqueeze_.default, aten.chunk.default,
-    # Bounded maps: finite inputs give finite outputs.
-    aten.relu.default, aten.gelu.default, aten.tanh.default, aten.sigmoid.default, aten.abs.default,
-    aten.neg.default, aten.clamp.default, aten.where.self, aten.masked_fill.Scalar,
-    aten.threshold_backward.default, aten._softmax.default,
+# Ops that keep finite inputs finite: they only move, select, copy or bound values (a view
+# reads its input's own values; every op below computes nothing that can overflow or divide).
+# Casts are not here: float32 -> float16 overflows; nor are sums, products, scalings, nor gelu
+# (bfloat16's largest value comes out Inf).
+# The tracer skips the output check of these ops when no input (tensor or number) is NaN/Inf.
+KEEPS_FINITE = {
+    aten.clone, aten.cat, aten.stack, aten.embedding, aten.index_select, aten.gather, aten.index,
+    aten.zeros_like, aten.ones_like, aten.empty_like, aten.new_zeros, aten.new_ones, aten.new_empty,
+    aten.new_empty_strided, aten.zero_, aten._unsafe_view, aten.constant_pad_nd, aten.flip, aten.roll,
+    aten.repeat, aten.slice_backward, aten.select_backward, aten.relu, aten.tanh, aten.sigmoid,
+    aten.abs, aten.neg, aten.clamp, aten.where, aten.masked_fill, aten.threshold_backward, aten._softmax,
+    aten.maximum, aten.minimum, aten.max, aten.min, aten.amax, aten.amin, aten.sort, aten.topk,
+    aten.relu_, aten.clamp_, aten.masked_fill_, aten.clamp_min, aten.clamp_max,
 }  # fmt: skip
+# Views that reinterpret bits or may reach past their input's elements into the storage.
+_UNSAFE_VIEWS = {aten.view.dtype, aten.as_strided, aten.as_strided_, aten.as_strided_scatter}
 
 
 # Bookkeeping ops autograd inserts: not worth listing among "the ops before".
@@ -144,6 +148,59 @@ def op_name(func: Any) -> str:
     if name is None:
         name = _NAMES[func] = str(func)
     return name
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What the tracer asks about an op on every call, worked out once per overload."""
+
+    name: str
+    literal: bool  # wraps a Python number in a tensor (LITERALS)
+    quiet: bool  # bookkeeping, left out of "the ops before" (QUIET)
+    weighted: bool  # weighs an input as features (WEIGHTED)
+    keeps_finite: bool  # finite inputs give finite outputs (KEEPS_FINITE, or a plain view)
+    mask_aware: bool  # takes -inf as a mask (MASK_AWARE)
+    writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
+
+
+_INFO: dict[int, tuple[Any, OpInfo]] = {}
+
+
+def info(func: Any) -> OpInfo:
+    """The tracer's facts about ``func``, cached per op overload.
+
+    The cache is keyed by ``id``: an ``OpOverload`` hashes in Python, and the tracer asks on every op.
+
+    Example:
+        >>> info(aten.view.default).keeps_finite
+        True
+    """
+    hit = _INFO.get(id(func))
+    if hit is not None and hit[0] is func:
+        return hit[1]
+    found = _describe(func)
+    _INFO[id(func)] = (func, found)
+    return found
+
+
+def _in(table: set[Any], func: Any) -> bool:
+    return func in table or getattr(func, "overloadpacket", None) in table
+
+
+def _describe(func: Any) -> OpInfo:
+    schema = getattr(func, "_schema", None)
+    arguments = schema.arguments if schema is not None else []
+    writes = tuple((i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
+    view = bool(getattr(func, "is_view", False)) and not _in(_UNSAFE_VIEWS, func)
+    return OpInfo(
+        name=op_name(func),
+        literal=func in LITERALS,
+        quiet=func in QUIET,
+        weighted=func in WEIGHTED,
+        keeps_finite=view or _in(KEEPS_FINITE, func),
+        mask_aware=getattr(getattr(func, "overloadpacket", None), "__name__", None) in MASK_AWARE,
+        writes=writes,
+    )
 
 
 # ------------------------------------------------------------------------ creation facts

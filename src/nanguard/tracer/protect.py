@@ -9,8 +9,7 @@ protected tensor on that storage, just before it runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -24,7 +23,7 @@ class Backup:
 
     Example:
         >>> backup = Backup(on_write=list(model.parameters()), now=list(model.buffers()))
-        >>> backup.before(aten.add_.Tensor, (model.weight, 1.0), {})   # saved, then the op runs
+        >>> backup.before(ops.info(aten.add_.Tensor).writes, (model.weight, 1.0), {})   # saved, then the op runs
         >>> backup.restore()
     """
 
@@ -37,22 +36,15 @@ class Backup:
             if key > 0:
                 self.by_storage.setdefault(key, []).append(t)
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
         for t in now:
             self._save(t)
 
     def protects(self, t: torch.Tensor) -> bool:
         return id(t) in self.ids
 
-    def before(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Save what ``func`` is about to write into, if it is protected and not saved yet."""
-        writes = self._writes.get(func)
-        if writes is None:
-            writes = self._writes[func] = tuple(
-                (i, a.name)
-                for i, a in enumerate(func._schema.arguments)
-                if a.alias_info is not None and a.alias_info.is_write
-            )
+    def before(self, writes: Sequence[tuple[int, str]], args: tuple, kwargs: dict) -> None:
+        """Save what an op is about to write into, if it is protected and not saved yet:
+        ``writes`` holds the (position, name) of the arguments its schema writes (``ops.info``)."""
         for i, name in writes:
             target = args[i] if i < len(args) else kwargs.get(name)
             if isinstance(target, torch.Tensor):

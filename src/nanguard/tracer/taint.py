@@ -8,22 +8,23 @@ storage, so a fresh view of a tainted tensor inherits it.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from nanguard.stats import local
 
-__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "nonfinite_flags", "storage_key"]
+__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "many_nonfinite_flags", "nonfinite_flags", "storage_key"]
 
 
 @dataclass
 class Status:
+    """A tensor's flags at its version: ``inf`` is "Inf and no NaN" (``nonfinite_flags``)."""
+
     version: int
     nan: bool
     inf: bool
@@ -49,7 +50,9 @@ class TaintMap:
 
     def __init__(self, new_source: Callable[[torch.Tensor, bool, bool], int]) -> None:
         self.new_source = new_source
-        self.status: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        # Keyed by id with a weak reference to check the tensor is still the same one: a
+        # tensor hashes in Python, and this map is read for every input of every op.
+        self.status: dict[int, tuple[weakref.ref[torch.Tensor], Status]] = {}
         self.storage: dict[int, frozenset[int]] = {}
 
     def inputs(self, flat: list[Any]) -> Inputs:
@@ -74,7 +77,7 @@ class TaintMap:
 
     def status_of(self, t: torch.Tensor) -> Status:
         version = _version(t)
-        st = self.status.get(t)
+        st = self._get(t)
         if st is not None and st.version == version:
             return st
         nan, inf = nonfinite_flags(t)
@@ -95,27 +98,74 @@ class TaintMap:
 
     def taint_of(self, t: torch.Tensor) -> frozenset[int]:
         """The origins behind a non-finite tensor: its own taint and its storage's."""
-        st = self.status.get(t)
+        st = self._get(t)
         own = st.taint if st is not None and (st.nan or st.inf) else frozenset()
         return own | self.storage.get(storage_key(t), frozenset())
 
+    def _get(self, t: torch.Tensor) -> Status | None:
+        entry = self.status.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
     def _put(self, t: torch.Tensor, st: Status) -> None:
-        with contextlib.suppress(TypeError):
-            self.status[t] = st
+        self.status[id(t)] = (weakref.ref(t), st)
 
 
-def nonfinite_flags(t: torch.Tensor) -> tuple[bool, bool]:
-    """(has NaN, has Inf) of ``t``'s local values."""
+_SUMMED = (torch.float32, torch.float64)
+
+
+def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
+    """(has NaN, has Inf and no NaN) of ``t``'s local values, from one pass in the common cases.
+
+    A finite sum proves a float32/float64 tensor finite, and sums run several times faster
+    than a min/max on tensors that fit in cache; a min/max tells NaN from Inf in one pass.
+    ``likely`` (the op's inputs were non-finite) goes straight to the min/max. The Inf of a
+    tensor that also holds NaN is not reported: the tracer never reads it (a NaN input rules
+    out any creation), and telling it would cost another pass.
+
+    Example:
+        >>> nonfinite_flags(torch.tensor([1.0, float("inf")]))
+        (False, True)
+    """
     t = local(t)
+    if not likely and t.dtype in _SUMMED and t.layout == torch.strided and math.isfinite(t.sum().item()):
+        return False, False
+    bounds = _bounds(t)
+    return (False, False) if bounds is None else _flags(*bounds.tolist())
+
+
+def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
+    """``nonfinite_flags`` of each tensor, with one host read for all of them."""
+    bounds = [_bounds(local(t)) for t in ts]
+    present = [b for b in bounds if b is not None]
+    if not present:
+        return [(False, False)] * len(ts)
+    if len(present) == 1:
+        rows = present[0][None]
+    else:
+        rows = torch.stack([b.to(present[0].device, torch.float64) for b in present])
+    values = iter(rows.tolist())
+    return [(False, False) if b is None else _flags(*next(values)) for b in bounds]
+
+
+def _flags(lo: float, hi: float) -> tuple[bool, bool]:
+    nan = math.isnan(lo) or math.isnan(hi)
+    return nan, not nan and (math.isinf(lo) or math.isinf(hi))
+
+
+def _bounds(t: torch.Tensor) -> torch.Tensor | None:
+    """[min, max] of ``t`` as one device tensor, NaN when it holds any NaN; None when empty.
+
+    A min/max reduction reads each element once and writes no temporary, where
+    ``isfinite``/``isnan``/``isinf`` each write a mask as large as the tensor."""
     if t.numel() == 0:
-        return False, False
-    # A finite float32 sum proves every element finite in one pass with no temporary;
-    # only a non-finite sum (or an overflow of huge finite values) needs the exact check.
-    if t.is_floating_point() and math.isfinite(t.sum(dtype=torch.float32).item()):
-        return False, False
-    if bool(torch.isfinite(t).all()):
-        return False, False
-    return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+        return None
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if t.element_size() == 1:  # float8 has no min/max kernel
+        t = t.float()
+    return torch.stack(torch.aminmax(t.detach()))
 
 
 def has_inf_created(out: torch.Tensor, inputs: list[Any]) -> bool:

@@ -1,0 +1,119 @@
+"""The tracer's fast paths flag exactly what the slow, elementwise tests flag."""
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import nanguard as ng
+from nanguard.tracer.taint import TaintMap, many_nonfinite_flags, nonfinite_flags
+
+NAN, INF = math.nan, math.inf
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def _reference(t: torch.Tensor) -> tuple[bool, bool]:
+    """(has NaN, has Inf and no NaN), element by element."""
+    nan = bool(torch.isnan(t).any())
+    return nan, not nan and bool(torch.isinf(t).any())
+
+
+def _planted(dtype: torch.dtype, values: tuple[float, ...], where: int, n: int = 70001) -> torch.Tensor:
+    torch.manual_seed(0)
+    t = torch.randn(n, dtype=torch.float64).to(dtype)
+    for k, v in enumerate(values):
+        t[(where + 7 * k) % n] = v
+    return t
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fast_flags_match_the_elementwise_tests(dtype: torch.dtype, threads: int) -> None:
+    # 70001 elements: past the size at which a reduction is split across threads, and odd, so
+    # the planted values land in vectorized bodies and in a tail.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for values in [(), (NAN,), (INF,), (-INF,), (INF, -INF), (NAN, INF), (-INF, NAN)]:
+            for where in (0, 35000, 70000):
+                t = _planted(dtype, values, where)
+                for view in (t, t[::3], t[:69967].reshape(-1, 37).t()):
+                    expected = _reference(view)
+                    assert nonfinite_flags(view) == expected, (values, where, view.shape)
+                    assert nonfinite_flags(view, likely=True) == expected, (values, where, view.shape)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_complex_parts_and_conjugates_are_read() -> None:
+    assert nonfinite_flags(torch.tensor([1 + 1j, complex(0, INF)]).conj()) == (False, True)
+    assert nonfinite_flags(torch.tensor([complex(NAN, 0), 1j])) == (True, False)
+
+
+def test_empty_scalar_sparse_and_float8_tensors() -> None:
+    assert nonfinite_flags(torch.empty(0, 3)) == nonfinite_flags(torch.empty(0), likely=True) == (False, False)
+    # Finite values whose sum overflows: the sum is not the last word.
+    huge = torch.full((4,), torch.finfo(torch.float32).max)
+    assert nonfinite_flags(huge) == (False, False)
+    assert nonfinite_flags(torch.tensor(-INF)) == (False, True)
+    assert nonfinite_flags(torch.tensor([[0.0, NAN], [1.0, 0.0]]).to_sparse()) == (True, False)
+    assert nonfinite_flags(torch.tensor([[0.0, 2.0], [1.0, 0.0]]).to_sparse()) == (False, False)
+    if hasattr(torch, "float8_e4m3fn"):
+        assert nonfinite_flags(torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn)) == (False, False)
+        assert nonfinite_flags(torch.tensor([1.0, NAN]).to(torch.float8_e4m3fn)) == (True, False)
+
+
+def test_many_tensors_read_at_once_match_one_by_one() -> None:
+    ts = [
+        _planted(torch.float16, (NAN,), 3),
+        torch.empty(0),
+        _planted(torch.bfloat16, (-INF,), 9),
+        torch.ones(4, dtype=torch.float64),
+        _planted(torch.complex64, (INF,), 1),
+    ]
+    assert many_nonfinite_flags(ts) == [nonfinite_flags(t) for t in ts] == [_reference(t) for t in ts]
+    assert many_nonfinite_flags([torch.empty(0)]) == [(False, False)]
+    assert many_nonfinite_flags([]) == []
+
+
+def _located(fn: Any, *args: Any) -> tuple[str | None, str]:
+    diag = ng.locate(fn, *args)
+    assert diag is not None
+    return diag.op, diag.kind
+
+
+def test_an_op_after_skipped_ones_that_creates_a_nonfinite_value_is_the_origin() -> None:
+    # relu, a view, a cat and a gather keep finite values: their checks are skipped, the log's is not.
+    x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]], requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([x.relu().t(), x.abs()]).gather(1, torch.tensor([[0], [1], [0], [1]]))
+        return y.log().sum()
+
+    assert _located(fn, x) == ("aten.log.default", "inf")
+
+
+def test_a_skippable_op_given_an_infinite_number_is_still_checked() -> None:
+    # masked_fill keeps finite values finite, but here the number it writes is -inf.
+    x = torch.tensor([1.0, 2.0, 3.0])
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x.masked_fill(x > 2.5, -INF) * 0).sum()
+
+    diag = ng.locate(fn, x)
+    assert diag is not None
+    assert diag.evidence["origin"]["category"] == "write"
+    assert diag.evidence["origin"]["op"] == "aten.masked_fill.Scalar"
+
+
+def test_a_new_tensor_at_a_dead_ones_address_is_read_afresh() -> None:
+    # Statuses are keyed by id(): an entry left by another tensor must not be taken for this one's.
+    taint = TaintMap(lambda t, nan, inf: 0)
+    old = torch.tensor([NAN])
+    taint.set(old, True, False, frozenset({5}))
+    new = torch.tensor([1.0])
+    assert new._version == old._version
+    taint.status[id(new)] = taint.status[id(old)]  # what a reused address would look like
+    assert taint.status_of(new).nan is False
+    assert taint.taint_of(new) == frozenset()
