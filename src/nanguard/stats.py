@@ -20,6 +20,7 @@ __all__ = [
     "local",
     "tensor_stats",
     "total_norm",
+    "total_norms",
 ]
 
 
@@ -113,28 +114,58 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         >>> 1.9e20 < total_norm([[torch.full((4,), 1e20)]]).item() < 2.1e20
         True
     """
-    groups = [g for g in groups if g]
-    if not groups:
-        return torch.zeros((), dtype=torch.float32)
-    device = groups[0][0].device
+    return total_norms([(g,) for g in groups], sets=1)[0]
+
+
+def total_norms(groups: Sequence[Sequence[Sequence[torch.Tensor]]], sets: int) -> torch.Tensor:
+    """The L2 norm of each of ``sets`` tensor sets, as a float32 device vector, with one foreach
+    kernel per group: ``groups[i][k]`` holds set k's tensors of group i (one device and dtype).
+    Without any tensor, zeros on the CPU.
+
+    Each norm is what ``total_norm`` gives for its set alone (NaN/Inf exactly when some element is):
+    the guard measures the gradients and the parameters in one pass this way.
+
+    Example:
+        >>> norms = total_norms([([torch.full((4,), 3.0)], [torch.tensor([1.0, float("nan")])])], sets=2)
+        >>> norms[0].item(), norms[1].isnan().item()
+        (6.0, True)
+    """
+    flat = [(g, [t for part in g for t in part]) for g in groups]
+    flat = [(g, ts) for g, ts in flat if ts]
+    if not flat:
+        return torch.zeros(sets, dtype=torch.float32)
+    device = flat[0][1][0].device
     acc = _ACCUMULATE.get(device.type, torch.float32)
-    total = _norm_of_norms(groups, device, acc)
-    if acc == torch.float32 and device.type == "cpu" and math.isinf(total.item()):
-        acc, total = torch.float64, _norm_of_norms(groups, device, torch.float64)
+    norms = _set_norms(flat, sets, device, acc)
+    if acc == torch.float32 and device.type == "cpu" and bool(torch.isinf(norms).any()):
+        acc, norms = torch.float64, _set_norms(flat, sets, device, torch.float64)
     if acc == torch.float32:
-        return total
+        return norms
     big = torch.finfo(torch.float32).max
-    return torch.where(torch.isinf(total), total, total.clamp(max=big)).float()
+    return torch.where(torch.isinf(norms), norms, norms.clamp(max=big)).float()
 
 
 _ACCUMULATE = {"cuda": torch.float64}
 
 
-def _norm_of_norms(groups: list[list[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
-    # One foreach kernel per group, then the norm of the per-tensor norms (a short vector).
-    parts = [torch.stack(compat.foreach_norm(ts, 2.0, dtype=acc)) for ts in groups]
-    flat = parts[0] if len(parts) == 1 else torch.cat([p.to(device) for p in parts])
-    return torch.linalg.vector_norm(flat)
+def _set_norms(
+    flat: list[tuple[Sequence[Sequence[torch.Tensor]], list[torch.Tensor]]],
+    sets: int,
+    device: torch.device,
+    acc: torch.dtype,
+) -> torch.Tensor:
+    # One foreach kernel per group over all its sets, then per set the norm of its per-tensor norms.
+    per_set: list[list[torch.Tensor]] = [[] for _ in range(sets)]
+    for parts, tensors in flat:
+        norms = compat.foreach_norm(tensors, 2.0, dtype=acc)
+        start = 0
+        for k, part in enumerate(parts):
+            per_set[k].extend(norms[start : start + len(part)])
+            start += len(part)
+    if len(flat) > 1:
+        per_set = [[n.to(device) for n in ns] for ns in per_set]
+    zero = torch.zeros((), dtype=acc, device=device)
+    return torch.stack([torch.linalg.vector_norm(torch.stack(ns)) if ns else zero for ns in per_set])
 
 
 # The init ratio is rms(weight) * sqrt(fan_in): PyTorch's default init gives ~0.58,

@@ -16,7 +16,7 @@ import torch
 
 from nanguard import compat, dist
 from nanguard.dist import CommWatch
-from nanguard.stats import float_groups, local, total_norm
+from nanguard.stats import float_groups, local, total_norms
 
 __all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "StepHealth"]
 
@@ -105,8 +105,10 @@ class DeviceHealth:
 
 
 class HealthCheck:
-    """Measures a rank's step on the device; checks parameters after an update, to be read
-    with the next step so the check adds no host sync.
+    """Measures a rank's step on the device. After an update it queues a parameter check, taken
+    with the next step's gradients in the same foreach pass and read with them: no extra host sync,
+    no second pass. The check sees the parameters the next forward used, plus those it did not use
+    (an embedding row no batch picked), which no loss or gradient would show.
 
     Example:
         >>> check = HealthCheck(params, scaler=None, comm=dist.CommWatch(), param_check_every=1)
@@ -123,20 +125,19 @@ class HealthCheck:
         self.scaler = scaler
         self.comm = comm
         self.param_check_every = param_check_every
-        self._param_norm: torch.Tensor | None = None
+        self._check_params = False
 
     def measure(self, loss: Any) -> DeviceHealth:
-        gn = self._grad_norm()
-        device = gn.device if gn is not None else _device_of(loss)
-        gn = gn if gn is not None else torch.zeros((), device=device)
+        norms = self._norms()  # [grad norm, parameter norm (0 when no check is queued)]
+        device = norms.device if norms is not None else _device_of(loss)
+        norms = norms if norms is not None else torch.zeros(2, device=device)
         if isinstance(loss, torch.Tensor):
             lv = loss.detach().reshape(-1)[0].to(device, torch.float32)
         else:
             lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
         # One isfinite over [loss, grad norm, parameter norm]: few kernels on the step's path.
-        values = [lv, gn] if self._param_norm is None else [lv, gn, self._param_norm.to(device)]
-        bad = torch.isfinite(torch.stack(values)).logical_not_()
-        loss_bad, grads_bad = bad[0], bad[1]
+        bad = torch.isfinite(torch.cat([lv.reshape(1), norms])).logical_not_()
+        gn, loss_bad, grads_bad = norms[0], bad[0], bad[1]
         local = loss_bad
         pre_comm = self.comm.local_flag(device)
         if pre_comm is not None:
@@ -153,33 +154,32 @@ class HealthCheck:
         wire = self.comm.wire_flag(device)
         if wire is not None:
             flags = flags + wire.to(torch.int32) * HealthFlag.WIRE
-        if self._param_norm is not None:
-            flags = flags + bad[2].to(torch.int32) * HealthFlag.PARAMS
-            self._param_norm = None
+        flags = flags + bad[2].to(torch.int32) * HealthFlag.PARAMS
         return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
 
     def after_update(self, step: int) -> None:
         """Queue a parameter check of the update of ``step`` (every ``param_check_every`` steps)."""
         every = self.param_check_every
-        if every and step % every == 0:
-            with torch.no_grad():
-                groups = self._groups if self._groups is not None else float_groups(self.params)
-                self._param_norm = total_norm(groups)  # non-finite exactly when a parameter is
+        self._check_params = bool(every) and step % every == 0
 
-    def _grad_norm(self) -> torch.Tensor | None:
-        """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
-        if self._groups is not None:
-            groups = [g for g in ([p.grad for p in ps if p.grad is not None] for ps in self._groups) if g]
-            try:
-                return total_norm(groups) if groups else None
-            except (RuntimeError, NotImplementedError):
-                self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
-        groups = float_groups(p.grad for p in self.params if p.grad is not None)
-        return total_norm(groups) if groups else None
+    def _norms(self) -> torch.Tensor | None:
+        """The gradient norm and, when queued, the parameter norm, in one foreach pass per group;
+        None when there is nothing to measure."""
+        check, self._check_params = self._check_params, False
+        with torch.no_grad():
+            if self._groups is not None:
+                pairs = [([p.grad for p in ps if p.grad is not None], ps if check else ()) for ps in self._groups]
+                try:
+                    return total_norms(pairs, sets=2) if any(g or p for g, p in pairs) else None
+                except (RuntimeError, NotImplementedError):
+                    self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
+            grads = [(g, ()) for g in float_groups(p.grad for p in self.params if p.grad is not None)]
+            params = [((), ps) for ps in float_groups(self.params)] if check else []
+            return total_norms(grads + params, sets=2) if grads or params else None
 
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored."""
-        self._param_norm = None
+        self._check_params = False
 
 
 def _device_of(loss: Any) -> torch.device:
