@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -106,9 +107,10 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     """L2 norm over every tensor of ``groups`` as one float32 device scalar: NaN/Inf exactly when
     some element is, and finite for finite inputs (a norm past the float32 range reads as its max).
 
-    Squares are summed in float64 where that costs nothing (CUDA: the kernel is memory-bound). On
-    CPU, where a value can be read without a device sync, a float32 sum that overflowed is summed
-    again in float64; the common step pays one float32 pass. Other devices sum in float32.
+    Squares are summed in float64 where that costs nothing (CUDA: the kernel is memory-bound), and
+    for float64 tensors. On CPU, where a value can be read without a device sync, a float32 sum
+    that overflowed is summed again in float64; the common step pays one float32 pass. Other
+    devices sum in float32.
 
     Example:
         >>> 1.9e20 < total_norm([[torch.full((4,), 1e20)]]).item() < 2.1e20
@@ -135,9 +137,10 @@ def total_norms(groups: Sequence[Sequence[Sequence[torch.Tensor]]], sets: int) -
     if not flat:
         return torch.zeros(sets, dtype=torch.float32)
     device = flat[0][1][0].device
-    acc = _ACCUMULATE.get(device.type, torch.float32)
+    wide = any(ts[0].dtype == torch.float64 for _, ts in flat)  # its norms cannot narrow to float32
+    acc = torch.float64 if wide else _ACCUMULATE.get(device.type, torch.float32)
     norms = _set_norms(flat, sets, device, acc)
-    if acc == torch.float32 and device.type == "cpu" and bool(torch.isinf(norms).any()):
+    if acc == torch.float32 and device.type == "cpu" and any(map(math.isinf, norms.tolist())):
         acc, norms = torch.float64, _set_norms(flat, sets, device, torch.float64)
     if acc == torch.float32:
         return norms
@@ -154,18 +157,22 @@ def _set_norms(
     device: torch.device,
     acc: torch.dtype,
 ) -> torch.Tensor:
-    # One foreach kernel per group over all its sets, then per set the norm of its per-tensor norms.
-    per_set: list[list[torch.Tensor]] = [[] for _ in range(sets)]
+    # One foreach kernel per group over all its sets, then one stack of the per-tensor norms
+    # ordered by set, and a norm of each set's slice of it.
+    by_set: list[list[torch.Tensor]] = [[] for _ in range(sets)]
     for parts, tensors in flat:
-        norms = compat.foreach_norm(tensors, 2.0, dtype=acc)
+        found = compat.foreach_norm(tensors, 2.0, dtype=acc)
+        if len(flat) > 1:
+            found = [n.to(device) for n in found]
         start = 0
         for k, part in enumerate(parts):
-            per_set[k].extend(norms[start : start + len(part)])
+            by_set[k].extend(found[start : start + len(part)])
             start += len(part)
-    if len(flat) > 1:
-        per_set = [[n.to(device) for n in ns] for ns in per_set]
-    zero = torch.zeros((), dtype=acc, device=device)
-    return torch.stack([torch.linalg.vector_norm(torch.stack(ns)) if ns else zero for ns in per_set])
+    v = torch.stack([n for ns in by_set for n in ns])
+    if sets == 1:
+        return torch.linalg.vector_norm(v).reshape(1)
+    bounds = itertools.accumulate((len(ns) for ns in by_set), initial=0)
+    return torch.stack([torch.linalg.vector_norm(v[a:b]) for a, b in itertools.pairwise(bounds)])
 
 
 # The init ratio is rms(weight) * sqrt(fan_in): PyTorch's default init gives ~0.58,

@@ -126,6 +126,8 @@ class HealthCheck:
         self.comm = comm
         self.param_check_every = param_check_every
         self._check_params = False
+        self._flag_tables: dict[torch.device, tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]] = {}
+        self._one: dict[torch.device, torch.Tensor] = {}
 
     def measure(self, loss: Any) -> DeviceHealth:
         norms = self._norms()  # [grad norm, parameter norm (0 when no check is queued)]
@@ -135,27 +137,33 @@ class HealthCheck:
             lv = loss.detach().reshape(-1)[0].to(device, torch.float32)
         else:
             lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
-        # One isfinite over [loss, grad norm, parameter norm]: few kernels on the step's path.
+        # One isfinite over [loss, grad norm, parameter norm], and the flags looked up from its
+        # three bits: few kernels on the step's path.
         bad = torch.isfinite(torch.cat([lv.reshape(1), norms])).logical_not_()
-        gn, loss_bad, grads_bad = norms[0], bad[0], bad[1]
-        local = loss_bad
         pre_comm = self.comm.local_flag(device)
-        if pre_comm is not None:
-            local = local | pre_comm  # this rank's own gradients, before DDP averaged them
-        elif not dist.is_distributed():
-            local = bad[:2].any()
-        if self.scaler is not None:
-            # Overflowing gradients are the scaler's business; only a bad loss is a trip here.
-            scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
-            flags = loss_bad.to(torch.int32) * HealthFlag.LOCAL
-        else:
-            scale = gn.new_ones(())
-            flags = local.to(torch.int32) * HealthFlag.LOCAL + grads_bad.to(torch.int32) * HealthFlag.SYNCED
+        merge = pre_comm is None and not dist.is_distributed()
+        table, bits = self._tables(device)
+        flags = torch.take(table[(self.scaler is not None, merge)], (bad * bits).sum())  # a device index: no read
+        if pre_comm is not None and self.scaler is None:
+            flags = flags | pre_comm.to(torch.int32) * HealthFlag.LOCAL  # its own gradients, before DDP averaged them
         wire = self.comm.wire_flag(device)
         if wire is not None:
             flags = flags + wire.to(torch.int32) * HealthFlag.WIRE
-        flags = flags + bad[2].to(torch.int32) * HealthFlag.PARAMS
-        return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
+        if self.scaler is not None:
+            scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
+        else:
+            scale = self._one[device]
+        return DeviceHealth(grad_norm=norms[0], loss=lv, scale=scale, flags=flags)
+
+    def _tables(self, device: torch.device) -> tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]:
+        """The flags of each (loss bad, grads bad, params bad) pattern, indexed by their bits, on ``device``."""
+        if device not in self._flag_tables:
+            self._flag_tables[device] = (
+                {key: torch.tensor(_flag_table(*key), dtype=torch.int32, device=device) for key in _TABLE_KEYS},
+                torch.tensor([1, 2, 4], device=device),
+            )
+            self._one[device] = torch.ones((), device=device)
+        return self._flag_tables[device]
 
     def after_update(self, step: int) -> None:
         """Queue a parameter check of the update of ``step`` (every ``param_check_every`` steps)."""
@@ -180,6 +188,22 @@ class HealthCheck:
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored."""
         self._check_params = False
+
+
+_TABLE_KEYS = [(scaled, merge) for scaled in (False, True) for merge in (False, True)]
+
+
+def _flag_table(scaled: bool, merge: bool) -> list[int]:
+    """Flags by ``loss_bad + 2 * grads_bad + 4 * params_bad``. With a GradScaler, overflowing
+    gradients are the scaler's business: only a bad loss is a trip. ``merge``: a single process
+    without a comm watch counts its (own) gradients as local."""
+    table = []
+    for index in range(8):
+        loss_bad, grads_bad, params_bad = index & 1, index >> 1 & 1, index >> 2 & 1
+        local = loss_bad | (grads_bad if merge else 0)
+        flags = HealthFlag.LOCAL * loss_bad if scaled else HealthFlag.LOCAL * local + HealthFlag.SYNCED * grads_bad
+        table.append(int(flags + HealthFlag.PARAMS * params_bad))
+    return table
 
 
 def _device_of(loss: Any) -> torch.device:
