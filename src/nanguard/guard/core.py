@@ -12,7 +12,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
+from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
@@ -114,6 +114,8 @@ class Guard:
         self._closure_error: BaseException | None = None
         self._pending: StepHealth | None = None
         self._health_now: StepHealth | None = None  # this step's, once read
+        self._deferred = _deferred(c, optimizer, self.scaler, self._fused, self._cuda_devices)
+        self._waiting: _Waiting | None = None  # deferred: the last step, its verdict not read yet
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, lambda: getattr(self, "scheduler", None))
         if c.policy in ("rollback", "auto"):
@@ -141,6 +143,7 @@ class Guard:
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
             return _plain_step(self, closure)
+        self._settle()
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
@@ -176,6 +179,8 @@ class Guard:
         device_step = device_step and self.config.clip_grad_norm is None  # the clip comes before the step
         if not (self._check(value, closure, batch, rng, device_step=device_step) and _clip(self)):
             return None
+        if self._waiting is not None:
+            return loss  # deferred: its verdict and bookkeeping come with the next call
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -208,6 +213,7 @@ class Guard:
         value = _check_args(loss, replay, rng)
         if self.disabled:
             return True
+        self._settle()
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
@@ -247,9 +253,26 @@ class Guard:
         measured = self.health.measure(loss)
         agreed = measured.agree(sharded=self._sharded)
         if device_step:
+            copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))
+            if copy is not None:
+                self._waiting = _Waiting(step, copy, replay, batch, rng, self._closure_error)
+                return True
         h = measured.read(step, agreed, scaled=self.scaler is not None)
+        return self._decide(h, replay, batch, rng, restore_buffers=restore_buffers)
+
+    def _decide(
+        self,
+        h: StepHealth,
+        replay: Callable[[], Any] | None,
+        batch: Any,
+        rng: dict[str, torch.Tensor] | None,
+        *,
+        restore_buffers: bool,
+    ) -> bool:
+        """A read step's verdict: trip, overflow, spike skip, or go (True)."""
+        step = h.step
         self._health_now = h
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
             self.recovery.abandon(restore_buffers, rng)
@@ -277,6 +300,18 @@ class Guard:
             return False
         self._pending = h
         return True
+
+    def _settle(self) -> None:
+        """Deferred mode: read the last step's flags (its update is running on the device, which
+        skipped it if bad) and finish that step as the immediate path would have."""
+        w, self._waiting = self._waiting, None
+        if w is None:
+            return
+        h = w.copy.read(w.step, scaled=False)
+        self._closure_error = w.closure_error
+        with _undo_on_error(self, w.rng):
+            if self._decide(h, w.replay, w.batch, w.rng, restore_buffers=True):
+                self.after_step()
 
     def _next_step(self) -> int:
         step = self.step_count
@@ -365,6 +400,7 @@ class Guard:
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters, history and detector windows, so a resumed run keeps them."""
+        self._settle()
         return {
             "step_count": self.step_count,
             **self.recovery.state_dict(),
@@ -383,8 +419,34 @@ class Guard:
         self._remedies.load_state_dict(state.get("remedies") or {})
 
     def close(self) -> None:
+        self._settle()
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A deferred step whose flags are on their way to the host, and what its replay needs."""
+
+    step: int
+    copy: HostCopy
+    replay: Callable[[], Any] | None
+    batch: Any
+    rng: dict[str, torch.Tensor] | None
+    closure_error: BaseException | None
+
+
+def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any, fused: bool, cuda: list[int]) -> bool:
+    """Whether ``step`` reads each step's health one step late (``GuardConfig.sync``)."""
+    fits = fused and scaler is None and config.clip_grad_norm is None and not config.skip_spikes
+    if config.sync == "deferred" and not fits:
+        raise ValueError(
+            "sync='deferred' needs an optimizer that takes found_inf (fused=True Adam, AdamW or SGD), no "
+            f"GradScaler, clip_grad_norm=None and skip_spikes=False; got {type(optimizer).__name__} "
+            f"(fused={fused}), scaler={scaler is not None}, clip_grad_norm={config.clip_grad_norm}, "
+            f"skip_spikes={config.skip_spikes}; use sync='immediate' or 'auto'"
+        )
+    return config.sync == "deferred" or (config.sync == "auto" and fits and bool(cuda))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from nanguard import compat, dist
 from nanguard.dist import CommWatch
 from nanguard.stats import float_groups, local, total_norms
 
-__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "StepHealth"]
+__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth"]
 
 
 class HealthFlag(IntFlag):
@@ -102,6 +102,36 @@ class DeviceHealth:
             own_loss=values[world + 3],
             rank_flags=tuple(HealthFlag(int(c)) for c in values[:world]),
         )
+
+
+class HostCopy:
+    """A step's health on its way to the host without a sync: one non-blocking copy into pinned
+    memory and an event (on the CPU, the tensors themselves), read later with ``read``.
+
+    Example:
+        >>> copy = HostCopy(measured, agreed)   # step N: no host read
+        >>> health = copy.read(step=N, scaled=False)   # step N+1: waits for step N's flags only
+    """
+
+    def __init__(self, measured: DeviceHealth, agreed: torch.Tensor) -> None:
+        self.world = agreed.numel()
+        extra = torch.stack([measured.scale.float(), measured.loss.float(), measured.grad_norm.float()])
+        packed = torch.cat([agreed, extra.to(agreed.device)])
+        self.event: Any = None
+        if packed.device.type == "cuda":
+            self.values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.values.copy_(packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = packed
+
+    def read(self, step: int, *, scaled: bool) -> StepHealth:
+        if self.event is not None:
+            self.event.synchronize()  # the copy only, not the work queued after it
+        v, w = self.values, self.world
+        host = DeviceHealth(grad_norm=v[w + 2], loss=v[w + 1], scale=v[w], flags=v[:0])
+        return host.read(step, v[:w], scaled=scaled)
 
 
 class HealthCheck:
