@@ -20,7 +20,6 @@ __all__ = [
     "is_float",
     "local",
     "tensor_stats",
-    "total_norm",
     "total_norms",
 ]
 
@@ -103,34 +102,24 @@ def float_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """L2 norm over every tensor of ``groups`` as one float32 device scalar: NaN/Inf exactly when
-    some element is, and finite for finite inputs (a norm past the float32 range reads as its max).
-
-    Squares are summed in float64 where that costs nothing (CUDA: the kernel is memory-bound), and
-    for float64 tensors. On CPU, where a value can be read without a device sync, a float32 sum
-    that overflowed is summed again in float64; the common step pays one float32 pass. Other
-    devices sum in float32.
-
-    Example:
-        >>> 1.9e20 < total_norm([[torch.full((4,), 1e20)]]).item() < 2.1e20
-        True
-    """
-    return total_norms([(g,) for g in groups], sets=1)[0]
-
-
 def total_norms(groups: Sequence[Sequence[Sequence[torch.Tensor]]], sets: int) -> torch.Tensor:
-    """The L2 norm of each of ``sets`` tensor sets, as a float32 device vector, with one foreach
+    """The L2 norm of each of ``sets`` tensor sets as a float32 device vector, with one foreach
     kernel per group: ``groups[i][k]`` holds set k's tensors of group i (one device and dtype).
-    Without any tensor, zeros on the CPU.
+    The guard measures the gradients and the parameters in one pass this way. Without any tensor,
+    zeros on the CPU.
 
-    Each norm is what ``total_norm`` gives for its set alone (NaN/Inf exactly when some element is):
-    the guard measures the gradients and the parameters in one pass this way.
+    A norm is NaN/Inf exactly when some element of its set is, and finite for finite inputs (a
+    norm past the float32 range reads as its max). Squares are summed in float64 where that costs
+    nothing (CUDA: the kernel is memory-bound), and for float64 tensors. On CPU, where a value can
+    be read without a device sync, a float32 sum that overflowed is summed again in float64; the
+    common step pays one float32 pass. Other devices sum in float32.
 
     Example:
-        >>> norms = total_norms([([torch.full((4,), 3.0)], [torch.tensor([1.0, float("nan")])])], sets=2)
+        >>> norms = total_norms([([torch.full((4,), 3.0)], [torch.tensor([1e20, float("nan")])])], sets=2)
         >>> norms[0].item(), norms[1].isnan().item()
         (6.0, True)
+        >>> 1.9e20 < total_norms([([torch.full((4,), 1e20)],)], sets=1).item() < 2.1e20
+        True
     """
     flat = [(g, [t for part in g for t in part]) for g in groups]
     flat = [(g, ts) for g, ts in flat if ts]
