@@ -101,7 +101,7 @@ def test_deferred_fault_is_skipped_on_the_device_and_diagnosed_with_the_next_cal
 
     loss = guard.step(closure, batch=bad)
     after_closure = reads[closure_done[0] :]
-    assert len(after_closure) <= optimizer_reads, f"the guard read inside the bad step: {after_closure}"
+    assert len(after_closure) <= optimizer_reads, f"the guard read inside the bad step: {after_closure[:5]}"
     assert loss is not None  # its verdict is not known yet
     assert guard.last_diagnosis is None and guard.skipped == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
