@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -20,7 +19,7 @@ __all__ = [
     "is_float",
     "local",
     "tensor_stats",
-    "total_norms",
+    "total_norm",
 ]
 
 
@@ -102,66 +101,45 @@ def float_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def total_norms(groups: Sequence[Sequence[Sequence[torch.Tensor]]], sets: int) -> torch.Tensor:
-    """The L2 norm of each of ``sets`` tensor sets as a float32 device vector, with one foreach
-    kernel per group: ``groups[i][k]`` holds set k's tensors of group i (one device and dtype).
-    The guard measures the gradients and the parameters in one pass this way. Without any tensor,
-    zeros on the CPU.
+def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """L2 norm over every tensor of ``groups`` (each of one device and dtype) as one float32 device
+    scalar: NaN/Inf exactly when some element is, and finite for finite inputs (a norm past the
+    float32 range reads as its max). Without any tensor, a CPU zero.
 
-    A norm is NaN/Inf exactly when some element of its set is, and finite for finite inputs (a
-    norm past the float32 range reads as its max). Squares are summed in float64 where that costs
-    nothing (CUDA: the kernel is memory-bound), and for float64 tensors. On CPU, where a value can
-    be read without a device sync, a float32 sum that overflowed is summed again in float64; the
-    common step pays one float32 pass. Other devices sum in float32.
+    Squares are summed in float64 where that costs nothing (CUDA: the kernel is memory-bound), and
+    for float64 tensors. On CPU, where a value can be read without a device sync, a float32 sum
+    that overflowed is summed again in float64; the common step pays one float32 pass. Other
+    devices sum in float32.
 
     Example:
-        >>> norms = total_norms([([torch.full((4,), 3.0)], [torch.tensor([1e20, float("nan")])])], sets=2)
-        >>> norms[0].item(), norms[1].isnan().item()
-        (6.0, True)
-        >>> 1.9e20 < total_norms([([torch.full((4,), 1e20)],)], sets=1).item() < 2.1e20
+        >>> 1.9e20 < total_norm([[torch.full((4,), 1e20)]]).item() < 2.1e20
         True
     """
-    flat = [(g, [t for part in g for t in part]) for g in groups]
-    flat = [(g, ts) for g, ts in flat if ts]
-    if not flat:
-        return torch.zeros(sets, dtype=torch.float32)
-    device = flat[0][1][0].device
-    wide = any(ts[0].dtype == torch.float64 for _, ts in flat)  # its norms cannot narrow to float32
+    groups = [g for g in groups if g]
+    if not groups:
+        return torch.zeros((), dtype=torch.float32)
+    device = groups[0][0].device
+    wide = any(g[0].dtype == torch.float64 for g in groups)  # its norms cannot narrow to float32
     acc = torch.float64 if wide else _ACCUMULATE.get(device.type, torch.float32)
-    norms = _set_norms(flat, sets, device, acc)
-    if acc == torch.float32 and device.type == "cpu" and any(map(math.isinf, norms.tolist())):
-        acc, norms = torch.float64, _set_norms(flat, sets, device, torch.float64)
+    total = _norm_of_norms(groups, device, acc)
+    if acc == torch.float32 and device.type == "cpu" and math.isinf(total.item()):
+        acc, total = torch.float64, _norm_of_norms(groups, device, torch.float64)
     if acc == torch.float32:
-        return norms
+        return total
     big = torch.finfo(torch.float32).max
-    return torch.where(torch.isinf(norms), norms, norms.clamp(max=big)).float()
+    return torch.where(torch.isinf(total), total, total.clamp(max=big)).float()
 
 
 _ACCUMULATE = {"cuda": torch.float64}
 
 
-def _set_norms(
-    flat: list[tuple[Sequence[Sequence[torch.Tensor]], list[torch.Tensor]]],
-    sets: int,
-    device: torch.device,
-    acc: torch.dtype,
-) -> torch.Tensor:
-    # One foreach kernel per group over all its sets, then one stack of the per-tensor norms
-    # ordered by set, and a norm of each set's slice of it.
-    by_set: list[list[torch.Tensor]] = [[] for _ in range(sets)]
-    for parts, tensors in flat:
-        found = compat.foreach_norm(tensors, 2.0, dtype=acc)
-        if len(flat) > 1:
-            found = [n.to(device) for n in found]
-        start = 0
-        for k, part in enumerate(parts):
-            by_set[k].extend(found[start : start + len(part)])
-            start += len(part)
-    v = torch.stack([n for ns in by_set for n in ns])
-    if sets == 1:
-        return torch.linalg.vector_norm(v).reshape(1)
-    bounds = itertools.accumulate((len(ns) for ns in by_set), initial=0)
-    return torch.stack([torch.linalg.vector_norm(v[a:b]) for a, b in itertools.pairwise(bounds)])
+def _norm_of_norms(groups: list[Sequence[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
+    # One foreach kernel per group, then one stack of the per-tensor norms and their norm.
+    norms = []
+    for ts in groups:
+        found = compat.foreach_norm(list(ts), 2.0, dtype=acc)
+        norms.extend(found if len(groups) == 1 else (n.to(device) for n in found))
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 # The init ratio is rms(weight) * sqrt(fan_in): PyTorch's default init gives ~0.58,

@@ -16,7 +16,7 @@ import torch
 
 from nanguard import compat, dist
 from nanguard.dist import CommWatch
-from nanguard.stats import float_groups, local, total_norms
+from nanguard.stats import float_groups, local, total_norm
 
 __all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth"]
 
@@ -135,10 +135,10 @@ class HostCopy:
 
 
 class HealthCheck:
-    """Measures a rank's step on the device. After an update it queues a parameter check, taken
-    with the next step's gradients in the same foreach pass and read with them: no extra host sync,
-    no second pass. The check sees the parameters the next forward used, plus those it did not use
-    (an embedding row no batch picked), which no loss or gradient would show.
+    """Measures a rank's step on the device; checks parameters after an update, to be read
+    with the next step so the check adds no host sync. The check sees parameters the next forward
+    does not use (an embedding row no batch picked), which no loss or gradient would show; taken
+    right after the update, it does not blame the update for what changed the parameters later.
 
     Example:
         >>> check = HealthCheck(params, scaler=None, comm=dist.CommWatch(), param_check_every=1)
@@ -155,21 +155,23 @@ class HealthCheck:
         self.scaler = scaler
         self.comm = comm
         self.param_check_every = param_check_every
-        self._check_params = False
+        self._param_norm: torch.Tensor | None = None
         self._flag_tables: dict[torch.device, tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]] = {}
         self._one: dict[torch.device, torch.Tensor] = {}
 
     def measure(self, loss: Any) -> DeviceHealth:
-        norms = self._norms()  # [grad norm, parameter norm (0 when no check is queued)]
-        device = norms.device if norms is not None else _device_of(loss)
-        norms = norms if norms is not None else torch.zeros(2, device=device)
+        gn = self._grad_norm()
+        device = gn.device if gn is not None else _device_of(loss)
+        gn = gn if gn is not None else torch.zeros((), device=device)
+        pn, self._param_norm = self._param_norm, None
+        pn = pn.to(device) if pn is not None else gn.new_zeros(())
         if isinstance(loss, torch.Tensor):
             lv = loss.detach().reshape(-1)[0].to(device, torch.float32)
         else:
             lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
         # One isfinite over [loss, grad norm, parameter norm], and the flags looked up from its
         # three bits: few kernels on the step's path.
-        bad = torch.isfinite(torch.cat([lv.reshape(1), norms])).logical_not_()
+        bad = torch.isfinite(torch.stack([lv, gn, pn])).logical_not_()
         pre_comm = self.comm.local_flag(device)
         merge = pre_comm is None and not dist.is_distributed()
         table, bits = self._tables(device)
@@ -183,7 +185,7 @@ class HealthCheck:
             scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
         else:
             scale = self._one[device]
-        return DeviceHealth(grad_norm=norms[0], loss=lv, scale=scale, flags=flags)
+        return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
 
     def _tables(self, device: torch.device) -> tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]:
         """The flags of each (loss bad, grads bad, params bad) pattern, indexed by their bits, on ``device``."""
@@ -198,26 +200,26 @@ class HealthCheck:
     def after_update(self, step: int) -> None:
         """Queue a parameter check of the update of ``step`` (every ``param_check_every`` steps)."""
         every = self.param_check_every
-        self._check_params = bool(every) and step % every == 0
+        if every and step % every == 0:
+            with torch.no_grad():
+                groups = self._groups if self._groups is not None else float_groups(self.params)
+                self._param_norm = total_norm(groups)  # non-finite exactly when a parameter is
 
-    def _norms(self) -> torch.Tensor | None:
-        """The gradient norm and, when queued, the parameter norm, in one foreach pass per group;
-        None when there is nothing to measure."""
-        check, self._check_params = self._check_params, False
+    def _grad_norm(self) -> torch.Tensor | None:
+        """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
         with torch.no_grad():
             if self._groups is not None:
-                pairs = [([p.grad for p in ps if p.grad is not None], ps if check else ()) for ps in self._groups]
+                groups = [g for g in ([p.grad for p in ps if p.grad is not None] for ps in self._groups) if g]
                 try:
-                    return total_norms(pairs, sets=2) if any(g or p for g, p in pairs) else None
+                    return total_norm(groups) if groups else None
                 except (RuntimeError, NotImplementedError):
                     self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
-            grads = [(g, ()) for g in float_groups(p.grad for p in self.params if p.grad is not None)]
-            params = [((), ps) for ps in float_groups(self.params)] if check else []
-            return total_norms(grads + params, sets=2) if grads or params else None
+            groups = float_groups(p.grad for p in self.params if p.grad is not None)
+            return total_norm(groups) if groups else None
 
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored."""
-        self._check_params = False
+        self._param_norm = None
 
 
 _TABLE_KEYS = [(scaled, merge) for scaled in (False, True) for merge in (False, True)]
