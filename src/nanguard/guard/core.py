@@ -143,7 +143,7 @@ class Guard:
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
             return _plain_step(self, closure)
-        self._settle()
+        _settle(self)
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
@@ -213,7 +213,7 @@ class Guard:
         value = _check_args(loss, replay, rng)
         if self.disabled:
             return True
-        self._settle()
+        _settle(self)
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
@@ -262,15 +262,8 @@ class Guard:
         h = measured.read(step, agreed, scaled=self.scaler is not None)
         return self._decide(h, replay, batch, rng, restore_buffers=restore_buffers)
 
-    def _decide(
-        self,
-        h: StepHealth,
-        replay: Callable[[], Any] | None,
-        batch: Any,
-        rng: dict[str, torch.Tensor] | None,
-        *,
-        restore_buffers: bool,
-    ) -> bool:
+    def _decide(self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any,
+                rng: dict[str, torch.Tensor] | None, *, restore_buffers: bool) -> bool:  # fmt: skip
         """A read step's verdict: trip, overflow, spike skip, or go (True)."""
         step = h.step
         self._health_now = h
@@ -280,7 +273,7 @@ class Guard:
             self._trip(diag, step - 1, batch, rng)
             return False
         if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
-            self._overflow(h)
+            _overflow(self, h)
             return False
         if h.bad_ranks or h.synced_bad:
             if restore_buffers:
@@ -300,18 +293,6 @@ class Guard:
             return False
         self._pending = h
         return True
-
-    def _settle(self) -> None:
-        """Deferred mode: read the last step's flags (its update is running on the device, which
-        skipped it if bad) and finish that step as the immediate path would have."""
-        w, self._waiting = self._waiting, None
-        if w is None:
-            return
-        h = w.copy.read(w.step, scaled=False)
-        self._closure_error = w.closure_error
-        with _undo_on_error(self, w.rng):
-            if self._decide(h, w.replay, w.batch, w.rng, restore_buffers=True):
-                self.after_step()
 
     def _next_step(self) -> int:
         step = self.step_count
@@ -342,22 +323,6 @@ class Guard:
         diag.step = step
         self._trip(diag, step, batch, None)
         return True
-
-    def _overflow(self, h: StepHealth) -> None:
-        """A GradScaler overflow step: normal, counted, and skipped by the scaler itself."""
-        assert self.scaler is not None and h.scale is not None
-        new_scale, streak, c = self.recovery.overflow(), self.recovery.overflow_streak, self.config
-        self.last_action = "overflow"
-        self.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
-        self.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
-        if new_scale < c.loss_scale_floor or streak >= c.max_overflow_streak:
-            diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
-                                       overflows=self.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
-            if self._remedies.rescue_scaler(h.step, diag, self.scaler, self.recovery):
-                return
-            self.last_diagnosis = diag
-            self.recorder.trip(h.step, action="raise", ranks=[self.rank], diagnosis=diag)
-            raise NonFiniteError(diag)
 
     # -- trips -------------------------------------------------------------------------
     def _trip(
@@ -400,7 +365,7 @@ class Guard:
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters, history and detector windows, so a resumed run keeps them."""
-        self._settle()
+        _settle(self)
         return {
             "step_count": self.step_count,
             **self.recovery.state_dict(),
@@ -419,9 +384,39 @@ class Guard:
         self._remedies.load_state_dict(state.get("remedies") or {})
 
     def close(self) -> None:
-        self._settle()
+        _settle(self)
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
+
+
+def _settle(guard: Guard) -> None:
+    """Deferred mode: read the last step's flags (its update is running on the device, which
+    skipped it if bad) and finish that step as the immediate path would have."""
+    w, guard._waiting = guard._waiting, None
+    if w is None:
+        return
+    h = w.copy.read(w.step, scaled=False)
+    guard._closure_error = w.closure_error
+    with _undo_on_error(guard, w.rng):
+        if guard._decide(h, w.replay, w.batch, w.rng, restore_buffers=True):
+            guard.after_step()
+
+
+def _overflow(guard: Guard, h: StepHealth) -> None:
+    """A GradScaler overflow step: normal, counted, and skipped by the scaler itguard."""
+    assert guard.scaler is not None and h.scale is not None
+    new_scale, streak, c = guard.recovery.overflow(), guard.recovery.overflow_streak, guard.config
+    guard.last_action = "overflow"
+    guard.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
+    guard.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
+    if new_scale < c.loss_scale_floor or streak >= c.max_overflow_streak:
+        diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
+                                   overflows=guard.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
+        if guard._remedies.rescue_scaler(h.step, diag, guard.scaler, guard.recovery):
+            return
+        guard.last_diagnosis = diag
+        guard.recorder.trip(h.step, action="raise", ranks=[guard.rank], diagnosis=diag)
+        raise NonFiniteError(diag)
 
 
 @dataclass(frozen=True)
