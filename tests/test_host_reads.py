@@ -17,7 +17,7 @@ import torch
 
 import nanguard as ng
 from nanguard import stats
-from nanguard.zoo import build, get, train_step
+from nanguard.zoo import GPT, GPTConfig, build, get, synthetic_batch, train_step
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 STEPS = 6
@@ -61,3 +61,53 @@ def test_a_healthy_guarded_step_adds_at_most_one_host_read(reads: list[str], opt
     added = guarded - plain
     assert added <= STEPS, f"the guard added {added} host reads over {STEPS} healthy steps: {reads[-guarded:]}"
     assert added >= 1, "the counter saw no guard read at all: the check must read its verdict somewhere"
+
+
+def _fused_run() -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vision_dim=16))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def _vision_batch(model: GPT, step: int, bad: bool = False) -> dict[str, torch.Tensor]:
+    batch = synthetic_batch(model.config, torch.Generator().manual_seed(step))
+    return {**batch, "pixel_values": torch.full((8, 4, 16), float("nan"))} if bad else batch
+
+
+def _vision_step(guard: ng.Guard, model: GPT, step: int):
+    batch = _vision_batch(model, step)
+    return guard.step(lambda: train_step(model, batch), batch=batch)
+
+
+def test_deferred_fault_is_skipped_on_the_device_and_diagnosed_with_the_next_call(reads: list[str]) -> None:
+    plain_model, plain_opt = _fused_run()  # the fused optimizer may read on its own: counted unguarded
+    train_step(plain_model, _vision_batch(plain_model, 0))
+    start = len(reads)
+    plain_opt.step()
+    optimizer_reads = len(reads) - start
+    model, opt = _fused_run()
+    guard = ng.Guard(model, opt, policy="skip", sync="deferred")
+    for step in range(3):
+        _vision_step(guard, model, step)
+    before = [p.detach().clone() for p in model.parameters()]
+    # Step 3 is bad: after its closure, its call reads nothing, and its update does not land.
+    bad = _vision_batch(model, 3, bad=True)
+    closure_done: list[int] = []
+
+    def closure() -> torch.Tensor:
+        loss = train_step(model, bad)
+        closure_done.append(len(reads))
+        return loss
+
+    loss = guard.step(closure, batch=bad)
+    after_closure = reads[closure_done[0] :]
+    assert len(after_closure) <= optimizer_reads, f"the guard read inside the bad step: {after_closure[:5]}"
+    assert loss is not None  # its verdict is not known yet
+    assert guard.last_diagnosis is None and guard.skipped == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # The next call reads step 3's verdict first: diagnosis of step 3, skipped, then runs its own step.
+    assert _vision_step(guard, model, 4) is not None
+    diag = guard.last_diagnosis
+    assert (diag.cause, diag.step, diag.module) == ("data.nonfinite", 3, "vis_proj")
+    guard.close()
+    assert guard.last_action == "step" and guard.step_count == 5 and guard.skipped == 1

@@ -61,9 +61,9 @@ class SpikeDetector:
         if not math.isfinite(value):
             return None
         spike = None
-        if len(self.values) >= self.warmup:
+        if len(self.values) >= self.warmup and self._above_recent_peak(value):  # the cheap test first
             score, med = self.score(value)
-            if score > self.threshold and self._above_recent_peak(value):
+            if score > self.threshold:
                 spike = Spike(self.metric, value, med, score)
         self.values.append(value)
         return spike

@@ -102,12 +102,14 @@ def float_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """L2 norm over every tensor of ``groups`` as one float32 device scalar: NaN/Inf exactly when
-    some element is, and finite for finite inputs (a norm past the float32 range reads as its max).
+    """L2 norm over every tensor of ``groups`` (each of one device and dtype) as one float32 device
+    scalar: NaN/Inf exactly when some element is, and finite for finite inputs (a norm past the
+    float32 range reads as its max). Without any tensor, a CPU zero.
 
-    Squares are summed in float64 where that costs nothing (CUDA: the kernel is memory-bound). On
-    CPU, where a value can be read without a device sync, a float32 sum that overflowed is summed
-    again in float64; the common step pays one float32 pass. Other devices sum in float32.
+    Squares are summed in float64 where that costs nothing (CUDA: the kernel is memory-bound), and
+    for float64 tensors. On CPU, where a value can be read without a device sync, a float32 sum
+    that overflowed is summed again in float64; the common step pays one float32 pass. Other
+    devices sum in float32.
 
     Example:
         >>> 1.9e20 < total_norm([[torch.full((4,), 1e20)]]).item() < 2.1e20
@@ -117,7 +119,8 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     if not groups:
         return torch.zeros((), dtype=torch.float32)
     device = groups[0][0].device
-    acc = _ACCUMULATE.get(device.type, torch.float32)
+    wide = any(g[0].dtype == torch.float64 for g in groups)  # its norms cannot narrow to float32
+    acc = torch.float64 if wide else _ACCUMULATE.get(device.type, torch.float32)
     total = _norm_of_norms(groups, device, acc)
     if acc == torch.float32 and device.type == "cpu" and math.isinf(total.item()):
         acc, total = torch.float64, _norm_of_norms(groups, device, torch.float64)
@@ -130,11 +133,13 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
 _ACCUMULATE = {"cuda": torch.float64}
 
 
-def _norm_of_norms(groups: list[list[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
-    # One foreach kernel per group, then the norm of the per-tensor norms (a short vector).
-    parts = [torch.stack(compat.foreach_norm(ts, 2.0, dtype=acc)) for ts in groups]
-    flat = parts[0] if len(parts) == 1 else torch.cat([p.to(device) for p in parts])
-    return torch.linalg.vector_norm(flat)
+def _norm_of_norms(groups: list[Sequence[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
+    # One foreach kernel per group, then one stack of the per-tensor norms and their norm.
+    norms = []
+    for ts in groups:
+        found = compat.foreach_norm(list(ts), 2.0, dtype=acc)
+        norms.extend(found if len(groups) == 1 else (n.to(device) for n in found))
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 # The init ratio is rms(weight) * sqrt(fan_in): PyTorch's default init gives ~0.58,

@@ -6,10 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["POLICIES", "GuardConfig"]
+__all__ = ["POLICIES", "SYNC_MODES", "GuardConfig"]
 
 POLICIES = ("skip", "rollback", "raise", "auto")
 QUARANTINE_SCOPES = ("rows", "batch", "previous", "off")
+SYNC_MODES = ("auto", "immediate", "deferred")
 
 
 @dataclass(kw_only=True)
@@ -74,6 +75,15 @@ class GuardConfig:
     when the rows cannot be told, that and the "previous" batch, or "off"."""
     headroom_every: int = 100
     """Every N steps, measure how close float16/bfloat16 op outputs per module come to overflow (0 = off)."""
+    sync: str = "auto"
+    """When ``step`` reads a step's health: "immediate" (within the step, before its update), or
+    "deferred": step N's flags go to the host in a non-blocking copy and are read at the start of
+    step N+1, while step N's update runs on the device, which skips a bad update itself (the
+    optimizer's ``found_inf``). So deferred adds no host sync inside a step; it needs an optimizer
+    that takes ``found_inf`` (fused Adam/AdamW/SGD), no GradScaler, no ``clip_grad_norm`` and
+    ``skip_spikes=False``, and a bad step's verdict (diagnosis, skip, rollback or raise) comes
+    with the next call to ``step`` (or ``close``/``state_dict``). "auto": deferred on CUDA where
+    it applies, immediate elsewhere. ``check()`` always reads immediately."""
     clip_grad_norm: float | None = None
     """Clip the gradients' global norm to this after the guard's unscale and check, before the
     optimizer step; the history keeps the norm before clipping, so divergence still shows."""
@@ -108,6 +118,8 @@ class GuardConfig:
         factor = self.lr_factor
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
             raise ValueError(f"lr_factor must be a number in (0, 1], got {self.lr_factor!r}")
+        if self.sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
         if self.quarantine not in QUARANTINE_SCOPES:
             raise ValueError(f"quarantine must be one of {QUARANTINE_SCOPES}, got {self.quarantine!r}")
         weights = self.bundle_weights

@@ -12,7 +12,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import step_accumulated
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth
+from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
@@ -119,6 +119,8 @@ class Guard:
         self._closure_error: BaseException | None = None
         self._pending: StepHealth | None = None
         self._health_now: StepHealth | None = None  # this step's, once read
+        self._deferred = _deferred(c, optimizer, self.scaler, self._fused, self._cuda_devices)
+        self._waiting: _Waiting | None = None  # deferred: the last step, its verdict not read yet
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, lambda: getattr(self, "scheduler", None))
         if c.policy in ("rollback", "auto"):
@@ -148,6 +150,7 @@ class Guard:
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
             return _plain_step(self, closure)
+        _settle(self)
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
@@ -183,6 +186,8 @@ class Guard:
         device_step = device_step and self.config.clip_grad_norm is None  # the clip comes before the step
         if not (self._check(value, closure, batch, rng, device_step=device_step) and _clip(self)):
             return None
+        if self._waiting is not None:
+            return loss  # deferred: its verdict and bookkeeping come with the next call
         if self.scaler is not None:
             scaler_step(self.optimizer, self.scaler)
         elif not device_step:
@@ -214,6 +219,7 @@ class Guard:
         value = _check_args(loss, replay, rng)
         if self.disabled:
             return True
+        _settle(self)
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
@@ -253,9 +259,19 @@ class Guard:
         measured = self.health.measure(loss)
         agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
         if device_step:
+            copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))
+            if copy is not None:
+                self._waiting = _Waiting(step, copy, replay, batch, rng, self._closure_error)
+                return True
         h = measured.read(step, agreed, scaled=self.scaler is not None)
+        return self._decide(h, replay, batch, rng, restore_buffers=restore_buffers)
+
+    def _decide(self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any,
+                rng: dict[str, torch.Tensor] | None, *, restore_buffers: bool) -> bool:  # fmt: skip
+        """A read step's verdict: trip, overflow, spike skip, or go (True)."""
+        step = h.step
         self._health_now = h
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
             self.recovery.abandon(restore_buffers, rng)
@@ -263,7 +279,7 @@ class Guard:
             self._trip(diag, step - 1, batch, rng)
             return False
         if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
-            self._overflow(h)
+            _overflow(self, h)
             return False
         if h.bad_ranks or h.synced_bad:
             if restore_buffers:
@@ -315,22 +331,6 @@ class Guard:
         self._trip(diag, step, batch, None)
         return True
 
-    def _overflow(self, h: StepHealth) -> None:
-        """A GradScaler overflow step: normal, counted, and skipped by the scaler itself."""
-        assert self.scaler is not None and h.scale is not None
-        new_scale, streak, c = self.recovery.overflow(), self.recovery.overflow_streak, self.config
-        self.last_action = "overflow"
-        self.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
-        self.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
-        if new_scale < c.loss_scale_floor or streak >= c.max_overflow_streak:
-            diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
-                                       overflows=self.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
-            if self._remedies.rescue_scaler(h.step, diag, self.scaler, self.recovery):
-                return
-            self.last_diagnosis = diag
-            self.recorder.trip(h.step, action="raise", ranks=[self.rank], diagnosis=diag)
-            raise NonFiniteError(diag)
-
     # -- trips -------------------------------------------------------------------------
     def _trip(
         self,
@@ -372,6 +372,7 @@ class Guard:
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters, history and detector windows, so a resumed run keeps them."""
+        _settle(self)
         return {
             "step_count": self.step_count,
             **self.recovery.state_dict(),
@@ -390,8 +391,64 @@ class Guard:
         self._remedies.load_state_dict(state.get("remedies") or {})
 
     def close(self) -> None:
+        _settle(self)
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
+
+
+def _settle(guard: Guard) -> None:
+    """Deferred mode: read the last step's flags (its update is running on the device, which
+    skipped it if bad) and finish that step as the immediate path would have."""
+    w, guard._waiting = guard._waiting, None
+    if w is None:
+        return
+    h = w.copy.read(w.step, scaled=False)
+    guard._closure_error = w.closure_error
+    with _undo_on_error(guard, w.rng):
+        if guard._decide(h, w.replay, w.batch, w.rng, restore_buffers=True):
+            guard.after_step()
+
+
+def _overflow(guard: Guard, h: StepHealth) -> None:
+    """A GradScaler overflow step: normal, counted, and skipped by the scaler itguard."""
+    assert guard.scaler is not None and h.scale is not None
+    new_scale, streak, c = guard.recovery.overflow(), guard.recovery.overflow_streak, guard.config
+    guard.last_action = "overflow"
+    guard.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
+    guard.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
+    if new_scale < c.loss_scale_floor or streak >= c.max_overflow_streak:
+        diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
+                                   overflows=guard.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
+        if guard._remedies.rescue_scaler(h.step, diag, guard.scaler, guard.recovery):
+            return
+        guard.last_diagnosis = diag
+        guard.recorder.trip(h.step, action="raise", ranks=[guard.rank], diagnosis=diag)
+        raise NonFiniteError(diag)
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A deferred step whose flags are on their way to the host, and what its replay needs."""
+
+    step: int
+    copy: HostCopy
+    replay: Callable[[], Any] | None
+    batch: Any
+    rng: dict[str, torch.Tensor] | None
+    closure_error: BaseException | None
+
+
+def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any, fused: bool, cuda: list[int]) -> bool:
+    """Whether ``step`` reads each step's health one step late (``GuardConfig.sync``)."""
+    fits = fused and scaler is None and config.clip_grad_norm is None and not config.skip_spikes
+    if config.sync == "deferred" and not fits:
+        raise ValueError(
+            "sync='deferred' needs an optimizer that takes found_inf (fused=True Adam, AdamW or SGD), no "
+            f"GradScaler, clip_grad_norm=None and skip_spikes=False; got {type(optimizer).__name__} "
+            f"(fused={fused}), scaler={scaler is not None}, clip_grad_norm={config.clip_grad_norm}, "
+            f"skip_spikes={config.skip_spikes}; use sync='immediate' or 'auto'"
+        )
+    return config.sync == "deferred" or (config.sync == "auto" and fits and bool(cuda))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from nanguard import compat, dist
 from nanguard.dist import CommWatch
 from nanguard.stats import float_groups, local, total_norm
 
-__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "StepHealth"]
+__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth"]
 
 
 class HealthFlag(IntFlag):
@@ -118,9 +118,41 @@ class DeviceHealth:
         )
 
 
+class HostCopy:
+    """A step's health on its way to the host without a sync: one non-blocking copy into pinned
+    memory and an event (on the CPU, the tensors themselves), read later with ``read``.
+
+    Example:
+        >>> copy = HostCopy(measured, agreed)   # step N: no host read
+        >>> health = copy.read(step=N, scaled=False)   # step N+1: waits for step N's flags only
+    """
+
+    def __init__(self, measured: DeviceHealth, agreed: torch.Tensor) -> None:
+        self.world = agreed.numel()
+        extra = torch.stack([measured.scale.float(), measured.loss.float(), measured.grad_norm.float()])
+        packed = torch.cat([agreed, extra.to(agreed.device)])
+        self.event: Any = None
+        if packed.device.type == "cuda":
+            self.values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.values.copy_(packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = packed
+
+    def read(self, step: int, *, scaled: bool) -> StepHealth:
+        if self.event is not None:
+            self.event.synchronize()  # the copy only, not the work queued after it
+        v, w = self.values, self.world
+        host = DeviceHealth(grad_norm=v[w + 2], loss=v[w + 1], scale=v[w], flags=v[:0])
+        return host.read(step, v[:w], scaled=scaled)
+
+
 class HealthCheck:
     """Measures a rank's step on the device; checks parameters after an update, to be read
-    with the next step so the check adds no host sync.
+    with the next step so the check adds no host sync. The check sees parameters the next forward
+    does not use (an embedding row no batch picked), which no loss or gradient would show; taken
+    right after the update, it does not blame the update for what changed the parameters later.
 
     Example:
         >>> check = HealthCheck(params, scaler=None, comm=dist.CommWatch(), param_check_every=1)
@@ -138,39 +170,46 @@ class HealthCheck:
         self.comm = comm
         self.param_check_every = param_check_every
         self._param_norm: torch.Tensor | None = None
+        self._flag_tables: dict[torch.device, tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]] = {}
+        self._one: dict[torch.device, torch.Tensor] = {}
 
     def measure(self, loss: Any) -> DeviceHealth:
         gn = self._grad_norm()
         device = gn.device if gn is not None else _device_of(loss)
         gn = gn if gn is not None else torch.zeros((), device=device)
+        pn, self._param_norm = self._param_norm, None
+        pn = pn.to(device) if pn is not None else gn.new_zeros(())
         if isinstance(loss, torch.Tensor):
             lv = loss.detach().reshape(-1)[0].to(device, torch.float32)
         else:
             lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
-        # One isfinite over [loss, grad norm, parameter norm]: few kernels on the step's path.
-        values = [lv, gn] if self._param_norm is None else [lv, gn, self._param_norm.to(device)]
-        bad = torch.isfinite(torch.stack(values)).logical_not_()
-        loss_bad, grads_bad = bad[0], bad[1]
-        local = loss_bad
+        # One isfinite over [loss, grad norm, parameter norm], and the flags looked up from its
+        # three bits: few kernels on the step's path.
+        bad = torch.isfinite(torch.stack([lv, gn, pn])).logical_not_()
         pre_comm = self.comm.local_flag(device)
-        if pre_comm is not None:
-            local = local | pre_comm  # this rank's own gradients, before DDP averaged them
-        elif not dist.is_distributed():
-            local = bad[:2].any()
-        if self.scaler is not None:
-            # Overflowing gradients are the scaler's business; only a bad loss is a trip here.
-            scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
-            flags = loss_bad.to(torch.int32) * HealthFlag.LOCAL
-        else:
-            scale = gn.new_ones(())
-            flags = local.to(torch.int32) * HealthFlag.LOCAL + grads_bad.to(torch.int32) * HealthFlag.SYNCED
+        merge = pre_comm is None and not dist.is_distributed()
+        table, bits = self._tables(device)
+        flags = torch.take(table[(self.scaler is not None, merge)], (bad * bits).sum())  # a device index: no read
+        if pre_comm is not None and self.scaler is None:
+            flags = flags | pre_comm.to(torch.int32) * HealthFlag.LOCAL  # its own gradients, before DDP averaged them
         wire = self.comm.wire_flag(device)
         if wire is not None:
             flags = flags + wire.to(torch.int32) * HealthFlag.WIRE
-        if self._param_norm is not None:
-            flags = flags + bad[2].to(torch.int32) * HealthFlag.PARAMS
-            self._param_norm = None
+        if self.scaler is not None:
+            scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
+        else:
+            scale = self._one[device]
         return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
+
+    def _tables(self, device: torch.device) -> tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]:
+        """The flags of each (loss bad, grads bad, params bad) pattern, indexed by their bits, on ``device``."""
+        if device not in self._flag_tables:
+            self._flag_tables[device] = (
+                {key: torch.tensor(_flag_table(*key), dtype=torch.int32, device=device) for key in _TABLE_KEYS},
+                torch.tensor([1, 2, 4], device=device),
+            )
+            self._one[device] = torch.ones((), device=device)
+        return self._flag_tables[device]
 
     def after_update(self, step: int) -> None:
         """Queue a parameter check of the update of ``step`` (every ``param_check_every`` steps)."""
@@ -182,14 +221,15 @@ class HealthCheck:
 
     def _grad_norm(self) -> torch.Tensor | None:
         """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
-        if self._groups is not None:
-            groups = [g for g in ([p.grad for p in ps if p.grad is not None] for ps in self._groups) if g]
-            try:
-                return total_norm(groups) if groups else None
-            except (RuntimeError, NotImplementedError):
-                self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
-        groups = float_groups(p.grad for p in self.params if p.grad is not None)
-        return total_norm(groups) if groups else None
+        with torch.no_grad():
+            if self._groups is not None:
+                groups = [g for g in ([p.grad for p in ps if p.grad is not None] for ps in self._groups) if g]
+                try:
+                    return total_norm(groups) if groups else None
+                except (RuntimeError, NotImplementedError):
+                    self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
+            groups = float_groups(p.grad for p in self.params if p.grad is not None)
+            return total_norm(groups) if groups else None
 
     @contextlib.contextmanager
     def riding(self) -> Iterator[None]:
@@ -240,6 +280,22 @@ class HealthCheck:
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored."""
         self._param_norm = None
+
+
+_TABLE_KEYS = [(scaled, merge) for scaled in (False, True) for merge in (False, True)]
+
+
+def _flag_table(scaled: bool, merge: bool) -> list[int]:
+    """Flags by ``loss_bad + 2 * grads_bad + 4 * params_bad``. With a GradScaler, overflowing
+    gradients are the scaler's business: only a bad loss is a trip. ``merge``: a single process
+    without a comm watch counts its (own) gradients as local."""
+    table = []
+    for index in range(8):
+        loss_bad, grads_bad, params_bad = index & 1, index >> 1 & 1, index >> 2 & 1
+        local = loss_bad | (grads_bad if merge else 0)
+        flags = HealthFlag.LOCAL * loss_bad if scaled else HealthFlag.LOCAL * local + HealthFlag.SYNCED * grads_bad
+        table.append(int(flags + HealthFlag.PARAMS * params_bad))
+    return table
 
 
 def _device_of(loss: Any) -> torch.device:
