@@ -161,25 +161,7 @@ class Guard:
 
     def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
         self.health.comm.reset()
-        self._closure_error = None
-        try:
-            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count), self.health.riding():
-                loss = closure()
-            value = _loss_value(loss, "the closure's return value", allow_none=False)
-        except (IndexError, RuntimeError) as err:
-            if not _index_error(err):
-                raise
-            if dist.is_distributed():
-                # The other ranks are already in the gradient all-reduce: joining them is
-                # impossible, so fail loudly rather than hang. check_batch=True catches it first.
-                log.error("nanguard: the forward raised on rank %d; use Guard(check_batch=True) under "
-                          "torch.distributed to catch out-of-range ids before the forward", self.rank)  # fmt: skip
-                raise
-            # An out-of-range id raises on CPU. This rank still joins the agreement, flagged
-            # by a NaN loss, and its replay turns the error into a data diagnosis.
-            self._closure_error = err
-            self.model.zero_grad(set_to_none=True)
-            loss = value = torch.full((), math.nan, device=self._params[0].device if self._params else None)
+        loss, value, self._closure_error = _run_closure(self, closure)
         _unscale(self.scaler, self.optimizer)
         # A spike verdict comes after the host read, too late for the device path.
         device_step = self._fused and self.scaler is None and not self.config.skip_spikes
@@ -449,6 +431,28 @@ def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any
             f"skip_spikes={config.skip_spikes}; use sync='immediate' or 'auto'"
         )
     return config.sync == "deferred" or (config.sync == "auto" and fits and bool(cuda))
+
+
+def _run_closure(guard: Guard, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
+    """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
+    try:
+        with torch.enable_grad(), guard._remedies.headroom.watch(guard.step_count), guard.health.riding():
+            loss = closure()
+        return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
+    except (IndexError, RuntimeError) as err:
+        if not _index_error(err):
+            raise
+        if dist.is_distributed():
+            # The other ranks are already in the gradient all-reduce: joining them is
+            # impossible, so fail loudly rather than hang. check_batch=True catches it first.
+            log.error("nanguard: the forward raised on rank %d; use Guard(check_batch=True) under "
+                      "torch.distributed to catch out-of-range ids before the forward", guard.rank)  # fmt: skip
+            raise
+        # An out-of-range id raises on CPU. This rank still joins the agreement, flagged
+        # by a NaN loss, and its replay turns the error into a data diagnosis.
+        guard.model.zero_grad(set_to_none=True)
+        nan = torch.full((), math.nan, device=guard._params[0].device if guard._params else None)
+        return nan, nan, err
 
 
 @contextlib.contextmanager
