@@ -34,9 +34,10 @@ def is_float(t: object) -> bool:
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Summary statistics of one tensor in a single host read.
+    """Summary statistics of one tensor: three passes when it is finite.
 
-    min/max/absmax are taken over the finite values, so a NaN does not hide the scale.
+    min/max/absmax are taken over the finite values, so a NaN does not hide the scale. 16- and
+    8-bit floats are counted in float32; float64 keeps its range.
 
     Example:
         >>> tensor_stats(torch.tensor([0.0, 1.0, float("nan")]))["nan"]
@@ -52,33 +53,26 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
         vals = torch.stack([x.min(), x.max(), (x == 0).sum(), (x < 0).sum()]).tolist()
         out.update(min=vals[0], max=vals[1], zeros=vals[2], negative=vals[3])
         return out
-    x = x.float()
-    finite = torch.isfinite(x)
-    big = torch.finfo(torch.float32).max
-    fx = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    vals = torch.stack(
-        [
-            torch.where(finite, x, big).min(),
-            torch.where(finite, x, -big).max(),
-            fx.abs().max(),
-            (x == 0).sum().float(),
-            (x < 0).sum().float(),
-            torch.isnan(x).sum().float(),
-            (x == math.inf).sum().float(),
-            (x == -math.inf).sum().float(),
-            finite.sum().float(),
-        ]
-    ).tolist()
-    nfinite = int(vals[8])
+    if x.element_size() < 4:
+        x = x.float()
+    lo, hi = torch.stack(torch.aminmax(x)).tolist()
+    # Exact for NaN and Inf too: neither is zero, and only -Inf is negative.
+    nonzero, negative = torch.stack([torch.count_nonzero(x), (x < 0).sum()]).tolist()
+    nan = posinf = neginf = 0
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        finite = x[torch.isfinite(x)]
+        nan, neginf = torch.stack([torch.isnan(x).sum(), (x == -math.inf).sum()]).tolist()
+        posinf = x.numel() - finite.numel() - nan - neginf
+        lo, hi = torch.stack(torch.aminmax(finite)).tolist() if finite.numel() else (None, None)
     out.update(
-        min=vals[0] if nfinite else None,
-        max=vals[1] if nfinite else None,
-        absmax=vals[2],
-        zeros=int(vals[3]),
-        negative=int(vals[4]),
-        nan=int(vals[5]),
-        posinf=int(vals[6]),
-        neginf=int(vals[7]),
+        min=lo,
+        max=hi,
+        absmax=0.0 if lo is None or hi is None else max(abs(lo), abs(hi)),
+        zeros=x.numel() - nonzero,
+        negative=negative,
+        nan=nan,
+        posinf=posinf,
+        neginf=neginf,
     )
     return out
 
