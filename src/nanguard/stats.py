@@ -34,7 +34,7 @@ def is_float(t: object) -> bool:
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Summary statistics of one tensor: three passes when it is finite.
+    """Summary statistics of one tensor: three passes when it is finite, eight when not.
 
     min/max/absmax are taken over the finite values, so a NaN does not hide the scale. 16- and
     8-bit floats are counted in float32; float64 keeps its range.
@@ -56,20 +56,24 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     if x.element_size() < 4:
         x = x.float()
     lo, hi = torch.stack(torch.aminmax(x)).tolist()
-    # Exact for NaN and Inf too: neither is zero, and only -Inf is negative.
-    nonzero, negative = torch.stack([torch.count_nonzero(x), (x < 0).sum()]).tolist()
-    nan = posinf = neginf = 0
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        finite = x[torch.isfinite(x)]
-        nan, neginf = torch.stack([torch.isnan(x).sum(), (x == -math.inf).sum()]).tolist()
-        posinf = x.numel() - finite.numel() - nan - neginf
-        lo, hi = torch.stack(torch.aminmax(finite)).tolist() if finite.numel() else (None, None)
+    finite = math.isfinite(lo) and math.isfinite(hi)
+    # NaN/Inf read as zeros here; then only the finite values are counted as zero or negative.
+    z = x if finite else x.nan_to_num(0.0, 0.0, 0.0)
+    counts = [(z == 0).sum(), (z < 0).sum()]
+    if not finite:
+        counts += [torch.isnan(x).sum(), torch.isposinf(x).sum(), torch.isneginf(x).sum()]
+        # A NaN/Inf read as the far end of the range cannot move the finite min or max.
+        big = torch.finfo(x.dtype).max
+        lo, hi = torch.stack([x.nan_to_num(big, big, big).amin(), x.nan_to_num(-big, -big, -big).amax()]).tolist()
+    zeros, negative, nan, posinf, neginf = [*torch.stack(counts).tolist(), 0, 0, 0][:5]
+    if nan + posinf + neginf == x.numel():
+        lo = hi = None
     out.update(
         min=lo,
         max=hi,
         absmax=0.0 if lo is None or hi is None else max(abs(lo), abs(hi)),
-        zeros=x.numel() - nonzero,
-        negative=negative,
+        zeros=zeros - nan - posinf - neginf,
+        negative=negative + neginf,
         nan=nan,
         posinf=posinf,
         neginf=neginf,
