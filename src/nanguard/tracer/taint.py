@@ -39,6 +39,7 @@ class Inputs:
     inf: bool
     taint: frozenset[int]
     inf_taint: frozenset[int]  # of inputs holding Inf but no NaN
+    written: tuple[float, ...] = ()  # the NaN/Inf Python numbers among them (a fill value)
 
 
 class TaintMap:
@@ -59,6 +60,7 @@ class TaintMap:
         nan = inf = False
         taint: set[int] = set()
         inf_taint: set[int] = set()
+        written: list[float] = []
         for x in flat:
             if isinstance(x, torch.Tensor):
                 if not (x.is_floating_point() or x.is_complex()):
@@ -73,7 +75,8 @@ class TaintMap:
             elif isinstance(x, float) and not math.isfinite(x):
                 nan |= math.isnan(x)
                 inf |= math.isinf(x)
-        return Inputs(nan, inf, frozenset(taint), frozenset(inf_taint))
+                written.append(x)
+        return Inputs(nan, inf, frozenset(taint), frozenset(inf_taint), tuple(written))
 
     def status_of(self, t: torch.Tensor) -> Status:
         version = _version(t)
