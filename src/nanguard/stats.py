@@ -34,7 +34,7 @@ def is_float(t: object) -> bool:
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Summary statistics of one tensor: three passes when it is finite, eight when not.
+    """Summary statistics of one tensor: three passes over a finite tensor, nine over one that is not.
 
     min/max/absmax are taken over the finite values, so a NaN does not hide the scale. 16- and
     8-bit floats are counted in float32; float64 keeps its range.
