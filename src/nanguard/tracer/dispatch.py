@@ -198,11 +198,16 @@ class Tracer:
         if ins.inf and facts.weighted:
             self._features(ins)
         clean = facts.keeps_finite and not (ins.nan or ins.inf)
+        source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
         for o in flat_out:
             if not (o.is_floating_point() or o.is_complex()):
                 continue
             if clean:
                 self.taint.set(o, False, False, frozenset())
+                continue
+            if source is not None and o.numel() >= source.numel() > 0:
+                self.taint.set(o, ins.nan, ins.inf, ins.taint)  # its input's values: nothing created
+                self._note_after(func, facts, ins.taint, ins.nan, where)
                 continue
             nan, inf = nonfinite_flags(o, likely=ins.nan or ins.inf)
             if not (nan or inf):
