@@ -117,3 +117,34 @@ def test_a_new_tensor_at_a_dead_ones_address_is_read_afresh() -> None:
     taint.status[id(new)] = taint.status[id(old)]  # what a reused address would look like
     assert taint.status_of(new).nan is False
     assert taint.taint_of(new) == frozenset()
+
+
+@pytest.mark.parametrize("values", [(), (NAN,), (INF,), (-INF,), (NAN, -INF)], ids=str)
+def test_same_values_ops_keep_their_input_flags(values: tuple[float, ...]) -> None:
+    # The tracer reads these ops' flags off their input instead of a pass over the output.
+    from nanguard.tracer import ops
+
+    x = torch.randn(4, 6)
+    for k, v in enumerate(values):
+        x[k, 2 * k + 1] = v
+    aten = torch.ops.aten
+    calls = [
+        (aten.view.default, (x, [6, 4])),
+        (aten._unsafe_view.default, (x, [24])),
+        (aten.t.default, (x,)),
+        (aten.transpose.int, (x, 0, 1)),
+        (aten.permute.default, (x, [1, 0])),
+        (aten.unsqueeze.default, (x, 1)),
+        (aten.squeeze.dim, (x[None], 0)),
+        (aten.expand.default, (x[:, None], [4, 3, 6])),
+        (aten.alias.default, (x,)),
+        (aten.detach.default, (x,)),
+        (aten.clone.default, (x,)),
+    ]
+    for func, args in calls:
+        assert ops.info(func).same_values, func
+        out = func(*args)
+        assert out.numel() >= args[0].numel()
+        assert nonfinite_flags(out) == nonfinite_flags(args[0]) == _reference(x), func
+    assert not ops.info(aten.view.dtype).same_values
+    assert not ops.info(aten.slice.Tensor).same_values

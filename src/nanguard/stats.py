@@ -34,9 +34,10 @@ def is_float(t: object) -> bool:
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Summary statistics of one tensor in a single host read.
+    """Summary statistics of one tensor: three passes over a finite tensor, nine over one that is not.
 
-    min/max/absmax are taken over the finite values, so a NaN does not hide the scale.
+    min/max/absmax are taken over the finite values, so a NaN does not hide the scale. 16- and
+    8-bit floats are counted in float32; float64 keeps its range.
 
     Example:
         >>> tensor_stats(torch.tensor([0.0, 1.0, float("nan")]))["nan"]
@@ -52,33 +53,30 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
         vals = torch.stack([x.min(), x.max(), (x == 0).sum(), (x < 0).sum()]).tolist()
         out.update(min=vals[0], max=vals[1], zeros=vals[2], negative=vals[3])
         return out
-    x = x.float()
-    finite = torch.isfinite(x)
-    big = torch.finfo(torch.float32).max
-    fx = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    vals = torch.stack(
-        [
-            torch.where(finite, x, big).min(),
-            torch.where(finite, x, -big).max(),
-            fx.abs().max(),
-            (x == 0).sum().float(),
-            (x < 0).sum().float(),
-            torch.isnan(x).sum().float(),
-            (x == math.inf).sum().float(),
-            (x == -math.inf).sum().float(),
-            finite.sum().float(),
-        ]
-    ).tolist()
-    nfinite = int(vals[8])
+    if x.element_size() < 4:
+        x = x.float()
+    lo, hi = torch.stack(torch.aminmax(x)).tolist()
+    finite = math.isfinite(lo) and math.isfinite(hi)
+    # NaN/Inf read as zeros here; then only the finite values are counted as zero or negative.
+    z = x if finite else x.nan_to_num(0.0, 0.0, 0.0)
+    counts = [(z == 0).sum(), (z < 0).sum()]
+    if not finite:
+        counts += [torch.isnan(x).sum(), torch.isposinf(x).sum(), torch.isneginf(x).sum()]
+        # A NaN/Inf read as the far end of the range cannot move the finite min or max.
+        big = torch.finfo(x.dtype).max
+        lo, hi = torch.stack([x.nan_to_num(big, big, big).amin(), x.nan_to_num(-big, -big, -big).amax()]).tolist()
+    zeros, negative, nan, posinf, neginf = [*torch.stack(counts).tolist(), 0, 0, 0][:5]
+    if nan + posinf + neginf == x.numel():
+        lo = hi = None
     out.update(
-        min=vals[0] if nfinite else None,
-        max=vals[1] if nfinite else None,
-        absmax=vals[2],
-        zeros=int(vals[3]),
-        negative=int(vals[4]),
-        nan=int(vals[5]),
-        posinf=int(vals[6]),
-        neginf=int(vals[7]),
+        min=lo,
+        max=hi,
+        absmax=0.0 if lo is None or hi is None else max(abs(lo), abs(hi)),
+        zeros=zeros - nan - posinf - neginf,
+        negative=negative + neginf,
+        nan=nan,
+        posinf=posinf,
+        neginf=neginf,
     )
     return out
 

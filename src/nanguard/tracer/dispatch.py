@@ -198,11 +198,16 @@ class Tracer:
         if ins.inf and facts.weighted:
             self._features(ins)
         clean = facts.keeps_finite and not (ins.nan or ins.inf)
+        source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
         for o in flat_out:
             if not (o.is_floating_point() or o.is_complex()):
                 continue
             if clean:
                 self.taint.set(o, False, False, frozenset())
+                continue
+            if source is not None and o.numel() >= source.numel() > 0:
+                self.taint.set(o, ins.nan, ins.inf, ins.taint)  # its input's values: nothing created
+                self._note_after(func, facts, ins.taint, ins.nan, where)
                 continue
             nan, inf = nonfinite_flags(o, likely=ins.nan or ins.inf)
             if not (nan or inf):
@@ -216,17 +221,18 @@ class Tracer:
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
                 out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else frozenset())
-            elif not (created_nan or created_inf):
-                value = _written(o, flat_in)
+            elif ins.written and not (created_nan or created_inf):
+                value = _written(o, ins.written)
                 if value is not None:
                     out_taint = out_taint | {self._write(func, value, outputs=[tensor_stats(o)]).id}
             self.taint.set(o, nan, inf, out_taint)
             self._note_after(func, facts, out_taint, nan, where)
 
+        backward = torch._C._current_autograd_node() is not None
         if flat_out:
-            self._note_nodes(func, facts, flat_in)
+            self._note_nodes(facts, flat_in, backward)
         if not facts.quiet:
-            self.recent.append((func, self.modules.current_name(), _phase()))
+            self.recent.append((func, self.modules.current_name(), "backward" if backward else "forward"))
 
     # -- helpers -----------------------------------------------------------------------
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
@@ -370,14 +376,14 @@ class Tracer:
             w = where or self._where(func)
             origin.after.append({"index": self.index, "op": w.op, "module": w.module, "phase": w.phase, "nan": nan})
 
-    def _note_nodes(self, func: Any, facts: ops.OpInfo, ins: list[Any]) -> None:
+    def _note_nodes(self, facts: ops.OpInfo, ins: list[Any], backward: bool) -> None:
         """Remember which module and line each forward op ran in, keyed by the sequence
         number of the autograd node it creates, so its backward can be attributed.
 
         Two kinds of node are made where no grad-recording forward op runs: a custom
         ``autograd.Function``'s, made by ``apply`` just before its forward runs with grad
         off, and the nodes of a reentrant checkpoint's forward, re-run inside backward."""
-        if torch._C._current_autograd_node() is not None and self.modules.current is None:
+        if backward and self.modules.current is None:
             return  # a backward op; a forward re-run during backward has a module running
         grad = torch.is_grad_enabled()
         # Inside dispatch, autograd has already built this op's node: its number is one less.
@@ -409,11 +415,11 @@ class Tracer:
         return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
 
 
-def _written(out: torch.Tensor, inputs: list[Any]) -> str | None:
+def _written(out: torch.Tensor, values: Sequence[float]) -> str | None:
     """The explicit non-finite number an op was given (``masked_fill(m, -inf)``,
     ``fill_(nan)``, ``full(..., inf)``) if its output holds it: "nan", "inf" or "-inf"."""
-    for x in inputs:
-        if isinstance(x, float) and not math.isfinite(x) and out.dtype.is_floating_point:
+    for x in values:
+        if out.dtype.is_floating_point:
             hit = torch.isnan(out).any() if math.isnan(x) else (out == x).any()
             if bool(hit):
                 return "nan" if math.isnan(x) else "-inf" if x < 0 else "inf"
@@ -428,10 +434,6 @@ def _mask_values(t: torch.Tensor) -> bool:
     """Does ``t`` hold only 0 and -inf (or the dtype's lowest value): an additive mask?"""
     x = local(t).detach()
     return bool(((x == 0) | (x == -math.inf) | (x == torch.finfo(x.dtype).min)).all())
-
-
-def _phase() -> str:
-    return "backward" if torch._C._current_autograd_node() is not None else "forward"
 
 
 def _scalar(x: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from types import CodeType
 from typing import Any
 
@@ -142,10 +143,7 @@ class ModuleStack:
             return None
         key = id(module)
         if key not in self._eps:
-            values = (getattr(module, attr, None) for attr in ("eps", "variance_epsilon", "epsilon"))
-            self._eps[key] = next(
-                (float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)), None
-            )
+            self._eps[key] = next((float(v) for v in _eps_values(module) if _is_number(v)), None)
         return self._eps[key]
 
     def state_name(self, tensor: torch.Tensor) -> str | None:
@@ -158,6 +156,24 @@ class ModuleStack:
         """Qualified name of the module that owns ``tensor`` as a parameter or buffer."""
         name = self.state_name(tensor)
         return name.rpartition(".")[0] if name is not None else None
+
+
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+
+
+def _eps_values(module: nn.Module) -> Iterator[Any]:
+    # A number is an instance or class attribute: nn.Module's __getattr__ only finds
+    # parameters, buffers and submodules, and raising from it for each miss is slow.
+    own, cls = vars(module), type(module)
+    for attr in _EPS_NAMES:
+        if attr in own:
+            yield own[attr]
+        elif hasattr(cls, attr):
+            yield getattr(module, attr, None)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _named_state(root: nn.Module) -> Any:

@@ -28,6 +28,7 @@ __all__ = [
     "MASK_AWARE",
     "MASK_AWARE_NODES",
     "QUIET",
+    "SAME_VALUES",
     "WEIGHTED",
     "IndexFacts",
     "OpInfo",
@@ -60,6 +61,12 @@ KEEPS_FINITE = {
 }  # fmt: skip
 # Views that reinterpret bits or may reach past their input's elements into the storage.
 _UNSAFE_VIEWS = {aten.view.dtype, aten.as_strided, aten.as_strided_, aten.as_strided_scatter}
+# Ops whose output holds every value of their tensor input, and no other, whenever it has at
+# least as many elements: its NaN/Inf flags are the input's, read without a pass over it.
+SAME_VALUES = {
+    aten.view, aten._unsafe_view, aten._reshape_alias, aten.reshape, aten.t, aten.transpose, aten.permute,
+    aten.unsqueeze, aten.squeeze, aten.expand, aten.alias, aten.detach, aten.clone,
+}  # fmt: skip
 
 
 # Bookkeeping ops autograd inserts: not worth listing among "the ops before".
@@ -159,6 +166,7 @@ class OpInfo:
     quiet: bool  # bookkeeping, left out of "the ops before" (QUIET)
     weighted: bool  # weighs an input as features (WEIGHTED)
     keeps_finite: bool  # finite inputs give finite outputs (KEEPS_FINITE, or a plain view)
+    same_values: bool  # the output holds its input's values (SAME_VALUES)
     mask_aware: bool  # takes -inf as a mask (MASK_AWARE)
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
 
@@ -198,6 +206,7 @@ def _describe(func: Any) -> OpInfo:
         quiet=func in QUIET,
         weighted=func in WEIGHTED,
         keeps_finite=view or _in(KEEPS_FINITE, func),
+        same_values=_in(SAME_VALUES, func) and not _in(_UNSAFE_VIEWS, func),
         mask_aware=getattr(getattr(func, "overloadpacket", None), "__name__", None) in MASK_AWARE,
         writes=writes,
     )

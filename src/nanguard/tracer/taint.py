@@ -39,6 +39,7 @@ class Inputs:
     inf: bool
     taint: frozenset[int]
     inf_taint: frozenset[int]  # of inputs holding Inf but no NaN
+    written: tuple[float, ...] = ()  # the NaN/Inf Python numbers among them (a fill value)
 
 
 class TaintMap:
@@ -59,6 +60,7 @@ class TaintMap:
         nan = inf = False
         taint: set[int] = set()
         inf_taint: set[int] = set()
+        written: list[float] = []
         for x in flat:
             if isinstance(x, torch.Tensor):
                 if not (x.is_floating_point() or x.is_complex()):
@@ -73,7 +75,8 @@ class TaintMap:
             elif isinstance(x, float) and not math.isfinite(x):
                 nan |= math.isnan(x)
                 inf |= math.isinf(x)
-        return Inputs(nan, inf, frozenset(taint), frozenset(inf_taint))
+                written.append(x)
+        return Inputs(nan, inf, frozenset(taint), frozenset(inf_taint), tuple(written))
 
     def status_of(self, t: torch.Tensor) -> Status:
         version = _version(t)
@@ -117,18 +120,24 @@ def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
     """(has NaN, has Inf and no NaN) of ``t``'s local values, from one pass in the common cases.
 
     A finite sum proves a float32/float64 tensor finite, and sums run several times faster
-    than a min/max on tensors that fit in cache; a min/max tells NaN from Inf in one pass.
-    ``likely`` (the op's inputs were non-finite) goes straight to the min/max. The Inf of a
-    tensor that also holds NaN is not reported: the tracer never reads it (a NaN input rules
-    out any creation), and telling it would cost another pass.
+    than a min/max on tensors that fit in cache. Past it, a max (NaN-propagating) tells NaN,
+    and +Inf, by itself; only a tensor without either needs its min. ``likely`` (the op's
+    inputs were non-finite) skips the sum. The Inf of a tensor that also holds NaN is not
+    reported: the tracer never reads it (a NaN input rules out any creation), and telling it
+    would cost another pass.
 
     Example:
         >>> nonfinite_flags(torch.tensor([1.0, float("inf")]))
         (False, True)
     """
     t = local(t)
-    if not likely and t.dtype in _SUMMED and t.layout == torch.strided and math.isfinite(t.sum().item()):
-        return False, False
+    if t.dtype in _SUMMED and t.layout == torch.strided and t.numel():
+        if not likely and math.isfinite(t.sum().item()):
+            return False, False
+        hi = t.amax().item()
+        if math.isnan(hi):
+            return True, False
+        return False, math.isinf(hi) or math.isinf(t.amin().item())
     bounds = _bounds(t)
     return (False, False) if bounds is None else _flags(*bounds.tolist())
 
