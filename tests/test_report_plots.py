@@ -105,3 +105,15 @@ def test_long_many_trip_run_in_chromium(tmp_path: Path, browser) -> None:  # noq
     html = out.read_text(encoding="utf-8")
     assert html.count('<section class="diagnosis"') == 1  # one card, not eight
     assert "<img" not in html and html.count("<svg") == 4
+
+
+def test_the_diagnoses_table_counts_the_groups_past_its_cap(tmp_path: Path, monkeypatch) -> None:
+    from nanguard.report import html
+
+    trips = range(10, 200, 10)  # 19 trips, none adjacent: 19 groups
+    monkeypatch.setattr(html, "MAX_SUMMARY_ROWS", 5)
+    page = html.render_html(load_run(_run(tmp_path, 400, trips)))
+    table = page[page.index('<table class="trips"') : page.index("</table>", page.index('<table class="trips"'))]
+    assert table.count("<tr>") == 1 + 5 + 1  # the header, five groups, one row for the rest
+    assert "<td>60–190 (14)</td>" in table
+    assert "14 more groups: 14 precision.overflow" in table

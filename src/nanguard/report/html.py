@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -32,6 +33,8 @@ from nanguard.text import (
 __all__ = ["MAX_DETAILED_TRIPS", "inline_svg", "render_html", "write_html"]
 
 MAX_DETAILED_TRIPS = 20
+MAX_SUMMARY_ROWS = 100
+"""Rows of the Diagnoses table; the later groups are counted per cause in one row."""
 """Trips shown in full (diagnosis, op path, module plot); later ones get a table row."""
 _MAX_EVENT_ROWS = 300
 
@@ -309,8 +312,13 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
                 g[0].action,
                 "-" if g[0].origin_rank is None else str(g[0].origin_rank),
             )
-            for g in groups
+            for g in groups[:MAX_SUMMARY_ROWS]
         ]
+        if later := [t for g in groups[MAX_SUMMARY_ROWS:] for t in g]:
+            causes = Counter(t.diagnosis.cause if t.diagnosis else "?" for t in later)
+            words = ", ".join(f"{n} {cause}" for cause, n in causes.most_common())
+            span = f"{later[0].step}–{later[-1].step} ({len(later)})"
+            rows.append((span, f"{len(groups) - MAX_SUMMARY_ROWS} more groups: {words}", "", "", ""))
         out.append(_table(("step", "cause", "where", "action", "origin rank"), rows, cls="trips"))
     else:
         out.append('<p id="no-trips">No trips: every logged step was finite.</p>')
