@@ -199,3 +199,31 @@ def test_a_single_process_step_that_does_not_reproduce_claims_no_distribution() 
     after = rejudge(diag, history=grew)
     assert after.cause == "optimizer.divergence" and after.evidence["op_cause"] == "step.not_reproduced"
     assert rejudge(diag, history={**grew, "diverging": False}).cause == "step.not_reproduced"
+
+
+def test_history_evidence_counts_updates_not_skipped_steps() -> None:
+    # Skipped steps leave the parameters as the last updates made them: the growth that led
+    # there is still the evidence, however many steps were skipped since.
+    history = _history()
+    for step, gn in enumerate([1.0, 3.0, 9.0, 27.0, 81.0]):
+        history.append(step, loss=2.0, grad_norm=gn)
+    for later in (5, 8, 60):
+        ev = history.evidence(later, lr=0.1)
+        assert ev["diverging"] and ev["window"] == 5 and ev["growth"] == pytest.approx(81.0)
+    for step in range(5, 11):  # six calm updates: the growth leaves the window
+        history.append(step, loss=2.0, grad_norm=1.0)
+    assert not history.evidence(11, lr=0.1)["diverging"]
+
+
+def test_a_spike_stays_evidence_while_steps_are_skipped() -> None:
+    history = _history()
+    for step in range(30):  # past the detectors' warm-up, with a little noise
+        gn = 1.0 + 0.01 * (step % 3)
+        history.observe(step, loss=2.0, grad_norm=gn)
+        history.append(step, loss=2.0, grad_norm=gn)
+    assert history.observe(30, loss=2.0, grad_norm=1e4)  # a spike; the step is then skipped
+    assert history.evidence(31, lr=0.1)["spike"]
+    assert history.evidence(90, lr=0.1)["spike"]  # 59 skipped steps later: no update since the spike
+    for step in range(31, 37):
+        history.append(step, loss=2.0, grad_norm=1.0)
+    assert not history.evidence(37, lr=0.1)["spike"]  # six updates since: out of the window

@@ -153,8 +153,13 @@ class History:
 
     def evidence(self, step: int, lr: Any) -> dict[str, Any]:
         """How the steps before ``step`` grew: the ``history`` evidence of the divergence rule
-        ({} with fewer than two recent steps)."""
-        recent = [p for p in self.points if p.step >= step - self.divergence_window]
+        ({} with fewer than two recent steps).
+
+        The window counts updates, not step numbers: skipped steps leave the parameters as the
+        last updates made them, so a run that keeps skipping keeps the evidence of how it got there.
+        """
+        before = [p for p in self.points if p.step < step]
+        recent = before[-self.divergence_window :]
         if len(recent) < 2:
             return {}
         out: dict[str, Any] = {"window": len(recent), "lr": lr}
@@ -167,7 +172,7 @@ class History:
                     best = (metric, growth)
         out["metric"], out["growth"] = best
         last_spike = self._recent_spike_step
-        spiked = last_spike is not None and step - last_spike <= self.divergence_window
+        spiked = last_spike is not None and sum(p.step >= last_spike for p in before) <= self.divergence_window
         out["diverging"] = best[1] >= self.divergence_factor or spiked
         out["spike"] = spiked
         return out
