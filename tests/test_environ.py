@@ -7,6 +7,7 @@ import torch
 
 from nanguard.audit.env import run as doctor
 from nanguard.guard import Guard
+from nanguard.guard.config import POLICIES
 
 
 def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -27,6 +28,12 @@ def _nan_closure(model: torch.nn.Module):
 def test_policy_variable_overrides_the_code(monkeypatch) -> None:
     monkeypatch.setenv("NANGUARD_POLICY", "rollback")
     assert Guard(*_model_and_optimizer(), policy="skip").config.policy == "rollback"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_policy_variable_takes_every_policy_a_guard_takes(monkeypatch, policy: str) -> None:
+    monkeypatch.setenv("NANGUARD_POLICY", policy)
+    assert Guard(*_model_and_optimizer(), policy="skip").config.policy == policy
 
 
 def test_a_bad_policy_variable_names_the_variable(monkeypatch) -> None:

@@ -9,10 +9,11 @@ import os
 
 __all__ = ["POLICIES", "VARIABLES", "disabled", "policy", "run_dir"]
 
-POLICIES = ("skip", "rollback", "raise")
+POLICIES = ("skip", "rollback", "raise", "auto")
+"""Every policy a Guard takes (``GuardConfig`` checks against this one tuple)."""
 
 VARIABLES: tuple[tuple[str, str], ...] = (
-    ("NANGUARD_POLICY", "skip|rollback|raise: the policy of every Guard, overriding the one in the code"),
+    ("NANGUARD_POLICY", "skip|rollback|raise|auto: the policy of every Guard, overriding the one in the code"),
     ("NANGUARD_RUN_DIR", "where every Guard writes events and bundles when the code passes no run_dir"),
     ("NANGUARD_DISABLE", "1: every Guard is a plain optimizer step (no checks, no files), e.g. for a timing run"),
 )

@@ -19,9 +19,9 @@ DEFAULT_RUN_DIR = "runs/demo"
 
 ENVIRONMENT = """\
 environment (read by every Guard, so a job script can change them without touching code):
-  NANGUARD_POLICY=skip|rollback|raise  the policy of every Guard, overriding the code's
-  NANGUARD_RUN_DIR=DIR                 write events and bundles here when the code sets no run_dir
-  NANGUARD_DISABLE=1                   turn every Guard into a plain optimizer step (no checks)
+  NANGUARD_POLICY=skip|rollback|raise|auto  the policy of every Guard, overriding the code's
+  NANGUARD_RUN_DIR=DIR                      write events and bundles here when the code sets no run_dir
+  NANGUARD_DISABLE=1                        turn every Guard into a plain optimizer step (no checks)
 `nanguard doctor` shows the values in effect."""
 
 

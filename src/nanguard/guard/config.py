@@ -6,9 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from nanguard.environ import POLICIES
+
 __all__ = ["POLICIES", "SYNC_MODES", "GuardConfig"]
 
-POLICIES = ("skip", "rollback", "raise", "auto")
 QUARANTINE_SCOPES = ("rows", "batch", "previous", "off")
 SYNC_MODES = ("auto", "immediate", "deferred")
 
