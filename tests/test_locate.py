@@ -1,6 +1,7 @@
 """locate on the fault zoo, on healthy models, and its robustness guarantees."""
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -274,3 +275,32 @@ def test_profiler_regions_leave_no_ops_in_the_path() -> None:
     assert diag is not None and diag.op == "aten.log.default"
     path = [o["op"] for o in diag.evidence["before"] + diag.evidence["after"] if o.get("op")]
     assert path and not [op for op in path if op.startswith("profiler.")], path
+
+
+def _masked_mean(model: torch.nn.Module, count_of) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        per_token = model(batch["x"]).squeeze(-1)
+        mask = (batch["labels"] != -100).float()
+        loss = (per_token * mask).sum() / count_of(mask, per_token)
+        loss.backward()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("count_of", "cause", "counted_from"),
+    [
+        (lambda mask, _: mask.sum(), "data.no_valid_targets", "batch['labels']"),  # the batch selected nothing
+        (lambda mask, _: torch.zeros(()), "op.division_by_zero", None),  # a zero the code made, not the batch
+        (lambda mask, out: (mask * out).sum() * 0, "op.division_by_zero", None),  # it went through the model
+    ],
+)
+def test_a_zero_count_is_the_batchs_only_when_counted_from_the_batch(count_of, cause, counted_from) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    batch = {"x": torch.randn(4, 3), "labels": torch.full((4,), -100)}
+    diag = ng.locate(_masked_mean(model, count_of), batch, model=model)
+    assert diag is not None and diag.cause == cause and diag.op == "aten.div.Tensor"
+    assert diag.evidence["origin"]["inputs"][1].get("counted_from") == counted_from
+    assert diag.phase == ("data" if counted_from else "forward")

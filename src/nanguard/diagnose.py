@@ -102,6 +102,8 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     if o.get("reduced_elements") == 0 and o.get("targets") == 0 and o.get("category") == "op":
         return _empty_targets(o)
+    if (counted := _zero_count_from_batch(o)) is not None:
+        return _empty_selection(o, counted)
     if not str(o.get("op", "")).startswith("aten.nll_loss") or o.get("valid_targets") != 0:
         return None
     ignore = o.get("ignore_index", -100)
@@ -110,6 +112,34 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
         f"skip or re-pack batches whose labels are all {ignore} (e.g. a sequence cut "
         "to its prompt, or padding-only samples)",
         "use reduction='sum' and divide by max(number of valid targets, 1)",
+        "run ng.check_batch(batch) in the data loader to drop such batches",
+    ]
+    return Verdict("data.no_valid_targets", why, fixes)
+
+
+def _zero_count_from_batch(o: dict[str, Any]) -> str | None:
+    """The batch tensor a division's all-zero denominator was counted from (``mask.sum()``), if any."""
+    if o.get("category") != "op" or _short(o.get("op")) not in ("div", "div_", "true_divide"):
+        return None
+    inputs = o.get("inputs") or []
+    denom = inputs[1] if len(inputs) > 1 else {}
+    size = math.prod(denom.get("shape") or [])
+    if denom.get("counted_from") is None or denom.get("zeros") != size:
+        return None
+    return str(denom["counted_from"])
+
+
+def _empty_selection(o: dict[str, Any], counted: str) -> Verdict:
+    """0/0 whose zero count the batch made: a masked mean over a mask that keeps nothing."""
+    why = (
+        f"{o.get('op')} in {_where(o)} divided by a count of 0 computed from {counted}: the batch selects no "
+        "targets (every label ignored, a loss mask of zeros), so the mean over them is 0/0"
+    )
+    if o.get("source"):
+        why += f" at {o['source']}"
+    fixes = [
+        f"skip the loss term when the count from {counted} is 0, or divide by count.clamp_min(1)",
+        "filter or re-pack samples that have no valid target (a sequence cut to its prompt, padding only)",
         "run ng.check_batch(batch) in the data loader to drop such batches",
     ]
     return Verdict("data.no_valid_targets", why, fixes)

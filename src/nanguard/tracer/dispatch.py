@@ -11,6 +11,7 @@ told from dead ends. Statistics are kept only for creations, never clones of ten
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -141,6 +142,11 @@ class Tracer:
         self.modules = modules
         self.sources = {id(t): path for path, t in sources}
         self.source_storage = {storage_key(t): path for path, t in reversed(sources)}
+        # Tensors computed from the batch's integer/bool tensors (labels, masks, ids) with no
+        # gradient-carrying input, by id: a count or selection the batch made (mask.sum()).
+        self.counts: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {
+            id(t): (weakref.ref(t), path) for path, t in sources if not (t.is_floating_point() or t.is_complex())
+        }
         self.protected = protected
         # With a model its parameters' gradients are the results; without one, leaf tensors seen.
         self.track_leaves = modules.root is None
@@ -194,6 +200,8 @@ class Tracer:
         if facts.literal:
             return  # left unseen: the op that consumes the literal writes its value
         flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
+        if self.counts:
+            self._note_counts(flat_in, flat_out)
         where: _Where | None = None
         if ins.inf and facts.weighted:
             self._features(ins)
@@ -328,13 +336,30 @@ class Tracer:
         mod_name, mod_type, fwd, source, library, eps = info
         return _Where(op, mod_name, mod_type, "backward", node.name(), fwd, source, library, eps)
 
+    def _note_counts(self, flat_in: list[Any], flat_out: list[torch.Tensor]) -> None:
+        """Carry the batch path of a count through an op whose inputs carry no gradient."""
+        path = None
+        for x in flat_in:
+            if isinstance(x, torch.Tensor):
+                if x.requires_grad:
+                    return
+                path = path or self.count_path(x)
+        if path is not None:
+            for o in flat_out:
+                self.counts[id(o)] = (weakref.ref(o), path)
+
+    def count_path(self, t: torch.Tensor) -> str | None:
+        """The batch tensor (labels, a mask) that ``t`` was counted or selected from, if any."""
+        entry = self.counts.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
     def _creation(self, func: Any, args: tuple, kwargs: dict, out: Any, where: _Where, kind: str) -> Origin:
         flat_args = op_leaves(args)
         return self._record(
             where,
             "op",
             kind,
-            inputs=[tensor_stats(t) for t in flat_args if isinstance(t, torch.Tensor)],
+            inputs=[_with_count(tensor_stats(t), self.count_path(t)) for t in flat_args if isinstance(t, torch.Tensor)],
             outputs=[tensor_stats(t) for t in op_leaves(out) if isinstance(t, torch.Tensor)],
             scalars=[_scalar(x) for x in flat_args if isinstance(x, (int, float, bool))],
             extra=ops.creation_facts(func, args, kwargs, out, where.eps),
@@ -413,6 +438,12 @@ class Tracer:
                 stats["path"] = self.sources.get(id(x)) or self.source_storage.get(storage_key(x))
                 inputs.append(stats)
         return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
+
+
+def _with_count(stats: dict[str, Any], path: str | None) -> dict[str, Any]:
+    if path is not None:
+        stats["counted_from"] = path
+    return stats
 
 
 def _written(out: torch.Tensor, values: Sequence[float]) -> str | None:
