@@ -12,6 +12,8 @@ from nanguard.zoo.wild import WILD
 
 SINGLE = [s for s in SCENARIOS if s.ranks == 1]
 DIST = [s for s in SCENARIOS if s.ranks > 1]
+
+
 # A wild scenario that needs the provenance of a denominator (a count of the batch's labels):
 # known to miss today, named in the closing note of issue 11.
 def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:
