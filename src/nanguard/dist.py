@@ -180,8 +180,11 @@ class DDPCommWatch(CommWatch):
         self._received: list[torch.Tensor] = []  # appended by the futures' callbacks
         group = (state if state is not None else tdist.group.WORLD) if hook is _default_hook() else None
         same_slots = group is not None and group.size() == world_size() and tdist.get_rank(group) == rank()
-        self._group = group if same_slots else None  # the extras' slots are indexed by global rank
-        self.rides = self._group is not None
+        self.rides = same_slots  # the extras' slots are indexed by global rank
+        # The world group is named by None: a reference kept here would outlive
+        # destroy_process_group() and be torn down with the interpreter.
+        self._group = None if group is None or group == tdist.group.WORLD else group
+        self._size = group.size() if group is not None else 1
         inner = hook
 
         # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
@@ -207,10 +210,9 @@ class DDPCommWatch(CommWatch):
         _WATCHES[ddp] = self
 
     def _ride(self, buffer: torch.Tensor, extras: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        assert self._group is not None
         n = buffer.numel()
         payload = buffer.new_empty(n + extras.numel())
-        torch.div(buffer, self._group.size(), out=payload[:n])  # averaged first, as DDP's own hook does
+        torch.div(buffer, self._size, out=payload[:n])  # averaged first, as DDP's own hook does
         payload[n:] = extras
         fut = tdist.all_reduce(payload, group=self._group, async_op=True).get_future()
 
