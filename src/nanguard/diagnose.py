@@ -103,7 +103,7 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
     if o.get("reduced_elements") == 0 and o.get("targets") == 0 and o.get("category") == "op":
         return _empty_targets(o)
     if (counted := _zero_count_from_batch(o)) is not None:
-        return _empty_selection(o, counted)
+        return _empty_targets(o, counted)
     if not str(o.get("op", "")).startswith("aten.nll_loss") or o.get("valid_targets") != 0:
         return None
     ignore = o.get("ignore_index", -100)
@@ -129,28 +129,19 @@ def _zero_count_from_batch(o: dict[str, Any]) -> str | None:
     return str(denom["counted_from"])
 
 
-def _empty_selection(o: dict[str, Any], counted: str) -> Verdict:
-    """0/0 whose zero count the batch made: a masked mean over a mask that keeps nothing."""
+def _empty_targets(o: dict[str, Any], counted: str | None = None) -> Verdict:
+    """A mean over targets the batch selected none of: a mean-reduced loss given no targets at all
+    (no positive anchor), or a division by a count of 0 computed from the batch (``mask.sum()``)."""
+    if counted is None:
+        what = "got 0 targets, so its mean over 0 elements is 0/0"
+    else:
+        what = f"divided by a count of 0 computed from {counted}, so the mean over the selected targets is 0/0"
     why = (
-        f"{o.get('op')} in {_where(o)} divided by a count of 0 computed from {counted}: the batch selects no "
-        "targets (every label ignored, a loss mask of zeros), so the mean over them is 0/0"
+        f"{o.get('op')} in {_where(o)} {what}: the selection of targets from the batch is empty (e.g. an image "
+        "without a positive anchor, every label ignored, a mask that keeps nothing)"
     )
     if o.get("source"):
         why += f" at {o['source']}"
-    fixes = [
-        f"skip the loss term when the count from {counted} is 0, or divide by count.clamp_min(1)",
-        "filter or re-pack samples that have no valid target (a sequence cut to its prompt, padding only)",
-        "run ng.check_batch(batch) in the data loader to drop such batches",
-    ]
-    return Verdict("data.no_valid_targets", why, fixes)
-
-
-def _empty_targets(o: dict[str, Any]) -> Verdict:
-    """A mean-reduced loss given no targets at all: the batch selected none (no positive anchor, an empty mask)."""
-    why = (
-        f"{o.get('op')} in {_where(o)} got 0 targets, so its mean over 0 elements is 0/0: the selection of "
-        "targets from the batch is empty (e.g. an image without a positive anchor, a mask that keeps nothing)"
-    )
     fixes = [
         "skip the loss term when the selection is empty: loss = pred[pos].sum() * 0 if not pos.any() else ...",
         "use reduction='sum' and divide by max(number of selected targets, 1)",
