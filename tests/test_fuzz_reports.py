@@ -20,17 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from nanguard.events import KNOWN_KINDS
-from nanguard.guard import Guard
 from nanguard.report import run_report
 from nanguard.report.terminal import Console
-from nanguard.zoo import build, get
-from test_report import _scaled_step
+from test_report import STEPS, OneRank, one_rank  # noqa: F401  (the run whose log is mutated)
 
-STEPS = 6
-SPIKE_STEP = 5
 MUTANTS_PER_KIND = 120
 RAW = "\x00RAW\x00"
 POOL: list[Any] = [None, True, False, -1, 0, 2**63, 10**30, 1e308, -0.0, "nan", "-inf", "", "x[/]", "[bold red]x",
@@ -54,17 +49,9 @@ class Mutant:
 
 
 @pytest.fixture(scope="module")
-def real_log(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    torch.manual_seed(0)
-    run_dir = tmp_path_factory.mktemp("fuzz-run")
-    run = build(get("padding_fully_masked"), seed=0)
-    guard = Guard(run.model, run.optimizer, policy="rollback", run_dir=run_dir, snapshot_every=2,
-                  spike_warmup=3, spike_window=8)  # fmt: skip
-    for step, batch in run.batches(STEPS):
-        factor = 100.0 if step == SPIKE_STEP else 1.0
-        guard.step(lambda batch=batch, factor=factor: _scaled_step(run.model, batch, factor), batch=batch)
-    guard.close()
-    lines = (run_dir / "events-rank0.jsonl").read_text().splitlines()
+def real_log(one_rank: OneRank) -> list[str]:  # noqa: F811
+    """The event log of test_report's run: a trip, a rollback and a spike among healthy steps."""
+    lines = (one_rank.run_dir / "events-rank0.jsonl").read_text().splitlines()
     kinds = {json.loads(line)["kind"] for line in lines}
     assert {"start", "step", "trip", "rollback", "spike", "end"} <= kinds, kinds
     return lines
