@@ -238,6 +238,8 @@ class Guard:
         """The decision of one step; ``restore_buffers`` is False when no backup was taken
         before the forward (``check()``: the caller owns its loop)."""
         step = self._next_step()
+        if not device_step and self.health.alone:
+            return self._decide(self.health.read_alone(loss, step), replay, batch, rng, restore_buffers=restore_buffers)
         measured = self.health.measure(loss)
         agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
         if device_step:

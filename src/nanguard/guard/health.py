@@ -10,6 +10,7 @@ so a healthy step adds no collective (``DeviceHealth.agree`` then only reads wha
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntFlag
@@ -179,10 +180,7 @@ class HealthCheck:
         gn = gn if gn is not None else torch.zeros((), device=device)
         pn, self._param_norm = self._param_norm, None
         pn = pn.to(device) if pn is not None else gn.new_zeros(())
-        if isinstance(loss, torch.Tensor):
-            lv = loss.detach().reshape(-1)[0].to(device, torch.float32)
-        else:
-            lv = torch.tensor(float(loss) if loss is not None else 0.0, device=device)
+        lv = _loss_scalar(loss, device)
         # One isfinite over [loss, grad norm, parameter norm], and the flags looked up from its
         # three bits: few kernels on the step's path.
         bad = torch.isfinite(torch.stack([lv, gn, pn])).logical_not_()
@@ -201,11 +199,34 @@ class HealthCheck:
             scale = self._one[device]
         return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
 
+    @property
+    def alone(self) -> bool:
+        """Does this process decide alone (no other rank, no comm watch)? Then ``read_alone`` serves."""
+        return type(self.comm) is CommWatch and not dist.is_distributed()
+
+    def read_alone(self, loss: Any, step: int) -> StepHealth:
+        """The step of a process that decides alone, read at once: the loss, the two norms and the
+        scale in one host read, the flags looked up on the host (``measure`` makes them device
+        tensors for the paths that must not read, at a dozen small kernels a step).
+
+        Example:
+            >>> health = check.read_alone(loss, step=7)   # when check.alone
+        """
+        gn = self._grad_norm()
+        pn, self._param_norm = self._param_norm, None
+        lv = _loss_scalar(loss, gn.device if gn is not None else _device_of(loss))
+        scale = compat.scaler_scale(self.scaler) if self.scaler is not None else None
+        own_loss, grad_norm, param_norm, scale_value = _host_floats([lv, gn, pn, scale])
+        bad = [v is not None and not math.isfinite(v) for v in (own_loss, grad_norm, param_norm)]
+        flags = _FLAGS[(self.scaler is not None, True)][bad[0] + 2 * bad[1] + 4 * bad[2]]
+        return StepHealth(step=step, loss=own_loss or 0.0, grad_norm=grad_norm or 0.0, scale=scale_value,
+                          own_loss=own_loss or 0.0, rank_flags=(HealthFlag(flags),))  # fmt: skip
+
     def _tables(self, device: torch.device) -> tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]:
         """The flags of each (loss bad, grads bad, params bad) pattern, indexed by their bits, on ``device``."""
         if device not in self._flag_tables:
             self._flag_tables[device] = (
-                {key: torch.tensor(_flag_table(*key), dtype=torch.int32, device=device) for key in _TABLE_KEYS},
+                {key: torch.tensor(table, dtype=torch.int32, device=device) for key, table in _FLAGS.items()},
                 torch.tensor([1, 2, 4], device=device),
             )
             self._one[device] = torch.ones((), device=device)
@@ -296,6 +317,24 @@ def _flag_table(scaled: bool, merge: bool) -> list[int]:
         flags = HealthFlag.LOCAL * loss_bad if scaled else HealthFlag.LOCAL * local + HealthFlag.SYNCED * grads_bad
         table.append(int(flags + HealthFlag.PARAMS * params_bad))
     return table
+
+
+_FLAGS = {key: _flag_table(*key) for key in _TABLE_KEYS}
+
+
+def _loss_scalar(loss: Any, device: torch.device) -> torch.Tensor:
+    """The loss as a float32 scalar on ``device`` (its first element; 0 for None)."""
+    if isinstance(loss, torch.Tensor):
+        return loss.detach().reshape(-1)[0].to(device, torch.float32)
+    return torch.tensor(float(loss) if loss is not None else 0.0, device=device)
+
+
+def _host_floats(tensors: list[torch.Tensor | None]) -> list[float | None]:
+    """Scalars read to the host as float32 values in one read (None stays None)."""
+    present = [t for t in tensors if t is not None]
+    device = next((t.device for t in present if t.device.type != "cpu"), present[0].device)
+    it = iter(torch.stack([t.to(device, torch.float32).reshape(()) for t in present]).tolist())
+    return [None if t is None else next(it) for t in tensors]
 
 
 def _device_of(loss: Any) -> torch.device:
