@@ -12,7 +12,7 @@ from torch import nn
 import nanguard as ng
 from nanguard import stats
 from nanguard.dist import CommWatch
-from nanguard.guard.health import HealthCheck, HealthFlag, _flag_table
+from nanguard.guard.health import HealthCheck, HealthFlag, StepHealth, _flag_table
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch, train_step
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -24,9 +24,21 @@ def _params(dtype: torch.dtype) -> list[nn.Parameter]:
     return [nn.Parameter(torch.randn(shape).to(dtype)) for shape in [(4, 3), (5,), (2, 2, 2)]]
 
 
-def _flags(check: HealthCheck, loss: float = 1.0) -> HealthFlag:
+def _read_both_ways(check: HealthCheck, loss: float = 1.0) -> StepHealth:
+    """The step read by the device flags (``measure``, what ranks agree on and the deferred path
+    copies) and by the host lookup of a process alone (``read_alone``): the two must say the same."""
+    queued = check._param_norm  # each read takes the queued parameter check
     measured = check.measure(torch.tensor(loss))
-    return measured.read(0, measured.agree(sharded=False), scaled=False).rank_flags[0]
+    device = measured.read(0, measured.agree(sharded=False), scaled=check.scaler is not None)
+    check._param_norm = queued
+    assert check.alone
+    host = check.read_alone(torch.tensor(loss), 0)
+    assert repr(host) == repr(device)  # repr: NaN reads equal to NaN
+    return host
+
+
+def _flags(check: HealthCheck, loss: float = 1.0) -> HealthFlag:
+    return _read_both_ways(check, loss).rank_flags[0]
 
 
 def _reference(params: list[nn.Parameter], loss: float, checked: bool) -> HealthFlag:
@@ -71,6 +83,28 @@ def test_the_fused_pass_flags_what_each_tensor_holds(dtype: torch.dtype, case: s
     assert _flags(check, loss) == _reference(params, loss, checked=True)
     # Without a queued check the parameters are not looked at: that step's flags are the gradients' alone.
     assert _flags(check, loss) == _reference(params, loss, checked=False)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_both_reads_agree_under_a_grad_scaler(case: str) -> None:
+    bad_grad, bad_param, loss = CASES[case]
+    params = _params(torch.float32)
+    for p in params:
+        p.grad = torch.full_like(p, 1024.0)
+    if bad_grad:
+        params[bad_grad[0]].grad.view(-1)[bad_grad[1]] = bad_grad[2]
+    if bad_param:
+        with torch.no_grad():
+            params[bad_param[0]].view(-1)[bad_param[1]] = bad_param[2]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # makes its scale tensor
+    check = HealthCheck(params, scaler=scaler, comm=CommWatch(), param_check_every=1)
+    check.after_update(0)
+    health = _read_both_ways(check, loss)
+    assert health.scale == 1024.0
+    # With a scaler, overflowing gradients are its business: only the loss and the parameters trip.
+    bad_loss = HealthFlag.LOCAL if not math.isfinite(loss) else HealthFlag.OK
+    assert health.rank_flags[0] == bad_loss | (HealthFlag.PARAMS if bad_param else HealthFlag.OK)
 
 
 def test_a_parameter_changed_after_the_check_is_not_blamed_on_the_update() -> None:
