@@ -21,6 +21,7 @@ import torch
 
 import nanguard as ng
 from _common import interleaved, machine, write_section
+from nanguard.stats import total_norm
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch, train_step
 
 TINY = GPTConfig()
@@ -39,8 +40,13 @@ def _batches(cfg: GPTConfig) -> Callable[[], dict[str, torch.Tensor]]:
     return lambda: next(it)
 
 
+READS = "plain loop + the guard's two reads alone (gradient norm, then parameter norm after the update)"
+
+
 def guard_configs(cfg: GPTConfig) -> dict[str, Callable[[], None]]:
-    """The plain loop and the Guard with and without its per-step parameter check."""
+    """The plain loop, the same loop with only the guard's two tensor reads (the floor of a check
+    that reads every gradient and parameter once a step), and the Guard with and without its
+    per-step parameter check."""
     out: dict[str, Callable[[], None]] = {}
 
     model, opt = _setup(cfg)
@@ -51,6 +57,20 @@ def guard_configs(cfg: GPTConfig) -> dict[str, Callable[[], None]]:
         opt.step()
 
     out["plain loop"] = plain
+
+    r_model, r_opt = _setup(cfg)
+    r_next = _batches(r_model.config)
+    r_params = list(r_model.parameters())
+
+    def reads() -> None:
+        train_step(r_model, r_next())
+        with torch.no_grad():
+            total_norm([[p.grad for p in r_params]])
+        r_opt.step()
+        with torch.no_grad():
+            total_norm([r_params])
+
+    out[READS] = reads
     for name, options in (("nanguard Guard (skip)", {}),
                           ("nanguard Guard (skip, param_check_every=0)", {"param_check_every": 0})):  # fmt: skip
         g_model, g_opt = _setup(cfg)

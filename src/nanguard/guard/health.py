@@ -325,7 +325,7 @@ _FLAGS = {key: _flag_table(*key) for key in _TABLE_KEYS}
 def _loss_scalar(loss: Any, device: torch.device) -> torch.Tensor:
     """The loss as a float32 scalar on ``device`` (its first element; 0 for None)."""
     if isinstance(loss, torch.Tensor):
-        return loss.detach().reshape(-1)[0].to(device, torch.float32)
+        return _float32_scalar(loss.detach().reshape(-1)[0] if loss.dim() else loss.detach(), device)
     return torch.tensor(float(loss) if loss is not None else 0.0, device=device)
 
 
@@ -333,8 +333,15 @@ def _host_floats(tensors: list[torch.Tensor | None]) -> list[float | None]:
     """Scalars read to the host as float32 values in one read (None stays None)."""
     present = [t for t in tensors if t is not None]
     device = next((t.device for t in present if t.device.type != "cpu"), present[0].device)
-    it = iter(torch.stack([t.to(device, torch.float32).reshape(()) for t in present]).tolist())
+    it = iter(torch.stack([_float32_scalar(t, device) for t in present]).tolist())
     return [None if t is None else next(it) for t in tensors]
+
+
+def _float32_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as a float32 scalar on ``device``: itself when it is one (no kernel on the step's path)."""
+    if t.device == device and t.dtype == torch.float32 and not t.dim():
+        return t
+    return t.to(device, torch.float32).reshape(())
 
 
 def _device_of(loss: Any) -> torch.device:

@@ -132,8 +132,8 @@ class History:
         best: Forecast | None = None
         for metric in ("grad_norm", "loss"):
             vals = [getattr(p, metric) for p in self._trend]
-            if not all(math.isfinite(v) and v > 0 for v in vals):
-                continue
+            if not all(0 < a < b < math.inf for a, b in pairwise(vals)):
+                continue  # not growing every step: nothing to fit
             # The slowest step's growth: one jump followed by a plateau predicts nothing.
             pairs = pairwise(zip(steps, vals, strict=True))
             rate = min(math.log(b / a) / max(sb - sa, 1) for (sa, a), (sb, b) in pairs)
