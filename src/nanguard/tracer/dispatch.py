@@ -189,7 +189,7 @@ class Tracer:
     def before_op(self, func: Any, facts: ops.OpInfo, args: tuple, kwargs: dict) -> tuple[list[Any], Inputs]:
         self.index += 1
         self._func = func
-        flat_in = op_leaves(args)
+        flat_in = list(args) if facts.flat else op_leaves(args)
         if kwargs:
             op_leaves(kwargs, flat_in)
         if facts.writes:
@@ -262,7 +262,7 @@ class Tracer:
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
                 out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE)
-            elif ins.written and not (created_nan or created_inf):
+            elif ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
                 value = _written(o, ins.written)
                 if value is not None:
                     out_taint = out_taint | {self._write(func, value, outputs=[tensor_stats(o)]).id}
@@ -331,6 +331,12 @@ class Tracer:
             return False
         node = torch._C._current_autograd_node()
         return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
+
+    def _outranked(self, taint: frozenset[int]) -> bool:
+        """Would any write origin made now lose to one in ``taint``? Every origin but a fill
+        does (``locate`` ranks writes after the rest, and an earlier write first), and a tensor
+        carrying the new one carries ``taint`` too: recording it would cost a pass for nothing."""
+        return any(self.origins[i].category != "fill" for i in taint)
 
     def _features(self, ins: Inputs) -> None:
         """A user input kept as an additive mask (only 0 and -inf) is data after all when an

@@ -169,6 +169,7 @@ class OpInfo:
     same_values: bool  # the output holds its input's values (SAME_VALUES)
     mask_aware: bool  # takes -inf as a mask (MASK_AWARE)
     view: bool  # returns a view of its first argument (any view: a dtype view too)
+    flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
 
 
@@ -210,8 +211,14 @@ def _describe(func: Any) -> OpInfo:
         same_values=_in(SAME_VALUES, func) and not _in(_UNSAFE_VIEWS, func),
         mask_aware=getattr(getattr(func, "overloadpacket", None), "__name__", None) in MASK_AWARE,
         view=bool(getattr(func, "is_view", False)),
+        flat=schema is not None and all(_flat_type(str(a.type)) for a in arguments),
         writes=writes,
     )
+
+
+def _flat_type(name: str) -> bool:
+    """Is an argument of this schema type a leaf, or a list of ints the tracer never reads?"""
+    return "List[" not in name or name.removeprefix("Optional[").startswith(("List[int]", "List[SymInt]", "List[bool]"))
 
 
 # ------------------------------------------------------------------------ creation facts
