@@ -152,6 +152,7 @@ class TaintMap:
 
 
 _SUMMED = (torch.float32, torch.float64)
+_PROBED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
@@ -186,17 +187,39 @@ def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
 
 
 def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
-    """``nonfinite_flags`` of each tensor, with one host read for all of them."""
-    bounds = [_bounds(local(t)) for t in ts]
+    """``nonfinite_flags`` of each tensor, with one host read for all of them on an accelerator.
+
+    A CPU tensor whose first element is NaN needs no pass (reading it costs no device sync):
+    the gradients of a step that went NaN usually are.
+
+    Example:
+        >>> many_nonfinite_flags([torch.tensor([float("nan"), 1.0]), torch.ones(2)])
+        [(True, False), (False, False)]
+    """
+    ts = [local(t) for t in ts]
+    known = [_first_is_nan(t) for t in ts]
+    bounds = [None if nan else _bounds(t) for t, nan in zip(ts, known, strict=True)]
     present = [b for b in bounds if b is not None]
-    if not present:
-        return [(False, False)] * len(ts)
+    values = iter(())
     if len(present) == 1:
-        rows = present[0][None]
-    else:
-        rows = torch.stack([b.to(present[0].device, torch.float64) for b in present])
-    values = iter(rows.tolist())
-    return [(False, False) if b is None else _flags(*next(values)) for b in bounds]
+        values = iter(present[0][None].tolist())
+    elif present:
+        values = iter(torch.stack([b.to(present[0].device, torch.float64) for b in present]).tolist())
+    return [
+        (True, False) if nan else (False, False) if b is None else _flags(*next(values))
+        for nan, b in zip(known, bounds, strict=True)
+    ]
+
+
+def _first_is_nan(t: torch.Tensor) -> bool:
+    """Is ``t`` a non-empty dense CPU float tensor whose first element is NaN?"""
+    return (
+        t.device.type == "cpu"
+        and t.dtype in _PROBED
+        and t.layout == torch.strided
+        and t.numel() > 0
+        and math.isnan(t.as_strided((), ()).item())
+    )
 
 
 def _flags(lo: float, hi: float) -> tuple[bool, bool]:
