@@ -178,7 +178,11 @@ class Tracer:
         """Read the parameters and buffers in one fused pass: when all are finite (the usual
         case), no op has to read one of them on first use."""
         floats = [t for t in self.protected.ids.values() if t.is_floating_point() and not t.is_sparse]
-        if floats and math.isfinite(total_norm(float_groups(floats)).item()):
+        try:
+            finite = bool(floats) and math.isfinite(total_norm(float_groups(floats)).item())
+        except (RuntimeError, NotImplementedError):  # meta or exotic tensors: each is read on first use
+            finite = False
+        if finite:
             self.taint.set_finite(floats)
 
     def restore(self) -> None:
@@ -215,7 +219,7 @@ class Tracer:
             self._note_counts(flat_in, flat_out)
         base = version(args[0]) if facts.view and args and isinstance(args[0], torch.Tensor) else None
         if ins is CLEAN and facts.keeps_finite:
-            self.taint.set_finite((o for o in flat_out if o.is_floating_point() or o.is_complex()), base)
+            self.taint.set_finite([o for o in flat_out if o.is_floating_point() or o.is_complex()], base)
         else:
             self._outputs(func, facts, args, kwargs, flat_in, ins, out, flat_out, base)
         node = torch._C._current_autograd_node()
