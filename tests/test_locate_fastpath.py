@@ -148,3 +148,84 @@ def test_same_values_ops_keep_their_input_flags(values: tuple[float, ...]) -> No
         assert nonfinite_flags(out) == nonfinite_flags(args[0]) == _reference(x), func
     assert not ops.info(aten.view.dtype).same_values
     assert not ops.info(aten.slice.Tensor).same_values
+
+
+def test_many_flags_of_tensors_starting_with_nan_match_the_elementwise_tests() -> None:
+    # A NaN first element answers without a pass; an Inf beside it is not reported, as one by one.
+    ts = [
+        torch.tensor([NAN, INF, 1.0]),
+        torch.tensor([[NAN, 1.0], [2.0, 3.0]]).t(),
+        torch.tensor([1.0, NAN, -INF]),
+        torch.tensor([NAN], dtype=torch.bfloat16),
+        torch.tensor([-INF, 2.0], dtype=torch.float64),
+        torch.ones(3),
+    ]
+    assert many_nonfinite_flags(ts) == [nonfinite_flags(t) for t in ts] == [_reference(t) for t in ts]
+
+
+def test_a_parameter_written_after_a_view_of_it_was_made_is_read_again() -> None:
+    # The view records the parameter's version when it is made; a write to the parameter after
+    # that must not leave the view's old (finite) status trusted.
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.mul_(1.0)  # a version past 0, as after an optimizer step
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        w = model.weight.t()
+        with torch.no_grad():
+            model.weight.fill_(NAN)
+        return (x @ w).sum()
+
+    diag = ng.locate(fn, torch.ones(1, 2), model=model)
+    assert diag is not None
+    assert diag.evidence["origin"]["category"] == "write"
+    assert diag.evidence["origin"]["op"] == "aten.fill_.Scalar"
+    assert bool(torch.isfinite(model.weight).all())
+
+
+def test_views_of_unchanged_parameters_are_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanguard.tracer import taint
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0)
+    read: list[torch.Tensor] = []
+    real = taint.nonfinite_flags
+    monkeypatch.setattr(taint, "nonfinite_flags", lambda t, likely=False: read.append(t) or real(t, likely))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    assert ng.locate(fn, torch.ones(3, 4), model=model) is None
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not [t for t in read if t.untyped_storage().data_ptr() in params]
+
+
+def test_a_mask_fill_after_a_nan_origin_leaves_the_origin_named() -> None:
+    # The -inf written into an already-NaN tensor is no new origin worth a pass: the log stays the answer.
+    x = torch.tensor([[-1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        scores = x.log() * 2
+        masked = scores.masked_fill(torch.tensor([[False, True], [False, False]]), -INF)
+        return masked.softmax(-1).sum()
+
+    diag = ng.locate(fn, x)
+    assert diag is not None
+    assert diag.op == "aten.log.default"
+    assert diag.evidence["origin"]["category"] == "op"
+
+
+def test_list_arguments_are_walked_and_int_lists_are_not() -> None:
+    from nanguard.tracer import ops
+
+    aten = torch.ops.aten
+    assert not ops.info(aten.cat.default).flat
+    assert not ops.info(aten.index.Tensor).flat
+    assert not ops.info(aten._foreach_add.List).flat
+    assert ops.info(aten.view.default).flat
+    assert ops.info(aten.sum.dim_IntList).flat
+    assert ops.info(aten.addmm.default).flat

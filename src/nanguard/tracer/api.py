@@ -216,7 +216,8 @@ def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
     if not named:
         return {}
     with torch.no_grad():
-        ratios = torch.stack([init_ratio(w).nan_to_num(0.0, 0.0, 0.0).cpu() for _, w in named]).tolist()
+        found = [init_ratio(w) for _, w in named]
+        ratios = torch.stack([r.to(found[0].device) for r in found]).nan_to_num(0.0, 0.0, 0.0).tolist()
     ranked = sorted(zip((n for n, _ in named), ratios, strict=True), key=lambda x: -x[1])
     return {
         "max_ratio": ranked[0][1],

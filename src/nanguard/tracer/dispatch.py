@@ -20,18 +20,18 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanguard.stats import local, tensor_stats
+from nanguard.stats import float_groups, local, tensor_stats, total_norm
 from nanguard.tracer import ops
 from nanguard.tracer.modules import ModuleStack, user_source
 from nanguard.tracer.protect import Backup
-from nanguard.tracer.taint import Inputs, TaintMap, has_inf_created, nonfinite_flags, storage_key
+from nanguard.tracer.taint import CLEAN, Inputs, TaintMap, has_inf_created, nonfinite_flags, storage_key, version
 from nanguard.tree import op_leaves
 
 __all__ = ["Failure", "Origin", "Tracer"]
 
 _RECENT = 6
 _AFTER = 8
-_CLEAN = Inputs(False, False, frozenset(), frozenset())
+_NONE: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -163,6 +163,7 @@ class Tracer:
         self._func: Any = None  # the op being run, for the origins its inputs make
 
     def __enter__(self) -> Tracer:
+        self._check_protected()
         self.first_node = torch._C._autograd._get_sequence_nr()
         self._mode = _TracerMode(self)
         self._mode.__enter__()
@@ -173,6 +174,17 @@ class Tracer:
         if mode is not None:
             mode.__exit__(*exc)
 
+    def _check_protected(self) -> None:
+        """Read the parameters and buffers in one fused pass: when all are finite (the usual
+        case), no op has to read one of them on first use."""
+        floats = [t for t in self.protected.ids.values() if t.is_floating_point() and not t.is_sparse]
+        try:
+            finite = bool(floats) and math.isfinite(total_norm(float_groups(floats)).item())
+        except (RuntimeError, NotImplementedError):  # meta or exotic tensors: each is read on first use
+            finite = False
+        if finite:
+            self.taint.set_finite(floats)
+
     def restore(self) -> None:
         """Put the backed-up parameters and buffers back."""
         self.protected.restore()
@@ -181,13 +193,13 @@ class Tracer:
     def before_op(self, func: Any, facts: ops.OpInfo, args: tuple, kwargs: dict) -> tuple[list[Any], Inputs]:
         self.index += 1
         self._func = func
-        flat_in = op_leaves(args)
+        flat_in = list(args) if facts.flat else op_leaves(args)
         if kwargs:
             op_leaves(kwargs, flat_in)
         if facts.writes:
             self.protected.before(facts.writes, args, kwargs)
         if facts.literal:
-            return flat_in, _CLEAN
+            return flat_in, CLEAN
         return flat_in, self.taint.inputs(flat_in)
 
     def op_failed(self, func: Any, args: tuple, err: BaseException) -> None:
@@ -199,27 +211,52 @@ class Tracer:
     ) -> None:
         if facts.literal:
             return  # left unseen: the op that consumes the literal writes its value
-        flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
+        if isinstance(out, torch.Tensor):
+            flat_out = [out]
+        else:
+            flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
         if self.counts:
             self._note_counts(flat_in, flat_out)
+        base = version(args[0]) if facts.view and args and isinstance(args[0], torch.Tensor) else None
+        if ins is CLEAN and facts.keeps_finite:
+            self.taint.set_finite([o for o in flat_out if o.is_floating_point() or o.is_complex()], base)
+        else:
+            self._outputs(func, facts, args, kwargs, flat_in, ins, out, flat_out, base)
+        node = torch._C._current_autograd_node()
+        if flat_out:
+            self._note_nodes(facts, flat_in, node is not None)
+        if not facts.quiet:
+            self.recent.append((func, self.modules.current_name(), "forward" if node is None else "backward"))
+
+    def _outputs(
+        self,
+        func: Any,
+        facts: ops.OpInfo,
+        args: tuple,
+        kwargs: dict,
+        flat_in: list[Any],
+        ins: Inputs,
+        out: Any,
+        flat_out: list[torch.Tensor],
+        base: int | None,
+    ) -> None:
+        """Flags and taint of each floating output of an op that may have made NaN/Inf; ``base``:
+        the version of the tensor a view op's outputs view."""
         where: _Where | None = None
         if ins.inf and facts.weighted:
             self._features(ins)
-        clean = facts.keeps_finite and not (ins.nan or ins.inf)
         source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
+        likely = ins.nan or ins.inf
         for o in flat_out:
             if not (o.is_floating_point() or o.is_complex()):
                 continue
-            if clean:
-                self.taint.set(o, False, False, frozenset())
-                continue
             if source is not None and o.numel() >= source.numel() > 0:
-                self.taint.set(o, ins.nan, ins.inf, ins.taint)  # its input's values: nothing created
+                self.taint.set(o, ins.nan, ins.inf, ins.taint, base)  # its input's values: nothing created
                 self._note_after(func, facts, ins.taint, ins.nan, where)
                 continue
-            nan, inf = nonfinite_flags(o, likely=ins.nan or ins.inf)
+            nan, inf = nonfinite_flags(o, likely=likely)
             if not (nan or inf):
-                self.taint.set(o, False, False, frozenset())
+                self.taint.set(o, False, False, _NONE, base)
                 continue
             created_nan = nan and not ins.nan
             created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, flat_in))
@@ -228,19 +265,13 @@ class Tracer:
                 where = where or self._where(func)
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
-                out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else frozenset())
-            elif ins.written and not (created_nan or created_inf):
+                out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE)
+            elif ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
                 value = _written(o, ins.written)
                 if value is not None:
                     out_taint = out_taint | {self._write(func, value, outputs=[tensor_stats(o)]).id}
-            self.taint.set(o, nan, inf, out_taint)
+            self.taint.set(o, nan, inf, out_taint, base)
             self._note_after(func, facts, out_taint, nan, where)
-
-        backward = torch._C._current_autograd_node() is not None
-        if flat_out:
-            self._note_nodes(facts, flat_in, backward)
-        if not facts.quiet:
-            self.recent.append((func, self.modules.current_name(), "backward" if backward else "forward"))
 
     # -- helpers -----------------------------------------------------------------------
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
@@ -304,6 +335,12 @@ class Tracer:
             return False
         node = torch._C._current_autograd_node()
         return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
+
+    def _outranked(self, taint: frozenset[int]) -> bool:
+        """Would any write origin made now lose to one in ``taint``? Every origin but a fill
+        does (``locate`` ranks writes after the rest, and an earlier write first), and a tensor
+        carrying the new one carries ``taint`` too: recording it would cost a pass for nothing."""
+        return any(self.origins[i].category != "fill" for i in taint)
 
     def _features(self, ins: Inputs) -> None:
         """A user input kept as an additive mask (only 0 and -inf) is data after all when an

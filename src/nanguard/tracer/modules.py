@@ -19,9 +19,10 @@ __all__ = ["ModuleStack", "count_as_user_code", "user_source"]
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _user_dirs: list[str] = []
-_internal: dict[CodeType, bool] = {}
-_library: dict[CodeType, bool] = {}
 _LIBRARY_DIRS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+# What a code object is, by the file it comes from: looked up for every frame of every walk.
+_USER, _INTERNAL, _LIBRARY = 0, 1, 2
+_kinds: dict[CodeType, int] = {}
 
 
 def count_as_user_code(directory: str) -> None:
@@ -32,32 +33,22 @@ def count_as_user_code(directory: str) -> None:
         >>> count_as_user_code(os.path.dirname(__file__))
     """
     _user_dirs.append(os.path.join(os.path.abspath(directory), ""))
-    _internal.clear()
-    _library.clear()
+    _kinds.clear()
 
 
-def _is_internal(code: CodeType) -> bool:
-    """Is this code torch's or nanguard's own machinery, never the line a user wants to see?"""
-    hit = _internal.get(code)
-    if hit is None:
-        name = os.path.abspath(code.co_filename)
-        hit = (
-            name.startswith(_TORCH_DIR)
-            or (name.startswith(_NANGUARD_DIR) and not name.startswith(tuple(_user_dirs)))
-            or name.startswith("<")
-        )
-        _internal[code] = hit
-    return hit
-
-
-def _is_library(code: CodeType) -> bool:
-    """Is this code an installed library's (site-packages), not the user's own?"""
-    hit = _library.get(code)
-    if hit is None:
-        name = os.path.abspath(code.co_filename)
-        hit = any(d in name for d in _LIBRARY_DIRS) and not name.startswith(tuple(_user_dirs))
-        _library[code] = hit
-    return hit
+def _kind(code: CodeType) -> int:
+    """Is this code torch's or nanguard's own machinery (never the line a user wants to see),
+    an installed library's (site-packages), or the user's own?"""
+    name = os.path.abspath(code.co_filename)
+    user = name.startswith(tuple(_user_dirs))
+    if name.startswith(_TORCH_DIR) or (name.startswith(_NANGUARD_DIR) and not user) or name.startswith("<"):
+        kind = _INTERNAL
+    elif any(d in name for d in _LIBRARY_DIRS) and not user:
+        kind = _LIBRARY
+    else:
+        kind = _USER
+    _kinds[code] = kind
+    return kind
 
 
 def user_source(skip: int = 1) -> tuple[str | None, str | None]:
@@ -70,13 +61,18 @@ def user_source(skip: int = 1) -> tuple[str | None, str | None]:
     """
     frame = sys._getframe(skip)
     library = None
-    while frame is not None and (_is_internal(frame.f_code) or _is_library(frame.f_code)):
-        if library is None and not _is_internal(frame.f_code):
-            library = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    kinds = _kinds
+    while frame is not None:
+        code = frame.f_code
+        kind = kinds.get(code)
+        if kind is None:
+            kind = _kind(code)
+        if kind == _USER:
+            return f"{code.co_filename}:{frame.f_lineno}", library
+        if kind == _LIBRARY and library is None:
+            library = f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
-    if frame is None:
-        return None, library
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}", library
+    return None, library
 
 
 class ModuleStack:

@@ -168,6 +168,8 @@ class OpInfo:
     keeps_finite: bool  # finite inputs give finite outputs (KEEPS_FINITE, or a plain view)
     same_values: bool  # the output holds its input's values (SAME_VALUES)
     mask_aware: bool  # takes -inf as a mask (MASK_AWARE)
+    view: bool  # returns a view of its first argument (any view: a dtype view too)
+    flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
 
 
@@ -208,8 +210,15 @@ def _describe(func: Any) -> OpInfo:
         keeps_finite=view or _in(KEEPS_FINITE, func),
         same_values=_in(SAME_VALUES, func) and not _in(_UNSAFE_VIEWS, func),
         mask_aware=getattr(getattr(func, "overloadpacket", None), "__name__", None) in MASK_AWARE,
+        view=bool(getattr(func, "is_view", False)),
+        flat=schema is not None and all(_flat_type(str(a.type)) for a in arguments),
         writes=writes,
     )
+
+
+def _flat_type(name: str) -> bool:
+    """Is an argument of this schema type a leaf, or a list of ints the tracer never reads?"""
+    return "List[" not in name or name.removeprefix("Optional[").startswith(("List[int]", "List[SymInt]", "List[bool]"))
 
 
 # ------------------------------------------------------------------------ creation facts

@@ -10,19 +10,27 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from nanguard.stats import local
 
-__all__ = ["Inputs", "Status", "TaintMap", "has_inf_created", "many_nonfinite_flags", "nonfinite_flags", "storage_key"]
+__all__ = [
+    "CLEAN",
+    "Inputs",
+    "Status",
+    "TaintMap",
+    "has_inf_created",
+    "many_nonfinite_flags",
+    "nonfinite_flags",
+    "storage_key",
+    "version",
+]
 
 
-@dataclass
-class Status:
+class Status(NamedTuple):
     """A tensor's flags at its version: ``inf`` is "Inf and no NaN" (``nonfinite_flags``)."""
 
     version: int
@@ -31,8 +39,7 @@ class Status:
     taint: frozenset[int]
 
 
-@dataclass
-class Inputs:
+class Inputs(NamedTuple):
     """What an op's inputs carry: any NaN/Inf (tensors or float scalars), and their taints."""
 
     nan: bool
@@ -40,6 +47,13 @@ class Inputs:
     taint: frozenset[int]
     inf_taint: frozenset[int]  # of inputs holding Inf but no NaN
     written: tuple[float, ...] = ()  # the NaN/Inf Python numbers among them (a fill value)
+
+
+_NONE: frozenset[int] = frozenset()
+CLEAN = Inputs(False, False, _NONE, _NONE)
+
+
+_Entry = tuple[weakref.ref, int, bool, bool, frozenset[int], "int | None"]
 
 
 class TaintMap:
@@ -52,68 +66,93 @@ class TaintMap:
     def __init__(self, new_source: Callable[[torch.Tensor, bool, bool], int]) -> None:
         self.new_source = new_source
         # Keyed by id with a weak reference to check the tensor is still the same one: a
-        # tensor hashes in Python, and this map is read for every input of every op.
-        self.status: dict[int, tuple[weakref.ref[torch.Tensor], Status]] = {}
+        # tensor hashes in Python, and this map is read for every input of every op. An entry
+        # is a flat tuple (reference, version, nan, inf, taint, base version): the tracer writes
+        # one per op output.
+        self.status: dict[int, _Entry] = {}
         self.storage: dict[int, frozenset[int]] = {}
 
     def inputs(self, flat: list[Any]) -> Inputs:
+        """The flags and taints of an op's flat arguments; ``CLEAN`` when none is NaN/Inf."""
         nan = inf = False
-        taint: set[int] = set()
-        inf_taint: set[int] = set()
-        written: list[float] = []
+        taint = inf_taint = _NONE
+        written: tuple[float, ...] = ()
+        status = self.status
         for x in flat:
             if isinstance(x, torch.Tensor):
-                if not (x.is_floating_point() or x.is_complex()):
+                entry = status.get(id(x))
+                if entry is None or entry[0]() is not x or entry[1] != version(x):
+                    if not (x.is_floating_point() or x.is_complex()):
+                        continue
+                    entry = self._read(x, entry)
+                if not (entry[2] or entry[3]):
                     continue
-                st = self.status_of(x)
-                if st.nan or st.inf:
-                    taint |= st.taint
-                    if st.inf and not st.nan:
-                        inf_taint |= st.taint
-                nan |= st.nan
-                inf |= st.inf
+                if entry[2]:
+                    nan = True
+                elif entry[3]:
+                    inf_taint = entry[4] if not inf_taint else inf_taint | entry[4]
+                inf = inf or entry[3]
+                # Most inputs of a NaN-flooded step share one taint: no new set for them.
+                if taint is not entry[4]:
+                    taint = entry[4] if not taint else taint | entry[4]
             elif isinstance(x, float) and not math.isfinite(x):
-                nan |= math.isnan(x)
-                inf |= math.isinf(x)
-                written.append(x)
-        return Inputs(nan, inf, frozenset(taint), frozenset(inf_taint), tuple(written))
+                if math.isnan(x):
+                    nan = True
+                else:
+                    inf = True
+                written += (x,)
+        if not (nan or inf):
+            return CLEAN
+        return Inputs(nan, inf, taint, inf_taint, written)
 
     def status_of(self, t: torch.Tensor) -> Status:
-        version = _version(t)
-        st = self._get(t)
-        if st is not None and st.version == version:
-            return st
+        entry = self.status.get(id(t))
+        if entry is None or entry[0]() is not t or entry[1] != version(t):
+            entry = self._read(t, entry)
+        return Status(*entry[1:5])
+
+    def _read(self, t: torch.Tensor, old: _Entry | None) -> _Entry:
+        """Read ``t``'s flags afresh (unseen, or written in place since)."""
+        if old is not None and old[5] is not None and old[0]() is t and t._is_view() and old[5] == version(t):
+            # A view made inside dispatch gets its base's version counter only afterwards: at the
+            # base's version when the view was made, nothing has written to either since.
+            entry = (old[0], old[5], old[2], old[3], old[4], None)
+            self.status[id(t)] = entry
+            return entry
         nan, inf = nonfinite_flags(t)
-        taint: frozenset[int] = frozenset()
+        taint: frozenset[int] = _NONE
         if nan or inf:
             # Written through a view since last seen: the view's writer tainted the storage.
-            taint = (st.taint if st is not None else frozenset()) | self.storage.get(storage_key(t), frozenset())
+            own = old[4] if old is not None and old[0]() is t else _NONE
+            taint = own | self.storage.get(storage_key(t), _NONE)
             if not taint:
                 taint = frozenset({self.new_source(t, nan, inf)})
-        st = Status(version, nan, inf, taint)
-        self._put(t, st)
-        return st
+        entry = (weakref.ref(t), version(t), nan, inf, taint, None)
+        self.status[id(t)] = entry
+        return entry
 
-    def set(self, t: torch.Tensor, nan: bool, inf: bool, taint: frozenset[int]) -> None:
-        self._put(t, Status(_version(t), nan, inf, taint))
+    def set(
+        self, t: torch.Tensor, nan: bool, inf: bool, taint: frozenset[int], base_version: int | None = None
+    ) -> None:
+        """Record ``t``'s flags; ``base_version``: the version of the tensor ``t`` is a view of, if any."""
+        self.status[id(t)] = (weakref.ref(t), version(t), nan, inf, taint, base_version)
         if taint:
             self.storage[storage_key(t)] = taint
 
+    def set_finite(self, ts: Iterable[torch.Tensor], base_version: int | None = None) -> None:
+        """Record tensors known to be finite at their current versions (see ``set``)."""
+        for t in ts:
+            self.status[id(t)] = (weakref.ref(t), version(t), False, False, _NONE, base_version)
+
     def taint_of(self, t: torch.Tensor) -> frozenset[int]:
         """The origins behind a non-finite tensor: its own taint and its storage's."""
-        st = self._get(t)
-        own = st.taint if st is not None and (st.nan or st.inf) else frozenset()
-        return own | self.storage.get(storage_key(t), frozenset())
-
-    def _get(self, t: torch.Tensor) -> Status | None:
         entry = self.status.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
-
-    def _put(self, t: torch.Tensor, st: Status) -> None:
-        self.status[id(t)] = (weakref.ref(t), st)
+        own = entry[4] if entry is not None and entry[0]() is t and (entry[2] or entry[3]) else _NONE
+        return own | self.storage.get(storage_key(t), _NONE)
 
 
 _SUMMED = (torch.float32, torch.float64)
+_PROBED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
@@ -122,9 +161,9 @@ def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
     A finite sum proves a float32/float64 tensor finite, and sums run several times faster
     than a min/max on tensors that fit in cache. Past it, a max (NaN-propagating) tells NaN,
     and +Inf, by itself; only a tensor without either needs its min. ``likely`` (the op's
-    inputs were non-finite) skips the sum. The Inf of a tensor that also holds NaN is not
-    reported: the tracer never reads it (a NaN input rules out any creation), and telling it
-    would cost another pass.
+    inputs were non-finite) skips the sum, and a NaN first element answers with no pass at
+    all. The Inf of a tensor that also holds NaN is not reported: the tracer never reads it
+    (a NaN input rules out any creation), and telling it would cost another pass.
 
     Example:
         >>> nonfinite_flags(torch.tensor([1.0, float("inf")]))
@@ -132,7 +171,12 @@ def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
     """
     t = local(t)
     if t.dtype in _SUMMED and t.layout == torch.strided and t.numel():
-        if not likely and math.isfinite(t.sum().item()):
+        if likely:
+            # NaN spreads through most of a tensor made from a NaN one: its first element
+            # (read without a pass) usually tells.
+            if math.isnan(t.as_strided((), ()).item()):
+                return True, False
+        elif math.isfinite(t.sum().item()):
             return False, False
         hi = t.amax().item()
         if math.isnan(hi):
@@ -143,17 +187,39 @@ def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
 
 
 def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
-    """``nonfinite_flags`` of each tensor, with one host read for all of them."""
-    bounds = [_bounds(local(t)) for t in ts]
+    """``nonfinite_flags`` of each tensor, with one host read for all of them on an accelerator.
+
+    A CPU tensor whose first element is NaN needs no pass (reading it costs no device sync):
+    the gradients of a step that went NaN usually are.
+
+    Example:
+        >>> many_nonfinite_flags([torch.tensor([float("nan"), 1.0]), torch.ones(2)])
+        [(True, False), (False, False)]
+    """
+    ts = [local(t) for t in ts]
+    known = [_first_is_nan(t) for t in ts]
+    bounds = [None if nan else _bounds(t) for t, nan in zip(ts, known, strict=True)]
     present = [b for b in bounds if b is not None]
-    if not present:
-        return [(False, False)] * len(ts)
+    values = iter(())
     if len(present) == 1:
-        rows = present[0][None]
-    else:
-        rows = torch.stack([b.to(present[0].device, torch.float64) for b in present])
-    values = iter(rows.tolist())
-    return [(False, False) if b is None else _flags(*next(values)) for b in bounds]
+        values = iter(present[0][None].tolist())
+    elif present:
+        values = iter(torch.stack([b.to(present[0].device, torch.float64) for b in present]).tolist())
+    return [
+        (True, False) if nan else (False, False) if b is None else _flags(*next(values))
+        for nan, b in zip(known, bounds, strict=True)
+    ]
+
+
+def _first_is_nan(t: torch.Tensor) -> bool:
+    """Is ``t`` a non-empty dense CPU float tensor whose first element is NaN?"""
+    return (
+        t.device.type == "cpu"
+        and t.dtype in _PROBED
+        and t.layout == torch.strided
+        and t.numel() > 0
+        and math.isnan(t.as_strided((), ()).item())
+    )
 
 
 def _flags(lo: float, hi: float) -> tuple[bool, bool]:
@@ -192,7 +258,8 @@ def has_inf_created(out: torch.Tensor, inputs: list[Any]) -> bool:
     return bool((torch.isinf(out) & finite).any())
 
 
-def _version(t: torch.Tensor) -> int:
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter: it counts in-place writes to ``t`` and every view sharing it (-1 for none)."""
     try:
         return t._version
     except RuntimeError:  # inference tensors keep no version counter
