@@ -34,7 +34,7 @@ def is_float(t: object) -> bool:
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Summary statistics of one tensor: three passes over a finite tensor, nine over one that is not.
+    """Summary statistics of one tensor: three passes over a finite tensor, eight over one that is not.
 
     min/max/absmax are taken over the finite values, so a NaN does not hide the scale. 16- and
     8-bit floats are counted in float32; float64 keeps its range.
@@ -56,10 +56,9 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     if x.element_size() < 4:
         x = x.float()
     lo, hi = torch.stack(torch.aminmax(x)).tolist()
+    # NaN and Inf are neither zero nor (but -Inf) negative: these count finite values without a copy.
+    counts = [(x == 0).sum(), (x < 0).sum()]
     finite = math.isfinite(lo) and math.isfinite(hi)
-    # NaN/Inf read as zeros here; then only the finite values are counted as zero or negative.
-    z = x if finite else x.nan_to_num(0.0, 0.0, 0.0)
-    counts = [(z == 0).sum(), (z < 0).sum()]
     if not finite:
         counts += [torch.isnan(x).sum(), torch.isposinf(x).sum(), torch.isneginf(x).sum()]
         # A NaN/Inf read as the far end of the range cannot move the finite min or max.
@@ -72,8 +71,8 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
         min=lo,
         max=hi,
         absmax=0.0 if lo is None or hi is None else max(abs(lo), abs(hi)),
-        zeros=zeros - nan - posinf - neginf,
-        negative=negative + neginf,
+        zeros=zeros,
+        negative=negative,
         nan=nan,
         posinf=posinf,
         neginf=neginf,
