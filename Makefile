@@ -32,7 +32,7 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
-	cd benchmarks && ../$(PY) locate_cost.py && ../$(PY) overhead.py --ddp && ../$(PY) zoo_compare.py --ranks 2
+	cd benchmarks && ../$(PY) locate_cost.py && ../$(PY) overhead.py --ddp && ../$(PY) guard_cost.py && ../$(PY) zoo_compare.py --ranks 2
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache

@@ -239,7 +239,9 @@ def main() -> None:
 
 Tiny GPT ({cfg.n_layer} layers, d={cfg.n_embd}, T={cfg.block_size}, batch 8), AdamW, one training step per
 call, median of {args.rounds} interleaved rounds (each configuration trains its own copy on the same batches).
-Target: Guard <= 1.01x on CPU.
+Target: Guard <= 1.01x on CPU. The second row is the floor of any check that reads every gradient and
+parameter once a step: the plain loop plus only the guard's two reads (`total_norm` of the gradients, and
+of the parameters after the update), nothing else. The guard's own work is what its row adds to that one.
 
 {_table(times)}
 

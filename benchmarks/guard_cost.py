@@ -1,0 +1,185 @@
+"""The guard's own work per healthy step, counted where timing is too noisy to tell.
+
+On a shared 2-core machine a step's time drifts by 1-3% from run to run, as much as a change to
+the guard's per-step work. Counts do not drift:
+
+- aten ops the guard adds per healthy step of the tiny GPT (a ``TorchDispatchMode`` counts the
+  ops of a guarded step and of the plain one);
+- Python calls it adds (``sys.setprofile``, calls into Python and C functions alike);
+- its own time per step on a 4-parameter model, where reading the tensors costs nothing: the
+  median of interleaved rounds, guarded minus plain.
+
+With ``--baseline SRC`` each count is also taken on the nanguard sources at SRC (a ``src/``
+folder: the code before a change), in a process of its own.
+
+Run: ``.venv/bin/python benchmarks/guard_cost.py [--rounds N] [--baseline SRC]``; writes BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HERE = Path(__file__).resolve().parent
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counts(step: Callable[[], None], steps: int = 20) -> tuple[float, float]:
+    """aten ops and Python calls per call of ``step``."""
+    for _ in range(3):
+        step()
+    with _CountOps() as mode:
+        for _ in range(steps):
+            step()
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        sys.setprofile(None)
+    return mode.ops / steps, calls / steps
+
+
+def _tiny_loops() -> tuple[Callable[[], None], Callable[[], None]]:
+    import nanguard as ng
+    from nanguard.zoo import GPTConfig, train_step
+    from overhead import _batches, _setup
+
+    cfg = GPTConfig()
+    model, opt = _setup(cfg)
+    nxt = _batches(cfg)
+
+    def plain() -> None:
+        train_step(model, nxt())
+        opt.step()
+
+    g_model, g_opt = _setup(cfg)
+    g_next = _batches(cfg)
+    guard = ng.Guard(g_model, g_opt, policy="skip")
+
+    def guarded() -> None:
+        batch = g_next()
+        guard.step(lambda: train_step(g_model, batch), batch=batch)
+
+    return plain, guarded
+
+
+def _micro_loops() -> tuple[Callable[[], None], Callable[[], None]]:
+    import nanguard as ng
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3), torch.randn(8, 4)
+
+    model, opt, x = build()
+    g_model, g_opt, g_x = build()
+    guard = ng.Guard(g_model, g_opt, policy="skip")
+
+    def plain() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+
+    def closure() -> torch.Tensor:
+        g_opt.zero_grad(set_to_none=True)
+        loss = g_model(g_x).sum()
+        loss.backward()
+        return loss
+
+    return plain, lambda: guard.step(closure)
+
+
+def measure(rounds: int) -> dict[str, float]:
+    """The three counts for the nanguard that ``import nanguard`` finds."""
+    plain, guarded = _tiny_loops()
+    (p_ops, p_calls), (g_ops, g_calls) = _counts(plain), _counts(guarded)
+    plain, guarded = _micro_loops()
+    times: dict[str, list[float]] = {"plain": [], "guarded": []}
+    for _ in range(200):
+        plain()
+        guarded()
+    for _ in range(rounds):
+        for name, fn in (("plain", plain), ("guarded", guarded)):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    own = statistics.median(times["guarded"]) - statistics.median(times["plain"])
+    return {"ops": g_ops - p_ops, "calls": g_calls - p_calls, "own_us": own * 1e6}
+
+
+def _run(src: Path | None, rounds: int) -> dict[str, float]:
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--rounds", str(rounds)]
+    out = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3000)
+    parser.add_argument("--baseline", type=Path, help="nanguard sources to compare with (a src/ folder)")
+    parser.add_argument("--json", action="store_true", help="print this process's counts as JSON (internal)")
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps(measure(args.rounds)))
+        return
+    from _common import machine, write_section
+
+    now = _run(None, args.rounds)
+    before = _run(args.baseline.resolve(), args.rounds) if args.baseline is not None else None
+    rows = [
+        ("aten ops added per healthy step (tiny GPT)", "ops", "{:.1f}"),
+        ("Python calls added per healthy step (tiny GPT)", "calls", "{:.0f}"),
+        ("the guard's own time per step, 4-parameter model (us)", "own_us", "{:.0f}"),
+    ]
+    head = "| measure | now |" + (" before |" if before else "")
+    rule = "|---|---:|" + ("---:|" if before else "")
+    lines = [head, rule]
+    for label, key, fmt in rows:
+        lines.append(f"| {label} | {fmt.format(now[key])} |" + (f" {fmt.format(before[key])} |" if before else ""))
+    table = "\n".join(lines)
+    baseline = f' The "before" column ran on the sources at `{args.baseline}`.' if before else ""
+    body = f"""## The guard's own work per step (counts)
+
+Counted where a step's time is too noisy to show it: the aten ops and Python calls a guarded healthy step
+of the tiny GPT makes beyond the plain one, and the guard's own time on a 4-parameter model (median of
+{args.rounds} interleaved rounds), where reading the tensors costs nothing.{baseline}
+
+{table}
+
+Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/guard_cost.py [--baseline SRC]`."""
+    write_section("guard-cost", body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
