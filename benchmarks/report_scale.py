@@ -26,7 +26,7 @@ from pathlib import Path
 
 from _common import machine, write_section
 from nanguard.events import EventLog
-from nanguard.findings import Diagnosis
+from nanguard.zoo.runs import write_noisy_run
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 _TRIP_DIAGNOSIS = {
@@ -77,24 +77,6 @@ def write_log(run_dir: Path, megabytes: float, seed: int = 0) -> int:
     return step
 
 
-def write_small_run(run_dir: Path, steps: int, trips: range) -> None:
-    """A run of ``steps`` noisy steps whose ``trips`` steps overflow and are skipped."""
-    rng = random.Random(0)
-    log = EventLog(run_dir, rank=0)
-    log.write("start", 0, config={}, world_size=1, path="host")
-    for step in range(steps):
-        if step in trips:
-            diag = Diagnosis(cause="precision.overflow", kind="inf", phase="forward", step=step, rank=0)
-            log.write("trip", step, action="skip", ranks=[0], diagnosis=diag.to_dict())
-            log.write("skip", step, reason="precision.overflow")
-            log.write("step", step, loss=None, grad_norm=None, skipped=True, scale=None)
-        else:
-            loss = abs(4.0 * math.exp(-step / 2000) + rng.gauss(0, 0.3))
-            log.write("step", step, loss=loss, grad_norm=1.0 + rng.random(), skipped=False, scale=None)
-    log.write("end", steps, skipped=len(trips), rollbacks=0)
-    log.close()
-
-
 def measure(src: Path, args: list[str]) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds, peak MiB) of nanguard's CLI with ``args``, from ``src``, in a fresh process."""
     env = {**os.environ, "PYTHONPATH": str(src)}
@@ -124,8 +106,8 @@ def main() -> None:
         root = Path(tmp)
         steps = write_log(root / "big", args.mb)
         size = (root / "big" / "events-rank0.jsonl").stat().st_size / 2**20
-        write_small_run(root / "long", 6000, range(3000, 3008))
-        write_small_run(root / "many", 40, range(3, 11))
+        write_noisy_run(root / "long", 6000, range(3000, 3008))
+        write_noisy_run(root / "many", 40, range(3, 11))
         load = os.getloadavg()[0]
         runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         for _ in range(args.rounds):

@@ -8,30 +8,11 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from nanguard.events import EventLog
-from nanguard.findings import Diagnosis
 from nanguard.report import stream
 from nanguard.report.load import load_run
 from nanguard.report.plots import figure_svg, group_trips, loss_plot, rank_plot, smooth
+from nanguard.zoo.runs import write_noisy_run
 from test_report import _not_blank, browser  # noqa: F401  (the headless Chromium fixture)
-
-
-def _run(tmp_path: Path, steps: int, trips: range) -> Path:
-    log = EventLog(tmp_path, rank=0)
-    log.write("start", 0, config={}, world_size=1, path="host")
-    rng = np.random.default_rng(0)
-    for step in range(steps):
-        if step in trips:
-            diag = Diagnosis(cause="precision.overflow", kind="inf", phase="forward", step=step, rank=0)
-            log.write("trip", step, action="skip", ranks=[0], diagnosis=diag.to_dict())
-            log.write("skip", step, reason="precision.overflow")
-            log.write("step", step, loss=None, grad_norm=None, skipped=True, scale=None)
-        else:
-            loss = 4.0 * math.exp(-step / 2000) + float(rng.normal(0, 0.3))
-            log.write("step", step, loss=abs(loss), grad_norm=1.0 + float(rng.random()), skipped=False, scale=None)
-    log.write("end", steps, skipped=len(trips), rollbacks=0)
-    log.close()
-    return tmp_path
 
 
 def test_smooth_averages_windows_and_skips_gaps() -> None:
@@ -43,16 +24,16 @@ def test_smooth_averages_windows_and_skips_gaps() -> None:
 
 
 def test_long_run_draws_a_trend_line_with_its_text_searchable(tmp_path: Path) -> None:
-    svg = figure_svg(loss_plot(load_run(_run(tmp_path, 6000, range(0)))))
+    svg = figure_svg(loss_plot(load_run(write_noisy_run(tmp_path, 6000, range(0)))))
     assert "mean of 30" in svg  # the legend names the smoothing window, as text (not paths)
     assert svg.count("<path") < 20_000  # decimated: not one path point per step
 
 
-def test_the_page_does_not_grow_with_the_run(tmp_path: Path) -> None:
+def test_the_page_does_not_grow_with_thewrite_noisy_run(tmp_path: Path) -> None:
     from nanguard.report.html import render_html
 
-    short = render_html(load_run(_run(tmp_path / "short", 6000, range(3000, 3008))))
-    long = render_html(load_run(_run(tmp_path / "long", 30_000, range(3000, 3008))))
+    short = render_html(load_run(write_noisy_run(tmp_path / "short", 6000, range(3000, 3008))))
+    long = render_html(load_run(write_noisy_run(tmp_path / "long", 30_000, range(3000, 3008))))
     assert len(long) < 1.3 * len(short)  # curves are thinned to a fixed number of points
     stride = next(s for s in (1, 2, 4, 8, 16) if s * stream.MAX_POINTS >= 30_000)  # the reader's thinning
     assert "faint: every step; line: mean of 30 steps" in short
@@ -61,7 +42,7 @@ def test_the_page_does_not_grow_with_the_run(tmp_path: Path) -> None:
 
 
 def test_many_trips_get_one_grouped_label(tmp_path: Path) -> None:
-    report = load_run(_run(tmp_path, 40, range(3, 11)))
+    report = load_run(write_noisy_run(tmp_path, 40, range(3, 11)))
     assert [g[:3] for g in group_trips(report.trips)] == [(3, 10, 8)]
     svg = figure_svg(rank_plot(report))
     assert "8 trips, steps 3–10, precision.overflow" in svg
@@ -69,7 +50,7 @@ def test_many_trips_get_one_grouped_label(tmp_path: Path) -> None:
 
 
 def test_trips_spread_over_a_long_run_share_a_label_per_cluster(tmp_path: Path) -> None:
-    report = load_run(_run(tmp_path, 6000, [1000, 1500, 2000, 4500]))  # a label spans ~1/4 of the axis
+    report = load_run(write_noisy_run(tmp_path, 6000, [1000, 1500, 2000, 4500]))  # a label spans ~1/4 of the axis
     assert len(group_trips(report.trips)) == 4  # not consecutive: four cards
     svg = figure_svg(rank_plot(report))
     assert "3 trips, steps 1000–2000, precision.overflow (origin)" in svg
@@ -80,7 +61,7 @@ def test_trips_spread_over_a_long_run_share_a_label_per_cluster(tmp_path: Path) 
 def test_html_groups_repeated_trips_into_one_card(tmp_path: Path) -> None:
     from nanguard.report.html import render_html
 
-    page = render_html(load_run(_run(tmp_path, 40, range(3, 11))))
+    page = render_html(load_run(write_noisy_run(tmp_path, 40, range(3, 11))))
     assert "8 trips in a row with this cause, steps 3–10 (8)" in page
     assert "<td>3–10 (8)</td>" in page
     assert page.count('<section class="diagnosis"') == 1
@@ -89,7 +70,7 @@ def test_html_groups_repeated_trips_into_one_card(tmp_path: Path) -> None:
 def test_long_many_trip_run_in_chromium(tmp_path: Path, browser) -> None:  # noqa: F811
     from nanguard.cli import main
 
-    run_dir = _run(tmp_path / "run", 6000, range(3000, 3008))
+    run_dir = write_noisy_run(tmp_path / "run", 6000, range(3000, 3008))
     out = tmp_path / "report.html"
     assert main(["report", str(run_dir), "--html", str(out)]) == 0
     label = "8 trips, steps 3000–3007, precision.overflow (origin)"
@@ -112,7 +93,7 @@ def test_the_diagnoses_table_counts_the_groups_past_its_cap(tmp_path: Path, monk
 
     trips = range(10, 200, 10)  # 19 trips, none adjacent: 19 groups
     monkeypatch.setattr(html, "MAX_SUMMARY_ROWS", 5)
-    page = html.render_html(load_run(_run(tmp_path, 400, trips)))
+    page = html.render_html(load_run(write_noisy_run(tmp_path, 400, trips)))
     table = page[page.index('<table class="trips"') : page.index("</table>", page.index('<table class="trips"'))]
     assert table.count("<tr>") == 1 + 5 + 1  # the header, five groups, one row for the rest
     assert "<td>60–190 (14)</td>" in table
