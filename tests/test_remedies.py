@@ -171,8 +171,7 @@ def _regression(lr: float, policy: str, steps: int, **options):
     model = nn.Linear(4, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    guard = ng.Guard(model, opt, policy=policy, **options)
-    guard.scheduler = sched  # what Guard(scheduler=...) sets
+    guard = ng.Guard(model, opt, policy=policy, scheduler=sched, **options)
     losses = []
     for _ in range(steps):
         x = torch.randn(32, 4)
