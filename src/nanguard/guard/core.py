@@ -246,7 +246,7 @@ class Guard:
         every = self.config.fingerprint_every
         if every and good_steps % every == 0 and dist.is_distributed():
             self._check_replicas(h.step)
-        self.recovery.snapshot_if_due(self.step_count, self.history.growing)
+        self.recovery.snapshot_if_due(self.step_count, h.loss, self.history.growing)
         self.last_action = "step"
         if h.step % self.config.log_every == 0:
             self.recorder.step(h.step, loss=h.own_loss, grad_norm=h.grad_norm, scale=h.scale, skipped=False)

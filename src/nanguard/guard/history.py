@@ -145,10 +145,11 @@ class History:
                 best = Forecast(metric, vals[-1], math.exp(rate), max(1, math.ceil(left)))
         return best
 
-    def growing(self) -> bool:
+    def growing(self, baseline: float | None = None) -> bool:
         """Is the run growing now: the forecast's episode is open, a spike came within the last
-        ``divergence_window`` updates, or the loss or grad norm grew ``divergence_factor``-fold
-        within them (the divergence rule's own evidence)?
+        ``divergence_window`` updates, the loss or grad norm grew ``divergence_factor``-fold
+        within them (the divergence rule's own evidence), or the loss stands ``divergence_factor``
+        times above ``baseline`` (the loss when the last good snapshot was taken)?
 
         Example:
             >>> history = History(size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0,
@@ -160,7 +161,12 @@ class History:
         """
         if self._warned:
             return True
-        return bool(self.points) and bool(self.evidence(self.points[-1].step + 1, None).get("diverging"))
+        if not self.points:
+            return False
+        last = self.points[-1]
+        if baseline is not None and 0 < baseline < math.inf and last.loss > self.divergence_factor * baseline:
+            return True
+        return bool(self.evidence(last.step + 1, None).get("diverging"))
 
     def tail(self, n: int = 16) -> dict[str, list[float]]:
         """The last ``n`` losses and grad norms, for a repro bundle."""

@@ -63,6 +63,8 @@ class Recovery:
         self.drop_batches = 0
         self.held_since: int | None = None
         """The step from which snapshot refreshes are held while the run grows; None when none is."""
+        self.snapshot_loss: float | None = None
+        """The loss of the last step before the snapshot was taken (None: not known)."""
 
     # -- one step ------------------------------------------------------------------------
     def abandon(self, restore_buffers: bool, rng: dict[str, torch.Tensor] | None = None) -> None:
@@ -165,18 +167,19 @@ class Recovery:
             "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
         }
 
-    def snapshot_if_due(self, step: int, growing: Callable[[], bool]) -> None:
+    def snapshot_if_due(self, step: int, loss: float, growing: Callable[[float | None], bool]) -> None:
         """Under the rollback and auto policies, snapshot every ``snapshot_every`` good steps, but
-        not while the loss or grad norm is growing (``growing()``): a rollback for divergence
-        must land before the growth, not on weights already on their way out.
+        not while the run grows (``growing(loss when the last snapshot was taken)``): a rollback
+        for divergence must land before the growth, not on weights already on their way out.
         """
         if self.config.policy not in ("rollback", "auto") or self.good_steps % self.config.snapshot_every:
             return
-        if growing():
+        if growing(self.snapshot_loss):
             if self.held_since is None:
                 self.held_since = step
             return
         self.take_snapshot(step)
+        self.snapshot_loss = loss
 
     def state_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}
