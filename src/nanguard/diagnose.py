@@ -849,4 +849,3 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
     if located or diag.cause != "optimizer.nonfinite_update":
         evidence["why"] = verdict.why
     return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence, also=also)
-
