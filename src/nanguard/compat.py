@@ -15,12 +15,40 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.nn import parameter as _parameter
+from torch.utils import _python_dispatch
+
+# Known to work: torch 2.4 - 2.13.0. The base class of a mode that sees every aten op (the tracer's
+# and the headroom check's); torch's own FlopCounterMode and DebugMode are built on it.
+DispatchMode = _python_dispatch.TorchDispatchMode
+
+# Known to work: torch 2.4 - 2.13.0. Aliases, not wrappers: the tracer calls them on every op.
+# The number the next autograd node will get (nodes are numbered in creation order) ...
+autograd_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+# ... and the autograd node whose backward is running now (None outside backward).
+current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
+
+
+def is_op_overload(target: Any) -> bool:
+    """Is ``target`` an aten op (``torch.ops.aten.log`` or ``torch.ops.aten.log.default``)?"""
+    return isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload))
+
+
+def is_uninitialized(t: torch.Tensor) -> bool:
+    """A lazy module's parameter or buffer that has no values yet (``nn.LazyLinear`` before its first call)."""
+    return isinstance(t, _parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
+
 
 __all__ = [
+    "DispatchMode",
+    "autograd_sequence_nr",
+    "current_autograd_node",
     "ddp_has_comm_hook",
     "drop_fsdp_accumulated_grads",
     "foreach_copy_",
     "foreach_norm",
+    "is_op_overload",
+    "is_uninitialized",
     "scaler_scale",
     "scaler_steps_aside",
     "step_with_found_inf",

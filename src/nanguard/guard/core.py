@@ -15,10 +15,10 @@ import contextlib
 import logging
 import math
 import numbers
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,7 +89,7 @@ class Guard:
         *,
         scaler: Any = None,
         scheduler: Any = None,
-        run_dir: str | Path | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         **config: Any,
@@ -434,6 +434,7 @@ class Guard:
         if kind == "rollback":
             self._rollback(step, diag, action, count=False)
         else:
+            assert verdict.source is not None  # the policy resyncs only from a finite replica
             dist.broadcast_state(self.model, src=verdict.source)
         self.health.forget_update()  # the queued parameter check saw the replicas before the repair
 

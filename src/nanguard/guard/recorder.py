@@ -196,8 +196,8 @@ def _model_state(model: torch.nn.Module, rank: int) -> tuple[dict[str, torch.Ten
     """The state dict a replay's model loads: names as the user's module has them (no DDP
     ``module.`` or ``torch.compile`` ``_orig_mod.`` prefix); a sharded model gives this rank's shards."""
     inner = dist.unwrap(model)
-    while isinstance(getattr(inner, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
-        inner = dist.unwrap(inner._orig_mod)
+    while isinstance(compiled := getattr(inner, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
+        inner = dist.unwrap(compiled)
     state = {key: value for key, value in inner.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)}
     shards = {key: local(value).detach() for key, value in state.items()}
     if any(local(value) is not value for value in state.values()):

@@ -218,7 +218,7 @@ def upcast_module(module: nn.Module) -> None:
         with _autocast_off(args, kwargs):
             return inner(*_to_float32(args), **_to_float32(kwargs))
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
 
 @contextlib.contextmanager
@@ -270,7 +270,7 @@ def bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> list[int] | Non
         >>> bad_rows(diag, {"x": torch.tensor([[1.0], [float("nan")]])}, n_rows=2)
         [1]
     """
-    origin = diag.evidence.get("origin") or {}
+    origin: dict[str, Any] = diag.evidence.get("origin") or {}
     if diag.cause == "data.nonfinite":
         paths = {origin.get("path")}
     elif diag.cause == "data.index_out_of_range" and isinstance(origin.get("indexed_size"), int):

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanguard import compat
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
 from nanguard.tracer import ops
 from nanguard.tracer.modules import ModuleStack, user_source
@@ -100,7 +100,7 @@ class Failure:
     index: ops.IndexFacts | None
 
 
-class _TracerMode(TorchDispatchMode):
+class _TracerMode(compat.DispatchMode):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
         self.tracer = tracer
@@ -164,7 +164,7 @@ class Tracer:
 
     def __enter__(self) -> Tracer:
         self._check_protected()
-        self.first_node = torch._C._autograd._get_sequence_nr()
+        self.first_node = compat.autograd_sequence_nr()
         self._mode = _TracerMode(self)
         self._mode.__enter__()
         return self
@@ -222,7 +222,7 @@ class Tracer:
             self.taint.set_finite([o for o in flat_out if o.is_floating_point() or o.is_complex()], base)
         else:
             self._outputs(func, facts, args, kwargs, flat_in, ins, out, flat_out, base)
-        node = torch._C._current_autograd_node()
+        node = compat.current_autograd_node()
         if flat_out:
             self._note_nodes(facts, flat_in, node is not None)
         if not facts.quiet:
@@ -333,7 +333,7 @@ class Tracer:
             return False
         if ops.info(func).mask_aware:
             return False
-        node = torch._C._current_autograd_node()
+        node = compat.current_autograd_node()
         return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
 
     def _outranked(self, taint: frozenset[int]) -> bool:
@@ -351,7 +351,7 @@ class Tracer:
                 origin.category = "data"
 
     def _where(self, func: Any) -> _Where:
-        node = torch._C._current_autograd_node()
+        node = compat.current_autograd_node()
         module = self.modules.current
         op = ops.op_name(func) if func is not None else None
         if node is None:
@@ -450,7 +450,7 @@ class Tracer:
         grad = torch.is_grad_enabled()
         # Inside dispatch, autograd has already built this op's node: its number is one less.
         # With grad off no node was built, and one less is the newest node: a Function's.
-        seq = torch._C._autograd._get_sequence_nr() - 1
+        seq = compat.autograd_sequence_nr() - 1
         if seq >= self.first_node and seq not in self.nodes:
             module = self.modules.current
             self.nodes[seq] = (

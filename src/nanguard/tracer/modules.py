@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ def user_source(skip: int = 1) -> tuple[str | None, str | None]:
         >>> user_source()
         ('train.py:42', '.../site-packages/transformers/loss/loss_utils.py:36')
     """
-    frame = sys._getframe(skip)
+    frame: FrameType | None = sys._getframe(skip)
     library = None
     kinds = _kinds
     while frame is not None:
