@@ -137,7 +137,7 @@ class Recorder(NullRecorder):
 
     def __init__(
         self,
-        run_dir: str | Path,
+        run_dir: str | os.PathLike[str],
         *,
         rank: int,
         max_bundle_bytes: int,
@@ -206,7 +206,7 @@ def _model_state(model: torch.nn.Module, rank: int) -> tuple[dict[str, torch.Ten
 
 
 def recorder_for(
-    run_dir: str | Path | None,
+    run_dir: str | os.PathLike[str] | None,
     *,
     rank: int,
     max_bundle_bytes: int,

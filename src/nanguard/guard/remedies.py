@@ -288,6 +288,7 @@ def bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> list[int] | Non
         if diag.cause == "data.nonfinite" and leaf.is_floating_point():
             rows = ~torch.isfinite(flat).all(dim=1)
         elif diag.cause == "data.index_out_of_range" and not leaf.is_floating_point() and leaf.dtype != torch.bool:
+            assert isinstance(size, int)  # checked above: a range to compare with
             rows = ((flat < 0) | (flat >= size)).any(dim=1)
         else:
             continue

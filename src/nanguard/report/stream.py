@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from math import isfinite
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeGuard
 
 import numpy as np
 
@@ -430,8 +430,9 @@ def _cells(cells: list[bytes], key: bytes, lines: int) -> Cells | None:
     null = bad = np.zeros(lines, dtype=bool)
     if b'"' in text or b"null" in text:
         words = {word: n for word in (b"null", *_NON_FINITE) if (n := text.count(word))}
-        masks = {word: _where(cells, key + word, n, lines) for word, n in words.items()}
-        if any(mask is None for mask in masks.values()):  # a cell that holds one of these words and more
+        found = {word: _where(cells, key + word, n, lines) for word, n in words.items()}
+        masks = {word: mask for word, mask in found.items() if mask is not None}
+        if len(masks) < len(found):  # a cell that holds one of these words and more
             return None
         null = masks.pop(b"null", null)
         bad = np.logical_or.reduce([bad, *masks.values()])
@@ -478,7 +479,7 @@ def _numbers(text: bytes, lines: int, dtype: type) -> np.ndarray | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # numpy < 2 warns and stops at text it cannot read
         try:
-            values = np.fromstring(text, dtype=dtype, sep=",")
+            values: np.ndarray = np.fromstring(text, dtype=dtype, sep=",")
         except ValueError:
             return None
     return values if values.size == lines else None
@@ -540,7 +541,7 @@ def _read_other(raw: bytes, lineno: int, found: RankEvents) -> str | None:
     return None
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -53,13 +53,14 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
     """One rank of an edge scenario: the first diagnosis and the step it came at."""
     run = build(s, seed, rank=rank)
     model = run.model
-    weight = model.blocks[1].mlp.fc.weight
+    weight: Any = model.blocks[1].mlp.fc.weight  # a DTensor once sharded
+    optimizer: torch.optim.Optimizer
     if s.dist_fault == "shard":
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
-        net: torch.nn.Module = fully_shard(model)
+        net: torch.nn.Module = fully_shard(model)  # type: ignore[assignment]  # FSDPModule: a Module at run time
         optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr)
         guard = Guard(net, optimizer, policy="skip", max_consecutive_skips=10**6)
         weight = model.blocks[1].mlp.fc.weight
