@@ -21,6 +21,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from nanguard import compat
+from nanguard.agreement import Agreed
 from nanguard.findings import Diagnosis
 from nanguard.stats import local
 
@@ -68,23 +69,24 @@ def rank_or_none() -> int | None:
 
 def agree(code: torch.Tensor, loss: torch.Tensor, grad_sq: torch.Tensor, *, sharded: bool = False) -> torch.Tensor:
     """One all-reduce that gives every rank the same view of the step, as a float32 device tensor:
-    ``[code of rank 0, ..., code of rank W-1, mean loss, global grad norm]``.
+    ``[code of rank 0, ..., code of rank W-1, mean loss, global grad norm]`` (``agreement.Agreed``).
 
     Each rank writes its own code slot (small ints, exact in float32), so all ranks learn
     *which* ranks flagged; the loss is averaged and the squared grad norm summed (over shards
     for FSDP2; over identical replicas under DDP, hence divided back). World_size + 2 floats.
     """
     world = world_size()
-    vec = torch.zeros(world + 2, dtype=torch.float32, device=loss.device)
+    loss_at, norm_at = world + Agreed.LOSS, world + Agreed.GRAD_NORM
+    vec = Agreed.zeros(world, loss.device)
     vec[rank() if world > 1 else 0] = code.float()
-    vec[world] = loss.float()
-    vec[world + 1] = grad_sq.float()
+    vec[loss_at] = loss.float()
+    vec[norm_at] = grad_sq.float()
     if world > 1:
         tdist.all_reduce(vec)
-        vec[world] = vec[world] / world
+        vec[loss_at] = vec[loss_at] / world
         if not sharded:
-            vec[world + 1] = vec[world + 1] / world
-    vec[world + 1] = vec[world + 1].sqrt()
+            vec[norm_at] = vec[norm_at] / world
+    vec[norm_at] = vec[norm_at].sqrt()
     return vec
 
 
@@ -244,7 +246,7 @@ class DDPCommWatch(CommWatch):
         if carried is None:
             return None
         bad = ~torch.isfinite(torch.stack([r.to(carried.device) for r in received]).sum())
-        return torch.cat([carried, bad.float().reshape(1)])
+        return torch.cat([carried, bad.float().reshape(1)])  # Riding -> agreement.Carried
 
     def reset(self) -> None:
         self._acc = None

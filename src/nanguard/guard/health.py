@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nanguard import compat, dist
+from nanguard.agreement import Agreed, Carried, Read, Riding
 from nanguard.dist import CommWatch
 from nanguard.stats import float_groups, local, total_norm
 
@@ -96,8 +97,11 @@ class DeviceHealth:
         if carried is None:
             return dist.agree(self.flags, self.loss, self.grad_norm * self.grad_norm, sharded=sharded)
         world = dist.world_size()
-        mean_loss = carried[world] / carried[world + 1].clamp_min(1)  # over the ranks whose loss was known
-        return torch.cat([carried[:world], torch.stack([mean_loss, self.grad_norm.float().to(carried.device)])])
+        known = carried[world + Riding.LOSS_KNOWN].clamp_min(1)
+        slots: list[Any] = [None] * Agreed.SIZE
+        slots[Agreed.LOSS] = carried[world + Riding.LOSS_SUM] / known  # over the ranks whose loss was known
+        slots[Agreed.GRAD_NORM] = self.grad_norm.float().to(carried.device)
+        return torch.cat([carried[:world], torch.stack(slots)])
 
     @staticmethod
     def found_inf(agreed: torch.Tensor) -> torch.Tensor:
@@ -105,18 +109,8 @@ class DeviceHealth:
         return (agreed[: dist.world_size()].amax() > 0).float()
 
     def read(self, step: int, agreed: torch.Tensor, *, scaled: bool) -> StepHealth:
-        world = dist.world_size()
-        extra = torch.stack([self.scale.float(), self.loss.float(), self.grad_norm.float()]).to(agreed.device)
-        values: list[float] = torch.cat([agreed, extra]).tolist()  # the one host read of this step
-        return StepHealth(
-            step=step,
-            loss=values[world],
-            # One process reads its own norm: the agreement squares it in float32, past 1.8e19 an overflow.
-            grad_norm=values[world + 1] if world > 1 else values[world + 4],
-            scale=values[world + 2] if scaled else None,
-            own_loss=values[world + 3],
-            rank_flags=tuple(HealthFlag(int(c)) for c in values[:world]),
-        )
+        values: list[float] = _read_vector(agreed, self).tolist()  # the one host read of this step
+        return _step_health(step, values, dist.world_size(), scaled=scaled)
 
 
 class HostCopy:
@@ -129,9 +123,8 @@ class HostCopy:
     """
 
     def __init__(self, measured: DeviceHealth, agreed: torch.Tensor) -> None:
-        self.world = agreed.numel()
-        extra = torch.stack([measured.scale.float(), measured.loss.float(), measured.grad_norm.float()])
-        packed = torch.cat([agreed, extra.to(agreed.device)])
+        self.world = agreed.numel() - Agreed.SIZE
+        packed = _read_vector(agreed, measured)
         self.event: Any = None
         if packed.device.type == "cuda":
             self.values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -144,9 +137,7 @@ class HostCopy:
     def read(self, step: int, *, scaled: bool) -> StepHealth:
         if self.event is not None:
             self.event.synchronize()  # the copy only, not the work queued after it
-        v, w = self.values, self.world
-        host = DeviceHealth(grad_norm=v[w + 2], loss=v[w + 1], scale=v[w], flags=v[:0])
-        return host.read(step, v[:w], scaled=scaled)
+        return _step_health(step, self.values.tolist(), self.world, scaled=scaled)
 
 
 class HealthCheck:
@@ -278,8 +269,8 @@ class HealthCheck:
         world = dist.world_size()
         codes = raw[:world].to(torch.int32)
         if self.scaler is None:
-            codes = codes | (raw[world + 2] > 0).to(torch.int32) * HealthFlag.SYNCED
-        return torch.cat([codes.float(), raw[world : world + 2]])
+            codes = codes | (raw[world + Carried.SYNCED_BAD] > 0).to(torch.int32) * HealthFlag.SYNCED
+        return torch.cat([codes.float(), raw[world : world + Riding.SIZE]])
 
     def _extras(self, pre_comm: torch.Tensor, roots: list[torch.Tensor]) -> torch.Tensor:
         device, world = pre_comm.device, dist.world_size()
@@ -292,15 +283,37 @@ class HealthCheck:
         code = local.to(torch.int32) * HealthFlag.LOCAL
         if self._param_norm is not None:
             code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * HealthFlag.PARAMS
-        extras = torch.zeros(world + 2, dtype=torch.float32, device=device)
+        extras = Riding.zeros(world, device)
         extras[dist.rank()] = code.float()
-        extras[world] = loss
-        extras[world + 1] = float(known)
+        extras[world + Riding.LOSS_SUM] = loss
+        extras[world + Riding.LOSS_KNOWN] = float(known)
         return extras
 
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored."""
         self._param_norm = None
+
+
+def _read_vector(agreed: torch.Tensor, measured: DeviceHealth) -> torch.Tensor:
+    """``agreement.Read``: the agreed vector, then this rank's scale, own loss and own grad norm."""
+    own: list[Any] = [None] * (Read.SIZE - Agreed.SIZE)
+    own[Read.SCALE - Agreed.SIZE] = measured.scale.float()
+    own[Read.OWN_LOSS - Agreed.SIZE] = measured.loss.float()
+    own[Read.OWN_GRAD_NORM - Agreed.SIZE] = measured.grad_norm.float()
+    return torch.cat([agreed, torch.stack(own).to(agreed.device)])
+
+
+def _step_health(step: int, values: list[float], world: int, *, scaled: bool) -> StepHealth:
+    """A ``Read`` vector, read to the host, as the step's ``StepHealth``."""
+    return StepHealth(
+        step=step,
+        loss=values[world + Read.LOSS],
+        # One process reads its own norm: the agreement squares it in float32, past 1.8e19 an overflow.
+        grad_norm=values[world + (Read.GRAD_NORM if world > 1 else Read.OWN_GRAD_NORM)],
+        scale=values[world + Read.SCALE] if scaled else None,
+        own_loss=values[world + Read.OWN_LOSS],
+        rank_flags=tuple(HealthFlag(int(c)) for c in values[:world]),
+    )
 
 
 _TABLE_KEYS = [(scaled, merge) for scaled in (False, True) for merge in (False, True)]
