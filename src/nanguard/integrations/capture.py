@@ -39,12 +39,14 @@ __all__ = ["HeldSchedulers", "Micro", "StepCapture"]
 @dataclass
 class Micro:
     """One recorded micro-batch: the arguments its forward was called with, and the RNG state
-    before it; ``loss`` once the framework has computed it."""
+    before it; ``loss`` once the framework has computed it; ``run``, the function the arguments
+    went to when it is not the model itself (Fabric's ``micro_step``)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     rng: dict[str, torch.Tensor] = field(default_factory=get_rng_state)
     loss: torch.Tensor | None = None
+    run: Callable[..., Any] | None = None
 
 
 class StepCapture:
