@@ -190,9 +190,9 @@ def test_wrong_arguments_name_what_fabric_setup_returns() -> None:
     plain = Net()
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     model, optimizer = fabric.setup(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="model must be the module fabric.setup"):
+    with pytest.raises(ValueError, match=r"model must be the module fabric\.setup"):
         FabricGuard(fabric, plain, optimizer)
-    with pytest.raises(ValueError, match="optimizer must be the optimizer fabric.setup"):
+    with pytest.raises(ValueError, match=r"optimizer must be the optimizer fabric\.setup"):
         FabricGuard(fabric, model, opt)
     with pytest.raises(ValueError, match="fabric must be"):
         FabricGuard(object(), model, optimizer)
