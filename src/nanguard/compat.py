@@ -20,6 +20,7 @@ from torch import nn
 
 __all__ = [
     "ddp_has_comm_hook",
+    "ddp_sync_pinned_off",
     "drop_fsdp_accumulated_grads",
     "fabric_inner_optimizer",
     "fabric_modules",
@@ -103,6 +104,31 @@ def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tenso
         optimizer.step()
     finally:
         del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+# Known to work: torch 2.13.0. DDP's forward reads ``require_backward_grad_sync`` to decide
+# whether the coming backward all-reduces (``no_sync()`` sets it False and back). A class with a
+# property of that name shadows the instance attribute, so the loop's own writes land nowhere.
+@contextlib.contextmanager
+def ddp_sync_pinned_off(model: nn.parallel.DistributedDataParallel) -> Iterator[None]:
+    """Inside the block ``model``'s backward never communicates, whatever the code inside sets
+    ``model.require_backward_grad_sync`` to; after it, the value from before is back."""
+    cls = type(model)
+    model.__class__ = _pinned_off(cls)
+    try:
+        yield
+    finally:
+        model.__class__ = cls
+
+
+_PINNED: dict[type, type] = {}
+
+
+def _pinned_off(cls: type) -> type:
+    if cls not in _PINNED:
+        off = property(lambda self: False, lambda self, value: None, doc="False while a replay runs")
+        _PINNED[cls] = type(cls.__name__, (cls,), {"require_backward_grad_sync": off, "__module__": cls.__module__})
+    return _PINNED[cls]
 
 
 # Known to work: torch 2.13.0 (FSDP2, ``fully_shard``). With gradient sync off, FSDP2 keeps
