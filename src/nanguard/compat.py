@@ -26,6 +26,7 @@ __all__ = [
     "fabric_modules",
     "foreach_copy_",
     "foreach_norm",
+    "has_forward_hooks",
     "hf_callbacks",
     "hf_initial_step",
     "hf_loss_sum",
@@ -104,6 +105,12 @@ def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tenso
         optimizer.step()
     finally:
         del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+# Known to work: torch 2.13.0. A module's own forward hooks are kept in ``_forward_hooks``;
+# there is no public way to ask whether it has any.
+def has_forward_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks)
 
 
 # Known to work: torch 2.13.0. DDP's forward reads ``require_backward_grad_sync`` to decide
