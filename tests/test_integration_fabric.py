@@ -113,7 +113,7 @@ def test_a_nan_micro_batch_is_skipped_diagnosed_and_named_as_in_the_users_model(
     diag = guard.last_diagnosis
     assert diag is not None
     assert (diag.cause, diag.phase, diag.module, diag.step) == ("data.nonfinite", "data", "net.0", BAD[0])
-    assert diag.evidence["origin"]["path"] == "batch[1]['args[0]']"  # the step's second micro-batch
+    assert diag.evidence["origin"]["path"] == "batch[1]['x']"  # the step's second micro-batch
     skipped_before, skipped_after = states[2 * BAD[0]], states[2 * BAD[0] + 1]
     for key, value in skipped_before.items():  # weights and BatchNorm running stats as before the step
         assert torch.equal(skipped_after[key], value), key
@@ -224,3 +224,16 @@ def test_fabric_ddp_two_cpu_ranks_fault_on_one_rank(tmp_path: Path, bad_rank: in
         assert (rep["diag_rank"], rep["diag_ranks"], rep["diag_step"]) == (bad_rank, [bad_rank], 1), rep
         assert rep["finite"]
     assert reports[0]["fingerprint"] == reports[1]["fingerprint"]
+
+
+def test_the_litgpt_style_example_runs_and_names_the_planted_fault(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import fabric_pretrain
+    finally:
+        sys.path.pop(0)
+    guard = fabric_pretrain.train(_fabric(), 6, bad_step=3, run_dir=str(tmp_path))
+    diag = guard.last_diagnosis
+    assert guard.skipped == 1 and guard.guard is not None and guard.guard.step_count == 6
+    assert (diag.cause, diag.module, diag.step) == ("data.nonfinite", "vis_proj", 3)
+    assert diag.evidence["origin"]["path"] == "batch[1]['pixel_values']"

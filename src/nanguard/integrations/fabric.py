@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -107,6 +108,7 @@ class FabricGuard(GuardedCallback):
         self.mean = mean
         self.trips = 0
         self.guard: Guard | None = Guard(forward, inner, policy, scheduler=scheduler, run_dir=run_dir, **options)
+        self._user = user
         self._capture = StepCapture(user)
         self._loss: torch.Tensor | None = None
         self._verdict: bool | None = None  # this step's, once checked
@@ -249,7 +251,7 @@ class FabricGuard(GuardedCallback):
             loss,
             micro,
             replay=(lambda: self._replay(micro)) if micro else None,
-            batch=_batch_of(micro),
+            batch=_batch_of(micro, self._user.forward),
             on_raise=lambda: self._record(before),
         )
         if not self._verdict:
@@ -306,9 +308,27 @@ def _scalar(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
 
 
-def _batch_of(micro: list[Micro]) -> Any:
-    """The step's inputs as the diagnosis names them: ``batch['args[0]']``, or a list per micro-batch."""
+def _batch_of(micro: list[Micro], forward: Callable[..., Any]) -> Any:
+    """The step's inputs as the diagnosis names them, by the parameter names of the function they
+    went to (``batch['pixel_values']``); a list with one entry per micro-batch."""
     if not micro:
         return None
-    batches = [{**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs} for m in micro]
+    batches = [_named_arguments(m.run or forward, m) for m in micro]
     return batches[0] if len(batches) == 1 else batches
+
+
+def _named_arguments(fn: Callable[..., Any], m: Micro) -> dict[str, Any]:
+    try:
+        bound = inspect.signature(fn).bind(*m.args, **m.kwargs).arguments
+    except (TypeError, ValueError):  # no signature to read, or one the call does not fit
+        return {**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs}
+    named: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = inspect.signature(fn).parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update({f"{name}[{i}]": a for i, a in enumerate(value)})
+        else:
+            named[name] = value
+    return named
