@@ -237,3 +237,13 @@ def test_the_litgpt_style_example_runs_and_names_the_planted_fault(tmp_path: Pat
     assert guard.skipped == 1 and guard.guard is not None and guard.guard.step_count == 6
     assert (diag.cause, diag.module, diag.step) == ("data.nonfinite", "vis_proj", 3)
     assert diag.evidence["origin"]["path"] == "batch[1]['pixel_values']"
+
+
+def test_missing_lightning_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    for name in ("lightning", "lightning.fabric"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "nanguard.integrations.fabric")
+    with pytest.raises(ImportError, match=r"needs Lightning Fabric.*pip install nanguard\[lightning\]"):
+        importlib.import_module("nanguard.integrations.fabric")
