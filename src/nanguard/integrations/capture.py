@@ -39,14 +39,15 @@ __all__ = ["HeldSchedulers", "Micro", "StepCapture"]
 @dataclass
 class Micro:
     """One recorded micro-batch: the arguments its forward was called with, and the RNG state
-    before it; ``loss`` once the framework has computed it; ``run``, the function the arguments
-    went to when it is not the model itself (Fabric's ``micro_step``)."""
+    before it and the autocast it ran under; ``loss`` once the framework has computed it;
+    ``run``, the function the arguments went to when it is not the model itself (``micro_step``)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     rng: dict[str, torch.Tensor] = field(default_factory=get_rng_state)
     loss: torch.Tensor | None = None
     run: Callable[..., Any] | None = None
+    autocast: list[tuple[str, torch.dtype]] = field(default_factory=lambda: _autocast_now())
 
 
 class StepCapture:
@@ -108,6 +109,15 @@ class StepCapture:
                     results.append(out)
         return results
 
+    @staticmethod
+    @contextlib.contextmanager
+    def precision(m: Micro) -> Iterator[None]:
+        """The autocast ``m``'s forward ran under (``torch.autocast`` around the loop's forward)."""
+        with contextlib.ExitStack() as stack:
+            for device, dtype in m.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            yield
+
     def check(
         self,
         guard: Guard,
@@ -138,6 +148,10 @@ class StepCapture:
             if guard.last_action != "rollback":
                 self.restore_stats()
         return ok
+
+
+def _autocast_now() -> list[tuple[str, torch.dtype]]:
+    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
 
 
 class HeldSchedulers:
