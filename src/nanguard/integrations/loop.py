@@ -86,7 +86,8 @@ class LoopGuard(GuardedCallback):
 
     def _watch(self, model: nn.Module, optimizer: Any, guard: Guard, *, scheduler: Any, mean: Any,
                user: nn.Module) -> None:  # fmt: skip
-        """Hook the loop: ``model`` is what it calls, ``optimizer`` what it steps."""
+        """Hook the loop: ``model`` is what it calls, ``optimizer`` what it steps (``guard.optimizer``
+        is the torch optimizer inside it, whose step hooks run whoever calls its ``step``)."""
         if not isinstance(mean, bool):
             raise ValueError(f"mean must be True (the loop divides each loss by their number) or False, got {mean!r}")
         self.model, self.optimizer, self.scheduler, self.mean = model, optimizer, scheduler, mean
@@ -98,12 +99,13 @@ class LoopGuard(GuardedCallback):
         self._hold_scheduler = False
         self._in_micro_step = False
         self._last_norm: float | None = None
-        self._step = optimizer.step
+        self._skipping = False
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
+            guard.optimizer.register_step_pre_hook(self._before_step),
+            guard.optimizer.register_step_post_hook(self._after_step),
         ]
-        optimizer.step = _like(self._step, self._optimizer_step)
         if scheduler is not None:
             self._scheduler_step = scheduler.step
             scheduler.step = self._scheduler_step_unless_skipped
@@ -154,7 +156,6 @@ class LoopGuard(GuardedCallback):
             hook.remove()
         self._hooks = []
         self._unhook()
-        vars(self.optimizer).pop("step", None)
         if self.scheduler is not None:
             vars(self.scheduler).pop("step", None)
         self.guard.close()
@@ -191,21 +192,25 @@ class LoopGuard(GuardedCallback):
         if loss is not None:
             micro[-1].loss = loss.detach()
 
-    def _optimizer_step(self, closure: Callable[[], Any] | None = None) -> Any:
-        if closure is not None:
+    def _before_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:  # args[0] is the optimizer
             raise ValueError("the guard checks the gradients the loop computed: call optimizer.step() without a "
                              "closure, or use ng.Guard(...).step(closure)")  # fmt: skip
         ok, self._verdict = self._decide(), None
+        # A skipped step's gradients are gone (capture.check dropped them): this step changes nothing.
+        self._skipping = not ok
         if not ok:
             self._hold_scheduler = self.scheduler is not None
             self._last_norm = math.nan
-            return None
-        out = self._step()
+
+    def _after_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._skipping:
+            self._skipping = False
+            return
         assert self.guard is not None
         self.guard.after_step()
         points = self.guard.history.points
         self._last_norm = float(points[-1].grad_norm) if points else None
-        return out
 
     def _scheduler_step_unless_skipped(self, *args: Any, **kwargs: Any) -> Any:
         if self._hold_scheduler:
@@ -272,17 +277,6 @@ class LoopGuard(GuardedCallback):
 
     def _announces(self) -> bool:
         return dist.rank() == 0
-
-
-def _like(original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
-    """``replacement`` carrying ``original``'s attributes: an LR scheduler built first marked the
-    optimizer's ``step`` as its own, and warns when the mark is gone."""
-
-    @functools.wraps(original)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        return replacement(*args, **kwargs)
-
-    return step
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
