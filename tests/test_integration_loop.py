@@ -12,6 +12,7 @@ import torch.distributed as tdist
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import nanguard as ng
 from nanguard.integrations.loop import LoopGuard
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch
 from nanguard.zoo.spawn import spawn_ranks
@@ -183,3 +184,25 @@ def test_an_llmc_ddp_loop_skips_on_every_rank_and_names_the_rank(bad_rank: int) 
     # The loop's own loss all-reduce ran every step on both ranks: the same averaged values.
     assert results[0]["losses"] == results[1]["losses"] and math.isnan(results[0]["losses"][1])
     assert all(math.isfinite(v) for i, v in enumerate(results[0]["losses"]) if i != 1)
+
+
+def test_guard_last_grad_norm_is_the_norm_before_the_guards_clip() -> None:
+    model, opt = _setup()
+    guard = ng.Guard(model, opt, clip_grad_norm=0.01)  # the clip moved into the guard: the loop has no norm of its own
+    loader = Loader(bad=ACCUM)  # step 1, micro-batch 0
+    assert guard.last_grad_norm is None
+    norms = []
+    for _ in range(3):
+        micro = [loader.next_batch() for _ in range(ACCUM)]
+        grads_before: list[torch.Tensor] = []
+        hook = opt.register_step_pre_hook(
+            lambda *_, seen=grads_before: seen.extend(p.grad.clone() for p in model.parameters())
+        )
+        guard.step_accumulated(micro, lambda b: model(b[0], labels=b[1], pixel_values=b[2])[1])
+        hook.remove()
+        norms.append(guard.last_grad_norm)
+        if grads_before:  # the step was taken: its gradients were clipped to 0.01 first
+            clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads_before]))
+            assert float(clipped) == pytest.approx(0.01, rel=1e-4) and norms[-1] > 0.1
+    assert guard.skipped == 1 and math.isnan(norms[1])
+    assert norms[2] == guard.history.points[-1].grad_norm

@@ -111,6 +111,9 @@ class Guard:
         self.step_count = 0
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
+        self.last_grad_norm: float | None = None
+        """The gradient norm of the latest checked step, across ranks and before clipping (what a
+        loop logs as its grad norm); NaN or Inf on a step that tripped; None before the first."""
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
                                   param_check_every=c.param_check_every)  # fmt: skip
@@ -288,6 +291,7 @@ class Guard:
         """What a read step is: a bad update, a GradScaler overflow, a trip (replayed and
         diagnosed), a spike, or healthy."""
         step = h.step
+        self.last_grad_norm = h.grad_norm
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
             self.recovery.abandon(restore_buffers, rng)
             diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -98,7 +97,6 @@ class LoopGuard(GuardedCallback):
         self._verdict: bool | None = None  # this step's, once checked
         self._hold_scheduler = False
         self._in_micro_step = False
-        self._last_norm: float | None = None
         self._skipping = False
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -112,9 +110,9 @@ class LoopGuard(GuardedCallback):
 
     @property
     def last_grad_norm(self) -> float | None:
-        """The gradient norm of the latest optimizer step, as the guard measured it (across
-        ranks, before the loop's clip); NaN for a step it skipped; None before the first."""
-        return self._last_norm
+        """``Guard.last_grad_norm``: the latest step's gradient norm, across ranks and before the
+        loop's clip; NaN or Inf for a step that tripped; None before the first."""
+        return self.guard.last_grad_norm if self.guard is not None else None
 
     # -- what the loop calls -----------------------------------------------------------------
     def micro_step(self, fn: F) -> F:
@@ -201,7 +199,6 @@ class LoopGuard(GuardedCallback):
         self._skipping = not ok
         if not ok:
             self._hold_scheduler = self.scheduler is not None
-            self._last_norm = math.nan
 
     def _after_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._skipping:
@@ -209,8 +206,6 @@ class LoopGuard(GuardedCallback):
             return
         assert self.guard is not None
         self.guard.after_step()
-        points = self.guard.history.points
-        self._last_norm = float(points[-1].grad_norm) if points else None
 
     def _scheduler_step_unless_skipped(self, *args: Any, **kwargs: Any) -> Any:
         if self._hold_scheduler:
