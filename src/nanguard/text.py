@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KIND_NAMES",
     "RANK_COLUMNS",
+    "device_words",
     "diagnosis_text",
     "event_words",
     "evidence_lines",
@@ -160,7 +161,25 @@ def where_lines(diag: Diagnosis) -> list[tuple[str, str]]:
         rows.append(("rank", ranks))
     if diag.step is not None:
         rows.append(("step", str(diag.step)))
+    where = diag.evidence.get("where")
+    if isinstance(where, Mapping) and where.get("host"):
+        rows.append(("host", device_words(where)))
+    for fault in diag.evidence.get("injected") or []:
+        if isinstance(fault, Mapping):
+            rows.append(("injected", f"{fault.get('fault')}: a fire drill (NANGUARD_INJECT), not a fault of the run"))
     return rows
+
+
+def device_words(where: Mapping[str, Any]) -> str:
+    """Where a rank ran, in words: host, local rank, device and its ids.
+
+    Example:
+        >>> device_words({"host": "node7", "local_rank": 3, "device": "cuda:3", "uuid": "GPU-8f..."})
+        'node7 local rank 3, cuda:3 (GPU-8f...)'
+    """
+    ids = [str(where[k]) if k == "uuid" else f"pci {where[k]}" for k in ("uuid", "pci_bus_id") if where.get(k)]
+    device = f"{where.get('device')}" + (f" ({', '.join(ids)})" if ids else "")
+    return f"{where.get('host')} local rank {where.get('local_rank')}, {device}"
 
 
 def diagnosis_text(diag: Diagnosis, *, evidence: bool = True) -> str:

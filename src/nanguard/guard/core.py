@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import compat, dist, environ
+from nanguard import compat, dist, environ, hardware
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
@@ -32,6 +32,7 @@ from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser, Replayed
 from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
+from nanguard.inject import Fault, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.spikes import Spike
 from nanguard.stats import local
@@ -84,6 +85,7 @@ class Guard:
         run_dir: str | Path | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        inject: str | list[Fault] | None = None,
         **config: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -112,6 +114,12 @@ class Guard:
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
                                      bundle_weights=c.bundle_weights)  # fmt: skip
         self.recorder.listener = _listener(on_event, self.disabled)
+        # A fire drill (NANGUARD_INJECT): faults planted through the real paths, nanguard.inject.
+        self.injector = injector_for(None if self.disabled else environ.inject(inject), model,
+                                     write=self.recorder.drill, steps=lambda: self.step_count)  # fmt: skip
+        self._spikes_before = 0
+        here = hardware.where(self._params[0].device if self._params else None)
+        self.tracker = hardware.Tracker(run_dir, here=here, warn_after=c.hardware_warn_after)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._fused = compat.supports_found_inf(optimizer)
@@ -154,10 +162,16 @@ class Guard:
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
+        self._begin_drill()
+        closure = self.injector.wrap(closure)
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
-        with _undo_on_error(self, rng):
-            return self._step(closure, batch, rng)
+        try:
+            with _undo_on_error(self, rng):
+                return self._step(closure, batch, rng)
+        finally:
+            if self._waiting is None:  # deferred: the verdict comes with the next call
+                self._end_drill()
 
     def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
         self.health.comm.reset()
@@ -206,8 +220,21 @@ class Guard:
             self.health.comm.reset()
             return False
         self._closure_error = None
-        _unscale(self.scaler, self.optimizer)
-        return self._check(value, replay, batch, rng, device_step=False, restore_buffers=False) and _clip(self)
+        self._begin_drill()
+        value = self.injector.loss(value)
+        try:
+            _unscale(self.scaler, self.optimizer)
+            return self._check(value, replay, batch, rng, device_step=False, restore_buffers=False) and _clip(self)
+        finally:
+            self._end_drill()
+
+    def _begin_drill(self) -> None:
+        self._spikes_before = self.history.spikes
+        self.injector.begin(self.step_count)
+
+    def _end_drill(self) -> None:
+        self.injector.end(action=self.last_action, diagnosis=self.last_diagnosis,
+                          spiked=self.history.spikes > self._spikes_before)  # fmt: skip
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -325,8 +352,10 @@ class Guard:
         module_stats: dict[str, Any] | None = None,
     ) -> None:
         self.last_diagnosis = diag
+        self.injector.mark(diag, step)
+        _track(self, diag, step)
         action, message = self._remedies.choose(diag, self.recovery, step=step, batch=batch)
-        extra = {"module_stats": module_stats} if module_stats else {}
+        extra = {"where": self.tracker.here, **({"module_stats": module_stats} if module_stats else {})}
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         self.recorder.trip_and_bundle(step, action=action, ranks=flagged, diagnosis=diag, batch=batch, rng=rng,
                                       meta=lambda: _bundle_meta(self), **extra)  # fmt: skip
@@ -388,9 +417,20 @@ def _settle(guard: Guard) -> None:
         return
     h = w.copy.read(w.step, scaled=False)
     guard._closure_error = w.closure_error
-    with _undo_on_error(guard, w.rng):
-        if guard._decide(h, w.replay, w.batch, w.rng, restore_buffers=True):
-            guard.after_step()
+    try:
+        with _undo_on_error(guard, w.rng):
+            if guard._decide(h, w.replay, w.batch, w.rng, restore_buffers=True):
+                guard.after_step()
+    finally:
+        guard._end_drill()
+
+
+def _track(guard: Guard, diag: Diagnosis, step: int) -> None:
+    """Where the trip ran, into its diagnosis and the run's hardware tracker (``nanguard.hardware``)."""
+    try:
+        guard.tracker.trip(diag, step)
+    except Exception as err:  # evidence only: nanguard's own failure must not kill training
+        warnings.warn(f"nanguard: could not track the hardware of step {step}'s trip: {err!r}", stacklevel=4)
 
 
 def _overflow(guard: Guard, h: StepHealth) -> None:
