@@ -184,6 +184,7 @@ class Injector(NullInjector):
         self._step: int | None = None
         self._started = 0.0
         self._fired: set[Fault] = set()
+        self._late: list[int] = []
         self._mine = [f for f in self.faults if f.rank == self.rank]
         self._targets = {f: _parameter(model, f) for f in self._mine if f.kind in ("nan_grad", "nan_param")}
         self._first = _parameter(model, Fault("nan_grad", step=0))
@@ -253,15 +254,26 @@ class Injector(NullInjector):
         return value
 
     def mark(self, diagnosis: Any, step: int) -> None:
-        """Say in a trip's diagnosis which planted faults it answers (at ``step``, on any rank)."""
+        """Say in a trip's diagnosis which planted faults it answers (at ``step``, on any rank).
+
+        A trip of an earlier step (a NaN written where the forward does not read it shows in the
+        parameter check after the update, read with the next step) gets its drill events late.
+        """
         faults = self.at(step)
         if faults:
             diagnosis.evidence["injected"] = [f.to_dict() for f in faults]
+            if step != self._step:
+                self._late.append(step)
 
     def end(self, *, action: str | None, diagnosis: Any, spiked: bool) -> None:
         step, self._step = self._step, None
         if step is None:
             return
+        late, self._late = self._late, []
+        for at in [*late, step]:
+            self._outcome(at, action, diagnosis, spiked and at == step)
+
+    def _outcome(self, step: int, action: str | None, diagnosis: Any, spiked: bool) -> None:
         for f in self.at(step):
             tripped = diagnosis is not None and diagnosis.step == step and action in ("skip", "rollback", "raise")
             self._write(
