@@ -14,7 +14,8 @@ Each line is one JSON object with at least ``kind``, ``step`` and ``rank``. Kind
 - ``overflow``: a GradScaler overflow step it skipped on purpose (normal, not a trip).
 - ``drill``: a fault planted by ``NANGUARD_INJECT`` at this step (``nanguard.inject``), written by
   every rank: ``fault`` (its spec), ``fault_kind``, ``fault_rank`` (where it was planted), ``planted_here``,
-  this rank's ``action``, ``detected``, the diagnosed ``cause`` and ``seconds`` from planting to
+  this rank's ``action``, ``detected`` (null for a stall: nothing to detect, the step must
+  only finish), the diagnosed ``cause`` ("spike" for a spike) and ``seconds`` from planting to
   the decision.
 
 Every line is flushed as it is written, so a crash loses at most the line in flight.

@@ -259,7 +259,7 @@ class Injector(NullInjector):
         A trip of an earlier step (a NaN written where the forward does not read it shows in the
         parameter check after the update, read with the next step) gets its drill events late.
         """
-        faults = self.at(step)
+        faults = [f for f in self.at(step) if f.kind != "stall"]  # a stall makes nothing non-finite
         if faults:
             diagnosis.evidence["injected"] = [f.to_dict() for f in faults]
             if step != self._step:
@@ -276,6 +276,7 @@ class Injector(NullInjector):
     def _outcome(self, step: int, action: str | None, diagnosis: Any, spiked: bool) -> None:
         for f in self.at(step):
             tripped = diagnosis is not None and diagnosis.step == step and action in ("skip", "rollback", "raise")
+            spike = spiked and f.kind == "spike_loss"
             self._write(
                 step,
                 fault=f.spec,
@@ -283,8 +284,8 @@ class Injector(NullInjector):
                 fault_rank=f.rank,
                 planted_here=f.rank == self.rank,
                 action=action,
-                detected=tripped or (spiked and f.kind == "spike_loss"),
-                cause=diagnosis.cause if tripped else None,
+                detected=None if f.kind == "stall" else tripped or spike,
+                cause=diagnosis.cause if tripped else "spike" if spike else None,
                 seconds=time.monotonic() - self._started,
             )
 

@@ -14,13 +14,17 @@ if TYPE_CHECKING:
     from nanguard.findings import Diagnosis
 
 __all__ = [
+    "DRILL_COLUMNS",
+    "HARDWARE_COLUMNS",
     "KIND_NAMES",
     "RANK_COLUMNS",
     "device_words",
     "diagnosis_text",
+    "drill_rows",
     "event_words",
     "evidence_lines",
     "fmt",
+    "hardware_rows",
     "kind_name",
     "number",
     "op_path",
@@ -416,3 +420,50 @@ def _target(target: object) -> str:
         shown = ", ".join(map(str, target[:8]))
         return f"ids {shown}" + (f" (+{len(target) - 8})" if len(target) > 8 else "")
     return "-" if target is None else str(target)
+
+
+DRILL_COLUMNS = ("step", "fault", "detected as", "every rank's action", "agreed", "recovered in")
+
+
+def drill_rows(drills: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """One row a planted fault (``Drill.to_dict()``), in ``DRILL_COLUMNS`` order.
+
+    Example:
+        >>> drill_rows([d.to_dict() for d in report.drills])[0]
+        ['15', 'nan_grad@step=15,rank=1', 'op.nan_write', '0:skip 1:skip', 'yes', '0.041 s']
+    """
+    rows = []
+    for d in drills:
+        actions = d.get("actions") or {}
+        detected = d.get("cause") or (
+            "-" if d.get("kind") == "stall" else "yes" if d.get("detected") else "NOT DETECTED"
+        )
+        seconds = d.get("seconds")
+        rows.append([
+            str(d.get("step")),
+            str(d.get("fault")),
+            str(detected),
+            " ".join(f"{r}:{a}" for r, a in actions.items()),
+            "yes" if d.get("agreed") else "NO",
+            f"{seconds:.3g} s" if isinstance(seconds, (int, float)) else "-",
+        ])  # fmt: skip
+    return rows
+
+
+HARDWARE_COLUMNS = ("host", "device", "id", "trips", "not reproduced", "reproduced", "drill", "causes")
+
+
+def hardware_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """One row a host and device (``nanguard.hardware.device_rows``), in ``HARDWARE_COLUMNS`` order.
+
+    Example:
+        >>> hardware_rows(device_rows(records))[0]
+        ['node7', 'cuda:3', 'GPU-8f..', '3', '2', '1', '0', 'distributed.transient x2, op.log_domain']
+    """
+    out = []
+    for r in rows:
+        causes = r.get("causes") or {}
+        named = ", ".join(c if n == 1 else f"{c} x{n}" for c, n in causes.items())
+        counts = [str(r.get(k)) for k in ("trips", "transient", "reproduced", "injected")]
+        out.append([str(r.get("host")), str(r.get("device")), str(r.get("id")), *counts, named or "-"])
+    return out

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import compat, dist, environ, hardware
+from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
@@ -31,6 +31,7 @@ from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser, Replayed
+from nanguard.guard.tracker import Tracker, where
 from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
 from nanguard.inject import Fault, injector_for
 from nanguard.rng import get_rng_state
@@ -118,8 +119,8 @@ class Guard:
         self.injector = injector_for(None if self.disabled else environ.inject(inject), model,
                                      write=self.recorder.drill, steps=lambda: self.step_count)  # fmt: skip
         self._spikes_before = 0
-        here = hardware.where(self._params[0].device if self._params else None)
-        self.tracker = hardware.Tracker(run_dir, here=here, warn_after=c.hardware_warn_after)
+        here = where(self._params[0].device if self._params else None)
+        self.tracker = Tracker(run_dir, here=here, warn_after=c.hardware_warn_after)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._fused = compat.supports_found_inf(optimizer)
@@ -306,6 +307,7 @@ class Guard:
             return False
         spikes = _watch_trends(self, step, h)
         if spikes and self.config.skip_spikes:
+            self.history.forget(loss=h.loss, grad_norm=h.grad_norm)
             self.recovery.abandon(restore_buffers, rng)
             self._skip(step, f"{spikes[0].metric} spike (z={spikes[0].score:.1f})", h)
             return False
@@ -426,7 +428,7 @@ def _settle(guard: Guard) -> None:
 
 
 def _track(guard: Guard, diag: Diagnosis, step: int) -> None:
-    """Where the trip ran, into its diagnosis and the run's hardware tracker (``nanguard.hardware``)."""
+    """Where the trip ran, into its diagnosis and the run's hardware tracker (``guard/tracker.py``)."""
     try:
         guard.tracker.trip(diag, step)
     except Exception as err:  # evidence only: nanguard's own failure must not kill training

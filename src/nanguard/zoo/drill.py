@@ -27,20 +27,21 @@ _MODULES = ("blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp", "wte")
 
 
 def standard_drill(world: int) -> list[Fault]:
-    """The drill ``nanguard drill`` runs: one fault of each kind, on rank 0 and on a middle rank.
+    """The drill ``nanguard drill`` runs: one fault of each kind, on rank 0 and on a middle rank,
+    8 steps apart (a skipped spike stays in the history the divergence rule reads for 5 steps).
 
     Example:
         >>> [f.spec for f in standard_drill(2)][:2]
-        ['nan_grad@step=15,rank=1', 'inf_loss@step=20,rank=0']
+        ['nan_grad@step=15,rank=1', 'inf_loss@step=23,rank=0']
     """
     middle = world // 2
     return [
         Fault("nan_grad", step=15, rank=middle),
-        Fault("inf_loss", step=20, rank=0),
-        Fault("nan_param", step=25, rank=middle, module="blocks.1.mlp"),
-        Fault("spike_loss", step=30, rank=0, factor=1e4),
-        Fault("corrupt_allreduce", step=35, rank=middle),
-        Fault("stall", step=40, rank=middle, seconds=0.5),
+        Fault("inf_loss", step=23, rank=0),
+        Fault("nan_param", step=31, rank=middle, module="blocks.1.mlp"),
+        Fault("spike_loss", step=39, rank=0, factor=1e4),
+        Fault("corrupt_allreduce", step=47, rank=middle),
+        Fault("stall", step=55, rank=middle, seconds=0.5),
     ]
 
 
@@ -193,7 +194,7 @@ def check_drill(faults: Sequence[Fault], results: Sequence[dict[str, Any]]) -> l
     return problems
 
 
-def run_drill(*, ranks: int = 1, steps: int = 50, inject: str | None = None, run_dir: str | None = None) -> int:
+def run_drill(*, ranks: int = 1, steps: int = 64, inject: str | None = None, run_dir: str | None = None) -> int:
     """``nanguard drill``: the standard drill (or ``inject``'s faults) on the tiny GPT; 0 when it passed."""
     from nanguard.inject import parse
     from nanguard.report.terminal import Console
