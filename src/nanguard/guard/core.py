@@ -33,7 +33,7 @@ from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser, Replayed
 from nanguard.guard.tracker import Tracker, where
 from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
-from nanguard.inject import Fault, injector_for
+from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.spikes import Spike
 from nanguard.stats import local
@@ -115,12 +115,7 @@ class Guard:
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
                                      bundle_weights=c.bundle_weights)  # fmt: skip
         self.recorder.listener = _listener(on_event, self.disabled)
-        # A fire drill (NANGUARD_INJECT): faults planted through the real paths, nanguard.inject.
-        self.injector = injector_for(None if self.disabled else environ.inject(inject), model,
-                                     write=self.recorder.drill, steps=lambda: self.step_count)  # fmt: skip
-        self._spikes_before = 0
-        here = where(self._params[0].device if self._params else None)
-        self.tracker = Tracker(run_dir, here=here, warn_after=c.hardware_warn_after)
+        _drill_and_tracker(self, inject, run_dir)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._fused = compat.supports_found_inf(optimizer)
@@ -163,8 +158,7 @@ class Guard:
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
-        self._begin_drill()
-        closure = self.injector.wrap(closure)
+        closure = _begin_drill(self).wrap(closure)
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
         try:
@@ -172,7 +166,7 @@ class Guard:
                 return self._step(closure, batch, rng)
         finally:
             if self._waiting is None:  # deferred: the verdict comes with the next call
-                self._end_drill()
+                _end_drill(self)
 
     def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
         self.health.comm.reset()
@@ -221,21 +215,12 @@ class Guard:
             self.health.comm.reset()
             return False
         self._closure_error = None
-        self._begin_drill()
-        value = self.injector.loss(value)
+        value = _begin_drill(self).loss(value)
         try:
             _unscale(self.scaler, self.optimizer)
             return self._check(value, replay, batch, rng, device_step=False, restore_buffers=False) and _clip(self)
         finally:
-            self._end_drill()
-
-    def _begin_drill(self) -> None:
-        self._spikes_before = self.history.spikes
-        self.injector.begin(self.step_count)
-
-    def _end_drill(self) -> None:
-        self.injector.end(action=self.last_action, diagnosis=self.last_diagnosis,
-                          spiked=self.history.spikes > self._spikes_before)  # fmt: skip
+            _end_drill(self)
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -354,7 +339,6 @@ class Guard:
         module_stats: dict[str, Any] | None = None,
     ) -> None:
         self.last_diagnosis = diag
-        self.injector.mark(diag, step)
         _track(self, diag, step)
         action, message = self._remedies.choose(diag, self.recovery, step=step, batch=batch)
         extra = {"where": self.tracker.here, **({"module_stats": module_stats} if module_stats else {})}
@@ -424,11 +408,36 @@ def _settle(guard: Guard) -> None:
             if guard._decide(h, w.replay, w.batch, w.rng, restore_buffers=True):
                 guard.after_step()
     finally:
-        guard._end_drill()
+        _end_drill(guard)
+
+
+def _drill_and_tracker(guard: Guard, inject: Any, run_dir: Any) -> None:
+    """The fire drill's injector (``Guard(inject=...)`` or NANGUARD_INJECT, ``nanguard.inject``) and
+    the run's hardware tracker (``guard/tracker.py``)."""
+    params = guard._params
+    guard.injector = injector_for(None if guard.disabled else environ.inject(inject), guard.model,
+                                  write=guard.recorder.drill, steps=lambda: guard.step_count)  # fmt: skip
+    guard._spikes_before = 0
+    here = where(params[0].device if params else None)
+    guard.tracker = Tracker(run_dir, here=here, warn_after=guard.config.hardware_warn_after)
+
+
+def _begin_drill(guard: Guard) -> NullInjector:
+    """Plant this step's faults; the injector then wraps its closure (``step``) or loss (``check``)."""
+    guard._spikes_before = guard.history.spikes
+    guard.injector.begin(guard.step_count)
+    return guard.injector
+
+
+def _end_drill(guard: Guard) -> None:
+    guard.injector.end(action=guard.last_action, diagnosis=guard.last_diagnosis,
+                       spiked=guard.history.spikes > guard._spikes_before)  # fmt: skip
 
 
 def _track(guard: Guard, diag: Diagnosis, step: int) -> None:
-    """Where the trip ran, into its diagnosis and the run's hardware tracker (``guard/tracker.py``)."""
+    """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
+    hardware tracker (``guard/tracker.py``)."""
+    guard.injector.mark(diag, step)
     try:
         guard.tracker.trip(diag, step)
     except Exception as err:  # evidence only: nanguard's own failure must not kill training
