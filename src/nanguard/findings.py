@@ -50,6 +50,9 @@ CAUSES: Mapping[str, str] = MappingProxyType(
             "code wrote NaN/Inf into a tensor explicitly (index_put_/fill_/copy_), e.g. a missing-value marker"
         ),
         "op.trig_domain": "acos/asin of a value outside [-1, 1] (a cosine rounded past 1)",
+        "compile.numerics": (
+            "the compiled step is non-finite where the same step run eagerly is finite: the compiler's numerics"
+        ),
         "step.not_reproduced": (
             "the step went non-finite but its replay is finite: nondeterminism, hardware, or a borderline value"
         ),
