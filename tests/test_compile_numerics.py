@@ -4,14 +4,13 @@ its ordinary diagnosis, and a healthy compiled run never trips."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
 
 import nanguard as ng
 from nanguard import compat
+from nanguard.zoo.miscompile import miscompiling
 
 pytest.importorskip("torch._dynamo")
 
@@ -29,26 +28,6 @@ class Net(nn.Module):
         x = x + self.blocks[1](x)
         out = self.head(x)
         return torch.log(out - out.detach().max() - 1 + 1) if self.log_of else out
-
-
-def miscompiling(bad_step: dict[str, int], inner=None):
-    """A backend that compiles each graph as given (or with ``inner``) and, at the marked step, turns
-    the first output of the graph holding ``blocks.1`` into NaN: a deterministic planted miscompile."""
-
-    def backend(gm: torch.fx.GraphModule, example_inputs):
-        stack = [str(v[0]) for n in gm.graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values()]
-        hit = any("blocks[1]" in s or "blocks.1" in s for s in stack)
-        compiled = inner(gm, example_inputs) if inner is not None else gm
-
-        def run(*args):
-            out = compiled(*args)
-            if hit and bad_step["now"] == bad_step["at"]:
-                out = [o * math.nan if i == 0 else o for i, o in enumerate(out)]
-            return out
-
-        return run
-
-    return backend
 
 
 def _train(model: nn.Module, compiled: nn.Module, steps: int, state: dict[str, int], **options) -> ng.Guard:
@@ -72,7 +51,9 @@ def test_a_planted_miscompile_is_the_compiler_with_its_graph_and_module() -> Non
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, state = Net(), {"at": 3, "now": 0}
-    guard = _train(model, torch.compile(model, backend=miscompiling(state)), 5, state)
+    guard = _train(
+        model, torch.compile(model, backend=miscompiling("blocks.1", lambda: state["now"] == state["at"])), 5, state
+    )
     diag = guard.last_diagnosis
     assert guard.skipped == 1 and diag.step == 3
     assert diag.cause == "compile.numerics" and diag.phase == "forward"
@@ -82,7 +63,7 @@ def test_a_planted_miscompile_is_the_compiler_with_its_graph_and_module() -> Non
     assert "blocks.1.0" in ev["graph_modules"] and not any(m.startswith("blocks.0") for m in ev["graph_modules"])
     assert diag.module == "head"  # the node that produced the graph's corrupted output
     assert ev["aot_eager_finite"] is True  # the same graph without the backend's code is finite
-    assert ev["backend"] == "backend"
+    assert ev["backend"] == "backend"  # the planted backend's own name
     assert any("torch._dynamo.disable(model.head.forward)" in f for f in diag.fixes)
     assert any("aot_eager" in f for f in diag.fixes) and any("TORCHDYNAMO_REPRO_AFTER" in f for f in diag.fixes)
 
@@ -100,7 +81,9 @@ def test_a_healthy_compiled_run_never_trips() -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, state = Net(), {"at": -1, "now": 0}
-    guard = _train(model, torch.compile(model, backend=miscompiling(state)), 12, state)
+    guard = _train(
+        model, torch.compile(model, backend=miscompiling("blocks.1", lambda: state["now"] == state["at"])), 12, state
+    )
     assert guard.skipped == 0 and guard.last_diagnosis is None
 
 
@@ -114,7 +97,7 @@ def test_a_transient_in_a_compiled_run_is_still_not_reproduced() -> None:
 
 
 def test_compat_finds_the_backend_a_module_was_compiled_with() -> None:
-    backend = miscompiling({"at": -1, "now": 0})
+    backend = miscompiling("blocks.1", lambda: False)
     compiled = torch.compile(Net(), backend=backend)
     found = compat.compiled_backend(compiled)
     assert found is not None and getattr(found, "compiler_fn", found) is backend
@@ -129,7 +112,12 @@ def test_a_miscompile_on_top_of_inductor_is_named_with_inductor_codegen() -> Non
     torch.manual_seed(0)
     model, state = Net(), {"at": 2, "now": 0}
     inductor = compat.lookup_backend("inductor")
-    guard = _train(model, torch.compile(model, backend=miscompiling(state, inner=inductor)), 3, state)
+    guard = _train(
+        model,
+        torch.compile(model, backend=miscompiling("blocks.1", lambda: state["now"] == state["at"], inner=inductor)),
+        3,
+        state,
+    )
     diag = guard.last_diagnosis
     assert diag.cause == "compile.numerics" and diag.evidence["graph"] == 1 and diag.evidence["aot_eager_finite"]
 

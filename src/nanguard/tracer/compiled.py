@@ -91,6 +91,8 @@ class Narrowed:
     modules: list[str] = field(default_factory=list)
     node: str | None = None
     """The FX node that produced the graph's first differing output."""
+    outputs: int = 0
+    """How many of that graph's outputs differ."""
     node_module: str | None = None
     aot_eager_finite: bool | None = None
     """That graph under ``aot_eager``: finite means the backend's code generation made the value."""
@@ -151,11 +153,14 @@ def narrow(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         found.graph = index
         nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
         found.modules = sorted({m for m in (_module_of(n) for n in nodes) if m is not None})
+        found.outputs = len(bad)
         (output,) = [n for n in gm.graph.nodes if n.op == "output"]
         produced = output.args[0]
         produced = produced[bad[0]] if isinstance(produced, (list, tuple)) else produced
         if isinstance(produced, torch.fx.Node):
-            found.node, found.node_module = produced.name, _module_of(produced)
+            found.node = produced.name
+            # One differing output names its module; several leave the graph's modules to speak.
+            found.node_module = _module_of(produced) if len(bad) == 1 else None
         if found.backend != "aot_eager":
             try:
                 again = compat.lookup_backend("aot_eager")(gm, example)(*inputs)
@@ -213,6 +218,19 @@ def compiler_fault(
     return _diagnosis(step, loss, backend, narrowed, time.perf_counter() - started)
 
 
+def _common_module(modules: list[str]) -> str | None:
+    """The innermost module holding all of ``modules`` (None when only the root does)."""
+    if not modules:
+        return None
+    parts = [m.split(".") for m in modules]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common) or None
+
+
 def _detached(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
@@ -224,10 +242,13 @@ def _detached(value: Any) -> Any:
 
 
 def _diagnosis(step: int, loss: Any, backend: str, narrowed: Narrowed | None, seconds: float) -> Diagnosis:
-    module = (narrowed.node_module or (narrowed.modules[0] if narrowed.modules else None)) if narrowed else None
+    module = narrowed.node_module if narrowed else None
     where = ""
     if narrowed is not None and narrowed.graph is not None:
         where = f": the forward's graph {narrowed.graph} of {narrowed.graphs} is non-finite compiled and finite eager"
+        if narrowed.modules:
+            shown = ", ".join(narrowed.modules[:4]) + (", ..." if len(narrowed.modules) > 4 else "")
+            where += f", over modules {shown}"
         if narrowed.node:
             where += f" (output node {narrowed.node}" + (
                 f", in {narrowed.node_module})" if narrowed.node_module else ")"
@@ -245,8 +266,9 @@ def _diagnosis(step: int, loss: Any, backend: str, narrowed: Narrowed | None, se
     else:
         fixes.append("compile with torch.compile(model, backend='aot_eager') or mode='default' instead of "
                      "'max-autotune', and see whether the run stays finite")  # fmt: skip
-    if module:
-        fixes.append(f"run the module eagerly: model.{module}.forward = torch._dynamo.disable(model.{module}.forward)")
+    target = module or (_common_module(narrowed.modules) if narrowed is not None else None)
+    if target:
+        fixes.append(f"run the module eagerly: model.{target}.forward = torch._dynamo.disable(model.{target}.forward)")
     fixes.append("make inductor follow eager numerics: torch._inductor.config.emulate_precision_casts = True "
                  "(and fallback_random = True when random ops are involved)")  # fmt: skip
     fixes.append("file a minimal repro: TORCHDYNAMO_REPRO_AFTER='aot' TORCHDYNAMO_REPRO_LEVEL=4 minifies the "
@@ -257,7 +279,8 @@ def _diagnosis(step: int, loss: Any, backend: str, narrowed: Narrowed | None, se
                                 "compiled_replay": "non-finite", "diagnose_seconds": seconds}  # fmt: skip
     if narrowed is not None:
         evidence.update(graph=narrowed.graph, graphs=narrowed.graphs, graph_modules=narrowed.modules,
-                        node=narrowed.node, aot_eager_finite=narrowed.aot_eager_finite)  # fmt: skip
+                        node=narrowed.node, outputs_differing=narrowed.outputs,
+                        aot_eager_finite=narrowed.aot_eager_finite)  # fmt: skip
     return Diagnosis(cause="compile.numerics", kind="nan" if nan or value is None else "inf",
                      phase="forward" if narrowed is not None and narrowed.graph is not None else "backward",
                      module=module, step=step, evidence=evidence, fixes=fixes)  # fmt: skip
