@@ -17,7 +17,6 @@ import time
 from collections import Counter
 
 from _common import machine, write_section
-
 from nanguard.zoo.drill import chaos_faults, check_drill, drill_rank
 from nanguard.zoo.spawn import spawn_ranks
 
