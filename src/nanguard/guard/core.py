@@ -72,7 +72,8 @@ class Guard:
     it before the forward. Under DDP the guard wraps the model's comm hook to see each
     rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
     hook)``. ``on_event=fn`` gets each recorded event as a dict (see ``integrations.scalars``);
-    every other option is a ``GuardConfig`` field.
+    ``inject="nan_grad@step=100,rank=3;..."`` plants a fire drill's faults (``nanguard.inject``,
+    also ``NANGUARD_INJECT``); every other option is a ``GuardConfig`` field.
     """
 
     def __init__(
