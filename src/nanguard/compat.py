@@ -19,6 +19,7 @@ import torch.distributed as tdist
 from torch import nn
 
 __all__ = [
+    "compiled_backend",
     "ddp_has_comm_hook",
     "ddp_sync_pinned_off",
     "drop_fsdp_accumulated_grads",
@@ -34,6 +35,7 @@ __all__ = [
     "hf_trainer_of",
     "lightning_logging_off",
     "lightning_step_context",
+    "lookup_backend",
     "scaler_scale",
     "scaler_steps_aside",
     "step_with_found_inf",
@@ -254,3 +256,23 @@ def hf_trainer_of(callback: Any) -> Any:
 
 def hf_callbacks(trainer: Any) -> list[Any]:
     return trainer.callback_handler.callbacks
+def compiled_backend(module: nn.Module) -> Any:
+    """The backend a ``torch.compile``d module was compiled with ("inductor", a callable), or None.
+
+    Dynamo keeps it at the end of a chain of wrappers on the compile context's callback, each
+    holding the next as ``_torchdynamo_orig_backend`` (torch 2.4 - 2.13).
+    """
+    backend = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None or inner is backend:
+            break
+        backend = inner
+    return backend if callable(backend) else None
+
+
+def lookup_backend(name: Any) -> Callable[..., Any]:
+    """Dynamo's compiler function for a backend name (``torch._dynamo.lookup_backend``)."""
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend(name)

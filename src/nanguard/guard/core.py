@@ -37,7 +37,9 @@ from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
 from nanguard.guard.replay import Diagnoser, Replayed
+from nanguard.guard.tracker import Tracker, where
 from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
+from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
 
@@ -78,7 +80,8 @@ class Guard:
     it before the forward. Under DDP the guard wraps the model's comm hook to see each
     rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
     hook)``. ``on_event=fn`` gets each recorded event as a dict (see ``integrations.scalars``);
-    every other option is a ``GuardConfig`` field.
+    ``inject="nan_grad@step=100,rank=3;..."`` plants a fire drill's faults (``nanguard.inject``,
+    also ``NANGUARD_INJECT``); every other option is a ``GuardConfig`` field.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class Guard:
         run_dir: str | Path | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        inject: str | list[Fault] | None = None,
         **config: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -124,6 +128,7 @@ class Guard:
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
                                      bundle_weights=c.bundle_weights)  # fmt: skip
         self.recorder.listener = _listener(on_event, self.disabled)
+        _drill_and_tracker(self, inject, run_dir)
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = _PolicyState(self)
@@ -168,18 +173,23 @@ class Guard:
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
+        closure = _begin_drill(self).wrap(closure)
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
-        with self._undo_on_error(rng):
-            loss, value = self._forward_backward(closure)
-            verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
-            if verdict is None:
-                return loss  # deferred: its verdict and bookkeeping come with the next call
-            if not self._act(verdict, batch, rng, restore_buffers=True):
-                return None
-            self._update(device_step=self._device_step)
-            self.after_step()
-            return loss
+        try:
+            with self._undo_on_error(rng):
+                loss, value = self._forward_backward(closure)
+                verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
+                if verdict is None:
+                    return loss  # deferred: its verdict and bookkeeping come with the next call
+                if not self._act(verdict, batch, rng, restore_buffers=True):
+                    return None
+                self._update(device_step=self._device_step)
+                self.after_step()
+                return loss
+        finally:
+            if self._waiting is None:  # deferred: the drill's outcome comes with the verdict
+                _end_drill(self)
 
     def step_accumulated(
         self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True,
@@ -230,13 +240,17 @@ class Guard:
             self.health.comm.reset()
             return False
         self._closure_error = None
-        _unscale(self.scaler, self.optimizer)
-        verdict = self._measure(value, replay, batch, rng, device_step=False, restore_buffers=False)
-        assert verdict is not None  # only the device path defers
-        if not self._act(verdict, batch, rng, restore_buffers=False):
-            return False
-        self._clip()
-        return True
+        value = _begin_drill(self).loss(value)
+        try:
+            _unscale(self.scaler, self.optimizer)
+            verdict = self._measure(value, replay, batch, rng, device_step=False, restore_buffers=False)
+            assert verdict is not None  # only the device path defers
+            if not self._act(verdict, batch, rng, restore_buffers=False):
+                return False
+            self._clip()
+            return True
+        finally:
+            _end_drill(self)
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -397,7 +411,9 @@ class Guard:
             return False
         diag = verdict.diagnosis
         if diag is None:  # a spike skip: no diagnosis of its own
-            assert kind == "skip" and verdict.spikes
+            assert kind == "skip" and verdict.spikes and verdict.health is not None
+            # As in a run that never saw the batch: its values leave the detectors' windows too.
+            self.history.forget(loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
             self.recovery.abandon(restore_buffers, rng)
             spike = verdict.spikes[0]
             self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
@@ -407,8 +423,9 @@ class Guard:
         if verdict.kind in ("collapse", "replicas"):
             self._repair(verdict, diag, action)
             return False
+        _track(self, diag, verdict.step)
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
-        extra = {"module_stats": verdict.module_stats} if verdict.module_stats else {}
+        extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
         self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
                                       rng=rng, meta=self._bundle_meta, **extra)  # fmt: skip
         _announce(self.rank, verdict.step, diag, kind)
@@ -494,10 +511,13 @@ class Guard:
         h = w.copy.read(w.step, scaled=False)
         self._closure_error = w.closure_error
         assert w.rng is not None
-        with self._undo_on_error(w.rng):
-            verdict = self._verdict(h, w.replay, w.batch, w.rng, True)
-            if self._act(verdict, w.batch, w.rng, restore_buffers=True):
-                self.after_step()
+        try:
+            with self._undo_on_error(w.rng):
+                verdict = self._verdict(h, w.replay, w.batch, w.rng, True)
+                if self._act(verdict, w.batch, w.rng, restore_buffers=True):
+                    self.after_step()
+        finally:
+            _end_drill(self)
 
     def _run_closure(self, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
         """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
@@ -612,6 +632,39 @@ class _Waiting:
     batch: Any
     rng: Rng | None
     closure_error: BaseException | None
+
+
+def _drill_and_tracker(guard: Guard, inject: Any, run_dir: Any) -> None:
+    """The fire drill's injector (``Guard(inject=...)`` or NANGUARD_INJECT, ``nanguard.inject``) and
+    the run's hardware tracker (``guard/tracker.py``)."""
+    params = guard._params
+    guard.injector = injector_for(None if guard.disabled else environ.inject(inject), guard.model,
+                                  write=guard.recorder.drill, steps=lambda: guard.step_count)  # fmt: skip
+    guard._spikes_before = 0
+    here = where(params[0].device if params else None)
+    guard.tracker = Tracker(run_dir, here=here, warn_after=guard.config.hardware_warn_after)
+
+
+def _begin_drill(guard: Guard) -> NullInjector:
+    """Plant this step's faults; the injector then wraps its closure (``step``) or loss (``check``)."""
+    guard._spikes_before = guard.history.spikes
+    guard.injector.begin(guard.step_count)
+    return guard.injector
+
+
+def _end_drill(guard: Guard) -> None:
+    guard.injector.end(action=guard.last_action, diagnosis=guard.last_diagnosis,
+                       spiked=guard.history.spikes > guard._spikes_before)  # fmt: skip
+
+
+def _track(guard: Guard, diag: Diagnosis, step: int) -> None:
+    """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
+    hardware tracker (``guard/tracker.py``)."""
+    guard.injector.mark(diag, step)
+    try:
+        guard.tracker.trip(diag, step)
+    except Exception as err:  # evidence only: nanguard's own failure must not kill training
+        warnings.warn(f"nanguard: could not track the hardware of step {step}'s trip: {err!r}", stacklevel=4)
 
 
 def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any, fused: bool, cuda: list[int]) -> bool:
