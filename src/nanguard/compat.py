@@ -256,6 +256,8 @@ def hf_trainer_of(callback: Any) -> Any:
 
 def hf_callbacks(trainer: Any) -> list[Any]:
     return trainer.callback_handler.callbacks
+
+
 def compiled_backend(module: nn.Module) -> Any:
     """The backend a ``torch.compile``d module was compiled with ("inductor", a callable), or None.
 
