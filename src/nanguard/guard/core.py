@@ -37,7 +37,9 @@ from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
 from nanguard.guard.replay import Diagnoser, Replayed
+from nanguard.guard.tracker import Tracker, where
 from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
+from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
 
@@ -71,14 +73,17 @@ class Guard:
 
     After a rollback, the next ``rollback_skip_batches`` calls to ``step`` drop their batch
     without running the closure and return None; ``guard.last_action`` is then
-    ``"drop_batch"``, so the loop knows which batches were skipped.
+    ``"drop_batch"``, so the loop knows which batches were skipped. ``guard.last_grad_norm``
+    is the latest checked step's gradient norm, across ranks and before clipping (what a loop
+    logs); NaN or Inf on a step that tripped, None before the first.
 
     Pass ``batch=`` to ``step``: a trip's replay names the input that held the bad values
     (``batch['pixel_values']``), a repro bundle stores it, and ``check_batch=True`` audits
     it before the forward. Under DDP the guard wraps the model's comm hook to see each
     rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
     hook)``. ``on_event=fn`` gets each recorded event as a dict (see ``integrations.scalars``);
-    every other option is a ``GuardConfig`` field.
+    ``inject="nan_grad@step=100,rank=3;..."`` plants a fire drill's faults (``nanguard.inject``,
+    also ``NANGUARD_INJECT``); every other option is a ``GuardConfig`` field.
     """
 
     def __init__(
@@ -92,14 +97,10 @@ class Guard:
         run_dir: str | os.PathLike[str] | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        inject: str | list[Fault] | None = None,
         **config: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
-        _check_parts(scaler, scheduler)
+        scaler = _check_parts(model, optimizer, scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
@@ -111,6 +112,7 @@ class Guard:
         self.step_count = 0
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
+        self.last_grad_norm: float | None = None  # documented on the class: across ranks, before clipping
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
                                   param_check_every=c.param_check_every)  # fmt: skip
@@ -121,6 +123,12 @@ class Guard:
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
                                      bundle_weights=c.bundle_weights)  # fmt: skip
         self.recorder.listener = _listener(on_event, self.disabled)
+        # The fire drill's injector (inject= or NANGUARD_INJECT) and the run's hardware tracker.
+        self.injector = injector_for(None if self.disabled else environ.inject(inject), model,
+                                     write=self.recorder.drill, steps=lambda: self.step_count)  # fmt: skip
+        self.tracker = Tracker(run_dir, here=where(self._params[0].device if self._params else None),
+                               warn_after=c.hardware_warn_after)  # fmt: skip
+        self._spikes_before = 0  # the spikes seen before a drilled step
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = _PolicyState(self)
@@ -165,18 +173,23 @@ class Guard:
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
+        closure = self._begin_drill().wrap(closure)
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
-        with self._undo_on_error(rng):
-            loss, value = self._forward_backward(closure)
-            verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
-            if verdict is None:
-                return loss  # deferred: its verdict and bookkeeping come with the next call
-            if not self._act(verdict, batch, rng, restore_buffers=True):
-                return None
-            self._update(device_step=self._device_step)
-            self.after_step()
-            return loss
+        try:
+            with self._undo_on_error(rng):
+                loss, value = self._forward_backward(closure)
+                verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
+                if verdict is None:
+                    return loss  # deferred: its verdict and bookkeeping come with the next call
+                if not self._act(verdict, batch, rng, restore_buffers=True):
+                    return None
+                self._update(device_step=self._device_step)
+                self.after_step()
+                return loss
+        finally:
+            if self._waiting is None:  # deferred: the drill's outcome comes with the verdict
+                self._end_drill()
 
     def step_accumulated(
         self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True,
@@ -227,13 +240,17 @@ class Guard:
             self.health.comm.reset()
             return False
         self._closure_error = None
-        _unscale(self.scaler, self.optimizer)
-        verdict = self._measure(value, replay, batch, rng, device_step=False, restore_buffers=False)
-        assert verdict is not None  # only the device path defers
-        if not self._act(verdict, batch, rng, restore_buffers=False):
-            return False
-        self._clip()
-        return True
+        value = self._begin_drill().loss(value)
+        try:
+            _unscale(self.scaler, self.optimizer)
+            verdict = self._measure(value, replay, batch, rng, device_step=False, restore_buffers=False)
+            assert verdict is not None  # only the device path defers
+            if not self._act(verdict, batch, rng, restore_buffers=False):
+                return False
+            self._clip()
+            return True
+        finally:
+            self._end_drill()
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -288,6 +305,7 @@ class Guard:
         """What a read step is: a bad update, a GradScaler overflow, a trip (replayed and
         diagnosed), a spike, or healthy."""
         step = h.step
+        self.last_grad_norm = h.grad_norm
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
             self.recovery.abandon(restore_buffers, rng)
             diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
@@ -393,7 +411,9 @@ class Guard:
             return False
         diag = verdict.diagnosis
         if diag is None:  # a spike skip: no diagnosis of its own
-            assert kind == "skip" and verdict.spikes
+            assert kind == "skip" and verdict.spikes and verdict.health is not None
+            # As in a run that never saw the batch: its values leave the detectors' windows too.
+            self.history.forget(loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
             self.recovery.abandon(restore_buffers, rng)
             spike = verdict.spikes[0]
             self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
@@ -403,8 +423,9 @@ class Guard:
         if verdict.kind in ("collapse", "replicas"):
             self._repair(verdict, diag, action)
             return False
+        self._track(diag, verdict.step)
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
-        extra = {"module_stats": verdict.module_stats} if verdict.module_stats else {}
+        extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
         self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
                                       rng=rng, meta=self._bundle_meta, **extra)  # fmt: skip
         _announce(self.rank, verdict.step, diag, kind)
@@ -482,6 +503,25 @@ class Guard:
             torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
 
     # -- around the step -----------------------------------------------------------------
+    def _begin_drill(self) -> NullInjector:
+        """Plant this step's faults; the injector then wraps its closure (``step``) or loss (``check``)."""
+        self._spikes_before = self.history.spikes
+        self.injector.begin(self.step_count)
+        return self.injector
+
+    def _end_drill(self) -> None:
+        self.injector.end(action=self.last_action, diagnosis=self.last_diagnosis,
+                          spiked=self.history.spikes > self._spikes_before)  # fmt: skip
+
+    def _track(self, diag: Diagnosis, step: int) -> None:
+        """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
+        hardware tracker (``guard/tracker.py``)."""
+        self.injector.mark(diag, step)
+        try:
+            self.tracker.trip(diag, step)
+        except Exception as err:  # evidence only: nanguard's own failure must not kill training
+            warnings.warn(f"nanguard: could not track the hardware of step {step}'s trip: {err!r}", stacklevel=4)
+
     def _settle(self) -> None:
         """Deferred mode: read the last step's flags (its update is running on the device, which
         skipped it if bad) and finish that step as the immediate path would have."""
@@ -491,10 +531,13 @@ class Guard:
         h = w.copy.read(w.step, scaled=False)
         self._closure_error = w.closure_error
         assert w.rng is not None
-        with self._undo_on_error(w.rng):
-            verdict = self._verdict(h, w.replay, w.batch, w.rng, True)
-            if self._act(verdict, w.batch, w.rng, restore_buffers=True):
-                self.after_step()
+        try:
+            with self._undo_on_error(w.rng):
+                verdict = self._verdict(h, w.replay, w.batch, w.rng, True)
+                if self._act(verdict, w.batch, w.rng, restore_buffers=True):
+                    self.after_step()
+        finally:
+            self._end_drill()
 
     def _run_closure(self, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
         """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
@@ -650,13 +693,20 @@ def _check_state(state: Any, config: GuardConfig) -> None:
         raise ValueError(f"cannot load the guard state (history or last_diagnosis): {err!r}") from None
 
 
-def _check_parts(scaler: Any, scheduler: Any) -> None:
+def _check_parts(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> Any:
+    """``Guard``'s parts, checked; returns the GradScaler to use (an Accelerate optimizer brings its own)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    scaler = guard_scaler(optimizer, scaler)
     for obj, name, methods in [
         (scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict")),
         (scheduler, "scheduler", ("step", "state_dict", "load_state_dict")),
     ]:
         if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
             raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
+    return scaler
 
 
 def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:

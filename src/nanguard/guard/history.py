@@ -101,6 +101,13 @@ class History:
                 self._recent_spike_step = step
         return found
 
+    def forget(self, *, loss: float, grad_norm: float) -> None:
+        """Take back the last ``observe``: its step was skipped (``skip_spikes``), so, as in a run
+        that never saw the batch, its values stay out of the windows: else a skipped spike would
+        raise the bar for the next one until it left the window."""
+        self.loss_spikes.forget(loss)
+        self.grad_spikes.forget(grad_norm)
+
     def forecast(self, step: int, *, loss: float, grad_norm: float) -> Forecast | None:
         """A warning, once per episode, when the last ``TREND_POINTS`` steps' grad norm or loss
         grow every step and, growing at their slowest step's rate, reach float32's overflow within

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanguard import dist
 from nanguard.backup import BufferBackup
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.rng import set_rng_state
+from nanguard.stats import local
 
 __all__ = ["COUNTERS", "Recovery"]
 
@@ -171,12 +173,21 @@ class Recovery:
         """Under the rollback and auto policies, snapshot every ``snapshot_every`` good steps, but
         not while the run grows (``growing(loss when the last snapshot was taken)``): a rollback
         for divergence must land before the growth, not on weights already on their way out.
+
+        Nor of a state that is not finite: the update's own parameter check is read only with the
+        next step, so a snapshot could copy a NaN the update (or a fault outside the forward's reach,
+        such as an embedding row no batch used) just wrote, and every rollback would restore it; the
+        next step trips and rolls back to the last good one. Ranks agree (one tiny all-reduce per
+        snapshot), so every replica keeps a snapshot of the same step.
         """
         if self.config.policy not in ("rollback", "auto") or self.good_steps % self.config.snapshot_every:
             return
         if growing(self.snapshot_loss):
             if self.held_since is None:
                 self.held_since = step
+            return
+        finite = _finite(self.model.state_dict()) and _finite(self.optimizer.state_dict())
+        if dist.agree_flag(not finite):
             return
         self.take_snapshot(step)
         self.snapshot_loss = loss
@@ -187,6 +198,25 @@ class Recovery:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name in COUNTERS:
             setattr(self, name, int(state.get(name, 0)))
+
+
+def _finite(obj: Any) -> bool:
+    """Are all floating-point tensors in ``obj`` (dicts, lists, tuples) finite? One host read."""
+    found: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() and x.numel():
+                found.append(torch.isfinite(local(x).detach()).all())
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    return not found or bool(torch.stack([f.to(found[0].device) for f in found]).all())
 
 
 def _copy_to_cpu(obj: Any, into: Any) -> Any:

@@ -36,7 +36,7 @@ from nanguard.guard.history import History
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
-from nanguard.tracer.compiled import eager
+from nanguard.tracer.compiled import compiler_fault, eager
 from nanguard.tracer.module_stats import module_stats
 from nanguard.tree import tensors
 
@@ -120,6 +120,8 @@ class Diagnoser:
                     self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats
                 )
         found = replayed.diagnosis
+        if found is None and replayed.located and closure is not None:
+            found = self._compiled_again(closure, rng, h.step)
         if closure_error is not None and (found is None or not found.cause.startswith("data.")):
             raise closure_error  # not an id out of range: the user's own bug, theirs to see
         flagged = h.bad_ranks
@@ -141,6 +143,16 @@ class Diagnoser:
         replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
+
+    def _compiled_again(self, closure: Callable[[], Any], rng: dict[str, torch.Tensor] | None, step: int) -> Any:
+        """A compiled model whose eager replay was finite: ``compile.numerics`` when the step is non-finite
+        again through the compiled code (``tracer/compiled.py``); None otherwise, or when that check fails."""
+        try:
+            return compiler_fault(self.model, closure, rng=rng, step=step,
+                                  replay=lambda fn: dist.replay_locally(self.model, fn))  # fmt: skip
+        except Exception as err:  # evidence only: never worth killing training
+            warnings.warn(f"nanguard: the compiled replay of step {step} failed: {err!r}", stacklevel=5)
+            return None
 
     def _repeat(
         self, closure: Callable[[], Any] | None, h: StepHealth, rng: dict[str, torch.Tensor] | None
