@@ -18,6 +18,8 @@ from torch import nn
 
 __all__ = [
     "ddp_has_comm_hook",
+    "ddp_join_enabled",
+    "ddp_join_paused",
     "drop_fsdp_accumulated_grads",
     "foreach_copy_",
     "foreach_norm",
@@ -26,6 +28,8 @@ __all__ = [
     "step_with_found_inf",
     "supports_found_inf",
     "swap_collectives",
+    "zero_local_optimizer",
+    "zero_owners",
 ]
 
 
@@ -43,6 +47,48 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype: torch.dty
 # only one; there is no public way to ask whether one is set.
 def ddp_has_comm_hook(model: nn.parallel.DistributedDataParallel) -> bool:
     return bool(model._comm_hooks)
+
+
+# Known to work: torch 2.13.0. ``Join`` sets a ``_JoinConfig`` on each of its joinables when it is
+# built (and never resets it); DDP's forward reads ``_join_config.enable`` to schedule the join
+# context's all-reduces, which a local replay must not run.
+def ddp_join_enabled(model: nn.Module) -> bool:
+    """Has ``model`` (a DDP model) been handed to an enabled ``Join`` context (``with ddp.join():``)?"""
+    config = getattr(model, "_join_config", None)
+    return bool(getattr(config, "enable", False))
+
+
+@contextlib.contextmanager
+def ddp_join_paused(model: nn.Module) -> Iterator[None]:
+    """Inside the block ``model``'s forward schedules none of the join context's collectives."""
+    if not ddp_join_enabled(model):
+        yield
+        return
+    from torch.distributed.algorithms.join import _JoinConfig
+
+    saved = model._join_config
+    model._join_config = _JoinConfig.construct_disabled_join_config()
+    try:
+        yield
+    finally:
+        model._join_config = saved
+
+
+# Known to work: torch 2.13.0. ``ZeroRedundancyOptimizer`` keeps this rank's shard in a plain local
+# optimizer, ``.optim`` (its own ``state_dict()`` needs ``consolidate_state_dict()`` on every rank
+# first, a gather), and which rank updates (and broadcasts) each parameter in ``_param_to_rank``.
+def zero_local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer over this rank's own shard inside a ``ZeroRedundancyOptimizer``; None for any other."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+
+
+def zero_owners(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
+    """``id(parameter) -> rank`` that updates it, for a ``ZeroRedundancyOptimizer``; None for any other."""
+    if zero_local_optimizer(optimizer) is None:
+        return None
+    return {id(p): r for p, r in optimizer._param_to_rank.items()}
 
 
 # Known to work: torch 2.13.0. ``GradScaler._scale`` is the scale as a device tensor;

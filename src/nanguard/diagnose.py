@@ -606,9 +606,17 @@ def _update_fixes(hp: Mapping[str, Any]) -> list[str]:
 
 
 def transient_fault(
-    *, step: int, loss: float, grad_norm: float, flagged_ranks: list[int], located: bool, distributed: bool
+    *,
+    step: int,
+    loss: float,
+    grad_norm: float,
+    flagged_ranks: list[int],
+    located: bool,
+    distributed: bool,
+    attempted: bool = False,
 ) -> Diagnosis:
-    """A step went non-finite but no rank's replay reproduces it (or no replay ran: ``located`` False).
+    """A step went non-finite but no rank's replay reproduces it (or no replay finished: ``located``
+    False; ``attempted`` says whether one was started, so the text says why there is none).
 
     ``distributed.transient`` needs torch.distributed; a single process whose replay is finite
     gets ``step.not_reproduced``, which claims no distribution; without a replay it is ``unknown``.
@@ -622,6 +630,8 @@ def transient_fault(
         why = "the step went non-finite, but replaying it from the same RNG state and parameters"
         why += " on every rank gives finite values" if distributed else " gives finite values"
         cause = "distributed.transient" if distributed else "step.not_reproduced"
+    elif attempted:
+        why, cause = "the step went non-finite, and its replay failed (see nanguard's warning)", "unknown"
     else:
         why, cause = "the step went non-finite (locate is off, so no replay was run)", "unknown"
     fixes = [

@@ -21,12 +21,13 @@ from torch import nn
 
 from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
-from nanguard.errors import NonFiniteError
+from nanguard.errors import NonFiniteError, OutOfStepError
 from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import step_accumulated
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
+from nanguard.guard.join import in_join, install, telling_joined
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies
@@ -100,6 +101,7 @@ class Guard:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.rank = dist.rank()
         self.step_count = 0
+        self._calls = 0  # Guard.step/check calls, undone by nothing: the step index the ranks agree on
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -125,6 +127,7 @@ class Guard:
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, lambda: getattr(self, "scheduler", None))
         if c.policy in ("rollback", "auto"):
             self.recovery.take_snapshot(self.step_count)
+        install(self)  # DDP join(): a rank out of batches shadows the guard's collectives
 
     # Counters owned by the parts, read where users always found them.
     skipped = property(lambda self: self.recovery.skipped, doc="How many steps were skipped.")
@@ -150,6 +153,7 @@ class Guard:
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
             return _plain_step(self, closure)
+        self._calls += 1
         _settle(self)
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
@@ -201,6 +205,7 @@ class Guard:
         value = _check_args(loss, replay, rng)
         if self.disabled:
             return True
+        self._calls += 1
         _settle(self)
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
@@ -217,7 +222,8 @@ class Guard:
         self.health.after_update(h.step)
         good_steps = self.recovery.good_step()
         every = self.config.fingerprint_every
-        if every and dist.is_distributed() and good_steps % every == 0:
+        # A rank that joined (DDP join(), out of batches) cannot shadow the fingerprint gather.
+        if every and dist.is_distributed() and good_steps % every == 0 and not h.joined:
             _check_replicas(self, h.step)
         self.recovery.snapshot_if_due(self.step_count)
         self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
@@ -241,7 +247,7 @@ class Guard:
         if not device_step and self.health.alone:
             return self._decide(self.health.read_alone(loss, step), replay, batch, rng, restore_buffers=restore_buffers)
         measured = self.health.measure(loss)
-        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
+        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried(), step=self._calls - 1)
         if device_step:
             copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
@@ -257,15 +263,20 @@ class Guard:
         """A read step's verdict: trip, overflow, spike skip, or go (True)."""
         step = h.step
         self._health_now = h
-        if params_bad := h.ranks_with(HealthFlag.PARAMS):
+        if h.out_of_step:
+            raise OutOfStepError(h.out_of_step)
+        kind = h.trip_kind(scaled=self.scaler is not None)
+        if kind == "params":
             self.recovery.abandon(restore_buffers, rng)
+            params_bad = h.ranks_with(HealthFlag.PARAMS)
             diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
-            self._trip(diag, step - 1, batch, rng)
+            with telling_joined(h, step - 1):
+                self._trip(diag, step - 1, batch, rng)
             return False
-        if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
+        if kind == "overflow":
             _overflow(self, h)
             return False
-        if h.bad_ranks or h.synced_bad:
+        if kind == "trip":
             if restore_buffers:
                 self.recovery.buffers.restore()  # the replays start from the step's own state...
             error, self._closure_error = self._closure_error, None
@@ -275,7 +286,8 @@ class Guard:
             )
             self.recovery.abandon(restore_buffers, rng)  # ...and leave none of theirs behind
             assert replayed.diagnosis is not None
-            self._trip(replayed.diagnosis, step, batch, rng, module_stats=replayed.module_stats)
+            with telling_joined(h, step):
+                self._trip(replayed.diagnosis, step, batch, rng, module_stats=replayed.module_stats)
             return False
         spikes = _watch_trends(self, step, h)
         if spikes and self.config.skip_spikes:
@@ -302,8 +314,8 @@ class Guard:
     def _bad_batch(self, batch: Any) -> bool:
         """check_batch before the forward. Ranks agree first: under DDP one rank cannot skip
         its forward and backward while the others all-reduce gradients."""
-        if not self.config.check_batch:
-            return False
+        if not self.config.check_batch or in_join(self.model):
+            return False  # under DDP join() a rank out of batches could not take part in the agreement
         diag = self.diagnoser.rejected_batch(batch, self.step_count) if batch is not None else None
         flagged = dist.agree_flag(diag is not None)
         if not flagged:
@@ -438,7 +450,8 @@ def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any
 def _run_closure(guard: Guard, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
     """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
     try:
-        with torch.enable_grad(), guard._remedies.headroom.watch(guard.step_count), guard.health.riding():
+        riding = guard.health.riding(guard._calls - 1)
+        with torch.enable_grad(), guard._remedies.headroom.watch(guard.step_count), riding:
             loss = closure()
         return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
     except (IndexError, RuntimeError) as err:

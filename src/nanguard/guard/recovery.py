@@ -19,6 +19,7 @@ from nanguard.backup import BufferBackup
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
+from nanguard.guard.optim_state import load_optimizer_state, optimizer_state
 from nanguard.guard.wrapped import scaler_step
 from nanguard.rng import set_rng_state
 
@@ -132,7 +133,7 @@ class Recovery:
         snap = self.snapshot
         self.model.load_state_dict(snap["model"])
         # A copy: the optimizer may keep CPU tensors it is given, and the snapshot is refreshed in place.
-        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        load_optimizer_state(self.optimizer, copy.deepcopy(snap["optimizer"]))
         if self.scaler is not None and snap["scaler"] is not None:
             self.scaler.load_state_dict(snap["scaler"])
         if self.scheduler is not None and snap["scheduler"] is not None:
@@ -165,7 +166,7 @@ class Recovery:
         self.snapshot = {
             "step": step,
             "model": _copy_to_cpu(self.model.state_dict(), old.get("model")),
-            "optimizer": _copy_to_cpu(self.optimizer.state_dict(), old.get("optimizer")),
+            "optimizer": _copy_to_cpu(optimizer_state(self.optimizer), old.get("optimizer")),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
         }

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import dist
+from nanguard import compat, dist
 from nanguard.diagnose import (
     communication_overflow,
     nonfinite_shards,
@@ -137,7 +137,8 @@ class Diagnoser:
         diag = dist.gather_diagnosis(found, flagged)
         if diag is None:
             diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
-                                   located=replayed.located, distributed=dist.is_distributed())  # fmt: skip
+                                   located=replayed.located, distributed=dist.is_distributed(),
+                                   attempted=self.locate and closure is not None)  # fmt: skip
         diag.step = h.step
         history = self.history.evidence(h.step, self._lr())
         replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
@@ -154,7 +155,7 @@ class Diagnoser:
         Every rank takes the same branch: the trips and the diagnosis they compare are agreed.
         """
         last = self._last
-        if not self.locate or closure is None or last is None or self.sharded:
+        if not self.locate or closure is None or last is None or self.sharded or h.joined:
             return None
         diag = last.diagnosis
         if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or diag.cause not in REPEATABLE:
@@ -213,6 +214,13 @@ class Diagnoser:
         with torch.no_grad():
             finite = [bool(torch.isfinite(local(p)).all()) for _, p in named]  # on a trip only
         group = self.optimizer.param_groups[0]
+        owners = compat.zero_owners(self.optimizer)
+        if owners is not None and ranks:
+            # A sharded optimizer: each parameter's owner updated it and broadcast it to every rank.
+            owned = sorted(
+                {owners[id(p)] for (_, p), ok in zip(named, finite, strict=True) if not ok and id(p) in owners}
+            )
+            ranks = owned or ranks
         diag = nonfinite_update(
             step=step,
             optimizer=type(self.optimizer).__name__,
