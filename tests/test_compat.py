@@ -115,11 +115,45 @@ def _ranks(rank: int, world: int, tmp: str) -> dict[str, object]:
     model(x).square().sum().backward()
     same = all(torch.equal(p.grad.to_local(), r) for p, r in zip(model.parameters(), reference, strict=True))
     return {
+        **_join_and_zero(ddp),
         "hooks": (hook_before, hook_after),
         "fsdp_state": state is not None and len(fsdp_params) == 4,
         "held": held,
         "dropped": dropped,
         "same_grads": same,
+    }
+
+
+def _join_and_zero(ddp: nn.parallel.DistributedDataParallel) -> dict[str, object]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    calls = []
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    original = tdist.all_reduce
+    before = compat.ddp_join_enabled(ddp)
+    with ddp.join():
+        inside = compat.ddp_join_enabled(ddp)
+        with compat.swap_collectives({"all_reduce": counting}):
+            with ddp.no_sync(), compat.ddp_join_paused(ddp):
+                paused = not compat.ddp_join_enabled(ddp)
+                ddp(torch.ones(1, 4))
+            quiet = len(calls)
+            with ddp.no_sync():
+                ddp(torch.ones(1, 4))  # the join context's own all-reduces, once more
+        restored = compat.ddp_join_enabled(ddp)
+    zero = ZeroRedundancyOptimizer(list(ddp.parameters()), optimizer_class=torch.optim.SGD, lr=0.1)
+    local = compat.zero_local_optimizer(zero)
+    owners = compat.zero_owners(zero)
+    mine = {id(p) for g in local.param_groups for p in g["params"]} if local is not None else set()
+    return {
+        "join": [before, inside, paused, quiet, len(calls) > quiet, restored],
+        "zero_local": local is not None and mine == {k for k, r in (owners or {}).items() if r == tdist.get_rank()},
+        "zero_owners": sorted(set((owners or {}).values())),
+        "plain": [compat.zero_local_optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1)), compat.zero_owners(local)],
     }
 
 
@@ -130,6 +164,9 @@ def test_ddp_hooks_and_fsdp2_internals(tmp_path) -> None:
         assert r["fsdp_state"], "FSDP2 no longer exposes _get_fsdp_state()._fsdp_param_group.fsdp_params"
         assert r["held"], "FSDP2 no longer keeps the unsynced gradients where compat clears them"
         assert r["dropped"] and r["same_grads"]
+        # DDP join(): enabled inside, paused for a local replay (no join all-reduce), restored after.
+        assert r["join"] == [False, True, True, 0, True, True], r["join"]
+        assert r["zero_local"] and r["zero_owners"] == [0, 1] and r["plain"] == [None, None], r
 
 
 def test_scaler_steps_aside_lets_a_replay_unscale_again() -> None:

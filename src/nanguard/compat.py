@@ -60,18 +60,20 @@ def ddp_join_enabled(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def ddp_join_paused(model: nn.Module) -> Iterator[None]:
-    """Inside the block ``model``'s forward schedules none of the join context's collectives."""
+    """Inside the block ``model``'s forward schedules none of the join context's collectives, nor
+    its buffer broadcast (``require_forward_param_sync``): a rank that joined takes part in neither."""
     if not ddp_join_enabled(model):
         yield
         return
     from torch.distributed.algorithms.join import _JoinConfig
 
-    saved = model._join_config
+    saved, sync = model._join_config, model.require_forward_param_sync
     model._join_config = _JoinConfig.construct_disabled_join_config()
+    model.require_forward_param_sync = False
     try:
         yield
     finally:
-        model._join_config = saved
+        model._join_config, model.require_forward_param_sync = saved, sync
 
 
 # Known to work: torch 2.13.0. ``ZeroRedundancyOptimizer`` keeps this rank's shard in a plain local

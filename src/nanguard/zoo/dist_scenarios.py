@@ -1,5 +1,6 @@
 """Distributed scenarios at the edges: a NaN in one rank's FSDP2 shard, a compression hook whose
-cast overflows, and a replica whose weight turned NaN behind DDP's back.
+cast overflows, a replica whose weight turned NaN behind DDP's back, a NaN batch inside DDP's
+``join()`` after another rank ran out of inputs, and a ZeroRedundancyOptimizer shard update gone bad.
 
 Each runs on spawned gloo ranks (``nanguard zoo --ranks 4``); ``edge_rank`` is one rank's run.
 The expected fields follow from the fault: the rank and parameter it hits, and the phase
@@ -15,7 +16,7 @@ import torch
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.zoo.scenarios import Expect, Scenario, build
+from nanguard.zoo.scenarios import Expect, Scenario, _nan_pixels, build
 
 __all__ = ["EDGE_FAULTS", "EDGE_SCENARIOS", "edge_rank"]
 
@@ -45,12 +46,35 @@ EDGE_SCENARIOS = (
         ranks=2,
         dist_fault="nan_replica",
     ),
+    Scenario(
+        "ddp_join_uneven_nan",
+        "2 ranks under DDP join() with uneven inputs (the DDP uneven-inputs tutorial's setup): rank 1 runs "
+        "out after 2 batches; at step 3 rank 0's image batch holds NaN pixels, while rank 1 only shadows",
+        Expect("data.nonfinite", None, "vis_proj", "data", "nan", rank=0, ranks=(0,)),
+        config={"vision_dim": 16},
+        fault=_nan_pixels,
+        ranks=2,
+        dist_fault="join",
+    ),
+    Scenario(
+        "zero_shard_update_nan",
+        "2 ranks under DDP with ZeroRedundancyOptimizer(AdamW); at step 3 the update of rank 1's own shard "
+        "writes a NaN into a parameter rank 1 owns, which ZeRO then broadcasts to every rank",
+        Expect("optimizer.nonfinite_update", None, None, "optimizer", "nan", rank=1, ranks=(1,)),
+        ranks=2,
+        dist_fault="zero",
+    ),
 )
 EDGE_FAULTS = frozenset(s.dist_fault for s in EDGE_SCENARIOS)
+_JOIN_BATCHES = (None, 2)  # rank 1 has 2 batches; rank 0 runs the whole scenario
 
 
 def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
     """One rank of an edge scenario: the first diagnosis and the step it came at."""
+    if s.dist_fault == "join":
+        return _join_rank(s, rank, seed)
+    if s.dist_fault == "zero":
+        return _zero_rank(s, rank, seed)
     run = build(s, seed, rank=rank)
     model = run.model
     weight = model.blocks[1].mlp.fc.weight
@@ -99,3 +123,48 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
 def _spoil(weight: torch.Tensor) -> None:
     with torch.no_grad():
         weight.view(-1)[0] = float("nan")
+
+
+def _join_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
+    """Uneven inputs inside ``ddp.join()``; the joined rank learns the diagnosis while it shadows."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    run = build(s, seed, rank=rank)
+    net = DistributedDataParallel(run.model)
+    guard = Guard(net, run.optimizer, policy="skip", max_consecutive_skips=10**6, module_stats=False)
+    steps = _JOIN_BATCHES[rank] or s.run_steps
+    with net.join():
+        for step in range(steps):
+            batch = run.batch(step, faulty=rank == 0)
+            guard.step(run.closure(batch, net), batch=batch)
+    diag = guard.last_diagnosis
+    return diag, diag.step if diag is not None else None
+
+
+def _zero_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
+    """ZeRO under DDP: rank 1's local optimizer spoils one parameter it owns after its update of the fault step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nanguard import compat
+
+    run = build(s, seed, rank=rank)
+    net = DistributedDataParallel(run.model)
+    zero = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=s.lr)
+    run.optimizer = zero
+    guard = Guard(net, zero, policy="rollback", snapshot_every=1, max_consecutive_skips=10**6, module_stats=False)
+    owners = compat.zero_owners(zero) or {}
+    local = compat.zero_local_optimizer(zero)
+    assert local is not None
+    mine = [p for p in run.model.parameters() if owners.get(id(p)) == rank]
+    for step in range(s.run_steps):
+        handle: Any = None
+        if step == s.fault_step and rank == 1 and mine:
+            handle = local.register_step_post_hook(lambda *_: _spoil(mine[-1]))
+        batch = run.batch(step, faulty=False)
+        guard.step(run.closure(batch, net), batch=batch)
+        if handle is not None:
+            handle.remove()
+        if guard.last_diagnosis is not None:
+            return guard.last_diagnosis, step
+    return None, None
