@@ -46,12 +46,15 @@ def install(guard: Guard) -> None:
     model = guard.model
     if not isinstance(model, nn.parallel.DistributedDataParallel) or not dist.is_distributed():
         return
-    ddp_hook = model.join_hook  # the bound method: Join calls joinable.join_hook(**kwargs)
+    # The bound method (Join calls joinable.join_hook(**kwargs)); a newer guard on the same model
+    # replaces the older one's shadow rather than adding a second.
+    ddp_hook = getattr(model.join_hook, "ddp_join_hook", model.join_hook)
     ref = weakref.ref(guard)
 
     def join_hook(**kwargs: Any) -> JoinHook:
         return _GuardedJoinHook(ddp_hook(**kwargs), ref)
 
+    join_hook.ddp_join_hook = ddp_hook  # type: ignore[attr-defined]
     model.join_hook = join_hook  # type: ignore[method-assign]
 
 
