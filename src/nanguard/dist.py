@@ -207,7 +207,10 @@ class DDPCommWatch(CommWatch):
         # destroy_process_group() and be torn down with the interpreter.
         self._group = None if group is None or group == tdist.group.WORLD else group
         self._size = group.size() if group is not None else 1
-        inner = hook
+        # DDP's built-in all-reduce (no hook) scales each bucket by 1 / world before sending; torch's
+        # Python ``allreduce_hook`` divides instead, which rounds differently when the world is not a
+        # power of two: the guard sends as the built-in does, so a guarded run equals an unguarded one.
+        inner = self._builtin if hook is _default_hook() else hook
 
         # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
         def watched(state, bucket):
@@ -238,6 +241,12 @@ class DDPCommWatch(CommWatch):
         ddp.register_comm_hook(state, watched)
         _WATCHES[ddp] = self
 
+    def _builtin(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / self._size)
+        fut = tdist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+        return fut.then(lambda done: done.value()[0])
+
     def _join_enabled(self) -> bool:
         ddp = self._ddp()
         return ddp is not None and compat.ddp_join_enabled(ddp)
@@ -245,7 +254,7 @@ class DDPCommWatch(CommWatch):
     def _ride(self, buffer: torch.Tensor, extras: torch.Tensor, *, keep: bool) -> torch.futures.Future[torch.Tensor]:
         n = buffer.numel()
         payload = buffer.new_empty(n + extras.numel())
-        torch.div(buffer, self._size, out=payload[:n])  # averaged first, as DDP's own hook does
+        torch.mul(buffer, 1.0 / self._size, out=payload[:n])  # averaged first, as DDP's built-in does
         payload[n:] = extras
         fut = tdist.all_reduce(payload, group=self._group, async_op=True).get_future()
 
