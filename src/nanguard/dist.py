@@ -460,7 +460,8 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
         if watch is not None:
             watch.local = True
         try:
-            with model.no_sync(), compat.ddp_join_paused(model), _local_collectives():
+            paused = compat.ddp_sync_pinned_off(model), compat.ddp_join_paused(model)
+            with model.no_sync(), paused[0], paused[1], _local_collectives():
                 yield
         finally:
             if watch is not None:

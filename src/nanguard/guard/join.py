@@ -21,7 +21,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as tdist
@@ -30,14 +30,23 @@ from torch.distributed.algorithms.join import JoinHook
 
 from nanguard import compat, dist
 from nanguard.errors import NonFiniteError, OutOfStepError
-from nanguard.guard.health import DeviceHealth, HealthFlag, StepHealth
-
-if TYPE_CHECKING:
-    from nanguard.guard.core import Guard
+from nanguard.findings import Diagnosis
+from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, StepHealth
 
 __all__ = ["in_join", "install", "telling_joined"]
 
 log = logging.getLogger("nanguard")
+
+
+class Guard(Protocol):
+    """What the shadow reads of a ``nanguard.Guard`` (core imports this module, not the reverse)."""
+
+    model: nn.Module
+    disabled: bool
+    health: HealthCheck
+    step_count: int
+    scaler: Any
+    last_diagnosis: Diagnosis | None
 
 
 def install(guard: Guard) -> None:
