@@ -74,7 +74,9 @@ class Guard:
 
     After a rollback, the next ``rollback_skip_batches`` calls to ``step`` drop their batch
     without running the closure and return None; ``guard.last_action`` is then
-    ``"drop_batch"``, so the loop knows which batches were skipped.
+    ``"drop_batch"``, so the loop knows which batches were skipped. ``guard.last_grad_norm``
+    is the latest checked step's gradient norm, across ranks and before clipping (what a loop
+    logs); NaN or Inf on a step that tripped, None before the first.
 
     Pass ``batch=`` to ``step``: a trip's replay names the input that held the bad values
     (``batch['pixel_values']``), a repro bundle stores it, and ``check_batch=True`` audits
@@ -116,9 +118,7 @@ class Guard:
         self.rank, self.step_count, self._calls = dist.rank(), 0, 0
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
-        self.last_grad_norm: float | None = None
-        """The gradient norm of the latest checked step, across ranks and before clipping (what a
-        loop logs as its grad norm); NaN or Inf on a step that tripped; None before the first."""
+        self.last_grad_norm: float | None = None  # documented on the class: across ranks, before clipping
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
                                   param_check_every=c.param_check_every)  # fmt: skip
