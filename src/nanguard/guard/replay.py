@@ -35,6 +35,7 @@ from nanguard.guard.history import History
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
+from nanguard.tracer.collectives import choose
 from nanguard.tracer.compiled import eager
 from nanguard.tracer.module_stats import module_stats
 from nanguard.tree import tensors
@@ -134,7 +135,7 @@ class Diagnoser:
         if found is None and (wire_ranks := h.ranks_with(HealthFlag.WIRE)):
             # Not reproduced without communication: the comm hook's cast made it, on these ranks.
             found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
-        diag = dist.gather_diagnosis(found, flagged)
+        diag = dist.gather_diagnosis(found, flagged, choose=choose)
         if diag is None:
             diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
                                    located=replayed.located, distributed=dist.is_distributed())  # fmt: skip

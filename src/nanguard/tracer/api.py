@@ -22,7 +22,7 @@ from nanguard.tree import tensors_with_path
 
 __all__ = ["locate"]
 
-_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5}
+_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5, "comm": 6}
 _MAX_RESULTS = 8
 
 
@@ -104,7 +104,7 @@ def trace(
             },
             before=tracer.recent_ops(),
         )
-        return _diagnosis(origin, [], root)
+        return _diagnosis(origin, [], root, tracer.comm.ops)
 
     bad = _nonfinite_results(result, root, tracer)
     if not bad:
@@ -118,7 +118,7 @@ def trace(
         origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
     else:
         origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
-    return _diagnosis(origin, bad, root)
+    return _diagnosis(origin, bad, root, tracer.comm.ops)
 
 
 def _out_of_range(failure: Failure, error: BaseException) -> bool:
@@ -137,7 +137,9 @@ def _out_of_range(failure: Failure, error: BaseException) -> bool:
     return False
 
 
-def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None) -> Diagnosis:
+def _diagnosis(
+    origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None, collectives: int = 0
+) -> Diagnosis:
     evidence: dict[str, Any] = {
         "origin": origin.to_evidence(),
         "kind": origin.kind,
@@ -148,6 +150,13 @@ def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: n
     }
     if origin.library_source is not None:
         evidence["library_source"] = origin.library_source
+    if collectives:
+        # The replay communicated (tensor or pipeline parallel): ranks agree on who created it.
+        evidence["communication"] = {
+            "collectives": collectives,
+            "arrived": origin.category == "comm",
+            "index": origin.index,
+        }
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
     verdict = diagnose(evidence)
