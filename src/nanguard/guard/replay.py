@@ -32,6 +32,7 @@ from nanguard.diagnose import (
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
+from nanguard.pipeline import watch_stages
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
@@ -292,7 +293,10 @@ def replay_trip(
     if rng is not None:
         set_rng_state(rng)
     try:
-        found = dist.replay_locally(model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}))
+        with watch_stages() as stages:
+            found = dist.replay_locally(model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}))
+        if found is not None and stages:
+            found.evidence["stage"] = stages.evidence()  # pipeline parallel: this rank's stage
         replayed = Replayed(found, located=True)
     except Exception as err:  # the guard's own failure must not kill training
         warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=5)
