@@ -568,6 +568,8 @@ def gather_diagnosis(
             return None
         origin, reproducing = picked.rank, picked.ranks
     chosen = local[origin]
+    if picked is not None:
+        chosen.evidence["received_ranks"] = [r for r in sorted(local) if r not in picked.ranks]
     chosen.rank = origin
     chosen.ranks = reproducing
     chosen.evidence["flagged_ranks"] = flagged

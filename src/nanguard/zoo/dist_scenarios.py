@@ -1,5 +1,6 @@
 """Distributed scenarios at the edges: a NaN in one rank's FSDP2 shard, a compression hook whose
-cast overflows, and a replica whose weight turned NaN behind DDP's back.
+cast overflows, a replica whose weight turned NaN behind DDP's back, and an op-made NaN or a NaN
+weight on one rank under tensor parallel, a 2D mesh and pipeline parallel (``zoo/parallel.py``).
 
 Each runs on spawned gloo ranks (``nanguard zoo --ranks 4``); ``edge_rank`` is one rank's run.
 The expected fields follow from the fault: the rank and parameter it hits, and the phase
@@ -15,6 +16,7 @@ import torch
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
+from nanguard.zoo.parallel import parallel_rank
 from nanguard.zoo.scenarios import Expect, Scenario, build
 
 __all__ = ["EDGE_FAULTS", "EDGE_SCENARIOS", "edge_rank"]
@@ -45,12 +47,51 @@ EDGE_SCENARIOS = (
         ranks=2,
         dist_fault="nan_replica",
     ),
+    Scenario(
+        "tp_sqrt_column_block",
+        "2 ranks, tensor parallel MLP (ColwiseParallel up, RowwiseParallel down): the activation of rank 0's "
+        "column block takes the sqrt of a negative (a one-pass variance gone negative; Fast-LLM#59 saw "
+        "tensor-parallel NaNs made on some ranks only); the all-reduce carries it to rank 1",
+        Expect("op.sqrt_domain", "aten.sqrt.default", "act", "forward", "nan", rank=0, ranks=(0,)),
+        ranks=2,
+        dist_fault="tp_sqrt",
+        fault_step=1,
+        steps=3,
+    ),
+    Scenario(
+        "2d_sqrt_middle_rank",
+        "4 ranks, FSDP2 over dp x tensor parallel over tp: the activation of rank 2 (dp 1, tp 0) takes the "
+        "sqrt of a negative; its tp peer gets it through the all-reduce, FSDP2 all-gathers around it",
+        Expect("op.sqrt_domain", "aten.sqrt.default", "act", "forward", "nan", rank=2, ranks=(2,)),
+        ranks=4,
+        dist_fault="2d_sqrt",
+        fault_step=1,
+        steps=3,
+    ),
+    Scenario(
+        "pp_nan_weight_stage0",
+        "2 pipeline stages (ScheduleGPipe, 2 microbatches): stage 0's up.weight holds a NaN (a corrupt "
+        "checkpoint shard; NeMo#5928 saw NaN losses only with pipeline parallel on); the last stage only "
+        "receives NaN activations",
+        Expect("parameters.nonfinite", None, "up", "parameters", "nan", rank=0, ranks=(0,)),
+        ranks=2,
+        dist_fault="pp_weight",
+        fault_step=1,
+        steps=3,
+    ),
 )
+# dist_fault -> (setup, fault, rank it hits) of a zoo.parallel run.
+_PARALLEL = {"tp_sqrt": ("tp", "sqrt", 0), "2d_sqrt": ("2d", "sqrt", 2), "pp_weight": ("pp", "weight", 0)}
 EDGE_FAULTS = frozenset(s.dist_fault for s in EDGE_SCENARIOS)
 
 
 def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
     """One rank of an edge scenario: the first diagnosis and the step it came at."""
+    if s.dist_fault in _PARALLEL:
+        setup, fault, fault_rank = _PARALLEL[s.dist_fault]
+        world = torch.distributed.get_world_size()
+        out = parallel_rank(rank, world, setup, fault, fault_rank, "skip", steps=s.run_steps, fault_step=s.fault_step)
+        return (Diagnosis.from_dict(out["diag"]) if out["diag"] else None), out["diag_step"]
     run = build(s, seed, rank=rank)
     model = run.model
     weight = model.blocks[1].mlp.fc.weight
