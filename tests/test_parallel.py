@@ -78,6 +78,12 @@ def _op(rank: int, ranks: list[int] | None = None) -> dict:
             "rank": rank, "ranks": ranks or [rank]}  # fmt: skip
 
 
+def _grad(rank: int) -> dict:
+    """The gradient of sqrt at zero: the division in SqrtBackward, attributed to the module that ran sqrt."""
+    return {"cause": "op.sqrt_domain", "op": "aten.div.Tensor", "module": "act", "phase": "backward",
+            "rank": rank, "ranks": [rank]}  # fmt: skip
+
+
 def _weight(rank: int) -> dict:
     return {"cause": "parameters.nonfinite", "op": None, "module": "up", "phase": "parameters",
             "rank": rank, "ranks": [rank]}  # fmt: skip
@@ -85,12 +91,12 @@ def _weight(rank: int) -> dict:
 
 def test_tensor_parallel_names_the_rank_whose_column_block_made_the_nan(tmp_path) -> None:
     cases = [("sqrt", 0, "skip"), ("sqrt", 1, "rollback"), ("weight", 0, "skip"), ("weight", 1, "rollback"),
-             (None, 0, "skip"), (None, 0, None)]  # fmt: skip
+             ("sqrt_grad", 0, "rollback"), (None, 0, "skip"), (None, 0, None)]  # fmt: skip
     results = spawn_ranks(_cases, "tp", cases, world=2, timeout=240)
-    _check(results, cases[:4], [_op(0), _op(1), _weight(0), _weight(1)])
+    _check(results, cases[:5], [_op(0), _op(1), _weight(0), _weight(1), _grad(0)])
     for r in results:  # healthy: guarded bit-identical to unguarded, no trip
-        assert r[4]["diag"] is None and r[4]["actions"] == ["step"] * 3
-        assert r[4]["digest"] == r[5]["digest"]
+        assert r[5]["diag"] is None and r[5]["actions"] == ["step"] * 3
+        assert r[5]["digest"] == r[6]["digest"]
 
 
 def test_2d_mesh_names_the_activation_and_the_rank_across_both_mesh_dims(tmp_path) -> None:
@@ -104,15 +110,17 @@ def test_2d_mesh_names_the_activation_and_the_rank_across_both_mesh_dims(tmp_pat
 
 def test_pipeline_names_the_stage_that_created_the_value(tmp_path) -> None:
     cases = [("sqrt", 0, "skip"), ("sqrt", 1, "rollback"), ("weight", 0, "skip"), ("weight", 1, "rollback"),
-             ("input", 0, "skip"), (None, 0, "skip"), (None, 0, None)]  # fmt: skip
+             ("input", 0, "skip"), ("sqrt_grad", 1, "skip"), (None, 0, "skip"), (None, 0, None)]  # fmt: skip
     results = spawn_ranks(_cases, "pp", cases, world=3, timeout=300)
     data = {"cause": "data.nonfinite", "op": None, "module": None, "phase": "data", "rank": 0, "ranks": [0]}
-    _check(results, cases[:5], [_op(0), _op(1), _weight(0), _weight(1), data])
-    for i, stage in enumerate((0, 1, 0, 1, 0)):
+    _check(results, cases[:6], [_op(0), _op(1), _weight(0), _weight(1), data, _grad(1)])
+    for i, stage in enumerate((0, 1, 0, 1, 0, 1)):
         assert results[0][i]["diag"]["evidence"]["stage"]["index"] == stage
+    # Stage 0 made it in forward; stage 1 received finite gradients and sent non-finite ones.
     assert results[0][0]["diag"]["evidence"]["stage"]["created"] == "forward"
+    assert results[0][5]["diag"]["evidence"]["stage"]["created"] == "backward"
     for r in results:
-        assert r[5]["diag"] is None and r[5]["digest"] == r[6]["digest"]
+        assert r[6]["diag"] is None and r[6]["digest"] == r[7]["digest"]
 
 
 @pytest.mark.parametrize(("setup", "world"), [("tp", 2), ("pp", 2)])
@@ -159,7 +167,7 @@ def _one_rank(tmp_path) -> Iterator[object]:
 
 
 class _Crossing(nn.Module):
-    """A sqrt of a negative on a local tensor, carried through DTensor and back."""
+    """A sqrt of a negative on a local tensor, carried through DTensor ops and back."""
 
     def __init__(self, mesh) -> None:
         super().__init__()
@@ -171,7 +179,7 @@ class _Crossing(nn.Module):
 
         h = torch.sqrt(self.proj(x) - 10.0)
         partial = DTensor.from_local(h, self.mesh, [Partial()])
-        return (partial.redistribute(self.mesh, [Replicate()]).to_local() * 2.0).sum()
+        return (partial.redistribute(self.mesh, [Replicate()]) * 2.0).to_local().sum()
 
 
 def test_locate_on_a_one_rank_mesh_follows_taint_through_dtensor(tmp_path) -> None:

@@ -161,6 +161,8 @@ class Diagnoser:
         diag = last.diagnosis
         if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or diag.cause not in REPEATABLE:
             return None
+        if diag.evidence.get("communication"):
+            return None  # ranks that replay together (TP, PP) cannot each stop their forward early
         module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
         if module is None:
             return None

@@ -7,6 +7,8 @@ parallel each rank holds one stage of the same shape. One rank's fault, at ``fau
 
 - ``"sqrt"``: the activation takes the square root of ``h - 10``, negative for every value
   this tiny model makes (an op-made NaN in that rank's column block or stage);
+- ``"sqrt_grad"``: the activation takes the square root of ``0 * h``: finite forward, and
+  the gradient of sqrt at zero makes the NaN in backward;
 - ``"weight"``: a NaN lands in that rank's own shard of ``up.weight`` (a bad checkpoint);
 - ``"input"``: the batch holds a NaN (pipeline: only the first stage reads it).
 
@@ -34,18 +36,22 @@ from nanguard.stats import local
 __all__ = ["SETUPS", "Activation", "ParallelMLP", "parallel_rank"]
 
 SETUPS = ("tp", "2d", "pp")
-FAULTS = ("sqrt", "weight", "input", None)
+FAULTS = ("sqrt", "sqrt_grad", "weight", "input", None)
 _DIM, _HIDDEN, _ROWS = 8, 16, 4
 
 
 class Activation(nn.Module):
-    """GELU, or with ``negative`` set the square root of a value that went negative."""
+    """GELU, or with ``negative`` set the square root of a value that went negative, or with
+    ``zero`` set the square root of zeros (whose gradient is infinite)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.negative = False
+        self.zero = False
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.zero:
+            return torch.sqrt(h * 0.0) + h
         return torch.sqrt(h - 10.0) if self.negative else F.gelu(h)
 
 
@@ -151,6 +157,7 @@ def parallel_rank(
         x, y = torch.randn(_ROWS, _DIM, generator=gen), torch.randn(_ROWS, _DIM, generator=gen)
         here = step == fault_step and rank == fault_rank
         model.act.negative = here and fault == "sqrt"  # type: ignore[union-attr]
+        model.act.zero = here and fault == "sqrt_grad"  # type: ignore[union-attr]
         if step == fault_step and fault == "input":
             x[0, 0] = float("nan")
         if here and fault == "weight":
