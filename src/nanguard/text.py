@@ -248,6 +248,11 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
         elif diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
             text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
         lines.append(("ranks", text))
+    stage = ev.get("stage")
+    if isinstance(stage, Mapping) and stage.get("index") is not None:
+        created = stage.get("created")
+        made = f": in {created} it received finite values, sent non-finite ones" if created else ""
+        lines.append(("stage", f"pipeline stage {stage['index']} of {stage.get('stages', '?')}{made}"))
     causes = ev.get("per_rank_causes")
     if isinstance(causes, Mapping) and isinstance(ev.get("received_ranks"), list):
         causes = {r: "received" if int(r) in ev["received_ranks"] else c for r, c in causes.items()}
