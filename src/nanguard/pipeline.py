@@ -28,11 +28,13 @@ from nanguard import compat
 from nanguard.stats import local
 from nanguard.tree import tensors
 
-__all__ = ["StageWatch", "watch_stages"]
+__all__ = ["Boundary", "StageWatch", "watch_stages"]
 
 
 @dataclass
-class _Boundary:
+class Boundary:
+    """One microbatch of one stage: what it received and what it sent on, in one phase."""
+
     stage: int
     stages: int
     phase: str  # "forward" | "backward"
@@ -44,7 +46,7 @@ class _Boundary:
 class StageWatch:
     """The boundary tensors of every microbatch this rank's stages ran."""
 
-    seen: list[_Boundary] = field(default_factory=list)
+    seen: list[Boundary] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.seen)
@@ -101,10 +103,10 @@ def watch_stages() -> Iterator[StageWatch]:
     watch = StageWatch()
 
     def forward(stage: Any, received: tuple[Any, ...], output: Any) -> None:
-        watch.seen.append(_Boundary(stage.stage_index, stage.num_stages, "forward", _floats(received), _floats(output)))
+        watch.seen.append(Boundary(stage.stage_index, stage.num_stages, "forward", _floats(received), _floats(output)))
 
     def backward(stage: Any, received: Any, sent: Any) -> None:
-        watch.seen.append(_Boundary(stage.stage_index, stage.num_stages, "backward", _floats(received), _floats(sent)))
+        watch.seen.append(Boundary(stage.stage_index, stage.num_stages, "backward", _floats(received), _floats(sent)))
 
     with contextlib.ExitStack() as stack:
         with contextlib.suppress(ImportError):  # a torch built without torch.distributed.pipelining
