@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +65,8 @@ class Communication:
 
     def __init__(self) -> None:
         self.ops = 0
-        self._by_id: dict[int, tuple[weakref.ref[torch.Tensor], Sent]] = {}
+        # Held until the trace ends, so no later tensor can reuse an address or an id seen here.
+        self._by_id: dict[int, tuple[torch.Tensor, Sent]] = {}
         self._by_storage: dict[int, Sent] = {}
 
     def run(self, func: Any, args: tuple, kwargs: dict, taint: TaintMap, index: int, where: _Where) -> Any:
@@ -96,12 +96,12 @@ class Communication:
     def sent(self, t: torch.Tensor) -> Sent | None:
         """The collective whose result ``t`` is (or views, or wraps), else None."""
         entry = self._by_id.get(id(t))
-        if entry is not None and entry[0]() is t:
+        if entry is not None and entry[0] is t:
             return entry[1]
         return self._by_storage.get(storage_key(t)) if self._by_storage else None
 
     def _remember(self, t: torch.Tensor, info: Sent, taint: TaintMap) -> None:
-        self._by_id[id(t)] = (weakref.ref(t), info)
+        self._by_id[id(t)] = (t, info)
         key = storage_key(t)
         self._by_storage[key] = info
         # Read on first use, when the values have arrived; until then only what was sent is known.

@@ -488,7 +488,8 @@ def _taint_and_comm(tracer: Tracer) -> tuple[TaintMap, Communication]:
     comm = Communication()
 
     def source(t: torch.Tensor, nan: bool, inf: bool) -> int:
-        sent = comm.sent(t) if comm.ops else None
+        user = id(t) in tracer.sources or storage_key(t) in tracer.source_storage
+        sent = comm.sent(t) if comm.ops and not user else None
         if sent is None:
             return tracer._source(t, nan, inf).id
         origin = Origin(len(tracer.origins), "comm", "nan" if nan else "inf", sent.index, sent.op, sent.module,
