@@ -217,3 +217,12 @@ def test_pipeline_stage_hooks_see_each_microbatch_and_unpatch(tmp_path) -> None:
     # The first stage receives its microbatch; the last starts its backward from the loss.
     assert seen == [("forward", 0, *micro), ("forward", 0, *micro), ("backward", 0, None, 1), ("backward", 0, None, 1)]
     assert (_PipelineStageBase.forward_one_chunk, _PipelineStageBase.backward_one_chunk) == originals
+
+
+def test_written_tensors_of_in_place_and_communication_ops() -> None:
+    a, b = torch.ones(2), torch.ones(2)
+    assert compat.written_tensors(torch.ops.aten.add_.Tensor, (a, b), {}) == [a]
+    assert compat.written_tensors(torch.ops.aten.add.Tensor, (a, b), {}) == []
+    out = compat.written_tensors(torch.ops.c10d.recv_.default, ([a, b], None, 0, 0), {})
+    assert len(out) == 2 and out[0] is a and out[1] is b  # c10d declares no aliasing: named in place
+    assert compat.written_tensors(torch.ops.c10d.send.default, ([a], None, 1, 0), {}) == []

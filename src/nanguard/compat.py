@@ -29,6 +29,7 @@ __all__ = [
     "step_with_found_inf",
     "supports_found_inf",
     "swap_collectives",
+    "written_tensors",
 ]
 
 
@@ -199,3 +200,26 @@ def pipeline_stage_hooks(
         _PipelineStageBase.forward_one_chunk = forward  # type: ignore[method-assign]
         _PipelineStageBase.backward_one_chunk = backward  # type: ignore[method-assign]
         _PipelineStageBase._retrieve_recv_grads = recv_grads  # type: ignore[method-assign]
+
+
+# Known to work: torch 2.13.0. An op's schema marks the arguments it writes (``Tensor(a!)``), but
+# the ``c10d`` ops declare no aliasing: those named in place (``recv_``, ``allreduce_``,
+# ``_allgather_base_``) write into their tensor arguments.
+def written_tensors(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors op ``func`` writes into, among ``args`` and ``kwargs`` (every tensor argument
+    of an in-place ``c10d`` op: at most an input read again on its next use)."""
+    from torch.utils._pytree import tree_leaves
+
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    if getattr(func, "namespace", None) == "c10d" and schema.name.endswith("_"):
+        return [t for t in tree_leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor)]
+    written: list[torch.Tensor] = []
+    for i, arg in enumerate(schema.arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written

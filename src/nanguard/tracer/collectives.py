@@ -89,7 +89,8 @@ class Communication:
         else:
             module, phase = where()
             info = Sent(ops.op_name(func), module, phase, index, sent)
-        for t in [o for o in op_leaves(out) if isinstance(o, torch.Tensor)] + _written(func, args, kwargs):
+        results = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
+        for t in results + compat.written_tensors(func, args, kwargs):
             self._remember(t, info, taint)
         return out
 
@@ -119,26 +120,6 @@ def _known_taint(taint: TaintMap, t: torch.Tensor) -> frozenset[int]:
     if entry is not None and entry[0]() is t and entry[1] == version(t):
         return entry[4] if entry[2] or entry[3] else _NONE
     return taint.storage.get(storage_key(t), _NONE)
-
-
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an in-place communication op writes (``recv_``'s buffers, ``allreduce_``'s tensors).
-
-    The ``c10d`` ops declare no aliasing: every tensor argument of one named in place (``recv_``,
-    ``_allgather_base_``) counts as written, which costs at most a read of an input on next use."""
-    written: list[torch.Tensor] = []
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return written
-    if func.namespace == "c10d" and schema.name.endswith("_"):
-        return [t for t in op_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    for i, arg in enumerate(schema.arguments):
-        alias = arg.alias_info
-        if alias is None or not alias.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        written += [t for t in op_leaves(value) if isinstance(t, torch.Tensor)]
-    return written
 
 
 @dataclass(frozen=True)
