@@ -123,7 +123,7 @@ def test_pipeline_names_the_stage_that_created_the_value(tmp_path) -> None:
         assert r[6]["diag"] is None and r[6]["digest"] == r[7]["digest"]
 
 
-@pytest.mark.parametrize(("setup", "world"), [("tp", 2), ("pp", 2)])
+@pytest.mark.parametrize(("setup", "world"), [("tp", 2), ("2d", 4), ("pp", 2)])
 def test_a_healthy_step_adds_one_small_all_reduce(tmp_path, setup, world) -> None:
     steps = 3
     for r in spawn_ranks(_counted, setup, steps, world=world, timeout=240):
