@@ -283,10 +283,22 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if ev.get("flagged_ranks") is not None:
         flagged = ", ".join(str(r) for r in ev["flagged_ranks"]) or "none"
         text = f"non-finite after the step on rank(s) {flagged}"
-        if diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
+        received = ev.get("received_ranks")
+        if diag.ranks and isinstance(received, list):  # the ranks replayed together, communicating
+            text += f"; made by the own compute of rank(s) {', '.join(str(r) for r in diag.ranks)}"
+            if received:
+                text += f", it reached rank(s) {', '.join(str(r) for r in received)} through communication"
+        elif diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
             text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
         lines.append(("ranks", text))
+    stage = ev.get("stage")
+    if isinstance(stage, Mapping) and stage.get("index") is not None:
+        created = stage.get("created")
+        made = f": in {created} it received finite values, sent non-finite ones" if created else ""
+        lines.append(("stage", f"pipeline stage {stage['index']} of {stage.get('stages', '?')}{made}"))
     causes = ev.get("per_rank_causes")
+    if isinstance(causes, Mapping) and isinstance(ev.get("received_ranks"), list):
+        causes = {r: "received" if int(r) in ev["received_ranks"] else c for r, c in causes.items()}
     if isinstance(causes, Mapping) and len(set(causes.values())) > 1:
         lines.append(("per rank", ", ".join(f"rank {r}: {c}" for r, c in causes.items())))
     results = ev.get("results")

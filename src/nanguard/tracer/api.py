@@ -13,6 +13,7 @@ from nanguard import dist
 from nanguard.diagnose import diagnose
 from nanguard.findings import Diagnosis
 from nanguard.stats import init_ratio, local
+from nanguard.tracer.collectives import choose
 from nanguard.tracer.compiled import eager, user_name
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
 from nanguard.tracer.modules import ModuleStack
@@ -22,7 +23,7 @@ from nanguard.tree import tensors_with_path
 
 __all__ = ["locate"]
 
-_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5}
+_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5, "comm": 6}
 _MAX_RESULTS = 8
 
 
@@ -31,7 +32,9 @@ def locate(fn: Callable[..., Any], *args: Any, model: nn.Module | None = None, *
 
     ``fn`` is usually a training closure (forward and backward). The result is ``None``
     when fn's return value and the gradients it produced are all finite. Parameters and
-    buffers are left as they were; no optimizer is stepped.
+    buffers are left as they were; no optimizer is stepped. Under tensor or pipeline
+    parallelism (DTensor, ``torch.distributed.pipelining``) call it on every rank, as the step
+    itself runs: the ranks agree on the rank whose own compute created the value.
 
     Example:
         >>> def closure(batch):
@@ -43,7 +46,13 @@ def locate(fn: Callable[..., Any], *args: Any, model: nn.Module | None = None, *
         >>> if diag:
         ...     print(diag)          # cause, op, module, source line, evidence, fixes
     """
-    return trace(fn, args, kwargs, model=model)
+    diag, collectives = _traced(fn, args, kwargs, model=model)
+    if collectives and dist.is_distributed():
+        # Tensor or pipeline parallel: every rank ran fn together; agree on the rank whose own
+        # compute created the value (a rank it only reached through a collective keeps its own).
+        agreed = dist.gather_diagnosis(diag, [], choose=choose)
+        return agreed if agreed is not None else diag
+    return diag
 
 
 def trace(
@@ -54,7 +63,20 @@ def trace(
     model: nn.Module | None = None,
     inputs: dict[str, Any] | None = None,
 ) -> Diagnosis | None:
-    """``locate`` with extra named ``inputs``: tensors a closure captured, such as its batch."""
+    """``locate`` with extra named ``inputs``: tensors a closure captured, such as its batch; this
+    rank's own answer (no agreement across ranks)."""
+    return _traced(fn, args, kwargs, model=model, inputs=inputs)[0]
+
+
+def _traced(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    model: nn.Module | None = None,
+    inputs: dict[str, Any] | None = None,
+) -> tuple[Diagnosis | None, int]:
+    """``trace``, and how many communication ops the step ran."""
     if not callable(fn):
         raise ValueError(f"fn must be callable (a function or closure), got {type(fn).__name__}")
     if model is not None and not isinstance(model, nn.Module):
@@ -104,11 +126,11 @@ def trace(
             },
             before=tracer.recent_ops(),
         )
-        return _diagnosis(origin, [], root)
+        return _diagnosis(origin, [], root, tracer.comm.ops), tracer.comm.ops
 
     bad = _nonfinite_results(result, root, tracer)
     if not bad:
-        return None
+        return None, tracer.comm.ops
     taint: set[int] = set()
     for _, t, _ in bad:
         taint |= tracer.taint.taint_of(t)
@@ -118,7 +140,7 @@ def trace(
         origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
     else:
         origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
-    return _diagnosis(origin, bad, root)
+    return _diagnosis(origin, bad, root, tracer.comm.ops), tracer.comm.ops
 
 
 def _out_of_range(failure: Failure, error: BaseException) -> bool:
@@ -137,7 +159,9 @@ def _out_of_range(failure: Failure, error: BaseException) -> bool:
     return False
 
 
-def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None) -> Diagnosis:
+def _diagnosis(
+    origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None, collectives: int = 0
+) -> Diagnosis:
     evidence: dict[str, Any] = {
         "origin": origin.to_evidence(),
         "kind": origin.kind,
@@ -148,6 +172,13 @@ def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: n
     }
     if origin.library_source is not None:
         evidence["library_source"] = origin.library_source
+    if collectives:
+        # The replay communicated (tensor or pipeline parallel): ranks agree on who created it.
+        evidence["communication"] = {
+            "collectives": collectives,
+            "arrived": origin.category == "comm",
+            "index": origin.index,
+        }
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
     verdict = diagnose(evidence)

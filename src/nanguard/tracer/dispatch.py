@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
 from nanguard.tracer import ops
+from nanguard.tracer.collectives import Communication, is_comm
 from nanguard.tracer.modules import ModuleStack, user_source
 from nanguard.tracer.protect import Backup
 from nanguard.tracer.taint import CLEAN, Inputs, TaintMap, has_inf_created, nonfinite_flags, storage_key, version
@@ -39,7 +40,7 @@ class Origin:
     """One place a non-finite value came from: an op that created it, or a source tensor."""
 
     id: int
-    category: str  # "op" | "data" | "parameters" | "write" | "fill"
+    category: str  # "op" | "data" | "parameters" | "write" | "fill" | "comm" (arrived from another rank)
     kind: str  # "nan" | "inf" | "invalid" (an index op raised)
     index: int  # op index where it was created or first consumed
     op: str | None
@@ -114,6 +115,9 @@ class _TracerMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tracer = self.tracer
+        if is_comm(func):  # carries values between ranks, never creates one
+            tracer.index += 1
+            return tracer.comm.run(func, args, kwargs, tracer.taint, tracer.index, lambda: _comm_where(tracer))
         facts = ops.info(func)
         flat_in, inputs = tracer.before_op(func, facts, args, kwargs)
         try:
@@ -150,7 +154,7 @@ class Tracer:
         self.protected = protected
         # With a model its parameters' gradients are the results; without one, leaf tensors seen.
         self.track_leaves = modules.root is None
-        self.taint = TaintMap(lambda t, nan, inf: self._source(t, nan, inf).id)
+        self.taint, self.comm = _taint_and_comm(self)
         self.origins: list[Origin] = []
         # Autograd node sequence number -> where its forward ran: module, type, op, source, library, eps.
         self.nodes: dict[int, tuple[str | None, str | None, str | None, str | None, str | None, float | None]] = {}
@@ -475,6 +479,30 @@ class Tracer:
                 stats["path"] = self.sources.get(id(x)) or self.source_storage.get(storage_key(x))
                 inputs.append(stats)
         return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
+
+
+def _taint_and_comm(tracer: Tracer) -> tuple[TaintMap, Communication]:
+    """The tracer's taint map and its handling of communication ops. A tensor that arrives
+    non-finite from a collective this rank sent finite values to was made on another rank: an
+    origin of category "comm"; any other is one of the tracer's sources."""
+    comm = Communication()
+
+    def source(t: torch.Tensor, nan: bool, inf: bool) -> int:
+        user = id(t) in tracer.sources or storage_key(t) in tracer.source_storage
+        sent = comm.sent(t) if comm.ops and not user else None
+        if sent is None:
+            return tracer._source(t, nan, inf).id
+        origin = Origin(len(tracer.origins), "comm", "nan" if nan else "inf", sent.index, sent.op, sent.module,
+                        sent.phase, outputs=[tensor_stats(t)], before=tracer.recent_ops())  # fmt: skip
+        tracer.origins.append(origin)
+        return origin.id
+
+    return TaintMap(source), comm
+
+
+def _comm_where(tracer: Tracer) -> tuple[str | None, str]:
+    """The module and phase a collective is issued in."""
+    return tracer.modules.current_name(), "forward" if torch._C._current_autograd_node() is None else "backward"
 
 
 def _with_count(stats: dict[str, Any], path: str | None) -> dict[str, Any]:
