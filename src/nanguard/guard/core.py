@@ -101,12 +101,7 @@ class Guard:
         inject: str | list[Fault] | None = None,
         **config: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
-        _check_parts(scaler, scheduler)
+        scaler = _check_parts(model, optimizer, scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
@@ -724,13 +719,20 @@ def _check_state(state: Any, config: GuardConfig) -> None:
         raise ValueError(f"cannot load the guard state (history or last_diagnosis): {err!r}") from None
 
 
-def _check_parts(scaler: Any, scheduler: Any) -> None:
+def _check_parts(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> Any:
+    """The Guard's parts checked (a ValueError names the wrong one); returns the scaler to use."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
     for obj, name, methods in [
         (scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict")),
         (scheduler, "scheduler", ("step", "state_dict", "load_state_dict")),
     ]:
         if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
             raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
+    return scaler
 
 
 def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:
