@@ -10,18 +10,22 @@ told from dead ends. Statistics are kept only for creations, never clones of ten
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
-from nanguard.tracer import ops
+from nanguard.tracer import normalize, ops
+from nanguard.tracer.calls import UserCalls
+from nanguard.tracer.compiled import user_name
+from nanguard.tracer.grads import GradWatch
 from nanguard.tracer.modules import ModuleStack, user_source
 from nanguard.tracer.protect import Backup
 from nanguard.tracer.taint import CLEAN, Inputs, TaintMap, has_inf_created, nonfinite_flags, storage_key, version
@@ -31,6 +35,9 @@ __all__ = ["Failure", "Origin", "Tracer"]
 
 _RECENT = 6
 _AFTER = 8
+# Ops that divide by what they read, or read a statistic to divide by: a creation here may be a normalization.
+_DIVIDES = frozenset({"div", "div_", "true_divide", "reciprocal", "rsqrt", "rsqrt_", "sqrt", "sqrt_", "var", "std"})
+_NORMALIZED_BY = frozenset({"mul", "mul_", "div", "div_", "true_divide"})
 _NONE: frozenset[int] = frozenset()
 
 
@@ -161,10 +168,21 @@ class Tracer:
         self.failure: Failure | None = None
         self._mode: _TracerMode | None = None
         self._func: Any = None  # the op being run, for the origins its inputs make
+        self.calls = UserCalls()
+        # Gradient surgery (PCGrad, a hand-written clip) between backward() and optimizer.step().
+        self.grads = GradWatch(self._named_grads)
+        # Origins (an rsqrt of a zero variance, a var over one element) whose value may go on to
+        # normalize the tensor it was computed from, with the statistic and how many more ops to watch.
+        self._pending: dict[int, tuple[normalize.Statistic, int]] = {}
+        # The taint of the latest op that read a non-finite value, and its index: what a raise
+        # right after it (a distribution's validate_args, multinomial, an assert) is about.
+        self.last_taint: frozenset[int] = _NONE
+        self.last_taint_index = -1
 
     def __enter__(self) -> Tracer:
         self._check_protected()
         self.first_node = torch._C._autograd._get_sequence_nr()
+        self.calls.__enter__()
         self._mode = _TracerMode(self)
         self._mode.__enter__()
         return self
@@ -173,6 +191,7 @@ class Tracer:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(*exc)
+            self.calls.__exit__(*exc)
 
     def _check_protected(self) -> None:
         """Read the parameters and buffers in one fused pass: when all are finite (the usual
@@ -200,7 +219,10 @@ class Tracer:
             self.protected.before(facts.writes, args, kwargs)
         if facts.literal:
             return flat_in, CLEAN
-        return flat_in, self.taint.inputs(flat_in)
+        ins = self.taint.inputs(flat_in)
+        if ins is not CLEAN and ins.taint:
+            self.last_taint, self.last_taint_index = ins.taint, self.index
+        return flat_in, ins
 
     def op_failed(self, func: Any, args: tuple, err: BaseException) -> None:
         if self.failure is None:
@@ -217,12 +239,17 @@ class Tracer:
             flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
         if self.counts:
             self._note_counts(flat_in, flat_out)
+        node = torch._C._current_autograd_node()
+        grads = self.grads
+        if grads.seen_backward or node is not None:
+            grads.before(node is not None, flat_in, lambda: self._writes_parameter(facts, args, kwargs))
         base = version(args[0]) if facts.view and args and isinstance(args[0], torch.Tensor) else None
         if ins is CLEAN and facts.keeps_finite:
             self.taint.set_finite([o for o in flat_out if o.is_floating_point() or o.is_complex()], base)
         else:
             self._outputs(func, facts, args, kwargs, flat_in, ins, out, flat_out, base)
-        node = torch._C._current_autograd_node()
+        if grads.phase is not None:
+            grads.after(flat_out)
         if flat_out:
             self._note_nodes(facts, flat_in, node is not None)
         if not facts.quiet:
@@ -245,6 +272,9 @@ class Tracer:
         where: _Where | None = None
         if ins.inf and facts.weighted:
             self._features(ins)
+        if self._pending and ins.taint:
+            with contextlib.suppress(RuntimeError, AttributeError, TypeError, ValueError):
+                self._check_normalized(func, flat_in, ins.taint)
         source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
         likely = ins.nan or ins.inf
         for o in flat_out:
@@ -284,7 +314,7 @@ class Tracer:
         parameter = path is None and (isinstance(t, torch.nn.Parameter) or self.protected.protects(t))
         if path is None and not parameter and t.dim() == 0:
             # A Python number the op got as a tensor (h[i] = nan): the op writes it.
-            return self._write(self._func, _value_name(stats), inputs=[stats])
+            return self._write(self._func, _value_name(stats), inputs=[stats], tensor=t)
         where = self._where(None)
         if path is not None:
             # The user's own -inf is data unless it is an additive mask: only 0 and -inf.
@@ -318,12 +348,76 @@ class Tracer:
         return origin
 
     def _write(
-        self, func: Any, value: str, *, inputs: Sequence[dict[str, Any]] = (), outputs: Sequence[dict[str, Any]] = ()
+        self,
+        func: Any,
+        value: str,
+        *,
+        inputs: Sequence[dict[str, Any]] = (),
+        outputs: Sequence[dict[str, Any]] = (),
+        tensor: torch.Tensor | None = None,
     ) -> Origin:
-        """An op that wrote an explicit NaN/Inf (``value``: "nan", "inf" or "-inf"): a mask fill or a marker."""
+        """An op that wrote an explicit NaN/Inf (``value``: "nan", "inf" or "-inf"): a mask fill or a marker.
+
+        A NaN or +Inf written inside torch's own implementation of the user's call (``torch.logdet``
+        returns NaN for a negative determinant through an internal ``where``) is that call's result
+        by definition, not a write of the user's: it is a creation by the user-level op."""
         kind = "nan" if value == "nan" else "inf"
-        return self._record(self._where(func), "write", kind, inputs=list(inputs), outputs=list(outputs),
+        where = self._where(func)
+        if value != "-inf" and where.node is None and func is not None and self._inside_call(func, value, tensor):
+            return self._by_definition(where, kind, value)
+        return self._record(where, "write", kind, inputs=list(inputs), outputs=list(outputs),
                             extra={"written": value})  # fmt: skip
+
+    def _inside_call(self, func: Any, value: str, tensor: torch.Tensor | None) -> bool:
+        calls = self.calls
+        return calls.implements(ops.op_name(func)) and not calls.passed(value, tensor)
+
+    def _by_definition(self, where: _Where, kind: str, value: str) -> Origin:
+        """The user's call returned ``value`` by its definition: an origin named after that call."""
+        calls, internal = self.calls, where.op
+        user_op = ops.user_op_name(calls.name)
+        args = op_leaves((calls.args, calls.kwargs))
+        facts = {"internal_op": internal, "user_op": calls.name, "returned": value}
+        facts.update(ops.user_facts(user_op, calls.args))
+        origin = self._record(
+            replace(where, op=user_op),
+            "op",
+            kind,
+            inputs=[tensor_stats(t) for t in args if isinstance(t, torch.Tensor)],
+            scalars=[_scalar(x) for x in args if isinstance(x, (int, float, bool))],
+            extra=facts,
+        )
+        return origin
+
+    def _named_grads(self) -> list[tuple[str, torch.Tensor | None]]:
+        root = self.modules.root
+        found = [(user_name(n), p.grad) for n, p in root.named_parameters()] if root is not None else []
+        found += [(f"leaf[{i}]", t.grad) for i, t in enumerate(self.leaves.values())]
+        return found
+
+    def _writes_parameter(self, facts: ops.OpInfo, args: tuple, kwargs: dict) -> bool:
+        """Does the op write into a parameter or buffer (an update written by hand)?"""
+        for i, name in facts.writes:
+            target = args[i] if i < len(args) else kwargs.get(name)
+            for t in target if isinstance(target, (list, tuple)) else (target,):
+                if isinstance(t, torch.Tensor) and self.protected.protects(t):
+                    return True
+        return False
+
+    def _check_normalized(self, func: Any, flat_in: list[Any], taint: frozenset[int]) -> None:
+        """Does this op multiply or divide the tensor a pending statistic was computed from by it
+        (``x * rsqrt(mean(x**2))``)? Then the origin was a normalization's."""
+        for oid in [o for o in taint if o in self._pending]:
+            stat, left = self._pending.pop(oid)
+            if ops.op_name(func).removeprefix("aten.").split(".")[0] in _NORMALIZED_BY:
+                for x in flat_in:
+                    clean = isinstance(x, torch.Tensor) and oid not in self.taint.taint_of(x)
+                    if clean and normalize.shares_source(stat, x):
+                        self.origins[oid].extra["normalizes"] = True
+                        left = 0
+                        break
+            if left > 1:
+                self._pending[oid] = (stat, left - 1)
 
     def _from_written_inf(self, func: Any, ins: Inputs) -> bool:
         """Is a NaN this op makes only the consequence of an Inf some op wrote on purpose
@@ -360,7 +454,7 @@ class Tracer:
                 op=op,
                 module=self.modules.current_name(),
                 module_type=type(module).__name__ if module is not None else None,
-                phase="forward",
+                phase=self.grads.phase or "forward",
                 node=None,
                 forward_op=None,
                 source=source,
@@ -392,15 +486,59 @@ class Tracer:
 
     def _creation(self, func: Any, args: tuple, kwargs: dict, out: Any, where: _Where, kind: str) -> Origin:
         flat_args = op_leaves(args)
-        return self._record(
+        extra = ops.creation_facts(func, args, kwargs, out, where.eps)
+        if where.node is None:
+            extra.update(self._call_facts(func, flat_args))
+        origin = self._record(
             where,
             "op",
             kind,
             inputs=[_with_count(tensor_stats(t), self.count_path(t)) for t in flat_args if isinstance(t, torch.Tensor)],
             outputs=[tensor_stats(t) for t in op_leaves(out) if isinstance(t, torch.Tensor)],
             scalars=[_scalar(x) for x in flat_args if isinstance(x, (int, float, bool))],
-            extra=ops.creation_facts(func, args, kwargs, out, where.eps),
+            extra=extra,
         )
+        if where.node is None and ops.op_name(func).removeprefix("aten.").split(".")[0] in _DIVIDES:
+            # Read from the autograd graph's node names: nanguard's own failure here never stops the replay.
+            with contextlib.suppress(RuntimeError, AttributeError, TypeError, ValueError):
+                self._normalization(origin, flat_args)
+        return origin
+
+    def _call_facts(self, func: Any, flat_args: list[Any]) -> dict[str, Any]:
+        """The user-level call around a forward creation, and the gradients a gradient-surgery op read."""
+        facts: dict[str, Any] = {}
+        if self.calls.implements(ops.op_name(func)):
+            facts["user_op"] = self.calls.name
+        if self.grads.phase is not None:
+            facts["gradient_surgery"] = True
+            if read := self.grads.direct(flat_args):
+                facts["gradients_of"] = read[:8]
+        return facts
+
+    def _normalization(self, origin: Origin, flat_args: list[Any]) -> None:
+        """Facts of a division that may be a normalization: the statistic it divides by and whether
+        it divides the very tensor that statistic was computed from (read from the autograd graph)."""
+        tensors = [t for t in flat_args if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not tensors:
+            return
+        op = _short_name(origin.op)
+        if op in ("var", "std"):
+            stat = normalize.statistic_from(tensors[0], "variance" if op == "var" else "std")
+        else:
+            stat = normalize.statistic_of(tensors[-1])
+        if stat is None:
+            if any(normalize.node_of(t) is not None for t in tensors):
+                origin.extra["normalizes"] = False  # the graph was there, and shows no statistic
+            return
+        origin.extra["statistic"] = stat.kind
+        divides = op.startswith(("div", "true_divide")) and len(tensors) > 1
+        if divides:
+            num, den = tensors[0], tensors[-1]
+            origin.extra["normalizes"] = den.numel() < num.numel() and normalize.shares_source(stat, num)
+        else:
+            # An rsqrt, sqrt, var or std: whether it normalizes shows when its result is used.
+            origin.extra["normalizes"] = False
+            self._pending[origin.id] = (stat, _AFTER)
 
     def _record(self, where: _Where, category: str, kind: str, **facts: Any) -> Origin:
         """A new origin at ``where``, with the ops that ran just before it."""
@@ -475,6 +613,10 @@ class Tracer:
                 stats["path"] = self.sources.get(id(x)) or self.source_storage.get(storage_key(x))
                 inputs.append(stats)
         return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
+
+
+def _short_name(op: str | None) -> str:
+    return (op or "").removeprefix("aten.").split(".")[0]
 
 
 def _with_count(stats: dict[str, Any], path: str | None) -> dict[str, Any]:
