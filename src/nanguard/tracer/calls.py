@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from nanguard.stats import tensor_stats
+from nanguard.tracer import ops
 from nanguard.tree import op_leaves
 
 __all__ = ["UserCalls"]
@@ -71,6 +73,24 @@ class UserCalls(TorchFunctionMode):
             if isinstance(x, float) and not math.isfinite(x) and _name(x) == value:
                 return True
         return False
+
+    def inside(self, func: Any, value: str, tensor: torch.Tensor | None) -> bool:
+        """Was ``value``, written by aten op ``func``, made inside torch's implementation of the
+        running call (not given to it by the user)?"""
+        return self.implements(ops.op_name(func)) and not self.passed(value, tensor)
+
+    def by_definition(self, internal_op: str | None, value: str) -> tuple[str, dict[str, Any]]:
+        """The running call returned ``value`` by its definition: its aten op name and the origin's
+        facts (its arguments' statistics, the op inside that made the value, the call's own facts)."""
+        user_op = ops.user_op_name(self.name)
+        args = op_leaves((self.args, self.kwargs))
+        extra = {"internal_op": internal_op, "user_op": self.name, "returned": value}
+        extra.update(ops.user_facts(user_op, self.args))
+        return user_op, {
+            "inputs": [tensor_stats(t) for t in args if isinstance(t, torch.Tensor)],
+            "scalars": [x for x in args if isinstance(x, (int, bool)) or (isinstance(x, float) and math.isfinite(x))],
+            "extra": extra,
+        }
 
 
 def _name(x: float) -> str:

@@ -10,23 +10,23 @@ told from dead ends. Statistics are kept only for creations, never clones of ten
 
 from __future__ import annotations
 
-import contextlib
 import math
-import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
 from nanguard.tracer import normalize, ops
 from nanguard.tracer.calls import UserCalls
-from nanguard.tracer.compiled import user_name
+from nanguard.tracer.counts import BatchCounts
 from nanguard.tracer.grads import GradWatch
 from nanguard.tracer.modules import ModuleStack, user_source
+from nanguard.tracer.nodes import ForwardSites
 from nanguard.tracer.protect import Backup
 from nanguard.tracer.taint import CLEAN, Inputs, TaintMap, has_inf_created, nonfinite_flags, storage_key, version
 from nanguard.tree import op_leaves
@@ -35,9 +35,6 @@ __all__ = ["Failure", "Origin", "Tracer"]
 
 _RECENT = 6
 _AFTER = 8
-# Ops that divide by what they read, or read a statistic to divide by: a creation here may be a normalization.
-_DIVIDES = frozenset({"div", "div_", "true_divide", "reciprocal", "rsqrt", "rsqrt_", "sqrt", "sqrt_", "var", "std"})
-_NORMALIZED_BY = frozenset({"mul", "mul_", "div", "div_", "true_divide"})
 _NONE: frozenset[int] = frozenset()
 
 
@@ -149,20 +146,12 @@ class Tracer:
         self.modules = modules
         self.sources = {id(t): path for path, t in sources}
         self.source_storage = {storage_key(t): path for path, t in reversed(sources)}
-        # Tensors computed from the batch's integer/bool tensors (labels, masks, ids) with no
-        # gradient-carrying input, by id: a count or selection the batch made (mask.sum()).
-        self.counts: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {
-            id(t): (weakref.ref(t), path) for path, t in sources if not (t.is_floating_point() or t.is_complex())
-        }
+        self.counts = BatchCounts(sources)  # what the batch's labels and masks counted (mask.sum())
         self.protected = protected
-        # With a model its parameters' gradients are the results; without one, leaf tensors seen.
-        self.track_leaves = modules.root is None
+        self.sites = ForwardSites(modules)
+        self.leaves = self.sites.leaves
         self.taint = TaintMap(lambda t, nan, inf: self._source(t, nan, inf).id)
         self.origins: list[Origin] = []
-        # Autograd node sequence number -> where its forward ran: module, type, op, source, library, eps.
-        self.nodes: dict[int, tuple[str | None, str | None, str | None, str | None, str | None, float | None]] = {}
-        self.first_node = 0
-        self.leaves: dict[int, torch.Tensor] = {}
         self.recent: deque[tuple[Any, str | None, str]] = deque(maxlen=_RECENT)
         self.index = 0
         self.failure: Failure | None = None
@@ -170,18 +159,16 @@ class Tracer:
         self._func: Any = None  # the op being run, for the origins its inputs make
         self.calls = UserCalls()
         # Gradient surgery (PCGrad, a hand-written clip) between backward() and optimizer.step().
-        self.grads = GradWatch(self._named_grads)
-        # Origins (an rsqrt of a zero variance, a var over one element) whose value may go on to
-        # normalize the tensor it was computed from, with the statistic and how many more ops to watch.
-        self._pending: dict[int, tuple[normalize.Statistic, int]] = {}
+        self.grads = GradWatch(modules, self.leaves, protected)
+        self.norms = normalize.NormalizationWatch()
         # The taint of the latest op that read a non-finite value, and its index: what a raise
         # right after it (a distribution's validate_args, multinomial, an assert) is about.
         self.last_taint: frozenset[int] = _NONE
         self.last_taint_index = -1
 
     def __enter__(self) -> Tracer:
-        self._check_protected()
-        self.first_node = torch._C._autograd._get_sequence_nr()
+        _mark_finite(self.taint, self.protected)
+        self.sites.start()
         self.calls.__enter__()
         self._mode = _TracerMode(self)
         self._mode.__enter__()
@@ -192,17 +179,6 @@ class Tracer:
         if mode is not None:
             mode.__exit__(*exc)
             self.calls.__exit__(*exc)
-
-    def _check_protected(self) -> None:
-        """Read the parameters and buffers in one fused pass: when all are finite (the usual
-        case), no op has to read one of them on first use."""
-        floats = [t for t in self.protected.ids.values() if t.is_floating_point() and not t.is_sparse]
-        try:
-            finite = bool(floats) and math.isfinite(total_norm(float_groups(floats)).item())
-        except (RuntimeError, NotImplementedError):  # meta or exotic tensors: each is read on first use
-            finite = False
-        if finite:
-            self.taint.set_finite(floats)
 
     def restore(self) -> None:
         """Put the backed-up parameters and buffers back."""
@@ -226,7 +202,11 @@ class Tracer:
 
     def op_failed(self, func: Any, args: tuple, err: BaseException) -> None:
         if self.failure is None:
-            self.failure = Failure(ops.op_name(func), self._where(func), err, self._index_facts(func, args))
+            facts = _index_facts(func, args, self._path)
+            self.failure = Failure(ops.op_name(func), self._where(func), err, facts)
+
+    def _path(self, t: torch.Tensor) -> str | None:
+        return self.sources.get(id(t)) or self.source_storage.get(storage_key(t))
 
     def after_op(
         self, func: Any, facts: ops.OpInfo, args: tuple, kwargs: dict, flat_in: list[Any], ins: Inputs, out: Any
@@ -238,11 +218,11 @@ class Tracer:
         else:
             flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
         if self.counts:
-            self._note_counts(flat_in, flat_out)
+            self.counts.note(flat_in, flat_out)
         node = torch._C._current_autograd_node()
         grads = self.grads
         if grads.seen_backward or node is not None:
-            grads.before(node is not None, flat_in, lambda: self._writes_parameter(facts, args, kwargs))
+            grads.before(node is not None, flat_in, facts, args, kwargs)
         base = version(args[0]) if facts.view and args and isinstance(args[0], torch.Tensor) else None
         if ins is CLEAN and facts.keeps_finite:
             self.taint.set_finite([o for o in flat_out if o.is_floating_point() or o.is_complex()], base)
@@ -251,7 +231,7 @@ class Tracer:
         if grads.phase is not None:
             grads.after(flat_out)
         if flat_out:
-            self._note_nodes(facts, flat_in, node is not None)
+            self.sites.note(facts, flat_in, node is not None)
         if not facts.quiet:
             self.recent.append((func, self.modules.current_name(), "forward" if node is None else "backward"))
 
@@ -272,9 +252,8 @@ class Tracer:
         where: _Where | None = None
         if ins.inf and facts.weighted:
             self._features(ins)
-        if self._pending and ins.taint:
-            with contextlib.suppress(RuntimeError, AttributeError, TypeError, ValueError):
-                self._check_normalized(func, flat_in, ins.taint)
+        if self.norms.pending and ins.taint:
+            self.norms.used(facts.name, flat_in, ins.taint, self.taint.taint_of)
         source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
         likely = ins.nan or ins.inf
         for o in flat_out:
@@ -306,7 +285,7 @@ class Tracer:
     # -- helpers -----------------------------------------------------------------------
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
         """A tensor that arrived non-finite: user data, a parameter/buffer, a literal or a constant."""
-        path = self.sources.get(id(t)) or self.source_storage.get(storage_key(t))
+        path = self._path(t)
         kind = "nan" if nan else "inf"
         stats = tensor_stats(t)
         # A tensor holding only -inf (and finite values) is a mask fill, not an origin by itself.
@@ -363,61 +342,11 @@ class Tracer:
         by definition, not a write of the user's: it is a creation by the user-level op."""
         kind = "nan" if value == "nan" else "inf"
         where = self._where(func)
-        if value != "-inf" and where.node is None and func is not None and self._inside_call(func, value, tensor):
-            return self._by_definition(where, kind, value)
+        if value != "-inf" and where.node is None and func is not None and self.calls.inside(func, value, tensor):
+            user_op, facts = self.calls.by_definition(where.op, value)
+            return self._record(replace(where, op=user_op), "op", kind, **facts)
         return self._record(where, "write", kind, inputs=list(inputs), outputs=list(outputs),
                             extra={"written": value})  # fmt: skip
-
-    def _inside_call(self, func: Any, value: str, tensor: torch.Tensor | None) -> bool:
-        calls = self.calls
-        return calls.implements(ops.op_name(func)) and not calls.passed(value, tensor)
-
-    def _by_definition(self, where: _Where, kind: str, value: str) -> Origin:
-        """The user's call returned ``value`` by its definition: an origin named after that call."""
-        calls, internal = self.calls, where.op
-        user_op = ops.user_op_name(calls.name)
-        args = op_leaves((calls.args, calls.kwargs))
-        facts = {"internal_op": internal, "user_op": calls.name, "returned": value}
-        facts.update(ops.user_facts(user_op, calls.args))
-        origin = self._record(
-            replace(where, op=user_op),
-            "op",
-            kind,
-            inputs=[tensor_stats(t) for t in args if isinstance(t, torch.Tensor)],
-            scalars=[_scalar(x) for x in args if isinstance(x, (int, float, bool))],
-            extra=facts,
-        )
-        return origin
-
-    def _named_grads(self) -> list[tuple[str, torch.Tensor | None]]:
-        root = self.modules.root
-        found = [(user_name(n), p.grad) for n, p in root.named_parameters()] if root is not None else []
-        found += [(f"leaf[{i}]", t.grad) for i, t in enumerate(self.leaves.values())]
-        return found
-
-    def _writes_parameter(self, facts: ops.OpInfo, args: tuple, kwargs: dict) -> bool:
-        """Does the op write into a parameter or buffer (an update written by hand)?"""
-        for i, name in facts.writes:
-            target = args[i] if i < len(args) else kwargs.get(name)
-            for t in target if isinstance(target, (list, tuple)) else (target,):
-                if isinstance(t, torch.Tensor) and self.protected.protects(t):
-                    return True
-        return False
-
-    def _check_normalized(self, func: Any, flat_in: list[Any], taint: frozenset[int]) -> None:
-        """Does this op multiply or divide the tensor a pending statistic was computed from by it
-        (``x * rsqrt(mean(x**2))``)? Then the origin was a normalization's."""
-        for oid in [o for o in taint if o in self._pending]:
-            stat, left = self._pending.pop(oid)
-            if ops.op_name(func).removeprefix("aten.").split(".")[0] in _NORMALIZED_BY:
-                for x in flat_in:
-                    clean = isinstance(x, torch.Tensor) and oid not in self.taint.taint_of(x)
-                    if clean and normalize.shares_source(stat, x):
-                        self.origins[oid].extra["normalizes"] = True
-                        left = 0
-                        break
-            if left > 1:
-                self._pending[oid] = (stat, left - 1)
 
     def _from_written_inf(self, func: Any, ins: Inputs) -> bool:
         """Is a NaN this op makes only the consequence of an Inf some op wrote on purpose
@@ -461,28 +390,8 @@ class Tracer:
                 library=library,
                 eps=self.modules.eps(module),
             )
-        info = self.nodes.get(node._sequence_nr())
-        if info is None:
-            info = (_accumulate_owner(self.modules, node), None, None, None, None, None)
-        mod_name, mod_type, fwd, source, library, eps = info
+        mod_name, mod_type, fwd, source, library, eps = self.sites.of(node)
         return _Where(op, mod_name, mod_type, "backward", node.name(), fwd, source, library, eps)
-
-    def _note_counts(self, flat_in: list[Any], flat_out: list[torch.Tensor]) -> None:
-        """Carry the batch path of a count through an op whose inputs carry no gradient."""
-        path = None
-        for x in flat_in:
-            if isinstance(x, torch.Tensor):
-                if x.requires_grad:
-                    return
-                path = path or self.count_path(x)
-        if path is not None:
-            for o in flat_out:
-                self.counts[id(o)] = (weakref.ref(o), path)
-
-    def count_path(self, t: torch.Tensor) -> str | None:
-        """The batch tensor (labels, a mask) that ``t`` was counted or selected from, if any."""
-        entry = self.counts.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
 
     def _creation(self, func: Any, args: tuple, kwargs: dict, out: Any, where: _Where, kind: str) -> Origin:
         flat_args = op_leaves(args)
@@ -493,52 +402,19 @@ class Tracer:
             where,
             "op",
             kind,
-            inputs=[_with_count(tensor_stats(t), self.count_path(t)) for t in flat_args if isinstance(t, torch.Tensor)],
+            inputs=[_with_count(tensor_stats(t), self.counts.path(t)) for t in flat_args if isinstance(t, Tensor)],
             outputs=[tensor_stats(t) for t in op_leaves(out) if isinstance(t, torch.Tensor)],
             scalars=[_scalar(x) for x in flat_args if isinstance(x, (int, float, bool))],
             extra=extra,
         )
-        if where.node is None and ops.op_name(func).removeprefix("aten.").split(".")[0] in _DIVIDES:
-            # Read from the autograd graph's node names: nanguard's own failure here never stops the replay.
-            with contextlib.suppress(RuntimeError, AttributeError, TypeError, ValueError):
-                self._normalization(origin, flat_args)
+        if where.node is None:
+            self.norms.created(origin, flat_args)
         return origin
 
     def _call_facts(self, func: Any, flat_args: list[Any]) -> dict[str, Any]:
         """The user-level call around a forward creation, and the gradients a gradient-surgery op read."""
-        facts: dict[str, Any] = {}
-        if self.calls.implements(ops.op_name(func)):
-            facts["user_op"] = self.calls.name
-        if self.grads.phase is not None:
-            facts["gradient_surgery"] = True
-            if read := self.grads.direct(flat_args):
-                facts["gradients_of"] = read[:8]
-        return facts
-
-    def _normalization(self, origin: Origin, flat_args: list[Any]) -> None:
-        """Facts of a division that may be a normalization: the statistic it divides by and whether
-        it divides the very tensor that statistic was computed from (read from the autograd graph)."""
-        tensors = [t for t in flat_args if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not tensors:
-            return
-        op = _short_name(origin.op)
-        if op in ("var", "std"):
-            stat = normalize.statistic_from(tensors[0], "variance" if op == "var" else "std")
-        else:
-            stat = normalize.statistic_of(tensors[-1])
-        if stat is None:
-            if any(normalize.node_of(t) is not None for t in tensors):
-                origin.extra["normalizes"] = False  # the graph was there, and shows no statistic
-            return
-        origin.extra["statistic"] = stat.kind
-        divides = op.startswith(("div", "true_divide")) and len(tensors) > 1
-        if divides:
-            num, den = tensors[0], tensors[-1]
-            origin.extra["normalizes"] = den.numel() < num.numel() and normalize.shares_source(stat, num)
-        else:
-            # An rsqrt, sqrt, var or std: whether it normalizes shows when its result is used.
-            origin.extra["normalizes"] = False
-            self._pending[origin.id] = (stat, _AFTER)
+        facts = {"user_op": self.calls.name} if self.calls.implements(ops.op_name(func)) else {}
+        return facts | self.grads.facts(flat_args)
 
     def _record(self, where: _Where, category: str, kind: str, **facts: Any) -> Origin:
         """A new origin at ``where``, with the ops that ran just before it."""
@@ -576,47 +452,18 @@ class Tracer:
             w = where or self._where(func)
             origin.after.append({"index": self.index, "op": w.op, "module": w.module, "phase": w.phase, "nan": nan})
 
-    def _note_nodes(self, facts: ops.OpInfo, ins: list[Any], backward: bool) -> None:
-        """Remember which module and line each forward op ran in, keyed by the sequence
-        number of the autograd node it creates, so its backward can be attributed.
 
-        Two kinds of node are made where no grad-recording forward op runs: a custom
-        ``autograd.Function``'s, made by ``apply`` just before its forward runs with grad
-        off, and the nodes of a reentrant checkpoint's forward, re-run inside backward."""
-        if backward and self.modules.current is None:
-            return  # a backward op; a forward re-run during backward has a module running
-        grad = torch.is_grad_enabled()
-        # Inside dispatch, autograd has already built this op's node: its number is one less.
-        # With grad off no node was built, and one less is the newest node: a Function's.
-        seq = torch._C._autograd._get_sequence_nr() - 1
-        if seq >= self.first_node and seq not in self.nodes:
-            module = self.modules.current
-            self.nodes[seq] = (
-                self.modules.current_name(),
-                type(module).__name__ if module is not None else None,
-                facts.name if grad else None,
-                *user_source(),
-                self.modules.eps(module),
-            )
-        if grad and self.track_leaves:
-            for x in ins:
-                if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf:
-                    self.leaves[id(x)] = x
-
-    def _index_facts(self, func: Any, args: tuple) -> ops.IndexFacts | None:
-        if not ops.is_index_op(func):
-            return None
-        inputs = []
-        for x in op_leaves(args):
-            if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dtype != torch.bool:
-                stats = tensor_stats(x)
-                stats["path"] = self.sources.get(id(x)) or self.source_storage.get(storage_key(x))
-                inputs.append(stats)
-        return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
-
-
-def _short_name(op: str | None) -> str:
-    return (op or "").removeprefix("aten.").split(".")[0]
+def _index_facts(func: Any, args: tuple, path_of: Callable[[torch.Tensor], str | None]) -> ops.IndexFacts | None:
+    """An index op's integer inputs (with the batch path each came from) and the size it indexes."""
+    if not ops.is_index_op(func):
+        return None
+    inputs = []
+    for x in op_leaves(args):
+        if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dtype != torch.bool:
+            stats = tensor_stats(x)
+            stats["path"] = path_of(x)
+            inputs.append(stats)
+    return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
 
 
 def _with_count(stats: dict[str, Any], path: str | None) -> dict[str, Any]:
@@ -650,6 +497,13 @@ def _scalar(x: Any) -> Any:
     return x if not isinstance(x, float) or math.isfinite(x) else str(x)
 
 
-def _accumulate_owner(modules: ModuleStack, node: Any) -> str | None:
-    variable = getattr(node, "variable", None)
-    return modules.owner_of(variable) if isinstance(variable, torch.Tensor) else None
+def _mark_finite(taint: TaintMap, protected: Backup) -> None:
+    """Read the parameters and buffers in one fused pass: when all are finite (the usual
+    case), no op has to read one of them on first use."""
+    floats = [t for t in protected.ids.values() if t.is_floating_point() and not t.is_sparse]
+    try:
+        finite = bool(floats) and math.isfinite(total_norm(float_groups(floats)).item())
+    except (RuntimeError, NotImplementedError):  # meta or exotic tensors: each is read on first use
+        finite = False
+    if finite:
+        taint.set_finite(floats)

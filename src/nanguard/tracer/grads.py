@@ -11,11 +11,15 @@ backward it costs one flag test per op.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from nanguard.tracer import ops
+from nanguard.tracer.compiled import user_name
+from nanguard.tracer.modules import ModuleStack
+from nanguard.tracer.protect import Backup
 from nanguard.tracer.taint import storage_key
 
 __all__ = ["GradWatch"]
@@ -24,17 +28,19 @@ __all__ = ["GradWatch"]
 class GradWatch:
     """Which tensors hold gradients or were computed from them, after a backward.
 
-    ``grads()`` returns the gradients to know, with their names: ``("fc.weight", p.grad)``.
+    The gradients are those of the root module's parameters and of ``leaves`` (the leaf tensors
+    the tracer saw, without a model); an op that writes into a tensor ``protected`` keeps is an update.
 
     Example:
-        >>> watch = GradWatch(lambda: [(n, p.grad) for n, p in model.named_parameters()])
-        >>> watch.before(backward=False, inputs=[model.fc.weight.grad], writes_param=lambda: False)
+        >>> watch = GradWatch(modules, leaves={}, protected=backup)
+        >>> watch.before(True, [], info, (), {})                      # a backward op ran
+        >>> watch.before(False, [model.fc.weight.grad], info, (), {})  # then one reads a gradient
         >>> watch.phase
         'backward'
     """
 
-    def __init__(self, grads: Callable[[], Iterable[tuple[str, torch.Tensor | None]]]) -> None:
-        self._grads = grads
+    def __init__(self, modules: ModuleStack, leaves: dict[int, torch.Tensor], protected: Backup) -> None:
+        self._modules, self._leaves, self._protected = modules, leaves, protected
         self.seen_backward = False
         self._in_backward = False
         self._storages: dict[int, str] = {}
@@ -42,8 +48,8 @@ class GradWatch:
         self.phase: str | None = None
         """The phase of the op being run: "backward" or "optimizer" when it reads gradients, else None."""
 
-    def before(self, backward: bool, inputs: list[Any], writes_param: Callable[[], bool]) -> None:
-        """Called for every op before its outputs are checked: is it gradient surgery?"""
+    def before(self, backward: bool, inputs: list[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
+        """Called for every op (once a backward ran) before its outputs are checked: is it gradient surgery?"""
         if backward:
             self.seen_backward = self._in_backward = True
             self.phase = None
@@ -56,7 +62,7 @@ class GradWatch:
         self.phase = None
         for x in inputs:
             if isinstance(x, torch.Tensor) and self._is_grad(x):
-                self.phase = "optimizer" if writes_param() else "backward"
+                self.phase = "optimizer" if self._writes_parameter(facts, args, kwargs) else "backward"
                 return
 
     def after(self, outputs: list[torch.Tensor]) -> None:
@@ -66,15 +72,32 @@ class GradWatch:
         for o in outputs:
             self._derived[id(o)] = weakref.ref(o)
 
-    def direct(self, inputs: list[Any]) -> list[str]:
-        """Names of the parameters whose ``.grad`` is among ``inputs`` (read at a creation only)."""
-        found = []
+    def facts(self, inputs: list[Any]) -> dict[str, Any]:
+        """At a creation by a gradient-surgery op: that it is one, and the parameters whose ``.grad`` it read."""
+        if self.phase is None:
+            return {}
+        found: list[str] = []
         for x in inputs:
             if isinstance(x, torch.Tensor):
                 name = self._storages.get(storage_key(x))
                 if name is not None and name not in found:
                     found.append(name)
-        return found
+        return {"gradient_surgery": True, "gradients_of": found[:8]} if found else {"gradient_surgery": True}
+
+    def _writes_parameter(self, facts: ops.OpInfo, args: tuple, kwargs: dict) -> bool:
+        """Does the op write into a parameter or buffer (an update written by hand)?"""
+        for i, name in facts.writes:
+            target = args[i] if i < len(args) else kwargs.get(name)
+            for t in target if isinstance(target, (list, tuple)) else (target,):
+                if isinstance(t, torch.Tensor) and self._protected.protects(t):
+                    return True
+        return False
+
+    def _grads(self) -> Iterable[tuple[str, torch.Tensor | None]]:
+        root = self._modules.root
+        if root is not None:
+            yield from ((user_name(n), p.grad) for n, p in root.named_parameters())
+        yield from ((f"leaf[{i}]", t.grad) for i, t in enumerate(self._leaves.values()))
 
     def _is_grad(self, t: torch.Tensor) -> bool:
         ref = self._derived.get(id(t))

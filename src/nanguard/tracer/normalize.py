@@ -10,12 +10,13 @@ Read only at a creation, so it costs nothing on healthy ops.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["Statistic", "node_of", "shares_source", "statistic_from", "statistic_of"]
+__all__ = ["NormalizationWatch", "Statistic", "node_of", "shares_source", "statistic_from", "statistic_of"]
 
 # Autograd nodes of reductions, by the statistic they compute (the name without its number).
 _REDUCTIONS = {
@@ -134,3 +135,74 @@ def statistic_from(t: torch.Tensor, kind: str) -> Statistic | None:
     """A statistic (a var or std the tracer saw made) computed from ``t`` itself."""
     node = node_of(t)
     return Statistic(kind, _below(node, 2)) if node is not None else None
+
+
+# Ops that divide by what they read, or read a statistic to divide by: a creation here may be a normalization.
+_DIVIDES = frozenset({"div", "div_", "true_divide", "reciprocal", "rsqrt", "rsqrt_", "sqrt", "sqrt_", "var", "std"})
+_NORMALIZED_BY = frozenset({"mul", "mul_", "div", "div_", "true_divide"})
+_WATCH = 8  # ops after an rsqrt/var creation within which its use as a normalizer is looked for
+# Graph reads that fail on an exotic tensor: nanguard's own failure never stops the replay.
+_FAILS = (RuntimeError, AttributeError, TypeError, ValueError)
+
+
+def _short(op: str | None) -> str:
+    return (op or "").removeprefix("aten.").split(".")[0]
+
+
+class NormalizationWatch:
+    """Sets an origin's ``statistic`` and ``normalizes`` facts: at its creation for a division, or
+    when its value is used (an rsqrt, sqrt, var or std that goes on to scale the tensor it came from).
+
+    Example:
+        >>> watch = NormalizationWatch()
+        >>> watch.created(origin, [x_var])                  # rsqrt(mean(x**2)) made Inf: pending
+        >>> watch.used("aten.mul.Tensor", [x, r], taint={origin.id}, taint_of=tracer.taint.taint_of)
+        >>> origin.extra["normalizes"]
+        True
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[int, tuple[Any, Statistic, int]] = {}  # origin id -> (origin, statistic, ops left)
+
+    def created(self, origin: Any, flat_args: list[Any]) -> None:
+        op = _short(origin.op)
+        if op not in _DIVIDES:
+            return
+        tensors = [t for t in flat_args if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        with contextlib.suppress(*_FAILS):
+            if tensors:
+                self._created(origin, op, tensors)
+
+    def _created(self, origin: Any, op: str, tensors: list[torch.Tensor]) -> None:
+        if op in ("var", "std"):
+            stat = statistic_from(tensors[0], "variance" if op == "var" else "std")
+        else:
+            stat = statistic_of(tensors[-1])
+        if stat is None:
+            if any(node_of(t) is not None for t in tensors):
+                origin.extra["normalizes"] = False  # the graph was there, and shows no statistic
+            return
+        origin.extra["statistic"] = stat.kind
+        if op.startswith(("div", "true_divide")) and len(tensors) > 1:
+            num, den = tensors[0], tensors[-1]
+            origin.extra["normalizes"] = den.numel() < num.numel() and shares_source(stat, num)
+        else:
+            # An rsqrt, sqrt, var or std: whether it normalizes shows when its result is used.
+            origin.extra["normalizes"] = False
+            self.pending[origin.id] = (origin, stat, _WATCH)
+
+    def used(
+        self, op: str, flat_in: list[Any], taint: frozenset[int], taint_of: Callable[[torch.Tensor], frozenset[int]]
+    ) -> None:
+        """An op read a value carrying ``taint``: does it multiply or divide the tensor a pending
+        statistic was computed from by it (``x * rsqrt(mean(x**2))``)?"""
+        for oid in [o for o in taint if o in self.pending]:
+            origin, stat, left = self.pending.pop(oid)
+            with contextlib.suppress(*_FAILS):
+                if _short(op) in _NORMALIZED_BY and any(
+                    isinstance(x, torch.Tensor) and oid not in taint_of(x) and shares_source(stat, x) for x in flat_in
+                ):
+                    origin.extra["normalizes"] = True
+                    continue
+            if left > 1:
+                self.pending[oid] = (origin, stat, left - 1)
