@@ -35,6 +35,7 @@ from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
 from nanguard.rng import get_rng_state
 from nanguard.spikes import Spike
 from nanguard.stats import local
+from nanguard.tracer import error_origin
 
 __all__ = ["Guard"]
 
@@ -156,7 +157,7 @@ class Guard:
             return None
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
-        with _undo_on_error(self, rng):
+        with _name_the_origin(self, closure, rng), _undo_on_error(self, rng):
             return self._step(closure, batch, rng)
 
     def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
@@ -468,6 +469,22 @@ def _undo_on_error(guard: Guard, rng: dict[str, torch.Tensor]) -> Iterator[None]
         if not isinstance(err, NonFiniteError):
             guard.recovery.undo(rng, unscaled=guard.step_count != count)  # unscale_ comes before the count
             guard.step_count, guard._pending = count, None
+        raise
+
+
+@contextlib.contextmanager
+def _name_the_origin(guard: Guard, closure: Callable[[], Any], rng: dict[str, torch.Tensor]) -> Iterator[None]:
+    """A closure that raised after making NaN/Inf (a distribution's validate_args, multinomial)
+    still raises, unchanged but for one note naming the origin, found by a replay after the undo.
+    Single process only: a replay on the one rank that raised could wait on the others."""
+    try:
+        yield
+    except Exception as err:
+        if guard.config.locate and not isinstance(err, NonFiniteError) and not dist.is_distributed():
+            note = error_origin(closure, err, model=dist.unwrap(guard.model))
+            guard.recovery.undo(rng, unscaled=False)  # the replay ran the closure again
+            if note is not None:
+                err.add_note(note)
         raise
 
 
