@@ -389,7 +389,7 @@ def _normalization_hint(ev: Evidence) -> Verdict | None:
     """A division that normalizes a tensor by its own norm (F.normalize, cosine similarity, weight
     norm, spectral norm, a std over one sample): the normalization layer's failure as a second cause."""
     o = _origin(ev)
-    if not o.get("normalizes") or not o.get("statistic"):
+    if not o.get("normalizes") or o.get("statistic") not in (*_VARIANCES, "L2 norm", "spectral norm"):
         return None
     why = f"{_where(o)} divides a tensor by its own {o['statistic']} with no eps: a normalization whose"
     why += " statistic is 0 (a zero row, a zero weight, one element) leaves 0/0"
