@@ -339,18 +339,18 @@ _VARIANCES = ("variance", "std", "mean of squares")
 def _normalization(o: dict[str, Any]) -> bool:
     """Is the origin a normalization layer's division by its variance? A fused norm op (or its
     backward), or, read from the computation (``statistic``, ``normalizes``: the tracer saw a
-    variance, std or mean of squares of a tensor divide that same tensor), a hand-written one; a
-    division by a tensor's L2 norm is one only in a layer named *Norm (ScaleNorm). A statistic over
-    too few elements is a division by zero of its own (``_too_few``)."""
+    variance, std or mean of squares of a tensor divide that same tensor), a hand-written one. The
+    class name decides only where the tracer could not see the computation (no autograd graph). A
+    statistic over too few elements is a division by zero of its own (``_too_few``)."""
     op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
     if any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES):
         return True
     named = bool(_NORM_LAYER.search(mtype))
     if "normalizes" not in o:  # the computation was not visible: the class name decides, in forward only
         return named and o.get("phase") == "forward"
-    if not o.get("normalizes") or _too_few_elements(o):
-        return False
-    return o.get("statistic") in _VARIANCES or named
+    # A division by an L2 norm (F.normalize, weight_norm, ScaleNorm) has no variance and no eps to
+    # fix: a division by zero first, the normalization second (``_normalization_hint``).
+    return bool(o.get("normalizes")) and not _too_few_elements(o) and o.get("statistic") in _VARIANCES
 
 
 def _too_few_elements(o: dict[str, Any]) -> bool:
@@ -493,10 +493,11 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
         return composite
     if (root := _root_of_zero(ev, o)) is not None:
         return root
-    if op not in ("div", "div_", "reciprocal", "true_divide") and not node.startswith("DivBackward"):
+    if op not in _DIVISIONS and not node.startswith("DivBackward"):
         return None
     inputs = o.get("inputs") or []
-    denom = inputs[1] if op != "reciprocal" and len(inputs) > 1 else inputs[0] if inputs else {}
+    at = _DIVISIONS.get(op, 1)
+    denom = inputs[at] if len(inputs) > at else inputs[0] if inputs else {}
     zeros = denom.get("zeros", 0) if denom else 0
     if not zeros and not node:
         return None
@@ -508,6 +509,10 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
         "or add an eps: x / (d + 1e-8)",
     ]
     return Verdict("op.division_by_zero", why, fixes)
+
+
+# Ops that divide, by the position of their denominator among the tensor inputs.
+_DIVISIONS = {"div": 1, "div_": 1, "true_divide": 1, "reciprocal": 0, "addcdiv": 2, "addcdiv_": 2}
 
 
 def _composite_zero(o: dict[str, Any]) -> Verdict | None:

@@ -271,6 +271,8 @@ class Tracer:
             created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, flat_in))
             out_taint = ins.taint
             if (created_nan or created_inf) and not (created_nan and self._from_written_inf(func, ins)):
+                if where is None:
+                    self.grads.recheck(flat_in, facts, args, kwargs)
                 where = where or self._where(func)
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.

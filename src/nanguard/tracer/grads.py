@@ -65,6 +65,14 @@ class GradWatch:
                 self.phase = "optimizer" if self._writes_parameter(facts, args, kwargs) else "backward"
                 return
 
+    def recheck(self, inputs: list[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
+        """At a creation, read the gradients afresh: a ``.grad`` assigned after the backward (``p.grad =
+        g / g.norm()``) runs no op, so the storages read when the backward ended do not hold it."""
+        if not self.seen_backward or self.phase is not None or self._in_backward:
+            return
+        self._refresh()
+        self.before(False, inputs, facts, args, kwargs)
+
     def after(self, outputs: list[torch.Tensor]) -> None:
         """Outputs of a gradient-surgery op hold gradients too (a flattened, projected, clipped copy)."""
         if self.phase is None:

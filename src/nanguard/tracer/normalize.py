@@ -184,8 +184,9 @@ class NormalizationWatch:
             return
         origin.extra["statistic"] = stat.kind
         if op.startswith(("div", "true_divide")) and len(tensors) > 1:
-            num, den = tensors[0], tensors[-1]
-            origin.extra["normalizes"] = den.numel() < num.numel() and shares_source(stat, num)
+            # A numerator that is itself a reduction (a masked sum over a count) is a mean, not a normalization.
+            num = tensors[0]
+            origin.extra["normalizes"] = _name(node_of(num)) not in _REDUCTIONS and shares_source(stat, num)
         else:
             # An rsqrt, sqrt, var or std: whether it normalizes shows when its result is used.
             origin.extra["normalizes"] = False
