@@ -5,7 +5,7 @@ so no backward node is current, yet they compute the gradients the optimizer get
 knows the gradients once a backward has run (their storages, read again whenever a backward
 ends) and follows the tensors computed from them, so such an op gets phase ``backward``
 (``optimizer`` when it writes into a parameter: an update written by hand). Before the first
-backward it costs one flag test per op.
+backward it costs one flag test per op, and inside a module's forward (the next micro-batch) one more.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class GradWatch:
             self._in_backward = False
             self._refresh()
         self.phase = None
+        if self._modules.current is not None:
+            return  # a forward (the next micro-batch): gradient surgery runs outside the model
         for x in inputs:
             if isinstance(x, torch.Tensor) and self._is_grad(x):
                 self.phase = "optimizer" if self._writes_parameter(facts, args, kwargs) else "backward"
@@ -68,7 +70,7 @@ class GradWatch:
     def recheck(self, inputs: list[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
         """At a creation, read the gradients afresh: a ``.grad`` assigned after the backward (``p.grad =
         g / g.norm()``) runs no op, so the storages read when the backward ended do not hold it."""
-        if not self.seen_backward or self.phase is not None or self._in_backward:
+        if not self.seen_backward or self.phase is not None or self._in_backward or self._modules.current is not None:
             return
         self._refresh()
         self.before(False, inputs, facts, args, kwargs)
