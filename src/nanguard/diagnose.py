@@ -373,7 +373,8 @@ def zero_variance(ev: Evidence) -> Verdict | None:
     why += f" with eps = {eps}" if eps is not None else ""
     why += f" and a row variance of {var:.3g}" if var is not None else ""
     if o.get("statistic") and o.get("normalizes"):
-        why += f" (a hand-written normalization: the {o['statistic']} of the tensor it then divides)"
+        why += " (a hand-written normalization, read from what it computes: "
+        why += f"the {o['statistic']} of the very tensor it scales)"
     if isinstance(o.get("group_elements"), int) and o["group_elements"] <= 1:
         why += f"; each group holds {o['group_elements']} element, so its variance is 0 by construction"
     fixes = [
