@@ -1,4 +1,5 @@
-"""Every private torch internal nanguard relies on, in one place.
+"""Every private torch internal nanguard relies on, in one place (and, at the end, the
+private Lightning and transformers internals its integrations use).
 
 Each function below wraps one internal that torch does not promise to keep. The comment on
 each names the torch versions it is known to work with; ``tests/test_compat.py`` exercises
@@ -9,6 +10,7 @@ rather than as a silent wrong answer inside a training run.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -17,10 +19,23 @@ import torch.distributed as tdist
 from torch import nn
 
 __all__ = [
+    "compiled_backend",
     "ddp_has_comm_hook",
+    "ddp_sync_pinned_off",
     "drop_fsdp_accumulated_grads",
+    "fabric_inner_optimizer",
+    "fabric_modules",
     "foreach_copy_",
     "foreach_norm",
+    "has_forward_hooks",
+    "hf_callbacks",
+    "hf_initial_step",
+    "hf_loss_sum",
+    "hf_set_initial_step",
+    "hf_trainer_of",
+    "lightning_logging_off",
+    "lightning_step_context",
+    "lookup_backend",
     "scaler_scale",
     "scaler_steps_aside",
     "step_with_found_inf",
@@ -94,6 +109,37 @@ def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tenso
         del optimizer.found_inf  # type: ignore[attr-defined]
 
 
+# Known to work: torch 2.13.0. A module's own forward hooks are kept in ``_forward_hooks``;
+# there is no public way to ask whether it has any.
+def has_forward_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks)
+
+
+# Known to work: torch 2.13.0. DDP's forward reads ``require_backward_grad_sync`` to decide
+# whether the coming backward all-reduces (``no_sync()`` sets it False and back). A class with a
+# property of that name shadows the instance attribute, so the loop's own writes land nowhere.
+@contextlib.contextmanager
+def ddp_sync_pinned_off(model: nn.parallel.DistributedDataParallel) -> Iterator[None]:
+    """Inside the block ``model``'s backward never communicates, whatever the code inside sets
+    ``model.require_backward_grad_sync`` to; after it, the value from before is back."""
+    cls = type(model)
+    model.__class__ = _pinned_off(cls)
+    try:
+        yield
+    finally:
+        model.__class__ = cls
+
+
+_PINNED: dict[type, type] = {}
+
+
+def _pinned_off(cls: type) -> type:
+    if cls not in _PINNED:
+        off = property(lambda self: False, lambda self, value: None, doc="False while a replay runs")
+        _PINNED[cls] = type(cls.__name__, (cls,), {"require_backward_grad_sync": off, "__module__": cls.__module__})
+    return _PINNED[cls]
+
+
 # Known to work: torch 2.13.0 (FSDP2, ``fully_shard``). With gradient sync off, FSDP2 keeps
 # unsharded gradients on each FSDPParam to add to the next reduce-scatter.
 def drop_fsdp_accumulated_grads(model: nn.Module) -> None:
@@ -127,3 +173,108 @@ def swap_collectives(stand_ins: Mapping[str, Callable[..., Any]]) -> Iterator[No
     finally:
         for name, original in saved.items():
             setattr(tdist, name, original)
+
+
+# -- framework internals (the integrations only; no framework is imported here) ------------
+
+
+# Known to work: lightning 2.6.6. The precision plugin's context for a training step (autocast
+# under "16-mixed"/"bf16-mixed"), as Lightning enters it around ``training_step``.
+def lightning_step_context(trainer: Any) -> contextlib.AbstractContextManager[Any]:
+    return trainer.strategy.precision_plugin.train_step_context()
+
+
+# Known to work: lightning 2.6.6. ``LightningModule.log``/``log_dict`` are looked up on the
+# instance first, so instance attributes shadow them for the block and are deleted after.
+@contextlib.contextmanager
+def lightning_logging_off(pl_module: Any) -> Iterator[None]:
+    """Inside the block ``self.log(...)`` and ``self.log_dict(...)`` in the module do nothing."""
+    pl_module.log = pl_module.log_dict = _ignore
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+# Known to work: lightning 2.6.6. ``fabric.setup`` returns a ``_FabricModule`` holding the
+# strategy's module (DDP, FSDP, or the user's own; possibly compiled) as ``_forward_module``
+# and the module the user passed as ``_original_module``.
+def fabric_modules(module: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(forward module, the user's module)`` of a Fabric-wrapped module; ``(module, module)`` otherwise."""
+    forward = getattr(module, "_forward_module", None)
+    original = getattr(module, "_original_module", None)
+    if isinstance(forward, nn.Module) and isinstance(original, nn.Module):
+        return forward, original
+    return module, module
+
+
+# Known to work: lightning 2.6.6. ``_FabricOptimizer`` keeps the user's optimizer as
+# ``optimizer`` (a property) and delegates ``step`` to the strategy.
+def fabric_inner_optimizer(optimizer: Any) -> Any:
+    inner = getattr(type(optimizer), "optimizer", None)
+    return optimizer.optimizer if isinstance(inner, property) else optimizer
+
+
+# Known to work: transformers 5.24.0. ``Trainer._tr_loss`` is the running sum of step losses
+# since the last log (a one-element tensor added to in place); ``_initial_global_step`` is the
+# step count ``train_loss`` and the throughput metrics leave out.
+def hf_loss_sum(trainer: Any) -> torch.Tensor | None:
+    total = getattr(trainer, "_tr_loss", None)
+    return total if isinstance(total, torch.Tensor) and total.numel() == 1 else None
+
+
+def hf_initial_step(trainer: Any) -> int | None:
+    first = getattr(trainer, "_initial_global_step", None)
+    return first if isinstance(first, int) and not isinstance(first, bool) else None
+
+
+def hf_set_initial_step(trainer: Any, step: int) -> None:
+    trainer._initial_global_step = step
+
+
+# Known to work: transformers 5.24.0. Callbacks are not handed the Trainer; ``on_train_begin``
+# is called from its training loop, a frame whose ``self`` is the Trainer, holding the callbacks
+# in ``callback_handler.callbacks``.
+def hf_trainer_of(callback: Any) -> Any:
+    """The Trainer running ``callback``, found on the stack; None when there is none."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            callbacks = getattr(getattr(owner, "callback_handler", None), "callbacks", None)
+            if isinstance(callbacks, list) and any(c is callback for c in callbacks):
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def hf_callbacks(trainer: Any) -> list[Any]:
+    return trainer.callback_handler.callbacks
+
+
+def compiled_backend(module: nn.Module) -> Any:
+    """The backend a ``torch.compile``d module was compiled with ("inductor", a callable), or None.
+
+    Dynamo keeps it at the end of a chain of wrappers on the compile context's callback, each
+    holding the next as ``_torchdynamo_orig_backend`` (torch 2.4 - 2.13).
+    """
+    backend = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None or inner is backend:
+            break
+        backend = inner
+    return backend if callable(backend) else None
+
+
+def lookup_backend(name: Any) -> Callable[..., Any]:
+    """Dynamo's compiler function for a backend name (``torch._dynamo.lookup_backend``)."""
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend(name)

@@ -414,7 +414,7 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
         if watch is not None:
             watch.local = True
         try:
-            with model.no_sync(), _local_collectives():
+            with model.no_sync(), compat.ddp_sync_pinned_off(model), _local_collectives():
                 yield
         finally:
             if watch is not None:

@@ -1,25 +1,50 @@
 """Diagnoses, evidence and events in words: the one text layer for ``str(diag)``, the terminal and HTML.
 
-A fact is worded here once, whoever shows it. This module imports nothing else from nanguard
-at run time, so the records in ``findings`` can use it for ``str(diag)`` without an import cycle.
+A fact is worded here once, whoever shows it. This module imports nothing from nanguard, so the
+records in ``findings`` can use it for ``str(diag)`` without an import cycle; it reads a diagnosis
+through ``DiagnosisFields``, the fields of ``findings.Diagnosis`` it words.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from nanguard.findings import Diagnosis
+
+class DiagnosisFields(Protocol):
+    """The fields of a ``findings.Diagnosis`` this module words."""
+
+    cause: str
+    kind: str
+    phase: str
+    op: str | None
+    module: str | None
+    rank: int | None
+    ranks: list[int]
+    step: int | None
+    source: str | None
+    evidence: dict[str, Any]
+    fixes: list[str]
+    also: list[dict[str, str]]
+
+    @property
+    def meaning(self) -> str: ...
+
 
 __all__ = [
+    "DRILL_COLUMNS",
+    "HARDWARE_COLUMNS",
     "KIND_NAMES",
     "RANK_COLUMNS",
+    "DiagnosisFields",
+    "device_words",
     "diagnosis_text",
+    "drill_rows",
     "event_words",
     "evidence_lines",
     "fmt",
+    "hardware_rows",
     "kind_name",
     "number",
     "op_path",
@@ -118,7 +143,7 @@ def _listed(items: Sequence[Any], total: int | None = None) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def summary(diag: Diagnosis) -> str:
+def summary(diag: DiagnosisFields) -> str:
     """One line: cause, what was created and where.
 
     Example:
@@ -138,7 +163,7 @@ def summary(diag: Diagnosis) -> str:
     return f"{diag.cause}: {kind_name(diag.kind)} {' '.join(parts)}"
 
 
-def where_lines(diag: Diagnosis) -> list[tuple[str, str]]:
+def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     """(label, value) pairs saying where the origin is: module, op, autograd node, input, source, phase, rank, step."""
     origin = diag.evidence.get("origin") or {}
     rows: list[tuple[str, str]] = []
@@ -171,10 +196,28 @@ def where_lines(diag: Diagnosis) -> list[tuple[str, str]]:
         rows.append(("rank", ranks))
     if diag.step is not None:
         rows.append(("step", str(diag.step)))
+    where = diag.evidence.get("where")
+    if isinstance(where, Mapping) and where.get("host"):
+        rows.append(("host", device_words(where)))
+    for fault in diag.evidence.get("injected") or []:
+        if isinstance(fault, Mapping):
+            rows.append(("injected", f"{fault.get('fault')}: a fire drill (NANGUARD_INJECT), not a fault of the run"))
     return rows
 
 
-def diagnosis_text(diag: Diagnosis, *, evidence: bool = True) -> str:
+def device_words(where: Mapping[str, Any]) -> str:
+    """Where a rank ran, in words: host, local rank, device and its ids.
+
+    Example:
+        >>> device_words({"host": "node7", "local_rank": 3, "device": "cuda:3", "uuid": "GPU-8f..."})
+        'node7 local rank 3, cuda:3 (GPU-8f...)'
+    """
+    ids = [str(where[k]) if k == "uuid" else f"pci {where[k]}" for k in ("uuid", "pci_bus_id") if where.get(k)]
+    device = f"{where.get('device')}" + (f" ({', '.join(ids)})" if ids else "")
+    return f"{where.get('host')} local rank {where.get('local_rank')}, {device}"
+
+
+def diagnosis_text(diag: DiagnosisFields, *, evidence: bool = True) -> str:
     """The diagnosis as plain lines: what was created and why, where, the evidence, and fixes.
 
     ``str(diag)`` is the short form, ``evidence=False``: of the evidence only the ``why`` line.
@@ -198,7 +241,7 @@ def diagnosis_text(diag: Diagnosis, *, evidence: bool = True) -> str:
     return "\n".join(lines)
 
 
-def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
+def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     """(label, sentence) pairs saying what the evidence shows, most telling first.
 
     Example:
@@ -294,7 +337,7 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
     return lines
 
 
-def op_path(diag: Diagnosis) -> list[dict[str, Any]]:
+def op_path(diag: DiagnosisFields) -> list[dict[str, Any]]:
     """The ops around the origin: ``before`` (the ops just before), the ``origin``, then ``after``.
 
     Each row has ``role``, ``op``, ``module``, ``phase`` and ``carries``: what non-finite
@@ -415,3 +458,50 @@ def _target(target: object) -> str:
         shown = ", ".join(map(str, target[:8]))
         return f"ids {shown}" + (f" (+{len(target) - 8})" if len(target) > 8 else "")
     return "-" if target is None else str(target)
+
+
+DRILL_COLUMNS = ("step", "fault", "detected as", "every rank's action", "agreed", "recovered in")
+
+
+def drill_rows(drills: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """One row a planted fault (``Drill.to_dict()``), in ``DRILL_COLUMNS`` order.
+
+    Example:
+        >>> drill_rows([d.to_dict() for d in report.drills])[0]
+        ['15', 'nan_grad@step=15,rank=1', 'op.nan_write', '0:skip 1:skip', 'yes', '0.041 s']
+    """
+    rows = []
+    for d in drills:
+        actions = d.get("actions") or {}
+        detected = d.get("cause") or (
+            "-" if d.get("kind") == "stall" else "yes" if d.get("detected") else "NOT DETECTED"
+        )
+        seconds = d.get("seconds")
+        rows.append([
+            str(d.get("step")),
+            str(d.get("fault")),
+            str(detected),
+            " ".join(f"{r}:{a}" for r, a in actions.items()),
+            "yes" if d.get("agreed") else "NO",
+            f"{seconds:.3g} s" if isinstance(seconds, (int, float)) else "-",
+        ])  # fmt: skip
+    return rows
+
+
+HARDWARE_COLUMNS = ("host", "device", "id", "trips", "not reproduced", "reproduced", "drill", "causes")
+
+
+def hardware_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """One row a host and device (``nanguard.hardware.device_rows``), in ``HARDWARE_COLUMNS`` order.
+
+    Example:
+        >>> hardware_rows(device_rows(records))[0]
+        ['node7', 'cuda:3', 'GPU-8f..', '3', '2', '1', '0', 'distributed.transient x2, op.log_domain']
+    """
+    out = []
+    for r in rows:
+        causes = r.get("causes") or {}
+        named = ", ".join(c if n == 1 else f"{c} x{n}" for c, n in causes.items())
+        counts = [str(r.get(k)) for k in ("trips", "transient", "reproduced", "injected")]
+        out.append([str(r.get("host")), str(r.get("device")), str(r.get("id")), *counts, named or "-"])
+    return out

@@ -2,7 +2,8 @@
 
 The guard feeds every checked step to ``observe`` (spike detection) and ``forecast`` (the
 early divergence warning), and every finished update to ``append``; on a trip, ``evidence``
-says whether the run was diverging, which ``diagnose.rejudge`` reads.
+says whether the run was diverging, which ``diagnose.rejudge`` reads, and ``growing`` holds the
+rollback snapshot's refresh while it is.
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ class History:
                 self._recent_spike_step = step
         return found
 
+    def forget(self, *, loss: float, grad_norm: float) -> None:
+        """Take back the last ``observe``: its step was skipped (``skip_spikes``), so, as in a run
+        that never saw the batch, its values stay out of the windows: else a skipped spike would
+        raise the bar for the next one until it left the window."""
+        self.loss_spikes.forget(loss)
+        self.grad_spikes.forget(grad_norm)
+
     def forecast(self, step: int, *, loss: float, grad_norm: float) -> Forecast | None:
         """A warning, once per episode, when the last ``TREND_POINTS`` steps' grad norm or loss
         grow every step and, growing at their slowest step's rate, reach float32's overflow within
@@ -143,6 +151,29 @@ class History:
             if left <= horizon and (best is None or left < best.predicted_overflow_in):
                 best = Forecast(metric, vals[-1], math.exp(rate), max(1, math.ceil(left)))
         return best
+
+    def growing(self, baseline: float | None = None) -> bool:
+        """Is the run growing now: the forecast's episode is open, a spike came within the last
+        ``divergence_window`` updates, the loss or grad norm grew ``divergence_factor``-fold
+        within them (the divergence rule's own evidence), or the loss stands ``divergence_factor``
+        times above ``baseline`` (the loss when the last good snapshot was taken)?
+
+        Example:
+            >>> history = History(size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0,
+            ...                   divergence_window=5, divergence_factor=10.0)
+            >>> for step, loss in enumerate([2.0, 9.0, 60.0]):
+            ...     history.append(step, loss=loss, grad_norm=1.0)
+            >>> history.growing()
+            True
+        """
+        if self._warned:
+            return True
+        if not self.points:
+            return False
+        last = self.points[-1]
+        if baseline is not None and 0 < baseline < math.inf and last.loss > self.divergence_factor * baseline:
+            return True
+        return bool(self.evidence(last.step + 1, None).get("diverging"))
 
     def tail(self, n: int = 16) -> dict[str, list[float]]:
         """The last ``n`` losses and grad norms, for a repro bundle."""

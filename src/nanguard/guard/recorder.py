@@ -51,8 +51,9 @@ class NullRecorder:
     def skip(self, step: int, reason: str) -> None:
         self._write("skip", step, reason=reason)
 
-    def rollback(self, step: int, *, restored_step: int, skip_batches: int, reason: str) -> None:
-        self._write("rollback", step, restored_step=restored_step, skip_batches=skip_batches, reason=reason)
+    def rollback(self, step: int, *, restored_step: int, skip_batches: int, reason: str, why: str = "") -> None:
+        """``restored_step``: the step the restored snapshot was taken at; ``why``: why that snapshot."""
+        self._write("rollback", step, restored_step=restored_step, skip_batches=skip_batches, reason=reason, why=why)
 
     def spike(self, step: int, spike: Spike) -> None:
         self._write("spike", step, metric=spike.metric, value=spike.value, median=spike.median, score=spike.score)
@@ -71,6 +72,10 @@ class NullRecorder:
     def headroom(self, step: int, headroom: Headroom) -> None:
         self._write("headroom", step, module=headroom.module, dtype=headroom.dtype, absmax=headroom.absmax,
                     limit=headroom.limit, close=headroom.close)  # fmt: skip
+
+    def drill(self, step: int, **fields: Any) -> None:
+        """A planted fault's outcome on this rank (``nanguard.inject``)."""
+        self._write("drill", step, **fields)
 
     def end(self, step: int, *, skipped: int, rollbacks: int) -> None:
         self._write("end", step, skipped=skipped, rollbacks=rollbacks)

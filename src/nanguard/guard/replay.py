@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from nanguard import dist
+from nanguard.causes import facts
 from nanguard.diagnose import (
     communication_overflow,
     nonfinite_shards,
@@ -35,16 +36,13 @@ from nanguard.guard.history import History
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
-from nanguard.tracer.compiled import eager
+from nanguard.tracer.compiled import compiler_fault, eager
 from nanguard.tracer.module_stats import module_stats
 from nanguard.tree import tensors
 
-__all__ = ["REPEATABLE", "Diagnoser", "Replayed", "makes_nonfinite", "replay_trip"]
+__all__ = ["Diagnoser", "Replayed", "makes_nonfinite", "replay_trip"]
 
 log = logging.getLogger("nanguard")
-
-REPEATABLE = frozenset({"precision.overflow", "parameters.nonfinite", "init.scale"})
-"""Causes that come from the model or its precision, not the batch: the next step repeats them."""
 
 
 @dataclass
@@ -122,6 +120,8 @@ class Diagnoser:
                     self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats
                 )
         found = replayed.diagnosis
+        if found is None and replayed.located and closure is not None:
+            found = self._compiled_again(closure, rng, h.step)
         if closure_error is not None and (found is None or not found.cause.startswith("data.")):
             raise closure_error  # not an id out of range: the user's own bug, theirs to see
         flagged = h.bad_ranks
@@ -144,11 +144,21 @@ class Diagnoser:
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
 
+    def _compiled_again(self, closure: Callable[[], Any], rng: dict[str, torch.Tensor] | None, step: int) -> Any:
+        """A compiled model whose eager replay was finite: ``compile.numerics`` when the step is non-finite
+        again through the compiled code (``tracer/compiled.py``); None otherwise, or when that check fails."""
+        try:
+            return compiler_fault(self.model, closure, rng=rng, step=step,
+                                  replay=lambda fn: dist.replay_locally(self.model, fn))  # fmt: skip
+        except Exception as err:  # evidence only: never worth killing training
+            warnings.warn(f"nanguard: the compiled replay of step {step} failed: {err!r}", stacklevel=5)
+            return None
+
     def _repeat(
         self, closure: Callable[[], Any] | None, h: StepHealth, rng: dict[str, torch.Tensor] | None
     ) -> Diagnosis | None:
         """The last trip's diagnosis for this step, when this trip directly follows it on the same
-        ranks with a ``REPEATABLE`` cause, and one forward shows the last origin's module making
+        ranks with a repeatable cause (``Cause.repeatable``), and one forward shows the last origin's module making
         a non-finite output from finite inputs again on each flagged rank; else None.
 
         Every rank takes the same branch: the trips and the diagnosis they compare are agreed.
@@ -157,7 +167,7 @@ class Diagnoser:
         if not self.locate or closure is None or last is None or self.sharded:
             return None
         diag = last.diagnosis
-        if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or diag.cause not in REPEATABLE:
+        if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or not facts(diag.cause).repeatable:
             return None
         module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
         if module is None:

@@ -1,5 +1,6 @@
 """Distributed scenarios at the edges: a NaN in one rank's FSDP2 shard, a compression hook whose
-cast overflows, and a replica whose weight turned NaN behind DDP's back.
+cast overflows, a replica whose weight turned NaN behind DDP's back, and a NaN made in one rank's
+forward under a loop that toggles DDP's gradient sync itself.
 
 Each runs on spawned gloo ranks (``nanguard zoo --ranks 4``); ``edge_rank`` is one rank's run.
 The expected fields follow from the fault: the rank and parameter it hits, and the phase
@@ -15,7 +16,7 @@ import torch
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.zoo.scenarios import Expect, Scenario, build
+from nanguard.zoo.scenario import Expect, Scenario, build
 
 __all__ = ["EDGE_FAULTS", "EDGE_SCENARIOS", "edge_rank"]
 
@@ -44,6 +45,16 @@ EDGE_SCENARIOS = (
         Expect("distributed.replica_divergence", None, _WEIGHT, "parameters", "nan", rank=0),
         ranks=2,
         dist_fault="nan_replica",
+    ),
+)
+EDGE_SCENARIOS += (
+    Scenario(
+        "ddp_sync_toggle_forward_nan",
+        "2 ranks under DDP, nanoGPT's accumulation: the closure sets require_backward_grad_sync itself "
+        "over 2 micro-batches; on rank 1 a forward hook of blocks.1.mlp.fc takes the log of negative values",
+        Expect("op.log_domain", "aten.log.default", _WEIGHT, "forward", "nan", rank=1, ranks=(1,)),
+        ranks=2,
+        dist_fault="toggle",
     ),
 )
 EDGE_FAULTS = frozenset(s.dist_fault for s in EDGE_SCENARIOS)
@@ -84,9 +95,15 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
             if s.dist_fault == "nan_replica" and rank == 0:
                 # The update itself goes bad on rank 0 only, just before the fingerprint check.
                 handle = optimizer.register_step_post_hook(lambda *_: _spoil(weight))
+            if s.dist_fault == "toggle" and rank == 1:
+                handle = model.blocks[1].mlp.fc.register_forward_hook(_log_of_negative)
         batch = run.batch(step, faulty=False)
+        closure = run.closure(batch, net)
+        if s.dist_fault == "toggle":
+            batch = [run.batch(2 * step + m, faulty=False) for m in range(2)]
+            closure = _toggling_closure(net, optimizer, batch)
         try:
-            guard.step(run.closure(batch, net), batch=batch)
+            guard.step(closure, batch=batch)
         except NonFiniteError as err:  # what a skip cannot repair escalates at once
             return err.diagnosis, step
         if handle is not None:
@@ -94,6 +111,24 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
         if guard.last_diagnosis is not None:
             return guard.last_diagnosis, step
     return None, None
+
+
+def _toggling_closure(net: Any, optimizer: torch.optim.Optimizer, micro: list[Any]) -> Any:
+    """nanoGPT's micro-step loop: gradient sync on the last micro-batch only, set by hand."""
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        for i, batch in enumerate(micro):
+            net.require_backward_grad_sync = i == len(micro) - 1
+            _, loss = net(**batch)
+            (loss / len(micro)).backward()
+        return loss
+
+    return closure
+
+
+def _log_of_negative(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return torch.log(out - out.detach().abs().max() - 1.0)  # every value negative: NaN made here
 
 
 def _spoil(weight: torch.Tensor) -> None:
