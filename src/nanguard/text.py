@@ -172,6 +172,17 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         rows.append(("module", f"{diag.module or '<root>'}" + (f" ({mtype})" if mtype else "")))
     if diag.op:
         rows.append(("op", diag.op))
+    if origin.get("user_op"):
+        inner = f", where {origin['internal_op']} made it" if origin.get("internal_op") else ""
+        rows.append(("inside", f"torch's implementation of {origin['user_op']}{inner}"))
+    if origin.get("gradient_surgery"):
+        read = ", ".join(str(g) for g in origin.get("gradients_of") or [])
+        surgery = "an op on .grad after backward(), before the optimizer step"
+        rows.append(("gradients", surgery + (f": {read}" if read else "")))
+    raised = (diag.evidence or {}).get("exception")
+    if isinstance(raised, Mapping):
+        at = f" at {raised['raised_at']}" if raised.get("raised_at") else ""
+        rows.append(("raised", f"{raised.get('type')}: {raised.get('message', '')}{at}"))
     if origin.get("node"):
         fwd = origin.get("forward_op")
         rows.append(("autograd", origin["node"] + (f" (backward of {fwd})" if fwd else "")))
@@ -319,6 +330,13 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
         divisor = fmt(count - correction)
         lines.append(("reduced", f"{count} element(s), correction {fmt(correction)}: divides by {divisor}"))
+    denom = origin.get("denominator")
+    if isinstance(denom, Mapping) and denom.get("what"):
+        zeros = f"{denom.get('zeros')} of {denom['size']} are 0" if "size" in denom else f"{fmt(denom.get('value'))}"
+        lines.append(("denominator", f"{denom['what']}: {zeros}"))
+    if origin.get("statistic") and origin.get("normalizes"):
+        own = f"divides a tensor by its own {origin['statistic']} (read from the autograd graph)"
+        lines.append(("normalizes", own))
     for other in diag.also or []:
         if isinstance(other, Mapping):
             lines.append(("also", f"{other.get('cause')}: {other.get('why', '')}"))

@@ -43,6 +43,7 @@ from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
 from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
+from nanguard.tracer import error_origin
 
 __all__ = ["Guard"]
 
@@ -175,7 +176,7 @@ class Guard:
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
         try:
-            with self._undo_on_error(rng):
+            with _name_the_origin(self, closure, rng), self._undo_on_error(rng):
                 loss, value = self._forward_backward(closure)
                 verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
                 if verdict is None:
@@ -691,6 +692,22 @@ def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any
             f"skip_spikes={config.skip_spikes}; use sync='immediate' or 'auto'"
         )
     return config.sync == "deferred" or (config.sync == "auto" and fits and bool(cuda))
+
+
+@contextlib.contextmanager
+def _name_the_origin(guard: Guard, closure: Callable[[], Any], rng: dict[str, torch.Tensor]) -> Iterator[None]:
+    """A closure that raised after making NaN/Inf (a distribution's validate_args, multinomial)
+    still raises, unchanged but for one note naming the origin, found by a replay after the undo.
+    Single process only: a replay on the one rank that raised could wait on the others."""
+    try:
+        yield
+    except Exception as err:
+        if guard.config.locate and not isinstance(err, NonFiniteError) and not dist.is_distributed():
+            note = error_origin(closure, err, model=dist.unwrap(guard.model))
+            guard.recovery.undo(rng, unscaled=False)  # the replay ran the closure again
+            if note is not None:
+                err.add_note(note)
+        raise
 
 
 def _check_args(loss: Any, replay: Any, rng: Any) -> Any:

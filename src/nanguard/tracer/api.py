@@ -16,12 +16,12 @@ from nanguard.stats import init_ratio, local
 from nanguard.tracer.collectives import choose
 from nanguard.tracer.compiled import eager, user_name
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
-from nanguard.tracer.modules import ModuleStack
+from nanguard.tracer.modules import ModuleStack, is_user_code
 from nanguard.tracer.protect import Backup
 from nanguard.tracer.taint import many_nonfinite_flags
 from nanguard.tree import tensors_with_path
 
-__all__ = ["locate"]
+__all__ = ["error_origin", "locate"]
 
 _CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5, "comm": 6}
 _MAX_RESULTS = 8
@@ -107,7 +107,10 @@ def _traced(
     if error is not None:
         failure = tracer.failure
         if failure is None or failure.index is None or not _out_of_range(failure, error):
-            raise error
+            raised = _raised_after_nonfinite(tracer, error)
+            if raised is None:
+                raise error
+            return _diagnosis(raised, [], root)
         origin = Origin(
             id=-1,
             category="index",
@@ -141,6 +144,65 @@ def _traced(
     else:
         origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
     return _diagnosis(origin, bad, root, tracer.comm.ops), tracer.comm.ops
+
+
+# A raise this many ops after an op read a non-finite value is about that value: a distribution's
+# validate_args reads it, compares it and raises within a few ops; multinomial raises on it.
+_RAISE_WINDOW = 16
+
+
+def _raised_after_nonfinite(tracer: Tracer, error: BaseException) -> Origin | None:
+    """The origin of the non-finite value the ops just before ``error`` read, if any: the NaN that
+    surfaced as a raise (``Categorical(logits=nan)``, ``torch.multinomial``, an ``assert isfinite``).
+    A -inf mask fill alone is no origin: masked logits are valid."""
+    if not tracer.last_taint or tracer.index - tracer.last_taint_index > _RAISE_WINDOW:
+        return None
+    candidates = [tracer.origins[i] for i in tracer.last_taint if tracer.origins[i].category != "fill"]
+    if not candidates:
+        return None
+    origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
+    origin.extra["exception"] = {
+        "type": type(error).__name__,
+        "message": (str(error).splitlines() or [""])[0][:300],
+        "raised_at": _raise_site(error),
+        "ops_after_read": tracer.index - tracer.last_taint_index,
+    }
+    return origin
+
+
+def _raise_site(error: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of the user's own code in ``error``'s traceback."""
+    site = None
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_user_code(code):
+            site = f"{code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return site
+
+
+def error_origin(fn: Callable[[], Any], error: BaseException, *, model: nn.Module | None = None) -> str | None:
+    """Replay ``fn``, which raised ``error``, under the tracer: one line naming the origin of the
+    NaN/Inf that surfaced as that error, or None when there was none (or the replay differs).
+    Never raises: it only adds to an error that is already on its way to the user.
+
+    Example:
+        >>> error_origin(closure, err, model=model)
+        'nanguard: the NaN behind this error was created by aten.div.Tensor in module "" at train.py:12 (...)'
+    """
+    try:
+        diag = trace(fn, (), {}, model=model)
+    except Exception:
+        return None
+    raised = (diag.evidence.get("exception") or {}) if diag is not None else {}
+    if diag is None or raised.get("type") != type(error).__name__:
+        return None
+    where = "outside any module" if diag.module is None else f"in module '{diag.module}'"
+    line = f"nanguard: the {'NaN' if diag.kind == 'nan' else 'Inf'} behind this error was created by "
+    line += f"{diag.op} {where} ({diag.phase})"
+    line += f" at {diag.source}" if diag.source else ""
+    return line + f": {diag.cause}"
 
 
 def _out_of_range(failure: Failure, error: BaseException) -> bool:
@@ -179,6 +241,8 @@ def _diagnosis(
             "arrived": origin.category == "comm",
             "index": origin.index,
         }
+    if "exception" in origin.extra:
+        evidence["exception"] = origin.extra["exception"]
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
     verdict = diagnose(evidence)
