@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from nanguard.agreement import Agreed, Carried, Read, Riding
 from nanguard.dist import CommWatch
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
@@ -247,32 +246,3 @@ def test_a_spike_stays_evidence_while_steps_are_skipped() -> None:
     for step in range(31, 37):
         history.append(step, loss=2.0, grad_norm=1.0)
     assert not history.evidence(37, lr=0.1)["spike"]  # six updates since: out of the window
-
-
-# -- the agreement vectors: one layout each ----------------------------------------------------
-@pytest.mark.parametrize("layout", [Agreed, Read, Riding, Carried])
-def test_each_layout_names_every_slot_once(layout: type) -> None:
-    offsets = [getattr(layout, name.upper()) for name in layout.NAMES]
-    assert sorted(offsets) == list(range(layout.SIZE)) and layout.size(3) == 3 + layout.SIZE
-    values = [float(i) for i in range(layout.size(3))]
-    decoded = layout.decode(values, world=3)
-    assert decoded["codes"] == [0.0, 1.0, 2.0]
-    assert all(decoded[name] == 3 + getattr(layout, name.upper()) for name in layout.NAMES)
-    with pytest.raises(ValueError, match="slots"):
-        layout.decode(values[:-1], world=3)
-
-
-def test_extended_layouts_keep_the_slots_they_extend() -> None:
-    assert (Read.LOSS, Read.GRAD_NORM) == (Agreed.LOSS, Agreed.GRAD_NORM) and Read.SCALE == Agreed.SIZE
-    assert (Carried.LOSS_SUM, Carried.LOSS_KNOWN, Carried.SYNCED_BAD) == (
-        Riding.LOSS_SUM,
-        Riding.LOSS_KNOWN,
-        Riding.SIZE,
-    )
-
-
-def test_one_process_agrees_and_reads_through_the_layouts() -> None:
-    from nanguard import dist
-
-    agreed = dist.agree(torch.tensor(HealthFlag.LOCAL), torch.tensor(2.5), torch.tensor(9.0))
-    assert Agreed.decode(agreed.tolist(), world=1) == {"codes": [1.0], "loss": 2.5, "grad_norm": 3.0}
