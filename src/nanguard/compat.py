@@ -116,7 +116,7 @@ def ddp_join_paused(model: nn.Module) -> Iterator[None]:
 
     saved, sync = model._join_config, model.require_forward_param_sync
     model._join_config = _JoinConfig.construct_disabled_join_config()
-    model.require_forward_param_sync = False
+    model.require_forward_param_sync = False  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -137,7 +137,7 @@ def zero_owners(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
     """``id(parameter) -> rank`` that updates it, for a ``ZeroRedundancyOptimizer``; None for any other."""
     if zero_local_optimizer(optimizer) is None:
         return None
-    return {id(p): r for p, r in optimizer._param_to_rank.items()}
+    return {id(p): r for p, r in optimizer._param_to_rank.items()}  # type: ignore[attr-defined]
 
 
 # Known to work: torch 2.13.0. ``GradScaler._scale`` is the scale as a device tensor;

@@ -695,7 +695,7 @@ def _name_the_origin(guard: Guard, closure: Callable[[], Any], rng: dict[str, to
         if guard.config.locate and not isinstance(err, NonFiniteError) and not dist.is_distributed():
             note = error_origin(closure, err, model=dist.unwrap(guard.model))
             guard.recovery.undo(rng, unscaled=False)  # the replay ran the closure again
-            if note is not None:
+            if note is not None and hasattr(err, "add_note"):  # Python 3.11+: 3.10 keeps the error as it was
                 err.add_note(note)
         raise
 
