@@ -114,7 +114,6 @@ class Guard:
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
-        # _calls: Guard.step/check calls, undone by nothing: the step index the ranks agree on.
         self.rank, self.step_count, self._calls = dist.rank(), 0, 0
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
@@ -293,6 +292,7 @@ class Guard:
         if not device_step and self.health.alone:
             return self._verdict(self.health.read_alone(value, step), replay, batch, rng, restore_buffers)
         measured = self.health.measure(value)
+        # The step index the ranks agree on: this rank's Guard.step/check calls, undone by nothing.
         agreed = measured.agree(sharded=self._sharded, carried=self.health.carried(), step=self._calls - 1)
         if device_step:
             copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
