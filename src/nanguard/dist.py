@@ -589,12 +589,16 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def gather_diagnosis(diag: Diagnosis | None, flagged: list[int]) -> Diagnosis | None:
+def gather_diagnosis(
+    diag: Diagnosis | None, flagged: list[int], choose: Callable[[dict[int, Diagnosis], list[int]], Any] | None = None
+) -> Diagnosis | None:
     """Combine each rank's local replay into one diagnosis every rank agrees on.
 
     ``rank`` is the originating rank: the first rank whose own replay reproduces the fault,
     preferring ranks that flagged it; ``ranks`` are all ranks that reproduce it. None when
-    no rank reproduces it (a transient fault).
+    no rank reproduces it (a transient fault). ``choose(per_rank, flagged)`` may pick instead,
+    for ranks that replayed communicating: a result with ``rank`` and ``ranks`` (``rank`` None:
+    no rank made it), or None to leave the choice to the rule above.
     """
     if not is_distributed():
         return diag
@@ -605,7 +609,14 @@ def gather_diagnosis(diag: Diagnosis | None, flagged: list[int]) -> Diagnosis | 
         return None
     reproducing = sorted(local)
     origin = next((r for r in reproducing if r in flagged), reproducing[0])
+    picked = choose(local, flagged) if choose is not None else None
+    if picked is not None:
+        if picked.rank is None:
+            return None
+        origin, reproducing = picked.rank, picked.ranks
     chosen = local[origin]
+    if picked is not None:
+        chosen.evidence["received_ranks"] = [r for r in sorted(local) if r not in picked.ranks]
     chosen.rank = origin
     chosen.ranks = reproducing
     chosen.evidence["flagged_ranks"] = flagged

@@ -43,6 +43,7 @@ from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
 from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
+from nanguard.tracer import error_origin
 
 __all__ = ["Guard"]
 
@@ -101,12 +102,7 @@ class Guard:
         inject: str | list[Fault] | None = None,
         **config: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
-        _check_parts(scaler, scheduler)
+        scaler = _check_parts(model, optimizer, scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
@@ -179,7 +175,7 @@ class Guard:
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
         try:
-            with self._undo_on_error(rng):
+            with _name_the_origin(self, closure, rng), self._undo_on_error(rng):
                 loss, value = self._forward_backward(closure)
                 verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
                 if verdict is None:
@@ -698,6 +694,22 @@ def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any
     return config.sync == "deferred" or (config.sync == "auto" and fits and bool(cuda))
 
 
+@contextlib.contextmanager
+def _name_the_origin(guard: Guard, closure: Callable[[], Any], rng: dict[str, torch.Tensor]) -> Iterator[None]:
+    """A closure that raised after making NaN/Inf (a distribution's validate_args, multinomial)
+    still raises, unchanged but for one note naming the origin, found by a replay after the undo.
+    Single process only: a replay on the one rank that raised could wait on the others."""
+    try:
+        yield
+    except Exception as err:
+        if guard.config.locate and not isinstance(err, NonFiniteError) and not dist.is_distributed():
+            note = error_origin(closure, err, model=dist.unwrap(guard.model))
+            guard.recovery.undo(rng, unscaled=False)  # the replay ran the closure again
+            if note is not None:
+                err.add_note(note)
+        raise
+
+
 def _check_args(loss: Any, replay: Any, rng: Any) -> Any:
     """``check()``'s arguments; returns the loss as the health check reads it."""
     if replay is not None and not callable(replay):
@@ -724,13 +736,20 @@ def _check_state(state: Any, config: GuardConfig) -> None:
         raise ValueError(f"cannot load the guard state (history or last_diagnosis): {err!r}") from None
 
 
-def _check_parts(scaler: Any, scheduler: Any) -> None:
+def _check_parts(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> Any:
+    """The Guard's parts checked (a ValueError names the wrong one); returns the scaler to use."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
     for obj, name, methods in [
         (scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict")),
         (scheduler, "scheduler", ("step", "state_dict", "load_state_dict")),
     ]:
         if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
             raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
+    return scaler
 
 
 def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:

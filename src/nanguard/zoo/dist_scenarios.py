@@ -1,7 +1,8 @@
 """Distributed scenarios at the edges: a NaN in one rank's FSDP2 shard, a compression hook whose
 cast overflows, a replica whose weight turned NaN behind DDP's back, a NaN made in one rank's
 forward under a loop that toggles DDP's gradient sync itself, a NaN batch inside DDP's ``join()``
-after another rank ran out of inputs, and a ZeroRedundancyOptimizer shard update gone bad.
+after another rank ran out of inputs, a ZeroRedundancyOptimizer shard update gone bad, and an op-made
+NaN or a NaN weight on one rank under tensor parallel, a 2D mesh and pipeline parallel (``zoo/parallel.py``).
 
 Each runs on spawned gloo ranks (``nanguard zoo --ranks 4``); ``edge_rank`` is one rank's run.
 The expected fields follow from the fault: the rank and parameter it hits, and the phase
@@ -18,6 +19,7 @@ from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.zoo.gpt import GPT
+from nanguard.zoo.parallel import parallel_rank
 from nanguard.zoo.scenario import Batch, Expect, Scenario, build
 
 __all__ = ["EDGE_FAULTS", "EDGE_SCENARIOS", "edge_rank"]
@@ -73,6 +75,38 @@ EDGE_SCENARIOS = (
         ranks=2,
         dist_fault="zero",
     ),
+    Scenario(
+        "tp_sqrt_column_block",
+        "2 ranks, tensor parallel MLP (ColwiseParallel up, RowwiseParallel down): the activation of rank 0's "
+        "column block takes the sqrt of a negative (a one-pass variance gone negative; Fast-LLM#59 saw "
+        "tensor-parallel NaNs made on some ranks only); the all-reduce carries it to rank 1",
+        Expect("op.sqrt_domain", "aten.sqrt.default", "act", "forward", "nan", rank=0, ranks=(0,)),
+        ranks=2,
+        dist_fault="tp_sqrt",
+        fault_step=1,
+        steps=3,
+    ),
+    Scenario(
+        "2d_sqrt_middle_rank",
+        "4 ranks, FSDP2 over dp x tensor parallel over tp: the activation of rank 2 (dp 1, tp 0) takes the "
+        "sqrt of a negative; its tp peer gets it through the all-reduce, FSDP2 all-gathers around it",
+        Expect("op.sqrt_domain", "aten.sqrt.default", "act", "forward", "nan", rank=2, ranks=(2,)),
+        ranks=4,
+        dist_fault="2d_sqrt",
+        fault_step=1,
+        steps=3,
+    ),
+    Scenario(
+        "pp_nan_weight_stage0",
+        "2 pipeline stages (ScheduleGPipe, 2 microbatches): stage 0's up.weight holds a NaN (a corrupt "
+        "checkpoint shard; NeMo#5928 saw NaN losses only with pipeline parallel on); the last stage only "
+        "receives NaN activations",
+        Expect("parameters.nonfinite", None, "up", "parameters", "nan", rank=0, ranks=(0,)),
+        ranks=2,
+        dist_fault="pp_weight",
+        fault_step=1,
+        steps=3,
+    ),
 )
 EDGE_SCENARIOS += (
     Scenario(
@@ -84,6 +118,8 @@ EDGE_SCENARIOS += (
         dist_fault="toggle",
     ),
 )
+# dist_fault -> (setup, fault, rank it hits) of a zoo.parallel run.
+_PARALLEL = {"tp_sqrt": ("tp", "sqrt", 0), "2d_sqrt": ("2d", "sqrt", 2), "pp_weight": ("pp", "weight", 0)}
 EDGE_FAULTS = frozenset(s.dist_fault for s in EDGE_SCENARIOS)
 _JOIN_BATCHES = (None, 2)  # rank 1 has 2 batches; rank 0 runs the whole scenario
 
@@ -94,6 +130,11 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
         return _join_rank(s, rank, seed)
     if s.dist_fault == "zero":
         return _zero_rank(s, rank, seed)
+    if s.dist_fault in _PARALLEL:
+        setup, fault, fault_rank = _PARALLEL[s.dist_fault]
+        world = torch.distributed.get_world_size()
+        out = parallel_rank(rank, world, setup, fault, fault_rank, "skip", steps=s.run_steps, fault_step=s.fault_step)
+        return (Diagnosis.from_dict(out["diag"]) if out["diag"] else None), out["diag_step"]
     run = build(s, seed, rank=rank)
     model = run.model
     weight = model.blocks[1].mlp.fc.weight
