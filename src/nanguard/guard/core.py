@@ -426,7 +426,7 @@ class Guard:
         if diag is None:  # a spike skip: no diagnosis of its own
             assert kind == "skip" and verdict.spikes and verdict.health is not None
             # As in a run that never saw the batch: its values leave the detectors' windows too.
-            self.history.forget(loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
+            self.history.forget(verdict.step, loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
             self.recovery.abandon(restore_buffers, rng)
             spike = verdict.spikes[0]
             self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
