@@ -32,11 +32,11 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
     return torch.cat(flat).tolist()
 
 
-def _join_run(rank, counts, fault=None, policy=None, skip_at=(), count_calls=False, check=False, around=None):
+def _join_run(rank, counts, fault=None, policy=None, skip_at=(), count_calls=False, check=False, around=()):
     """``counts[rank]`` batches inside ``ddp.join()``; NaN in rank ``fault[0]``'s batch ``fault[1]``.
     ``policy`` None: the unguarded loop, which skips the optimizer step at ``skip_at``; ``check``: the
     loop owns backward and the optimizer step (``guard.check``: the agreement takes its own all-reduce);
-    ``around``: the state before and after that step is returned too."""
+    ``around``: the states before and after those steps are returned too."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     model = _mlp()
@@ -56,7 +56,7 @@ def _join_run(rank, counts, fault=None, policy=None, skip_at=(), count_calls=Fal
 
         return wrapper
 
-    actions, error, states = [], None, []
+    actions, error, states = [], None, {}
     swap = {name: counting(getattr(tdist, name)) for name in _COLLECTIVES} if count_calls else {}
     try:
         with compat.swap_collectives(swap), ddp.join():
@@ -64,8 +64,8 @@ def _join_run(rank, counts, fault=None, policy=None, skip_at=(), count_calls=Fal
                 x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
                 if fault == (rank, step):
                     x[0, 0] = float("nan")
-                if step == around:
-                    states.append(_state(model, opt))
+                if step in around:
+                    states[f"before {step}"] = _state(model, opt)
 
                 def closure(x=x):
                     opt.zero_grad(set_to_none=True)
@@ -85,8 +85,8 @@ def _join_run(rank, counts, fault=None, policy=None, skip_at=(), count_calls=Fal
                 else:
                     guard.step(closure)
                     actions.append(guard.last_action)
-                if step == around:
-                    states.append(_state(model, opt))
+                if step in around:
+                    states[f"after {step}"] = _state(model, opt)
     except ng.NonFiniteError as err:
         error = err.diagnosis.cause if err.diagnosis is not None else "no diagnosis"
     d = guard.last_diagnosis if guard is not None else None
@@ -115,6 +115,8 @@ def _join_cases(rank, world):
     # A fault on rank 0 after rank 1 has joined (it ran out after 2 batches): the joined rank shadows.
     out["ref3"] = _join_run(rank, [5, 2], skip_at=(3,))
     out["late_skip"] = _join_run(rank, [5, 2], fault=(0, 3), policy="skip")
+    # While a rank has joined no snapshot is taken: the rollback restores the one after step 1.
+    out["ref23"] = _join_run(rank, [5, 2], skip_at=(2, 3))
     out["late_rollback"] = _join_run(rank, [5, 2], fault=(0, 3), policy="rollback")
     out["late_raise"] = _join_run(rank, [5, 2], fault=(0, 3), policy="raise")
     out["check"] = _join_run(rank, [5, 2], fault=(0, 3), policy="skip", check=True)
@@ -133,9 +135,9 @@ def test_ddp_join_with_uneven_inputs(tmp_path) -> None:
             action = "skip" if case == "skip0" else "rollback"
             assert c["actions"] == ["step", action] + ["step"] * ([5, 3][rank] - 2), (rank, case, c["actions"])
             assert c["diag"] == ["data.nonfinite", "data", bad, [bad], 1], (rank, case, c["diag"])
-        for case in ("late_skip", "late_rollback"):
+        for case, ref in (("late_skip", "ref3"), ("late_rollback", "ref23")):
             c = r[case]
-            assert c["state"] == r["ref3"]["state"], (rank, case)
+            assert c["state"] == r[ref]["state"], (rank, case)
             assert c["diag"] == ["data.nonfinite", "data", 0, [0], 3], (rank, case, c["diag"])
             assert c["error"] is None
         assert r["late_raise"]["error"] == "data.nonfinite", (rank, r["late_raise"])
@@ -151,19 +153,21 @@ def _middle_rank(rank, world):
     """3 ranks; rank 2 runs out after 2 batches; the middle rank's batch 3 is bad."""
     counts = [5, 5, 2]
     return {
-        "skip": _join_run(rank, counts, fault=(1, 3), policy="skip", around=3),
-        "rollback": _join_run(rank, counts, fault=(1, 3), policy="rollback", around=3),
+        "skip": _join_run(rank, counts, fault=(1, 3), policy="skip", around=(2, 3)),
+        "rollback": _join_run(rank, counts, fault=(1, 3), policy="rollback", around=(2, 3)),
     }
 
 
 def test_ddp_join_fault_on_a_middle_rank_after_the_last_joined(tmp_path) -> None:
     # At 3 ranks the guard's riding all-reduce sums in another order than DDP's own (its buffer is
-    # longer), so the run is compared with itself: the bad step leaves the state as it was before it.
+    # longer), so the run is compared with itself: a skip leaves the state as it was before the bad
+    # step; a rollback restores the snapshot after step 1 (none is taken while rank 2 has joined).
     results = spawn_ranks(_middle_rank, world=3, timeout=240)
     for rank, r in enumerate(results[:2]):
+        skip, rollback = r["skip"]["around"], r["rollback"]["around"]
+        assert skip["after 3"] == skip["before 3"] and rollback["after 3"] == rollback["before 2"], rank
+        assert rollback["before 3"] != rollback["before 2"], rank  # step 2 did update
         for case in ("skip", "rollback"):
-            before, after = r[case]["around"]
-            assert before == after, (rank, case)
             assert r[case]["actions"] == ["step"] * 3 + [case, "step"], (rank, case, r[case]["actions"])
     for rank, r in enumerate(results):
         for case in ("skip", "rollback"):

@@ -292,6 +292,7 @@ class Guard:
         if not device_step and self.health.alone:
             return self._verdict(self.health.read_alone(value, step), replay, batch, rng, restore_buffers)
         measured = self.health.measure(value)
+        # The step index the ranks agree on: this rank's Guard.step/check calls, undone by nothing.
         agreed = measured.agree(sharded=self._sharded, carried=self.health.carried(), step=self._calls - 1)
         if device_step:
             copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
@@ -429,7 +430,7 @@ class Guard:
         if diag is None:  # a spike skip: no diagnosis of its own
             assert kind == "skip" and verdict.spikes and verdict.health is not None
             # As in a run that never saw the batch: its values leave the detectors' windows too.
-            self.history.forget(loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
+            self.history.forget(verdict.step, loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
             self.recovery.abandon(restore_buffers, rng)
             spike = verdict.spikes[0]
             self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)

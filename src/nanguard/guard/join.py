@@ -9,7 +9,8 @@ all-reduce. Its slot says ``JOINED`` and its step slot 0, so the mean loss and t
 over the ranks that step, and every rank knows the same set of joined ranks.
 
 On a trip while a rank has joined, the stepping ranks' collectives are the diagnosis gather
-(``dist.gather_diagnosis``) and one flag saying whether the policy stopped the run; the joined
+(``dist.gather_diagnosis``), the hardware tracker's gather of where each rank runs (on the run's
+first trip) and one flag saying whether the policy stopped the run; the joined
 rank takes part in both and raises the same ``NonFiniteError`` when it did, so no rank is left
 waiting. The stepping ranks skip what a joined rank cannot shadow: the replica fingerprint check,
 the repeat check of a trip and ``check_batch``'s agreement before the forward.
@@ -120,6 +121,9 @@ def _shadow_step(guard: Guard) -> None:
     if kind not in ("params", "trip"):
         return  # a GradScaler overflow needs the grad norm, which a joined rank does not hold
     diag = dist.gather_diagnosis(None, h.bad_ranks) if kind == "trip" else None
+    tracker = getattr(guard, "tracker", None)
+    if tracker is not None:
+        tracker.everyone()  # the stepping ranks' trip gathers every rank's whereabouts once
     raised, step = _tell(False, None)
     if diag is not None:
         diag.step = step

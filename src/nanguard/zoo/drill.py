@@ -109,7 +109,7 @@ def drill_rank(
     for step in range(steps):
         batch = _batch(model, rank, step)
         before[step] = _state(model, opt)
-        while len(before) > 16:
+        while len(before) > 64:  # back to the oldest snapshot a rollback may restore (held while growing)
             before.popitem(last=False)
 
         def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
