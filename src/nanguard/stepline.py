@@ -1,23 +1,22 @@
 """The ``step`` event line: its byte layout, its writer's field order and its fast reader's split.
 
 A healthy run writes one step line per logged step, so the report reads millions of them; it
-reads the lines exactly as ``EventLog`` writes them by columns, not as JSON. Both ends live here:
+reads the lines exactly as ``EventLog`` writes them by columns, not as JSON. The layout:
 
     {"kind":"step","step":S,"rank":R,"loss":L,"grad_norm":G,"skipped":B,"scale":C}
 
-``EventLog.write`` puts ``kind``, ``step`` and ``rank`` first; ``fields`` gives the rest in
-``KEYS`` order. ``split_run`` cuts a run of such lines into one column of cells per key, and
-``LINE`` matches one line in any other layout (the reader's checked path). A change to the
-layout changes ``KEYS``, and both ends follow (``tests/test_report_stream.py``).
+``EventLog.write`` puts ``kind``, ``step`` and ``rank`` first and ``Recorder.step`` the rest in
+``KEYS`` order (a test reads a written line back against ``KEYS``; the writer adds no call per
+step for it). ``split_run`` cuts a run of such lines into one column of cells per key, and ``LINE``
+matches one line in any other layout (the reader's checked path).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
-__all__ = ["KEYS", "LINE", "NOT_STEP", "PREFIX", "Columns", "cell", "fields", "split_run"]
+__all__ = ["KEYS", "LINE", "NOT_STEP", "PREFIX", "Columns", "cell", "split_run"]
 
 KEYS = ("kind", "step", "rank", "loss", "grad_norm", "skipped", "scale")
 """The keys of a step line, in the order they are written."""
@@ -45,16 +44,6 @@ LINE = re.compile(
 )  # fmt: skip
 """One line: a step line in this layout, any spacing after it (groups 1-5: step, loss, grad_norm,
 skipped, scale), or any other line (group 6)."""
-
-
-def fields(*, loss: float | None, grad_norm: float | None, skipped: bool, scale: float | None) -> dict[str, Any]:
-    """A step event's fields after ``kind``, ``step`` and ``rank``, in the order of ``KEYS``.
-
-    Example:
-        >>> list(fields(loss=2.1, grad_norm=0.5, skipped=False, scale=None))
-        ['loss', 'grad_norm', 'skipped', 'scale']
-    """
-    return {"loss": loss, "grad_norm": grad_norm, "skipped": skipped, "scale": scale}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanguard import dist, stepline
+from nanguard import dist
 from nanguard.bundle import MAX_WEIGHTS_BYTES, clean_stale_bundles, save_bundle
 from nanguard.events import EventLog
 from nanguard.findings import Diagnosis
@@ -43,7 +43,8 @@ class NullRecorder:
     def step(
         self, step: int, *, loss: float | None, grad_norm: float | None, scale: float | None, skipped: bool
     ) -> None:
-        self._write("step", step, **stepline.fields(loss=loss, grad_norm=grad_norm, skipped=skipped, scale=scale))
+        # In stepline.KEYS order (kind, step and rank come first): the report reads these lines by columns.
+        self._write("step", step, loss=loss, grad_norm=grad_norm, skipped=skipped, scale=scale)
 
     def trip(self, step: int, *, action: str, ranks: list[int], diagnosis: Diagnosis, **extra: Any) -> None:
         self._write("trip", step, action=action, ranks=ranks, diagnosis=diagnosis.to_dict(), **extra)
