@@ -14,7 +14,7 @@ from torch.nn.modules import module as _module_mod
 
 from nanguard import compat
 
-__all__ = ["ModuleStack", "count_as_user_code", "user_source"]
+__all__ = ["ModuleStack", "count_as_user_code", "is_user_code", "user_source"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +49,12 @@ def _kind(code: CodeType) -> int:
         kind = _USER
     _kinds[code] = kind
     return kind
+
+
+def is_user_code(code: CodeType) -> bool:
+    """Is ``code`` the user's own (not torch's, nanguard's or an installed library's)?"""
+    kind = _kinds.get(code)
+    return (kind if kind is not None else _kind(code)) == _USER
 
 
 def user_source(skip: int = 1) -> tuple[str | None, str | None]:
