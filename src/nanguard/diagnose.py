@@ -7,25 +7,30 @@ op-level causes.
 
 The last section builds the diagnoses the guard makes from its own state rather than from
 a replay (a non-finite update, a transient fault, a collapsed loss scale, replicas that
-differ, a batch rejected before the forward) and ``rejudge``, which re-reads a diagnosis
-with the run's history: pure functions of their arguments.
+differ, a batch rejected before the forward) and ``with_run_facts``, which judges one of
+those with the run's history: pure functions of their arguments. A traced diagnosis gets the
+run's facts before its one ``diagnose`` (``trace(..., facts=...)``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from nanguard.causes import facts
+from nanguard.causes import facts as facts_of
 from nanguard.dtypes import dtype_facts
+from nanguard.evidence import Evidence, OriginEvidence, RunFacts
 from nanguard.findings import Diagnosis, Finding
 from nanguard.stats import INIT_RATIO_HIGH
 from nanguard.text import short_op as _short
+
+_V = TypeVar("_V")
 
 __all__ = [
     "HINTS",
@@ -40,9 +45,18 @@ __all__ = [
     "rejudge",
     "replica_divergence",
     "transient_fault",
+    "with_run_facts",
 ]
 
-Evidence = dict[str, Any]
+
+def _rule(read: Callable[[Evidence], _V]) -> Callable[[Evidence | Mapping[str, Any]], _V]:
+    """A rule reads the typed record; called with a written dict (tests, bundles) it reads it through the record."""
+
+    @functools.wraps(read)
+    def rule(evidence: Evidence | Mapping[str, Any]) -> _V:
+        return read(Evidence.of(evidence))
+
+    return rule
 
 
 @dataclass
@@ -52,21 +66,24 @@ class Verdict:
     fixes: list[str] = field(default_factory=list)
     also: list[dict[str, str]] = field(default_factory=list)
     """Other causes that fit the evidence, most likely first: ``{"cause", "why"}`` each."""
+    op_cause: str | None = None
+    """With the run's facts (history, initial weight scale): the cause the tracer's own evidence
+    names, when the facts name another (written as ``evidence["op_cause"]``)."""
 
 
-def _origin(ev: Evidence) -> dict[str, Any]:
-    return ev.get("origin") or {}
+def _origin(ev: Evidence) -> OriginEvidence:
+    return ev.origin_or_empty
 
 
-def _where(o: dict[str, Any]) -> str:
-    module = o.get("module")
+def _where(o: OriginEvidence) -> str:
+    module = o.module
     if module is None:
         return "code outside any module"
     return f"module '{module}'" if module else "the root module"
 
 
-def _first_input(o: dict[str, Any]) -> dict[str, Any]:
-    inputs = o.get("inputs") or [{}]
+def _first_input(o: OriginEvidence) -> dict[str, Any]:
+    inputs = o.inputs or [{}]
     return inputs[0]
 
 
@@ -77,18 +94,19 @@ def _node_op(node: str) -> str:
 
 
 # -- data ------------------------------------------------------------------------------
+@_rule
 def index_out_of_range(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    if o.get("category") != "index":
+    if o.category != "index":
         return None
-    size = o.get("indexed_size")
-    index = next((s for s in o.get("index_inputs") or [] if s.get("path")), None)
-    index = index or (o.get("index_inputs") or [{}])[0]
+    size = o.indexed_size
+    index = next((s for s in o.index_inputs or [] if s.get("path")), None)
+    index = index or (o.index_inputs or [{}])[0]
     path = index.get("path") or "an integer input"
     lo, hi = index.get("min"), index.get("max")
-    why = f"{o.get('op')} got ids in [{lo}, {hi}] from {path}"
+    why = f"{o.op} got ids in [{lo}, {hi}] from {path}"
     why += f", but the valid range is [0, {size - 1}]" if isinstance(size, int) else ""
-    why += f" ({o.get('error', 'index error')})"
+    why += f" ({o.error or 'index error'})"
     fixes = [
         f"check {path}: ids must be < {size}" if size else f"check the ids in {path}",
         "make the tokenizer's vocab size match the embedding "
@@ -99,18 +117,19 @@ def index_out_of_range(ev: Evidence) -> Verdict | None:
     return Verdict("data.index_out_of_range", why, fixes)
 
 
+@_rule
 def no_valid_targets(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    if o.get("reduced_elements") == 0 and o.get("targets") == 0 and o.get("category") == "op":
+    if o.get("reduced_elements") == 0 and o.get("targets") == 0 and o.category == "op":
         return _empty_targets(o)
     if (counted := _zero_count_from_batch(o)) is not None:
         return _empty_targets(o, counted)
-    if str(o.get("op", "")).startswith("aten.nll_loss") and (weighted := _zero_weight_targets(o)) is not None:
+    if (o.op or "").startswith("aten.nll_loss") and (weighted := _zero_weight_targets(o)) is not None:
         return weighted
-    if not str(o.get("op", "")).startswith("aten.nll_loss") or o.get("valid_targets") != 0:
+    if not (o.op or "").startswith("aten.nll_loss") or o.get("valid_targets") != 0:
         return None
     ignore = o.get("ignore_index", -100)
-    why = f"all {o.get('targets')} targets equal ignore_index={ignore}, so the mean loss in {o.get('op')} is 0/0"
+    why = f"all {o.get('targets')} targets equal ignore_index={ignore}, so the mean loss in {o.op} is 0/0"
     fixes = [
         f"skip or re-pack batches whose labels are all {ignore} (e.g. a sequence cut "
         "to its prompt, or padding-only samples)",
@@ -120,7 +139,7 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
     return Verdict("data.no_valid_targets", why, fixes)
 
 
-def _zero_weight_targets(o: dict[str, Any]) -> Verdict | None:
+def _zero_weight_targets(o: OriginEvidence) -> Verdict | None:
     """A class-weighted mean loss whose valid targets all have weight 0 while other classes have
     weight: the batch holds only zero-weighted classes (a crop of the void class), 0/0."""
     weights, denom = o.get("class_weights") or {}, o.get("denominator") or {}
@@ -128,7 +147,7 @@ def _zero_weight_targets(o: dict[str, Any]) -> Verdict | None:
         return None
     classes = o.get("target_classes") or []
     why = (
-        f"every one of the {o['valid_targets']} valid targets of {o.get('op')} is of a class with weight 0 "
+        f"every one of the {o.get('valid_targets')} valid targets of {o.op} is of a class with weight 0 "
         f"(classes {classes}; {weights.get('zero_weight_classes')} of {weights.get('classes')} classes weigh 0), "
         "so the weighted mean divides by a total weight of 0"
     )
@@ -140,11 +159,11 @@ def _zero_weight_targets(o: dict[str, Any]) -> Verdict | None:
     return Verdict("data.no_valid_targets", why, fixes)
 
 
-def _zero_count_from_batch(o: dict[str, Any]) -> str | None:
+def _zero_count_from_batch(o: OriginEvidence) -> str | None:
     """The batch tensor a division's all-zero denominator was counted from (``mask.sum()``), if any."""
-    if o.get("category") != "op" or _short(o.get("op")) not in ("div", "div_", "true_divide"):
+    if o.category != "op" or _short(o.op) not in ("div", "div_", "true_divide"):
         return None
-    inputs = o.get("inputs") or []
+    inputs = o.inputs or []
     denom = inputs[1] if len(inputs) > 1 else {}
     size = math.prod(denom.get("shape") or [])
     if denom.get("counted_from") is None or denom.get("zeros") != size:
@@ -152,7 +171,7 @@ def _zero_count_from_batch(o: dict[str, Any]) -> str | None:
     return str(denom["counted_from"])
 
 
-def _empty_targets(o: dict[str, Any], counted: str | None = None) -> Verdict:
+def _empty_targets(o: OriginEvidence, counted: str | None = None) -> Verdict:
     """A mean over targets the batch selected none of: a mean-reduced loss given no targets at all
     (no positive anchor), or a division by a count of 0 computed from the batch (``mask.sum()``)."""
     if counted is None:
@@ -160,11 +179,11 @@ def _empty_targets(o: dict[str, Any], counted: str | None = None) -> Verdict:
     else:
         what = f"divided by a count of 0 computed from {counted}, so the mean over the selected targets is 0/0"
     why = (
-        f"{o.get('op')} in {_where(o)} {what}: the selection of targets from the batch is empty (e.g. an image "
+        f"{o.op} in {_where(o)} {what}: the selection of targets from the batch is empty (e.g. an image "
         "without a positive anchor, every label ignored, a mask that keeps nothing)"
     )
-    if o.get("source"):
-        why += f" at {o['source']}"
+    if o.source:
+        why += f" at {o.source}"
     fixes = [
         "skip the loss term when the selection is empty: loss = pred[pos].sum() * 0 if not pos.any() else ...",
         "use reduction='sum' and divide by max(number of selected targets, 1)",
@@ -173,18 +192,19 @@ def _empty_targets(o: dict[str, Any], counted: str | None = None) -> Verdict:
     return Verdict("data.no_valid_targets", why, fixes)
 
 
+@_rule
 def nonfinite_data(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    if o.get("category") not in ("data", "fill"):
+    if o.category not in ("data", "fill"):
         return None
     stats = _first_input(o)
-    path = o.get("path") or "an input"
+    path = o.path or "an input"
     why = (
         f"{path} arrived holding {stats.get('nan', 0)} NaN, {stats.get('posinf', 0)} +Inf and "
         f"{stats.get('neginf', 0)} -Inf values"
     )
     if o.get("consumer_op"):
-        why += f"; first used by {o['consumer_op']} in {_where({'module': o.get('consumer_module')})}"
+        why += f"; first used by {o.get('consumer_op')} in {_where(OriginEvidence(module=o.get('consumer_module')))}"
     fixes = [
         f"find the sample that produced {path}: decoding, normalization (division by a zero "
         "std) or augmentation can write NaN/Inf",
@@ -195,14 +215,15 @@ def nonfinite_data(ev: Evidence) -> Verdict | None:
 
 
 # -- parameters and init ---------------------------------------------------------------
+@_rule
 def nonfinite_parameters(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    if o.get("category") != "parameters":
+    if o.category != "parameters":
         return None
     stats = _first_input(o)
-    name = o.get("path") or "a parameter or buffer"
+    name = o.path or "a parameter or buffer"
     why = (
-        f"{name} (module '{o.get('module') or ''}') already held {stats.get('nan', 0)} NaN and "
+        f"{name} (module '{o.module or ''}') already held {stats.get('nan', 0)} NaN and "
         f"{stats.get('posinf', 0) + stats.get('neginf', 0)} Inf values before the step"
     )
     fixes = [
@@ -217,8 +238,8 @@ def nonfinite_parameters(ev: Evidence) -> Verdict | None:
 _PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention", "mul")
 
 
-def _input_absmax(o: dict[str, Any]) -> float:
-    return max((s.get("absmax") or 0.0 for s in o.get("inputs") or []), default=0.0)
+def _input_absmax(o: OriginEvidence) -> float:
+    return max((s.get("absmax") or 0.0 for s in o.inputs or []), default=0.0)
 
 
 def _grown(ev: Evidence) -> bool:
@@ -227,15 +248,16 @@ def _grown(ev: Evidence) -> bool:
     log(0) next to large weights is a domain error, not the weights' doing.
     """
     o = _origin(ev)
-    return (ev.get("kind") == "inf" and _short(o.get("op")) in _PRODUCTS) or _input_absmax(o) >= 1e4
+    return (ev.kind == "inf" and _short(o.op) in _PRODUCTS) or _input_absmax(o) >= 1e4
 
 
+@_rule
 def init_scale(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     # The guard passes the scale the run started from; locate alone sees the current one.
-    scale = ev.get("initial_weight_scale", ev.get("weight_scale")) or {}
+    scale = ev.scale
     ratio = scale.get("max_ratio") or 0.0
-    if o.get("category") != "op" or ratio < INIT_RATIO_HIGH:
+    if o.category != "op" or ratio < INIT_RATIO_HIGH:
         return None
     # A low-precision overflow that float32 computes finitely is precision, even with large
     # (pretrained) weights: init.scale is for activations that blow up in float32 as well.
@@ -246,7 +268,7 @@ def init_scale(ev: Evidence) -> Verdict | None:
     absmax = _input_absmax(o)
     why = (
         f"weights of '{scale.get('module')}' have rms x sqrt(fan_in) = {ratio:.3g} (healthy is "
-        f"about 0.5-1), so activations grow by that factor per layer until {o.get('op')} "
+        f"about 0.5-1), so activations grow by that factor per layer until {o.op} "
         f"overflowed (inputs up to {absmax:.3g})"
     )
     fixes = [
@@ -258,8 +280,9 @@ def init_scale(ev: Evidence) -> Verdict | None:
     return Verdict("init.scale", why, fixes)
 
 
+@_rule
 def divergence(ev: Evidence) -> Verdict | None:
-    history = ev.get("history") or {}
+    history = ev.history or {}
     if not history.get("diverging"):
         return None
     o = _origin(ev)
@@ -267,8 +290,8 @@ def divergence(ev: Evidence) -> Verdict | None:
         f"{history.get('metric', 'grad norm')} grew {history.get('growth', 0):.3g}x over the "
         f"last {history.get('window', 0)} steps before the trip"
     )
-    if o.get("op"):
-        why += f"; the first non-finite value then appeared in {o['op']} ({_where(o)})"
+    if o.op:
+        why += f"; the first non-finite value then appeared in {o.op} ({_where(o)})"
     fixes = [
         f"lower the learning rate (now {history['lr']:.3g})" if history.get("lr") else "lower the learning rate",
         "add warmup and gradient clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
@@ -278,6 +301,7 @@ def divergence(ev: Evidence) -> Verdict | None:
 
 
 # -- op-level --------------------------------------------------------------------------
+@_rule
 def precision_overflow(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     ref = o.get("fp32_recompute") or {}
@@ -285,29 +309,30 @@ def precision_overflow(ev: Evidence) -> Verdict | None:
         return None
     dtype = ref.get("dtype", "float16")
     why = (
-        f"{o.get('op')} in {dtype} produced Inf/NaN, but recomputed in float32 it is finite "
+        f"{o.op} in {dtype} produced Inf/NaN, but recomputed in float32 it is finite "
         f"with absmax {ref.get('absmax', 0):.3g} (> {dtype} max {ref.get('dtype_max', 0):.3g})"
     )
     fixes = [
-        f"switch {dtype} to bfloat16 or keep this op ({_short(o.get('op'))} in {_where(o)}) in float32",
+        f"switch {dtype} to bfloat16 or keep this op ({_short(o.op)} in {_where(o)}) in float32",
         "scale the operands down first: e.g. divide q by sqrt(head_dim) before q @ k^T, not after",
         "under autocast, wrap the block in torch.autocast(device_type, enabled=False) and cast to float32",
     ]
     return Verdict("precision.overflow", why, fixes)
 
 
+@_rule
 def masked_softmax(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    node = str(o.get("node") or "")
-    if _short(o.get("op")) in ("_softmax", "_log_softmax", "_safe_softmax") and o.get("fully_masked_rows"):
+    node = o.node or ""
+    if _short(o.op) in ("_softmax", "_log_softmax", "_safe_softmax") and o.get("fully_masked_rows"):
         why = (
-            f"{o['fully_masked_rows']} of {o.get('rows')} rows given to {o.get('op')} in {_where(o)} "
+            f"{o.get('fully_masked_rows')} of {o.get('rows')} rows given to {o.op} in {_where(o)} "
             "are entirely -inf, and softmax of an all -inf row is 0/0"
         )
     elif _node_op(node) in ("logsumexp", "softmax", "logsoftmax") and _neginf_inputs(o) >= 2:
         # The backward of logsumexp/softmax computes exp(x - result): -inf - (-inf) on an all -inf row.
         why = (
-            f"{o.get('op')} in {node} ({_where(o)}) computed -inf - (-inf): a row given to "
+            f"{o.op} in {node} ({_where(o)}) computed -inf - (-inf): a row given to "
             f"{_node_op(node)} in forward was entirely -inf, so its gradient is exp(NaN)"
         )
     else:
@@ -321,8 +346,8 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
     return Verdict("op.masked_softmax", why, fixes)
 
 
-def _neginf_inputs(o: dict[str, Any]) -> int:
-    return sum(1 for x in o.get("inputs") or [] if x.get("neginf"))
+def _neginf_inputs(o: OriginEvidence) -> int:
+    return sum(1 for x in o.inputs or [] if x.get("neginf"))
 
 
 _NORM_NODES = ("LayerNorm", "GroupNorm", "BatchNorm", "RmsNorm", "RMSNorm")
@@ -337,31 +362,32 @@ _NORM_LAYER = re.compile(r"Norm(\d+d)?$")
 _VARIANCES = ("variance", "std", "mean of squares")
 
 
-def _normalization(o: dict[str, Any]) -> bool:
+def _normalization(o: OriginEvidence) -> bool:
     """Is the origin a normalization layer's division by its variance? A fused norm op (or its
     backward), or, read from the computation (``statistic``, ``normalizes``: the tracer saw a
     variance, std or mean of squares of a tensor divide that same tensor), a hand-written one. The
     class name decides only where the tracer could not see the computation (no autograd graph). A
     statistic over too few elements is a division by zero of its own (``_too_few``)."""
-    op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
+    op, node, mtype = (o.op or ""), (o.node or ""), (o.module_type or "")
     if any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES):
         return True
     named = bool(_NORM_LAYER.search(mtype))
-    if "normalizes" not in o:  # the computation was not visible: the class name decides, in forward only
-        return named and o.get("phase") == "forward"
+    if "normalizes" not in o.extra:  # the computation was not visible: the class name decides, in forward only
+        return named and o.phase == "forward"
     # A division by an L2 norm (F.normalize, weight_norm, ScaleNorm) has no variance and no eps to
     # fix: a division by zero first, the normalization second (``_normalization_hint``).
     return bool(o.get("normalizes")) and not _too_few_elements(o) and o.get("statistic") in _VARIANCES
 
 
-def _too_few_elements(o: dict[str, Any]) -> bool:
+def _too_few_elements(o: OriginEvidence) -> bool:
     count, correction = o.get("reduced_elements"), o.get("correction")
     return isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0
 
 
+@_rule
 def zero_variance(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    mtype = str(o.get("module_type") or "")
+    mtype = o.module_type or ""
     if not _normalization(o):
         return None
     eps = o.get("norm_eps", o.get("module_eps"))
@@ -375,9 +401,9 @@ def zero_variance(ev: Evidence) -> Verdict | None:
     why += f" and a row variance of {var:.3g}" if var is not None else ""
     if o.get("statistic") and o.get("normalizes"):
         why += " (a hand-written normalization, read from what it computes: "
-        why += f"the {o['statistic']} of the very tensor it scales)"
-    if isinstance(o.get("group_elements"), int) and o["group_elements"] <= 1:
-        why += f"; each group holds {o['group_elements']} element, so its variance is 0 by construction"
+        why += f"the {o.get('statistic')} of the very tensor it scales)"
+    if isinstance(o.get("group_elements"), int) and o.get("group_elements") <= 1:
+        why += f"; each group holds {o.get('group_elements')} element, so its variance is 0 by construction"
     fixes = [
         f"{name} eps is {eps}; use >= {floor:g} (PyTorch's default; {dtype} {facts.eps_reason if facts else ''})"
         if eps is not None
@@ -387,13 +413,14 @@ def zero_variance(ev: Evidence) -> Verdict | None:
     return Verdict("norm.zero_variance", why, fixes)
 
 
+@_rule
 def _normalization_hint(ev: Evidence) -> Verdict | None:
     """A division that normalizes a tensor by its own norm (F.normalize, cosine similarity, weight
     norm, spectral norm, a std over one sample): the normalization layer's failure as a second cause."""
     o = _origin(ev)
     if not o.get("normalizes") or o.get("statistic") not in (*_VARIANCES, "L2 norm", "spectral norm"):
         return None
-    why = f"{_where(o)} divides a tensor by its own {o['statistic']} with no eps: a normalization whose"
+    why = f"{_where(o)} divides a tensor by its own {o.get('statistic')} with no eps: a normalization whose"
     why += " statistic is 0 (a zero row, a zero weight, one element) leaves 0/0"
     return Verdict("norm.zero_variance", why)
 
@@ -403,16 +430,17 @@ _LOG_OPS = ("log", "log2", "log10", "log_", "log2_", "log10_")
 _LOGDET_OPS = ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet")
 
 
+@_rule
 def log_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    op, node = _short(o.get("op")), str(o.get("node") or "")
+    op, node = _short(o.op), (o.node or "")
     in_log = op in _LOG_OPS or _node_op(node) in _LOG_OPS
     if op in _LOGDET_OPS and not node:
         return _log_determinant(o)
     if not in_log:
         return None
     x = _first_input(o)
-    why = f"{o.get('op')} in {_where(o)} ({o.get('phase')}) got {x.get('zeros', 0)} zeros"
+    why = f"{o.op} in {_where(o)} ({o.phase}) got {x.get('zeros', 0)} zeros"
     why += f" and {x.get('negative', 0)} negative values" if x.get("negative") else ""
     if node:
         why += f" (gradient of log is 1/x, created by {node})"
@@ -423,12 +451,12 @@ def log_domain(ev: Evidence) -> Verdict | None:
     return Verdict("op.log_domain", why, fixes)
 
 
-def _log_determinant(o: dict[str, Any]) -> Verdict:
+def _log_determinant(o: OriginEvidence) -> Verdict:
     """logdet of a matrix whose determinant is negative is NaN by definition (torch returns NaN
     through an internal where), and of a singular one -inf: the log's domain, not a write."""
     negative, zero = o.get("negative_determinants"), o.get("zero_determinants")
-    user = o.get("user_op") or _short(o.get("op"))
-    why = f"{user} in {_where(o)} ({o.get('phase')})"
+    user = o.get("user_op") or _short(o.op)
+    why = f"{user} in {_where(o)} ({o.phase})"
     if negative:
         why += f" got {negative} of {o.get('matrices')} matrices with a negative determinant: the log of a negative"
         why += f" number, which torch returns as {o.get('returned', 'nan')} by definition"
@@ -445,13 +473,14 @@ def _log_determinant(o: dict[str, Any]) -> Verdict:
     return Verdict("op.log_domain", why, fixes)
 
 
+@_rule
 def sqrt_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    op, node = _short(o.get("op")), str(o.get("node") or "")
-    forward = op in ("sqrt", "rsqrt", "pow", "sqrt_", "rsqrt_") and o.get("phase") == "forward"
+    op, node = _short(o.op), (o.node or "")
+    forward = op in ("sqrt", "rsqrt", "pow", "sqrt_", "rsqrt_") and o.phase == "forward"
     # An Inf from pow or rsqrt of finite values with no negative base is an overflow or a
     # division by zero (rsqrt(0) = 1/sqrt(0)), not a domain error.
-    if forward and (not _first_input(o).get("negative") or (op == "pow" and ev.get("kind") != "nan")):
+    if forward and (not _first_input(o).get("negative") or (op == "pow" and ev.kind != "nan")):
         forward = False
     backward = any(node.startswith(n) for n in ("SqrtBackward", "RsqrtBackward", "PowBackward"))
     if not (forward or backward):
@@ -459,11 +488,11 @@ def sqrt_domain(ev: Evidence) -> Verdict | None:
     x = _first_input(o)
     if backward:
         why = (
-            f"the gradient of {_short(o.get('forward_op')) or 'sqrt'} ({node}) in {_where(o)} "
+            f"the gradient of {_short(o.forward_op) or 'sqrt'} ({node}) in {_where(o)} "
             f"is 1/(2*sqrt(x)), infinite where x = 0"
         )
     else:
-        why = f"{o.get('op')} in {_where(o)} got {x.get('negative', 0)} negative values"
+        why = f"{o.op} in {_where(o)} got {x.get('negative', 0)} negative values"
     fixes = [
         "add an eps inside the root: torch.sqrt(x + 1e-12), or torch.sqrt(x.clamp_min(1e-12))",
         "for distances and norms use torch.linalg.vector_norm / torch.cdist, whose gradient at 0 is defined",
@@ -471,12 +500,13 @@ def sqrt_domain(ev: Evidence) -> Verdict | None:
     return Verdict("op.sqrt_domain", why, fixes)
 
 
+@_rule
 def exp_overflow(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    if _short(o.get("op")) not in ("exp", "exp_", "pow") or ev.get("kind") != "inf":
+    if _short(o.op) not in ("exp", "exp_", "pow") or ev.kind != "inf":
         return None
-    why = f"{o.get('op')} in {_where(o)} got inputs up to {o.get('input_max', 0):.3g}"
-    why += "; exp(x) overflows float32 above 88.7" if _short(o.get("op")) != "pow" else ": the power overflows"
+    why = f"{o.op} in {_where(o)} got inputs up to {o.get('input_max', 0):.3g}"
+    why += "; exp(x) overflows float32 above 88.7" if _short(o.op) != "pow" else ": the power overflows"
     fixes = [
         "subtract the row max before exp: (x - x.amax(-1, keepdim=True)).exp(), "
         "or use torch.softmax / torch.logsumexp, which do",
@@ -485,9 +515,10 @@ def exp_overflow(ev: Evidence) -> Verdict | None:
     return Verdict("op.exp_overflow", why, fixes)
 
 
+@_rule
 def division_by_zero(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    op, node = _short(o.get("op")), str(o.get("node") or "")
+    op, node = _short(o.op), (o.node or "")
     count, correction = o.get("reduced_elements"), o.get("correction")
     if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
         return _too_few(o, count, correction)
@@ -497,15 +528,15 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
         return root
     if op not in _DIVISIONS and not node.startswith("DivBackward"):
         return None
-    inputs = o.get("inputs") or []
+    inputs = o.inputs or []
     at = _DIVISIONS.get(op, 1)
     denom = inputs[at] if len(inputs) > at else inputs[0] if inputs else {}
     zeros = denom.get("zeros", 0) if denom else 0
     if not zeros and not node:
         return None
-    why = f"{o.get('op')} in {_where(o)} divided by a denominator with {zeros} zeros"
-    if o.get("source"):
-        why += f" at {o['source']}"
+    why = f"{o.op} in {_where(o)} divided by a denominator with {zeros} zeros"
+    if o.source:
+        why += f" at {o.source}"
     fixes = [
         "clamp the denominator: x.sum() / mask.sum().clamp_min(1) for a masked mean",
         "or add an eps: x / (d + 1e-8)",
@@ -517,13 +548,13 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
 _DIVISIONS = {"div": 1, "div_": 1, "true_divide": 1, "reciprocal": 0, "addcdiv": 2, "addcdiv_": 2}
 
 
-def _composite_zero(o: dict[str, Any]) -> Verdict | None:
+def _composite_zero(o: OriginEvidence) -> Verdict | None:
     """A composite op that divides inside (weight_norm by ||v||, a class-weighted nll_loss by the
     targets' total weight) with a denominator of 0: the tracer's ``denominator`` says which."""
     denom = o.get("denominator") or {}
-    if not denom.get("zeros") or o.get("category") != "op":
+    if not denom.get("zeros") or o.category != "op":
         return None
-    why = f"{o.get('op')} in {_where(o)} divides by {denom.get('what', 'a denominator')}, which is 0"
+    why = f"{o.op} in {_where(o)} divides by {denom.get('what', 'a denominator')}, which is 0"
     if "size" in denom:
         why = why.removesuffix("which is 0") + f"which is 0 for {denom['zeros']} of {denom['size']}"
     if o.get("composite") == "weight_norm":
@@ -544,15 +575,15 @@ def _composite_zero(o: dict[str, Any]) -> Verdict | None:
     return Verdict("op.division_by_zero", why, fixes)
 
 
-def _root_of_zero(ev: Evidence, o: dict[str, Any]) -> Verdict | None:
+def _root_of_zero(ev: Evidence, o: OriginEvidence) -> Verdict | None:
     """rsqrt of an exact zero is 1/sqrt(0): a division by zero, not the root of a negative value."""
-    op = _short(o.get("op"))
+    op = _short(o.op)
     x = _first_input(o)
-    if op not in ("rsqrt", "rsqrt_") or ev.get("kind") != "inf" or x.get("negative") or not x.get("zeros"):
+    if op not in ("rsqrt", "rsqrt_") or ev.kind != "inf" or x.get("negative") or not x.get("zeros"):
         return None
-    why = f"{o.get('op')} in {_where(o)} got {x.get('zeros')} exact zeros: rsqrt(0) = 1/sqrt(0) divides by zero"
+    why = f"{o.op} in {_where(o)} got {x.get('zeros')} exact zeros: rsqrt(0) = 1/sqrt(0) divides by zero"
     if o.get("statistic"):
-        why += f" (a {o['statistic']} of 0)"
+        why += f" (a {o.get('statistic')} of 0)"
     fixes = [
         "add an eps inside the root: torch.rsqrt(x + eps), with eps >= 1e-6 (the dtype's floor)",
         "a zero row (padding, a zero embedding) has a zero mean of squares: the eps must cover it",
@@ -560,13 +591,13 @@ def _root_of_zero(ev: Evidence, o: dict[str, Any]) -> Verdict | None:
     return Verdict("op.division_by_zero", why, fixes)
 
 
-def _too_few(o: dict[str, Any], count: int, correction: float) -> Verdict:
+def _too_few(o: OriginEvidence, count: int, correction: float) -> Verdict:
     """A mean, std/var or mean-reduced loss over too few elements divides by n - correction <= 0."""
-    op = _short(o.get("op"))
-    why = f"{o.get('op')} in {_where(o)} reduced {count} element(s) with correction {correction:g}: "
+    op = _short(o.op)
+    why = f"{o.op} in {_where(o)} reduced {count} element(s) with correction {correction:g}: "
     why += f"it divides by n - correction = {count - correction:g}"
-    if o.get("source"):
-        why += f" at {o['source']}"
+    if o.source:
+        why += f" at {o.source}"
     fixes = (
         [
             "guard the normalization: adv.std() is NaN for one sample (correction=1); use "
@@ -582,17 +613,18 @@ def _too_few(o: dict[str, Any], count: int, correction: float) -> Verdict:
     return Verdict("op.division_by_zero", why, fixes)
 
 
+@_rule
 def trig_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    op = _short(o.get("op"))
-    if op not in ("acos", "asin", "acos_", "asin_") or ev.get("kind") != "nan":
+    op = _short(o.op)
+    if op not in ("acos", "asin", "acos_", "asin_") or ev.kind != "nan":
         return None
     x = _first_input(o)
     lo, hi = x.get("min"), x.get("max")
     outside = (isinstance(lo, (int, float)) and lo < -1) or (isinstance(hi, (int, float)) and hi > 1)
     if not outside:
         return None
-    why = f"{o.get('op')} in {_where(o)} got inputs in [{lo:.9g}, {hi:.9g}], outside its domain [-1, 1]"
+    why = f"{o.op} in {_where(o)} got inputs in [{lo:.9g}, {hi:.9g}], outside its domain [-1, 1]"
     why += ": a cosine computed as a dot product or (trace - 1) / 2 is rounded past 1"
     fixes = [
         "clamp the argument: torch.acos(x.clamp(-1 + 1e-7, 1 - 1e-7)) (the gradient at exactly +-1 is infinite too)",
@@ -601,24 +633,26 @@ def trig_domain(ev: Evidence) -> Verdict | None:
     return Verdict("op.trig_domain", why, fixes)
 
 
+@_rule
 def _weight_scale_hint(ev: Evidence) -> Verdict | None:
     """Weights large for their fan-in, given as a secondary cause when another wins."""
-    scale = ev.get("initial_weight_scale", ev.get("weight_scale")) or {}
+    scale = ev.scale
     ratio = scale.get("max_ratio") or 0.0
-    if ratio < INIT_RATIO_HIGH or _origin(ev).get("category") != "op" or not _grown(ev):
+    if ratio < INIT_RATIO_HIGH or _origin(ev).category != "op" or not _grown(ev):
         return None
     why = f"weights of '{scale.get('module')}' are {ratio:.3g}x the 1/sqrt(fan_in) scale"
     return Verdict("init.scale", why)
 
 
 # -- explicit writes of NaN/Inf (origin category "write", from the tracer) -------------
+@_rule
 def mask_fill_in_loss(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    if o.get("category") != "write" or o.get("written") != "-inf":
+    if o.category != "write" or o.get("written") != "-inf":
         return None
-    filled = sum(s.get("neginf", 0) for s in o.get("outputs") or o.get("inputs") or [])
-    then = [_short(a.get("op")) for a in ev.get("after") or [] if a.get("op")]
-    why = f"{o.get('op')} in {_where(o)} filled {filled} positions with -inf, and the -inf reached the results"
+    filled = sum(s.get("neginf", 0) for s in o.outputs or o.inputs or [])
+    then = [_short(a.get("op")) for a in ev.after or [] if a.get("op")]
+    why = f"{o.op} in {_where(o)} filled {filled} positions with -inf, and the -inf reached the results"
     why += f" through {' -> '.join(then[:4])}" if then else ""
     why += ": a loss or sum that includes the masked positions turns -inf into Inf, or 0 * -inf into NaN"
     fixes = [
@@ -629,13 +663,14 @@ def mask_fill_in_loss(ev: Evidence) -> Verdict | None:
     return Verdict("op.mask_fill_in_loss", why, fixes)
 
 
+@_rule
 def nan_write(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    if o.get("category") != "write" or o.get("written") not in ("nan", "inf"):
+    if o.category != "write" or o.get("written") not in ("nan", "inf"):
         return None
-    why = f"{o.get('op')} in {_where(o)} wrote {o.get('written')} into a tensor explicitly"
-    if o.get("source"):
-        why += f" at {o['source']}"
+    why = f"{o.op} in {_where(o)} wrote {o.get('written')} into a tensor explicitly"
+    if o.source:
+        why += f" at {o.source}"
     fixes = [
         "do not mark missing values with NaN inside the model: keep a boolean mask and write 0 (or a finite fill)",
         "if NaN marks missing values on purpose, reduce with torch.nanmean / torch.nansum and mask before the loss",
@@ -643,9 +678,10 @@ def nan_write(ev: Evidence) -> Verdict | None:
     return Verdict("op.nan_write", why, fixes)
 
 
+@_rule
 def unknown(ev: Evidence) -> Verdict:
     o = _origin(ev)
-    why = f"first non-finite value created by {o.get('op') or 'an unknown op'} in {_where(o)}"
+    why = f"first non-finite value created by {o.op or 'an unknown op'} in {_where(o)}"
     fixes = [
         "inspect the origin op's input statistics in the evidence",
         "run ng.check_batch(batch) and ng.audit_model(model) for upstream causes",
@@ -653,7 +689,7 @@ def unknown(ev: Evidence) -> Verdict:
     return Verdict("unknown", why, fixes)
 
 
-RULES: list[Callable[[Evidence], Verdict | None]] = [
+RULES: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
     index_out_of_range,
     no_valid_targets,
     nonfinite_data,
@@ -673,25 +709,46 @@ RULES: list[Callable[[Evidence], Verdict | None]] = [
     nan_write,
 ]
 # Rules that never name the cause, only add a secondary one to ``also``.
-HINTS: list[Callable[[Evidence], Verdict | None]] = [_weight_scale_hint, _normalization_hint]
+HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [_weight_scale_hint, _normalization_hint]
 
 
-def diagnose(evidence: Evidence) -> Verdict:
-    """Apply ``RULES`` in order; the first that fits names the cause.
+def diagnose(evidence: Evidence | Mapping[str, Any]) -> Verdict:
+    """Apply ``RULES`` in order; the first that fits names the cause. ``evidence`` is the record
+    or its written form (``diag.evidence``); it is read into the record once.
 
     Example:
         >>> diagnose({"origin": {"category": "op", "op": "aten.log.default",
         ...                      "inputs": [{"zeros": 3}]}}).cause
         'op.log_domain'
     """
-    fitting = [v for v in (rule(evidence) for rule in [*RULES, *HINTS]) if v is not None]
-    verdict = fitting[0] if fitting else unknown(evidence)
+    record = Evidence.of(evidence)
+    judged = [(rule, rule(record)) for rule in [*RULES, *HINTS]]
+    fitting = [v for _, v in judged if v is not None]
+    verdict = fitting[0] if fitting else unknown(record)
+    if "history" in record.given or "initial_weight_scale" in record.given:
+        own = _op_cause(record, judged)
+        verdict.op_cause = own if own != verdict.cause else None
     seen = {verdict.cause}
     for other in fitting[1:]:
         if other.cause not in seen:
             seen.add(other.cause)
             verdict.also.append({"cause": other.cause, "why": other.why})
     return verdict
+
+
+# The rules that read the run's facts; the others answer the same with or without them.
+_READ_RUN_FACTS = (init_scale, divergence, _weight_scale_hint)
+
+
+def _op_cause(record: Evidence, judged: list[tuple[Callable[..., Verdict | None], Verdict | None]]) -> str:
+    """The cause without the run's facts: only the rules that read them are asked again."""
+    own = replace(record, history=None, initial_weight_scale=None,
+                  given=tuple(k for k in record.given if k not in ("history", "initial_weight_scale")))  # fmt: skip
+    for rule, verdict in judged:
+        verdict = rule(own) if rule in _READ_RUN_FACTS else verdict
+        if verdict is not None:
+            return verdict.cause
+    return "unknown"
 
 
 # -- diagnoses the guard builds from its own state -------------------------------------
@@ -964,15 +1021,17 @@ def rejected_batch(errors: list[Finding], *, step: int, rank: int | None, ranks:
             "where": first.where,
             "why": f"check_batch before the forward: {first.message}",
         },
-        fixes=[first.fix] if first.fix else list(facts(first.cause).fixes),
+        fixes=[first.fix] if first.fix else list(facts_of(first.cause).fixes),
     )
 
 
-def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidence | None = None) -> Diagnosis:
-    """Re-read ``diag`` with what only the guard knows: the run's ``history`` and the weight
-    scale the run started from. Returns a new Diagnosis; ``diag`` is left as it was.
+def with_run_facts(diag: Diagnosis, facts: RunFacts) -> Diagnosis:
+    """``diag`` judged with what only the guard knows (``RunFacts``: the run's history, the weight
+    scale it started from), for a diagnosis the guard built from its own state. A traced one is
+    judged once already (``trace(..., facts=...)`` hands the facts to its one ``diagnose``) and is
+    returned as it is. Returns a new Diagnosis; ``diag`` is left as it was.
 
-    A located diagnosis (one with an ``origin``) goes through ``RULES`` again, and a cause
+    A located diagnosis (one with an ``origin``) goes through ``RULES`` with the facts, and a cause
     that changes keeps the op-level one as ``evidence["op_cause"]``. A diagnosis without an
     origin (a non-finite update, a step whose replay is finite or did not run) becomes
     divergence when the history shows it: growth wins over non-reproduction, since a
@@ -980,14 +1039,18 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
     ``why``, since it says what the update did.
 
     Example:
-        >>> rejudge(diag, history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5}).cause
+        >>> grew = RunFacts(history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5})
+        >>> with_run_facts(diag, grew).cause
         'optimizer.divergence'
     """
+    history = facts.history
     evidence = dict(diag.evidence)
     located = "origin" in evidence
+    if located and RunFacts.judged(evidence):
+        return diag
     if located:
-        evidence["initial_weight_scale"] = initial_weight_scale
-    elif not facts(diag.cause).history_overrules or not history.get("diverging"):
+        evidence["initial_weight_scale"] = facts.initial_weight_scale
+    elif not facts_of(diag.cause).history_overrules or not history.get("diverging"):
         return diag
     if history:
         evidence["history"] = history
@@ -999,3 +1062,16 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
     if located or diag.cause != "optimizer.nonfinite_update":
         evidence["why"] = verdict.why
     return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence, also=also)
+
+
+def rejudge(
+    diag: Diagnosis, *, history: dict[str, Any], initial_weight_scale: dict[str, Any] | None = None
+) -> Diagnosis:
+    """``with_run_facts(diag, RunFacts(history, initial_weight_scale))``, by keyword (kept for callers
+    of the earlier name; the guard no longer re-reads a traced diagnosis).
+
+    Example:
+        >>> rejudge(diag, history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5}).cause
+        'optimizer.divergence'
+    """
+    return with_run_facts(diag, RunFacts(history, initial_weight_scale))

@@ -2,8 +2,8 @@
 
 The guard feeds every checked step to ``observe`` (spike detection) and ``forecast`` (the
 early divergence warning), and every finished update to ``append``; on a trip, ``evidence``
-says whether the run was diverging, which ``diagnose.rejudge`` reads, and ``growing`` holds the
-rollback snapshot's refresh while it is.
+says whether the run was diverging, which the trip's diagnosis reads (``evidence.RunFacts``),
+and ``growing`` holds the rollback snapshot's refresh while it is.
 """
 
 from __future__ import annotations

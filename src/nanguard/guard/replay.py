@@ -27,9 +27,10 @@ from nanguard.diagnose import (
     nonfinite_shards,
     nonfinite_update,
     rejected_batch,
-    rejudge,
     transient_fault,
+    with_run_facts,
 )
+from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
@@ -106,7 +107,7 @@ class Diagnoser:
         batch: Any,
         closure_error: BaseException | None = None,
     ) -> Replayed:
-        """Replay the step on every rank, agree on one diagnosis, and re-judge it with the history.
+        """Replay the step on every rank with the run's facts (history, initial weight scale); agree on one diagnosis.
 
         ``closure_error`` is the out-of-range index error the forward raised, if any: raised
         again unless the replay shows it was the data's fault.
@@ -115,12 +116,12 @@ class Diagnoser:
             self._last = _LastTrip(h.step, h.bad_ranks, repeat)
             return Replayed(repeat, located=True)
         replayed = Replayed(None, located=False)
+        run = RunFacts(self.history.evidence(h.step, self._lr()), self.initial_scale)
         if self.locate and closure is not None:
             log.info("nanguard: replaying step %d under the tracer…", h.step)
             with eager():
-                replayed = replay_trip(
-                    self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats
-                )
+                replayed = replay_trip(self.model, closure, batch=batch, rng=rng, step=h.step,
+                                       with_module_stats=self.module_stats, run=run)  # fmt: skip
         found = replayed.diagnosis
         if found is None and replayed.located and closure is not None:
             found = self._compiled_again(closure, rng, h.step)
@@ -142,8 +143,8 @@ class Diagnoser:
                                    located=replayed.located, distributed=dist.is_distributed(),
                                    attempted=self.locate and closure is not None)  # fmt: skip
         diag.step = h.step
-        history = self.history.evidence(h.step, self._lr())
-        replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
+        # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
+        replayed.diagnosis = with_run_facts(diag, run)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
 
@@ -243,7 +244,7 @@ class Diagnoser:
             rank=ranks[0] if dist.is_distributed() and ranks else dist.rank_or_none(),
             ranks=ranks if dist.is_distributed() else [],
         )
-        return rejudge(diag, history=self.history.evidence(step + 1, self._lr()))
+        return with_run_facts(diag, RunFacts(self.history.evidence(step + 1, self._lr())))
 
     def rejected_batch(self, batch: Any, step: int) -> Diagnosis | None:
         """``check_batch`` before the forward: a diagnosis of its errors, or None."""
@@ -301,6 +302,7 @@ def replay_trip(
     rng: dict[str, torch.Tensor] | None,
     step: int,
     with_module_stats: bool,
+    run: RunFacts | None = None,
 ) -> Replayed:
     """Re-run ``closure`` from the step's RNG state under the tracer; a failure of nanguard's
     own only warns, since it must not kill training.
@@ -314,7 +316,9 @@ def replay_trip(
         set_rng_state(rng)
     try:
         with watch_stages() as stages:
-            found = dist.replay_locally(model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}))
+            found = dist.replay_locally(
+                model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}, facts=run)
+            )
         if found is not None and stages:
             found.evidence["stage"] = stages.evidence()  # pipeline parallel: this rank's stage
         replayed = Replayed(found, located=True)

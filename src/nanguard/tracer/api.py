@@ -11,6 +11,7 @@ from torch import nn
 
 from nanguard import dist
 from nanguard.diagnose import diagnose
+from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.stats import init_ratio, local
 from nanguard.tracer.collectives import choose
@@ -62,10 +63,12 @@ def trace(
     *,
     model: nn.Module | None = None,
     inputs: dict[str, Any] | None = None,
+    facts: RunFacts | None = None,
 ) -> Diagnosis | None:
     """``locate`` with extra named ``inputs``: tensors a closure captured, such as its batch; this
-    rank's own answer (no agreement across ranks)."""
-    return _traced(fn, args, kwargs, model=model, inputs=inputs)[0]
+    rank's own answer (no agreement across ranks). ``facts``: what the guard knows of the run (its
+    history, the initial weight scale), judged in the diagnosis's one ``diagnose``."""
+    return _traced(fn, args, kwargs, model=model, inputs=inputs, facts=facts)[0]
 
 
 def _traced(
@@ -75,6 +78,7 @@ def _traced(
     *,
     model: nn.Module | None = None,
     inputs: dict[str, Any] | None = None,
+    facts: RunFacts | None = None,
 ) -> tuple[Diagnosis | None, int]:
     """``trace``, and how many communication ops the step ran."""
     if not callable(fn):
@@ -110,7 +114,7 @@ def _traced(
             raised = _raised_after_nonfinite(tracer, error)
             if raised is None:
                 raise error
-            return _diagnosis(raised, [], root, tracer.comm.ops), tracer.comm.ops
+            return _diagnosis(raised, [], root, tracer.comm.ops, facts), tracer.comm.ops
         origin = Origin(
             id=-1,
             category="index",
@@ -129,7 +133,7 @@ def _traced(
             },
             before=tracer.recent_ops(),
         )
-        return _diagnosis(origin, [], root, tracer.comm.ops), tracer.comm.ops
+        return _diagnosis(origin, [], root, tracer.comm.ops, facts), tracer.comm.ops
 
     bad = _nonfinite_results(result, root, tracer)
     if not bad:
@@ -143,7 +147,7 @@ def _traced(
         origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
     else:
         origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
-    return _diagnosis(origin, bad, root, tracer.comm.ops), tracer.comm.ops
+    return _diagnosis(origin, bad, root, tracer.comm.ops, facts), tracer.comm.ops
 
 
 # A raise this many ops after an op read a non-finite value is about that value: a distribution's
@@ -222,7 +226,11 @@ def _out_of_range(failure: Failure, error: BaseException) -> bool:
 
 
 def _diagnosis(
-    origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None, collectives: int = 0
+    origin: Origin,
+    bad: list[tuple[str, torch.Tensor, str]],
+    root: nn.Module | None,
+    collectives: int = 0,
+    facts: RunFacts | None = None,
 ) -> Diagnosis:
     evidence: dict[str, Any] = {
         "origin": origin.to_evidence(),
@@ -245,8 +253,12 @@ def _diagnosis(
         evidence["exception"] = origin.extra["exception"]
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
+    if facts is not None:
+        evidence.update(facts.written())
     verdict = diagnose(evidence)
     evidence["why"] = verdict.why
+    if verdict.op_cause is not None:
+        evidence["op_cause"] = verdict.op_cause
     phase = "data" if verdict.cause.startswith("data.") else origin.phase
     if phase == "data" and origin.category in ("op", "index"):
         # The contract's phase of a data cause is "data"; the op that met the bad input keeps its own phase here.
