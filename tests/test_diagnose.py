@@ -2,6 +2,7 @@
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -15,54 +16,65 @@ from nanguard.diagnose import (
     replica_divergence,
     transient_fault,
 )
+from nanguard.evidence import Evidence, OriginEvidence
 from nanguard.findings import Diagnosis, Finding
 from nanguard.text import diagnosis_text, kind_name, summary
 
 
-def _op(op, inputs=None, **extra):
-    origin = {"category": "op", "op": op, "module": "m", "phase": "forward", "inputs": inputs or [{}]}
-    return {"origin": {**origin, **extra}}
+def _op(op, inputs=None, *, module_type=None, kind=None, weight_scale=None, initial_weight_scale=None, history=None,
+        why=None, **facts):  # fmt: skip
+    """Evidence of an op origin, built through the records: a field renamed there is a TypeError here.
+    ``facts`` are the op's own facts (``OriginEvidence.extra``), which the record does not name."""
+    origin = OriginEvidence(category="op", op=op, module="m", module_type=module_type, phase="forward",
+                            inputs=inputs or [{}], extra=facts)  # fmt: skip
+    return Evidence(origin=origin, kind=kind, weight_scale=weight_scale, initial_weight_scale=initial_weight_scale,
+                    history=history, why=why)  # fmt: skip
+
+
+def _at(*, kind=None, facts=None, **origin):
+    """Evidence of any origin, its named fields by keyword (``facts``: the rest)."""
+    return Evidence(origin=OriginEvidence(**origin, extra=facts or {}), kind=kind)
 
 
 CASES = [
-    ({"origin": {"category": "index", "op": "aten.embedding.default", "indexed_size": 10,
-                 "index_inputs": [{"min": 0, "max": 10, "path": "batch['input_ids']"}], "error": "IndexError"}},
+    (_at(category="index", op="aten.embedding.default", indexed_size=10,
+         index_inputs=[{"min": 0, "max": 10, "path": "batch['input_ids']"}], error="IndexError"),
      "data.index_out_of_range", "ids must be < 10"),
     (_op("aten.nll_loss_forward.default", targets=8, valid_targets=0, ignore_index=-100),
      "data.no_valid_targets", "-100"),
-    ({"origin": {"category": "data", "path": "batch['x']", "inputs": [{"nan": 3}]}}, "data.nonfinite", "batch['x']"),
-    ({"origin": {"category": "fill", "path": "mask", "inputs": [{"neginf": 3}]}}, "data.nonfinite", "mask"),
-    ({"origin": {"category": "parameters", "path": "fc.weight", "module": "fc", "inputs": [{"nan": 1}]}},
+    (_at(category="data", path="batch['x']", inputs=[{"nan": 3}]), "data.nonfinite", "batch['x']"),
+    (_at(category="fill", path="mask", inputs=[{"neginf": 3}]), "data.nonfinite", "mask"),
+    (_at(category="parameters", path="fc.weight", module="fc", inputs=[{"nan": 1}]),
      "parameters.nonfinite", "checkpoint"),
-    ({**_op("aten.bmm.default", [{"absmax": 1e5}]), "kind": "inf",
-      "weight_scale": {"max_ratio": 200.0, "module": "fc"}}, "init.scale", "1/sqrt(fan_in)"),
-    ({**_op("aten.exp.default", input_max=300.0), "kind": "inf",
-      "history": {"diverging": True, "metric": "loss", "growth": 50.0, "window": 4, "lr": 3.0}},
+    (_op("aten.bmm.default", [{"absmax": 1e5}], kind="inf", weight_scale={"max_ratio": 200.0, "module": "fc"}),
+     "init.scale", "1/sqrt(fan_in)"),
+    (_op("aten.exp.default", input_max=300.0, kind="inf",
+         history={"diverging": True, "metric": "loss", "growth": 50.0, "window": 4, "lr": 3.0}),
      "optimizer.divergence", "learning rate (now 3)"),
     (_op("aten.bmm.default", fp32_recompute={"finite": True, "absmax": 1e5, "dtype": "float16", "dtype_max": 65504.0}),
      "precision.overflow", "bfloat16"),
     (_op("aten._softmax.default", fully_masked_rows=2, rows=8), "op.masked_softmax", "finfo(dtype).min"),
     (_op("aten.native_layer_norm.default", norm_eps=0.0, min_variance=0.0, module_type="LayerNorm"),
      "norm.zero_variance", "LayerNorm eps is 0.0; use >= 1e-05"),
-    ({"origin": {"category": "op", "op": "aten.mul.Tensor", "node": "NativeLayerNormBackward0", "inputs": [{}]}},
+    (_at(category="op", op="aten.mul.Tensor", node="NativeLayerNormBackward0", inputs=[{}]),
      "norm.zero_variance", "eps"),
     (_op("aten.log.default", [{"zeros": 4}]), "op.log_domain", "log_softmax"),
-    ({"origin": {"category": "op", "op": "aten.div.Tensor", "node": "LogBackward0", "phase": "backward",
-                 "inputs": [{}, {"zeros": 1}]}}, "op.log_domain", "log_softmax"),
+    (_at(category="op", op="aten.div.Tensor", node="LogBackward0", phase="backward", inputs=[{}, {"zeros": 1}]),
+     "op.log_domain", "log_softmax"),
     (_op("aten.sqrt.default", [{"negative": 2}]), "op.sqrt_domain", "clamp_min"),
-    ({"origin": {"category": "op", "op": "aten.div.Tensor", "node": "SqrtBackward0", "phase": "backward",
-                 "forward_op": "aten.sqrt.default", "inputs": [{}, {"zeros": 2}]}}, "op.sqrt_domain", "eps"),
-    ({**_op("aten.exp.default", input_max=120.0), "kind": "inf"}, "op.exp_overflow", "max"),
+    (_at(category="op", op="aten.div.Tensor", node="SqrtBackward0", phase="backward", forward_op="aten.sqrt.default",
+         inputs=[{}, {"zeros": 2}]), "op.sqrt_domain", "eps"),
+    (_op("aten.exp.default", input_max=120.0, kind="inf"), "op.exp_overflow", "max"),
     (_op("aten.div.Tensor", [{}, {"zeros": 1}]), "op.division_by_zero", "clamp_min(1)"),
     (_op("aten.mm.default"), "unknown", "input statistics"),
     (_op("aten.std.correction", reduced_elements=1, correction=1.0), "op.division_by_zero", "std(correction=0)"),
     (_op("aten.mean.default", reduced_elements=0, correction=0), "op.division_by_zero", "max(n, 1)"),
     (_op("aten.smooth_l1_loss.default", reduced_elements=0, correction=0, targets=0, reduction=1),
      "data.no_valid_targets", "reduction='sum'"),
-    ({**_op("aten.acos.default", [{"min": -0.2, "max": 1.03}]), "kind": "nan"}, "op.trig_domain", "clamp"),
-    ({"origin": {"category": "op", "op": "aten.sub.Tensor", "node": "LogsumexpBackward0", "phase": "backward",
-                 "inputs": [{"neginf": 5}, {"neginf": 1}]}, "kind": "nan"}, "op.masked_softmax", "finfo(dtype).min"),
-    ({**_op("aten.pow.Tensor_Scalar", [{"absmax": 1e20, "negative": 0}], input_max=1e20), "kind": "inf"},
+    (_op("aten.acos.default", [{"min": -0.2, "max": 1.03}], kind="nan"), "op.trig_domain", "clamp"),
+    (_at(category="op", op="aten.sub.Tensor", node="LogsumexpBackward0", phase="backward",
+         inputs=[{"neginf": 5}, {"neginf": 1}], kind="nan"), "op.masked_softmax", "finfo(dtype).min"),
+    (_op("aten.pow.Tensor_Scalar", [{"absmax": 1e20, "negative": 0}], input_max=1e20, kind="inf"),
      "op.exp_overflow", "bound the argument"),
 ]  # fmt: skip
 
@@ -71,27 +83,28 @@ CASES = [
 def test_rule_table(evidence, cause, fix_text) -> None:
     verdict = diagnose(evidence)
     assert verdict.cause == cause
+    assert diagnose(json.loads(json.dumps(evidence.to_dict()))).cause == cause  # the written form reads the same
     assert verdict.why
     assert any(fix_text in fix for fix in verdict.fixes), verdict.fixes
 
 
 def test_data_wins_over_op_level_evidence() -> None:
-    ev = {"origin": {"category": "data", "op": "aten.log.default", "path": "x", "inputs": [{"zeros": 3, "nan": 1}]}}
+    ev = _at(category="data", op="aten.log.default", path="x", inputs=[{"zeros": 3, "nan": 1}])
     assert diagnose(ev).cause == "data.nonfinite"
 
 
 def test_init_rule_needs_an_overflow_not_just_big_weights() -> None:
-    ev = {**_op("aten.log.default", [{"zeros": 2, "absmax": 1.0}]), "kind": "inf",
-          "weight_scale": {"max_ratio": 200.0, "module": "fc"}}  # fmt: skip
-    ev["kind"] = "nan"
+    ev = _op("aten.log.default", [{"zeros": 2, "absmax": 1.0}], kind="inf",
+             weight_scale={"max_ratio": 200.0, "module": "fc"})  # fmt: skip
+    ev = replace(ev, kind="nan")
     assert diagnose(ev).cause == "op.log_domain"
 
 
 def test_initial_weight_scale_overrides_the_current_one() -> None:
-    ev = {**_op("aten.bmm.default", [{"absmax": 1e6}]), "kind": "inf",
-          "weight_scale": {"max_ratio": 500.0}, "initial_weight_scale": {"max_ratio": 0.2}}  # fmt: skip
+    ev = _op("aten.bmm.default", [{"absmax": 1e6}], kind="inf", weight_scale={"max_ratio": 500.0},
+             initial_weight_scale={"max_ratio": 0.2})  # fmt: skip
     assert diagnose(ev).cause == "unknown"
-    ev["initial_weight_scale"] = {"max_ratio": 500.0, "module": "fc"}
+    ev = replace(ev, initial_weight_scale={"max_ratio": 500.0, "module": "fc"})
     assert diagnose(ev).cause == "init.scale"
 
 
@@ -147,12 +160,13 @@ def test_nonfinite_update_names_what_it_counted() -> None:
 
 DIVERGING = {"diverging": True, "metric": "grad_norm", "growth": 80.0, "window": 5, "lr": 3.0}
 CALM = {"diverging": False, "metric": "grad_norm", "growth": 1.1, "window": 5, "lr": 1e-3}
-_LOG = _op("aten.log.default", [{"zeros": 4}])["origin"]
-_BMM = _op("aten.bmm.default", [{"absmax": 1e6}])["origin"]
+_LOG = _op("aten.log.default", [{"zeros": 4}]).origin
+_BMM = _op("aten.bmm.default", [{"absmax": 1e6}]).origin
 
 
 def _located(cause, origin, kind="nan"):
-    return Diagnosis(cause=cause, kind=kind, op=origin["op"], module="m", evidence={"origin": origin, "why": "op"})
+    evidence = Evidence(origin=origin, why="op").to_dict()
+    return Diagnosis(cause=cause, kind=kind, op=origin.op, module="m", evidence=evidence)
 
 
 def _update():
@@ -213,51 +227,49 @@ def test_division_by_zero_evidence_names_count_and_correction() -> None:
 
 def test_low_precision_overflow_with_large_weights_is_precision_with_init_scale_also() -> None:
     fp32 = {"finite": True, "absmax": 1.0e5, "dtype": "float16", "dtype_max": 65504.0}
-    ev = {**_op("aten.mm.default", [{"absmax": 160.0}], fp32_recompute=fp32), "kind": "inf",
-          "weight_scale": {"max_ratio": 300.0, "module": "ff.wo"}}  # fmt: skip
+    ev = _op("aten.mm.default", [{"absmax": 160.0}], fp32_recompute=fp32, kind="inf",
+             weight_scale={"max_ratio": 300.0, "module": "ff.wo"})  # fmt: skip
     verdict = diagnose(ev)
     assert verdict.cause == "precision.overflow"
     assert [a["cause"] for a in verdict.also] == ["init.scale"]
     assert "ff.wo" in verdict.also[0]["why"] and "300x" in verdict.also[0]["why"]
     # The same overflow where float32 overflows as well is the init's.
-    ev["origin"]["fp32_recompute"] = {**fp32, "finite": False}
+    ev = replace(ev, origin=replace(ev.origin, extra={"fp32_recompute": {**fp32, "finite": False}}))
     assert diagnose(ev).cause == "init.scale"
 
 
 def test_log_of_zero_next_to_large_weights_is_log_domain_without_init_hint() -> None:
-    ev = {**_op("aten.log.default", [{"zeros": 1, "absmax": 1.0}]), "kind": "inf",
-          "weight_scale": {"max_ratio": 17.0, "module": "fc"}}  # fmt: skip
+    ev = _op("aten.log.default", [{"zeros": 1, "absmax": 1.0}], kind="inf",
+             weight_scale={"max_ratio": 17.0, "module": "fc"})  # fmt: skip
     verdict = diagnose(ev)
     assert verdict.cause == "op.log_domain" and verdict.also == []
 
 
 def test_log_rule_matches_log_nodes_only() -> None:
     for node in ("LogsumexpBackward0", "LogSigmoidBackward0", "LogSoftmaxBackward0"):
-        ev = {"origin": {"category": "op", "op": "aten.mul.Tensor", "node": node, "phase": "backward",
-                         "inputs": [{}, {"zeros": 1}]}}  # fmt: skip
+        ev = _at(category="op", op="aten.mul.Tensor", node=node, phase="backward", inputs=[{}, {"zeros": 1}])
         assert diagnose(ev).cause != "op.log_domain", node
     for node in ("LogBackward0", "Log2Backward0", "Log10Backward0"):
-        ev = {"origin": {"category": "op", "op": "aten.div.Tensor", "node": node, "phase": "backward",
-                         "inputs": [{}, {"zeros": 1}]}}  # fmt: skip
+        ev = _at(category="op", op="aten.div.Tensor", node=node, phase="backward", inputs=[{}, {"zeros": 1}])
         assert diagnose(ev).cause == "op.log_domain", node
 
 
 def test_pow_of_a_huge_finite_value_is_not_a_sqrt_domain_error() -> None:
-    ev = {**_op("aten.pow.Tensor_Scalar", [{"absmax": 1e20, "negative": 0}], input_max=1e20), "kind": "inf"}
+    ev = _op("aten.pow.Tensor_Scalar", [{"absmax": 1e20, "negative": 0}], input_max=1e20, kind="inf")
     assert diagnose(ev).cause != "op.sqrt_domain"
-    ev = {**_op("aten.pow.Tensor_Scalar", [{"min": -3.0, "negative": 1}]), "kind": "nan"}
+    ev = _op("aten.pow.Tensor_Scalar", [{"min": -3.0, "negative": 1}], kind="nan")
     assert diagnose(ev).cause == "op.sqrt_domain"
 
 
 def test_acos_inside_its_domain_is_not_trig_domain() -> None:
-    ev = {**_op("aten.acos.default", [{"min": -0.5, "max": 0.5}]), "kind": "nan"}
+    ev = _op("aten.acos.default", [{"min": -0.5, "max": 0.5}], kind="nan")
     assert diagnose(ev).cause == "unknown"
 
 
 def test_also_lists_other_fitting_causes_most_likely_first_without_the_winner() -> None:
-    ev = {**_op("aten.exp.default", [{"absmax": 1e5}], input_max=1e5), "kind": "inf",
-          "history": {"diverging": True, "metric": "loss", "growth": 50.0, "window": 4},
-          "weight_scale": {"max_ratio": 40.0, "module": "fc"}}  # fmt: skip
+    ev = _op("aten.exp.default", [{"absmax": 1e5}], input_max=1e5, kind="inf",
+             history={"diverging": True, "metric": "loss", "growth": 50.0, "window": 4},
+             weight_scale={"max_ratio": 40.0, "module": "fc"})  # fmt: skip
     verdict = diagnose(ev)
     causes = [a["cause"] for a in verdict.also]
     assert verdict.cause == "init.scale"
@@ -277,8 +289,8 @@ def test_also_round_trips_and_shows_in_text() -> None:
 
 
 def test_rejudged_divergence_keeps_the_op_cause_in_also() -> None:
-    ev = {**_op("aten.exp.default", input_max=300.0), "kind": "inf", "why": "exp overflowed"}
-    diag = Diagnosis(cause="op.exp_overflow", kind="inf", op="aten.exp.default", evidence=ev)
+    ev = _op("aten.exp.default", input_max=300.0, kind="inf", why="exp overflowed")
+    diag = Diagnosis(cause="op.exp_overflow", kind="inf", op="aten.exp.default", evidence=ev.to_dict())
     out = rejudge(diag, history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5})
     assert out.cause == "optimizer.divergence"
     assert out.also and out.also[0]["cause"] == "op.exp_overflow"

@@ -73,7 +73,10 @@ class OriginEvidence:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form ``from_dict`` reads: the keys as they were given, or for a record built
         in code the tracer's form (the location and statistics always, the index facts when set)."""
-        names = self.given or (*_ORIGIN_ALWAYS, *(n for n in _ORIGIN_INDEX if getattr(self, n) not in (None, [])))
+        names = self.given or _ORIGIN_ALWAYS
+        names += tuple(
+            n for n in (*_ORIGIN_ALWAYS, *_ORIGIN_INDEX) if n not in names and getattr(self, n) not in (None, [])
+        )
         return {**{name: getattr(self, name) for name in names}, **self.extra}
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -129,6 +132,8 @@ class Evidence:
     op_cause: str | None = None
     """The op-level cause, when the history names another one."""
     created_in: dict[str, Any] | None = None
+    rows: list[int] | None = None
+    """The batch rows holding the bad values (a data cause, ``guard.remedies.with_bad_rows``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Every other key, as written (``where``, ``rows``, ``flagged_ranks``, ...)."""
     given: tuple[str, ...] = ()
@@ -153,9 +158,11 @@ class Evidence:
         return cls(**known, extra=data, given=tuple(k for k in order if k in known))
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form ``from_dict`` reads: the keys as given, or the set ones for a record built in code."""
-        names = self.given or tuple(
-            f.name for f in fields(self) if f.name not in ("extra", "given") and getattr(self, f.name) is not None
+        """The JSON form ``from_dict`` reads: the keys as given, then those set since (or built in code)."""
+        names = self.given + tuple(
+            f.name
+            for f in fields(self)
+            if f.name not in ("extra", "given", *self.given) and getattr(self, f.name) is not None
         )
         out = {name: getattr(self, name) for name in names}
         if isinstance(out.get("origin"), OriginEvidence):
@@ -194,6 +201,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "why": (str,),
     "op_cause": (str,),
     "created_in": (dict,),
+    "rows": (list,),
 }
 
 

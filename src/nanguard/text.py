@@ -1,15 +1,19 @@
 """Diagnoses, evidence and events in words: the one text layer for ``str(diag)``, the terminal and HTML.
 
-A fact is worded here once, whoever shows it. This module imports nothing from nanguard, so the
-records in ``findings`` can use it for ``str(diag)`` without an import cycle; it reads a diagnosis
-through ``DiagnosisFields``, the fields of ``findings.Diagnosis`` it words.
+A fact is worded here once, whoever shows it. This module imports nothing from nanguard at import
+time, so the records in ``findings`` can use it for ``str(diag)`` without an import cycle; it reads a
+diagnosis through ``DiagnosisFields``, the fields of ``findings.Diagnosis`` it words, and its evidence
+through the typed records of ``nanguard.evidence`` (which import nothing from nanguard either).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from nanguard.evidence import Evidence
 
 
 class DiagnosisFields(Protocol):
@@ -165,29 +169,30 @@ def summary(diag: DiagnosisFields) -> str:
 
 def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     """(label, value) pairs saying where the origin is: module, op, autograd node, input, source, phase, rank, step."""
-    origin = diag.evidence.get("origin") or {}
+    record = _record(diag)
+    origin = record.origin_or_empty
     rows: list[tuple[str, str]] = []
     if diag.module is not None:
-        mtype = origin.get("module_type")
+        mtype = origin.module_type
         rows.append(("module", f"{diag.module or '<root>'}" + (f" ({mtype})" if mtype else "")))
     if diag.op:
         rows.append(("op", diag.op))
     if origin.get("user_op"):
-        inner = f", where {origin['internal_op']} made it" if origin.get("internal_op") else ""
-        rows.append(("inside", f"torch's implementation of {origin['user_op']}{inner}"))
+        inner = f", where {origin.get('internal_op')} made it" if origin.get("internal_op") else ""
+        rows.append(("inside", f"torch's implementation of {origin.get('user_op')}{inner}"))
     if origin.get("gradient_surgery"):
         read = ", ".join(str(g) for g in origin.get("gradients_of") or [])
         surgery = "an op on .grad after backward(), before the optimizer step"
         rows.append(("gradients", surgery + (f": {read}" if read else "")))
-    raised = (diag.evidence or {}).get("exception")
+    raised = record.exception
     if isinstance(raised, Mapping):
         at = f" at {raised['raised_at']}" if raised.get("raised_at") else ""
         rows.append(("raised", f"{raised.get('type')}: {raised.get('message', '')}{at}"))
-    if origin.get("node"):
-        fwd = origin.get("forward_op")
-        rows.append(("autograd", origin["node"] + (f" (backward of {fwd})" if fwd else "")))
-    if origin.get("path"):
-        rows.append(("input", origin["path"]))
+    if origin.node:
+        fwd = origin.forward_op
+        rows.append(("autograd", origin.node + (f" (backward of {fwd})" if fwd else "")))
+    if origin.path:
+        rows.append(("input", origin.path))
     if diag.source:
         rows.append(("your code", diag.source))
     rows.append(("phase", diag.phase))
@@ -196,13 +201,21 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         rows.append(("rank", ranks))
     if diag.step is not None:
         rows.append(("step", str(diag.step)))
-    where = diag.evidence.get("where")
+    where = record.get("where")
     if isinstance(where, Mapping) and where.get("host"):
         rows.append(("host", device_words(where)))
-    for fault in diag.evidence.get("injected") or []:
+    for fault in record.get("injected") or []:
         if isinstance(fault, Mapping):
             rows.append(("injected", f"{fault.get('fault')}: a fire drill (NANGUARD_INJECT), not a fault of the run"))
     return rows
+
+
+def _record(diag: DiagnosisFields) -> Evidence:
+    # evidence.py imports nothing from nanguard: read here, at call time, it adds no edge findings -> text
+    # could close into a cycle, and text's module-level imports stay free of nanguard (tests/test_layout.py).
+    from nanguard.evidence import Evidence
+
+    return Evidence.of(diag.evidence)
 
 
 def device_words(where: Mapping[str, Any]) -> str:
@@ -250,27 +263,26 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
                why  128 of 1024 rows given to aten._softmax.default ... are entirely -inf
             output  float32 [8, 4, 32, 32], finite range 0 .. 1, 4096 NaN
     """
-    ev = diag.evidence or {}
-    found = ev.get("origin")
-    origin: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    ev = _record(diag)
+    origin = ev.origin_or_empty
     lines: list[tuple[str, str]] = []
-    if ev.get("why"):
-        lines.append(("why", str(ev["why"])))
-    if ev.get("op_cause") and ev.get("op_cause") != diag.cause:
-        lines.append(("first op", f"the op-level cause was {ev['op_cause']}; the history points further back"))
-    if "loss" in ev or "grad_norm" in ev:
+    if ev.why:
+        lines.append(("why", str(ev.why)))
+    if ev.op_cause and ev.op_cause != diag.cause:
+        lines.append(("first op", f"the op-level cause was {ev.op_cause}; the history points further back"))
+    if "loss" in ev.extra or "grad_norm" in ev.extra:
         lines.append(("values", f"loss {fmt(ev.get('loss'))}, gradient norm {fmt(ev.get('grad_norm'))}"))
     for finding in ev.get("findings") or []:
         if isinstance(finding, Mapping) and finding.get("message"):
             lines.append(("check_batch", f"{finding.get('where', '')}: {finding['message']}".lstrip(": ")))
-    is_op = origin.get("category") not in ("data", "parameters")
+    is_op = origin.category not in ("data", "parameters")
     for key, name in (("inputs", "op input" if is_op else "values"), ("outputs", "op output")):
-        items = [s for s in origin.get(key) or [] if isinstance(s, Mapping)]
+        items = [s for s in getattr(origin, key) or [] if isinstance(s, Mapping)]
         for i, stats in enumerate(items):
             lines.append((name if len(items) == 1 else f"{name} {i + 1}", tensor_words(stats)))
-    for stats in origin.get("index_inputs") or []:
+    for stats in origin.index_inputs or []:
         if isinstance(stats, Mapping):
-            size = origin.get("indexed_size")
+            size = origin.indexed_size
             valid = f"; valid ids are [0, {size - 1}]" if isinstance(size, int) else ""
             lines.append(("ids", tensor_words(stats) + valid))
     fp32 = origin.get("fp32_recompute")
@@ -283,8 +295,10 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
             )
         )
     if isinstance(origin.get("fully_masked_rows"), int) and isinstance(origin.get("rows"), int):
-        lines.append(("masked rows", f"{origin['fully_masked_rows']} of {origin['rows']} rows are fully masked"))
-    history = ev.get("history")
+        lines.append(
+            ("masked rows", f"{origin.get('fully_masked_rows')} of {origin.get('rows')} rows are fully masked")
+        )
+    history = ev.history
     if isinstance(history, Mapping) and history.get("growth") is not None:
         metric = str(history.get("metric", "grad_norm")).replace("_", " ")
         verdict = "diverging" if history.get("diverging") else "not diverging"
@@ -293,14 +307,14 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         growth = fmt(history["growth"], 3)
         lines.append(("history", f"{metric} grew {growth}x over the last {window} steps{lr}: {verdict}"))
     if ev.get("flagged_ranks") is not None:
-        flagged = ", ".join(str(r) for r in ev["flagged_ranks"]) or "none"
+        flagged = ", ".join(str(r) for r in ev.get("flagged_ranks")) or "none"
         text = f"non-finite after the step on rank(s) {flagged}"
         received = ev.get("received_ranks")
         if diag.ranks and isinstance(received, list):  # the ranks replayed together, communicating
             text += f"; made by the own compute of rank(s) {', '.join(str(r) for r in diag.ranks)}"
             if received:
                 text += f", it reached rank(s) {', '.join(str(r) for r in received)} through communication"
-        elif diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
+        elif diag.ranks and "per_rank_causes" in ev.extra:  # written only when some rank's replay reproduced it
             text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
         lines.append(("ranks", text))
     stage = ev.get("stage")
@@ -310,21 +324,21 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         lines.append(("stage", f"pipeline stage {stage['index']} of {stage.get('stages', '?')}{made}"))
     causes = ev.get("per_rank_causes")
     if isinstance(causes, Mapping) and isinstance(ev.get("received_ranks"), list):
-        causes = {r: "received" if int(r) in ev["received_ranks"] else c for r, c in causes.items()}
+        causes = {r: "received" if int(r) in ev.get("received_ranks") else c for r, c in causes.items()}
     if isinstance(causes, Mapping) and len(set(causes.values())) > 1:
         lines.append(("per rank", ", ".join(f"rank {r}: {c}" for r, c in causes.items())))
-    results = ev.get("results")
+    results = ev.results
     if isinstance(results, list) and results:
-        total = ev.get("nonfinite_results") if isinstance(ev.get("nonfinite_results"), int) else len(results)
+        total = ev.nonfinite_results if ev.nonfinite_results is not None else len(results)
         names = [r.get("path") for r in results if isinstance(r, Mapping)]
         lines.append(("reached", f"{total} non-finite result(s): {_listed(names, total)}"))
-    after = ev.get("after")
+    after = ev.after
     if isinstance(after, list) and after:
         ops = [short_op(a.get("op")) or "?" for a in after if isinstance(a, Mapping)]
         lines.append(("then", " -> ".join(ops[:_MAX_LISTED]) + (" -> ..." if len(ops) > _MAX_LISTED else "")))
     if ev.get("parameters"):
-        lines.append(("parameters", _listed(ev["parameters"], ev.get("nonfinite_parameters"))))
-    scale = ev.get("weight_scale")
+        lines.append(("parameters", _listed(ev.get("parameters"), ev.get("nonfinite_parameters"))))
+    scale = ev.weight_scale
     if isinstance(scale, Mapping) and scale.get("max_ratio") is not None and float(scale["max_ratio"]) > 3:
         lines.append(("init", f"weight rms*sqrt(fan_in) reaches {fmt(scale['max_ratio'], 3)} in {scale.get('module')}"))
     count, correction = origin.get("reduced_elements"), origin.get("correction")
@@ -336,17 +350,17 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         zeros = f"{denom.get('zeros')} of {denom['size']} are 0" if "size" in denom else f"{fmt(denom.get('value'))}"
         lines.append(("denominator", f"{denom['what']}: {zeros}"))
     if origin.get("statistic") and origin.get("normalizes"):
-        own = f"divides a tensor by its own {origin['statistic']} (read from the autograd graph)"
+        own = f"divides a tensor by its own {origin.get('statistic')} (read from the autograd graph)"
         lines.append(("normalizes", own))
     for other in diag.also or []:
         if isinstance(other, Mapping):
             lines.append(("also", f"{other.get('cause')}: {other.get('why', '')}"))
     if ev.get("error"):
-        lines.append(("error", str(ev["error"])))
-    elif origin.get("error"):
-        lines.append(("error", str(origin["error"])))
+        lines.append(("error", str(ev.get("error"))))
+    elif origin.error:
+        lines.append(("error", str(origin.error)))
     if ev.get("bundle"):
-        lines.append(("bundle", str(ev["bundle"])))
+        lines.append(("bundle", str(ev.get("bundle"))))
     return lines
 
 
@@ -360,23 +374,22 @@ def op_path(diag: DiagnosisFields) -> list[dict[str, Any]]:
         >>> [(r["role"], r["op"]) for r in op_path(diag)][-3:]
         [('origin', 'aten._softmax.default'), ('after', 'aten.detach.default'), ...]
     """
-    ev = diag.evidence or {}
-    found = ev.get("origin")
-    origin: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    ev = _record(diag)
+    origin = ev.origin_or_empty
     rows: list[dict[str, Any]] = []
-    for item in ev.get("before") or []:
+    for item in ev.before or []:
         if isinstance(item, Mapping):
             rows.append(_row("before", item, ""))
     rows.append(
         {
             "role": "origin",
-            "op": diag.op or origin.get("op") or f"({origin.get('category', 'input')})",
-            "module": diag.module if diag.module is not None else origin.get("module"),
+            "op": diag.op or origin.op or f"({origin.category or 'input'})",
+            "module": diag.module if diag.module is not None else origin.module,
             "phase": diag.phase,
             "carries": kind_name(diag.kind),
         }
     )
-    for item in ev.get("after") or []:
+    for item in ev.after or []:
         if isinstance(item, Mapping):
             rows.append(_row("after", item, "NaN" if item.get("nan") else "Inf"))
     return rows

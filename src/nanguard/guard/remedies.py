@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from nanguard import dist, sampler
-from nanguard.evidence import OriginEvidence
+from nanguard.evidence import Evidence
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.policy import SANE_SCALE, Remedy
@@ -123,7 +123,7 @@ class Remedies:
         scaler.update(SANE_SCALE)
 
     def _quarantine(self, step: int, diag: Diagnosis) -> None:
-        rows = diag.evidence.get("rows")
+        rows = Evidence.of(diag.evidence).rows
         scope, ids = self.config.quarantine, self.sample_ids
         chosen: list[int] = []
         if ids is not None and scope != "off":
@@ -260,7 +260,9 @@ def with_bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> Diagnosis:
     if diag.phase != "data" or batch is None:
         return diag
     rows = bad_rows(diag, batch, n_rows)
-    return diag if rows is None else replace(diag, evidence={**diag.evidence, "rows": rows})
+    if rows is None:
+        return diag
+    return replace(diag, evidence=replace(Evidence.of(diag.evidence), rows=rows).to_dict())
 
 
 def bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> list[int] | None:
@@ -271,7 +273,7 @@ def bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> list[int] | Non
         >>> bad_rows(diag, {"x": torch.tensor([[1.0], [float("nan")]])}, n_rows=2)
         [1]
     """
-    origin = OriginEvidence.from_dict(diag.evidence.get("origin"))
+    origin = Evidence.of(diag.evidence).origin_or_empty
     size = origin.indexed_size
     if diag.cause == "data.nonfinite":
         paths = {origin.path}
