@@ -315,3 +315,51 @@ def test_kind_is_validated_and_worded() -> None:
     assert "invalid value created" in diagnosis_text(diag)
     with pytest.raises(ValueError, match="kind must be one of"):
         Diagnosis(cause="unknown", kind="finite")
+
+
+# -- a normalization whose statistics overflow is not a zero variance (issue 27, item 4) ----
+_LN_OVERFLOW = {"op": "aten.native_layer_norm.default", "module_type": "LayerNorm", "norm_eps": 1e-5,
+                "min_variance": 3.0, "max_variance": float("inf"),
+                "inputs": [{"absmax": 8e20, "dtype": "float32"}]}  # fmt: skip
+
+
+def test_a_norm_whose_variance_overflowed_after_the_weights_grew_is_divergence() -> None:
+    ev = {**_op(**_LN_OVERFLOW), "kind": "nan", "weight_scale": {"max_ratio": 2e7, "module": "blocks.0.mlp.proj"},
+          "initial_weight_scale": {"max_ratio": 0.45, "module": "blocks.0.mlp.proj"}}  # fmt: skip
+    verdict = diagnose(ev)
+    assert verdict.cause == "optimizer.divergence"
+    assert "not a zero variance" in verdict.why and "blocks.0.mlp.proj" in verdict.why
+    assert any("learning rate" in fix for fix in verdict.fixes)
+    assert not any("eps" in fix for fix in verdict.fixes)
+
+
+def test_a_norm_whose_variance_overflowed_without_grown_weights_names_no_eps() -> None:
+    # locate alone (no scale from the run's start), or weights at their start scale: not a zero variance either
+    for extra in ({}, {"weight_scale": {"max_ratio": 0.5}, "initial_weight_scale": {"max_ratio": 0.45}}):
+        verdict = diagnose({**_op(**_LN_OVERFLOW), "kind": "nan", **extra})
+        assert verdict.cause == "unknown" and "overflows float32" in verdict.why
+    # the backward of such a norm: its input's squares overflow float32
+    node = {"op": "aten.native_layer_norm_backward.default", "node": "NativeLayerNormBackward0",
+            "inputs": [{"absmax": 1.0}, {"absmax": 5e19}]}  # fmt: skip
+    assert diagnose({**_op(**node), "kind": "nan"}).cause == "unknown"
+    # a finite variance, however small, is still the eps's business
+    assert diagnose(_op(**{**_LN_OVERFLOW, "max_variance": 4.0, "inputs": [{"absmax": 3.0}]})).cause == (
+        "norm.zero_variance"
+    )
+
+
+@pytest.mark.parametrize("op", ["aten.div.Tensor", "aten.div_.Tensor"])
+def test_a_tensor_divided_by_the_number_zero_is_a_division_by_zero(op) -> None:
+    verdict = diagnose(_op(op, [{"zeros": 0, "absmax": 2.0}], scalars=[0.0]))
+    assert verdict.cause == "op.division_by_zero" and "the number 0" in verdict.why
+    assert diagnose(_op(op, [{"zeros": 0, "absmax": 2.0}], scalars=[2.0])).cause == "unknown"
+
+
+def test_an_optimizer_eps_that_is_zero_in_the_parameters_dtype_is_named() -> None:
+    def fixes(dtype):
+        return nonfinite_update(step=0, optimizer="AdamW", hyperparameters={"eps": 1e-8, "lr": 1e-3},
+                                bad_parameters=["wte.weight"], rank=None, ranks=[], dtype=dtype).fixes  # fmt: skip
+
+    assert "eps=1e-08 is 0 in float16" in fixes("float16")[0]
+    for dtype in ("bfloat16", "float32", None):  # 1e-8 is a normal bfloat16 and float32 value
+        assert not any("is 0 in" in fix for fix in fixes(dtype))

@@ -32,12 +32,14 @@ __all__ = [
     "Verdict",
     "communication_overflow",
     "diagnose",
+    "loaded_nonfinite",
     "loss_scale_collapse",
     "nonfinite_shards",
     "nonfinite_update",
     "rejected_batch",
     "rejudge",
     "replica_divergence",
+    "runaway_growth",
     "transient_fault",
 ]
 
@@ -246,12 +248,15 @@ def divergence(ev: Evidence) -> Verdict | None:
     )
     if o.get("op"):
         why += f"; the first non-finite value then appeared in {o['op']} ({_where(o)})"
-    fixes = [
+    return Verdict("optimizer.divergence", why, _divergence_fixes(history))
+
+
+def _divergence_fixes(history: Evidence) -> list[str]:
+    return [
         f"lower the learning rate (now {history['lr']:.3g})" if history.get("lr") else "lower the learning rate",
         "add warmup and gradient clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
         "watch the spike events in the run's event log: they start before the NaN",
     ]
-    return Verdict("optimizer.divergence", why, fixes)
 
 
 # -- op-level --------------------------------------------------------------------------
@@ -311,11 +316,65 @@ _NORM_OPS = ("_layer_norm", "_group_norm", "_batch_norm", "rms_norm")
 _NORM_LAYER = re.compile(r"Norm(\d+d)?$")
 
 
+def _in_norm(o: dict[str, Any]) -> bool:
+    op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
+    return any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES) or bool(_NORM_LAYER.search(mtype))
+
+
+_SQUARE_OVERFLOW = math.sqrt(torch.finfo(torch.float32).max)
+"""Values past this have squares that overflow float32, where norms compute their statistics."""
+
+
+def _statistics_overflowed(o: dict[str, Any]) -> bool:
+    """A normalization's variance overflowed: finite inputs too large for their squares (an
+    Inf variance, or in a norm's backward inputs past the square's range), the opposite of a
+    zero variance."""
+    var = o.get("max_variance")
+    return (isinstance(var, (int, float)) and not math.isfinite(var)) or _input_absmax(o) >= _SQUARE_OVERFLOW
+
+
+GROWN_WEIGHTS = 100.0
+"""Weights this many times their scale at the start of the run (rms x sqrt(fan_in)) were grown by training."""
+
+
+def _weight_growth(ev: Evidence) -> float:
+    """How many times the weights' scale grew since the run started (0 when only the guard could tell)."""
+    now, start = ev.get("weight_scale") or {}, ev.get("initial_weight_scale") or {}
+    ratio, initial = now.get("max_ratio") or 0.0, start.get("max_ratio") or 0.0
+    return ratio / initial if initial > 0 and ratio >= INIT_RATIO_HIGH else 0.0
+
+
+def norm_statistics_overflow(ev: Evidence) -> Verdict | None:
+    """A normalization whose statistics overflowed: the activations entering it grew too large.
+
+    With weights grown far from the scale the run started from, training blew them up
+    (``optimizer.divergence``); otherwise the origin is named without a cause.
+    """
+    o = _origin(ev)
+    if not _in_norm(o) or not _statistics_overflowed(o):
+        return None
+    dtype = _first_input(o).get("dtype", "float32")
+    name = o.get("module_type") or "the normalization layer"
+    why = (
+        f"{name} in {_where(o)} got inputs up to {_input_absmax(o):.3g}, whose variance overflows {dtype} "
+        "(a row variance of inf): an overflow of grown activations, not a zero variance"
+    )
+    growth = _weight_growth(ev)
+    if growth >= GROWN_WEIGHTS:
+        scale = ev.get("weight_scale") or {}
+        why += f"; the weights of '{scale.get('module')}' are {growth:.3g}x their scale at the start of the run"
+        return Verdict("optimizer.divergence", why, _divergence_fixes(ev.get("history") or {}))
+    fixes = [
+        "find what makes the activations grow: the per-module absmax of this step, ng.audit_model(model)",
+        "if the loss grew in the steps before, lower the learning rate and add gradient clipping",
+    ]
+    return Verdict("unknown", why, fixes)
+
+
 def zero_variance(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
-    in_norm = any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES) or _NORM_LAYER.search(mtype)
-    if not in_norm:
+    mtype = str(o.get("module_type") or "")
+    if not _in_norm(o) or _statistics_overflowed(o):
         return None
     eps = o.get("norm_eps", o.get("module_eps"))
     var = o.get("min_variance")
@@ -407,9 +466,12 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
     inputs = o.get("inputs") or []
     denom = inputs[1] if op != "reciprocal" and len(inputs) > 1 else inputs[0] if inputs else {}
     zeros = denom.get("zeros", 0) if denom else 0
-    if not zeros and not node:
+    if _zero_scalar_divisor(o, op):
+        why = f"{o.get('op')} in {_where(o)} divided by the number 0 (a Python scalar)"
+    elif zeros or node:
+        why = f"{o.get('op')} in {_where(o)} divided by a denominator with {zeros} zeros"
+    else:
         return None
-    why = f"{o.get('op')} in {_where(o)} divided by a denominator with {zeros} zeros"
     if o.get("source"):
         why += f" at {o['source']}"
     fixes = [
@@ -417,6 +479,13 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
         "or add an eps: x / (d + 1e-8)",
     ]
     return Verdict("op.division_by_zero", why, fixes)
+
+
+def _zero_scalar_divisor(o: dict[str, Any], op: str) -> bool:
+    """``h / 0.0``: a tensor divided by a Python number, which the tracer keeps in ``scalars``, not ``inputs``."""
+    scalars = o.get("scalars") or []
+    one_tensor = len(o.get("inputs") or []) == 1
+    return op in ("div", "div_", "true_divide") and one_tensor and bool(scalars) and scalars[0] == 0
 
 
 def _too_few(o: dict[str, Any], count: int, correction: float) -> Verdict:
@@ -519,6 +588,7 @@ RULES: list[Callable[[Evidence], Verdict | None]] = [
     nonfinite_parameters,
     init_scale,
     divergence,
+    norm_statistics_overflow,
     precision_overflow,
     masked_softmax,
     zero_variance,
@@ -562,8 +632,9 @@ def nonfinite_update(
     bad_parameters: list[str],
     rank: int | None,
     ranks: list[int],
+    dtype: str | None = None,
 ) -> Diagnosis:
-    """Finite gradients, yet the optimizer's update left ``bad_parameters`` non-finite.
+    """Finite gradients, yet the optimizer's update left ``bad_parameters`` (of ``dtype``) non-finite.
 
     Example:
         >>> nonfinite_update(step=3, optimizer="Adam", hyperparameters={"eps": 0.0}, bad_parameters=["fc.weight"],
@@ -585,24 +656,76 @@ def nonfinite_update(
             "nonfinite_parameters": len(bad_parameters),
             "optimizer": optimizer,
             "hyperparameters": dict(hyperparameters),
+            **({"dtype": dtype} if dtype else {}),
             "why": f"gradients were finite, but after {optimizer}.step "
             f"{len(bad_parameters)} parameter tensor(s) hold NaN/Inf, first {first}",
         },
-        fixes=_update_fixes(hyperparameters),
+        fixes=_update_fixes(hyperparameters, dtype),
     )
 
 
-def _update_fixes(hp: Mapping[str, Any]) -> list[str]:
+def _update_fixes(hp: Mapping[str, Any], dtype: str | None = None) -> list[str]:
     fixes = []
     eps = hp.get("eps")
     if isinstance(eps, (int, float)) and eps <= 1e-12:
         fixes.append(f"optimizer eps is {eps}; use 1e-8 (1e-6 or more with bf16/fp16 states): "
                      "a zero second moment divides 0 by 0")  # fmt: skip
+    elif isinstance(eps, (int, float)) and eps > 0 and (lost := _rounds_to_zero(eps, dtype)):
+        fixes.append(f"optimizer eps={eps:g} is 0 in {dtype} (its smallest value is {lost:.3g}), the dtype of the "
+                     "parameters and so of the optimizer's state: a zero second moment divides 0 by 0; keep float32 "
+                     "master weights (autocast, or a mixed-precision optimizer) or use eps >= 1e-4")  # fmt: skip
     fixes += [
         "check the optimizer state for NaN/Inf (a resumed state from another run or dtype)",
         f"lower the learning rate (now {hp.get('lr')})" if "lr" in hp else "lower the learning rate",
     ]
     return fixes
+
+
+def _rounds_to_zero(value: float, dtype: str | None) -> float:
+    """The smallest positive ``dtype`` value when ``value`` rounds to 0 in that dtype, else 0."""
+    torch_dtype = getattr(torch, dtype, None) if dtype else None
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        return 0.0
+    if torch.tensor(value, dtype=torch_dtype).item() != 0:
+        return 0.0
+    return float(torch.finfo(torch_dtype).smallest_normal * torch.finfo(torch_dtype).eps)
+
+
+def runaway_growth(*, step: int, history: Mapping[str, Any], lr: Any, rank: int | None, ranks: list[int]) -> Diagnosis:
+    """A finite step whose gradients (or loss) grew so fast that the run is diverging, caught
+    before its clip and update (``History.runaway``'s ``history``): nothing is non-finite yet,
+    but a float32 clip would compute an Inf norm (``float32_overflow``), or will soon.
+
+    Example:
+        >>> runaway_growth(step=3, history={"metric": "grad_norm", "growth": 4e18, "float32_overflow": True,
+        ...                "grad_norm": 7e19, "window": 3}, lr=1e3, rank=None, ranks=[]).cause
+        'optimizer.divergence'
+    """
+    overflow = bool(history.get("float32_overflow"))
+    metric, growth = history.get("metric", "grad_norm"), history.get("growth", 0.0)
+    why = f"the gradients are finite, but their norm {history.get('grad_norm', 0.0):.3g} "
+    why = (
+        why + "is past float32's range once squared: a float32 clip_grad_norm_ computes an Inf norm"
+        if overflow
+        else f"{metric} grew {growth:.3g}x over the last {history.get('window', 0)} step(s)"
+    )
+    if overflow and growth:
+        why += f"; it grew {growth:.3g}x over the last {history.get('window', 0)} step(s)"
+    return Diagnosis(
+        cause="optimizer.divergence",
+        kind="inf" if overflow else "invalid",  # nothing non-finite exists yet
+        phase="backward",  # the gradients it made; no update ran
+        rank=rank,
+        ranks=ranks,
+        step=step,
+        evidence={
+            "history": {**history, "lr": lr},
+            "loss": history.get("loss"),
+            "grad_norm": history.get("grad_norm"),
+            "why": why + ", caught before the clip and the update",
+        },
+        fixes=_divergence_fixes({"lr": lr}),
+    )
 
 
 def transient_fault(
@@ -674,6 +797,42 @@ def nonfinite_shards(*, step: int, parameters: list[str], nan: int, inf: int, ra
             "parameters": parameters[:16],
             "sharded": True,
             "why": f"rank {rank}'s own shard of " + verdict.why,
+        },
+        fixes=verdict.fixes,
+    )
+
+
+def loaded_nonfinite(
+    *, step: int, found: list[tuple[str, int, int, list[int]]], rank: int | None, ranks: list[int]
+) -> Diagnosis:
+    """Parameters non-finite before any update of the guard: as the model was built or a state dict
+    (a checkpoint) loaded it. ``found`` holds (name, NaN count, Inf count, rows holding them) per
+    parameter, first the first in ``named_parameters`` order.
+
+    Example:
+        >>> loaded_nonfinite(step=0, found=[("wte.weight", 64, 0, [7])], rank=None, ranks=[]).module
+        'wte'
+    """
+    name, nan, inf, rows = found[0] if found else ("a parameter", 0, 0, [])
+    module = name.rpartition(".")[0]
+    origin = {"category": "parameters", "path": name, "module": module, "inputs": [{"nan": nan, "posinf": inf}]}
+    verdict = nonfinite_parameters({"origin": origin})
+    assert verdict is not None
+    where = f" (rows {rows} of {name})" if rows else ""
+    return Diagnosis(
+        cause=verdict.cause,
+        kind="nan" if nan else "inf",
+        phase="parameters",
+        module=module,
+        rank=rank,
+        ranks=ranks,
+        step=step,
+        evidence={
+            "origin": origin,
+            "parameters": [f[0] for f in found][:16],
+            "rows": rows,
+            "loaded": True,
+            "why": verdict.why.replace("before the step", f"before the guard's first update{where}"),
         },
         fixes=verdict.fixes,
     )

@@ -23,6 +23,7 @@ from torch import nn
 from nanguard import dist
 from nanguard.diagnose import (
     communication_overflow,
+    loaded_nonfinite,
     nonfinite_shards,
     nonfinite_update,
     rejected_batch,
@@ -213,15 +214,31 @@ class Diagnoser:
         with torch.no_grad():
             finite = [bool(torch.isfinite(local(p)).all()) for _, p in named]  # on a trip only
         group = self.optimizer.param_groups[0]
+        bad = [(n, p) for (n, p), ok in zip(named, finite, strict=True) if not ok]
         diag = nonfinite_update(
             step=step,
             optimizer=type(self.optimizer).__name__,
             hyperparameters={k: v for k, v in group.items() if isinstance(v, (int, float, bool))},
-            bad_parameters=[n for (n, _), ok in zip(named, finite, strict=True) if not ok],
+            bad_parameters=[n for n, _ in bad],
             rank=ranks[0] if dist.is_distributed() and ranks else dist.rank_or_none(),
             ranks=ranks if dist.is_distributed() else [],
+            dtype=str(bad[0][1].dtype).removeprefix("torch.") if bad else None,
         )
         return rejudge(diag, history=self.history.evidence(step + 1, self._lr()))
+
+    def loaded_parameters(self, step: int, ranks: list[int]) -> Diagnosis:
+        """The parameters were non-finite before ``step``, as the guard was built or a state dict
+        loaded them (no update of this guard wrote them): name them, and the rows that hold NaN/Inf."""
+        counts = []
+        with torch.no_grad():  # host reads: on a trip only
+            for name, p in dist.unwrap(self.model).named_parameters():
+                t = local(p).detach()
+                bad = ~torch.isfinite(t)
+                if bool(bad.any()):
+                    rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten()[:16].tolist() if t.dim() else []
+                    counts.append((name, int(t.isnan().sum()), int(bad.sum()) - int(t.isnan().sum()), rows))
+        return loaded_nonfinite(step=step, found=counts, rank=ranks[0] if dist.is_distributed() and ranks else
+                                dist.rank_or_none(), ranks=ranks if dist.is_distributed() else [])  # fmt: skip
 
     def rejected_batch(self, batch: Any, step: int) -> Diagnosis | None:
         """``check_batch`` before the forward: a diagnosis of its errors, or None."""

@@ -386,6 +386,25 @@ SCENARIOS: tuple[Scenario, ...] = (
         fault_step=0,
         steps=10,
     ),
+    # One AdamW update moves every weight by about lr: the next forward's residual stream is so
+    # large that a LayerNorm's variance overflows float32 (Inf, not zero). The history holds one
+    # step, so the weights' growth from the run's start is the evidence of divergence.
+    Scenario(
+        "adamw_lr_exponent_typo",
+        "AdamW at lr=1e6 (1e-6 typed without its minus): a LayerNorm's input variance overflows to Inf",
+        Expect("optimizer.divergence", step=FIRST_BAD),
+        lr=1e6,
+        fault_step=0,
+        steps=3,
+    ),
+    Scenario(
+        "fp16_adamw_default_eps",
+        "a float16 model with AdamW's default eps=1e-8, which is 0 in float16: 0/0 on the padding row",
+        Expect("optimizer.nonfinite_update", "AdamW.step", "wte", "optimizer", "nan", step=0),
+        dtype=torch.float16,
+        fault_step=0,
+        steps=3,
+    ),
     Scenario(
         "adam_eps_zero",
         "Adam with eps=0: the padding row's zero gradient gives 0/0 in the update",
