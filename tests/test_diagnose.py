@@ -363,3 +363,17 @@ def test_an_optimizer_eps_that_is_zero_in_the_parameters_dtype_is_named() -> Non
     assert "eps=1e-08 is 0 in float16" in fixes("float16")[0]
     for dtype in ("bfloat16", "float32", None):  # 1e-8 is a normal bfloat16 and float32 value
         assert not any("is 0 in" in fix for fix in fixes(dtype))
+
+
+def test_loaded_nonfinite_parameters_name_their_rows_and_module() -> None:
+    from nanguard.diagnose import loaded_nonfinite
+
+    found = [{"name": "wte.weight", "module": "wte", "nan": 128, "inf": 0, "rows": [0]}]
+    diag = loaded_nonfinite(step=0, found=found, rank=None, ranks=[])
+    assert (diag.cause, diag.phase, diag.kind, diag.module) == ("parameters.nonfinite", "parameters", "nan", "wte")
+    assert diag.evidence["loaded"] and diag.evidence["rows"] == [0] and "rows [0] of wte.weight" in diag.evidence["why"]
+    only_optimizer = [
+        {"name": "optimizer.param_groups[0]['params'][2]", "module": None, "nan": 0, "inf": 3, "rows": []}
+    ]
+    diag = loaded_nonfinite(step=4, found=only_optimizer, rank=1, ranks=[1])
+    assert (diag.module, diag.kind, diag.rank) == (None, "inf", 1)

@@ -802,19 +802,20 @@ def nonfinite_shards(*, step: int, parameters: list[str], nan: int, inf: int, ra
     )
 
 
-def loaded_nonfinite(
-    *, step: int, found: list[tuple[str, int, int, list[int]]], rank: int | None, ranks: list[int]
-) -> Diagnosis:
+def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None, ranks: list[int]) -> Diagnosis:
     """Parameters non-finite before any update of the guard: as the model was built or a state dict
-    (a checkpoint) loaded it. ``found`` holds (name, NaN count, Inf count, rows holding them) per
-    parameter, first the first in ``named_parameters`` order.
+    (a checkpoint) loaded it. ``found`` holds per parameter, in ``named_parameters`` order, its
+    ``name``, ``module`` (None for one only the optimizer holds), ``nan`` and ``inf`` counts and
+    the ``rows`` (dim 0) that hold them.
 
     Example:
-        >>> loaded_nonfinite(step=0, found=[("wte.weight", 64, 0, [7])], rank=None, ranks=[]).module
+        >>> loaded_nonfinite(step=0, found=[{"name": "wte.weight", "module": "wte", "nan": 64, "inf": 0,
+        ...                                  "rows": [7]}], rank=None, ranks=[]).module
         'wte'
     """
-    name, nan, inf, rows = found[0] if found else ("a parameter", 0, 0, [])
-    module = name.rpartition(".")[0]
+    first = found[0] if found else {}
+    name, module, rows = first.get("name", "a parameter"), first.get("module"), first.get("rows", [])
+    nan, inf = first.get("nan", 0), first.get("inf", 0)
     origin = {"category": "parameters", "path": name, "module": module, "inputs": [{"nan": nan, "posinf": inf}]}
     verdict = nonfinite_parameters({"origin": origin})
     assert verdict is not None
@@ -829,10 +830,10 @@ def loaded_nonfinite(
         step=step,
         evidence={
             "origin": origin,
-            "parameters": [f[0] for f in found][:16],
+            "parameters": [f["name"] for f in found][:16],
             "rows": rows,
             "loaded": True,
-            "why": verdict.why.replace("before the step", f"before the guard's first update{where}"),
+            "why": verdict.why.replace("before the step", f"before step {step}, as built or loaded{where}"),
         },
         fixes=verdict.fixes,
     )

@@ -39,6 +39,8 @@ class HealthFlag(IntFlag):
     """The gradients it holds now (after any all-reduce) are non-finite."""
     WIRE = 8
     """Its own gradients were finite, but overflowed the comm hook's wire dtype (float16 compression)."""
+    LOADED = 16
+    """With PARAMS: the check covered the parameters as built or loaded, which no update of the guard wrote."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,8 @@ class HealthCheck:
         wire = self.comm.wire_flag(device)
         if wire is not None:
             flags = flags + wire.to(torch.int32) * HealthFlag.WIRE
+        if self.checked == "loaded":
+            flags = flags + bad[2].to(torch.int32) * HealthFlag.LOADED
         if self.scaler is not None:
             scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
         else:
@@ -237,6 +241,7 @@ class HealthCheck:
         own_loss, grad_norm, param_norm, scale_value = _host_floats([lv, gn, pn, scale])
         bad = [v is not None and not math.isfinite(v) for v in (own_loss, grad_norm, param_norm)]
         flags = _FLAGS[(self.scaler is not None, True)][bad[0] + 2 * bad[1] + 4 * bad[2]]
+        flags |= HealthFlag.LOADED if bad[2] and self.checked == "loaded" else 0
         return StepHealth(step=step, loss=own_loss or 0.0, grad_norm=grad_norm or 0.0, scale=scale_value,
                           own_loss=own_loss or 0.0, rank_flags=(HealthFlag(flags),))  # fmt: skip
 
@@ -332,7 +337,8 @@ class HealthCheck:
         local = loss_bad if self.scaler is not None else loss_bad | pre_comm  # as measure() decides
         code = local.to(torch.int32) * HealthFlag.LOCAL
         if self._param_norm is not None:
-            code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * HealthFlag.PARAMS
+            params = HealthFlag.PARAMS + (HealthFlag.LOADED if self._queued == "loaded" else 0)
+            code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * params
         extras = torch.zeros(world + 2, dtype=torch.float32, device=device)
         extras[dist.rank()] = code.float()
         extras[world] = loss
@@ -340,8 +346,10 @@ class HealthCheck:
         return extras
 
     def forget_update(self) -> None:
-        """Drop a queued parameter check: the parameters it covered were restored."""
+        """Drop a queued parameter check: the parameters it covered were restored (from the guard's
+        own snapshot or a finite replica, so the load that restored them needs no check either)."""
         self._param_norm, self._queued = None, None
+        self.unchecked = False
 
 
 def check_after_loads(model: nn.Module, check: HealthCheck) -> Any:

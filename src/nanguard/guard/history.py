@@ -186,8 +186,12 @@ class History:
         """Divergence seen in a finite step (after ``observe``), before its clip and update: the
         ``history`` evidence when the gradients' norm is past what float32 can square (a float32
         ``clip_grad_norm_`` computes an Inf norm), or when the loss and the grad norm both grew
-        ``divergence_factor`` over the last ``divergence_window`` updates, on a spike once the
-        detectors are warm (before, early in a run, on growth alone). None otherwise.
+        ``divergence_factor`` over the last ``divergence_window`` updates on a step the warm spike
+        detectors flag. None otherwise.
+
+        Growth alone is no trip: in a run's first steps healthy losses and grad norms move by
+        such factors too (a zero-initialized head, warmup), and later the detectors bound false
+        alarms to their own rate.
 
         Example:
             >>> history.observe(9, loss=2.0, grad_norm=7e19)
@@ -200,7 +204,7 @@ class History:
             found = {"metric": "grad_norm", "growth": self._growth("grad_norm", grad_norm), "float32_overflow": True}
         else:
             growth = {m: self._growth(m, v) for m, v in (("loss", loss), ("grad_norm", grad_norm))}
-            if min(growth.values()) < self.divergence_factor or (ready and seen == step and not spiked):
+            if min(growth.values()) < self.divergence_factor or not (ready and spiked):
                 return None
             metric = max(growth, key=lambda m: growth[m])
             found = {"metric": metric, "growth": growth[metric], "float32_overflow": False}
