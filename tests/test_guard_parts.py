@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag
 from nanguard.guard.history import History
+from nanguard.guard.policy import Policy, Verdict
 from nanguard.guard.recorder import NullRecorder, Recorder, recorder_for
 from nanguard.guard.recovery import Recovery
 
@@ -77,7 +80,23 @@ def test_policy_table(policy: str, cause: str, phase: str, snapshot: bool, actio
                         config=GuardConfig(policy=policy))  # fmt: skip
     if snapshot:
         recovery.take_snapshot(0)
-    assert recovery.policy_for(Diagnosis(cause=cause, phase=phase)) == action
+    state = _State(has_snapshot=recovery.snapshot is not None)
+    verdict = Verdict("trip", 3, diagnosis=Diagnosis(cause=cause, phase=phase))
+    assert Policy(GuardConfig(policy=policy)).decide(verdict, state).kind == action
+
+
+@dataclass
+class _State:
+    """The parts' state the policy reads (``policy.State``), set by hand."""
+
+    has_snapshot: bool = False
+    consecutive_skips: int = 0
+    upcast: list[str] = field(default_factory=list)
+    last_diagnosis: Diagnosis | None = None
+    why_not_upcast: str | None = None
+
+    def can_upcast(self, module: str | None) -> str | None:
+        return self.why_not_upcast
 
 
 def test_null_recorder_without_run_dir_and_a_real_one_with(tmp_path) -> None:

@@ -171,8 +171,7 @@ def _regression(lr: float, policy: str, steps: int, **options):
     model = nn.Linear(4, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    guard = ng.Guard(model, opt, policy=policy, **options)
-    guard.scheduler = sched  # what Guard(scheduler=...) sets
+    guard = ng.Guard(model, opt, policy=policy, scheduler=sched, **options)
     losses = []
     for _ in range(steps):
         x = torch.randn(32, 4)
@@ -200,6 +199,46 @@ def test_auto_rolls_back_a_divergence_and_lowers_the_lr_with_the_scheduler() -> 
     assert all(v is not None and math.isfinite(v) for v in losses[-20:])
     assert losses[-1] < 1e-3 and torch.isfinite(model.weight).all()
     assert guard.state_dict()["remedies"]["lr_factor"] == pytest.approx(0.5 ** len(actions))
+
+
+def test_the_scheduler_given_to_the_guard_keeps_the_lowered_lr() -> None:
+    # Guard(scheduler=...) reaches the remedies: LambdaLR recomputes the LR from base_lrs each
+    # step, so unscaled base_lrs would undo every lowering and the budget would run out.
+    guard, _, opt, losses = _regression(3.0, "auto", 150)
+    lowered = 3.0 * 0.5 ** len(guard.remedies)
+    assert guard.scheduler.base_lrs == [pytest.approx(lowered)]
+    assert opt.param_groups[0]["lr"] == pytest.approx(lowered) and math.isfinite(losses[-1])
+
+
+def test_a_divergence_rolls_back_to_a_snapshot_from_before_the_growth(tmp_path) -> None:
+    # SGD at lr=1.0 on a small MLP: the loss grows ~100x a step while every step is still finite.
+    # Snapshots refreshed during that growth would hold diverged weights; they are held instead,
+    # so each rollback lands on weights from before it and the lowered LR can take hold.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    guard = ng.Guard(model, opt, policy="auto", snapshot_every=2, run_dir=tmp_path)
+    w = torch.randn(8, 1)
+    losses = []
+    for _ in range(220):
+        x = torch.randn(64, 8)
+
+        def closure(x=x):
+            opt.zero_grad()
+            loss = ((model(x) - x @ w) ** 2).mean()
+            loss.backward()
+            return loss
+
+        loss = guard.step(closure)
+        losses.append(None if loss is None else float(loss.detach()))
+    guard.close()
+    events = list(read_events(tmp_path / "events-rank0.jsonl"))
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    first_growth = next(e["step"] for e in events if e["kind"] == "spike" and "predicted_overflow_in" in e)
+    assert rollbacks and all(r["restored_step"] <= first_growth for r in rollbacks)
+    assert all("before the loss or grad norm began to grow" in r["why"] for r in rollbacks)
+    assert losses[0] is not None and all(v is not None and v < losses[0] for v in losses[-10:])
+    assert opt.param_groups[0]["lr"] < 1.0 and torch.isfinite(model[0].weight).all()
 
 
 def test_skip_cannot_survive_the_same_divergence() -> None:

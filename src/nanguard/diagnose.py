@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from nanguard.causes import facts
 from nanguard.dtypes import dtype_facts
 from nanguard.findings import Diagnosis, Finding
 from nanguard.stats import INIT_RATIO_HIGH
@@ -973,7 +974,7 @@ def rejected_batch(errors: list[Finding], *, step: int, rank: int | None, ranks:
             "where": first.where,
             "why": f"check_batch before the forward: {first.message}",
         },
-        fixes=[first.fix] if first.fix else [],
+        fixes=[first.fix] if first.fix else list(facts(first.cause).fixes),
     )
 
 
@@ -996,7 +997,7 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
     located = "origin" in evidence
     if located:
         evidence["initial_weight_scale"] = initial_weight_scale
-    elif diag.cause not in _UNLOCATED or not history.get("diverging"):
+    elif not facts(diag.cause).history_overrules or not history.get("diverging"):
         return diag
     if history:
         evidence["history"] = history
@@ -1008,7 +1009,3 @@ def rejudge(diag: Diagnosis, *, history: Evidence, initial_weight_scale: Evidenc
     if located or diag.cause != "optimizer.nonfinite_update":
         evidence["why"] = verdict.why
     return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence, also=also)
-
-
-# Diagnoses the history may overrule though no replay located them.
-_UNLOCATED = frozenset({"optimizer.nonfinite_update", "step.not_reproduced", "distributed.transient", "unknown"})

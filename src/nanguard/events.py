@@ -8,7 +8,8 @@ Each line is one JSON object with at least ``kind``, ``step`` and ``rank``. Kind
 - ``trip``: a non-finite step: ``action`` ("skip" | "rollback" | "raise"), ``ranks`` (the
   ranks whose own values were non-finite) and ``diagnosis`` (``Diagnosis.to_dict()``).
 - ``skip``, ``rollback``: the recovery taken, with ``reason`` and, for rollbacks,
-  ``restored_step`` and ``skip_batches``.
+  ``restored_step`` (the step the restored snapshot was taken at), ``skip_batches`` and ``why``
+  (why that snapshot: the last one, or the last before the run began to grow).
 - ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``; or the
   divergence warning: ``metric``, ``value``, ``growth`` and ``predicted_overflow_in``.
 - ``overflow``: a GradScaler overflow step it skipped on purpose (normal, not a trip).

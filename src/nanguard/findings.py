@@ -12,49 +12,13 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from nanguard.causes import TABLE
 from nanguard.text import diagnosis_text, summary
 
 __all__ = ["CAUSES", "KINDS", "PHASES", "Diagnosis", "Finding", "jsonable"]
 
-CAUSES: Mapping[str, str] = MappingProxyType(
-    {
-        "data.nonfinite": "a floating-point input already holds NaN/Inf",
-        "data.index_out_of_range": "an integer input (token id, label, index) is outside its valid range",
-        "data.fully_masked": "a sample's attention mask masks every position",
-        "data.no_valid_targets": "every target is ignored (e.g. all labels == -100), so a mean loss is 0/0",
-        "data.invalid_mask": "an attention or loss mask holds values other than 0/1 (or True/False)",
-        "parameters.nonfinite": "parameters or buffers are non-finite before the step",
-        "op.log_domain": "log of zero or a negative value (e.g. a loss on probabilities)",
-        "op.sqrt_domain": "sqrt/rsqrt/pow of a negative value, or the gradient of sqrt at zero",
-        "op.division_by_zero": "division by zero in model or loss code",
-        "op.exp_overflow": "exp (or softmax written without max subtraction) overflowing in float32",
-        "op.masked_softmax": "softmax over a row that is entirely -inf (a fully masked row)",
-        "norm.zero_variance": "a normalization layer divided by (near) zero variance: eps missing or too small",
-        "precision.overflow": "a float16/bfloat16 op overflowed where float32 stays finite",
-        "precision.loss_scale": "the loss scaler collapsed or gradients overflow persistently",
-        "optimizer.divergence": (
-            "gradient norm or loss grew rapidly in the steps before: LR too high, no warmup or clipping"
-        ),
-        "optimizer.nonfinite_update": (
-            "the optimizer turned finite gradients into non-finite parameters (eps, state, lr)"
-        ),
-        "init.scale": "parameters initialized at a scale far too large, blowing up activations early",
-        "distributed.replica_divergence": "model replicas hold different parameters across ranks",
-        "distributed.transient": "the step does not reproduce on replay: hardware, communication or nondeterminism",
-        "unknown": "none of the above fits: the evidence is still reported",
-        "op.mask_fill_in_loss": (
-            "a -inf mask fill inside the model reaches the loss or a sum over the masked positions "
-            "(label smoothing, an entropy over masked logits)"
-        ),
-        "op.nan_write": (
-            "code wrote NaN/Inf into a tensor explicitly (index_put_/fill_/copy_), e.g. a missing-value marker"
-        ),
-        "op.trig_domain": "acos/asin of a value outside [-1, 1] (a cosine rounded past 1)",
-        "step.not_reproduced": (
-            "the step went non-finite but its replay is finite: nondeterminism, hardware, or a borderline value"
-        ),
-    }
-)
+CAUSES: Mapping[str, str] = MappingProxyType({cause.id: cause.meaning for cause in TABLE.values()})
+"""Every cause id and its meaning, read from the cause table (``nanguard.causes``)."""
 
 PHASES = ("data", "parameters", "forward", "backward", "optimizer", "communication")
 KINDS = ("nan", "inf", "invalid")

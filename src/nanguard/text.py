@@ -1,21 +1,41 @@
 """Diagnoses, evidence and events in words: the one text layer for ``str(diag)``, the terminal and HTML.
 
-A fact is worded here once, whoever shows it. This module imports nothing else from nanguard
-at run time, so the records in ``findings`` can use it for ``str(diag)`` without an import cycle.
+A fact is worded here once, whoever shows it. This module imports nothing from nanguard, so the
+records in ``findings`` can use it for ``str(diag)`` without an import cycle; it reads a diagnosis
+through ``DiagnosisFields``, the fields of ``findings.Diagnosis`` it words.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from nanguard.findings import Diagnosis
+
+class DiagnosisFields(Protocol):
+    """The fields of a ``findings.Diagnosis`` this module words."""
+
+    cause: str
+    kind: str
+    phase: str
+    op: str | None
+    module: str | None
+    rank: int | None
+    ranks: list[int]
+    step: int | None
+    source: str | None
+    evidence: dict[str, Any]
+    fixes: list[str]
+    also: list[dict[str, str]]
+
+    @property
+    def meaning(self) -> str: ...
+
 
 __all__ = [
     "KIND_NAMES",
     "RANK_COLUMNS",
+    "DiagnosisFields",
     "diagnosis_text",
     "event_words",
     "evidence_lines",
@@ -118,7 +138,7 @@ def _listed(items: Sequence[Any], total: int | None = None) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def summary(diag: Diagnosis) -> str:
+def summary(diag: DiagnosisFields) -> str:
     """One line: cause, what was created and where.
 
     Example:
@@ -138,7 +158,7 @@ def summary(diag: Diagnosis) -> str:
     return f"{diag.cause}: {kind_name(diag.kind)} {' '.join(parts)}"
 
 
-def where_lines(diag: Diagnosis) -> list[tuple[str, str]]:
+def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     """(label, value) pairs saying where the origin is: module, op, autograd node, input, source, phase, rank, step."""
     origin = diag.evidence.get("origin") or {}
     rows: list[tuple[str, str]] = []
@@ -163,7 +183,7 @@ def where_lines(diag: Diagnosis) -> list[tuple[str, str]]:
     return rows
 
 
-def diagnosis_text(diag: Diagnosis, *, evidence: bool = True) -> str:
+def diagnosis_text(diag: DiagnosisFields, *, evidence: bool = True) -> str:
     """The diagnosis as plain lines: what was created and why, where, the evidence, and fixes.
 
     ``str(diag)`` is the short form, ``evidence=False``: of the evidence only the ``why`` line.
@@ -187,7 +207,7 @@ def diagnosis_text(diag: Diagnosis, *, evidence: bool = True) -> str:
     return "\n".join(lines)
 
 
-def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
+def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     """(label, sentence) pairs saying what the evidence shows, most telling first.
 
     Example:
@@ -276,7 +296,7 @@ def evidence_lines(diag: Diagnosis) -> list[tuple[str, str]]:
     return lines
 
 
-def op_path(diag: Diagnosis) -> list[dict[str, Any]]:
+def op_path(diag: DiagnosisFields) -> list[dict[str, Any]]:
     """The ops around the origin: ``before`` (the ops just before), the ``origin``, then ``after``.
 
     Each row has ``role``, ``op``, ``module``, ``phase`` and ``carries``: what non-finite

@@ -17,14 +17,18 @@ A parameter check after the update is folded into the next step's read, so it ad
 host sync; it finds finite gradients turned into non-finite parameters
 (``optimizer.nonfinite_update``).
 
-``Guard`` (``core``) coordinates parts that each own their state:
+``Guard.step`` (``core``) is one pipeline: measure -> ``Verdict`` -> ``Policy.decide(verdict,
+state)`` -> ``Action`` -> apply -> record, over parts that each own their state:
 
+- ``policy``: ``Policy``, every decision (skip, rollback, raise, the remedy, the budgets),
+  read from the cause table (``nanguard.causes``);
 - ``config``: ``GuardConfig``, every option, validated;
 - ``health``: the device-side measurement, the flags (``HealthFlag``) and the one host
   read (``StepHealth``);
 - ``recovery``: buffer backup, snapshots, rollback, and the skip/overflow counters;
 - ``history``: recent loss and grad norm, spike detectors, divergence evidence;
 - ``replay``: the tracer replays of a tripped step;
+- ``remedies``: carries out and records the remedies the policy chose;
 - ``recorder``: event log and repro bundles (``NullRecorder`` without a ``run_dir``).
 
 The diagnoses it builds from its own state are pure functions in ``nanguard.diagnose``.

@@ -1,5 +1,5 @@
-"""Gradient accumulation as one guarded step: every micro-batch in the closure, so the check
-sees their summed loss and a trip's replay re-runs all of them.
+"""Gradient accumulation as one guarded step (``Guard.step_accumulated``): every micro-batch
+in the closure, so the check sees their summed loss and a trip's replay re-runs all of them.
 
 Checking only the last micro-batch's loss misses a forward overflow in an earlier one under
 a GradScaler: its inf gradients look like an ordinary scaler overflow, skipped without a
@@ -11,36 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from nanguard.guard.core import Guard
-
-__all__ = ["accumulation_closure", "step_accumulated"]
-
-
-def step_accumulated(
-    guard: Guard, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True,
-    sample_ids: Any = None,
-) -> Any:  # fmt: skip
-    """``Guard.step_accumulated``: one optimizer step over several micro-batches, as ``Guard.step``.
-
-    ``loss_fn(micro_batch)`` runs the forward and returns the loss; the guard zeroes the
-    gradients, divides each loss by the number of micro-batches (``mean=False``: as is),
-    scales it with the guard's ``scaler=`` and runs backward, inside the model's ``no_sync()``
-    (DDP) for all but the last micro-batch. The check sees the summed loss and a trip replays
-    every micro-batch. Returns that sum, or None when the step was skipped.
-
-    Example:
-        >>> micro = [get_batch() for _ in range(4)]
-        >>> loss = guard.step_accumulated(micro, lambda b: model(**b).loss)
-    """
-    batches = _micro_batch_list(micro_batches, loss_fn, mean)
-    closure = accumulation_closure(guard.model, guard.optimizer, guard.scaler, batches, loss_fn, mean=mean)
-    return guard.step(closure, batch=batches, sample_ids=sample_ids)
+__all__ = ["accumulation_closure", "micro_batch_list"]
 
 
 def accumulation_closure(
@@ -81,8 +57,8 @@ def accumulation_closure(
     return closure
 
 
-def _micro_batch_list(micro_batches: Iterable[Any], loss_fn: Any, mean: Any) -> list[Any]:
-    """``step_accumulated``'s arguments, checked; returns the micro-batches as a list."""
+def micro_batch_list(micro_batches: Iterable[Any], loss_fn: Any, mean: Any) -> list[Any]:
+    """``Guard.step_accumulated``'s arguments, checked; returns the micro-batches as a list."""
     if not isinstance(mean, bool):
         raise ValueError(f"mean must be True (divide each loss by the number of micro-batches) or False, got {mean!r}")
     if not callable(loss_fn):

@@ -1,6 +1,11 @@
-"""``Guard``: the coordinator. Each step it asks its parts in order: health (measure, agree,
-read once), then the decision, then recovery, history and the recorder.
+"""``Guard``: each step is one pipeline, read top to bottom in ``Guard.step``:
 
+    measure (health, agreed across ranks, read once; a trip replayed and diagnosed) -> ``Verdict``
+    -> ``Policy.decide(verdict, state)`` -> ``Action`` -> apply (step, skip, rollback, remedy, raise)
+    -> record
+
+Every decision is the policy's (``guard/policy.py``); the parts own their state: health,
+recovery (buffers, snapshots, counters), history, the diagnoser, the remedies, the recorder.
 See the package docstring for the host and device paths.
 """
 
@@ -11,7 +16,7 @@ import logging
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,22 +28,24 @@ from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
-from nanguard.guard.accumulate import step_accumulated
+from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
+from nanguard.guard.policy import STEP, Action, Policy, Verdict
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
-from nanguard.guard.remedies import Remedies
+from nanguard.guard.remedies import Remedies, with_bad_rows
 from nanguard.guard.replay import Diagnoser, Replayed
 from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
 from nanguard.rng import get_rng_state
-from nanguard.spikes import Spike
 from nanguard.stats import local
 
 __all__ = ["Guard"]
 
 log = logging.getLogger("nanguard")
+
+Rng = dict[str, torch.Tensor]
 
 
 class Guard:
@@ -48,7 +55,8 @@ class Guard:
     forward and backward, and returns the loss. With a ``torch.amp.GradScaler`` pass it
     as ``scaler=`` and call ``scaler.scale(loss).backward()`` in the closure; the guard
     unscales, steps and updates the scaler. An Accelerate-prepared optimizer brings its
-    own scaler (``accelerator.scaler``), used once. A rollback restores a ``scheduler=`` too.
+    own scaler (``accelerator.scaler``), used once. A rollback restores a ``scheduler=`` too,
+    and ``policy="auto"`` scales its ``base_lrs`` when it lowers the LR.
 
     Example:
         >>> guard = ng.Guard(model, optimizer, policy="skip", run_dir="runs/exp1")
@@ -98,6 +106,7 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.scheduler = scheduler
         self.rank = dist.rank()
         self.step_count = 0
         self.last_diagnosis: Diagnosis | None = None
@@ -112,17 +121,21 @@ class Guard:
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
                                      bundle_weights=c.bundle_weights)  # fmt: skip
         self.recorder.listener = _listener(on_event, self.disabled)
+        self.policy = Policy(c)
+        self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
+        self._state = _PolicyState(self)
         # Only the GPUs this model lives on draw random numbers for its step.
         self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
         self._fused = compat.supports_found_inf(optimizer)
         self._sharded = any(local(p) is not p for p in self._params)  # FSDP2: each rank holds a shard
+        # The fused optimizer skips a bad update on the device; a spike verdict (after the host
+        # read) and a clip (before the step) need the host path.
+        self._device_step = self._fused and self.scaler is None and not c.skip_spikes and c.clip_grad_norm is None
         self._closure_error: BaseException | None = None
-        self._pending: StepHealth | None = None
-        self._health_now: StepHealth | None = None  # this step's, once read
+        self._pending: StepHealth | None = None  # a checked step whose update is to be recorded
         self._deferred = _deferred(c, optimizer, self.scaler, self._fused, self._cuda_devices)
         self._waiting: _Waiting | None = None  # deferred: the last step, its verdict not read yet
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
-        self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, lambda: getattr(self, "scheduler", None))
         if c.policy in ("rollback", "auto"):
             self.recovery.take_snapshot(self.step_count)
 
@@ -138,8 +151,6 @@ class Guard:
     grad_spikes = property(lambda self: self.history.grad_spikes, doc="The grad-norm spike detector.")
 
     # -- the step ------------------------------------------------------------------------
-    step_accumulated = step_accumulated  # gradient accumulation: guard/accumulate.py
-
     def step(self, closure: Callable[[], Any], batch: Any = None, sample_ids: Any = None) -> Any:
         """Run ``closure``, check it, then step the optimizer or recover.
 
@@ -149,33 +160,43 @@ class Guard:
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
-            return _plain_step(self, closure)
-        _settle(self)
+            return self._plain_step(closure)
+        self._settle()
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
-        with _undo_on_error(self, rng):
-            return self._step(closure, batch, rng)
+        with self._undo_on_error(rng):
+            loss, value = self._forward_backward(closure)
+            verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
+            if verdict is None:
+                return loss  # deferred: its verdict and bookkeeping come with the next call
+            if not self._act(verdict, batch, rng, restore_buffers=True):
+                return None
+            self._update(device_step=self._device_step)
+            self.after_step()
+            return loss
 
-    def _step(self, closure: Callable[[], Any], batch: Any, rng: dict[str, torch.Tensor]) -> Any:
-        self.health.comm.reset()
-        loss, value, self._closure_error = _run_closure(self, closure)
-        _unscale(self.scaler, self.optimizer)
-        # A spike verdict comes after the host read, too late for the device path.
-        device_step = self._fused and self.scaler is None and not self.config.skip_spikes
-        device_step = device_step and self.config.clip_grad_norm is None  # the clip comes before the step
-        if not (self._check(value, closure, batch, rng, device_step=device_step) and _clip(self)):
-            return None
-        if self._waiting is not None:
-            return loss  # deferred: its verdict and bookkeeping come with the next call
-        if self.scaler is not None:
-            scaler_step(self.optimizer, self.scaler)
-        elif not device_step:
-            self.optimizer.step()
-        self.after_step()
-        return loss
+    def step_accumulated(
+        self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True,
+        sample_ids: Any = None,
+    ) -> Any:  # fmt: skip
+        """One optimizer step over several micro-batches, as ``step``.
+
+        ``loss_fn(micro_batch)`` runs the forward and returns the loss; the guard zeroes the
+        gradients, divides each loss by the number of micro-batches (``mean=False``: as is),
+        scales it with the guard's ``scaler=`` and runs backward, inside the model's ``no_sync()``
+        (DDP) for all but the last micro-batch. The check sees the summed loss and a trip replays
+        every micro-batch. Returns that sum, or None when the step was skipped.
+
+        Example:
+            >>> micro = [get_batch() for _ in range(4)]
+            >>> loss = guard.step_accumulated(micro, lambda b: model(**b).loss)
+        """
+        batches = micro_batch_list(micro_batches, loss_fn, mean)
+        closure = accumulation_closure(self.model, self.optimizer, self.scaler, batches, loss_fn, mean=mean)
+        return self.step(closure, batch=batches, sample_ids=sample_ids)
 
     def check(
         self,
@@ -183,7 +204,7 @@ class Guard:
         *,
         replay: Callable[[], Any] | None = None,
         batch: Any = None,
-        rng: dict[str, torch.Tensor] | None = None,
+        rng: Rng | None = None,
     ) -> bool:
         """The closure-free form, for loops that own backward and ``optimizer.step()``.
 
@@ -201,13 +222,18 @@ class Guard:
         value = _check_args(loss, replay, rng)
         if self.disabled:
             return True
-        _settle(self)
+        self._settle()
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
         self._closure_error = None
         _unscale(self.scaler, self.optimizer)
-        return self._check(value, replay, batch, rng, device_step=False, restore_buffers=False) and _clip(self)
+        verdict = self._measure(value, replay, batch, rng, device_step=False, restore_buffers=False)
+        assert verdict is not None  # only the device path defers
+        if not self._act(verdict, batch, rng, restore_buffers=False):
+            return False
+        self._clip()
+        return True
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -216,31 +242,35 @@ class Guard:
             return
         self.health.after_update(h.step)
         good_steps = self.recovery.good_step()
-        every = self.config.fingerprint_every
-        if every and dist.is_distributed() and good_steps % every == 0:
-            _check_replicas(self, h.step)
-        self.recovery.snapshot_if_due(self.step_count)
         self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
+        every = self.config.fingerprint_every
+        if every and good_steps % every == 0 and dist.is_distributed():
+            self._check_replicas(h.step)
+        self.recovery.snapshot_if_due(self.step_count, h.loss, self.history.growing)
         self.last_action = "step"
         if h.step % self.config.log_every == 0:
             self.recorder.step(h.step, loss=h.own_loss, grad_norm=h.grad_norm, scale=h.scale, skipped=False)
 
-    def _check(
-        self,
-        loss: Any,
-        replay: Callable[[], Any] | None,
-        batch: Any,
-        rng: dict[str, torch.Tensor] | None,
-        *,
-        device_step: bool,
+    # -- measure -------------------------------------------------------------------------
+    def _forward_backward(self, closure: Callable[[], Any]) -> tuple[Any, Any]:
+        """The closure and the scaler's unscale: (the loss, its value as the health check reads it)."""
+        self.health.comm.reset()
+        loss, value, self._closure_error = self._run_closure(closure)
+        _unscale(self.scaler, self.optimizer)
+        return loss, value
+
+    def _measure(
+        self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, *, device_step: bool,
         restore_buffers: bool = True,
-    ) -> bool:
-        """The decision of one step; ``restore_buffers`` is False when no backup was taken
-        before the forward (``check()``: the caller owns its loop)."""
-        step = self._next_step()
+    ) -> Verdict | None:  # fmt: skip
+        """Read the step's health (the one host read) and diagnose a trip: the step's verdict.
+        None when the read is deferred to the next call (the device path with ``sync="deferred"``).
+        ``restore_buffers`` is False when no backup was taken before the forward (``check()``)."""
+        step = self.step_count
+        self.step_count += 1
         if not device_step and self.health.alone:
-            return self._decide(self.health.read_alone(loss, step), replay, batch, rng, restore_buffers=restore_buffers)
-        measured = self.health.measure(loss)
+            return self._verdict(self.health.read_alone(value, step), replay, batch, rng, restore_buffers)
+        measured = self.health.measure(value)
         agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
         if device_step:
             copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
@@ -248,53 +278,78 @@ class Guard:
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))
             if copy is not None:
                 self._waiting = _Waiting(step, copy, replay, batch, rng, self._closure_error)
-                return True
+                return None
         h = measured.read(step, agreed, scaled=self.scaler is not None)
-        return self._decide(h, replay, batch, rng, restore_buffers=restore_buffers)
+        return self._verdict(h, replay, batch, rng, restore_buffers)
 
-    def _decide(self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any,
-                rng: dict[str, torch.Tensor] | None, *, restore_buffers: bool) -> bool:  # fmt: skip
-        """A read step's verdict: trip, overflow, spike skip, or go (True)."""
+    def _verdict(
+        self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, restore_buffers: bool
+    ) -> Verdict:
+        """What a read step is: a bad update, a GradScaler overflow, a trip (replayed and
+        diagnosed), a spike, or healthy."""
         step = h.step
-        self._health_now = h
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
             self.recovery.abandon(restore_buffers, rng)
             diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
-            self._trip(diag, step - 1, batch, rng)
-            return False
+            return Verdict("trip", step - 1, h, diagnosis=diag)
         if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
-            _overflow(self, h)
-            return False
+            return self._overflowed(h)
         if h.bad_ranks or h.synced_bad:
-            if restore_buffers:
-                self.recovery.buffers.restore()  # the replays start from the step's own state...
-            error, self._closure_error = self._closure_error, None
-            replay = _scaler_aside(self.scaler, replay)
-            replayed = _replayed_or_unknown(
-                lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), step, h, error
-            )
-            self.recovery.abandon(restore_buffers, rng)  # ...and leave none of theirs behind
-            assert replayed.diagnosis is not None
-            self._trip(replayed.diagnosis, step, batch, rng, module_stats=replayed.module_stats)
-            return False
-        spikes = _watch_trends(self, step, h)
-        if spikes and self.config.skip_spikes:
-            self.recovery.abandon(restore_buffers, rng)
-            self._skip(step, f"{spikes[0].metric} spike (z={spikes[0].score:.1f})", h)
-            return False
-        self._pending = h
-        return True
+            return self._tripped(h, replay, batch, rng, restore_buffers)
+        spikes = self._watch_trends(step, h)
+        return Verdict("spike", step, h, spikes=spikes) if spikes else Verdict("healthy", step, h)
 
-    def _next_step(self) -> int:
-        step = self.step_count
-        self.step_count += 1
-        self._health_now = None
-        return step
+    def _tripped(
+        self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, restore_buffers: bool
+    ) -> Verdict:
+        """Replay a tripped step under the tracer: its diagnosis, with the batch rows that hold the bad values."""
+        if restore_buffers:
+            self.recovery.buffers.restore()  # the replays start from the step's own state...
+        error, self._closure_error = self._closure_error, None
+        replay = _scaler_aside(self.scaler, replay)
+        replayed = _replayed_or_unknown(
+            lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), h.step, h, error
+        )
+        self.recovery.abandon(restore_buffers, rng)  # ...and leave none of theirs behind
+        assert replayed.diagnosis is not None
+        diag = with_bad_rows(replayed.diagnosis, batch, self._remedies.rows())
+        return Verdict("trip", h.step, h, diagnosis=diag, module_stats=replayed.module_stats)
+
+    def _overflowed(self, h: StepHealth) -> Verdict:
+        """A GradScaler overflow: the scaler skips the update itself and lowers its scale. Below
+        ``loss_scale_floor``, or ``max_overflow_streak`` times in a row, the scale has collapsed."""
+        assert self.scaler is not None and h.scale is not None
+        scaler_step(self.optimizer, self.scaler)
+        self.recovery.count_overflow()
+        new_scale, streak, c = float(self.scaler.get_scale()), self.recovery.overflow_streak, self.config
+        self.last_action = "overflow"
+        self.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
+        self.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
+        if new_scale >= c.loss_scale_floor and streak < c.max_overflow_streak:
+            return Verdict("overflow", h.step, h)
+        diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
+                                   overflows=self.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
+        return Verdict("collapse", h.step, h, diagnosis=diag)
+
+    def _watch_trends(self, step: int, h: StepHealth) -> list[Any]:
+        """A finite step's spikes and divergence warning, logged and recorded; returns the spikes."""
+        spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
+        for spike in spikes:
+            self.recorder.spike(step, spike)
+            log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
+                        step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
+        if trend := self.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm):
+            self.recorder.forecast(step, trend)
+            log.warning("nanguard: step %d: %s %.4g grows x%.3g per step: float32 overflow predicted in %d steps",
+                        step, trend.metric, trend.value, trend.growth, trend.predicted_overflow_in)  # fmt: skip
+        return spikes
 
     def _drop_batch(self) -> bool:
+        """One of the batches after a rollback: dropped without running (the rollback's action)."""
         if not self.recovery.take_drop():
             return False
-        step, self.last_action = self._next_step(), "drop_batch"
+        step, self.last_action = self.step_count, "drop_batch"
+        self.step_count += 1
         self.recorder.skip(step, reason="rollback: dropping the batch after a bad one")
         log.warning("nanguard: step %d: batch dropped after rollback", step)
         return True
@@ -308,61 +363,196 @@ class Guard:
         flagged = dist.agree_flag(diag is not None)
         if not flagged:
             return False
-        step = self._next_step()
+        step = self.step_count
+        self.step_count += 1
         diag = dist.gather_diagnosis(diag, flagged)
         assert diag is not None  # a flagged rank always contributes its diagnosis
         diag.step = step
-        self._trip(diag, step, batch, None)
+        diag = with_bad_rows(diag, batch, self._remedies.rows())
+        self._act(Verdict("trip", step, diagnosis=diag), batch, None, restore_buffers=False)
         return True
 
-    # -- trips -------------------------------------------------------------------------
-    def _trip(
-        self,
-        diag: Diagnosis,
-        step: int,
-        batch: Any,
-        rng: dict[str, torch.Tensor] | None,
-        module_stats: dict[str, Any] | None = None,
-    ) -> None:
-        self.last_diagnosis = diag
-        action, message = self._remedies.choose(diag, self.recovery, step=step, batch=batch)
-        extra = {"module_stats": module_stats} if module_stats else {}
-        flagged = diag.evidence.get("flagged_ranks", [self.rank])
-        self.recorder.trip_and_bundle(step, action=action, ranks=flagged, diagnosis=diag, batch=batch, rng=rng,
-                                      meta=lambda: _bundle_meta(self), **extra)  # fmt: skip
-        _announce(self.rank, step, diag, action)
-        if action == "raise":
-            self.last_action = "raise"
-            raise NonFiniteError(diag, message)
-        if action == "rollback":
-            restored = self.recovery.rollback(diag)
-            self._remedies.after_rollback(step, lambda: self.recovery.take_snapshot(restored))
-            self.health.forget_update()
-            self.last_action = "rollback"
-            self.recorder.rollback(step, restored_step=restored, skip_batches=self.recovery.drop_batches,
-                                   reason=diag.cause)  # fmt: skip
-            self.recovery.count_in_a_row(diag)
-            return
-        self._skip(step, diag.cause, self._health_now)
+    def _check_replicas(self, step: int) -> None:
+        """Compare the replicas' fingerprints; a mismatch is a verdict for the policy."""
+        check = dist.replica_mismatch(self.model)
+        if check.ranks:
+            diag = replica_divergence(step=step, **vars(check))
+            self._act(Verdict("replicas", step, diagnosis=diag, source=check.source), None, None, restore_buffers=False)
 
-    def _skip(self, step: int, reason: str, h: StepHealth | None) -> None:
+    # -- decide and apply ----------------------------------------------------------------
+    def _act(self, verdict: Verdict, batch: Any, rng: Rng | None, *, restore_buffers: bool) -> bool:
+        """The policy's action for ``verdict``, applied; True when the update goes ahead."""
+        if verdict.diagnosis is not None:
+            self.last_diagnosis = verdict.diagnosis
+        action = self.policy.decide(verdict, self._state)
+        if action is STEP:
+            self._pending = verdict.health
+            return True
+        kind = action.kind
+        if kind == "overflow":
+            return False
+        diag = verdict.diagnosis
+        if diag is None:  # a spike skip: no diagnosis of its own
+            assert kind == "skip" and verdict.spikes
+            self.recovery.abandon(restore_buffers, rng)
+            spike = verdict.spikes[0]
+            self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
+            return False
+        if action.remedy is not None:
+            self._remedies.apply(action.remedy, diag, verdict.step)
+        if verdict.kind in ("collapse", "replicas"):
+            self._repair(verdict, diag, action)
+            return False
+        flagged = diag.evidence.get("flagged_ranks", [self.rank])
+        extra = {"module_stats": verdict.module_stats} if verdict.module_stats else {}
+        self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
+                                      rng=rng, meta=self._bundle_meta, **extra)  # fmt: skip
+        _announce(self.rank, verdict.step, diag, kind)
+        if kind == "raise":
+            self.last_action = "raise"
+            raise NonFiniteError(diag, action.message)
+        if kind == "rollback":
+            self._rollback(verdict.step, diag, action)
+        else:
+            self._skip(verdict, diag.cause, action)
+        return False
+
+    def _repair(self, verdict: Verdict, diag: Diagnosis, action: Action) -> None:
+        """A collapsed loss scale (reset it, or stop) or replicas that differ (resync, roll back, or stop)."""
+        kind, step = action.kind, verdict.step
+        if kind == "reset_scale":
+            assert self.scaler is not None
+            self._remedies.reset_scale(self.scaler)
+            self.recovery.reset_overflow_streak()
+            return
+        ranks = [self.rank] if verdict.kind == "collapse" else diag.ranks
+        self.recorder.trip(step, action=kind, ranks=ranks, diagnosis=diag)
+        if verdict.kind == "replicas":
+            _announce(self.rank, step, diag, kind)
+        if kind == "raise":
+            raise NonFiniteError(diag, action.message)
+        if kind == "rollback":
+            self._rollback(step, diag, action, count=False)
+        else:
+            dist.broadcast_state(self.model, src=verdict.source)
+        self.health.forget_update()  # the queued parameter check saw the replicas before the repair
+
+    def _rollback(self, step: int, diag: Diagnosis, action: Action, *, count: bool = True) -> None:
+        why = self.recovery.why_restored()
+        restored = self.recovery.rollback(diag)
+        if action.lower_lr:
+            # Snapshot again, so a later rollback restores the lowered LR, not the one that diverged.
+            self._remedies.lower_lr()
+            self.recovery.take_snapshot(restored)
+        self.health.forget_update()
+        self.recorder.rollback(step, restored_step=restored, skip_batches=self.recovery.drop_batches,
+                               reason=diag.cause, why=why)  # fmt: skip
+        if count:
+            self.last_action = "rollback"
+            self.recovery.count_in_a_row()
+            self._stop_if(action, diag)
+
+    def _skip(self, verdict: Verdict, reason: str, action: Action) -> None:
+        h = verdict.health
         self.recovery.skip()
         self.last_action = "skip"
-        self.recorder.skip(step, reason)
-        self.recorder.step(step, loss=h.own_loss if h else None, grad_norm=h.grad_norm if h else None,
+        self.recorder.skip(verdict.step, reason)
+        self.recorder.step(verdict.step, loss=h.own_loss if h else None, grad_norm=h.grad_norm if h else None,
                            scale=h.scale if h else None, skipped=True)  # fmt: skip
-        self.recovery.count_in_a_row(self.last_diagnosis)
+        self.recovery.count_in_a_row()
+        self._stop_if(action, self.last_diagnosis)
+
+    def _stop_if(self, action: Action, diag: Diagnosis | None) -> None:
+        if action.stop is not None:
+            raise NonFiniteError(diag, action.stop)
+
+    def _update(self, *, device_step: bool) -> None:
+        """The optimizer update of a healthy step (the device path has done it already)."""
+        if self.config.clip_grad_norm is not None:
+            self._clip()
+        if self.scaler is not None:
+            scaler_step(self.optimizer, self.scaler)
+        elif not device_step:
+            self.optimizer.step()
+
+    def _clip(self) -> None:
+        """``clip_grad_norm``, after the check that measured (and recorded) the norm before it."""
+        if self.config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
+
+    # -- around the step -----------------------------------------------------------------
+    def _settle(self) -> None:
+        """Deferred mode: read the last step's flags (its update is running on the device, which
+        skipped it if bad) and finish that step as the immediate path would have."""
+        w, self._waiting = self._waiting, None
+        if w is None:
+            return
+        h = w.copy.read(w.step, scaled=False)
+        self._closure_error = w.closure_error
+        assert w.rng is not None
+        with self._undo_on_error(w.rng):
+            verdict = self._verdict(h, w.replay, w.batch, w.rng, True)
+            if self._act(verdict, w.batch, w.rng, restore_buffers=True):
+                self.after_step()
+
+    def _run_closure(self, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
+        """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
+        try:
+            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count), self.health.riding():
+                loss = closure()
+            return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
+        except (IndexError, RuntimeError) as err:
+            if not _index_error(err):
+                raise
+            if dist.is_distributed():
+                # The other ranks are already in the gradient all-reduce: joining them is
+                # impossible, so fail loudly rather than hang. check_batch=True catches it first.
+                log.error("nanguard: the forward raised on rank %d; use Guard(check_batch=True) under "
+                          "torch.distributed to catch out-of-range ids before the forward", self.rank)  # fmt: skip
+                raise
+            # An out-of-range id raises on CPU. This rank still joins the agreement, flagged
+            # by a NaN loss, and its replay turns the error into a data diagnosis.
+            self.model.zero_grad(set_to_none=True)
+            nan = torch.full((), math.nan, device=self._params[0].device if self._params else None)
+            return nan, nan, err
+
+    @contextlib.contextmanager
+    def _undo_on_error(self, rng: Rng) -> Iterator[None]:
+        """An error in the closure or a replay (even ``KeyboardInterrupt``) leaves no trace of the
+        step; the policy's own ``NonFiniteError`` comes after the state was restored."""
+        count = self.step_count
+        try:
+            yield
+        except BaseException as err:
+            if not isinstance(err, NonFiniteError):
+                self.recovery.undo(rng, unscaled=self.step_count != count)  # unscale_ comes before the count
+                self.step_count, self._pending = count, None
+            raise
+
+    def _plain_step(self, closure: Callable[[], Any]) -> Any:
+        """The step of a disabled guard (NANGUARD_DISABLE=1): what the loop would do without nanguard."""
+        self.step_count += 1
+        self.last_action = "step"
+        loss = closure()
+        if self.scaler is not None:
+            scaler_step(self.optimizer, self.scaler)
+        else:
+            self.optimizer.step()
+        return loss
+
+    def _bundle_meta(self) -> dict[str, Any]:
+        return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters, history and detector windows, so a resumed run keeps them."""
-        _settle(self)
+        self._settle()
         return {
             "step_count": self.step_count,
             **self.recovery.state_dict(),
             **self.history.state_dict(),
             "last_diagnosis": self.last_diagnosis.to_dict() if self.last_diagnosis else None,
-            "remedies": self._remedies.state_dict(),
+            "remedies": {**self._remedies.state_dict(), **self.policy.state_dict()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -372,42 +562,40 @@ class Guard:
         self.history.load_state_dict(state)
         last = state.get("last_diagnosis")
         self.last_diagnosis = Diagnosis.from_dict(last) if last else None
-        self._remedies.load_state_dict(state.get("remedies") or {})
+        remedies = state.get("remedies") or {}
+        self._remedies.load_state_dict(remedies)
+        self.policy.load_state_dict(remedies)
 
     def close(self) -> None:
-        _settle(self)
+        self._settle()
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
 
 
-def _settle(guard: Guard) -> None:
-    """Deferred mode: read the last step's flags (its update is running on the device, which
-    skipped it if bad) and finish that step as the immediate path would have."""
-    w, guard._waiting = guard._waiting, None
-    if w is None:
-        return
-    h = w.copy.read(w.step, scaled=False)
-    guard._closure_error = w.closure_error
-    with _undo_on_error(guard, w.rng):
-        if guard._decide(h, w.replay, w.batch, w.rng, restore_buffers=True):
-            guard.after_step()
+class _PolicyState:
+    """What the policy reads of the guard's parts (``policy.State``), read only when it asks."""
 
+    def __init__(self, guard: Guard) -> None:
+        self._guard = guard
 
-def _overflow(guard: Guard, h: StepHealth) -> None:
-    """A GradScaler overflow step: normal, counted, and skipped by the scaler itguard."""
-    assert guard.scaler is not None and h.scale is not None
-    new_scale, streak, c = guard.recovery.overflow(), guard.recovery.overflow_streak, guard.config
-    guard.last_action = "overflow"
-    guard.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
-    guard.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
-    if new_scale < c.loss_scale_floor or streak >= c.max_overflow_streak:
-        diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
-                                   overflows=guard.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
-        if guard._remedies.rescue_scaler(h.step, diag, guard.scaler, guard.recovery):
-            return
-        guard.last_diagnosis = diag
-        guard.recorder.trip(h.step, action="raise", ranks=[guard.rank], diagnosis=diag)
-        raise NonFiniteError(diag)
+    @property
+    def has_snapshot(self) -> bool:
+        return self._guard.recovery.snapshot is not None
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self._guard.recovery.consecutive_skips
+
+    @property
+    def upcast(self) -> list[str]:
+        return self._guard._remedies.upcast
+
+    @property
+    def last_diagnosis(self) -> Diagnosis | None:
+        return self._guard.last_diagnosis
+
+    def can_upcast(self, module: str | None) -> str | None:
+        return self._guard._remedies.can_upcast(module)
 
 
 @dataclass(frozen=True)
@@ -418,7 +606,7 @@ class _Waiting:
     copy: HostCopy
     replay: Callable[[], Any] | None
     batch: Any
-    rng: dict[str, torch.Tensor] | None
+    rng: Rng | None
     closure_error: BaseException | None
 
 
@@ -433,77 +621,6 @@ def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any
             f"skip_spikes={config.skip_spikes}; use sync='immediate' or 'auto'"
         )
     return config.sync == "deferred" or (config.sync == "auto" and fits and bool(cuda))
-
-
-def _run_closure(guard: Guard, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
-    """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
-    try:
-        with torch.enable_grad(), guard._remedies.headroom.watch(guard.step_count), guard.health.riding():
-            loss = closure()
-        return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
-    except (IndexError, RuntimeError) as err:
-        if not _index_error(err):
-            raise
-        if dist.is_distributed():
-            # The other ranks are already in the gradient all-reduce: joining them is
-            # impossible, so fail loudly rather than hang. check_batch=True catches it first.
-            log.error("nanguard: the forward raised on rank %d; use Guard(check_batch=True) under "
-                      "torch.distributed to catch out-of-range ids before the forward", guard.rank)  # fmt: skip
-            raise
-        # An out-of-range id raises on CPU. This rank still joins the agreement, flagged
-        # by a NaN loss, and its replay turns the error into a data diagnosis.
-        guard.model.zero_grad(set_to_none=True)
-        nan = torch.full((), math.nan, device=guard._params[0].device if guard._params else None)
-        return nan, nan, err
-
-
-@contextlib.contextmanager
-def _undo_on_error(guard: Guard, rng: dict[str, torch.Tensor]) -> Iterator[None]:
-    """An error in the closure or a replay (even ``KeyboardInterrupt``) leaves no trace of the
-    step; the policy's own ``NonFiniteError`` comes after the state was restored."""
-    count = guard.step_count
-    try:
-        yield
-    except BaseException as err:
-        if not isinstance(err, NonFiniteError):
-            guard.recovery.undo(rng, unscaled=guard.step_count != count)  # unscale_ comes before the count
-            guard.step_count, guard._pending = count, None
-        raise
-
-
-def _check_replicas(guard: Guard, step: int) -> None:
-    """Compare the replicas' fingerprints; resync from a finite majority replica, else roll back or raise."""
-    check = dist.replica_mismatch(guard.model)
-    if not check.ranks:
-        return
-    diag = guard.last_diagnosis = replica_divergence(step=step, **vars(check))
-    action = "raise" if guard.config.policy == "raise" else "resync"
-    if check.source is None:  # no finite replica to copy from
-        action = "rollback" if guard.recovery.snapshot is not None else "raise"
-    guard.recorder.trip(step, action=action, ranks=check.ranks, diagnosis=diag)
-    _announce(guard.rank, step, diag, action)
-    if action == "raise":
-        raise NonFiniteError(diag)
-    if action == "rollback":  # restored_step is evaluated first: rollback() sets drop_batches
-        guard.recorder.rollback(step, restored_step=guard.recovery.rollback(diag),
-                                skip_batches=guard.recovery.drop_batches, reason=diag.cause)  # fmt: skip
-    else:
-        dist.broadcast_state(guard.model, src=check.source)
-    guard.health.forget_update()  # the queued parameter check saw the replicas before the repair
-
-
-def _watch_trends(guard: Guard, step: int, h: StepHealth) -> list[Spike]:
-    """A finite step's spikes and divergence warning, logged and recorded; returns the spikes."""
-    spikes = guard.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
-    for spike in spikes:
-        guard.recorder.spike(step, spike)
-        log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
-                    step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
-    if trend := guard.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm):
-        guard.recorder.forecast(step, trend)
-        log.warning("nanguard: step %d: %s %.4g grows x%.3g per step: float32 overflow predicted in %d steps",
-                    step, trend.metric, trend.value, trend.growth, trend.predicted_overflow_in)  # fmt: skip
-    return spikes
 
 
 def _check_args(loss: Any, replay: Any, rng: Any) -> Any:
@@ -590,18 +707,6 @@ def _unknown(err: Exception, step: int, h: StepHealth) -> Diagnosis:
     )
 
 
-def _plain_step(guard: Guard, closure: Callable[[], Any]) -> Any:
-    """The step of a disabled guard (NANGUARD_DISABLE=1): what the loop would do without nanguard."""
-    guard.step_count += 1
-    guard.last_action = "step"
-    loss = closure()
-    if guard.scaler is not None:
-        scaler_step(guard.optimizer, guard.scaler)
-    else:
-        guard.optimizer.step()
-    return loss
-
-
 def _unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Unscale the gradients once: a loop that unscaled already (to clip) is not an error."""
     optimizer = scaled_optimizer(optimizer)  # where the scaler keeps its per-optimizer state
@@ -621,21 +726,10 @@ def _scaler_aside(scaler: Any, replay: Callable[[], Any] | None) -> Callable[[],
     return run
 
 
-def _clip(guard: Guard) -> bool:
-    """``clip_grad_norm``, after the check that measured (and recorded) the norm before it; always True."""
-    if guard.config.clip_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(guard._params, guard.config.clip_grad_norm)
-    return True
-
-
 def _listener(on_event: Any, disabled: bool) -> Callable[[dict[str, Any]], None] | None:
     if on_event is not None and not callable(on_event):
         raise ValueError(f"on_event must be None or a callable taking an event dict, got {type(on_event).__name__}")
     return None if disabled else on_event
-
-
-def _bundle_meta(guard: Guard) -> dict[str, Any]:
-    return {**guard.history.tail(), "fingerprint": dist.fingerprint(guard.model)}
 
 
 def _announce(rank: int, step: int, diag: Diagnosis, action: str) -> None:

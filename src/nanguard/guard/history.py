@@ -2,7 +2,8 @@
 
 The guard feeds every checked step to ``observe`` (spike detection) and ``forecast`` (the
 early divergence warning), and every finished update to ``append``; on a trip, ``evidence``
-says whether the run was diverging, which ``diagnose.rejudge`` reads.
+says whether the run was diverging, which ``diagnose.rejudge`` reads, and ``growing`` holds the
+rollback snapshot's refresh while it is.
 """
 
 from __future__ import annotations
@@ -148,6 +149,29 @@ class History:
             if left <= horizon and (best is None or left < best.predicted_overflow_in):
                 best = Forecast(metric, vals[-1], math.exp(rate), max(1, math.ceil(left)))
         return best
+
+    def growing(self, baseline: float | None = None) -> bool:
+        """Is the run growing now: the forecast's episode is open, a spike came within the last
+        ``divergence_window`` updates, the loss or grad norm grew ``divergence_factor``-fold
+        within them (the divergence rule's own evidence), or the loss stands ``divergence_factor``
+        times above ``baseline`` (the loss when the last good snapshot was taken)?
+
+        Example:
+            >>> history = History(size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0,
+            ...                   divergence_window=5, divergence_factor=10.0)
+            >>> for step, loss in enumerate([2.0, 9.0, 60.0]):
+            ...     history.append(step, loss=loss, grad_norm=1.0)
+            >>> history.growing()
+            True
+        """
+        if self._warned:
+            return True
+        if not self.points:
+            return False
+        last = self.points[-1]
+        if baseline is not None and 0 < baseline < math.inf and last.loss > self.divergence_factor * baseline:
+            return True
+        return bool(self.evidence(last.step + 1, None).get("diverging"))
 
     def tail(self, n: int = 16) -> dict[str, list[float]]:
         """The last ``n`` losses and grad norms, for a repro bundle."""

@@ -51,8 +51,9 @@ class NullRecorder:
     def skip(self, step: int, reason: str) -> None:
         self._write("skip", step, reason=reason)
 
-    def rollback(self, step: int, *, restored_step: int, skip_batches: int, reason: str) -> None:
-        self._write("rollback", step, restored_step=restored_step, skip_batches=skip_batches, reason=reason)
+    def rollback(self, step: int, *, restored_step: int, skip_batches: int, reason: str, why: str = "") -> None:
+        """``restored_step``: the step the restored snapshot was taken at; ``why``: why that snapshot."""
+        self._write("rollback", step, restored_step=restored_step, skip_batches=skip_batches, reason=reason, why=why)
 
     def spike(self, step: int, spike: Spike) -> None:
         self._write("spike", step, metric=spike.metric, value=spike.value, median=spike.median, score=spike.score)

@@ -3,13 +3,14 @@
 ``Recovery`` owns the buffer backup taken before each forward, the CPU snapshot of model,
 optimizer, scaler and LR scheduler (rollback policy), and the counters that bound recovery:
 skips and rollbacks in a row, batches to drop after a rollback, GradScaler overflows in a row.
+What to do with them is the policy's (``nanguard.guard.policy``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +20,6 @@ from nanguard.backup import BufferBackup
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.wrapped import scaler_step
 from nanguard.rng import set_rng_state
 
 __all__ = ["COUNTERS", "Recovery"]
@@ -61,6 +61,10 @@ class Recovery:
         self.overflow_streak = 0
         self.good_steps = 0
         self.drop_batches = 0
+        self.held_since: int | None = None
+        """The step from which snapshot refreshes are held while the run grows; None when none is."""
+        self.snapshot_loss: float | None = None
+        """The loss of the last step before the snapshot was taken (None: not known)."""
 
     # -- one step ------------------------------------------------------------------------
     def abandon(self, restore_buffers: bool, rng: dict[str, torch.Tensor] | None = None) -> None:
@@ -102,31 +106,25 @@ class Recovery:
         self.overflow_streak = 0
         return self.good_steps
 
-    def overflow(self) -> float:
-        """A GradScaler overflow step: the scaler skips the update itself and lowers its
-        scale; count it and return the new scale."""
-        assert self.scaler is not None
-        scaler_step(self.optimizer, self.scaler)
+    def count_overflow(self) -> None:
+        """A GradScaler overflow step (the scaler skipped the update itself and lowered its scale)."""
         self.overflows += 1
         self.overflow_streak += 1
-        return float(self.scaler.get_scale())
 
-    # -- the policy ----------------------------------------------------------------------
-    def policy_for(self, diag: Diagnosis) -> str:
-        """The action for ``diag``: the configured policy, unless the bad update already
-        happened, which a skip cannot undo (only a snapshot can)."""
-        policy = self.config.policy
-        update_done = diag.cause == "optimizer.nonfinite_update" or diag.phase == "optimizer"
-        if update_done and policy == "skip":
-            return "rollback" if self.snapshot is not None else "raise"
-        return policy
+    def reset_overflow_streak(self) -> None:
+        """The scale was reset: the streak starts again."""
+        self.overflow_streak = 0
 
     def skip(self) -> None:
         self.skipped += 1
 
+    def count_in_a_row(self) -> None:
+        """A skip or rollback without a good step since the last one."""
+        self.consecutive_skips += 1
+
     def rollback(self, diag: Diagnosis) -> int:
         """Restore the last snapshot and drop the next ``rollback_skip_batches`` batches;
-        returns the step the snapshot was taken at."""
+        returns the step the snapshot was taken at (``why_restored`` says why that one)."""
         if self.snapshot is None:
             raise NonFiniteError(diag, f"{diag}\n(no snapshot to roll back to)")
         snap = self.snapshot
@@ -142,16 +140,14 @@ class Recovery:
         self.drop_batches = self.config.rollback_skip_batches
         return int(snap["step"])
 
-    def count_in_a_row(self, diag: Diagnosis | None) -> None:
-        """Skips and rollbacks in a row without a good step: past the limit, stop the run."""
-        self.consecutive_skips += 1
-        limit = self.config.max_consecutive_skips
-        if self.consecutive_skips >= limit:
-            raise NonFiniteError(
-                diag,
-                f"{self.consecutive_skips} steps skipped in a row (max_consecutive_skips={limit})"
-                + (f"; last: {diag.summary()}" if diag else ""),
-            )
+    def why_restored(self) -> str:
+        """Why the rollback target is the snapshot it is, for the rollback event."""
+        assert self.snapshot is not None
+        step = self.snapshot["step"]
+        if self.held_since is None:
+            return f"the last snapshot, taken at step {step}"
+        return (f"the last snapshot before the loss or grad norm began to grow, taken at step {step} "
+                f"(refreshes held from step {self.held_since})")  # fmt: skip
 
     # -- snapshots and state -------------------------------------------------------------
     def take_snapshot(self, step: int) -> None:
@@ -161,6 +157,7 @@ class Recovery:
         so it holds one snapshot's memory, not two.
         """
         old = self.snapshot or {}
+        self.held_since = None
         self.snapshot = None  # a refresh that fails midway leaves no half-new snapshot
         self.snapshot = {
             "step": step,
@@ -170,10 +167,19 @@ class Recovery:
             "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
         }
 
-    def snapshot_if_due(self, step: int) -> None:
-        """Under the rollback and auto policies, snapshot every ``snapshot_every`` good steps."""
-        if self.config.policy in ("rollback", "auto") and self.good_steps % self.config.snapshot_every == 0:
-            self.take_snapshot(step)
+    def snapshot_if_due(self, step: int, loss: float, growing: Callable[[float | None], bool]) -> None:
+        """Under the rollback and auto policies, snapshot every ``snapshot_every`` good steps, but
+        not while the run grows (``growing(loss when the last snapshot was taken)``): a rollback
+        for divergence must land before the growth, not on weights already on their way out.
+        """
+        if self.config.policy not in ("rollback", "auto") or self.good_steps % self.config.snapshot_every:
+            return
+        if growing(self.snapshot_loss):
+            if self.held_since is None:
+                self.held_since = step
+            return
+        self.take_snapshot(step)
+        self.snapshot_loss = loss
 
     def state_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}

@@ -1,5 +1,5 @@
-"""Remedies: the fix a diagnosed cause calls for (``policy="auto"``), and the escalation of
-faults a skip cannot repair (every policy).
+"""Remedies: carry out and record the fix a diagnosed cause calls for. The choice is the
+policy's (``nanguard.guard.policy``, from the cause table's ``remedy`` column).
 
 Under ``policy="auto"`` each trip gets one remedy, chosen by its cause:
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,31 +29,27 @@ from torch import nn
 from nanguard import dist, sampler
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
+from nanguard.guard.policy import SANE_SCALE, Remedy
 from nanguard.guard.recorder import NullRecorder
-from nanguard.guard.recovery import Recovery
 from nanguard.tracer.headroom import HeadroomCheck
 from nanguard.tree import leaves_with_path, path_str
 
-__all__ = ["ACTIONS", "UNSKIPPABLE", "Remedies", "bad_rows"]
+__all__ = ["ACTIONS", "Remedies", "bad_rows", "upcast_module", "with_bad_rows"]
 
 log = logging.getLogger("nanguard")
 
 ACTIONS = ("skip", "quarantine", "upcast", "rollback", "lower_lr", "raise")
-UNSKIPPABLE = ("parameters.nonfinite", "optimizer.nonfinite_update")
-"""Causes whose damage is already in the parameters: a skipped step leaves it there."""
-BUDGETED = ("precision.overflow", "optimizer.divergence", *UNSKIPPABLE)
-"""Causes whose remedy changes the run (upcast, rollback, LR): each gets ``remedy_budget`` of them."""
-SANE_SCALE = 2.0**16  # GradScaler's own default initial scale
 
 
 class Remedies:
-    """Chooses and applies remedies; ``entries`` is ``guard.remedies``.
+    """Applies and records the remedies the policy (``nanguard.guard.policy``) chose; ``entries``
+    is ``guard.remedies``. It owns what the remedies changed: the modules now run in float32,
+    the LR factor, the batch ids a quarantine takes.
 
     Example:
         >>> remedies = Remedies(model, optimizer, GuardConfig(policy="auto"), NullRecorder(), run_dir="runs/exp1")
         >>> remedies.begin_step(sample_ids=[40, 41, 42, 43])
-        >>> remedies.choose(diag, recovery, step=7, batch=batch)
-        ('skip', None)
+        >>> remedies.apply(Remedy("quarantine"), diag, step=7)
         >>> remedies.entries[-1]["action"]
         'quarantine'
     """
@@ -64,7 +61,7 @@ class Remedies:
         config: GuardConfig,
         recorder: NullRecorder,
         run_dir: Any = None,
-        scheduler: Callable[[], Any] = lambda: None,
+        scheduler: Any = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -76,99 +73,53 @@ class Remedies:
         self.entries: list[dict[str, Any]] = []
         self.upcast: list[str] = []
         self.lr_factor = 1.0
-        self.used: dict[str, int] = {}
         self.sample_ids: list[int] | None = None
         self.previous_ids: list[int] | None = None
-        self._lower_after_rollback = False
 
     # -- per step ----------------------------------------------------------------------
     def begin_step(self, sample_ids: Any) -> None:
         """Remember this batch's dataset ids (and the previous batch's)."""
+        if sample_ids is None and self.sample_ids is None:
+            self.previous_ids = None
+            return
         if sample_ids is not None and not isinstance(sample_ids, (torch.Tensor, list, tuple)):
             raise ValueError(f"sample_ids must be a 1-D tensor or a list of ints, got {type(sample_ids).__name__}")
         ids = sample_ids.reshape(-1).tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids
         self.previous_ids, self.sample_ids = self.sample_ids, [int(i) for i in ids] if ids is not None else None
 
-    def choose(self, diag: Diagnosis, recovery: Recovery, *, step: int, batch: Any) -> tuple[str, str | None]:
-        """The guard's action for a trip ("skip", "rollback" or "raise") and, for "raise", the message."""
-        action, has_snapshot = recovery.policy_for(diag), recovery.snapshot is not None
-        if diag.phase == "data" and batch is not None:
-            rows = bad_rows(diag, batch, len(self.sample_ids) if self.sample_ids else None)
-            if rows is not None:
-                diag.evidence["rows"] = rows
-        if self.config.policy == "auto":
-            return self._auto(diag, step, has_snapshot)
-        if diag.cause in UNSKIPPABLE and self.config.policy == "skip":
-            reason = (
-                f"skipping cannot help: {diag.cause} means the parameters already hold the damage, so every "
-                "later step would trip again; policy='rollback' or policy='auto' restores the last good snapshot"
-            )
-            self._record(step, diag.cause, "raise", None, reason)
-            return "raise", f"{diag}\n{reason}"
-        return action, None
+    def rows(self) -> int | None:
+        """How many rows this step's batch has, when its sample ids tell."""
+        return len(self.sample_ids) if self.sample_ids else None
 
-    def after_rollback(self, step: int, take_snapshot: Callable[[], None]) -> None:
-        """After a divergence rollback: lower the LR, and snapshot again so a later rollback
-        restores the lowered LR, not the one that diverged."""
-        if not self._lower_after_rollback:
-            return
-        self._lower_after_rollback = False
-        self._lower_lr()
-        take_snapshot()
-
-    def rescue_scaler(self, step: int, diag: Diagnosis, scaler: Any, recovery: Recovery) -> bool:
-        """``precision.loss_scale`` under auto: reset the scale once; False when the run must stop."""
-        if self.config.policy != "auto":
-            return False
-        if self.used.get(diag.cause, 0) >= 1:
-            self._record(step, diag.cause, "raise", None, "the loss scale collapsed again after a reset")
-            return False
-        self.used[diag.cause] = 1
-        scaler.update(SANE_SCALE)
-        recovery.overflow_streak = 0
-        self._record(
-            step, diag.cause, "skip", None, f"GradScaler scale reset to {SANE_SCALE:g}; raises if it collapses again"
-        )
-        return True
+    def can_upcast(self, name: str | None) -> str | None:
+        """None when module ``name`` can run in float32 from now on, else why not."""
+        module = _submodule(self.model, name)
+        if module is None:
+            return "no module to upcast"
+        if not self.config.upcast:
+            return "upcast=False"
+        if not _float32_weights(module):
+            return "the module's weights are not float32 (no autocast)"
+        return None
 
     # -- the remedies ------------------------------------------------------------------
-    def _auto(self, diag: Diagnosis, step: int, has_snapshot: bool) -> tuple[str, str | None]:
-        cause = diag.cause
-        # Quarantines and plain skips are bounded by the dataset and max_consecutive_skips.
-        used = self.used[cause] = self.used.get(cause, 0) + (cause in BUDGETED)
-        if used > self.config.remedy_budget:
-            reason = f"remedy_budget={self.config.remedy_budget} for {cause} is spent: the remedies did not hold"
-            self._record(step, cause, "raise", None, reason)
-            return "raise", f"{diag}\n{reason}"
-        if cause.startswith("data."):
+    def apply(self, remedy: Remedy, diag: Diagnosis, step: int) -> None:
+        """Carry out ``remedy`` for ``diag`` and record it."""
+        if remedy.action == "quarantine":
             self._quarantine(step, diag)
-            return "skip", None
-        if cause == "precision.overflow":
-            return self._upcast(step, diag)
-        if cause == "optimizer.divergence":
-            if has_snapshot:
-                self._lower_after_rollback = self.config.lr_factor < 1
-                self._record(step, cause, "rollback", None, f"roll back, then LR x{self.config.lr_factor:g}")
-                return "rollback", None
+        elif remedy.action == "upcast":
+            self._upcast(step, diag, remedy)
+        elif remedy.action == "lower_lr":
             reset = self._reset_moments()
-            self._lower_lr()
-            self._record(
-                step,
-                cause,
-                "lower_lr",
-                None,
-                f"no snapshot: LR x{self.config.lr_factor:g}, optimizer state of {reset} parameters reset",
-            )
-            return "skip", None
-        if cause in UNSKIPPABLE:
-            if has_snapshot:
-                self._record(step, cause, "rollback", None, "the parameters hold the damage: restore the last snapshot")
-                return "rollback", None
-            reason = f"{cause} cannot be skipped and there is no snapshot to roll back to"
-            self._record(step, cause, "raise", None, reason)
-            return "raise", f"{diag}\n{reason}"
-        self._record(step, cause, "skip", None, "no specific remedy for this cause")
-        return "skip", None
+            self.lower_lr()
+            why = f"no snapshot: LR x{self.config.lr_factor:g}, optimizer state of {reset} parameters reset"
+            self.record(step, diag.cause, "lower_lr", None, why)
+        else:
+            self.record(step, diag.cause, remedy.action, remedy.target, remedy.reason)
+
+    def reset_scale(self, scaler: Any) -> None:
+        """A collapsed GradScaler scale back to its default."""
+        scaler.update(SANE_SCALE)
 
     def _quarantine(self, step: int, diag: Diagnosis) -> None:
         rows = diag.evidence.get("rows")
@@ -183,13 +134,13 @@ class Remedies:
                 chosen += self.previous_ids
         if not chosen or self.run_dir is None:
             why = "no sample_ids given" if ids is None else f"quarantine={scope!r} and the bad rows cannot be told"
-            self._record(step, diag.cause, "skip", None, why if self.run_dir else "no run_dir to keep a quarantine in")
+            self.record(step, diag.cause, "skip", None, why if self.run_dir else "no run_dir to keep a quarantine in")
             return
         try:
             sampler.add_quarantined(self.run_dir, chosen, step=step, cause=diag.cause)
         except OSError as err:  # a full disk must not kill the run
             log.warning("nanguard: could not write the quarantine file: %r", err)
-        self._record(
+        self.record(
             step,
             diag.cause,
             "quarantine",
@@ -197,35 +148,27 @@ class Remedies:
             f"rows {rows} of the batch hold the bad values" if rows is not None else f"quarantine={scope!r}",
         )
 
-    def _upcast(self, step: int, diag: Diagnosis) -> tuple[str, str | None]:
-        name = diag.module
+    def _upcast(self, step: int, diag: Diagnosis, remedy: Remedy) -> None:
+        name = remedy.target
         module = _submodule(self.model, name)
-        if name in self.upcast:
-            reason = f"module '{name}' overflowed again though it already runs in float32"
-            self._record(step, diag.cause, "raise", name, reason)
-            return "raise", f"{diag}\n{reason}"
-        if module is None or not self.config.upcast or not _float32_weights(module):
-            why = "upcast=False" if not self.config.upcast else "the module's weights are not float32 (no autocast)"
-            self._record(step, diag.cause, "skip", name, why if module is not None else "no module to upcast")
-            return "skip", None
+        assert module is not None and name is not None  # the policy asked can_upcast first
         upcast_module(module)
-        assert name is not None
         self.upcast.append(name)
-        self._record(step, diag.cause, "upcast", name, "autocast off and inputs cast to float32 in this module")
-        return "skip", None
+        self.record(step, diag.cause, "upcast", name, remedy.reason)
 
-    def _lower_lr(self) -> None:
+    def lower_lr(self) -> None:
+        """Every group's LR (and the scheduler's ``base_lrs``) times ``lr_factor``."""
         factor = self.config.lr_factor
         self.lr_factor *= factor
         for group in self.optimizer.param_groups:
             group["lr"] = group["lr"] * factor
             if "initial_lr" in group:
                 group["initial_lr"] = group["initial_lr"] * factor
-        scheduler = self.scheduler()
-        if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        base_lrs = getattr(self.scheduler, "base_lrs", None)
+        if isinstance(base_lrs, list):
             # Schedulers recompute the LR from base_lrs: scale them too, or the next
             # scheduler.step() undoes the remedy.
-            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+            self.scheduler.base_lrs = [lr * factor for lr in base_lrs]
 
     def _reset_moments(self) -> int:
         # The moments of a diverging run stay contaminated long after the spike: start them again.
@@ -234,7 +177,7 @@ class Remedies:
             self.optimizer.state.pop(p)
         return len(params)
 
-    def _record(self, step: int, cause: str, action: str, target: Any, reason: str) -> None:
+    def record(self, step: int, cause: str, action: str, target: Any, reason: str) -> None:
         entry = {"step": step, "cause": cause, "action": action, "target": target, "reason": reason}
         self.entries.append(entry)
         self.emit(**entry)
@@ -249,18 +192,12 @@ class Remedies:
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "upcast": list(self.upcast),
-            "lr_factor": self.lr_factor,
-            "used": dict(self.used),
-            "entries": list(self.entries),
-        }
+        return {"upcast": list(self.upcast), "lr_factor": self.lr_factor, "entries": list(self.entries)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the upcast modules (their forwards run in float32 again) and the counters.
         The lowered LR itself lives in the optimizer's state_dict."""
         self.lr_factor = float(state.get("lr_factor", 1.0))
-        self.used = {str(k): int(v) for k, v in dict(state.get("used", {})).items()}
         self.entries = [dict(e) for e in state.get("entries", [])]
         for name in state.get("upcast", []):
             module = _submodule(self.model, name)
@@ -314,6 +251,15 @@ def _submodule(model: nn.Module, name: str | None) -> nn.Module | None:
 
 def _float32_weights(module: nn.Module) -> bool:
     return all(p.dtype == torch.float32 for p in module.parameters())
+
+
+def with_bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> Diagnosis:
+    """``diag`` with ``evidence["rows"]``: the batch rows holding the bad values, when a data
+    diagnosis can tell them (``bad_rows``); else ``diag`` itself."""
+    if diag.phase != "data" or batch is None:
+        return diag
+    rows = bad_rows(diag, batch, n_rows)
+    return diag if rows is None else replace(diag, evidence={**diag.evidence, "rows": rows})
 
 
 def bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> list[int] | None:

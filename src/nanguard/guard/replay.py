@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from nanguard import dist
+from nanguard.causes import facts
 from nanguard.diagnose import (
     communication_overflow,
     loaded_nonfinite,
@@ -40,12 +41,9 @@ from nanguard.tracer.compiled import eager
 from nanguard.tracer.module_stats import module_stats
 from nanguard.tree import tensors
 
-__all__ = ["REPEATABLE", "Diagnoser", "Replayed", "makes_nonfinite", "replay_trip"]
+__all__ = ["Diagnoser", "Replayed", "makes_nonfinite", "replay_trip"]
 
 log = logging.getLogger("nanguard")
-
-REPEATABLE = frozenset({"precision.overflow", "parameters.nonfinite", "init.scale"})
-"""Causes that come from the model or its precision, not the batch: the next step repeats them."""
 
 
 @dataclass
@@ -149,7 +147,7 @@ class Diagnoser:
         self, closure: Callable[[], Any] | None, h: StepHealth, rng: dict[str, torch.Tensor] | None
     ) -> Diagnosis | None:
         """The last trip's diagnosis for this step, when this trip directly follows it on the same
-        ranks with a ``REPEATABLE`` cause, and one forward shows the last origin's module making
+        ranks with a repeatable cause (``Cause.repeatable``), and one forward shows the last origin's module making
         a non-finite output from finite inputs again on each flagged rank; else None.
 
         Every rank takes the same branch: the trips and the diagnosis they compare are agreed.
@@ -158,7 +156,7 @@ class Diagnoser:
         if not self.locate or closure is None or last is None or self.sharded:
             return None
         diag = last.diagnosis
-        if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or diag.cause not in REPEATABLE:
+        if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or not facts(diag.cause).repeatable:
             return None
         module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
         if module is None:

@@ -15,7 +15,7 @@ import torch
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.zoo.scenarios import Expect, Scenario, build
+from nanguard.zoo.scenario import Expect, Scenario, build
 
 __all__ = ["EDGE_FAULTS", "EDGE_SCENARIOS", "edge_rank"]
 

@@ -1,0 +1,237 @@
+"""The policy: every decision of a guarded step, from its ``Verdict`` to an ``Action``.
+
+``Guard.step`` measures a step (health, replay, diagnosis) into a ``Verdict``, asks
+``Policy.decide(verdict, state)`` for an ``Action``, and applies it. The policy reads the cause
+table (``nanguard.causes``) and what the other parts report through ``state``; it changes
+nothing but its own remedy budgets, so every decision is here and nowhere else:
+
+- ``raise``, ``skip``, ``rollback``: the configured policy, unless the damage is already in the
+  parameters (``Cause.skippable`` False, or a diagnosis of the optimizer phase), which a skip
+  cannot repair;
+- ``auto``: the remedy the cause's row names, within ``remedy_budget`` (``Cause.budgeted``);
+- skips and rollbacks in a row past ``max_consecutive_skips`` stop the run;
+- a GradScaler overflow is the scaler's own skip, and its collapse is reset once under auto;
+- replicas that differ are re-broadcast from a finite majority, else rolled back, else raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nanguard.causes import Cause, facts
+from nanguard.findings import Diagnosis
+from nanguard.guard.config import GuardConfig
+from nanguard.guard.health import StepHealth
+from nanguard.spikes import Spike
+
+__all__ = ["KINDS", "SANE_SCALE", "STEP", "Action", "Policy", "Remedy", "State", "Verdict"]
+
+KINDS = ("healthy", "spike", "trip", "overflow", "collapse", "replicas")
+"""What a ``Verdict`` can say about a step."""
+SANE_SCALE = 2.0**16  # GradScaler's own default initial scale
+
+
+class Verdict:
+    """What measuring one step found, before anything is decided.
+
+    Example:
+        >>> Verdict("trip", 7, health, diagnosis=diag).kind
+        'trip'
+    """
+
+    __slots__ = ("diagnosis", "health", "kind", "module_stats", "source", "spikes", "step")
+
+    def __init__(
+        self,
+        kind: str,
+        step: int,
+        health: StepHealth | None = None,
+        *,
+        diagnosis: Diagnosis | None = None,
+        spikes: list[Spike] | None = None,
+        module_stats: dict[str, Any] | None = None,
+        source: int | None = None,
+    ) -> None:
+        self.kind = kind
+        self.step = step
+        self.health = health
+        self.diagnosis = diagnosis
+        """The step's diagnosis: a trip, a collapsed loss scale, replicas that differ."""
+        self.spikes = spikes
+        self.module_stats = module_stats
+        self.source = source
+        """replicas: the finite majority rank to copy from, None when no replica is finite."""
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A remedy entry (``guard.remedies``): what ``Remedies.apply`` does and records."""
+
+    action: str
+    """One of ``remedies.ACTIONS``."""
+    target: Any = None
+    reason: str = ""
+    """Why; "" when the applier words what it did (a quarantine, a lowered LR)."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """What the guard does with a step.
+
+    ``kind``: "step" (update), "skip", "rollback", "raise", "overflow" (the GradScaler skipped
+    the update itself), "reset_scale" (reset the collapsed GradScaler scale, then go on), or
+    "resync" (re-broadcast the replicas from ``Verdict.source``).
+    """
+
+    kind: str
+    remedy: Remedy | None = None
+    message: str | None = None
+    """raise: the NonFiniteError's message (None: the diagnosis alone)."""
+    lower_lr: bool = False
+    """rollback: then multiply every LR by ``lr_factor``, and snapshot again."""
+    stop: str | None = None
+    """skip or rollback: then stop the run with this message (too many in a row)."""
+
+
+STEP = Action("step")
+
+
+class State(Protocol):
+    """What the policy reads from the guard's other parts."""
+
+    @property
+    def has_snapshot(self) -> bool: ...
+    @property
+    def consecutive_skips(self) -> int: ...
+    @property
+    def upcast(self) -> list[str]: ...
+    @property
+    def last_diagnosis(self) -> Diagnosis | None: ...
+    def can_upcast(self, module: str | None) -> str | None:
+        """None when the module can run in float32, else why not."""
+        ...
+
+
+class Policy:
+    """Decides every step; owns the remedy budgets.
+
+    Example:
+        >>> policy = Policy(GuardConfig(policy="auto"))
+        >>> policy.decide(Verdict("trip", 7, diagnosis=Diagnosis(cause="data.nonfinite", phase="data")), state).kind
+        'skip'
+    """
+
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self.used: dict[str, int] = {}
+        """Remedies given per cause (``policy="auto"``)."""
+
+    def decide(self, verdict: Verdict, state: State) -> Action:
+        kind = verdict.kind
+        if kind == "healthy":
+            return STEP
+        if kind == "spike":
+            return self._in_a_row(Action("skip"), state) if self.config.skip_spikes else STEP
+        if kind == "overflow":
+            return Action("overflow")
+        diag = verdict.diagnosis
+        assert diag is not None, f"a {kind} verdict carries its diagnosis"
+        if kind == "collapse":
+            return self._collapse(diag)
+        if kind == "replicas":
+            return self._replicas(verdict, state)
+        auto = self.config.policy == "auto"
+        action = self._auto(diag, facts(diag.cause), state) if auto else self._plain(diag, state)
+        return self._in_a_row(action, state) if action.kind in ("skip", "rollback") else action
+
+    # -- the decisions -----------------------------------------------------------------
+    def _plain(self, diag: Diagnosis, state: State) -> Action:
+        """policy skip, rollback or raise: as configured, unless a skip cannot repair the damage."""
+        policy, cause = self.config.policy, facts(diag.cause)
+        if policy == "skip" and (not cause.skippable or diag.phase == "optimizer"):
+            if state.has_snapshot:
+                return Action("rollback")
+            if not cause.skippable:
+                reason = (
+                    f"skipping cannot help: {diag.cause} means the parameters already hold the damage, so every "
+                    "later step would trip again; policy='rollback' or policy='auto' restores the last good snapshot"
+                )
+                return Action("raise", Remedy("raise", None, reason), f"{diag}\n{reason}")
+            return Action("raise")
+        if policy == "rollback" and not state.has_snapshot:
+            return Action("raise", message=f"{diag}\n(no snapshot to roll back to)")
+        return Action(policy)
+
+    def _auto(self, diag: Diagnosis, cause: Cause, state: State) -> Action:
+        """policy auto: the remedy of the cause's row, within its budget."""
+        # Quarantines and plain skips are bounded by the dataset and max_consecutive_skips.
+        used = self.used[cause.id] = self.used.get(cause.id, 0) + cause.budgeted
+        if used > self.config.remedy_budget:
+            return _raise(diag, f"remedy_budget={self.config.remedy_budget} for {cause.id} is spent: "
+                                "the remedies did not hold")  # fmt: skip
+        if cause.remedy == "quarantine":
+            return Action("skip", Remedy("quarantine"))
+        if cause.remedy == "upcast":
+            return self._upcast(diag, state)
+        if cause.remedy == "rollback_lower_lr":
+            factor = self.config.lr_factor
+            if state.has_snapshot:
+                return Action("rollback", Remedy("rollback", None, f"roll back, then LR x{factor:g}"),
+                              lower_lr=factor < 1)  # fmt: skip
+            return Action("skip", Remedy("lower_lr"))
+        if cause.remedy == "rollback":
+            if state.has_snapshot:
+                why = "the parameters hold the damage: restore the last snapshot"
+                return Action("rollback", Remedy("rollback", None, why))
+            return _raise(diag, f"{cause.id} cannot be skipped and there is no snapshot to roll back to")
+        return Action("skip", Remedy("skip", None, "no specific remedy for this cause"))
+
+    def _upcast(self, diag: Diagnosis, state: State) -> Action:
+        name = diag.module
+        if name in state.upcast:
+            return _raise(diag, f"module '{name}' overflowed again though it already runs in float32", target=name)
+        why_not = state.can_upcast(name)
+        if why_not is not None:
+            return Action("skip", Remedy("skip", name, why_not))
+        return Action("skip", Remedy("upcast", name, "autocast off and inputs cast to float32 in this module"))
+
+    def _collapse(self, diag: Diagnosis) -> Action:
+        """The GradScaler's scale collapsed: under auto, reset it once; else stop."""
+        if self.config.policy != "auto":
+            return Action("raise")
+        if self.used.get(diag.cause, 0) >= 1:
+            return Action("raise", Remedy("raise", None, "the loss scale collapsed again after a reset"))
+        self.used[diag.cause] = 1
+        reason = f"GradScaler scale reset to {SANE_SCALE:g}; raises if it collapses again"
+        return Action("reset_scale", Remedy("skip", None, reason))
+
+    def _replicas(self, verdict: Verdict, state: State) -> Action:
+        """Replicas differ: re-broadcast from the finite majority, else roll back, else raise."""
+        if self.config.policy == "raise":
+            return Action("raise")
+        if verdict.source is None:  # no finite replica to copy from
+            return Action("rollback") if state.has_snapshot else Action("raise")
+        return Action("resync")
+
+    def _in_a_row(self, action: Action, state: State) -> Action:
+        """Skips and rollbacks in a row without a good step: past the limit, stop after this one."""
+        count, limit = state.consecutive_skips + 1, self.config.max_consecutive_skips
+        if count < limit:
+            return action
+        last = state.last_diagnosis
+        stop = f"{count} steps skipped in a row (max_consecutive_skips={limit})" + (
+            f"; last: {last.summary()}" if last else ""
+        )
+        return Action(action.kind, action.remedy, action.message, action.lower_lr, stop)
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"used": dict(self.used)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.used = {str(k): int(v) for k, v in dict(state.get("used", {})).items()}
+
+
+def _raise(diag: Diagnosis, reason: str, target: Any = None) -> Action:
+    return Action("raise", Remedy("raise", target, reason), f"{diag}\n{reason}")
