@@ -345,31 +345,24 @@ def _weight_growth(ev: Evidence) -> float:
     return ratio / initial if initial > 0 and ratio >= INIT_RATIO_HIGH else 0.0
 
 
-def norm_statistics_overflow(ev: Evidence) -> Verdict | None:
-    """A normalization whose statistics overflowed: the activations entering it grew too large.
-
-    With weights grown far from the scale the run started from, training blew them up
-    (``optimizer.divergence``); otherwise the origin is named without a cause.
-    """
-    o = _origin(ev)
-    if not _in_norm(o) or not _statistics_overflowed(o):
-        return None
+def _overflow_why(o: dict[str, Any]) -> str:
     dtype = _first_input(o).get("dtype", "float32")
     name = o.get("module_type") or "the normalization layer"
-    why = (
+    return (
         f"{name} in {_where(o)} got inputs up to {_input_absmax(o):.3g}, whose variance overflows {dtype} "
         "(a row variance of inf): an overflow of grown activations, not a zero variance"
     )
-    growth = _weight_growth(ev)
-    if growth >= GROWN_WEIGHTS:
-        scale = ev.get("weight_scale") or {}
-        why += f"; the weights of '{scale.get('module')}' are {growth:.3g}x their scale at the start of the run"
-        return Verdict("optimizer.divergence", why, _divergence_fixes(ev.get("history") or {}))
-    fixes = [
-        "find what makes the activations grow: the per-module absmax of this step, ng.audit_model(model)",
-        "if the loss grew in the steps before, lower the learning rate and add gradient clipping",
-    ]
-    return Verdict("unknown", why, fixes)
+
+
+def grown_weights_norm_overflow(ev: Evidence) -> Verdict | None:
+    """A normalization whose statistics overflowed once the weights grew far from the scale the run
+    started from: training blew them up (the guard passes that scale; ``norm_overflow`` otherwise)."""
+    o = _origin(ev)
+    if not _in_norm(o) or not _statistics_overflowed(o) or (growth := _weight_growth(ev)) < GROWN_WEIGHTS:
+        return None
+    scale = ev.get("weight_scale") or {}
+    why = _overflow_why(o) + f"; the weights of '{scale.get('module')}' are {growth:.3g}x their scale at the start"
+    return Verdict("optimizer.divergence", why + " of the run", _divergence_fixes(ev.get("history") or {}))
 
 
 def zero_variance(ev: Evidence) -> Verdict | None:
@@ -572,6 +565,19 @@ def nan_write(ev: Evidence) -> Verdict | None:
     return Verdict("op.nan_write", why, fixes)
 
 
+def norm_overflow(ev: Evidence) -> Verdict | None:
+    """A normalization whose statistics overflowed, with nothing upstream to blame: the origin is
+    named without a cause, and never as an eps (``zero_variance`` leaves it alone)."""
+    o = _origin(ev)
+    if not _in_norm(o) or not _statistics_overflowed(o):
+        return None
+    fixes = [
+        "find what makes the activations grow: the per-module absmax of this step, ng.audit_model(model)",
+        "if the loss grew in the steps before, lower the learning rate and add gradient clipping",
+    ]
+    return Verdict("unknown", _overflow_why(o), fixes)
+
+
 def unknown(ev: Evidence) -> Verdict:
     o = _origin(ev)
     why = f"first non-finite value created by {o.get('op') or 'an unknown op'} in {_where(o)}"
@@ -589,7 +595,7 @@ RULES: list[Callable[[Evidence], Verdict | None]] = [
     nonfinite_parameters,
     init_scale,
     divergence,
-    norm_statistics_overflow,
+    grown_weights_norm_overflow,
     precision_overflow,
     masked_softmax,
     zero_variance,
@@ -601,6 +607,7 @@ RULES: list[Callable[[Evidence], Verdict | None]] = [
     # explicit writes
     mask_fill_in_loss,
     nan_write,
+    norm_overflow,
 ]
 # Rules that never name the cause, only add a secondary one to ``also``.
 HINTS: list[Callable[[Evidence], Verdict | None]] = [_weight_scale_hint]

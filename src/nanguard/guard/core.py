@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from nanguard import compat, dist, environ
-from nanguard.diagnose import loss_scale_collapse, replica_divergence
+from nanguard.diagnose import loss_scale_collapse, replica_divergence, runaway_growth
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
+from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth, check_after_loads
 from nanguard.guard.history import History
 from nanguard.guard.policy import STEP, Action, Policy, Verdict
 from nanguard.guard.recorder import recorder_for
@@ -113,7 +113,8 @@ class Guard:
         self.last_action: str | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
-                                  param_check_every=c.param_check_every)  # fmt: skip
+                                  param_check_every=c.param_check_every, check_loaded=True)  # fmt: skip
+        self._load_hook = check_after_loads(model, self.health)  # a later load_state_dict is checked too
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)
         self.history = History.from_config(c)
         self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats,
@@ -171,9 +172,11 @@ class Guard:
             loss, value = self._forward_backward(closure)
             verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
             if verdict is None:
+                self._headroom(closure, rng)
                 return loss  # deferred: its verdict and bookkeeping come with the next call
             if not self._act(verdict, batch, rng, restore_buffers=True):
                 return None
+            self._headroom(closure, rng)
             self._update(device_step=self._device_step)
             self.after_step()
             return loss
@@ -232,6 +235,7 @@ class Guard:
         assert verdict is not None  # only the device path defers
         if not self._act(verdict, batch, rng, restore_buffers=False):
             return False
+        self._headroom(replay, rng)
         self._clip()
         return True
 
@@ -269,7 +273,8 @@ class Guard:
         step = self.step_count
         self.step_count += 1
         if not device_step and self.health.alone:
-            return self._verdict(self.health.read_alone(value, step), replay, batch, rng, restore_buffers)
+            h = self.health.read_alone(value, step)
+            return self._verdict(h, replay, batch, rng, restore_buffers, updated=False)
         measured = self.health.measure(value)
         agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
         if device_step:
@@ -280,16 +285,21 @@ class Guard:
                 self._waiting = _Waiting(step, copy, replay, batch, rng, self._closure_error)
                 return None
         h = measured.read(step, agreed, scaled=self.scaler is not None)
-        return self._verdict(h, replay, batch, rng, restore_buffers)
+        return self._verdict(h, replay, batch, rng, restore_buffers, updated=device_step)
 
     def _verdict(
-        self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, restore_buffers: bool
-    ) -> Verdict:
-        """What a read step is: a bad update, a GradScaler overflow, a trip (replayed and
-        diagnosed), a spike, or healthy."""
+        self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, restore_buffers: bool,
+        *, updated: bool,
+    ) -> Verdict:  # fmt: skip
+        """What a read step is: bad parameters (as loaded, or after an update), a GradScaler
+        overflow, a trip (replayed and diagnosed), runaway growth, a spike, or healthy.
+        ``updated``: the device path has applied the step's update already."""
         step = h.step
         if params_bad := h.ranks_with(HealthFlag.PARAMS):
             self.recovery.abandon(restore_buffers, rng)
+            if loaded := h.ranks_with(HealthFlag.LOADED):  # as built or loaded: no update of this guard wrote them
+                diag = _or_unknown(lambda: self.diagnoser.loaded_parameters(step, loaded), step, h)
+                return Verdict("trip", step, h, diagnosis=diag)
             diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
             return Verdict("trip", step - 1, h, diagnosis=diag)
         if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
@@ -297,6 +307,12 @@ class Guard:
         if h.bad_ranks or h.synced_bad:
             return self._tripped(h, replay, batch, rng, restore_buffers)
         spikes = self._watch_trends(step, h)
+        # Finite, but diverging: caught before the clip and the update (the device path has applied it).
+        if not updated and (runaway := self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)) is not None:
+            self.recovery.abandon(restore_buffers, rng)
+            diag = runaway_growth(step=step, history=runaway, lr=self.optimizer.param_groups[0].get("lr"),
+                                  rank=dist.rank_or_none(), ranks=[])  # fmt: skip
+            return Verdict("trip", step, h, diagnosis=diag)
         return Verdict("spike", step, h, spikes=spikes) if spikes else Verdict("healthy", step, h)
 
     def _tripped(
@@ -476,9 +492,22 @@ class Guard:
             self.optimizer.step()
 
     def _clip(self) -> None:
-        """``clip_grad_norm``, after the check that measured (and recorded) the norm before it."""
+        """``clip_grad_norm``, after the check that measured (and recorded) the norm before it: over
+        what ``clip_grad_norm_(model.parameters())`` clips, in its order (the norm's rounding follows
+        the order), then any parameter only the optimizer holds."""
         if self.config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
+            params = list({id(p): p for p in [*self.model.parameters(), *self._params]}.values())
+            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+
+    def _headroom(self, replay: Callable[[], Any] | None, rng: Rng | None) -> None:
+        """Every ``headroom_every``-th step's overflow headroom, measured on a replay of its closure
+        with communication off, never on the step that updates the weights."""
+        check, step = self._remedies.headroom, self.step_count - 1
+        run = _scaler_aside(self.scaler, replay)
+        if run is None or not check.due(step):
+            return
+        check.replay(step, lambda: dist.replay_locally(self.model, run), params=self._params, rng=rng,
+                     cuda_devices=self._cuda_devices)  # fmt: skip
 
     # -- around the step -----------------------------------------------------------------
     def _settle(self) -> None:
@@ -491,14 +520,14 @@ class Guard:
         self._closure_error = w.closure_error
         assert w.rng is not None
         with self._undo_on_error(w.rng):
-            verdict = self._verdict(h, w.replay, w.batch, w.rng, True)
+            verdict = self._verdict(h, w.replay, w.batch, w.rng, True, updated=True)
             if self._act(verdict, w.batch, w.rng, restore_buffers=True):
                 self.after_step()
 
     def _run_closure(self, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
         """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
         try:
-            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count), self.health.riding():
+            with torch.enable_grad(), self.health.riding():
                 loss = closure()
             return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
         except (IndexError, RuntimeError) as err:

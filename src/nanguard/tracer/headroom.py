@@ -145,16 +145,6 @@ class HeadroomCheck:
             return
         self._report(step, found)
 
-    @contextlib.contextmanager
-    def watch(self, step: int) -> Iterator[None]:
-        """The measurement around the step itself (the guard's caller until it replays)."""
-        if not self.due(step):
-            yield
-            return
-        with eager(), measure_headroom(self.model) as found:
-            yield
-        self._report(step, found)
-
     def _report(self, step: int, found: list[Headroom]) -> None:
         if not found:
             # No float16/bfloat16 op ran: a float32 run stays one, so stop paying for the trace.
