@@ -128,14 +128,15 @@ def test_an_lr_far_too_high_mid_run_trips_on_growth_before_the_loops_own_clip() 
     model = _gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = ng.Guard(model, optimizer, policy="skip")
-    assert _lr_typo_run(guard, model, optimizer) == 16  # the step after the first bad update
+    # Step 16 (after the first bad update) spikes 1e7x; step 17 grows on: a divergence, not one bad batch.
+    assert _lr_typo_run(guard, model, optimizer) == 17
     diag = guard.last_diagnosis
-    assert (diag.cause, diag.kind, diag.step) == ("optimizer.divergence", "invalid", 16), diag
+    assert (diag.cause, diag.kind, diag.step) == ("optimizer.divergence", "invalid", 17), diag
     assert diag.evidence["history"]["growth"] >= guard.config.divergence_factor and diag.evidence["history"]["spike"]
-    assert guard.skipped == 1 and guard.history.points[-1].step == 15  # step 16 was not applied
+    assert guard.skipped == 1 and guard.history.points[-1].step == 16  # step 17 was not applied
 
 
-def test_growth_trips_only_with_both_metrics_on_a_spike_of_warm_detectors() -> None:
+def test_growth_trips_only_with_both_metrics_on_two_spikes_in_a_row_of_warm_detectors() -> None:
     from nanguard.guard.history import History
 
     def feed(values):
@@ -149,10 +150,11 @@ def test_growth_trips_only_with_both_metrics_on_a_spike_of_warm_detectors() -> N
         return None
 
     warm = [(2.0 + 0.01 * (i % 3), 1.0 + 0.01 * (i % 5)) for i in range(20)]
-    step, found = feed([*warm, (30.0, 15.0)])
-    assert step == 20 and found["metric"] == "loss" and not found["float32_overflow"]
-    assert feed([*warm, (30.0, 1.1)]) is None  # the loss alone grew
-    assert feed([*warm, (2.1, 40.0)]) is None  # the grad norm alone grew
+    step, found = feed([*warm, (30.0, 15.0), (900.0, 400.0)])
+    assert step == 21 and found["metric"] == "loss" and not found["float32_overflow"] and found["spike"]
+    assert feed([*warm, (30.0, 15.0), (2.0, 1.0)]) is None  # one spike (a bad batch), then back
+    assert feed([*warm, (30.0, 1.1), (900.0, 1.2)]) is None  # the loss alone grew
+    assert feed([*warm, (2.1, 40.0), (2.2, 900.0)]) is None  # the grad norm alone grew
     assert feed([(2.0, 0.01), (30.0, 15.0)]) is None  # a run's first steps: the detectors are cold
     assert feed([(2.0 * 1.02**i, 1.02**i) for i in range(200)]) is None  # a slow climb is a trend, not a trip
     step, found = feed([(2.0, 1.0)] * 5 + [(2.0, 1e20)])  # past float32's squared range: at once

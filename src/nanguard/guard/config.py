@@ -42,8 +42,8 @@ class GuardConfig:
     divergence_factor: float = 10.0
     divergence_window: int = 5
     """A trip after the grad norm or loss grew this factor within this many steps is divergence; a
-    finite step whose loss and grad norm both grew this factor, on a spike of the warm detectors,
-    trips as divergence itself, before its clip and update (so does a grad norm past 1.8e19, whose
+    finite step whose loss and grad norm both grew this factor, on the second spike in a row of the
+    warm detectors, trips as divergence itself, before its clip and update (so does a grad norm past 1.8e19, whose
     float32 square overflows)."""
     loss_scale_floor: float = 2.0**-8
     """A GradScaler scale below this is a collapse (precision.loss_scale)."""

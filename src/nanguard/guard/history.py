@@ -21,6 +21,8 @@ __all__ = ["FLOAT32_SQUARE_MAX", "Forecast", "History", "Point"]
 
 TREND_POINTS = 4
 """How many recent steps the divergence forecast fits."""
+RUNAWAY_STEPS = 2
+"""Spiking steps in a row, each grown ``divergence_factor``, that make a finite step a divergence trip."""
 _LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)
 FLOAT32_SQUARE_MAX = math.sqrt(3.4028234663852886e38)
 """A norm past this squares past float32's range: a float32 norm of such gradients is Inf."""
@@ -76,6 +78,7 @@ class History:
         self._warned = False
         self._quiet = 0
         self._observed: tuple[int | None, bool, bool] = (None, False, False)  # step, detectors warm, spiked
+        self._grown: tuple[int | None, int] = (None, 0)  # the last step grown on a spike, how many in a row
 
     @classmethod
     def from_config(cls, config: GuardConfig) -> History:
@@ -210,12 +213,12 @@ class History:
         """Divergence seen in a finite step (after ``observe``), before its clip and update: the
         ``history`` evidence when the gradients' norm is past what float32 can square (a float32
         ``clip_grad_norm_`` computes an Inf norm), or when the loss and the grad norm both grew
-        ``divergence_factor`` over the last ``divergence_window`` updates on a step the warm spike
-        detectors flag. None otherwise.
+        ``divergence_factor`` over the last ``divergence_window`` updates on ``RUNAWAY_STEPS``
+        steps in a row that the warm spike detectors flag. None otherwise.
 
         Growth alone is no trip: in a run's first steps healthy losses and grad norms move by
-        such factors too (a zero-initialized head, warmup), and later the detectors bound false
-        alarms to their own rate.
+        such factors too (a zero-initialized head, warmup). Nor is one spike: a single bad batch
+        spikes too, and the next step is back; a run that diverges keeps growing.
 
         Example:
             >>> history.observe(9, loss=2.0, grad_norm=7e19)
@@ -229,6 +232,11 @@ class History:
         else:
             growth = {m: self._growth(m, v) for m, v in (("loss", loss), ("grad_norm", grad_norm))}
             if min(growth.values()) < self.divergence_factor or not (ready and spiked):
+                self._grown = (None, 0)
+                return None
+            last, streak = self._grown
+            self._grown = (step, streak + 1 if last == step - 1 else 1)
+            if self._grown[1] < RUNAWAY_STEPS:
                 return None
             metric = max(growth, key=lambda m: growth[m])
             found = {"metric": metric, "growth": growth[metric], "float32_overflow": False}
