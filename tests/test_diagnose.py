@@ -317,6 +317,17 @@ def test_kind_is_validated_and_worded() -> None:
         Diagnosis(cause="unknown", kind="finite")
 
 
+@pytest.mark.parametrize(
+    ("attempted", "why"),
+    [(False, "locate is off, so no replay was run"), (True, "its replay failed")],
+)
+def test_a_step_without_a_finished_replay_says_why(attempted, why) -> None:
+    d = transient_fault(step=2, loss=NAN, grad_norm=1.0, flagged_ranks=[0], located=False, distributed=True,
+                        attempted=attempted)  # fmt: skip
+    assert d.cause == "unknown" and why in d.evidence["why"]
+    assert "locate is off" not in d.evidence["why"] or not attempted
+
+
 # -- a normalization whose statistics overflow is not a zero variance (issue 27, item 4) ----
 _LN_OVERFLOW = {"op": "aten.native_layer_norm.default", "module_type": "LayerNorm", "norm_eps": 1e-5,
                 "min_variance": 3.0, "max_variance": float("inf"),

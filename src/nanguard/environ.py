@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["POLICIES", "VARIABLES", "disabled", "policy", "run_dir"]
+__all__ = ["POLICIES", "VARIABLES", "disabled", "inject", "policy", "run_dir"]
 
 POLICIES = ("skip", "rollback", "raise", "auto")
 """Every policy a Guard takes (``GuardConfig`` checks against this one tuple)."""
@@ -16,6 +16,7 @@ VARIABLES: tuple[tuple[str, str], ...] = (
     ("NANGUARD_POLICY", "skip|rollback|raise|auto: the policy of every Guard, overriding the one in the code"),
     ("NANGUARD_RUN_DIR", "where every Guard writes events and bundles when the code passes no run_dir"),
     ("NANGUARD_DISABLE", "1: every Guard is a plain optimizer step (no checks, no files), e.g. for a timing run"),
+    ("NANGUARD_INJECT", "a fire drill: faults to plant, e.g. nan_grad@step=100,rank=3;stall@step=600,rank=1,seconds=5"),
 )
 
 
@@ -54,3 +55,15 @@ def disabled() -> bool:
         True
     """
     return os.environ.get("NANGUARD_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def inject(default: object) -> object:
+    """``default`` when the code gave faults to plant, else NANGUARD_INJECT (None when unset).
+
+    Example:
+        >>> os.environ["NANGUARD_INJECT"] = "nan_grad@step=100,rank=3"; inject(None)
+        'nan_grad@step=100,rank=3'
+    """
+    if default is not None:
+        return default
+    return os.environ.get("NANGUARD_INJECT", "").strip() or None

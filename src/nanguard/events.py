@@ -13,6 +13,11 @@ Each line is one JSON object with at least ``kind``, ``step`` and ``rank``. Kind
 - ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``; or the
   divergence warning: ``metric``, ``value``, ``growth`` and ``predicted_overflow_in``.
 - ``overflow``: a GradScaler overflow step it skipped on purpose (normal, not a trip).
+- ``drill``: a fault planted by ``NANGUARD_INJECT`` at this step (``nanguard.inject``), written by
+  every rank: ``fault`` (its spec), ``fault_kind``, ``fault_rank`` (where it was planted), ``planted_here``,
+  this rank's ``action``, ``detected`` (null for a stall: nothing to detect, the step must
+  only finish), the diagnosed ``cause`` ("spike" for a spike) and ``seconds`` from planting to
+  the decision.
 
 Every line is flushed as it is written, so a crash loses at most the line in flight.
 Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"``.
@@ -32,7 +37,9 @@ from nanguard.findings import jsonable
 
 __all__ = ["KNOWN_KINDS", "EventLog", "event_path", "read_events"]
 
-KNOWN_KINDS = frozenset({"start", "step", "trip", "skip", "rollback", "spike", "overflow", "end", "remedy", "headroom"})
+KNOWN_KINDS = frozenset(
+    {"start", "step", "trip", "skip", "rollback", "spike", "overflow", "end", "remedy", "headroom", "drill"}
+)
 
 
 def event_path(run_dir: str | Path, rank: int) -> Path:

@@ -68,6 +68,15 @@ class SpikeDetector:
         self.values.append(value)
         return spike
 
+    def forget(self, value: float) -> None:
+        """Take back the last ``update(value)``: a step that was skipped leaves no trace here either.
+
+        Example:
+            >>> det.update(50.0); det.forget(50.0)   # the spike's step was skipped
+        """
+        if math.isfinite(value) and self.values and self.values[-1] == value:
+            self.values.pop()
+
     def score(self, value: float) -> tuple[float, float]:
         """The robust z-score of ``value`` against the window, and the window's median."""
         window = sorted(self.values)

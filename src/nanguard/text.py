@@ -33,13 +33,18 @@ class DiagnosisFields(Protocol):
 
 
 __all__ = [
+    "DRILL_COLUMNS",
+    "HARDWARE_COLUMNS",
     "KIND_NAMES",
     "RANK_COLUMNS",
     "DiagnosisFields",
+    "device_words",
     "diagnosis_text",
+    "drill_rows",
     "event_words",
     "evidence_lines",
     "fmt",
+    "hardware_rows",
     "kind_name",
     "number",
     "op_path",
@@ -167,6 +172,17 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         rows.append(("module", f"{diag.module or '<root>'}" + (f" ({mtype})" if mtype else "")))
     if diag.op:
         rows.append(("op", diag.op))
+    if origin.get("user_op"):
+        inner = f", where {origin['internal_op']} made it" if origin.get("internal_op") else ""
+        rows.append(("inside", f"torch's implementation of {origin['user_op']}{inner}"))
+    if origin.get("gradient_surgery"):
+        read = ", ".join(str(g) for g in origin.get("gradients_of") or [])
+        surgery = "an op on .grad after backward(), before the optimizer step"
+        rows.append(("gradients", surgery + (f": {read}" if read else "")))
+    raised = (diag.evidence or {}).get("exception")
+    if isinstance(raised, Mapping):
+        at = f" at {raised['raised_at']}" if raised.get("raised_at") else ""
+        rows.append(("raised", f"{raised.get('type')}: {raised.get('message', '')}{at}"))
     if origin.get("node"):
         fwd = origin.get("forward_op")
         rows.append(("autograd", origin["node"] + (f" (backward of {fwd})" if fwd else "")))
@@ -180,7 +196,25 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         rows.append(("rank", ranks))
     if diag.step is not None:
         rows.append(("step", str(diag.step)))
+    where = diag.evidence.get("where")
+    if isinstance(where, Mapping) and where.get("host"):
+        rows.append(("host", device_words(where)))
+    for fault in diag.evidence.get("injected") or []:
+        if isinstance(fault, Mapping):
+            rows.append(("injected", f"{fault.get('fault')}: a fire drill (NANGUARD_INJECT), not a fault of the run"))
     return rows
+
+
+def device_words(where: Mapping[str, Any]) -> str:
+    """Where a rank ran, in words: host, local rank, device and its ids.
+
+    Example:
+        >>> device_words({"host": "node7", "local_rank": 3, "device": "cuda:3", "uuid": "GPU-8f..."})
+        'node7 local rank 3, cuda:3 (GPU-8f...)'
+    """
+    ids = [str(where[k]) if k == "uuid" else f"pci {where[k]}" for k in ("uuid", "pci_bus_id") if where.get(k)]
+    device = f"{where.get('device')}" + (f" ({', '.join(ids)})" if ids else "")
+    return f"{where.get('host')} local rank {where.get('local_rank')}, {device}"
 
 
 def diagnosis_text(diag: DiagnosisFields, *, evidence: bool = True) -> str:
@@ -260,10 +294,22 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if ev.get("flagged_ranks") is not None:
         flagged = ", ".join(str(r) for r in ev["flagged_ranks"]) or "none"
         text = f"non-finite after the step on rank(s) {flagged}"
-        if diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
+        received = ev.get("received_ranks")
+        if diag.ranks and isinstance(received, list):  # the ranks replayed together, communicating
+            text += f"; made by the own compute of rank(s) {', '.join(str(r) for r in diag.ranks)}"
+            if received:
+                text += f", it reached rank(s) {', '.join(str(r) for r in received)} through communication"
+        elif diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
             text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
         lines.append(("ranks", text))
+    stage = ev.get("stage")
+    if isinstance(stage, Mapping) and stage.get("index") is not None:
+        created = stage.get("created")
+        made = f": in {created} it received finite values, sent non-finite ones" if created else ""
+        lines.append(("stage", f"pipeline stage {stage['index']} of {stage.get('stages', '?')}{made}"))
     causes = ev.get("per_rank_causes")
+    if isinstance(causes, Mapping) and isinstance(ev.get("received_ranks"), list):
+        causes = {r: "received" if int(r) in ev["received_ranks"] else c for r, c in causes.items()}
     if isinstance(causes, Mapping) and len(set(causes.values())) > 1:
         lines.append(("per rank", ", ".join(f"rank {r}: {c}" for r, c in causes.items())))
     results = ev.get("results")
@@ -284,6 +330,13 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
         divisor = fmt(count - correction)
         lines.append(("reduced", f"{count} element(s), correction {fmt(correction)}: divides by {divisor}"))
+    denom = origin.get("denominator")
+    if isinstance(denom, Mapping) and denom.get("what"):
+        zeros = f"{denom.get('zeros')} of {denom['size']} are 0" if "size" in denom else f"{fmt(denom.get('value'))}"
+        lines.append(("denominator", f"{denom['what']}: {zeros}"))
+    if origin.get("statistic") and origin.get("normalizes"):
+        own = f"divides a tensor by its own {origin['statistic']} (read from the autograd graph)"
+        lines.append(("normalizes", own))
     for other in diag.also or []:
         if isinstance(other, Mapping):
             lines.append(("also", f"{other.get('cause')}: {other.get('why', '')}"))
@@ -417,3 +470,50 @@ def _target(target: object) -> str:
         shown = ", ".join(map(str, target[:8]))
         return f"ids {shown}" + (f" (+{len(target) - 8})" if len(target) > 8 else "")
     return "-" if target is None else str(target)
+
+
+DRILL_COLUMNS = ("step", "fault", "detected as", "every rank's action", "agreed", "recovered in")
+
+
+def drill_rows(drills: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """One row a planted fault (``Drill.to_dict()``), in ``DRILL_COLUMNS`` order.
+
+    Example:
+        >>> drill_rows([d.to_dict() for d in report.drills])[0]
+        ['15', 'nan_grad@step=15,rank=1', 'op.nan_write', '0:skip 1:skip', 'yes', '0.041 s']
+    """
+    rows = []
+    for d in drills:
+        actions = d.get("actions") or {}
+        detected = d.get("cause") or (
+            "-" if d.get("kind") == "stall" else "yes" if d.get("detected") else "NOT DETECTED"
+        )
+        seconds = d.get("seconds")
+        rows.append([
+            str(d.get("step")),
+            str(d.get("fault")),
+            str(detected),
+            " ".join(f"{r}:{a}" for r, a in actions.items()),
+            "yes" if d.get("agreed") else "NO",
+            f"{seconds:.3g} s" if isinstance(seconds, (int, float)) else "-",
+        ])  # fmt: skip
+    return rows
+
+
+HARDWARE_COLUMNS = ("host", "device", "id", "trips", "not reproduced", "reproduced", "drill", "causes")
+
+
+def hardware_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """One row a host and device (``nanguard.hardware.device_rows``), in ``HARDWARE_COLUMNS`` order.
+
+    Example:
+        >>> hardware_rows(device_rows(records))[0]
+        ['node7', 'cuda:3', 'GPU-8f..', '3', '2', '1', '0', 'distributed.transient x2, op.log_domain']
+    """
+    out = []
+    for r in rows:
+        causes = r.get("causes") or {}
+        named = ", ".join(c if n == 1 else f"{c} x{n}" for c, n in causes.items())
+        counts = [str(r.get(k)) for k in ("trips", "transient", "reproduced", "injected")]
+        out.append([str(r.get("host")), str(r.get("device")), str(r.get("id")), *counts, named or "-"])
+    return out

@@ -89,6 +89,9 @@ class GuardConfig:
     ``skip_spikes=False``, and a bad step's verdict (diagnosis, skip, rollback or raise) comes
     with the next call to ``step`` (or ``close``/``state_dict``). "auto": deferred on CUDA where
     it applies, immediate elsewhere. ``check()`` always reads immediately."""
+    hardware_warn_after: int = 2
+    """Warn, naming the host and device, once this many trips flagged on one device did not reproduce on
+    replay (counted in ``run_dir/hardware.jsonl`` across restarts; 0 = never)."""
     clip_grad_norm: float | None = None
     """Clip the gradients' global norm to this after the guard's unscale and check, before the
     optimizer step, as ``clip_grad_norm_(model.parameters())`` would (its tensors, in its order);
@@ -113,7 +116,7 @@ class GuardConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("rollback_skip_batches", "param_check_every", "fingerprint_every", "max_bundle_bytes",
-                     "remedy_budget", "headroom_every"):  # fmt: skip
+                     "remedy_budget", "headroom_every", "hardware_warn_after"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

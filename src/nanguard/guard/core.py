@@ -26,20 +26,24 @@ from torch import nn
 
 from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence, runaway_growth
-from nanguard.errors import NonFiniteError
+from nanguard.errors import NonFiniteError, OutOfStepError
 from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth, check_after_loads
 from nanguard.guard.history import History
+from nanguard.guard.join import in_join, install, telling_joined
 from nanguard.guard.policy import STEP, Action, Policy, Verdict
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
 from nanguard.guard.replay import Diagnoser, Replayed
+from nanguard.guard.tracker import Tracker, where
 from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
+from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
+from nanguard.tracer import error_origin
 
 __all__ = ["Guard"]
 
@@ -71,14 +75,17 @@ class Guard:
 
     After a rollback, the next ``rollback_skip_batches`` calls to ``step`` drop their batch
     without running the closure and return None; ``guard.last_action`` is then
-    ``"drop_batch"``, so the loop knows which batches were skipped.
+    ``"drop_batch"``, so the loop knows which batches were skipped. ``guard.last_grad_norm``
+    is the latest checked step's gradient norm, across ranks and before clipping (what a loop
+    logs); NaN or Inf on a step that tripped, None before the first.
 
     Pass ``batch=`` to ``step``: a trip's replay names the input that held the bad values
     (``batch['pixel_values']``), a repro bundle stores it, and ``check_batch=True`` audits
     it before the forward. Under DDP the guard wraps the model's comm hook to see each
     rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
     hook)``. ``on_event=fn`` gets each recorded event as a dict (see ``integrations.scalars``);
-    every other option is a ``GuardConfig`` field.
+    ``inject="nan_grad@step=100,rank=3;..."`` plants a fire drill's faults (``nanguard.inject``,
+    also ``NANGUARD_INJECT``); every other option is a ``GuardConfig`` field.
     """
 
     def __init__(
@@ -92,14 +99,10 @@ class Guard:
         run_dir: str | Path | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        inject: str | list[Fault] | None = None,
         **config: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
-        _check_parts(scaler, scheduler)
+        scaler = _check_parts(model, optimizer, scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
@@ -107,10 +110,10 @@ class Guard:
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
-        self.rank = dist.rank()
-        self.step_count = 0
+        self.rank, self.step_count, self._calls = dist.rank(), 0, 0
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
+        self.last_grad_norm: float | None = None  # documented on the class: across ranks, before clipping
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
                                   param_check_every=c.param_check_every, check_loaded=True)  # fmt: skip
@@ -122,6 +125,7 @@ class Guard:
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
                                      bundle_weights=c.bundle_weights)  # fmt: skip
         self.recorder.listener = _listener(on_event, self.disabled)
+        _drill_and_tracker(self, inject, run_dir)
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = _PolicyState(self)
@@ -139,6 +143,7 @@ class Guard:
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
         if c.policy in ("rollback", "auto"):
             self.recovery.take_snapshot(self.step_count)
+        install(self)  # DDP join(): a rank out of batches shadows the guard's collectives
 
     # Counters owned by the parts, read where users always found them.
     skipped = property(lambda self: self.recovery.skipped, doc="How many steps were skipped.")
@@ -162,24 +167,30 @@ class Guard:
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
             return self._plain_step(closure)
+        self._calls += 1
         self._settle()
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
+        closure = _begin_drill(self).wrap(closure)
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
-        with self._undo_on_error(rng):
-            loss, value = self._forward_backward(closure)
-            verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
-            if verdict is None:
+        try:
+            with _name_the_origin(self, closure, rng), self._undo_on_error(rng):
+                loss, value = self._forward_backward(closure)
+                verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
+                if verdict is None:
+                    self._headroom(closure, rng)
+                    return loss  # deferred: its verdict and bookkeeping come with the next call
+                if not self._act(verdict, batch, rng, restore_buffers=True):
+                    return None
                 self._headroom(closure, rng)
-                return loss  # deferred: its verdict and bookkeeping come with the next call
-            if not self._act(verdict, batch, rng, restore_buffers=True):
-                return None
-            self._headroom(closure, rng)
-            self._update(device_step=self._device_step)
-            self.after_step()
-            return loss
+                self._update(device_step=self._device_step)
+                self.after_step()
+                return loss
+        finally:
+            if self._waiting is None:  # deferred: the drill's outcome comes with the verdict
+                _end_drill(self)
 
     def step_accumulated(
         self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True,
@@ -225,19 +236,24 @@ class Guard:
         value = _check_args(loss, replay, rng)
         if self.disabled:
             return True
+        self._calls += 1
         self._settle()
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
         self._closure_error = None
-        _unscale(self.scaler, self.optimizer)
-        verdict = self._measure(value, replay, batch, rng, device_step=False, restore_buffers=False)
-        assert verdict is not None  # only the device path defers
-        if not self._act(verdict, batch, rng, restore_buffers=False):
-            return False
-        self._headroom(replay, rng)
-        self._clip()
-        return True
+        value = _begin_drill(self).loss(value)
+        try:
+            _unscale(self.scaler, self.optimizer)
+            verdict = self._measure(value, replay, batch, rng, device_step=False, restore_buffers=False)
+            assert verdict is not None  # only the device path defers
+            if not self._act(verdict, batch, rng, restore_buffers=False):
+                return False
+            self._headroom(replay, rng)
+            self._clip()
+            return True
+        finally:
+            _end_drill(self)
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -248,9 +264,10 @@ class Guard:
         good_steps = self.recovery.good_step()
         self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
         every = self.config.fingerprint_every
-        if every and good_steps % every == 0 and dist.is_distributed():
+        # A rank that joined (DDP join(), out of batches) cannot shadow the fingerprint gather.
+        if every and good_steps % every == 0 and dist.is_distributed() and not h.joined:
             self._check_replicas(h.step)
-        self.recovery.snapshot_if_due(self.step_count, h.loss, self.history.growing)
+        self.recovery.snapshot_if_due(self.step_count, h.loss, self.history.growing, joined=bool(h.joined))
         self.last_action = "step"
         if h.step % self.config.log_every == 0:
             self.recorder.step(h.step, loss=h.own_loss, grad_norm=h.grad_norm, scale=h.scale, skipped=False)
@@ -276,7 +293,8 @@ class Guard:
             h = self.health.read_alone(value, step)
             return self._verdict(h, replay, batch, rng, restore_buffers, updated=False)
         measured = self.health.measure(value)
-        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
+        # The step index the ranks agree on: this rank's Guard.step/check calls, undone by nothing.
+        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried(), step=self._calls - 1)
         if device_step:
             copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
@@ -295,16 +313,21 @@ class Guard:
         overflow, a trip (replayed and diagnosed), runaway growth, a spike, or healthy.
         ``updated``: the device path has applied the step's update already."""
         step = h.step
-        if params_bad := h.ranks_with(HealthFlag.PARAMS):
+        self.last_grad_norm = h.grad_norm
+        if h.out_of_step:
+            raise OutOfStepError(h.out_of_step)
+        kind = h.trip_kind(scaled=self.scaler is not None)  # the branch a joined rank's shadow takes too
+        if kind == "params":
+            params_bad = h.ranks_with(HealthFlag.PARAMS)
             self.recovery.abandon(restore_buffers, rng)
             if loaded := h.ranks_with(HealthFlag.LOADED):  # as built or loaded: no update of this guard wrote them
                 diag = _or_unknown(lambda: self.diagnoser.loaded_parameters(step, loaded), step, h)
                 return Verdict("trip", step, h, diagnosis=diag)
             diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
             return Verdict("trip", step - 1, h, diagnosis=diag)
-        if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
+        if kind == "overflow":
             return self._overflowed(h)
-        if h.bad_ranks or h.synced_bad:
+        if kind == "trip":
             return self._tripped(h, replay, batch, rng, restore_buffers)
         spikes = self._watch_trends(step, h)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
@@ -373,8 +396,8 @@ class Guard:
     def _bad_batch(self, batch: Any) -> bool:
         """check_batch before the forward. Ranks agree first: under DDP one rank cannot skip
         its forward and backward while the others all-reduce gradients."""
-        if not self.config.check_batch:
-            return False
+        if not self.config.check_batch or in_join(self.model):
+            return False  # under DDP join() a rank out of batches could not take part in the agreement
         diag = self.diagnoser.rejected_batch(batch, self.step_count) if batch is not None else None
         flagged = dist.agree_flag(diag is not None)
         if not flagged:
@@ -397,7 +420,15 @@ class Guard:
 
     # -- decide and apply ----------------------------------------------------------------
     def _act(self, verdict: Verdict, batch: Any, rng: Rng | None, *, restore_buffers: bool) -> bool:
-        """The policy's action for ``verdict``, applied; True when the update goes ahead."""
+        """The policy's action for ``verdict``, applied; True when the update goes ahead. On a trip
+        while a rank has joined (DDP join()), that rank learns whether the policy stopped the run."""
+        h = verdict.health
+        if verdict.kind != "trip" or h is None or not h.joined:
+            return self._apply(verdict, batch, rng, restore_buffers=restore_buffers)
+        with telling_joined(h, verdict.step):
+            return self._apply(verdict, batch, rng, restore_buffers=restore_buffers)
+
+    def _apply(self, verdict: Verdict, batch: Any, rng: Rng | None, *, restore_buffers: bool) -> bool:
         if verdict.diagnosis is not None:
             self.last_diagnosis = verdict.diagnosis
         action = self.policy.decide(verdict, self._state)
@@ -409,7 +440,9 @@ class Guard:
             return False
         diag = verdict.diagnosis
         if diag is None:  # a spike skip: no diagnosis of its own
-            assert kind == "skip" and verdict.spikes
+            assert kind == "skip" and verdict.spikes and verdict.health is not None
+            # As in a run that never saw the batch: its values leave the detectors' windows too.
+            self.history.forget(verdict.step, loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
             self.recovery.abandon(restore_buffers, rng)
             spike = verdict.spikes[0]
             self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
@@ -419,8 +452,9 @@ class Guard:
         if verdict.kind in ("collapse", "replicas"):
             self._repair(verdict, diag, action)
             return False
+        _track(self, diag, verdict.step)
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
-        extra = {"module_stats": verdict.module_stats} if verdict.module_stats else {}
+        extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
         self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
                                       rng=rng, meta=self._bundle_meta, **extra)  # fmt: skip
         _announce(self.rank, verdict.step, diag, kind)
@@ -519,15 +553,19 @@ class Guard:
         h = w.copy.read(w.step, scaled=False)
         self._closure_error = w.closure_error
         assert w.rng is not None
-        with self._undo_on_error(w.rng):
-            verdict = self._verdict(h, w.replay, w.batch, w.rng, True, updated=True)
-            if self._act(verdict, w.batch, w.rng, restore_buffers=True):
-                self.after_step()
+        try:
+            with self._undo_on_error(w.rng):
+                verdict = self._verdict(h, w.replay, w.batch, w.rng, True, updated=True)
+                if self._act(verdict, w.batch, w.rng, restore_buffers=True):
+                    self.after_step()
+        finally:
+            _end_drill(self)
 
     def _run_closure(self, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
         """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
         try:
-            with torch.enable_grad(), self.health.riding():
+            riding = self.health.riding(self._calls - 1)
+            with torch.enable_grad(), riding:
                 loss = closure()
             return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
         except (IndexError, RuntimeError) as err:
@@ -639,6 +677,39 @@ class _Waiting:
     closure_error: BaseException | None
 
 
+def _drill_and_tracker(guard: Guard, inject: Any, run_dir: Any) -> None:
+    """The fire drill's injector (``Guard(inject=...)`` or NANGUARD_INJECT, ``nanguard.inject``) and
+    the run's hardware tracker (``guard/tracker.py``)."""
+    params = guard._params
+    guard.injector = injector_for(None if guard.disabled else environ.inject(inject), guard.model,
+                                  write=guard.recorder.drill, steps=lambda: guard.step_count)  # fmt: skip
+    guard._spikes_before = 0
+    here = where(params[0].device if params else None)
+    guard.tracker = Tracker(run_dir, here=here, warn_after=guard.config.hardware_warn_after)
+
+
+def _begin_drill(guard: Guard) -> NullInjector:
+    """Plant this step's faults; the injector then wraps its closure (``step``) or loss (``check``)."""
+    guard._spikes_before = guard.history.spikes
+    guard.injector.begin(guard.step_count)
+    return guard.injector
+
+
+def _end_drill(guard: Guard) -> None:
+    guard.injector.end(action=guard.last_action, diagnosis=guard.last_diagnosis,
+                       spiked=guard.history.spikes > guard._spikes_before)  # fmt: skip
+
+
+def _track(guard: Guard, diag: Diagnosis, step: int) -> None:
+    """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
+    hardware tracker (``guard/tracker.py``)."""
+    guard.injector.mark(diag, step)
+    try:
+        guard.tracker.trip(diag, step)
+    except Exception as err:  # evidence only: nanguard's own failure must not kill training
+        warnings.warn(f"nanguard: could not track the hardware of step {step}'s trip: {err!r}", stacklevel=4)
+
+
 def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any, fused: bool, cuda: list[int]) -> bool:
     """Whether ``step`` reads each step's health one step late (``GuardConfig.sync``)."""
     fits = fused and scaler is None and config.clip_grad_norm is None and not config.skip_spikes
@@ -650,6 +721,22 @@ def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any
             f"skip_spikes={config.skip_spikes}; use sync='immediate' or 'auto'"
         )
     return config.sync == "deferred" or (config.sync == "auto" and fits and bool(cuda))
+
+
+@contextlib.contextmanager
+def _name_the_origin(guard: Guard, closure: Callable[[], Any], rng: dict[str, torch.Tensor]) -> Iterator[None]:
+    """A closure that raised after making NaN/Inf (a distribution's validate_args, multinomial)
+    still raises, unchanged but for one note naming the origin, found by a replay after the undo.
+    Single process only: a replay on the one rank that raised could wait on the others."""
+    try:
+        yield
+    except Exception as err:
+        if guard.config.locate and not isinstance(err, NonFiniteError) and not dist.is_distributed():
+            note = error_origin(closure, err, model=dist.unwrap(guard.model))
+            guard.recovery.undo(rng, unscaled=False)  # the replay ran the closure again
+            if note is not None:
+                err.add_note(note)
+        raise
 
 
 def _check_args(loss: Any, replay: Any, rng: Any) -> Any:
@@ -678,13 +765,20 @@ def _check_state(state: Any, config: GuardConfig) -> None:
         raise ValueError(f"cannot load the guard state (history or last_diagnosis): {err!r}") from None
 
 
-def _check_parts(scaler: Any, scheduler: Any) -> None:
+def _check_parts(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> Any:
+    """The Guard's parts checked (a ValueError names the wrong one); returns the scaler to use."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
     for obj, name, methods in [
         (scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict")),
         (scheduler, "scheduler", ("step", "state_dict", "load_state_dict")),
     ]:
         if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
             raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
+    return scaler
 
 
 def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:

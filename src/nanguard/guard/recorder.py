@@ -73,6 +73,10 @@ class NullRecorder:
         self._write("headroom", step, module=headroom.module, dtype=headroom.dtype, absmax=headroom.absmax,
                     limit=headroom.limit, close=headroom.close)  # fmt: skip
 
+    def drill(self, step: int, **fields: Any) -> None:
+        """A planted fault's outcome on this rank (``nanguard.inject``)."""
+        self._write("drill", step, **fields)
+
     def end(self, step: int, *, skipped: int, rollbacks: int) -> None:
         self._write("end", step, skipped=skipped, rollbacks=rollbacks)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import dist
+from nanguard import compat, dist
 from nanguard.causes import facts
 from nanguard.diagnose import (
     communication_overflow,
@@ -34,10 +34,12 @@ from nanguard.diagnose import (
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
+from nanguard.pipeline import watch_stages
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
-from nanguard.tracer.compiled import eager
+from nanguard.tracer.collectives import choose
+from nanguard.tracer.compiled import compiler_fault, eager
 from nanguard.tracer.module_stats import module_stats
 from nanguard.tree import tensors
 
@@ -121,6 +123,8 @@ class Diagnoser:
                     self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats
                 )
         found = replayed.diagnosis
+        if found is None and replayed.located and closure is not None:
+            found = self._compiled_again(closure, rng, h.step)
         if closure_error is not None and (found is None or not found.cause.startswith("data.")):
             raise closure_error  # not an id out of range: the user's own bug, theirs to see
         flagged = h.bad_ranks
@@ -133,15 +137,26 @@ class Diagnoser:
         if found is None and (wire_ranks := h.ranks_with(HealthFlag.WIRE)):
             # Not reproduced without communication: the comm hook's cast made it, on these ranks.
             found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
-        diag = dist.gather_diagnosis(found, flagged)
+        diag = dist.gather_diagnosis(found, flagged, choose=choose)
         if diag is None:
             diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
-                                   located=replayed.located, distributed=dist.is_distributed())  # fmt: skip
+                                   located=replayed.located, distributed=dist.is_distributed(),
+                                   attempted=self.locate and closure is not None)  # fmt: skip
         diag.step = h.step
         history = self.history.evidence(h.step, self._lr())
         replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
+
+    def _compiled_again(self, closure: Callable[[], Any], rng: dict[str, torch.Tensor] | None, step: int) -> Any:
+        """A compiled model whose eager replay was finite: ``compile.numerics`` when the step is non-finite
+        again through the compiled code (``tracer/compiled.py``); None otherwise, or when that check fails."""
+        try:
+            return compiler_fault(self.model, closure, rng=rng, step=step,
+                                  replay=lambda fn: dist.replay_locally(self.model, fn))  # fmt: skip
+        except Exception as err:  # evidence only: never worth killing training
+            warnings.warn(f"nanguard: the compiled replay of step {step} failed: {err!r}", stacklevel=5)
+            return None
 
     def _repeat(
         self, closure: Callable[[], Any] | None, h: StepHealth, rng: dict[str, torch.Tensor] | None
@@ -153,11 +168,13 @@ class Diagnoser:
         Every rank takes the same branch: the trips and the diagnosis they compare are agreed.
         """
         last = self._last
-        if not self.locate or closure is None or last is None or self.sharded:
+        if not self.locate or closure is None or last is None or self.sharded or h.joined:
             return None
         diag = last.diagnosis
         if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or not facts(diag.cause).repeatable:
             return None
+        if diag.evidence.get("communication"):
+            return None  # ranks that replay together (TP, PP) cannot each stop their forward early
         module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
         if module is None:
             return None
@@ -212,6 +229,13 @@ class Diagnoser:
         with torch.no_grad():
             finite = [bool(torch.isfinite(local(p)).all()) for _, p in named]  # on a trip only
         group = self.optimizer.param_groups[0]
+        owners = compat.zero_owners(self.optimizer)
+        if owners is not None and ranks:
+            # A sharded optimizer: each parameter's owner updated it and broadcast it to every rank.
+            owned = sorted(
+                {owners[id(p)] for (_, p), ok in zip(named, finite, strict=True) if not ok and id(p) in owners}
+            )
+            ranks = owned or ranks
         bad = [(n, p) for (n, p), ok in zip(named, finite, strict=True) if not ok]
         diag = nonfinite_update(
             step=step,
@@ -318,7 +342,10 @@ def replay_trip(
     if rng is not None:
         set_rng_state(rng)
     try:
-        found = dist.replay_locally(model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}))
+        with watch_stages() as stages:
+            found = dist.replay_locally(model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}))
+        if found is not None and stages:
+            found.evidence["stage"] = stages.evidence()  # pipeline parallel: this rank's stage
         replayed = Replayed(found, located=True)
     except Exception as err:  # the guard's own failure must not kill training
         warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=5)

@@ -17,9 +17,10 @@ import numpy as np
 
 from nanguard.errors import BundleError, EventLogError
 from nanguard.findings import Diagnosis, jsonable
+from nanguard.hardware import TRACKER, device_rows, read_tracker
 from nanguard.report.stream import StepRecord, StepSeries, read_rank_log
 
-__all__ = ["BundleInfo", "Marker", "RankLog", "RunReport", "StepRecord", "Trip", "load_run"]
+__all__ = ["BundleInfo", "Drill", "Marker", "RankLog", "RunReport", "StepRecord", "Trip", "load_run"]
 
 _RANK_FILE = re.compile(r"^events-rank(\d+)\.jsonl$")
 _BUNDLE_DIR = re.compile(r"^step-(\d+)-rank-(\d+)$")
@@ -113,6 +114,31 @@ class Marker:
 
 
 @dataclass
+class Drill:
+    """A fault ``nanguard.inject`` planted, and what every rank did about it (its ``drill`` events)."""
+
+    fault: str
+    step: int
+    kind: str
+    rank: int | None
+    actions: dict[int, str]
+    """Each rank's action at the step (the latest event of a rank wins: a late detection)."""
+    detected: bool
+    cause: str | None
+    seconds: float | None
+    """The longest time, over the ranks, from planting to the step's decision."""
+
+    @property
+    def agreed(self) -> bool:
+        return len(set(self.actions.values())) <= 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fault": self.fault, "step": self.step, "kind": self.kind, "rank": self.rank,
+                "actions": {str(r): a for r, a in sorted(self.actions.items())}, "agreed": self.agreed,
+                "detected": self.detected, "cause": self.cause, "seconds": self.seconds}  # fmt: skip
+
+
+@dataclass
 class RunReport:
     """Everything ``nanguard report`` shows about one run directory.
 
@@ -131,6 +157,9 @@ class RunReport:
     overflows: list[Marker] = field(default_factory=list)
     remedies: list[Marker] = field(default_factory=list)
     headroom: list[Marker] = field(default_factory=list)
+    drills: list[Drill] = field(default_factory=list)
+    hardware: list[dict[str, Any]] = field(default_factory=list)
+    """The records of ``run_dir/hardware.jsonl`` (``nanguard.hardware``): one per trip and rank."""
     bundles: list[BundleInfo] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     world_size: int | None = None
@@ -184,6 +213,8 @@ class RunReport:
                 "spikes": [_marker_dict(m) for m in self.spikes],
                 "overflows": [_marker_dict(m) for m in self.overflows],
                 "remedies": [_marker_dict(m) for m in self.remedies],
+                "drills": [d.to_dict() for d in self.drills],
+                "hardware": device_rows(self.hardware),
                 "bundles": [_bundle_dict(b) for b in self.bundles],
                 "warnings": list(self.warnings),
             }
@@ -242,6 +273,7 @@ def _trip_dict(trip: Trip) -> dict[str, Any]:
         "ranks": trip.ranks,
         "reported_by": trip.reported_by,
         "cause": diag.cause if diag else None,
+        "injected": bool(diag and diag.evidence.get("injected")),
         "summary": diag.summary() if diag else None,
         "diagnosis": diag.to_dict() if diag else None,
         "module_stats": {str(r): s for r, s in trip.module_stats.items()} or None,
@@ -313,6 +345,11 @@ def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunRep
         _flush(notes)
         raise EventLogError(root, f"no readable events in {names}: the logs are empty or unreadable")
     _merge(report, per_rank)
+    if (root / TRACKER).is_file():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report.hardware = read_tracker(root / TRACKER)
+        notes.extend(str(w.message) for w in caught)
     _check_alignment(report, notes)
     report.warnings = notes
     _flush(notes)
@@ -377,6 +414,7 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> N
         "overflow": lambda e: (),
         "remedy": lambda e: (str(e.get("cause")), str(e.get("action"))),
         "headroom": lambda e: (str(e.get("module")), str(e.get("dtype"))),
+        "drill": lambda e: (str(e.get("fault")),),
     }
     merged: dict[str, dict[tuple[Any, ...], list[tuple[int, dict[str, Any]]]]] = defaultdict(dict)
     for rank, events in sorted(per_rank.items()):
@@ -391,6 +429,7 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> N
 
     for entries in merged["trip"].values():
         report.trips.append(_merge_trip(entries))
+    report.drills = _merge_drills(merged["drill"])
     report.trips.sort(key=lambda t: t.step)
     for kind, target in (
         ("skip", report.skips),
@@ -411,6 +450,25 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> N
     by_key = {(b.step, b.rank): b for b in report.bundles}
     for trip in report.trips:
         trip.bundles = [by_key[(trip.step, r)] for r in trip.reported_by if (trip.step, r) in by_key]
+
+
+def _merge_drills(merged: Mapping[tuple[Any, ...], list[tuple[int, dict[str, Any]]]]) -> list[Drill]:
+    """One ``Drill`` per planted fault; a rank's late event (a detection on the next step) overrides its first."""
+    drills: dict[tuple[int, str], Drill] = {}
+    for entries in merged.values():
+        for rank, event in entries:
+            key = (event["step"], str(event.get("fault")))
+            fault_rank = event.get("fault_rank")
+            drill = drills.setdefault(key, Drill(fault=key[1], step=key[0], kind=str(event.get("fault_kind")),
+                                                 rank=fault_rank if isinstance(fault_rank, int) else None,
+                                                 actions={}, detected=False, cause=None, seconds=None))  # fmt: skip
+            drill.actions[rank] = str(event.get("action"))
+            drill.detected = drill.detected or event.get("detected") is not False
+            drill.cause = event.get("cause") if isinstance(event.get("cause"), str) else drill.cause
+            seconds = event.get("seconds")
+            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                drill.seconds = max(drill.seconds or 0.0, float(seconds))
+    return sorted(drills.values(), key=lambda d: (d.step, d.fault))
 
 
 def _merge_trip(entries: list[tuple[int, dict[str, Any]]]) -> Trip:

@@ -6,17 +6,23 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
 from nanguard.errors import NanguardError
+from nanguard.hardware import device_rows
 from nanguard.report.load import RunReport, load_run
 from nanguard.report.terminal import Console
 from nanguard.text import (
+    DRILL_COLUMNS,
+    HARDWARE_COLUMNS,
     HEADROOM_COLUMNS,
     RANK_COLUMNS,
     REMEDY_COLUMNS,
+    drill_rows,
     event_words,
+    hardware_rows,
     headroom_rows,
     rank_rows,
     remedy_rows,
@@ -29,7 +35,7 @@ _MAX_EVENT_ROWS = 40
 
 
 def run_report(
-    run_dir: str | Path,
+    run_dir: str | Path | Sequence[str | Path],
     html: str | Path | None = None,
     as_json: bool = False,
     *,
@@ -42,12 +48,18 @@ def run_report(
     page cannot be written. Problems in the logs (a truncated line, an unknown event kind)
     are printed to ``err`` as warnings; progress goes to ``err`` when it is a terminal.
 
+    Several run directories (a job and its restarts) are reported one after the other, then
+    one table of trips per host and device over all of them (``--json``: ``{"runs": [...],
+    "hardware": [...]}``); ``html`` is for one run directory.
+
     Example:
         >>> run_report("runs/exp1", html="runs/exp1/report.html")
         0
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    if not isinstance(run_dir, (str, os.PathLike)):
+        return _several(list(run_dir), html, as_json, out, err)
     status = Console(err)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -94,6 +106,35 @@ def run_report(
     return 0
 
 
+def _several(run_dirs: list[str | Path], html: str | Path | None, as_json: bool, out: TextIO, err: TextIO) -> int:
+    if len(run_dirs) == 1:
+        return run_report(run_dirs[0], html, as_json, out=out, err=err)
+    if html is not None:
+        print("nanguard report: error: --html takes one RUN_DIR", file=err, flush=True)
+        return 2
+    reports = []
+    for run_dir in run_dirs:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                reports.append(load_run(run_dir))
+        except NanguardError as error:
+            _print_warnings(caught, err)
+            print(f"nanguard report: error: {error}", file=err, flush=True)
+            return 1
+        _print_warnings(caught, err)
+    rows = device_rows(record for report in reports for record in report.hardware)
+    if as_json:
+        data = {"runs": [r.to_dict() for r in reports], "hardware": rows}
+        print(json.dumps(data, indent=2, allow_nan=False), file=out, flush=True)
+        return 0
+    console = Console(out)
+    for report in reports:
+        print_summary(report, console)
+    console.table(list(HARDWARE_COLUMNS), hardware_rows(rows), title=f"Trips per host and device ({len(reports)} runs)")
+    return 0
+
+
 def _print_warnings(caught: list[warnings.WarningMessage], err: TextIO) -> None:
     for w in caught:
         print(f"nanguard report: warning: {w.message}", file=err, flush=True)
@@ -117,7 +158,8 @@ def print_summary(report: RunReport, console: Console) -> None:
     )
     console.table(list(RANK_COLUMNS), rank_rows(data))
 
-    events = [(t.step, "trip", t.ranks, f"{t.diagnosis.cause if t.diagnosis else '?'} -> {t.action}")
+    events = [(t.step, "trip", t.ranks, f"{t.diagnosis.cause if t.diagnosis else '?'} -> {t.action}"
+               + (" (drill: injected)" if t.diagnosis and t.diagnosis.evidence.get("injected") else ""))
               for t in report.trips]  # fmt: skip
     for marker in [*report.skips, *report.rollbacks, *report.spikes, *report.overflows]:
         detail = event_words(marker.kind, marker.fields)
@@ -142,6 +184,11 @@ def print_summary(report: RunReport, console: Console) -> None:
     if not report.trips:
         console.line("no trips: every logged step was finite")
     print_remedies(report, console)
+    if report.drills:
+        console.table(list(DRILL_COLUMNS), drill_rows([d.to_dict() for d in report.drills]), title="Fire drill")
+    if report.hardware:
+        console.table(list(HARDWARE_COLUMNS), hardware_rows(device_rows(report.hardware)),
+                      title="Trips per host and device")  # fmt: skip
 
 
 def print_remedies(report: RunReport, console: Console) -> None:
