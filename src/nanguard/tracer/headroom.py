@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanguard import compat
 from nanguard.dtypes import OVERFLOW_FRACTION, dtype_facts
 from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.tracer.compiled import eager
@@ -47,7 +47,7 @@ class Headroom:
         return self.absmax > self.limit * OVERFLOW_FRACTION
 
 
-class _HeadroomMode(TorchDispatchMode):
+class _HeadroomMode(compat.DispatchMode):
     def __init__(self, stack: ModuleStack, backup: Backup | None = None) -> None:
         super().__init__()
         self.stack = stack
