@@ -247,15 +247,15 @@ SCENARIOS: tuple[Scenario, ...] = (
     # One AdamW update moves every weight by about lr: the next forward's residual stream is so
     # large that a LayerNorm's variance overflows float32 (Inf, not zero). The history holds one
     # step, so the weights' growth from the run's start is the evidence of divergence.
-    # SGD's update is lr x gradient: by step 3 the gradients are finite but ~1e19, past float32's
+    # SGD's update is lr x gradient: by step 4 the gradients are finite but past 1.8e19, float32's
     # squared range, where the loop's own clip_grad_norm_ computes an Inf norm (the runner counts that
     # as the plain run's first bad step); the step after, they are NaN.
     Scenario(
         "sgd_lr_huge_finite_gradients",
-        "SGD at lr=1e3: finite gradients past 1.8e19, whose float32 norm (a clip's) is Inf, before any NaN",
+        "SGD at lr=200: finite gradients past 1.8e19, whose float32 norm (a clip's) is Inf, before any NaN",
         Expect("optimizer.divergence", None, None, "backward", "inf", step=FIRST_BAD),
         optimizer="sgd",
-        lr=1e3,
+        lr=200.0,
         fault_step=0,
         steps=8,
     ),
