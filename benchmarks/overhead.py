@@ -194,16 +194,17 @@ Load average (1 min) when it started: {load:.2f}. Reproduce: `.venv/bin/python b
 {rows}
 
 **Collectives per healthy step: 1 -> 0 under DDP.** Under `guard.step(closure)` with DDP's default
-all-reduce, the guard's flags (one slot per rank) and the loss ride as `world_size + 2` extra float32
-values in the all-reduce of the last gradient bucket, so a healthy step adds no collective (counted by
+all-reduce, the guard's flags (one slot per rank) and the loss ride as `2 x world_size + 2` extra float32
+values (with each rank's step index) in the all-reduce of the last gradient bucket, so a healthy step
+adds no collective (counted by
 `tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step`, which wraps
-`torch.distributed`). The fallback, one all-reduce of `world_size + 2` float32 per step, remains for
+`torch.distributed`). The fallback, one all-reduce of `2 x world_size + 2` float32 per step, remains for
 `guard.check(loss)` (the loss is known only after backward), steps whose backward sent no gradients
 (every micro-step under `no_sync`), a user comm hook (its wire format is its own: fp16 compression),
 float16/bfloat16 buckets, FSDP2 and hand-written all-reduce loops.
 
-**Cost per step as the world grows (an estimate, not measured).** Riding adds `world_size + 2` float32
-to one bucket: 16 bytes here, about 4 KiB at 1024 ranks, against a gradient all-reduce of hundreds of MB
+**Cost per step as the world grows (an estimate, not measured).** Riding adds `2 x world_size + 2` float32
+to one bucket: 24 bytes here, about 8 KiB at 1024 ranks, against a gradient all-reduce of hundreds of MB
 for a 1B-parameter model. The fallback all-reduce is latency-bound: with NCCL's tree all-reduce about
 2 x log2(1024) = 20 hops of ~5-10 us on InfiniBand (an assumed figure), roughly 0.1-0.2 ms per step at
 1024 ranks. Under DDP the pre-communication check adds one float32 sum per gradient bucket (no extra

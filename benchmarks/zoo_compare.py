@@ -101,7 +101,7 @@ def plain_check(s: Scenario) -> Score:
     def step(run: Any, batch: dict) -> bool:
         try:
             loss = run.closure(batch)()
-        except (IndexError, RuntimeError):
+        except Exception:  # the step raised (an id out of range, validate_args, multinomial): the run stops
             return True
         grads = [p.grad for p in run.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
@@ -126,7 +126,7 @@ def anomaly(s: Scenario) -> Score:
             match = re.search(r"Function '(\w+)' returned nan", str(err))
             found["node"] = match.group(1) if match else None
             return True
-        except IndexError:
+        except Exception:  # any other raise stops the run too, naming no node
             found["node"] = None
             return True
         if not math.isfinite(loss.detach().item()):
@@ -170,13 +170,15 @@ def hf_debug(s: Scenario) -> Score:
             with contextlib.redirect_stdout(io.StringIO()):
                 run.closure(batch)()
         except ValueError as err:
-            if "DebugUnderflowOverflow" not in str(err):
-                raise
-            found["module"] = found["seen"][-1] if found["seen"] else None
+            # Its own detection raises naming itself; any other ValueError is the step's own raise.
+            found["module"] = found["seen"][-1] if found["seen"] and "DebugUnderflowOverflow" in str(err) else None
             return True
         except (IndexError, RuntimeError) as err:
             if "bool" in str(err).lower():
                 raise  # the tool itself failed on a bool input (a mask): a crash, not a detection
+            found["module"] = None
+            return True
+        except (AssertionError, FloatingPointError):  # the step's own check raised
             found["module"] = None
             return True
         run.optimizer_step()

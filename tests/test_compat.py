@@ -115,11 +115,45 @@ def _ranks(rank: int, world: int, tmp: str) -> dict[str, object]:
     model(x).square().sum().backward()
     same = all(torch.equal(p.grad.to_local(), r) for p, r in zip(model.parameters(), reference, strict=True))
     return {
+        **_join_and_zero(ddp),
         "hooks": (hook_before, hook_after),
         "fsdp_state": state is not None and len(fsdp_params) == 4,
         "held": held,
         "dropped": dropped,
         "same_grads": same,
+    }
+
+
+def _join_and_zero(ddp: nn.parallel.DistributedDataParallel) -> dict[str, object]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    calls = []
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    original = tdist.all_reduce
+    before = compat.ddp_join_enabled(ddp)
+    with ddp.join():
+        inside = compat.ddp_join_enabled(ddp)
+        with compat.swap_collectives({"all_reduce": counting}):
+            with ddp.no_sync(), compat.ddp_join_paused(ddp):
+                paused = not compat.ddp_join_enabled(ddp)
+                ddp(torch.ones(1, 4))
+            quiet = len(calls)
+            with ddp.no_sync():
+                ddp(torch.ones(1, 4))  # the join context's own all-reduces, once more
+        restored = compat.ddp_join_enabled(ddp)
+    zero = ZeroRedundancyOptimizer(list(ddp.parameters()), optimizer_class=torch.optim.SGD, lr=0.1)
+    local = compat.zero_local_optimizer(zero)
+    owners = compat.zero_owners(zero)
+    mine = {id(p) for g in local.param_groups for p in g["params"]} if local is not None else set()
+    return {
+        "join": [before, inside, paused, quiet, len(calls) > quiet, restored],
+        "zero_local": local is not None and mine == {k for k, r in (owners or {}).items() if r == tdist.get_rank()},
+        "zero_owners": sorted(set((owners or {}).values())),
+        "plain": [compat.zero_local_optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1)), compat.zero_owners(local)],
     }
 
 
@@ -130,6 +164,9 @@ def test_ddp_hooks_and_fsdp2_internals(tmp_path) -> None:
         assert r["fsdp_state"], "FSDP2 no longer exposes _get_fsdp_state()._fsdp_param_group.fsdp_params"
         assert r["held"], "FSDP2 no longer keeps the unsynced gradients where compat clears them"
         assert r["dropped"] and r["same_grads"]
+        # DDP join(): enabled inside, paused for a local replay (no join all-reduce), restored after.
+        assert r["join"] == [False, True, True, 0, True, True], r["join"]
+        assert r["zero_local"] and r["zero_owners"] == [0, 1] and r["plain"] == [None, None], r
 
 
 def test_scaler_steps_aside_lets_a_replay_unscale_again() -> None:
@@ -146,3 +183,83 @@ def test_scaler_steps_aside_lets_a_replay_unscale_again() -> None:
         scaler.unscale_(opt)  # would raise: unscale_() has already been called
     assert scaler_unscaled(scaler, opt)
     assert torch.equal(param.grad, torch.full((2,), 0.5))
+
+
+def _dtensor_internals(rank, world):
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Namespaces(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(f"{func.namespace}::{func._schema.name.split('::')[-1]}")
+            return func(*args, **(kwargs or {}))
+
+    mesh = init_device_mesh("cpu", (world,))
+    pending = funcol.all_reduce(torch.ones(3), "sum", mesh)
+    wrapped = compat.inner_tensor(pending)
+    elem_is_inner = wrapped is pending.elem
+    dt = DTensor.from_local(torch.full((2,), float(rank)), mesh, [Partial()])
+    local_is_inner = compat.inner_tensor(dt) is dt._local_tensor and torch.equal(compat.inner_tensor(dt), dt.to_local())
+    with Namespaces() as mode:
+        dt.redistribute(mesh, [Replicate()]).to_local().sum()
+        tdist.all_reduce(torch.ones(1))
+    return {
+        "elem": elem_is_inner,
+        "local": local_is_inner,
+        "plain": compat.inner_tensor(torch.ones(1)) is None,
+        "seen": [s for s in mode.seen if not s.startswith("aten::")],
+    }
+
+
+@pytest.mark.dist
+def test_dtensor_and_functional_collective_internals(tmp_path) -> None:
+    for r in spawn_ranks(_dtensor_internals, timeout=120):
+        assert r["elem"], "AsyncCollectiveTensor no longer keeps its buffer in .elem"
+        assert r["local"], "DTensor no longer keeps this rank's values in ._local_tensor"
+        assert r["plain"]
+        # The ops DTensor redistributes with and torch.distributed's own: all are communication.
+        assert {"_c10d_functional::all_reduce", "_c10d_functional::_wrap_tensor_autograd", "c10d::allreduce_"} <= set(
+            r["seen"]
+        ), r["seen"]
+        assert all(s.split("::")[0] in compat.COMM_NAMESPACES for s in r["seen"]), r["seen"]
+
+
+def test_pipeline_stage_hooks_see_each_microbatch_and_unpatch(tmp_path) -> None:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from nanguard.zoo.parallel import ParallelMLP
+
+    originals = (_PipelineStageBase.forward_one_chunk, _PipelineStageBase.backward_one_chunk)
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        stage = PipelineStage(ParallelMLP(), 0, 1, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+        x = torch.randn(4, 8)
+        seen: list[tuple] = []
+        with compat.pipeline_stage_hooks(
+            lambda s, received, out: seen.append(("forward", s.stage_index, received[0].shape, out.shape)),
+            lambda s, received, sent: seen.append(("backward", s.stage_index, received, len(sent))),
+        ):
+            schedule.step(x, target=torch.randn(4, 8), losses=[])
+    finally:
+        tdist.destroy_process_group()
+    micro = (torch.Size([2, 8]), torch.Size([2, 8]))
+    # The first stage receives its microbatch; the last starts its backward from the loss.
+    assert seen == [("forward", 0, *micro), ("forward", 0, *micro), ("backward", 0, None, 1), ("backward", 0, None, 1)]
+    assert (_PipelineStageBase.forward_one_chunk, _PipelineStageBase.backward_one_chunk) == originals
+
+
+def test_written_tensors_of_in_place_and_communication_ops() -> None:
+    a, b = torch.ones(2), torch.ones(2)
+    assert compat.written_tensors(torch.ops.aten.add_.Tensor, (a, b), {}) == [a]
+    assert compat.written_tensors(torch.ops.aten.add.Tensor, (a, b), {}) == []
+    out = compat.written_tensors(torch.ops.c10d.recv_.default, ([a, b], None, 0, 0), {})
+    assert len(out) == 2 and out[0] is a and out[1] is b  # c10d declares no aliasing: named in place
+    assert compat.written_tensors(torch.ops.c10d.send.default, ([a], None, 1, 0), {}) == []

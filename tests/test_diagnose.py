@@ -315,3 +315,14 @@ def test_kind_is_validated_and_worded() -> None:
     assert "invalid value created" in diagnosis_text(diag)
     with pytest.raises(ValueError, match="kind must be one of"):
         Diagnosis(cause="unknown", kind="finite")
+
+
+@pytest.mark.parametrize(
+    ("attempted", "why"),
+    [(False, "locate is off, so no replay was run"), (True, "its replay failed")],
+)
+def test_a_step_without_a_finished_replay_says_why(attempted, why) -> None:
+    d = transient_fault(step=2, loss=NAN, grad_norm=1.0, flagged_ranks=[0], located=False, distributed=True,
+                        attempted=attempted)  # fmt: skip
+    assert d.cause == "unknown" and why in d.evidence["why"]
+    assert "locate is off" not in d.evidence["why"] or not attempted

@@ -321,18 +321,21 @@ def _nanogpt_loop(rank, world, tmp):
     guard = ng.Guard(ddp, opt, module_stats=False)
     accum, skips_at = 2, []
 
-    def forward_backward(step: int) -> torch.Tensor:
+    def forward_backward(batches: list[dict]) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        for micro in range(accum):
+        for micro, batch in enumerate(batches):
             ddp.require_backward_grad_sync = micro == accum - 1
-            _, loss = ddp(**_batch(model, rank, step * accum + micro, bad=(step, micro, rank) == (1, 0, 1)))
+            _, loss = ddp(**batch)
             (loss / accum).backward()
         return loss
 
     for step in range(4):
+        # The step's micro-batches are fetched before it, so the replay re-runs them (a NaN
+        # written while building one inside the replay would be the replay's own op.nan_write).
+        batches = [_batch(model, rank, step * accum + m, bad=(step, m, rank) == (1, 0, 1)) for m in range(accum)]
         rng = get_rng_state()
-        loss = forward_backward(step)
-        if guard.check(loss, replay=lambda step=step: forward_backward(step), rng=rng):
+        loss = forward_backward(batches)
+        if guard.check(loss, replay=lambda batches=batches: forward_backward(batches), rng=rng):
             opt.step()
             guard.after_step()
         else:

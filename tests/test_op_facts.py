@@ -86,6 +86,28 @@ CASES = [
         (_LN_IN, None, None, torch.zeros(4), torch.ones(4), True, 0.1, 1e-4),
         {"norm_eps": 1e-4, "min_variance": 0.0},
     ),
+    Case(
+        aten._weight_norm_interface,
+        aten._weight_norm_interface.default,
+        (torch.tensor([[0.0, 0.0], [3.0, 4.0]]), torch.ones(2, 1), 0),
+        {
+            "normalizes": True,
+            "denominator": {"what": "the L2 norm of weight_v per output channel", "size": 2, "zeros": 1, "min": 0.0},
+        },
+    ),
+    Case(
+        aten.logdet,
+        aten.logdet.default,
+        (torch.tensor([[0.0, 1.0], [1.0, 0.0]]),),
+        {"matrices": 1, "negative_determinants": 1, "zero_determinants": 0},
+    ),
+    Case(
+        aten.linalg_slogdet,
+        aten.linalg_slogdet.default,
+        (torch.stack([torch.eye(2), torch.zeros(2, 2)]),),
+        {"matrices": 2, "negative_determinants": 0, "zero_determinants": 1},
+    ),
+    Case(aten.slogdet, aten.slogdet.default, (-torch.eye(3),), {"negative_determinants": 1}),
     Case(aten.exp, aten.exp.default, (_GROWS,), {"input_max": 50.0}),
     Case(aten.exp_, aten.exp_.default, (_GROWS.clone(),), {"input_max": 50.0}),
     Case(aten.pow, aten.pow.Tensor_Scalar, (_GROWS, 2), {"input_max": 50.0}),
@@ -108,6 +130,32 @@ def test_every_registered_op_has_a_case() -> None:
 def test_registered_facts_fire_on_their_op(case: Case) -> None:
     facts = ops.creation_facts(case.func, case.args, {}, torch.zeros(1), module_eps=None)
     assert {k: facts.get(k) for k in case.expect} == case.expect
+
+
+def test_a_class_weighted_nll_loss_reports_its_total_weight() -> None:
+    # Class 0 weighs 0; every valid target is class 0: the weighted mean divides by 0.
+    weight = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    args = (_LOGP, torch.tensor([0, -100, 0]), weight, 1, -100)
+    facts = ops.creation_facts(aten.nll_loss_forward.default, args, {}, torch.zeros(1), module_eps=None)
+    assert facts["valid_targets"] == 2 and facts["target_classes"] == [0]
+    assert facts["denominator"]["value"] == 0.0 and facts["denominator"]["zeros"] == 1
+    assert facts["class_weights"] == {"classes": 4, "zero_weight_classes": 1, "sum": 3.0}
+    args = (_LOGP, torch.tensor([1, -100, 0]), weight, 1, -100)
+    facts = ops.creation_facts(aten.nll_loss_forward.default, args, {}, torch.zeros(1), module_eps=None)
+    assert facts["denominator"] == {"what": "the total class weight of the valid targets", "value": 1.0, "zeros": 0}
+
+
+def test_group_norm_facts_count_the_elements_of_a_group() -> None:
+    x = torch.arange(8.0).reshape(2, 4, 1)  # 4 channels, 4 groups, one element each
+    facts = ops.creation_facts(aten.native_group_norm.default, (x, None, None, 2, 4, 1, 4, 0.0), {}, x, None)
+    assert facts["group_elements"] == 1 and facts["min_variance"] == 0.0
+
+
+def test_a_user_level_call_names_its_aten_op_and_facts() -> None:
+    assert ops.user_op_name("logdet") == "aten.logdet.default"
+    assert ops.user_op_name("not_a_torch_op") == "torch.not_a_torch_op"
+    assert ops.user_facts("aten.logdet.default", (-torch.eye(3),))["negative_determinants"] == 1
+    assert ops.user_facts("torch.not_a_torch_op", (torch.eye(2),)) == {}
 
 
 def test_unregistered_ops_get_only_the_module_eps() -> None:

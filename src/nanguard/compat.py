@@ -1,4 +1,5 @@
-"""Every private torch internal nanguard relies on, in one place.
+"""Every private torch internal nanguard relies on, in one place (and, at the end, the
+private Lightning and transformers internals its integrations use).
 
 Each function below wraps one internal that torch does not promise to keep. The comment on
 each names the torch versions it is known to work with; ``tests/test_compat.py`` exercises
@@ -9,6 +10,7 @@ rather than as a silent wrong answer inside a training run.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -17,17 +19,36 @@ import torch.distributed as tdist
 from torch import nn
 
 __all__ = [
+    "COMM_NAMESPACES",
     "compiled_backend",
     "ddp_has_comm_hook",
+    "ddp_join_enabled",
+    "ddp_join_paused",
+    "ddp_sync_pinned_off",
     "drop_fsdp_accumulated_grads",
+    "fabric_inner_optimizer",
+    "fabric_modules",
     "foreach_copy_",
     "foreach_norm",
+    "has_forward_hooks",
+    "hf_callbacks",
+    "hf_initial_step",
+    "hf_loss_sum",
+    "hf_set_initial_step",
+    "hf_trainer_of",
+    "inner_tensor",
+    "lightning_logging_off",
+    "lightning_step_context",
     "lookup_backend",
+    "pipeline_stage_hooks",
     "scaler_scale",
     "scaler_steps_aside",
     "step_with_found_inf",
     "supports_found_inf",
     "swap_collectives",
+    "written_tensors",
+    "zero_local_optimizer",
+    "zero_owners",
 ]
 
 
@@ -45,6 +66,50 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype: torch.dty
 # only one; there is no public way to ask whether one is set.
 def ddp_has_comm_hook(model: nn.parallel.DistributedDataParallel) -> bool:
     return bool(model._comm_hooks)
+
+
+# Known to work: torch 2.13.0. ``Join`` sets a ``_JoinConfig`` on each of its joinables when it is
+# built (and never resets it); DDP's forward reads ``_join_config.enable`` to schedule the join
+# context's all-reduces, which a local replay must not run.
+def ddp_join_enabled(model: nn.Module) -> bool:
+    """Has ``model`` (a DDP model) been handed to an enabled ``Join`` context (``with ddp.join():``)?"""
+    config = getattr(model, "_join_config", None)
+    return bool(getattr(config, "enable", False))
+
+
+@contextlib.contextmanager
+def ddp_join_paused(model: nn.Module) -> Iterator[None]:
+    """Inside the block ``model``'s forward schedules none of the join context's collectives, nor
+    its buffer broadcast (``require_forward_param_sync``): a rank that joined takes part in neither."""
+    if not ddp_join_enabled(model):
+        yield
+        return
+    from torch.distributed.algorithms.join import _JoinConfig
+
+    saved, sync = model._join_config, model.require_forward_param_sync
+    model._join_config = _JoinConfig.construct_disabled_join_config()
+    model.require_forward_param_sync = False
+    try:
+        yield
+    finally:
+        model._join_config, model.require_forward_param_sync = saved, sync
+
+
+# Known to work: torch 2.13.0. ``ZeroRedundancyOptimizer`` keeps this rank's shard in a plain local
+# optimizer, ``.optim`` (its own ``state_dict()`` needs ``consolidate_state_dict()`` on every rank
+# first, a gather), and which rank updates (and broadcasts) each parameter in ``_param_to_rank``.
+def zero_local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer over this rank's own shard inside a ``ZeroRedundancyOptimizer``; None for any other."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+
+
+def zero_owners(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
+    """``id(parameter) -> rank`` that updates it, for a ``ZeroRedundancyOptimizer``; None for any other."""
+    if zero_local_optimizer(optimizer) is None:
+        return None
+    return {id(p): r for p, r in optimizer._param_to_rank.items()}
 
 
 # Known to work: torch 2.13.0. ``GradScaler._scale`` is the scale as a device tensor;
@@ -96,6 +161,37 @@ def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tenso
         del optimizer.found_inf  # type: ignore[attr-defined]
 
 
+# Known to work: torch 2.13.0. A module's own forward hooks are kept in ``_forward_hooks``;
+# there is no public way to ask whether it has any.
+def has_forward_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks)
+
+
+# Known to work: torch 2.13.0. DDP's forward reads ``require_backward_grad_sync`` to decide
+# whether the coming backward all-reduces (``no_sync()`` sets it False and back). A class with a
+# property of that name shadows the instance attribute, so the loop's own writes land nowhere.
+@contextlib.contextmanager
+def ddp_sync_pinned_off(model: nn.parallel.DistributedDataParallel) -> Iterator[None]:
+    """Inside the block ``model``'s backward never communicates, whatever the code inside sets
+    ``model.require_backward_grad_sync`` to; after it, the value from before is back."""
+    cls = type(model)
+    model.__class__ = _pinned_off(cls)
+    try:
+        yield
+    finally:
+        model.__class__ = cls
+
+
+_PINNED: dict[type, type] = {}
+
+
+def _pinned_off(cls: type) -> type:
+    if cls not in _PINNED:
+        off = property(lambda self: False, lambda self, value: None, doc="False while a replay runs")
+        _PINNED[cls] = type(cls.__name__, (cls,), {"require_backward_grad_sync": off, "__module__": cls.__module__})
+    return _PINNED[cls]
+
+
 # Known to work: torch 2.13.0 (FSDP2, ``fully_shard``). With gradient sync off, FSDP2 keeps
 # unsharded gradients on each FSDPParam to add to the next reduce-scatter.
 def drop_fsdp_accumulated_grads(model: nn.Module) -> None:
@@ -129,6 +225,181 @@ def swap_collectives(stand_ins: Mapping[str, Callable[..., Any]]) -> Iterator[No
     finally:
         for name, original in saved.items():
             setattr(tdist, name, original)
+
+
+# Known to work: torch 2.13.0. A DTensor keeps this rank's values in ``_local_tensor`` and a
+# functional collective's pending result (``AsyncCollectiveTensor``) its buffer in ``elem``.
+# ``DTensor.to_local()`` is an autograd Function under grad mode: inside the tracer's dispatch
+# it would build a graph node of its own and shift the node numbers the tracer keys on.
+def inner_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor a DTensor or an ``AsyncCollectiveTensor`` wraps on this rank, else None."""
+    inner = getattr(t, "_local_tensor", None)
+    if inner is None:
+        inner = getattr(t, "elem", None)
+    return inner if isinstance(inner, torch.Tensor) else None
+
+
+# Known to work: torch 2.13.0. The op namespaces of communication: torch.distributed's own
+# ops (``c10d``: send, recv_, allreduce_, the process-group collectives), the functional
+# collectives DTensor redistributes with (``_c10d_functional``: all_reduce, wait_tensor,
+# _wrap_tensor_autograd, ...) and their autograd and legacy forms.
+COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "_dtensor"})
+
+
+# Known to work: torch 2.13.0 (torch.distributed.pipelining). Every schedule runs a stage's
+# microbatch through ``_PipelineStageBase.forward_one_chunk(fwd_chunk_id, args, kwargs, ...)``,
+# which returns the stage's output, and its backward through
+# ``backward_one_chunk(bwd_chunk_id, loss=None, ...)``, which leaves the gradients to send in
+# ``bwd_cache[bwd_chunk_id]``; a stage's received gradients are ``_retrieve_recv_grads``'s result.
+@contextlib.contextmanager
+def pipeline_stage_hooks(
+    on_forward: Callable[[Any, tuple[Any, ...], Any], None],
+    on_backward: Callable[[Any, Any, Any], None],
+) -> Iterator[None]:
+    """While open, ``on_forward(stage, inputs, output)`` runs after each stage's microbatch forward
+    (``inputs``: what the stage received, or the batch on the first stage) and
+    ``on_backward(stage, received_grads, sent_grads)`` after each microbatch backward
+    (``received_grads`` is None on the last stage, which starts from the loss)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    forward, backward, recv_grads = (
+        _PipelineStageBase.forward_one_chunk,
+        _PipelineStageBase.backward_one_chunk,
+        _PipelineStageBase._retrieve_recv_grads,
+    )
+    received: dict[tuple[int, int], Any] = {}
+
+    def forward_one_chunk(self: Any, fwd_chunk_id: int, args: tuple[Any, ...], *rest: Any, **kw: Any) -> Any:
+        output = forward(self, fwd_chunk_id, args, *rest, **kw)
+        cached = self.fwd_cache.get(fwd_chunk_id)
+        on_forward(self, tuple(cached[1]) if cached is not None else tuple(args), output)
+        return output
+
+    def retrieve_recv_grads(self: Any, bwd_chunk_id: int) -> Any:
+        grads = recv_grads(self, bwd_chunk_id)
+        received[(id(self), bwd_chunk_id)] = grads
+        return grads
+
+    def backward_one_chunk(self: Any, bwd_chunk_id: int, *rest: Any, **kw: Any) -> Any:
+        result = backward(self, bwd_chunk_id, *rest, **kw)
+        on_backward(self, received.pop((id(self), bwd_chunk_id), None), self.bwd_cache.get(bwd_chunk_id))
+        return result
+
+    _PipelineStageBase.forward_one_chunk = forward_one_chunk  # type: ignore[method-assign]
+    _PipelineStageBase.backward_one_chunk = backward_one_chunk  # type: ignore[method-assign]
+    _PipelineStageBase._retrieve_recv_grads = retrieve_recv_grads  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _PipelineStageBase.forward_one_chunk = forward  # type: ignore[method-assign]
+        _PipelineStageBase.backward_one_chunk = backward  # type: ignore[method-assign]
+        _PipelineStageBase._retrieve_recv_grads = recv_grads  # type: ignore[method-assign]
+
+
+# Known to work: torch 2.13.0. An op's schema marks the arguments it writes (``Tensor(a!)``), but
+# the ``c10d`` ops declare no aliasing: those named in place (``recv_``, ``allreduce_``,
+# ``_allgather_base_``) write into their tensor arguments.
+def written_tensors(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors op ``func`` writes into, among ``args`` and ``kwargs`` (every tensor argument
+    of an in-place ``c10d`` op: at most an input read again on its next use)."""
+    from torch.utils._pytree import tree_leaves
+
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    if getattr(func, "namespace", None) == "c10d" and schema.name.endswith("_"):
+        return [t for t in tree_leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor)]
+    written: list[torch.Tensor] = []
+    for i, arg in enumerate(schema.arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
+
+
+# -- framework internals (the integrations only; no framework is imported here) ------------
+
+
+# Known to work: lightning 2.6.6. The precision plugin's context for a training step (autocast
+# under "16-mixed"/"bf16-mixed"), as Lightning enters it around ``training_step``.
+def lightning_step_context(trainer: Any) -> contextlib.AbstractContextManager[Any]:
+    return trainer.strategy.precision_plugin.train_step_context()
+
+
+# Known to work: lightning 2.6.6. ``LightningModule.log``/``log_dict`` are looked up on the
+# instance first, so instance attributes shadow them for the block and are deleted after.
+@contextlib.contextmanager
+def lightning_logging_off(pl_module: Any) -> Iterator[None]:
+    """Inside the block ``self.log(...)`` and ``self.log_dict(...)`` in the module do nothing."""
+    pl_module.log = pl_module.log_dict = _ignore
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+# Known to work: lightning 2.6.6. ``fabric.setup`` returns a ``_FabricModule`` holding the
+# strategy's module (DDP, FSDP, or the user's own; possibly compiled) as ``_forward_module``
+# and the module the user passed as ``_original_module``.
+def fabric_modules(module: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(forward module, the user's module)`` of a Fabric-wrapped module; ``(module, module)`` otherwise."""
+    forward = getattr(module, "_forward_module", None)
+    original = getattr(module, "_original_module", None)
+    if isinstance(forward, nn.Module) and isinstance(original, nn.Module):
+        return forward, original
+    return module, module
+
+
+# Known to work: lightning 2.6.6. ``_FabricOptimizer`` keeps the user's optimizer as
+# ``optimizer`` (a property) and delegates ``step`` to the strategy.
+def fabric_inner_optimizer(optimizer: Any) -> Any:
+    inner = getattr(type(optimizer), "optimizer", None)
+    return optimizer.optimizer if isinstance(inner, property) else optimizer
+
+
+# Known to work: transformers 5.24.0. ``Trainer._tr_loss`` is the running sum of step losses
+# since the last log (a one-element tensor added to in place); ``_initial_global_step`` is the
+# step count ``train_loss`` and the throughput metrics leave out.
+def hf_loss_sum(trainer: Any) -> torch.Tensor | None:
+    total = getattr(trainer, "_tr_loss", None)
+    return total if isinstance(total, torch.Tensor) and total.numel() == 1 else None
+
+
+def hf_initial_step(trainer: Any) -> int | None:
+    first = getattr(trainer, "_initial_global_step", None)
+    return first if isinstance(first, int) and not isinstance(first, bool) else None
+
+
+def hf_set_initial_step(trainer: Any, step: int) -> None:
+    trainer._initial_global_step = step
+
+
+# Known to work: transformers 5.24.0. Callbacks are not handed the Trainer; ``on_train_begin``
+# is called from its training loop, a frame whose ``self`` is the Trainer, holding the callbacks
+# in ``callback_handler.callbacks``.
+def hf_trainer_of(callback: Any) -> Any:
+    """The Trainer running ``callback``, found on the stack; None when there is none."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            callbacks = getattr(getattr(owner, "callback_handler", None), "callbacks", None)
+            if isinstance(callbacks, list) and any(c is callback for c in callbacks):
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def hf_callbacks(trainer: Any) -> list[Any]:
+    return trainer.callback_handler.callbacks
 
 
 def compiled_backend(module: nn.Module) -> Any:

@@ -105,6 +105,8 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
         return _empty_targets(o)
     if (counted := _zero_count_from_batch(o)) is not None:
         return _empty_targets(o, counted)
+    if str(o.get("op", "")).startswith("aten.nll_loss") and (weighted := _zero_weight_targets(o)) is not None:
+        return weighted
     if not str(o.get("op", "")).startswith("aten.nll_loss") or o.get("valid_targets") != 0:
         return None
     ignore = o.get("ignore_index", -100)
@@ -114,6 +116,26 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
         "to its prompt, or padding-only samples)",
         "use reduction='sum' and divide by max(number of valid targets, 1)",
         "run ng.check_batch(batch) in the data loader to drop such batches",
+    ]
+    return Verdict("data.no_valid_targets", why, fixes)
+
+
+def _zero_weight_targets(o: dict[str, Any]) -> Verdict | None:
+    """A class-weighted mean loss whose valid targets all have weight 0 while other classes have
+    weight: the batch holds only zero-weighted classes (a crop of the void class), 0/0."""
+    weights, denom = o.get("class_weights") or {}, o.get("denominator") or {}
+    if not (o.get("valid_targets") and denom.get("zeros") and weights.get("sum")) or o.get("reduction") != 1:
+        return None
+    classes = o.get("target_classes") or []
+    why = (
+        f"every one of the {o['valid_targets']} valid targets of {o.get('op')} is of a class with weight 0 "
+        f"(classes {classes}; {weights.get('zero_weight_classes')} of {weights.get('classes')} classes weigh 0), "
+        "so the weighted mean divides by a total weight of 0"
+    )
+    fixes = [
+        "skip or re-crop batches whose targets are all zero-weighted classes (a crop of only void / background)",
+        "use reduction='sum' and divide by max(total weight, eps), or map a void class to ignore_index instead",
+        "run ng.check_batch(batch) in the data loader to drop batches with no valid target",
     ]
     return Verdict("data.no_valid_targets", why, fixes)
 
@@ -308,15 +330,39 @@ _NORM_OPS = ("_layer_norm", "_group_norm", "_batch_norm", "rms_norm")
 
 
 # Normalization layers are named *Norm by convention (LayerNorm, LlamaRMSNorm, T5LayerNorm,
-# BatchNorm2d); a NormBlock or Normalizer that divides by an L2 norm is not one.
+# BatchNorm2d); a NormBlock or Normalizer that divides by an L2 norm is not one. The name is
+# only a hint, read where the tracer could not see the computation (no autograd graph).
 _NORM_LAYER = re.compile(r"Norm(\d+d)?$")
+# Statistics a normalization layer divides by (LayerNorm, RMSNorm, BatchNorm): a variance, not an L2 norm.
+_VARIANCES = ("variance", "std", "mean of squares")
+
+
+def _normalization(o: dict[str, Any]) -> bool:
+    """Is the origin a normalization layer's division by its variance? A fused norm op (or its
+    backward), or, read from the computation (``statistic``, ``normalizes``: the tracer saw a
+    variance, std or mean of squares of a tensor divide that same tensor), a hand-written one. The
+    class name decides only where the tracer could not see the computation (no autograd graph). A
+    statistic over too few elements is a division by zero of its own (``_too_few``)."""
+    op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
+    if any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES):
+        return True
+    named = bool(_NORM_LAYER.search(mtype))
+    if "normalizes" not in o:  # the computation was not visible: the class name decides, in forward only
+        return named and o.get("phase") == "forward"
+    # A division by an L2 norm (F.normalize, weight_norm, ScaleNorm) has no variance and no eps to
+    # fix: a division by zero first, the normalization second (``_normalization_hint``).
+    return bool(o.get("normalizes")) and not _too_few_elements(o) and o.get("statistic") in _VARIANCES
+
+
+def _too_few_elements(o: dict[str, Any]) -> bool:
+    count, correction = o.get("reduced_elements"), o.get("correction")
+    return isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0
 
 
 def zero_variance(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
-    op, node, mtype = str(o.get("op") or ""), str(o.get("node") or ""), str(o.get("module_type") or "")
-    in_norm = any(n in op for n in _NORM_OPS) or any(n in node for n in _NORM_NODES) or _NORM_LAYER.search(mtype)
-    if not in_norm:
+    mtype = str(o.get("module_type") or "")
+    if not _normalization(o):
         return None
     eps = o.get("norm_eps", o.get("module_eps"))
     var = o.get("min_variance")
@@ -327,6 +373,11 @@ def zero_variance(ev: Evidence) -> Verdict | None:
     why = f"{name} in {_where(o)} divided by sqrt(variance + eps)"
     why += f" with eps = {eps}" if eps is not None else ""
     why += f" and a row variance of {var:.3g}" if var is not None else ""
+    if o.get("statistic") and o.get("normalizes"):
+        why += " (a hand-written normalization, read from what it computes: "
+        why += f"the {o['statistic']} of the very tensor it scales)"
+    if isinstance(o.get("group_elements"), int) and o["group_elements"] <= 1:
+        why += f"; each group holds {o['group_elements']} element, so its variance is 0 by construction"
     fixes = [
         f"{name} eps is {eps}; use >= {floor:g} (PyTorch's default; {dtype} {facts.eps_reason if facts else ''})"
         if eps is not None
@@ -336,13 +387,28 @@ def zero_variance(ev: Evidence) -> Verdict | None:
     return Verdict("norm.zero_variance", why, fixes)
 
 
+def _normalization_hint(ev: Evidence) -> Verdict | None:
+    """A division that normalizes a tensor by its own norm (F.normalize, cosine similarity, weight
+    norm, spectral norm, a std over one sample): the normalization layer's failure as a second cause."""
+    o = _origin(ev)
+    if not o.get("normalizes") or o.get("statistic") not in (*_VARIANCES, "L2 norm", "spectral norm"):
+        return None
+    why = f"{_where(o)} divides a tensor by its own {o['statistic']} with no eps: a normalization whose"
+    why += " statistic is 0 (a zero row, a zero weight, one element) leaves 0/0"
+    return Verdict("norm.zero_variance", why)
+
+
 _LOG_OPS = ("log", "log2", "log10", "log_", "log2_", "log10_")
+# User-level ops that take a log of a determinant: NaN for a negative one, -inf for a singular matrix.
+_LOGDET_OPS = ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet")
 
 
 def log_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node = _short(o.get("op")), str(o.get("node") or "")
     in_log = op in _LOG_OPS or _node_op(node) in _LOG_OPS
+    if op in _LOGDET_OPS and not node:
+        return _log_determinant(o)
     if not in_log:
         return None
     x = _first_input(o)
@@ -357,13 +423,35 @@ def log_domain(ev: Evidence) -> Verdict | None:
     return Verdict("op.log_domain", why, fixes)
 
 
+def _log_determinant(o: dict[str, Any]) -> Verdict:
+    """logdet of a matrix whose determinant is negative is NaN by definition (torch returns NaN
+    through an internal where), and of a singular one -inf: the log's domain, not a write."""
+    negative, zero = o.get("negative_determinants"), o.get("zero_determinants")
+    user = o.get("user_op") or _short(o.get("op"))
+    why = f"{user} in {_where(o)} ({o.get('phase')})"
+    if negative:
+        why += f" got {negative} of {o.get('matrices')} matrices with a negative determinant: the log of a negative"
+        why += f" number, which torch returns as {o.get('returned', 'nan')} by definition"
+    elif zero:
+        why += f" got {zero} singular matrices: log(0) = -inf"
+    else:
+        why += " took the log of a determinant outside its domain"
+    fixes = [
+        "use torch.linalg.slogdet(W).logabsdet when only |det| matters (the log-Jacobian of a flow's 1x1 "
+        "convolution): a negative determinant is fine there",
+        "parametrize W so its determinant cannot change sign: W = P L (U + diag(s)) with s = exp(log_s) "
+        "(Glow's LU form)",
+    ]
+    return Verdict("op.log_domain", why, fixes)
+
+
 def sqrt_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node = _short(o.get("op")), str(o.get("node") or "")
     forward = op in ("sqrt", "rsqrt", "pow", "sqrt_", "rsqrt_") and o.get("phase") == "forward"
-    # An Inf from pow (or rsqrt) of finite values with no negative base is an overflow or a
-    # division by zero, not a domain error.
-    if forward and op == "pow" and (ev.get("kind") != "nan" or not _first_input(o).get("negative")):
+    # An Inf from pow or rsqrt of finite values with no negative base is an overflow or a
+    # division by zero (rsqrt(0) = 1/sqrt(0)), not a domain error.
+    if forward and (not _first_input(o).get("negative") or (op == "pow" and ev.get("kind") != "nan")):
         forward = False
     backward = any(node.startswith(n) for n in ("SqrtBackward", "RsqrtBackward", "PowBackward"))
     if not (forward or backward):
@@ -403,10 +491,15 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
     count, correction = o.get("reduced_elements"), o.get("correction")
     if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
         return _too_few(o, count, correction)
-    if op not in ("div", "div_", "reciprocal", "true_divide") and not node.startswith("DivBackward"):
+    if (composite := _composite_zero(o)) is not None:
+        return composite
+    if (root := _root_of_zero(ev, o)) is not None:
+        return root
+    if op not in _DIVISIONS and not node.startswith("DivBackward"):
         return None
     inputs = o.get("inputs") or []
-    denom = inputs[1] if op != "reciprocal" and len(inputs) > 1 else inputs[0] if inputs else {}
+    at = _DIVISIONS.get(op, 1)
+    denom = inputs[at] if len(inputs) > at else inputs[0] if inputs else {}
     zeros = denom.get("zeros", 0) if denom else 0
     if not zeros and not node:
         return None
@@ -416,6 +509,53 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
     fixes = [
         "clamp the denominator: x.sum() / mask.sum().clamp_min(1) for a masked mean",
         "or add an eps: x / (d + 1e-8)",
+    ]
+    return Verdict("op.division_by_zero", why, fixes)
+
+
+# Ops that divide, by the position of their denominator among the tensor inputs.
+_DIVISIONS = {"div": 1, "div_": 1, "true_divide": 1, "reciprocal": 0, "addcdiv": 2, "addcdiv_": 2}
+
+
+def _composite_zero(o: dict[str, Any]) -> Verdict | None:
+    """A composite op that divides inside (weight_norm by ||v||, a class-weighted nll_loss by the
+    targets' total weight) with a denominator of 0: the tracer's ``denominator`` says which."""
+    denom = o.get("denominator") or {}
+    if not denom.get("zeros") or o.get("category") != "op":
+        return None
+    why = f"{o.get('op')} in {_where(o)} divides by {denom.get('what', 'a denominator')}, which is 0"
+    if "size" in denom:
+        why = why.removesuffix("which is 0") + f"which is 0 for {denom['zeros']} of {denom['size']}"
+    if o.get("composite") == "weight_norm":
+        fixes = [
+            "do not zero-initialize a weight under weight_norm: w = g * v / ||v|| is 0/0; initialize v "
+            "randomly and set g to 0 instead (or apply weight_norm after a non-zero init)",
+            "use torch.nn.utils.parametrizations.weight_norm on a non-zero weight, or drop weight_norm on that layer",
+        ]
+    else:
+        weights = o.get("class_weights") or {}
+        why += f": every class weight is 0 ({weights.get('classes')} classes)" if weights.get("sum") == 0 else ""
+        fixes = [
+            "give the classes non-zero weights (weight= of the loss), or use reduction='sum' divided by "
+            "max(total weight, eps)",
+            "check how the class weights were computed: a frequency of 0, or a weight tensor zeroed on its way "
+            "to the device",
+        ]
+    return Verdict("op.division_by_zero", why, fixes)
+
+
+def _root_of_zero(ev: Evidence, o: dict[str, Any]) -> Verdict | None:
+    """rsqrt of an exact zero is 1/sqrt(0): a division by zero, not the root of a negative value."""
+    op = _short(o.get("op"))
+    x = _first_input(o)
+    if op not in ("rsqrt", "rsqrt_") or ev.get("kind") != "inf" or x.get("negative") or not x.get("zeros"):
+        return None
+    why = f"{o.get('op')} in {_where(o)} got {x.get('zeros')} exact zeros: rsqrt(0) = 1/sqrt(0) divides by zero"
+    if o.get("statistic"):
+        why += f" (a {o['statistic']} of 0)"
+    fixes = [
+        "add an eps inside the root: torch.rsqrt(x + eps), with eps >= 1e-6 (the dtype's floor)",
+        "a zero row (padding, a zero embedding) has a zero mean of squares: the eps must cover it",
     ]
     return Verdict("op.division_by_zero", why, fixes)
 
@@ -533,7 +673,7 @@ RULES: list[Callable[[Evidence], Verdict | None]] = [
     nan_write,
 ]
 # Rules that never name the cause, only add a secondary one to ``also``.
-HINTS: list[Callable[[Evidence], Verdict | None]] = [_weight_scale_hint]
+HINTS: list[Callable[[Evidence], Verdict | None]] = [_weight_scale_hint, _normalization_hint]
 
 
 def diagnose(evidence: Evidence) -> Verdict:
@@ -607,9 +747,17 @@ def _update_fixes(hp: Mapping[str, Any]) -> list[str]:
 
 
 def transient_fault(
-    *, step: int, loss: float, grad_norm: float, flagged_ranks: list[int], located: bool, distributed: bool
+    *,
+    step: int,
+    loss: float,
+    grad_norm: float,
+    flagged_ranks: list[int],
+    located: bool,
+    distributed: bool,
+    attempted: bool = False,
 ) -> Diagnosis:
-    """A step went non-finite but no rank's replay reproduces it (or no replay ran: ``located`` False).
+    """A step went non-finite but no rank's replay reproduces it (or no replay finished: ``located``
+    False; ``attempted`` says whether one was started, so the text says why there is none).
 
     ``distributed.transient`` needs torch.distributed; a single process whose replay is finite
     gets ``step.not_reproduced``, which claims no distribution; without a replay it is ``unknown``.
@@ -623,6 +771,8 @@ def transient_fault(
         why = "the step went non-finite, but replaying it from the same RNG state and parameters"
         why += " on every rank gives finite values" if distributed else " gives finite values"
         cause = "distributed.transient" if distributed else "step.not_reproduced"
+    elif attempted:
+        why, cause = "the step went non-finite, and its replay failed (see nanguard's warning)", "unknown"
     else:
         why, cause = "the step went non-finite (locate is off, so no replay was run)", "unknown"
     fixes = [

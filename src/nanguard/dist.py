@@ -25,6 +25,7 @@ from nanguard.findings import Diagnosis
 from nanguard.stats import local
 
 __all__ = [
+    "STEP_PERIOD",
     "CommWatch",
     "ReplicaCheck",
     "WireOverflow",
@@ -39,6 +40,7 @@ __all__ = [
     "rank_or_none",
     "replay_locally",
     "replica_mismatch",
+    "step_slot",
     "unwrap",
     "watch_communication",
     "world_size",
@@ -66,24 +68,41 @@ def rank_or_none() -> int | None:
     return rank() if _initialized() else None
 
 
-def agree(code: torch.Tensor, loss: torch.Tensor, grad_sq: torch.Tensor, *, sharded: bool = False) -> torch.Tensor:
-    """One all-reduce that gives every rank the same view of the step, as a float32 device tensor:
-    ``[code of rank 0, ..., code of rank W-1, mean loss, global grad norm]``.
+STEP_PERIOD = 2**24 - 1
+"""Step slots hold ``step % STEP_PERIOD + 1``: exact in float32, and 0 for a rank that takes no step."""
 
-    Each rank writes its own code slot (small ints, exact in float32), so all ranks learn
-    *which* ranks flagged; the loss is averaged and the squared grad norm summed (over shards
-    for FSDP2; over identical replicas under DDP, hence divided back). World_size + 2 floats.
+
+def step_slot(step: int | None) -> float:
+    """The value a rank writes into its step slot of the agreement (0.0: it takes no step, as a joined rank)."""
+    return 0.0 if step is None else float(step % STEP_PERIOD + 1)
+
+
+def agree(
+    code: torch.Tensor, loss: torch.Tensor, grad_sq: torch.Tensor, *, sharded: bool = False, step: int | None = 0
+) -> torch.Tensor:
+    """One all-reduce that gives every rank the same view of the step, as a float32 device tensor:
+    ``[code of rank 0, ..., code of rank W-1, mean loss, global grad norm, step slot of rank 0, ...,
+    step slot of rank W-1]``.
+
+    Each rank writes its own code and step slot (small ints, exact in float32; see ``step_slot``), so
+    all ranks learn *which* ranks flagged and where each rank's loop is; the loss is averaged and the
+    squared grad norm summed (over shards for FSDP2; over identical replicas under DDP, hence divided
+    back), both over the ranks that take a step (``step`` None: a rank that has joined under DDP's
+    ``join()`` and only shadows the collectives). 2 x world_size + 2 floats.
     """
     world = world_size()
-    vec = torch.zeros(world + 2, dtype=torch.float32, device=loss.device)
-    vec[rank() if world > 1 else 0] = code.float()
+    vec = torch.zeros(2 * world + 2, dtype=torch.float32, device=loss.device)
+    me = rank() if world > 1 else 0
+    vec[me] = code.float()
     vec[world] = loss.float()
     vec[world + 1] = grad_sq.float()
+    vec[world + 2 + me] = step_slot(step)
     if world > 1:
         tdist.all_reduce(vec)
-        vec[world] = vec[world] / world
+        stepping = (vec[world + 2 :] > 0).sum().clamp_min(1).float()
+        vec[world] = vec[world] / stepping
         if not sharded:
-            vec[world + 1] = vec[world + 1] / world
+            vec[world + 1] = vec[world + 1] / stepping
     vec[world + 1] = vec[world + 1].sqrt()
     return vec
 
@@ -124,7 +143,7 @@ class CommWatch:
     @contextlib.contextmanager
     def ride(self, extras: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
         """While open, the step's last gradient bucket may carry ``extras(pre_comm_flag)`` (float32,
-        ``world_size + 2`` values) in its own all-reduce; ``carried`` then returns their sum."""
+        ``2 * world_size + 2`` values) in its own all-reduce; ``carried`` then returns their sum."""
         yield
 
     def carried(self) -> torch.Tensor | None:
@@ -178,6 +197,9 @@ class DDPCommWatch(CommWatch):
         self._extras: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._carried: torch.Tensor | None = None
         self._received: list[torch.Tensor] = []  # appended by the futures' callbacks
+        self._ddp = weakref.ref(ddp)
+        self.shadowing: Callable[[], torch.Tensor] | None = None
+        """Set while a joined rank's DDP join hook shadows a backward: the extras its last bucket sends."""
         group = (state if state is not None else tdist.group.WORLD) if hook is _default_hook() else None
         same_slots = group is not None and group.size() == world_size() and tdist.get_rank(group) == rank()
         self.rides = same_slots  # the extras' slots are indexed by global rank
@@ -185,7 +207,10 @@ class DDPCommWatch(CommWatch):
         # destroy_process_group() and be torn down with the interpreter.
         self._group = None if group is None or group == tdist.group.WORLD else group
         self._size = group.size() if group is not None else 1
-        inner = hook
+        # DDP's built-in all-reduce (no hook) scales each bucket by 1 / world before sending; torch's
+        # Python ``allreduce_hook`` divides instead, which rounds differently when the world is not a
+        # power of two: the guard sends as the built-in does, so a guarded run equals an unguarded one.
+        inner = self._builtin if hook is _default_hook() else hook
 
         # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
         def watched(state, bucket):
@@ -199,20 +224,37 @@ class DDPCommWatch(CommWatch):
             if self.wire is not None:
                 names = [self._names.get(id(p), "?") for p in bucket.parameters()]
                 self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
+            last = self.rides and bucket.is_last() and _exact(buffer)
+            if self.shadowing is not None:  # a joined rank's zero buckets, shadowing the others' backward
+                return self._ride(buffer, self.shadowing(), keep=True) if last else self._relay(inner(state, bucket))
             if self._extras is None or not self.rides:
+                if last and self._join_enabled():
+                    # Under join() the last bucket always has the extras' room: a joined rank's shadow
+                    # cannot know whether the others ride, so they always make room.
+                    return self._ride(buffer, buffer.new_zeros(2 * world_size() + 2), keep=False)
                 return inner(state, bucket)
-            if bucket.is_last() and _exact(buffer):
-                return self._ride(buffer, self._extras(~torch.isfinite(self._acc)))
-            return inner(state, bucket).then(self._receive)
+            if last:
+                return self._ride(buffer, self._extras(~torch.isfinite(self._acc)), keep=True)
+            return self._relay(inner(state, bucket))
 
         watched.__qualname__ = f"nanguard_watch({self.hook_name})"
         ddp.register_comm_hook(state, watched)
         _WATCHES[ddp] = self
 
-    def _ride(self, buffer: torch.Tensor, extras: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def _builtin(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / self._size)
+        fut = tdist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+        return fut.then(lambda done: done.value()[0])
+
+    def _join_enabled(self) -> bool:
+        ddp = self._ddp()
+        return ddp is not None and compat.ddp_join_enabled(ddp)
+
+    def _ride(self, buffer: torch.Tensor, extras: torch.Tensor, *, keep: bool) -> torch.futures.Future[torch.Tensor]:
         n = buffer.numel()
         payload = buffer.new_empty(n + extras.numel())
-        torch.div(buffer, self._size, out=payload[:n])  # averaged first, as DDP's own hook does
+        torch.mul(buffer, 1.0 / self._size, out=payload[:n])  # averaged first, as DDP's built-in does
         payload[n:] = extras
         fut = tdist.all_reduce(payload, group=self._group, async_op=True).get_future()
 
@@ -220,10 +262,14 @@ class DDPCommWatch(CommWatch):
             out = done.value()[0]
             buffer.copy_(out[:n])
             self._received.append(buffer.sum(dtype=torch.float32))
-            self._carried = out[n:].float()
+            if keep:
+                self._carried = out[n:].float()
             return buffer
 
         return fut.then(unpack)
+
+    def _relay(self, sent: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+        return sent.then(self._receive)
 
     def _receive(self, done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         out = done.value()
@@ -414,7 +460,8 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
         if watch is not None:
             watch.local = True
         try:
-            with model.no_sync(), _local_collectives():
+            paused = compat.ddp_sync_pinned_off(model), compat.ddp_join_paused(model)
+            with model.no_sync(), paused[0], paused[1], _local_collectives():
                 yield
         finally:
             if watch is not None:
@@ -542,12 +589,16 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def gather_diagnosis(diag: Diagnosis | None, flagged: list[int]) -> Diagnosis | None:
+def gather_diagnosis(
+    diag: Diagnosis | None, flagged: list[int], choose: Callable[[dict[int, Diagnosis], list[int]], Any] | None = None
+) -> Diagnosis | None:
     """Combine each rank's local replay into one diagnosis every rank agrees on.
 
     ``rank`` is the originating rank: the first rank whose own replay reproduces the fault,
     preferring ranks that flagged it; ``ranks`` are all ranks that reproduce it. None when
-    no rank reproduces it (a transient fault).
+    no rank reproduces it (a transient fault). ``choose(per_rank, flagged)`` may pick instead,
+    for ranks that replayed communicating: a result with ``rank`` and ``ranks`` (``rank`` None:
+    no rank made it), or None to leave the choice to the rule above.
     """
     if not is_distributed():
         return diag
@@ -558,7 +609,14 @@ def gather_diagnosis(diag: Diagnosis | None, flagged: list[int]) -> Diagnosis | 
         return None
     reproducing = sorted(local)
     origin = next((r for r in reproducing if r in flagged), reproducing[0])
+    picked = choose(local, flagged) if choose is not None else None
+    if picked is not None:
+        if picked.rank is None:
+            return None
+        origin, reproducing = picked.rank, picked.ranks
     chosen = local[origin]
+    if picked is not None:
+        chosen.evidence["received_ranks"] = [r for r in sorted(local) if r not in picked.ranks]
     chosen.rank = origin
     chosen.ranks = reproducing
     chosen.evidence["flagged_ranks"] = flagged

@@ -24,9 +24,10 @@ __all__ = [
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2), else ``t``: health checks never communicate."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    """This rank's shard of a DTensor (FSDP2, tensor parallel), else ``t``: health checks never
+    communicate."""
+    inner = compat.inner_tensor(t) if hasattr(t, "_local_tensor") else None
+    return inner if inner is not None else t
 
 
 def is_float(t: object) -> bool:

@@ -172,6 +172,17 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         rows.append(("module", f"{diag.module or '<root>'}" + (f" ({mtype})" if mtype else "")))
     if diag.op:
         rows.append(("op", diag.op))
+    if origin.get("user_op"):
+        inner = f", where {origin['internal_op']} made it" if origin.get("internal_op") else ""
+        rows.append(("inside", f"torch's implementation of {origin['user_op']}{inner}"))
+    if origin.get("gradient_surgery"):
+        read = ", ".join(str(g) for g in origin.get("gradients_of") or [])
+        surgery = "an op on .grad after backward(), before the optimizer step"
+        rows.append(("gradients", surgery + (f": {read}" if read else "")))
+    raised = (diag.evidence or {}).get("exception")
+    if isinstance(raised, Mapping):
+        at = f" at {raised['raised_at']}" if raised.get("raised_at") else ""
+        rows.append(("raised", f"{raised.get('type')}: {raised.get('message', '')}{at}"))
     if origin.get("node"):
         fwd = origin.get("forward_op")
         rows.append(("autograd", origin["node"] + (f" (backward of {fwd})" if fwd else "")))
@@ -283,10 +294,22 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if ev.get("flagged_ranks") is not None:
         flagged = ", ".join(str(r) for r in ev["flagged_ranks"]) or "none"
         text = f"non-finite after the step on rank(s) {flagged}"
-        if diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
+        received = ev.get("received_ranks")
+        if diag.ranks and isinstance(received, list):  # the ranks replayed together, communicating
+            text += f"; made by the own compute of rank(s) {', '.join(str(r) for r in diag.ranks)}"
+            if received:
+                text += f", it reached rank(s) {', '.join(str(r) for r in received)} through communication"
+        elif diag.ranks and "per_rank_causes" in ev:  # written only when some rank's replay reproduced it
             text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
         lines.append(("ranks", text))
+    stage = ev.get("stage")
+    if isinstance(stage, Mapping) and stage.get("index") is not None:
+        created = stage.get("created")
+        made = f": in {created} it received finite values, sent non-finite ones" if created else ""
+        lines.append(("stage", f"pipeline stage {stage['index']} of {stage.get('stages', '?')}{made}"))
     causes = ev.get("per_rank_causes")
+    if isinstance(causes, Mapping) and isinstance(ev.get("received_ranks"), list):
+        causes = {r: "received" if int(r) in ev["received_ranks"] else c for r, c in causes.items()}
     if isinstance(causes, Mapping) and len(set(causes.values())) > 1:
         lines.append(("per rank", ", ".join(f"rank {r}: {c}" for r, c in causes.items())))
     results = ev.get("results")
@@ -307,6 +330,13 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
         divisor = fmt(count - correction)
         lines.append(("reduced", f"{count} element(s), correction {fmt(correction)}: divides by {divisor}"))
+    denom = origin.get("denominator")
+    if isinstance(denom, Mapping) and denom.get("what"):
+        zeros = f"{denom.get('zeros')} of {denom['size']} are 0" if "size" in denom else f"{fmt(denom.get('value'))}"
+        lines.append(("denominator", f"{denom['what']}: {zeros}"))
+    if origin.get("statistic") and origin.get("normalizes"):
+        own = f"divides a tensor by its own {origin['statistic']} (read from the autograd graph)"
+        lines.append(("normalizes", own))
     for other in diag.also or []:
         if isinstance(other, Mapping):
             lines.append(("also", f"{other.get('cause')}: {other.get('why', '')}"))

@@ -26,12 +26,13 @@ from torch import nn
 
 from nanguard import compat, dist, environ
 from nanguard.diagnose import loss_scale_collapse, replica_divergence
-from nanguard.errors import NonFiniteError
+from nanguard.errors import NonFiniteError, OutOfStepError
 from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
+from nanguard.guard.join import in_join, install, telling_joined
 from nanguard.guard.policy import STEP, Action, Policy, Verdict
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
@@ -42,6 +43,7 @@ from nanguard.guard.wrapped import guard_scaler, scaled_optimizer, scaler_step
 from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
+from nanguard.tracer import error_origin
 
 __all__ = ["Guard"]
 
@@ -73,7 +75,9 @@ class Guard:
 
     After a rollback, the next ``rollback_skip_batches`` calls to ``step`` drop their batch
     without running the closure and return None; ``guard.last_action`` is then
-    ``"drop_batch"``, so the loop knows which batches were skipped.
+    ``"drop_batch"``, so the loop knows which batches were skipped. ``guard.last_grad_norm``
+    is the latest checked step's gradient norm, across ranks and before clipping (what a loop
+    logs); NaN or Inf on a step that tripped, None before the first.
 
     Pass ``batch=`` to ``step``: a trip's replay names the input that held the bad values
     (``batch['pixel_values']``), a repro bundle stores it, and ``check_batch=True`` audits
@@ -98,12 +102,7 @@ class Guard:
         inject: str | list[Fault] | None = None,
         **config: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
-        _check_parts(scaler, scheduler)
+        scaler = _check_parts(model, optimizer, scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
@@ -111,10 +110,10 @@ class Guard:
         self.optimizer = optimizer
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
-        self.rank = dist.rank()
-        self.step_count = 0
+        self.rank, self.step_count, self._calls = dist.rank(), 0, 0
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
+        self.last_grad_norm: float | None = None  # documented on the class: across ranks, before clipping
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
                                   param_check_every=c.param_check_every)  # fmt: skip
@@ -143,6 +142,7 @@ class Guard:
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
         if c.policy in ("rollback", "auto"):
             self.recovery.take_snapshot(self.step_count)
+        install(self)  # DDP join(): a rank out of batches shadows the guard's collectives
 
     # Counters owned by the parts, read where users always found them.
     skipped = property(lambda self: self.recovery.skipped, doc="How many steps were skipped.")
@@ -166,6 +166,7 @@ class Guard:
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
             return self._plain_step(closure)
+        self._calls += 1
         self._settle()
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
@@ -174,7 +175,7 @@ class Guard:
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
         try:
-            with self._undo_on_error(rng):
+            with _name_the_origin(self, closure, rng), self._undo_on_error(rng):
                 loss, value = self._forward_backward(closure)
                 verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
                 if verdict is None:
@@ -232,6 +233,7 @@ class Guard:
         value = _check_args(loss, replay, rng)
         if self.disabled:
             return True
+        self._calls += 1
         self._settle()
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
@@ -258,9 +260,10 @@ class Guard:
         good_steps = self.recovery.good_step()
         self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
         every = self.config.fingerprint_every
-        if every and good_steps % every == 0 and dist.is_distributed():
+        # A rank that joined (DDP join(), out of batches) cannot shadow the fingerprint gather.
+        if every and good_steps % every == 0 and dist.is_distributed() and not h.joined:
             self._check_replicas(h.step)
-        self.recovery.snapshot_if_due(self.step_count, h.loss, self.history.growing)
+        self.recovery.snapshot_if_due(self.step_count, h.loss, self.history.growing, joined=bool(h.joined))
         self.last_action = "step"
         if h.step % self.config.log_every == 0:
             self.recorder.step(h.step, loss=h.own_loss, grad_norm=h.grad_norm, scale=h.scale, skipped=False)
@@ -285,7 +288,8 @@ class Guard:
         if not device_step and self.health.alone:
             return self._verdict(self.health.read_alone(value, step), replay, batch, rng, restore_buffers)
         measured = self.health.measure(value)
-        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried())
+        # The step index the ranks agree on: this rank's Guard.step/check calls, undone by nothing.
+        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried(), step=self._calls - 1)
         if device_step:
             copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
@@ -302,13 +306,18 @@ class Guard:
         """What a read step is: a bad update, a GradScaler overflow, a trip (replayed and
         diagnosed), a spike, or healthy."""
         step = h.step
-        if params_bad := h.ranks_with(HealthFlag.PARAMS):
+        self.last_grad_norm = h.grad_norm
+        if h.out_of_step:
+            raise OutOfStepError(h.out_of_step)
+        kind = h.trip_kind(scaled=self.scaler is not None)  # the branch a joined rank's shadow takes too
+        if kind == "params":
+            params_bad = h.ranks_with(HealthFlag.PARAMS)
             self.recovery.abandon(restore_buffers, rng)
             diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
             return Verdict("trip", step - 1, h, diagnosis=diag)
-        if self.scaler is not None and not math.isfinite(h.grad_norm) and not h.bad_ranks:
+        if kind == "overflow":
             return self._overflowed(h)
-        if h.bad_ranks or h.synced_bad:
+        if kind == "trip":
             return self._tripped(h, replay, batch, rng, restore_buffers)
         spikes = self._watch_trends(step, h)
         return Verdict("spike", step, h, spikes=spikes) if spikes else Verdict("healthy", step, h)
@@ -371,8 +380,8 @@ class Guard:
     def _bad_batch(self, batch: Any) -> bool:
         """check_batch before the forward. Ranks agree first: under DDP one rank cannot skip
         its forward and backward while the others all-reduce gradients."""
-        if not self.config.check_batch:
-            return False
+        if not self.config.check_batch or in_join(self.model):
+            return False  # under DDP join() a rank out of batches could not take part in the agreement
         diag = self.diagnoser.rejected_batch(batch, self.step_count) if batch is not None else None
         flagged = dist.agree_flag(diag is not None)
         if not flagged:
@@ -395,7 +404,15 @@ class Guard:
 
     # -- decide and apply ----------------------------------------------------------------
     def _act(self, verdict: Verdict, batch: Any, rng: Rng | None, *, restore_buffers: bool) -> bool:
-        """The policy's action for ``verdict``, applied; True when the update goes ahead."""
+        """The policy's action for ``verdict``, applied; True when the update goes ahead. On a trip
+        while a rank has joined (DDP join()), that rank learns whether the policy stopped the run."""
+        h = verdict.health
+        if verdict.kind != "trip" or h is None or not h.joined:
+            return self._apply(verdict, batch, rng, restore_buffers=restore_buffers)
+        with telling_joined(h, verdict.step):
+            return self._apply(verdict, batch, rng, restore_buffers=restore_buffers)
+
+    def _apply(self, verdict: Verdict, batch: Any, rng: Rng | None, *, restore_buffers: bool) -> bool:
         if verdict.diagnosis is not None:
             self.last_diagnosis = verdict.diagnosis
         action = self.policy.decide(verdict, self._state)
@@ -518,7 +535,8 @@ class Guard:
     def _run_closure(self, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
         """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
         try:
-            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count), self.health.riding():
+            riding = self.health.riding(self._calls - 1)
+            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count), riding:
                 loss = closure()
             return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
         except (IndexError, RuntimeError) as err:
@@ -676,6 +694,22 @@ def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any
     return config.sync == "deferred" or (config.sync == "auto" and fits and bool(cuda))
 
 
+@contextlib.contextmanager
+def _name_the_origin(guard: Guard, closure: Callable[[], Any], rng: dict[str, torch.Tensor]) -> Iterator[None]:
+    """A closure that raised after making NaN/Inf (a distribution's validate_args, multinomial)
+    still raises, unchanged but for one note naming the origin, found by a replay after the undo.
+    Single process only: a replay on the one rank that raised could wait on the others."""
+    try:
+        yield
+    except Exception as err:
+        if guard.config.locate and not isinstance(err, NonFiniteError) and not dist.is_distributed():
+            note = error_origin(closure, err, model=dist.unwrap(guard.model))
+            guard.recovery.undo(rng, unscaled=False)  # the replay ran the closure again
+            if note is not None:
+                err.add_note(note)
+        raise
+
+
 def _check_args(loss: Any, replay: Any, rng: Any) -> Any:
     """``check()``'s arguments; returns the loss as the health check reads it."""
     if replay is not None and not callable(replay):
@@ -702,13 +736,20 @@ def _check_state(state: Any, config: GuardConfig) -> None:
         raise ValueError(f"cannot load the guard state (history or last_diagnosis): {err!r}") from None
 
 
-def _check_parts(scaler: Any, scheduler: Any) -> None:
+def _check_parts(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> Any:
+    """The Guard's parts checked (a ValueError names the wrong one); returns the scaler to use."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
     for obj, name, methods in [
         (scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict")),
         (scheduler, "scheduler", ("step", "state_dict", "load_state_dict")),
     ]:
         if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
             raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
+    return scaler
 
 
 def _loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:

@@ -37,6 +37,8 @@ class HealthFlag(IntFlag):
     """The gradients it holds now (after any all-reduce) are non-finite."""
     WIRE = 8
     """Its own gradients were finite, but overflowed the comm hook's wire dtype (float16 compression)."""
+    JOINED = 16
+    """It ran out of inputs inside DDP's ``join()``: it takes no step and only shadows the others' collectives."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,22 @@ class StepHealth:
     own_loss: float
     """This rank's own loss: its event log keeps this rank's curve."""
     rank_flags: tuple[HealthFlag, ...]
+    rank_steps: tuple[int, ...] = ()
+    """Each rank's step slot (``dist.step_slot``: its guard call index + 1, 0 when it takes no step)."""
 
     def ranks_with(self, flag: HealthFlag) -> list[int]:
         return [r for r, f in enumerate(self.rank_flags) if f & flag]
+
+    @property
+    def joined(self) -> list[int]:
+        """Ranks that ran out of inputs inside DDP's ``join()`` and only shadow this step."""
+        return self.ranks_with(HealthFlag.JOINED)
+
+    @property
+    def out_of_step(self) -> dict[int, int]:
+        """Each stepping rank's guard call index, when they differ (ranks out of step); else {}."""
+        steps = {r: s - 1 for r, s in enumerate(self.rank_steps) if s > 0}
+        return steps if len(set(steps.values())) > 1 else {}
 
     @property
     def bad_ranks(self) -> list[int]:
@@ -72,6 +87,18 @@ class StepHealth:
     @property
     def synced_bad(self) -> bool:
         return any(f & HealthFlag.SYNCED for f in self.rank_flags)
+
+    def trip_kind(self, *, scaled: bool) -> str | None:
+        """The branch the guard's decision takes, alike on every rank: ``"params"`` (the last update
+        left non-finite parameters), ``"overflow"`` (a GradScaler overflow), ``"trip"`` (a non-finite
+        step to replay), or None (finite: step, unless a spike says skip)."""
+        if self.ranks_with(HealthFlag.PARAMS):
+            return "params"
+        if scaled and not math.isfinite(self.grad_norm) and not self.bad_ranks:
+            return "overflow"
+        if self.bad_ranks or self.synced_bad:
+            return "trip"
+        return None
 
 
 @dataclass(frozen=True)
@@ -84,7 +111,7 @@ class DeviceHealth:
     flags: torch.Tensor
     """int32 ``HealthFlag`` bits of this rank."""
 
-    def agree(self, *, sharded: bool, carried: torch.Tensor | None = None) -> torch.Tensor:
+    def agree(self, *, sharded: bool, carried: torch.Tensor | None = None, step: int | None = 0) -> torch.Tensor:
         """Every rank's flags, the mean loss, the global grad norm: from ``carried`` (what rode in
         the gradient all-reduce, from ``HealthCheck.carried``) when given, else by one collective.
 
@@ -94,28 +121,31 @@ class DeviceHealth:
         parameter check, which rides too).
         """
         if carried is None:
-            return dist.agree(self.flags, self.loss, self.grad_norm * self.grad_norm, sharded=sharded)
+            return dist.agree(self.flags, self.loss, self.grad_norm * self.grad_norm, sharded=sharded, step=step)
         world = dist.world_size()
         mean_loss = carried[world] / carried[world + 1].clamp_min(1)  # over the ranks whose loss was known
-        return torch.cat([carried[:world], torch.stack([mean_loss, self.grad_norm.float().to(carried.device)])])
+        norm = self.grad_norm.float().to(carried.device)
+        return torch.cat([carried[:world], torch.stack([mean_loss, norm]), carried[world + 2 :]])
 
     @staticmethod
     def found_inf(agreed: torch.Tensor) -> torch.Tensor:
         """A device float, nonzero when any rank flagged: what a fused optimizer skips on."""
-        return (agreed[: dist.world_size()].amax() > 0).float()
+        return (torch.remainder(agreed[: dist.world_size()], float(HealthFlag.JOINED)).amax() > 0).float()
 
     def read(self, step: int, agreed: torch.Tensor, *, scaled: bool) -> StepHealth:
         world = dist.world_size()
         extra = torch.stack([self.scale.float(), self.loss.float(), self.grad_norm.float()]).to(agreed.device)
         values: list[float] = torch.cat([agreed, extra]).tolist()  # the one host read of this step
+        own = 2 * world + 2  # this rank's own scale, loss and grad norm follow the agreement
         return StepHealth(
             step=step,
             loss=values[world],
             # One process reads its own norm: the agreement squares it in float32, past 1.8e19 an overflow.
-            grad_norm=values[world + 1] if world > 1 else values[world + 4],
-            scale=values[world + 2] if scaled else None,
-            own_loss=values[world + 3],
+            grad_norm=values[world + 1] if world > 1 else values[own + 2],
+            scale=values[own] if scaled else None,
+            own_loss=values[own + 1],
             rank_flags=tuple(HealthFlag(int(c)) for c in values[:world]),
+            rank_steps=tuple(int(s) for s in values[world + 2 : own]) if world > 1 else (),
         )
 
 
@@ -249,28 +279,32 @@ class HealthCheck:
                     return total_norm(groups) if groups else None
                 except (RuntimeError, NotImplementedError):
                     self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
-            groups = float_groups(p.grad for p in self.params if p.grad is not None)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if dist.is_distributed() and any(local(g) is not g for g in grads):
+                return _placed_norm(grads)
+            groups = float_groups(grads)
             return total_norm(groups) if groups else None
 
     @contextlib.contextmanager
-    def riding(self) -> Iterator[None]:
+    def riding(self, step: int = 0) -> Iterator[None]:
         """Around ``Guard.step``'s closure: the flags and the loss ride in DDP's gradient all-reduce.
 
         The loss is the sum of the tensors ``backward`` was called on (micro-batches summed,
         divided by the GradScaler's scale, a power of two, so exactly), known before the last
         bucket is sent; the closure's return value stays this rank's own loss. Each rank sends
-        ``[one-hot code slot x world, loss, 1 if its loss was known]``: LOCAL covers its own
-        gradients before averaging and its loss's finiteness, PARAMS the last update.
+        ``[one-hot code slot x world, loss, 1 if its loss was known, one-hot step slot x world]``:
+        LOCAL covers its own gradients before averaging and its loss's finiteness, PARAMS the last
+        update; the step slot holds ``dist.step_slot(step)``.
         """
         if not self.comm.rides:
             yield
             return
-        with dist.backward_roots() as roots, self.comm.ride(lambda pre_comm: self._extras(pre_comm, roots)):
+        with dist.backward_roots() as roots, self.comm.ride(lambda pre_comm: self._extras(pre_comm, roots, step)):
             yield
 
     def carried(self) -> torch.Tensor | None:
         """What rode in this step's gradient all-reduce as ``[code x world, loss sum, ranks with a
-        known loss]``, SYNCED set on every rank's code when an averaged bucket was non-finite
+        known loss, step slot x world]``, SYNCED set on every rank's code when an averaged bucket was non-finite
         (without a GradScaler, whose business overflowing gradients are); None when nothing rode."""
         raw = self.comm.carried()
         if raw is None:
@@ -278,10 +312,10 @@ class HealthCheck:
         world = dist.world_size()
         codes = raw[:world].to(torch.int32)
         if self.scaler is None:
-            codes = codes | (raw[world + 2] > 0).to(torch.int32) * HealthFlag.SYNCED
-        return torch.cat([codes.float(), raw[world : world + 2]])
+            codes = codes | (raw[-1] > 0).to(torch.int32) * HealthFlag.SYNCED
+        return torch.cat([codes.float(), raw[world:-1]])
 
-    def _extras(self, pre_comm: torch.Tensor, roots: list[torch.Tensor]) -> torch.Tensor:
+    def _extras(self, pre_comm: torch.Tensor, roots: list[torch.Tensor], step: int) -> torch.Tensor:
         device, world = pre_comm.device, dist.world_size()
         known = bool(roots)
         loss = sum((r.detach().float().mean().to(device) for r in roots), torch.zeros((), device=device))
@@ -292,10 +326,11 @@ class HealthCheck:
         code = local.to(torch.int32) * HealthFlag.LOCAL
         if self._param_norm is not None:
             code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * HealthFlag.PARAMS
-        extras = torch.zeros(world + 2, dtype=torch.float32, device=device)
+        extras = torch.zeros(2 * world + 2, dtype=torch.float32, device=device)
         extras[dist.rank()] = code.float()
         extras[world] = loss
         extras[world + 1] = float(known)
+        extras[world + 2 + dist.rank()] = dist.step_slot(step)
         return extras
 
     def forget_update(self) -> None:
@@ -320,6 +355,40 @@ def _flag_table(scaled: bool, merge: bool) -> list[int]:
 
 
 _FLAGS = {key: _flag_table(*key) for key in _TABLE_KEYS}
+
+
+def _placed_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's share of the global gradient norm of DTensor gradients (tensor parallel, FSDP2, 2D
+    meshes), such that the squares summed over all ranks (``dist.agree``) are the global norm's square.
+
+    Each rank holds its local shard; a shard on a ``Replicate`` mesh dimension is held alike by each
+    rank along it, so its square is counted once by weighting it with 1 / (ranks holding that
+    copy). Every rank runs the same model (SPMD): a DTensor on a sub-mesh (a head sharded over the
+    dp dimension of a dp x tp mesh) is held alike by each of the ``world / mesh size`` sub-meshes,
+    and a plain tensor among DTensors by every rank. A ``Partial`` gradient counts as replicated.
+    """
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for g in grads:
+        by_copies.setdefault(_copies(g), []).append(g)
+    parts = []
+    for copies, tensors in by_copies.items():
+        norm = total_norm(float_groups(tensors))
+        parts.append(norm * norm / copies if copies > 1 else norm * norm)
+    device = parts[0].device
+    return torch.stack([p.to(device) for p in parts]).sum().sqrt()
+
+
+def _copies(t: torch.Tensor) -> int:
+    """How many ranks hold the same values as this rank's local part of ``t``."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return dist.world_size()
+    mesh = t.device_mesh
+    copies = max(1, dist.world_size() // mesh.size())
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate() or placement.is_partial():  # (a strided shard is no is_shard())
+            copies *= mesh.size(dim)
+    return copies
 
 
 def _loss_scalar(loss: Any, device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ from nanguard.backup import BufferBackup
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
+from nanguard.guard.optim_state import load_optimizer_state, optimizer_state
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 
@@ -132,7 +133,7 @@ class Recovery:
         snap = self.snapshot
         self.model.load_state_dict(snap["model"])
         # A copy: the optimizer may keep CPU tensors it is given, and the snapshot is refreshed in place.
-        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        load_optimizer_state(self.optimizer, copy.deepcopy(snap["optimizer"]))
         if self.scaler is not None and snap["scaler"] is not None:
             self.scaler.load_state_dict(snap["scaler"])
         if self.scheduler is not None and snap["scheduler"] is not None:
@@ -164,12 +165,14 @@ class Recovery:
         self.snapshot = {
             "step": step,
             "model": _copy_to_cpu(self.model.state_dict(), old.get("model")),
-            "optimizer": _copy_to_cpu(self.optimizer.state_dict(), old.get("optimizer")),
+            "optimizer": _copy_to_cpu(optimizer_state(self.optimizer), old.get("optimizer")),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
         }
 
-    def snapshot_if_due(self, step: int, loss: float, growing: Callable[[float | None], bool]) -> None:
+    def snapshot_if_due(
+        self, step: int, loss: float, growing: Callable[[float | None], bool], *, joined: bool = False
+    ) -> None:
         """Under the rollback and auto policies, snapshot every ``snapshot_every`` good steps, but
         not while the run grows (``growing(loss when the last snapshot was taken)``): a rollback
         for divergence must land before the growth, not on weights already on their way out.
@@ -178,7 +181,8 @@ class Recovery:
         next step, so a snapshot could copy a NaN the update (or a fault outside the forward's reach,
         such as an embedding row no batch used) just wrote, and every rollback would restore it; the
         next step trips and rolls back to the last good one. Ranks agree (one tiny all-reduce per
-        snapshot), so every replica keeps a snapshot of the same step.
+        snapshot), so every replica keeps a snapshot of the same step; none is taken while a rank
+        has joined (``joined``: DDP ``join()``), which could not take part.
         """
         if self.config.policy not in ("rollback", "auto") or self.good_steps % self.config.snapshot_every:
             return
@@ -186,7 +190,9 @@ class Recovery:
             if self.held_since is None:
                 self.held_since = step
             return
-        finite = _finite(self.model.state_dict()) and _finite(self.optimizer.state_dict())
+        if joined:
+            return  # a rank that joined (DDP join(), out of batches) cannot take part in the agreement
+        finite = _finite(self.model.state_dict()) and _finite(optimizer_state(self.optimizer))
         if dist.agree_flag(not finite):
             return
         self.take_snapshot(step)

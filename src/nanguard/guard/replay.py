@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import dist
+from nanguard import compat, dist
 from nanguard.causes import facts
 from nanguard.diagnose import (
     communication_overflow,
@@ -33,9 +33,11 @@ from nanguard.diagnose import (
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
+from nanguard.pipeline import watch_stages
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
+from nanguard.tracer.collectives import choose
 from nanguard.tracer.compiled import compiler_fault, eager
 from nanguard.tracer.module_stats import module_stats
 from nanguard.tree import tensors
@@ -134,10 +136,11 @@ class Diagnoser:
         if found is None and (wire_ranks := h.ranks_with(HealthFlag.WIRE)):
             # Not reproduced without communication: the comm hook's cast made it, on these ranks.
             found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
-        diag = dist.gather_diagnosis(found, flagged)
+        diag = dist.gather_diagnosis(found, flagged, choose=choose)
         if diag is None:
             diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
-                                   located=replayed.located, distributed=dist.is_distributed())  # fmt: skip
+                                   located=replayed.located, distributed=dist.is_distributed(),
+                                   attempted=self.locate and closure is not None)  # fmt: skip
         diag.step = h.step
         history = self.history.evidence(h.step, self._lr())
         replayed.diagnosis = rejudge(diag, history=history, initial_weight_scale=self.initial_scale)
@@ -164,11 +167,13 @@ class Diagnoser:
         Every rank takes the same branch: the trips and the diagnosis they compare are agreed.
         """
         last = self._last
-        if not self.locate or closure is None or last is None or self.sharded:
+        if not self.locate or closure is None or last is None or self.sharded or h.joined:
             return None
         diag = last.diagnosis
         if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or not facts(diag.cause).repeatable:
             return None
+        if diag.evidence.get("communication"):
+            return None  # ranks that replay together (TP, PP) cannot each stop their forward early
         module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
         if module is None:
             return None
@@ -223,6 +228,13 @@ class Diagnoser:
         with torch.no_grad():
             finite = [bool(torch.isfinite(local(p)).all()) for _, p in named]  # on a trip only
         group = self.optimizer.param_groups[0]
+        owners = compat.zero_owners(self.optimizer)
+        if owners is not None and ranks:
+            # A sharded optimizer: each parameter's owner updated it and broadcast it to every rank.
+            owned = sorted(
+                {owners[id(p)] for (_, p), ok in zip(named, finite, strict=True) if not ok and id(p) in owners}
+            )
+            ranks = owned or ranks
         diag = nonfinite_update(
             step=step,
             optimizer=type(self.optimizer).__name__,
@@ -301,7 +313,10 @@ def replay_trip(
     if rng is not None:
         set_rng_state(rng)
     try:
-        found = dist.replay_locally(model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}))
+        with watch_stages() as stages:
+            found = dist.replay_locally(model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}))
+        if found is not None and stages:
+            found.evidence["stage"] = stages.evidence()  # pipeline parallel: this rank's stage
         replayed = Replayed(found, located=True)
     except Exception as err:  # the guard's own failure must not kill training
         warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=5)

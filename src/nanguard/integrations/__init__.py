@@ -4,6 +4,11 @@
   (``pip install nanguard[lightning]``).
 - ``nanguard.integrations.hf.NanGuardCallback``: a Hugging Face ``Trainer`` callback
   (``pip install nanguard[hf]``).
+- ``nanguard.integrations.fabric.FabricGuard``: watches a hand-written Lightning Fabric loop
+  (``pip install nanguard[lightning]``).
+- ``nanguard.integrations.loop.LoopGuard``: watches a hand-written loop (nanoGPT, llm.c); no extra.
+
+All of them use ``nanguard.integrations.capture`` to record, check and replay a step.
 
 Importing this package imports no framework; each adapter module imports its own and
 raises an ImportError naming the extra when it is missing.
@@ -35,7 +40,7 @@ def require(module: str, extra: str, what: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as err:
         raise ImportError(
-            f"nanguard.integrations.{extra} needs {what}, which is not installed: pip install nanguard[{extra}]"
+            f"this nanguard integration needs {what}, which is not installed: pip install nanguard[{extra}]"
         ) from err
 
 

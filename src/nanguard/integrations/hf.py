@@ -28,8 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
-import inspect
 import logging
 import os
 import weakref
@@ -40,12 +38,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nanguard import environ
-from nanguard.errors import NonFiniteError
+from nanguard import compat, environ
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.integrations import GuardedCallback, drop_grads, guard_options, require, running_stats
-from nanguard.rng import get_rng_state, set_rng_state
+from nanguard.integrations import GuardedCallback, guard_options, require
+from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
 from nanguard.text import diagnosis_text
 
 _callbacks = require("transformers.trainer_callback", "hf", "Hugging Face transformers")
@@ -56,16 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["NanGuardCallback"]
 
 log = logging.getLogger("nanguard")
-
-
-class _Micro:
-    """One recorded forward of the step: its inputs, RNG state and loss."""
-
-    __slots__ = ("args", "kwargs", "loss", "rng")
-
-    def __init__(self, args: tuple, kwargs: dict[str, Any], rng: dict[str, torch.Tensor]) -> None:
-        self.args, self.kwargs, self.rng = args, kwargs, rng
-        self.loss: torch.Tensor | None = None
 
 
 class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.ExportableState):
@@ -90,12 +77,10 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self.options = options
         self.guard: Guard | None = None
         self.guard_state: dict[str, Any] | None = None  # restored from a checkpoint by the Trainer
-        self._micro: list[_Micro] = []
+        self._capture = StepCapture()
         self._hooks: list[Any] = []
-        self._replaying = False
         self._stepped = False
-        self._lr_state: tuple[dict[str, Any], list[Any]] | None = None
-        self._stats = running_stats(nn.Module())
+        self._held = HeldSchedulers()
         self.trips = 0
         self._trainer: Any = None  # a weak reference, once on_train_begin found the Trainer
         self._loss_before: torch.Tensor | None = None  # the Trainer's running loss sum before this step
@@ -125,7 +110,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self.guard = Guard(model, optimizer, self.policy, run_dir=run_dir, **self.options)
         if self.guard_state:
             self.guard.load_state_dict(self.guard_state)
-        self._stats = running_stats(model)
+        self._capture.watch(model)
         self._remove_hooks()
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -135,7 +120,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._micro = []
+        self._capture.take()
         self._loss_before = _loss_sum(self._trainer)
         if self._loss_before is not None:
             self._loss_before = self._loss_before.clone()  # the Trainer adds to its sum in place
@@ -147,30 +132,28 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         if guard is None:
             return
         optimizer, scheduler = kwargs["optimizer"], kwargs.get("lr_scheduler")
-        micro, self._micro = self._micro, []
+        micro = self._capture.take()
         before = guard.last_diagnosis
-        try:
-            self._stepped = guard.check(
-                _step_loss(micro),
-                replay=(lambda: self._replay(micro)) if micro else None,
-                batch=_batch_of(micro),
-                rng=micro[0].rng if micro else None,
-            )
-        except NonFiniteError:
-            self._stats.restore()
+
+        def on_raise() -> None:
             self._record(state, before)
             self._remove_hooks()
             guard.close()
-            raise
+
+        self._stepped = self._capture.check(
+            guard,
+            _step_loss(micro),
+            micro,
+            replay=(lambda: self._replay(micro)) if micro else None,
+            batch=_batch_of(micro),
+            optimizer=optimizer,
+            on_raise=on_raise,
+        )
         if self._stepped:
             return
-        drop_grads(optimizer)
-        if guard.last_action != "rollback":  # a rollback restored every buffer already
-            self._stats.restore()
         self._forget_step_loss()
-        if scheduler is not None:
-            # The Trainer steps the scheduler after any optimizer step; on_step_end puts it back.
-            self._lr_state = (copy.deepcopy(scheduler.state_dict()), [g["lr"] for g in optimizer.param_groups])
+        # The Trainer steps the scheduler after any optimizer step; on_step_end puts it back.
+        self._held.hold([scheduler] if scheduler is not None else [], optimizer)
         self._record(state, before)
 
     def on_optimizer_step(
@@ -185,13 +168,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self._pending and self._logs_through_trainer:
             control.should_log = True  # a trip is always logged, whatever logging_steps says
-        if self._lr_state is None:
-            return
-        scheduler_state, lrs = self._lr_state
-        self._lr_state = None
-        kwargs["lr_scheduler"].load_state_dict(scheduler_state)
-        for group, lr in zip(kwargs["optimizer"].param_groups, lrs, strict=True):
-            group["lr"] = lr
+        self._held.release()
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -228,39 +205,32 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
 
     # -- recording and replay --------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if self._replaying or not module.training or not torch.is_grad_enabled():
-            return  # evaluation, generation, or our own replay
-        if not self._micro:
-            self._stats.save()
-        self._micro.append(_Micro(args, dict(kwargs), get_rng_state()))
+        if not module.training or not torch.is_grad_enabled():
+            return  # evaluation or generation
+        self._capture.record(args, kwargs)  # nothing during our own replay
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        if self._replaying or not self._micro or self._micro[-1].loss is not None:
+        micro = self._capture.micro
+        if self._capture.replaying or not micro or micro[-1].loss is not None:
             return
         loss = _loss_of(output)
         if loss is not None:
-            self._micro[-1].loss = loss.detach()
+            micro[-1].loss = loss.detach()
 
-    def _replay(self, micro: list[_Micro]) -> list[Any]:
+    def _replay(self, micro: list[Micro]) -> list[Any]:
         """Forward and backward of each micro-batch of the step, scaled as the Trainer scales them."""
         model = self.guard.model if self.guard is not None else None
         assert model is not None
-        model.zero_grad(set_to_none=True)
-        results = []
-        self._replaying = True
-        try:
-            for m in micro:
-                set_rng_state(m.rng)
-                out = model(*m.args, **m.kwargs)
-                loss = _loss_of(out)
-                if loss is None:  # a loss computed outside the model: trace the forward alone
-                    results.append(out)
-                    continue
-                (loss if _scaled(m) else loss / len(micro)).backward()
-                results.append(loss)
-        finally:
-            self._replaying = False
-        return results
+
+        def run(m: Micro) -> Any:
+            out = model(*m.args, **m.kwargs)
+            loss = _loss_of(out)
+            if loss is None:  # a loss computed outside the model: trace the forward alone
+                return out
+            (loss if _scaled(m) else loss / len(micro)).backward()
+            return loss
+
+        return self._capture.replay(model, micro, run)
 
     def _forget_step_loss(self) -> None:
         """Take a skipped step out of the Trainer's loss bookkeeping: its micro-batches' losses
@@ -270,11 +240,11 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         trainer = self._trainer() if self._trainer is not None else None
         before, self._loss_before = self._loss_before, None
         total = _loss_sum(self._trainer)
-        first = getattr(trainer, "_initial_global_step", None)
-        if before is None or total is None or not isinstance(first, int):
+        first = compat.hf_initial_step(trainer)
+        if before is None or total is None or first is None:
             return
         total.copy_(before)
-        trainer._initial_global_step = first + 1
+        compat.hf_set_initial_step(trainer, first + 1)
         self._skipped_since_log += 1
 
     def _record(self, state: TrainerState, before: Diagnosis | None) -> None:
@@ -312,28 +282,18 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
 def _run_first(callback: NanGuardCallback) -> Any:
     """Move ``callback`` to the front of its Trainer's callbacks; returns the Trainer, or None.
 
-    Callbacks are not handed the Trainer; ``on_train_begin`` is called from its training loop,
-    whose frame holds it. Running first lets ``on_log`` add the counters before the
-    ``report_to`` callbacks (added ahead of the user's) write the logs out.
+    Running first lets ``on_log`` add the counters before the ``report_to`` callbacks (added
+    ahead of the user's) write the logs out.
     """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            handler = getattr(frame.f_locals.get("self"), "callback_handler", None)
-            callbacks = getattr(handler, "callbacks", None)
-            if isinstance(callbacks, list) and any(c is callback for c in callbacks):
-                callbacks.sort(key=lambda c: c is not callback)  # stable: the others keep their order
-                return frame.f_locals["self"]
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
+    trainer = compat.hf_trainer_of(callback)
+    if trainer is not None:
+        compat.hf_callbacks(trainer).sort(key=lambda c: c is not callback)  # stable: the others keep their order
+    return trainer
 
 
 def _loss_sum(trainer_ref: Any) -> torch.Tensor | None:
-    """The Trainer's running sum of step losses since its last log (a private attribute)."""
-    total = getattr(trainer_ref() if trainer_ref is not None else None, "_tr_loss", None)
-    return total if isinstance(total, torch.Tensor) and total.numel() == 1 else None
+    """The Trainer's running sum of step losses since its last log."""
+    return compat.hf_loss_sum(trainer_ref() if trainer_ref is not None else None)
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -347,13 +307,13 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
-def _scaled(m: _Micro) -> bool:
+def _scaled(m: Micro) -> bool:
     # The Trainer passes num_items_in_batch to models that accept loss kwargs; their loss is
     # then already normalized over the whole accumulated step, and the Trainer does not divide it.
     return m.kwargs.get("num_items_in_batch") is not None
 
 
-def _step_loss(micro: list[_Micro]) -> torch.Tensor | None:
+def _step_loss(micro: list[Micro]) -> torch.Tensor | None:
     losses = [m.loss for m in micro]
     if not losses or any(loss is None for loss in losses):
         return None  # gradients alone decide
@@ -361,7 +321,7 @@ def _step_loss(micro: list[_Micro]) -> torch.Tensor | None:
     return total.sum() if all(_scaled(m) for m in micro) else total.mean()
 
 
-def _batch_of(micro: list[_Micro]) -> Any:
+def _batch_of(micro: list[Micro]) -> Any:
     if not micro:
         return None
     batches = [{**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs} for m in micro]

@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -30,11 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanguard import environ
-from nanguard.errors import NonFiniteError
+from nanguard import compat, environ
 from nanguard.guard import Guard
-from nanguard.integrations import GuardedCallback, drop_grads, guard_options, require, running_stats
-from nanguard.rng import get_rng_state, set_rng_state
+from nanguard.integrations import GuardedCallback, guard_options, require
+from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
 from nanguard.text import diagnosis_text
 
 _pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
@@ -68,13 +66,11 @@ class NanGuard(GuardedCallback, _pl.Callback):
         self.options = options
         self.guard: Guard | None = None
         self.trips = 0
-        self._micro: list[tuple[Any, int, dict[str, torch.Tensor]]] = []
+        self._capture = StepCapture()
         self._loss: torch.Tensor | None = None
         self._state: Mapping[str, Any] | None = None
         self._closed = False
-        self._stats = running_stats(torch.nn.Module())
-        self._schedulers: list[tuple[Any, dict[str, Any]]] = []  # saved on a skip, put back after Lightning steps them
-        self._lrs: list[float] = []
+        self._held = HeldSchedulers()  # saved on a skip, put back after Lightning steps them
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -84,21 +80,20 @@ class NanGuard(GuardedCallback, _pl.Callback):
             )
         if len(trainer.optimizers) != 1:
             raise ValueError(f"NanGuard needs exactly one optimizer, got {len(trainer.optimizers)}")
-        self._stats = running_stats(pl_module)
+        self._capture.watch(pl_module)
         default = os.path.join(trainer.log_dir, "nanguard") if trainer.log_dir else None  # log_dir: on every rank
         run_dir = self.run_dir or environ.run_dir(None) or default
         self.guard = Guard(pl_module, trainer.optimizers[0], self.policy, run_dir=run_dir, **self.options)
         if self._state is not None:
             self.guard.load_state_dict(self._state)
             self._state = None
-        self._micro, self._loss, self._closed = [], None, False
+        self._capture.take()
+        self._loss, self._closed = None, False
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._micro:
-            self._stats.save()
-        self._micro.append((batch, batch_idx, get_rng_state()))
+        self._capture.record((batch, batch_idx))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         # Lightning already divided each micro-batch loss by accumulate_grad_batches: the sum is the step's loss.
@@ -108,40 +103,25 @@ class NanGuard(GuardedCallback, _pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        micro, loss = self._micro, self._loss
-        self._micro, self._loss = [], None
+        micro, loss = self._capture.take(), self._loss
+        self._loss = None
         if self.guard is None or loss is None:  # training_step returned None: no backward, nothing to check
             return
-        batch = micro[0][0] if len(micro) == 1 else [m[0] for m in micro]
-        rng = micro[0][2] if micro else None
+        batch = micro[0].args[0] if len(micro) == 1 else [m.args[0] for m in micro]
 
-        def replay() -> list[torch.Tensor]:
-            return _replay(trainer, pl_module, micro)
+        def replay() -> list[Any]:
+            return _replay(trainer, pl_module, self._capture, micro)
 
-        try:
-            ok = self.guard.check(loss, replay=replay, batch=batch, rng=rng)
-        except NonFiniteError:
-            self._stats.restore()
-            self._record(trainer)
-            raise
+        ok = self._capture.check(self.guard, loss, micro, replay=replay, batch=batch, optimizer=optimizer,
+                                 on_raise=lambda: self._record(trainer))  # fmt: skip
         if not ok:
-            drop_grads(optimizer)
-            if self.guard.last_action != "rollback":  # a rollback restored every buffer already
-                self._stats.restore()
-            self._schedulers = [(c.scheduler, copy.deepcopy(c.scheduler.state_dict()))
-                                for c in trainer.lr_scheduler_configs if c.interval == "step"]  # fmt: skip
-            self._lrs = [group["lr"] for group in optimizer.param_groups]
+            self._held.hold([c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"], optimizer)
             self._record(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._schedulers:  # Lightning stepped them after the skipped step: put them back
-            for scheduler, state in self._schedulers:
-                scheduler.load_state_dict(state)
-            for group, lr in zip(trainer.optimizers[0].param_groups, self._lrs, strict=True):
-                group["lr"] = lr
-            self._schedulers, self._lrs = [], []
+        self._held.release()  # Lightning stepped them after the skipped step: put them back
         if self.guard is not None:
             self.guard.after_step()  # a no-op unless this batch ended a checked, stepped update
 
@@ -185,27 +165,20 @@ class NanGuard(GuardedCallback, _pl.Callback):
             self.guard.close()
 
 
-def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, micro: list[tuple[Any, int, dict]]) -> list[Any]:
-    """Re-run training_step and backward for each micro-batch of the step, as Lightning ran them."""
-    pl_module.zero_grad(set_to_none=True)
-    losses = []
-    # Calling the module directly skips the DDP wrapper, so the replay's gradients stay local to this rank.
-    # A replay must not log the step a second time.
-    pl_module.log, pl_module.log_dict = _no_log, _no_log  # type: ignore[method-assign]
-    try:
-        for batch, batch_idx, rng in micro:
-            set_rng_state(rng)
-            with trainer.strategy.precision_plugin.train_step_context():
-                out = pl_module.training_step(batch, batch_idx)
-            loss = out.get("loss") if isinstance(out, Mapping) else out
-            if loss is None:
-                continue
-            (loss / trainer.accumulate_grad_batches).backward()
-            losses.append(loss)
-    finally:
-        del pl_module.log, pl_module.log_dict
-    return losses
+def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, capture: StepCapture, micro: list[Micro]) -> list[Any]:
+    """Re-run training_step and backward for each micro-batch of the step, as Lightning ran them.
 
+    Calling the module directly skips the DDP wrapper, so the replay's gradients stay local to this rank.
+    """
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
+    def run(m: Micro) -> Any:
+        with compat.lightning_step_context(trainer):
+            out = pl_module.training_step(*m.args)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if loss is None:
+            return None
+        (loss / trainer.accumulate_grad_batches).backward()
+        return loss
+
+    with compat.lightning_logging_off(pl_module):  # a replay must not log the step a second time
+        return capture.replay(pl_module, micro, run)

@@ -13,16 +13,17 @@ from nanguard import dist
 from nanguard.diagnose import diagnose
 from nanguard.findings import Diagnosis
 from nanguard.stats import init_ratio, local
+from nanguard.tracer.collectives import choose
 from nanguard.tracer.compiled import eager, user_name
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
-from nanguard.tracer.modules import ModuleStack
+from nanguard.tracer.modules import ModuleStack, is_user_code
 from nanguard.tracer.protect import Backup
 from nanguard.tracer.taint import many_nonfinite_flags
 from nanguard.tree import tensors_with_path
 
-__all__ = ["locate"]
+__all__ = ["error_origin", "locate"]
 
-_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5}
+_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5, "comm": 6}
 _MAX_RESULTS = 8
 
 
@@ -31,7 +32,9 @@ def locate(fn: Callable[..., Any], *args: Any, model: nn.Module | None = None, *
 
     ``fn`` is usually a training closure (forward and backward). The result is ``None``
     when fn's return value and the gradients it produced are all finite. Parameters and
-    buffers are left as they were; no optimizer is stepped.
+    buffers are left as they were; no optimizer is stepped. Under tensor or pipeline
+    parallelism (DTensor, ``torch.distributed.pipelining``) call it on every rank, as the step
+    itself runs: the ranks agree on the rank whose own compute created the value.
 
     Example:
         >>> def closure(batch):
@@ -43,7 +46,13 @@ def locate(fn: Callable[..., Any], *args: Any, model: nn.Module | None = None, *
         >>> if diag:
         ...     print(diag)          # cause, op, module, source line, evidence, fixes
     """
-    return trace(fn, args, kwargs, model=model)
+    diag, collectives = _traced(fn, args, kwargs, model=model)
+    if collectives and dist.is_distributed():
+        # Tensor or pipeline parallel: every rank ran fn together; agree on the rank whose own
+        # compute created the value (a rank it only reached through a collective keeps its own).
+        agreed = dist.gather_diagnosis(diag, [], choose=choose)
+        return agreed if agreed is not None else diag
+    return diag
 
 
 def trace(
@@ -54,7 +63,20 @@ def trace(
     model: nn.Module | None = None,
     inputs: dict[str, Any] | None = None,
 ) -> Diagnosis | None:
-    """``locate`` with extra named ``inputs``: tensors a closure captured, such as its batch."""
+    """``locate`` with extra named ``inputs``: tensors a closure captured, such as its batch; this
+    rank's own answer (no agreement across ranks)."""
+    return _traced(fn, args, kwargs, model=model, inputs=inputs)[0]
+
+
+def _traced(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    model: nn.Module | None = None,
+    inputs: dict[str, Any] | None = None,
+) -> tuple[Diagnosis | None, int]:
+    """``trace``, and how many communication ops the step ran."""
     if not callable(fn):
         raise ValueError(f"fn must be callable (a function or closure), got {type(fn).__name__}")
     if model is not None and not isinstance(model, nn.Module):
@@ -85,7 +107,10 @@ def trace(
     if error is not None:
         failure = tracer.failure
         if failure is None or failure.index is None or not _out_of_range(failure, error):
-            raise error
+            raised = _raised_after_nonfinite(tracer, error)
+            if raised is None:
+                raise error
+            return _diagnosis(raised, [], root)
         origin = Origin(
             id=-1,
             category="index",
@@ -104,11 +129,11 @@ def trace(
             },
             before=tracer.recent_ops(),
         )
-        return _diagnosis(origin, [], root)
+        return _diagnosis(origin, [], root, tracer.comm.ops), tracer.comm.ops
 
     bad = _nonfinite_results(result, root, tracer)
     if not bad:
-        return None
+        return None, tracer.comm.ops
     taint: set[int] = set()
     for _, t, _ in bad:
         taint |= tracer.taint.taint_of(t)
@@ -118,7 +143,66 @@ def trace(
         origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
     else:
         origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
-    return _diagnosis(origin, bad, root)
+    return _diagnosis(origin, bad, root, tracer.comm.ops), tracer.comm.ops
+
+
+# A raise this many ops after an op read a non-finite value is about that value: a distribution's
+# validate_args reads it, compares it and raises within a few ops; multinomial raises on it.
+_RAISE_WINDOW = 16
+
+
+def _raised_after_nonfinite(tracer: Tracer, error: BaseException) -> Origin | None:
+    """The origin of the non-finite value the ops just before ``error`` read, if any: the NaN that
+    surfaced as a raise (``Categorical(logits=nan)``, ``torch.multinomial``, an ``assert isfinite``).
+    A -inf mask fill alone is no origin: masked logits are valid."""
+    if not tracer.last_taint or tracer.index - tracer.last_taint_index > _RAISE_WINDOW:
+        return None
+    candidates = [tracer.origins[i] for i in tracer.last_taint if tracer.origins[i].category != "fill"]
+    if not candidates:
+        return None
+    origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
+    origin.extra["exception"] = {
+        "type": type(error).__name__,
+        "message": (str(error).splitlines() or [""])[0][:300],
+        "raised_at": _raise_site(error),
+        "ops_after_read": tracer.index - tracer.last_taint_index,
+    }
+    return origin
+
+
+def _raise_site(error: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of the user's own code in ``error``'s traceback."""
+    site = None
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_user_code(code):
+            site = f"{code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return site
+
+
+def error_origin(fn: Callable[[], Any], error: BaseException, *, model: nn.Module | None = None) -> str | None:
+    """Replay ``fn``, which raised ``error``, under the tracer: one line naming the origin of the
+    NaN/Inf that surfaced as that error, or None when there was none (or the replay differs).
+    Never raises: it only adds to an error that is already on its way to the user.
+
+    Example:
+        >>> error_origin(closure, err, model=model)
+        'nanguard: the NaN behind this error was created by aten.div.Tensor in module "" at train.py:12 (...)'
+    """
+    try:
+        diag = trace(fn, (), {}, model=model)
+    except Exception:
+        return None
+    raised = (diag.evidence.get("exception") or {}) if diag is not None else {}
+    if diag is None or raised.get("type") != type(error).__name__:
+        return None
+    where = "outside any module" if diag.module is None else f"in module '{diag.module}'"
+    line = f"nanguard: the {'NaN' if diag.kind == 'nan' else 'Inf'} behind this error was created by "
+    line += f"{diag.op} {where} ({diag.phase})"
+    line += f" at {diag.source}" if diag.source else ""
+    return line + f": {diag.cause}"
 
 
 def _out_of_range(failure: Failure, error: BaseException) -> bool:
@@ -137,7 +221,9 @@ def _out_of_range(failure: Failure, error: BaseException) -> bool:
     return False
 
 
-def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None) -> Diagnosis:
+def _diagnosis(
+    origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: nn.Module | None, collectives: int = 0
+) -> Diagnosis:
     evidence: dict[str, Any] = {
         "origin": origin.to_evidence(),
         "kind": origin.kind,
@@ -148,6 +234,15 @@ def _diagnosis(origin: Origin, bad: list[tuple[str, torch.Tensor, str]], root: n
     }
     if origin.library_source is not None:
         evidence["library_source"] = origin.library_source
+    if collectives:
+        # The replay communicated (tensor or pipeline parallel): ranks agree on who created it.
+        evidence["communication"] = {
+            "collectives": collectives,
+            "arrived": origin.category == "comm",
+            "index": origin.index,
+        }
+    if "exception" in origin.extra:
+        evidence["exception"] = origin.extra["exception"]
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
     verdict = diagnose(evidence)

@@ -11,18 +11,23 @@ told from dead ends. Statistics are kept only for creations, never clones of ten
 from __future__ import annotations
 
 import math
-import weakref
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
-from nanguard.tracer import ops
+from nanguard.tracer import normalize, ops
+from nanguard.tracer.calls import UserCalls
+from nanguard.tracer.collectives import Communication, is_comm
+from nanguard.tracer.counts import BatchCounts
+from nanguard.tracer.grads import GradWatch
 from nanguard.tracer.modules import ModuleStack, user_source
+from nanguard.tracer.nodes import ForwardSites
 from nanguard.tracer.protect import Backup
 from nanguard.tracer.taint import CLEAN, Inputs, TaintMap, has_inf_created, nonfinite_flags, storage_key, version
 from nanguard.tree import op_leaves
@@ -39,7 +44,7 @@ class Origin:
     """One place a non-finite value came from: an op that created it, or a source tensor."""
 
     id: int
-    category: str  # "op" | "data" | "parameters" | "write" | "fill"
+    category: str  # "op" | "data" | "parameters" | "write" | "fill" | "comm" (arrived from another rank)
     kind: str  # "nan" | "inf" | "invalid" (an index op raised)
     index: int  # op index where it was created or first consumed
     op: str | None
@@ -114,6 +119,9 @@ class _TracerMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tracer = self.tracer
+        if is_comm(func):  # carries values between ranks, never creates one
+            tracer.index += 1
+            return tracer.comm.run(func, args, kwargs, tracer.taint, tracer.index, lambda: _comm_where(tracer))
         facts = ops.info(func)
         flat_in, inputs = tracer.before_op(func, facts, args, kwargs)
         try:
@@ -142,29 +150,30 @@ class Tracer:
         self.modules = modules
         self.sources = {id(t): path for path, t in sources}
         self.source_storage = {storage_key(t): path for path, t in reversed(sources)}
-        # Tensors computed from the batch's integer/bool tensors (labels, masks, ids) with no
-        # gradient-carrying input, by id: a count or selection the batch made (mask.sum()).
-        self.counts: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {
-            id(t): (weakref.ref(t), path) for path, t in sources if not (t.is_floating_point() or t.is_complex())
-        }
+        self.counts = BatchCounts(sources)  # what the batch's labels and masks counted (mask.sum())
         self.protected = protected
-        # With a model its parameters' gradients are the results; without one, leaf tensors seen.
-        self.track_leaves = modules.root is None
-        self.taint = TaintMap(lambda t, nan, inf: self._source(t, nan, inf).id)
+        self.sites = ForwardSites(modules)
+        self.leaves = self.sites.leaves
+        self.taint, self.comm = _taint_and_comm(self)
         self.origins: list[Origin] = []
-        # Autograd node sequence number -> where its forward ran: module, type, op, source, library, eps.
-        self.nodes: dict[int, tuple[str | None, str | None, str | None, str | None, str | None, float | None]] = {}
-        self.first_node = 0
-        self.leaves: dict[int, torch.Tensor] = {}
         self.recent: deque[tuple[Any, str | None, str]] = deque(maxlen=_RECENT)
         self.index = 0
         self.failure: Failure | None = None
         self._mode: _TracerMode | None = None
         self._func: Any = None  # the op being run, for the origins its inputs make
+        self.calls = UserCalls()
+        # Gradient surgery (PCGrad, a hand-written clip) between backward() and optimizer.step().
+        self.grads = GradWatch(modules, self.leaves, protected)
+        self.norms = normalize.NormalizationWatch()
+        # The taint of the latest op that read a non-finite value, and its index: what a raise
+        # right after it (a distribution's validate_args, multinomial, an assert) is about.
+        self.last_taint: frozenset[int] = _NONE
+        self.last_taint_index = -1
 
     def __enter__(self) -> Tracer:
-        self._check_protected()
-        self.first_node = torch._C._autograd._get_sequence_nr()
+        _mark_finite(self.taint, self.protected)
+        self.sites.start()
+        self.calls.__enter__()
         self._mode = _TracerMode(self)
         self._mode.__enter__()
         return self
@@ -173,17 +182,7 @@ class Tracer:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(*exc)
-
-    def _check_protected(self) -> None:
-        """Read the parameters and buffers in one fused pass: when all are finite (the usual
-        case), no op has to read one of them on first use."""
-        floats = [t for t in self.protected.ids.values() if t.is_floating_point() and not t.is_sparse]
-        try:
-            finite = bool(floats) and math.isfinite(total_norm(float_groups(floats)).item())
-        except (RuntimeError, NotImplementedError):  # meta or exotic tensors: each is read on first use
-            finite = False
-        if finite:
-            self.taint.set_finite(floats)
+            self.calls.__exit__(*exc)
 
     def restore(self) -> None:
         """Put the backed-up parameters and buffers back."""
@@ -200,11 +199,18 @@ class Tracer:
             self.protected.before(facts.writes, args, kwargs)
         if facts.literal:
             return flat_in, CLEAN
-        return flat_in, self.taint.inputs(flat_in)
+        ins = self.taint.inputs(flat_in)
+        if ins is not CLEAN and ins.taint:
+            self.last_taint, self.last_taint_index = ins.taint, self.index
+        return flat_in, ins
 
     def op_failed(self, func: Any, args: tuple, err: BaseException) -> None:
         if self.failure is None:
-            self.failure = Failure(ops.op_name(func), self._where(func), err, self._index_facts(func, args))
+            facts = _index_facts(func, args, self._path)
+            self.failure = Failure(ops.op_name(func), self._where(func), err, facts)
+
+    def _path(self, t: torch.Tensor) -> str | None:
+        return self.sources.get(id(t)) or self.source_storage.get(storage_key(t))
 
     def after_op(
         self, func: Any, facts: ops.OpInfo, args: tuple, kwargs: dict, flat_in: list[Any], ins: Inputs, out: Any
@@ -216,15 +222,20 @@ class Tracer:
         else:
             flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
         if self.counts:
-            self._note_counts(flat_in, flat_out)
+            self.counts.note(flat_in, flat_out)
+        node = torch._C._current_autograd_node()
+        grads = self.grads
+        if grads.seen_backward or node is not None:
+            grads.before(node is not None, flat_in, facts, args, kwargs)
         base = version(args[0]) if facts.view and args and isinstance(args[0], torch.Tensor) else None
         if ins is CLEAN and facts.keeps_finite:
             self.taint.set_finite([o for o in flat_out if o.is_floating_point() or o.is_complex()], base)
         else:
             self._outputs(func, facts, args, kwargs, flat_in, ins, out, flat_out, base)
-        node = torch._C._current_autograd_node()
+        if grads.phase is not None:
+            grads.after(flat_out)
         if flat_out:
-            self._note_nodes(facts, flat_in, node is not None)
+            self.sites.note(facts, flat_in, node is not None)
         if not facts.quiet:
             self.recent.append((func, self.modules.current_name(), "forward" if node is None else "backward"))
 
@@ -245,6 +256,8 @@ class Tracer:
         where: _Where | None = None
         if ins.inf and facts.weighted:
             self._features(ins)
+        if self.norms.pending and ins.taint:
+            self.norms.used(facts.name, flat_in, ins.taint, self.taint.taint_of)
         source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
         likely = ins.nan or ins.inf
         for o in flat_out:
@@ -262,6 +275,8 @@ class Tracer:
             created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, flat_in))
             out_taint = ins.taint
             if (created_nan or created_inf) and not (created_nan and self._from_written_inf(func, ins)):
+                if where is None:
+                    self.grads.recheck(flat_in, facts, args, kwargs)
                 where = where or self._where(func)
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
@@ -276,7 +291,7 @@ class Tracer:
     # -- helpers -----------------------------------------------------------------------
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
         """A tensor that arrived non-finite: user data, a parameter/buffer, a literal or a constant."""
-        path = self.sources.get(id(t)) or self.source_storage.get(storage_key(t))
+        path = self._path(t)
         kind = "nan" if nan else "inf"
         stats = tensor_stats(t)
         # A tensor holding only -inf (and finite values) is a mask fill, not an origin by itself.
@@ -284,7 +299,7 @@ class Tracer:
         parameter = path is None and (isinstance(t, torch.nn.Parameter) or self.protected.protects(t))
         if path is None and not parameter and t.dim() == 0:
             # A Python number the op got as a tensor (h[i] = nan): the op writes it.
-            return self._write(self._func, _value_name(stats), inputs=[stats])
+            return self._write(self._func, _value_name(stats), inputs=[stats], tensor=t)
         where = self._where(None)
         if path is not None:
             # The user's own -inf is data unless it is an additive mask: only 0 and -inf.
@@ -318,11 +333,25 @@ class Tracer:
         return origin
 
     def _write(
-        self, func: Any, value: str, *, inputs: Sequence[dict[str, Any]] = (), outputs: Sequence[dict[str, Any]] = ()
+        self,
+        func: Any,
+        value: str,
+        *,
+        inputs: Sequence[dict[str, Any]] = (),
+        outputs: Sequence[dict[str, Any]] = (),
+        tensor: torch.Tensor | None = None,
     ) -> Origin:
-        """An op that wrote an explicit NaN/Inf (``value``: "nan", "inf" or "-inf"): a mask fill or a marker."""
+        """An op that wrote an explicit NaN/Inf (``value``: "nan", "inf" or "-inf"): a mask fill or a marker.
+
+        A NaN or +Inf written inside torch's own implementation of the user's call (``torch.logdet``
+        returns NaN for a negative determinant through an internal ``where``) is that call's result
+        by definition, not a write of the user's: it is a creation by the user-level op."""
         kind = "nan" if value == "nan" else "inf"
-        return self._record(self._where(func), "write", kind, inputs=list(inputs), outputs=list(outputs),
+        where = self._where(func)
+        if value != "-inf" and where.node is None and func is not None and self.calls.inside(func, value, tensor):
+            user_op, facts = self.calls.by_definition(where.op, value)
+            return self._record(replace(where, op=user_op), "op", kind, **facts)
+        return self._record(where, "write", kind, inputs=list(inputs), outputs=list(outputs),
                             extra={"written": value})  # fmt: skip
 
     def _from_written_inf(self, func: Any, ins: Inputs) -> bool:
@@ -360,47 +389,38 @@ class Tracer:
                 op=op,
                 module=self.modules.current_name(),
                 module_type=type(module).__name__ if module is not None else None,
-                phase="forward",
+                phase=self.grads.phase or "forward",
                 node=None,
                 forward_op=None,
                 source=source,
                 library=library,
                 eps=self.modules.eps(module),
             )
-        info = self.nodes.get(node._sequence_nr())
-        if info is None:
-            info = (_accumulate_owner(self.modules, node), None, None, None, None, None)
-        mod_name, mod_type, fwd, source, library, eps = info
+        mod_name, mod_type, fwd, source, library, eps = self.sites.of(node)
         return _Where(op, mod_name, mod_type, "backward", node.name(), fwd, source, library, eps)
-
-    def _note_counts(self, flat_in: list[Any], flat_out: list[torch.Tensor]) -> None:
-        """Carry the batch path of a count through an op whose inputs carry no gradient."""
-        path = None
-        for x in flat_in:
-            if isinstance(x, torch.Tensor):
-                if x.requires_grad:
-                    return
-                path = path or self.count_path(x)
-        if path is not None:
-            for o in flat_out:
-                self.counts[id(o)] = (weakref.ref(o), path)
-
-    def count_path(self, t: torch.Tensor) -> str | None:
-        """The batch tensor (labels, a mask) that ``t`` was counted or selected from, if any."""
-        entry = self.counts.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
 
     def _creation(self, func: Any, args: tuple, kwargs: dict, out: Any, where: _Where, kind: str) -> Origin:
         flat_args = op_leaves(args)
-        return self._record(
+        extra = ops.creation_facts(func, args, kwargs, out, where.eps)
+        if where.node is None:
+            extra.update(self._call_facts(func, flat_args))
+        origin = self._record(
             where,
             "op",
             kind,
-            inputs=[_with_count(tensor_stats(t), self.count_path(t)) for t in flat_args if isinstance(t, torch.Tensor)],
+            inputs=[_with_count(tensor_stats(t), self.counts.path(t)) for t in flat_args if isinstance(t, Tensor)],
             outputs=[tensor_stats(t) for t in op_leaves(out) if isinstance(t, torch.Tensor)],
             scalars=[_scalar(x) for x in flat_args if isinstance(x, (int, float, bool))],
-            extra=ops.creation_facts(func, args, kwargs, out, where.eps),
+            extra=extra,
         )
+        if where.node is None:
+            self.norms.created(origin, flat_args)
+        return origin
+
+    def _call_facts(self, func: Any, flat_args: list[Any]) -> dict[str, Any]:
+        """The user-level call around a forward creation, and the gradients a gradient-surgery op read."""
+        facts = {"user_op": self.calls.name} if self.calls.implements(ops.op_name(func)) else {}
+        return facts | self.grads.facts(flat_args)
 
     def _record(self, where: _Where, category: str, kind: str, **facts: Any) -> Origin:
         """A new origin at ``where``, with the ops that ran just before it."""
@@ -438,43 +458,42 @@ class Tracer:
             w = where or self._where(func)
             origin.after.append({"index": self.index, "op": w.op, "module": w.module, "phase": w.phase, "nan": nan})
 
-    def _note_nodes(self, facts: ops.OpInfo, ins: list[Any], backward: bool) -> None:
-        """Remember which module and line each forward op ran in, keyed by the sequence
-        number of the autograd node it creates, so its backward can be attributed.
 
-        Two kinds of node are made where no grad-recording forward op runs: a custom
-        ``autograd.Function``'s, made by ``apply`` just before its forward runs with grad
-        off, and the nodes of a reentrant checkpoint's forward, re-run inside backward."""
-        if backward and self.modules.current is None:
-            return  # a backward op; a forward re-run during backward has a module running
-        grad = torch.is_grad_enabled()
-        # Inside dispatch, autograd has already built this op's node: its number is one less.
-        # With grad off no node was built, and one less is the newest node: a Function's.
-        seq = torch._C._autograd._get_sequence_nr() - 1
-        if seq >= self.first_node and seq not in self.nodes:
-            module = self.modules.current
-            self.nodes[seq] = (
-                self.modules.current_name(),
-                type(module).__name__ if module is not None else None,
-                facts.name if grad else None,
-                *user_source(),
-                self.modules.eps(module),
-            )
-        if grad and self.track_leaves:
-            for x in ins:
-                if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf:
-                    self.leaves[id(x)] = x
+def _index_facts(func: Any, args: tuple, path_of: Callable[[torch.Tensor], str | None]) -> ops.IndexFacts | None:
+    """An index op's integer inputs (with the batch path each came from) and the size it indexes."""
+    if not ops.is_index_op(func):
+        return None
+    inputs = []
+    for x in op_leaves(args):
+        if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dtype != torch.bool:
+            stats = tensor_stats(x)
+            stats["path"] = path_of(x)
+            inputs.append(stats)
+    return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
 
-    def _index_facts(self, func: Any, args: tuple) -> ops.IndexFacts | None:
-        if not ops.is_index_op(func):
-            return None
-        inputs = []
-        for x in op_leaves(args):
-            if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dtype != torch.bool:
-                stats = tensor_stats(x)
-                stats["path"] = self.sources.get(id(x)) or self.source_storage.get(storage_key(x))
-                inputs.append(stats)
-        return ops.IndexFacts(inputs, ops.index_size(func, args), ops.ignore_index(func, args))
+
+def _taint_and_comm(tracer: Tracer) -> tuple[TaintMap, Communication]:
+    """The tracer's taint map and its handling of communication ops. A tensor that arrives
+    non-finite from a collective this rank sent finite values to was made on another rank: an
+    origin of category "comm"; any other is one of the tracer's sources."""
+    comm = Communication()
+
+    def source(t: torch.Tensor, nan: bool, inf: bool) -> int:
+        user = id(t) in tracer.sources or storage_key(t) in tracer.source_storage
+        sent = comm.sent(t) if comm.ops and not user else None
+        if sent is None:
+            return tracer._source(t, nan, inf).id
+        origin = Origin(len(tracer.origins), "comm", "nan" if nan else "inf", sent.index, sent.op, sent.module,
+                        sent.phase, outputs=[tensor_stats(t)], before=tracer.recent_ops())  # fmt: skip
+        tracer.origins.append(origin)
+        return origin.id
+
+    return TaintMap(source), comm
+
+
+def _comm_where(tracer: Tracer) -> tuple[str | None, str]:
+    """The module and phase a collective is issued in."""
+    return tracer.modules.current_name(), "forward" if torch._C._current_autograd_node() is None else "backward"
 
 
 def _with_count(stats: dict[str, Any], path: str | None) -> dict[str, Any]:
@@ -508,6 +527,13 @@ def _scalar(x: Any) -> Any:
     return x if not isinstance(x, float) or math.isfinite(x) else str(x)
 
 
-def _accumulate_owner(modules: ModuleStack, node: Any) -> str | None:
-    variable = getattr(node, "variable", None)
-    return modules.owner_of(variable) if isinstance(variable, torch.Tensor) else None
+def _mark_finite(taint: TaintMap, protected: Backup) -> None:
+    """Read the parameters and buffers in one fused pass: when all are finite (the usual
+    case), no op has to read one of them on first use."""
+    floats = [t for t in protected.ids.values() if t.is_floating_point() and not t.is_sparse]
+    try:
+        finite = bool(floats) and math.isfinite(total_norm(float_groups(floats)).item())
+    except (RuntimeError, NotImplementedError):  # meta or exotic tensors: each is read on first use
+        finite = False
+    if finite:
+        taint.set_finite(floats)

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
-from nanguard.tracer.compiled import user_name
+from nanguard import compat
 
-__all__ = ["ModuleStack", "count_as_user_code", "user_source"]
+__all__ = ["ModuleStack", "count_as_user_code", "is_user_code", "user_source"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +51,12 @@ def _kind(code: CodeType) -> int:
     return kind
 
 
+def is_user_code(code: CodeType) -> bool:
+    """Is ``code`` the user's own (not torch's, nanguard's or an installed library's)?"""
+    kind = _kinds.get(code)
+    return (kind if kind is not None else _kind(code)) == _USER
+
+
 def user_source(skip: int = 1) -> tuple[str | None, str | None]:
     """``(your code, library)``: ``file:line`` of the innermost frame outside torch, nanguard
     and installed libraries, and of the innermost library frame inside it (None when none).
@@ -78,8 +84,12 @@ def user_source(skip: int = 1) -> tuple[str | None, str | None]:
 class ModuleStack:
     """Tracks the innermost running module while installed, by global forward hooks.
 
-    Names are the qualified names of ``root.named_modules()``; with no root, the first
-    outermost module entered becomes the root. Modules outside the root are named None.
+    Names are the qualified names of ``root.named_modules()`` as the user wrote the model: the
+    levels that wrappers add (DDP's ``module``, ``torch.compile``'s ``_orig_mod``, Fabric's
+    ``_forward_module``/``_original_module``, FSDP's and activation checkpointing's wrapped
+    module) are left out. With no root, the first outermost module entered becomes the root.
+    Modules outside the root are named None. A forward hook registered on a module runs as
+    part of that module: it leaves the stack only after its own hooks.
     """
 
     def __init__(self, root: nn.Module | None = None) -> None:
@@ -88,6 +98,7 @@ class ModuleStack:
         self._stack: list[nn.Module] = []
         self._named: list[str | None] = []  # innermost name within the root, per stack level
         self._handles: list[Any] = []
+        self._late: dict[int, Any] = {}  # modules with forward hooks of their own: popped after them
         self._eps: dict[int, float | None] = {}
 
     def __enter__(self) -> ModuleStack:
@@ -98,9 +109,9 @@ class ModuleStack:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
+        for handle in [*self._handles, *self._late.values()]:
             handle.remove()
-        self._handles = []
+        self._handles, self._late = [], {}
         self._stack.clear()
         self._named.clear()
 
@@ -110,8 +121,15 @@ class ModuleStack:
         self._stack.append(module)
         name = self.name_of(module)
         self._named.append(name if name is not None else (self._named[-1] if self._named else None))
+        if id(module) not in self._late and compat.has_forward_hooks(module):
+            # Global forward hooks run before the module's own: pop after the last of those instead.
+            self._late[id(module)] = module.register_forward_hook(self._pop_late, always_call=True)
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) not in self._late:
+            self._pop_late(module, args, output)
+
+    def _pop_late(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
             self._named.pop()
@@ -126,7 +144,7 @@ class ModuleStack:
         if self._names is None:
             if self.root is None:
                 return None
-            self._names = {id(m): user_name(n) for n, m in self.root.named_modules(remove_duplicate=False)}
+            self._names = {id(m): n for n, m in _user_modules(self.root)}
         return self._names.get(id(module))
 
     def current_name(self) -> str | None:
@@ -146,7 +164,7 @@ class ModuleStack:
         """Qualified name of ``tensor`` as a parameter or buffer of the root (``blocks.0.fc.weight``)."""
         if self.root is None:
             return None
-        return next((user_name(name) for name, t in _named_state(self.root) if t is tensor), None)
+        return next((name for name, t in _named_state(self.root) if t is tensor), None)
 
     def owner_of(self, tensor: torch.Tensor) -> str | None:
         """Qualified name of the module that owns ``tensor`` as a parameter or buffer."""
@@ -172,6 +190,42 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _named_state(root: nn.Module) -> Any:
-    yield from root.named_parameters(remove_duplicate=False)
-    yield from root.named_buffers(remove_duplicate=False)
+def _named_state(root: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    modules = list(_user_modules(root))
+    for prefix, module in modules:
+        for key, t in module.named_parameters(recurse=False, remove_duplicate=False):
+            yield _join(prefix, key), t
+    for prefix, module in modules:
+        for key, t in module.named_buffers(recurse=False, remove_duplicate=False):
+            yield _join(prefix, key), t
+
+
+# The attribute under which a wrapper holds the module it wraps: a level of the tree the user
+# never wrote. DDP's and DataParallel's ``module`` counts only under those wrappers.
+_WRAPPER_ATTRS = frozenset(
+    {"_orig_mod", "_forward_module", "_original_module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+)
+
+
+def _user_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``root.named_modules(remove_duplicate=False)`` with the wrappers' levels left out of the
+    names (a wrapper shares the name of the module it wraps).
+
+    Example:
+        >>> [n for n, _ in _user_modules(DistributedDataParallel(torch.compile(model)))][:3]
+        ['', '', '']
+    """
+    todo: list[tuple[str, nn.Module]] = [("", root)]
+    while todo:
+        prefix, module = todo.pop()
+        yield prefix, module
+        wrapper = isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+        children = [
+            (prefix if attr in _WRAPPER_ATTRS or (wrapper and attr == "module") else _join(prefix, attr), child)
+            for attr, child in module.named_children()
+        ]
+        todo.extend(reversed(children))  # depth first, in registration order, as named_modules
+
+
+def _join(prefix: str, attr: str) -> str:
+    return f"{prefix}.{attr}" if prefix else attr

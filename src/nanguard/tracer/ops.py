@@ -41,6 +41,8 @@ __all__ = [
     "op_facts",
     "op_name",
     "registered",
+    "user_facts",
+    "user_op_name",
 ]
 
 aten = torch.ops.aten
@@ -255,13 +257,78 @@ def _softmax(args: tuple) -> dict[str, Any]:
 # Forward only: the backward ops take (grad, self, target, weight, reduction, ignore_index, ...).
 @op_facts(aten.nll_loss_forward, aten.nll_loss2d_forward)
 def _nll_loss(args: tuple) -> dict[str, Any]:
-    target, reduction, ignore_index = args[1], int(args[3]), int(args[4])
-    return {
+    target, weight, reduction, ignore_index = args[1], args[2], int(args[3]), int(args[4])
+    valid = target != ignore_index
+    facts: dict[str, Any] = {
         "targets": int(target.numel()),
-        "valid_targets": int((target != ignore_index).sum()),
+        "valid_targets": int(valid.sum()),
         "ignore_index": ignore_index,
         "reduction": reduction,
     }
+    if isinstance(weight, torch.Tensor) and weight.numel():
+        # A mean with class weights divides by the weights of the valid targets, not their count.
+        picked = weight.detach()[target[valid].clamp(0, weight.numel() - 1)]
+        total = float(picked.sum())
+        facts["class_weights"] = {
+            "classes": int(weight.numel()),
+            "zero_weight_classes": int((weight == 0).sum()),
+            "sum": float(weight.detach().sum()),
+        }
+        facts["denominator"] = {"what": "the total class weight of the valid targets", "value": total}
+        facts["denominator"]["zeros"] = int(total == 0)
+        if total == 0 and facts["valid_targets"]:
+            facts["target_classes"] = sorted({int(c) for c in target[valid].unique()[:8]})
+    return facts
+
+
+@op_facts(aten._weight_norm_interface)
+def _weight_norm(args: tuple) -> dict[str, Any]:
+    """weight_norm divides v by its own norm, one per slice along ``dim`` (the whole tensor for dim -1)."""
+    v, dim = args[0].detach().float(), int(args[2]) if len(args) > 2 else 0
+    if dim == -1 or v.dim() == 0:
+        norms = torch.linalg.vector_norm(v).reshape(1)
+    else:
+        norms = torch.linalg.vector_norm(v.transpose(0, dim).reshape(v.shape[dim], -1), dim=1)
+    return {
+        "statistic": "L2 norm",
+        "normalizes": True,
+        "composite": "weight_norm",
+        "denominator": {
+            "what": "the L2 norm of weight_v per output channel",
+            "size": int(norms.numel()),
+            "zeros": int((norms == 0).sum()),
+            "min": float(norms.min()),
+        },
+    }
+
+
+@op_facts(aten.logdet, aten.linalg_slogdet, aten.slogdet)
+def _determinant(args: tuple) -> dict[str, Any]:
+    sign, _ = torch.linalg.slogdet(args[0].detach())
+    return {
+        "matrices": int(sign.numel()),
+        "negative_determinants": int((sign < 0).sum()),
+        "zero_determinants": int((sign == 0).sum()),
+    }
+
+
+def user_op_name(name: str | None) -> str:
+    """The aten op of a user-level torch call (``logdet`` -> ``aten.logdet.default``), or ``torch.<name>``."""
+    packet = getattr(aten, name or "", None)
+    if isinstance(packet, torch._ops.OpOverloadPacket) and "default" in packet.overloads():
+        return op_name(packet.default)
+    return f"torch.{name}"
+
+
+def user_facts(op: str, args: tuple) -> dict[str, Any]:
+    """The registered creation facts of a user-level call's own aten op, read from the call's arguments."""
+    packet = getattr(aten, op.removeprefix("aten.").split(".")[0], None) if op.startswith("aten.") else None
+    facts = _lookup(_FACTS, packet) if packet is not None else None
+    if facts is None:
+        return {}
+    with contextlib.suppress(RuntimeError, IndexError, TypeError, ValueError, AttributeError):
+        return facts(args)
+    return {}
 
 
 def _norm_facts(x: torch.Tensor, args: tuple, width: int | None) -> dict[str, Any]:
@@ -285,8 +352,19 @@ def _layer_norm(args: tuple) -> dict[str, Any]:
     return _norm_facts(args[0], args, math.prod(args[1]))
 
 
+@op_facts(aten.native_group_norm)
+def _group_norm(args: tuple) -> dict[str, Any]:
+    """native_group_norm(x, weight, bias, N, C, HxW, groups, eps): a variance per (sample, group)."""
+    x, n, c, hw, groups = args[0], int(args[3]), int(args[4]), int(args[5]), int(args[6])
+    facts = _norm_facts(x, args, None)
+    per_group = (c // groups) * hw if groups else 0
+    facts["group_elements"] = per_group
+    if x.numel() and per_group:
+        facts["min_variance"] = float(x.detach().float().reshape(n * groups, -1).var(dim=-1, unbiased=False).min())
+    return facts
+
+
 @op_facts(
-    aten.native_group_norm,
     aten.native_batch_norm,
     aten._native_batch_norm_legit,
     aten._native_batch_norm_legit_functional,

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from nanguard import compat
 from nanguard.stats import local
 
 __all__ = [
@@ -267,7 +268,11 @@ def version(t: torch.Tensor) -> int:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage: views and ``.data`` aliases share it (-1 when there is none)."""
+    """The address of ``t``'s storage: views and ``.data`` aliases share it (-1 when there is none).
+    A DTensor or a pending collective's result is keyed by the tensor it wraps, so taint crosses
+    ``to_local``/``from_local`` and the functional collectives' wrappers."""
+    while (inner := compat.inner_tensor(t)) is not None:
+        t = inner
     try:
         return t.untyped_storage().data_ptr()
     except RuntimeError:

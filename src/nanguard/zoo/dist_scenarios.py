@@ -1,5 +1,8 @@
 """Distributed scenarios at the edges: a NaN in one rank's FSDP2 shard, a compression hook whose
-cast overflows, and a replica whose weight turned NaN behind DDP's back.
+cast overflows, a replica whose weight turned NaN behind DDP's back, a NaN made in one rank's
+forward under a loop that toggles DDP's gradient sync itself, a NaN batch inside DDP's ``join()``
+after another rank ran out of inputs, a ZeroRedundancyOptimizer shard update gone bad, and an op-made
+NaN or a NaN weight on one rank under tensor parallel, a 2D mesh and pipeline parallel (``zoo/parallel.py``).
 
 Each runs on spawned gloo ranks (``nanguard zoo --ranks 4``); ``edge_rank`` is one rank's run.
 The expected fields follow from the fault: the rank and parameter it hits, and the phase
@@ -15,9 +18,18 @@ import torch
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.zoo.scenario import Expect, Scenario, build
+from nanguard.zoo.gpt import GPT
+from nanguard.zoo.parallel import parallel_rank
+from nanguard.zoo.scenario import Batch, Expect, Scenario, build
 
 __all__ = ["EDGE_FAULTS", "EDGE_SCENARIOS", "edge_rank"]
+
+
+def _corrupt_image(model: GPT, batch: Batch) -> Batch:
+    pixels = batch["pixel_values"].clone()
+    pixels[2, 1, :5] = float("nan")  # a corrupt image, as the zoo's nan_pixels
+    return {**batch, "pixel_values": pixels}
+
 
 _WEIGHT = "blocks.1.mlp.fc"
 
@@ -45,12 +57,84 @@ EDGE_SCENARIOS = (
         ranks=2,
         dist_fault="nan_replica",
     ),
+    Scenario(
+        "ddp_join_uneven_nan",
+        "2 ranks under DDP join() with uneven inputs (the DDP uneven-inputs tutorial's setup): rank 1 runs "
+        "out after 2 batches; at step 3 rank 0's image batch holds NaN pixels, while rank 1 only shadows",
+        Expect("data.nonfinite", None, "vis_proj", "data", "nan", rank=0, ranks=(0,)),
+        config={"vision_dim": 16},
+        fault=_corrupt_image,
+        ranks=2,
+        dist_fault="join",
+    ),
+    Scenario(
+        "zero_shard_update_nan",
+        "2 ranks under DDP with ZeroRedundancyOptimizer(AdamW); at step 3 the update of rank 1's own shard "
+        "writes a NaN into a parameter rank 1 owns, which ZeRO then broadcasts to every rank",
+        Expect("optimizer.nonfinite_update", None, None, "optimizer", "nan", rank=1, ranks=(1,)),
+        ranks=2,
+        dist_fault="zero",
+    ),
+    Scenario(
+        "tp_sqrt_column_block",
+        "2 ranks, tensor parallel MLP (ColwiseParallel up, RowwiseParallel down): the activation of rank 0's "
+        "column block takes the sqrt of a negative (a one-pass variance gone negative; Fast-LLM#59 saw "
+        "tensor-parallel NaNs made on some ranks only); the all-reduce carries it to rank 1",
+        Expect("op.sqrt_domain", "aten.sqrt.default", "act", "forward", "nan", rank=0, ranks=(0,)),
+        ranks=2,
+        dist_fault="tp_sqrt",
+        fault_step=1,
+        steps=3,
+    ),
+    Scenario(
+        "2d_sqrt_middle_rank",
+        "4 ranks, FSDP2 over dp x tensor parallel over tp: the activation of rank 2 (dp 1, tp 0) takes the "
+        "sqrt of a negative; its tp peer gets it through the all-reduce, FSDP2 all-gathers around it",
+        Expect("op.sqrt_domain", "aten.sqrt.default", "act", "forward", "nan", rank=2, ranks=(2,)),
+        ranks=4,
+        dist_fault="2d_sqrt",
+        fault_step=1,
+        steps=3,
+    ),
+    Scenario(
+        "pp_nan_weight_stage0",
+        "2 pipeline stages (ScheduleGPipe, 2 microbatches): stage 0's up.weight holds a NaN (a corrupt "
+        "checkpoint shard; NeMo#5928 saw NaN losses only with pipeline parallel on); the last stage only "
+        "receives NaN activations",
+        Expect("parameters.nonfinite", None, "up", "parameters", "nan", rank=0, ranks=(0,)),
+        ranks=2,
+        dist_fault="pp_weight",
+        fault_step=1,
+        steps=3,
+    ),
 )
+EDGE_SCENARIOS += (
+    Scenario(
+        "ddp_sync_toggle_forward_nan",
+        "2 ranks under DDP, nanoGPT's accumulation: the closure sets require_backward_grad_sync itself "
+        "over 2 micro-batches; on rank 1 a forward hook of blocks.1.mlp.fc takes the log of negative values",
+        Expect("op.log_domain", "aten.log.default", _WEIGHT, "forward", "nan", rank=1, ranks=(1,)),
+        ranks=2,
+        dist_fault="toggle",
+    ),
+)
+# dist_fault -> (setup, fault, rank it hits) of a zoo.parallel run.
+_PARALLEL = {"tp_sqrt": ("tp", "sqrt", 0), "2d_sqrt": ("2d", "sqrt", 2), "pp_weight": ("pp", "weight", 0)}
 EDGE_FAULTS = frozenset(s.dist_fault for s in EDGE_SCENARIOS)
+_JOIN_BATCHES = (None, 2)  # rank 1 has 2 batches; rank 0 runs the whole scenario
 
 
 def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
     """One rank of an edge scenario: the first diagnosis and the step it came at."""
+    if s.dist_fault == "join":
+        return _join_rank(s, rank, seed)
+    if s.dist_fault == "zero":
+        return _zero_rank(s, rank, seed)
+    if s.dist_fault in _PARALLEL:
+        setup, fault, fault_rank = _PARALLEL[s.dist_fault]
+        world = torch.distributed.get_world_size()
+        out = parallel_rank(rank, world, setup, fault, fault_rank, "skip", steps=s.run_steps, fault_step=s.fault_step)
+        return (Diagnosis.from_dict(out["diag"]) if out["diag"] else None), out["diag_step"]
     run = build(s, seed, rank=rank)
     model = run.model
     weight = model.blocks[1].mlp.fc.weight
@@ -84,9 +168,15 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
             if s.dist_fault == "nan_replica" and rank == 0:
                 # The update itself goes bad on rank 0 only, just before the fingerprint check.
                 handle = optimizer.register_step_post_hook(lambda *_: _spoil(weight))
+            if s.dist_fault == "toggle" and rank == 1:
+                handle = model.blocks[1].mlp.fc.register_forward_hook(_log_of_negative)
         batch = run.batch(step, faulty=False)
+        closure = run.closure(batch, net)
+        if s.dist_fault == "toggle":
+            batch = [run.batch(2 * step + m, faulty=False) for m in range(2)]
+            closure = _toggling_closure(net, optimizer, batch)
         try:
-            guard.step(run.closure(batch, net), batch=batch)
+            guard.step(closure, batch=batch)
         except NonFiniteError as err:  # what a skip cannot repair escalates at once
             return err.diagnosis, step
         if handle is not None:
@@ -96,6 +186,69 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
     return None, None
 
 
+def _toggling_closure(net: Any, optimizer: torch.optim.Optimizer, micro: list[Any]) -> Any:
+    """nanoGPT's micro-step loop: gradient sync on the last micro-batch only, set by hand."""
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        for i, batch in enumerate(micro):
+            net.require_backward_grad_sync = i == len(micro) - 1
+            _, loss = net(**batch)
+            (loss / len(micro)).backward()
+        return loss
+
+    return closure
+
+
+def _log_of_negative(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return torch.log(out - out.detach().abs().max() - 1.0)  # every value negative: NaN made here
+
+
 def _spoil(weight: torch.Tensor) -> None:
     with torch.no_grad():
         weight.view(-1)[0] = float("nan")
+
+
+def _join_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
+    """Uneven inputs inside ``ddp.join()``; the joined rank learns the diagnosis while it shadows."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    run = build(s, seed, rank=rank)
+    net = DistributedDataParallel(run.model)
+    guard = Guard(net, run.optimizer, policy="skip", max_consecutive_skips=10**6, module_stats=False)
+    steps = _JOIN_BATCHES[rank] or s.run_steps
+    with net.join():
+        for step in range(steps):
+            batch = run.batch(step, faulty=rank == 0)
+            guard.step(run.closure(batch, net), batch=batch)
+    diag = guard.last_diagnosis
+    return diag, diag.step if diag is not None else None
+
+
+def _zero_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
+    """ZeRO under DDP: rank 1's local optimizer spoils one parameter it owns after its update of the fault step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nanguard import compat
+
+    run = build(s, seed, rank=rank)
+    net = DistributedDataParallel(run.model)
+    zero = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=s.lr)
+    run.optimizer = zero
+    guard = Guard(net, zero, policy="rollback", snapshot_every=1, max_consecutive_skips=10**6, module_stats=False)
+    owners = compat.zero_owners(zero) or {}
+    local = compat.zero_local_optimizer(zero)
+    assert local is not None
+    mine = [p for p in run.model.parameters() if owners.get(id(p)) == rank]
+    for step in range(s.run_steps):
+        handle: Any = None
+        if step == s.fault_step and rank == 1 and mine:
+            handle = local.register_step_post_hook(lambda *_: _spoil(mine[-1]))
+        batch = run.batch(step, faulty=False)
+        guard.step(run.closure(batch, net), batch=batch)
+        if handle is not None:
+            handle.remove()
+        if guard.last_diagnosis is not None:
+            return guard.last_diagnosis, step
+    return None, None

@@ -5,18 +5,26 @@ step from the report), run through ``ng.locate``. ``expect`` is derived from the
 the report describes it (which op makes the first non-finite value, in which module, and
 why), never from nanguard's output; ``basis`` says what it rests on. The cases live in
 ``wild_losses`` (loss and training-step code), ``wild_models`` (model code) and
-``wild_masks`` (masks, fills and writes).
+``wild_masks`` (masks, fills and writes), ``wild_norms`` (normalizations and divisions inside
+composite ops) and ``wild_raises`` (torch's own NaN results, gradient surgery, NaNs that surface
+as a raise).
 """
 
 from __future__ import annotations
 
-from nanguard.zoo import wild_losses, wild_masks, wild_models
+from nanguard.zoo import wild_losses, wild_masks, wild_models, wild_norms, wild_raises
 from nanguard.zoo.scenarios import WildScenario
 
 __all__ = ["WILD", "get_wild"]
 
 
-WILD: tuple[WildScenario, ...] = (*wild_losses.SCENARIOS, *wild_models.SCENARIOS, *wild_masks.SCENARIOS)
+WILD: tuple[WildScenario, ...] = (
+    *wild_losses.SCENARIOS,
+    *wild_models.SCENARIOS,
+    *wild_masks.SCENARIOS,
+    *wild_norms.SCENARIOS,
+    *wild_raises.SCENARIOS,
+)
 
 
 def get_wild(name: str) -> WildScenario:

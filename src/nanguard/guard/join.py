@@ -1,0 +1,155 @@
+"""DDP's ``join()`` (uneven inputs): a rank that ran out of batches shadows the guard's collectives.
+
+Inside ``with ddp.join():`` a rank with no batch left loops in the join context, matching the
+others' collectives with zeros: DDP's join hook shadows the forward's and the backward's. The
+guard adds its own to the same hook (``install``): its last gradient bucket carries the
+agreement's room (the guard's comm hook makes that room on every rank whenever ``join()`` is on,
+so the shapes always match), or, when nothing rode, it takes part in the separate agreement
+all-reduce. Its slot says ``JOINED`` and its step slot 0, so the mean loss and the grad norm are
+over the ranks that step, and every rank knows the same set of joined ranks.
+
+On a trip while a rank has joined, the stepping ranks' collectives are the diagnosis gather
+(``dist.gather_diagnosis``), the hardware tracker's gather of where each rank runs (on the run's
+first trip) and one flag saying whether the policy stopped the run; the joined
+rank takes part in both and raises the same ``NonFiniteError`` when it did, so no rank is left
+waiting. The stepping ranks skip what a joined rank cannot shadow: the replica fingerprint check,
+the repeat check of a trip and ``check_batch``'s agreement before the forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.distributed.algorithms.join import JoinHook
+
+from nanguard import compat, dist
+from nanguard.errors import NonFiniteError, OutOfStepError
+from nanguard.findings import Diagnosis
+from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, StepHealth
+
+__all__ = ["in_join", "install", "telling_joined"]
+
+log = logging.getLogger("nanguard")
+
+
+class Guard(Protocol):
+    """What the shadow reads of a ``nanguard.Guard`` (core imports this module, not the reverse)."""
+
+    model: nn.Module
+    disabled: bool
+    health: HealthCheck
+    step_count: int
+    scaler: Any
+    last_diagnosis: Diagnosis | None
+
+
+def install(guard: Guard) -> None:
+    """Make every ``Join`` built over the guard's DDP model (``ddp.join()`` included) run the
+    guard's shadow after DDP's own on a joined rank. Nothing changes outside ``join()``."""
+    model = guard.model
+    if not isinstance(model, nn.parallel.DistributedDataParallel) or not dist.is_distributed():
+        return
+    # The bound method (Join calls joinable.join_hook(**kwargs)); a newer guard on the same model
+    # replaces the older one's shadow rather than adding a second.
+    ddp_hook = getattr(model.join_hook, "ddp_join_hook", model.join_hook)
+    ref = weakref.ref(guard)
+
+    def join_hook(**kwargs: Any) -> JoinHook:
+        return _GuardedJoinHook(ddp_hook(**kwargs), ref)
+
+    join_hook.ddp_join_hook = ddp_hook  # type: ignore[attr-defined]
+    model.join_hook = join_hook  # type: ignore[method-assign]
+
+
+def in_join(model: nn.Module) -> bool:
+    """Is ``model`` a DDP model inside an enabled ``join()`` context?"""
+    return isinstance(model, nn.parallel.DistributedDataParallel) and compat.ddp_join_enabled(model)
+
+
+class _GuardedJoinHook(JoinHook):
+    def __init__(self, inner: JoinHook, guard: weakref.ref[Guard]) -> None:
+        self.inner = inner
+        self.guard = guard
+
+    def main_hook(self) -> None:
+        guard = self.guard()
+        if guard is None or guard.disabled:
+            self.inner.main_hook()
+            return
+        comm = guard.health.comm
+        world = dist.world_size()
+
+        def extras() -> torch.Tensor:
+            out = torch.zeros(2 * world + 2, dtype=torch.float32)
+            out[dist.rank()] = float(HealthFlag.JOINED)
+            return out
+
+        guard.health.comm.reset()
+        if isinstance(comm, dist.DDPCommWatch):
+            comm.shadowing = extras
+        try:
+            self.inner.main_hook()
+        finally:
+            if isinstance(comm, dist.DDPCommWatch):
+                comm.shadowing = None
+        _shadow_step(guard)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.inner.post_hook(is_last_joiner)
+
+
+def _shadow_step(guard: Guard) -> None:
+    """The joined rank's part of one guarded step of the others: the agreement, then a trip's collectives."""
+    carried = guard.health.carried()
+    world = dist.world_size()
+    if carried is not None and not bool((carried[world + 2 :] > 0).any()):
+        carried = None  # the last bucket made room, but nobody rode in it: they agree separately
+    zero = torch.zeros(())
+    mine = DeviceHealth(grad_norm=zero, loss=zero, scale=torch.ones(()), flags=torch.tensor(int(HealthFlag.JOINED)))
+    agreed = mine.agree(sharded=False, carried=carried, step=None)
+    h = mine.read(guard.step_count, agreed, scaled=False)
+    if h.out_of_step:
+        raise OutOfStepError(h.out_of_step)
+    kind = h.trip_kind(scaled=guard.scaler is not None)
+    if kind not in ("params", "trip"):
+        return  # a GradScaler overflow needs the grad norm, which a joined rank does not hold
+    diag = dist.gather_diagnosis(None, h.bad_ranks) if kind == "trip" else None
+    tracker = getattr(guard, "tracker", None)
+    if tracker is not None:
+        tracker.everyone()  # the stepping ranks' trip gathers every rank's whereabouts once
+    raised, step = _tell(False, None)
+    if diag is not None:
+        diag.step = step
+        guard.last_diagnosis = diag
+        log.warning("nanguard: rank %d (joined): step %d of the others: %s", dist.rank(), step, diag.summary())
+    if raised:
+        raise NonFiniteError(diag, f"{diag}\n(the ranks still stepping stopped)" if diag else None)
+
+
+def _tell(raised: bool, step: int | None) -> tuple[bool, int]:
+    """One all-reduce (max) of ``[raised, step]``: did any rank's policy stop the run, and the step
+    of the stepping ranks (a joined rank sends ``[0, -1]``)."""
+    vec = torch.tensor([int(raised), -1 if step is None else step], dtype=torch.int64)
+    tdist.all_reduce(vec, op=tdist.ReduceOp.MAX)
+    return bool(vec[0]), int(vec[1])
+
+
+@contextlib.contextmanager
+def telling_joined(h: StepHealth, step: int) -> Iterator[None]:
+    """Around the handling of a trip at ``step``: when a rank has joined, tell it whether the policy raised."""
+    if not h.joined:
+        yield
+        return
+    try:
+        yield
+    except NonFiniteError:
+        _tell(True, step)
+        raise
+    _tell(False, step)

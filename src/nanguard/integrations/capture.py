@@ -1,0 +1,185 @@
+"""The step-capture every framework integration shares: record, check, replay, hold.
+
+A framework owns the loop, so the guard cannot run a closure. Instead an integration records
+each micro-batch of the optimizer step as the framework runs it (its inputs and the RNG state
+before its forward), backs up normalization running statistics at the first one, and hands the
+step to ``Guard.check`` with a replay that re-runs those micro-batches. On a skip it makes the
+framework's own ``optimizer.step()`` a no-op, puts the running statistics back, and holds the
+LR schedulers so the step the framework takes on them anyway is undone.
+
+The Lightning callback, the Hugging Face callback and the Fabric guard each say only *where*
+their framework exposes these moments.
+
+Example:
+    >>> capture = StepCapture(model)
+    >>> capture.record((batch,))                  # before each micro-batch's forward
+    >>> micro = capture.take()                   # once the step's backward is done
+    >>> ok = capture.check(guard, loss, micro, replay=lambda: rerun(micro), batch=batch)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard.errors import NonFiniteError
+from nanguard.guard import Guard
+from nanguard.integrations import drop_grads, running_stats
+from nanguard.rng import get_rng_state, set_rng_state
+
+__all__ = ["HeldSchedulers", "Micro", "StepCapture"]
+
+
+@dataclass
+class Micro:
+    """One recorded micro-batch: the arguments its forward was called with, and the RNG state
+    before it and the autocast it ran under; ``loss`` once the framework has computed it;
+    ``run``, the function the arguments went to when it is not the model itself (``micro_step``)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    rng: dict[str, torch.Tensor] = field(default_factory=get_rng_state)
+    loss: torch.Tensor | None = None
+    run: Callable[..., Any] | None = None
+    autocast: list[tuple[str, torch.dtype]] = field(default_factory=lambda: _autocast_now())
+
+
+class StepCapture:
+    """The micro-batches of the optimizer step in progress, and the running statistics from before it.
+
+    Example:
+        >>> capture = StepCapture(model)
+        >>> capture.record((x,), {"labels": y})
+        >>> [m.args for m in capture.take()]
+        [(x,)]
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.micro: list[Micro] = []
+        self.replaying = False
+        self._stats = running_stats(model if model is not None else nn.Module())
+
+    def watch(self, model: nn.Module) -> None:
+        """Back up ``model``'s running statistics from now on (the model is known late in some frameworks)."""
+        self._stats = running_stats(model)
+
+    def record(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Micro | None:
+        """Record one micro-batch before its forward; None (nothing recorded) during a replay."""
+        if self.replaying:
+            return None
+        if not self.micro:
+            self._stats.save()  # the first micro-batch of the step: its forward may update them
+        m = Micro(args, dict(kwargs or {}))
+        self.micro.append(m)
+        return m
+
+    def take(self) -> list[Micro]:
+        """The step's micro-batches; the next ``record`` starts a new step."""
+        micro, self.micro = self.micro, []
+        return micro
+
+    def restore_stats(self) -> None:
+        self._stats.restore()
+
+    @contextlib.contextmanager
+    def replay_mode(self) -> Iterator[None]:
+        """Inside the block the framework's forwards are the replay's: nothing is recorded."""
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+
+    def replay(self, model: nn.Module, micro: Sequence[Micro], run: Callable[[Micro], Any]) -> list[Any]:
+        """Zero ``model``'s gradients, then ``run`` each micro-batch from its own RNG state; the
+        results, for the tracer to follow to the loss."""
+        model.zero_grad(set_to_none=True)
+        results = []
+        with self.replay_mode():
+            for m in micro:
+                set_rng_state(m.rng)
+                out = run(m)
+                if out is not None:
+                    results.append(out)
+        return results
+
+    @staticmethod
+    @contextlib.contextmanager
+    def precision(m: Micro) -> Iterator[None]:
+        """The autocast ``m``'s forward ran under (``torch.autocast`` around the loop's forward)."""
+        with contextlib.ExitStack() as stack:
+            for device, dtype in m.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            yield
+
+    def check(
+        self,
+        guard: Guard,
+        loss: Any,
+        micro: Sequence[Micro],
+        *,
+        replay: Callable[[], Any] | None,
+        batch: Any,
+        optimizer: torch.optim.Optimizer | None = None,
+        on_raise: Callable[[], None] | None = None,
+    ) -> bool:
+        """``guard.check`` on the step; True when the framework may step the optimizer.
+
+        On a skip or rollback the gradients are dropped (the framework's ``optimizer.step()`` then
+        changes neither weights nor optimizer state) and the running statistics put back, unless
+        a rollback restored every buffer already. Under ``policy="raise"`` the statistics are put
+        back and ``on_raise`` runs before the ``NonFiniteError`` goes on.
+        """
+        try:
+            ok = guard.check(loss, replay=replay, batch=batch, rng=micro[0].rng if micro else None)
+        except NonFiniteError:
+            self.restore_stats()
+            if on_raise is not None:
+                on_raise()
+            raise
+        if not ok:
+            drop_grads(optimizer if optimizer is not None else guard.optimizer)
+            if guard.last_action != "rollback":
+                self.restore_stats()
+        return ok
+
+
+def _autocast_now() -> list[tuple[str, torch.dtype]]:
+    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+
+
+class HeldSchedulers:
+    """LR schedulers held across a skipped step: the framework steps them after any optimizer
+    step, so their state and the optimizer's LRs are saved on the skip and put back after.
+
+    Example:
+        >>> held = HeldSchedulers()
+        >>> held.hold([scheduler], optimizer)    # on the skip
+        >>> held.release()                       # after the framework stepped the scheduler
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[Any, dict[str, Any]]] = []
+        self._lrs: list[tuple[dict[str, Any], Any]] = []
+
+    def hold(self, schedulers: Sequence[Any], optimizer: torch.optim.Optimizer) -> None:
+        """Save the schedulers' states and the LRs (nothing to hold when there is no scheduler)."""
+        self._held = [(s, copy.deepcopy(s.state_dict())) for s in schedulers]
+        self._lrs = [(group, group["lr"]) for group in optimizer.param_groups] if self._held else []
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def release(self) -> None:
+        for scheduler, state in self._held:
+            scheduler.load_state_dict(state)
+        for group, lr in self._lrs:
+            group["lr"] = lr
+        self._held, self._lrs = [], []

@@ -1,0 +1,322 @@
+"""A hand-written loop guarded where it stands (nanoGPT, llm.c): two lines, no closure.
+
+``LoopGuard(model, optimizer)`` watches the loop the user already wrote: each training forward
+of ``model`` (its inputs, the RNG state and the autocast before it, and the loss it returned),
+and the loop's own ``optimizer.step()``, which checks the step first and then steps or skips it,
+every rank agreeing. A tripped step's micro-batches are replayed for the user, each from its
+own RNG state with gradient communication off (whatever the loop sets
+``require_backward_grad_sync`` to), under ``ng.locate``. Nothing else in the loop changes: its
+own micro-batch fetching, ``no_sync``/``require_backward_grad_sync`` toggle, loss all-reduce,
+``clip_grad_norm_`` and LR schedule run as written, on every rank, skipped step or not.
+
+Example:
+    >>> from nanguard.integrations.loop import LoopGuard
+    >>> guard = LoopGuard(model, optimizer, policy="skip", run_dir="runs/exp1")
+    >>> for step in range(steps):
+    ...     for micro_step in range(accum):
+    ...         x, y = loader.next_batch()
+    ...         _, loss = model(x, y)             # recorded: inputs, RNG state, loss
+    ...         (loss / accum).backward()
+    ...     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    ...     optimizer.step()                      # checked first; skipped when the step tripped
+    ...     optimizer.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from nanguard import dist
+from nanguard.guard import Guard
+from nanguard.integrations import GuardedCallback, guard_options
+from nanguard.integrations.capture import Micro, StepCapture
+from nanguard.text import diagnosis_text
+
+__all__ = ["LoopGuard"]
+
+log = logging.getLogger("nanguard")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class LoopGuard(GuardedCallback):
+    """Checks each ``optimizer.step()`` of a hand-written loop for NaN/Inf, diagnoses a trip, and
+    skips, rolls back or raises.
+
+    ``model`` is the module the loop calls (DDP-wrapped or compiled as it is); ``policy`` and
+    ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``). The replay divides each
+    micro-batch's loss by their number, as a loop that back-propagates ``loss / accum`` does
+    (``mean=False``: as is). ``scheduler`` is left unstepped after a skipped step and restored by a
+    rollback. ``last_grad_norm`` is the step's gradient norm the guard measured; ``close()`` (or
+    leaving a ``with`` block) ends the run's log and unhooks the loop.
+
+    Example:
+        >>> with LoopGuard(model, optimizer, policy="raise") as guard:
+        ...     train(model, optimizer)
+        >>> guard.skipped, guard.last_grad_norm
+        (0, 0.53)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        policy: str = "skip",
+        *,
+        scheduler: Any = None,
+        run_dir: str | Path | None = None,
+        mean: bool = True,
+        **options: Any,
+    ) -> None:
+        guard_options(policy, options)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        guard = Guard(model, optimizer, policy, scheduler=scheduler, run_dir=run_dir, **options)
+        self._watch(model, optimizer, guard, scheduler=scheduler, mean=mean, user=dist.unwrap(model))
+
+    def _watch(self, model: nn.Module, optimizer: Any, guard: Guard, *, scheduler: Any, mean: Any,
+               user: nn.Module) -> None:  # fmt: skip
+        """Hook the loop: ``model`` is what it calls, ``optimizer`` what it steps (``guard.optimizer``
+        is the torch optimizer inside it, whose step hooks run whoever calls its ``step``)."""
+        if not isinstance(mean, bool):
+            raise ValueError(f"mean must be True (the loop divides each loss by their number) or False, got {mean!r}")
+        self.model, self.optimizer, self.scheduler, self.mean = model, optimizer, scheduler, mean
+        self.guard: Guard | None = guard
+        self.trips = 0
+        self._user = user
+        self._capture = StepCapture(model)
+        self._verdict: bool | None = None  # this step's, once checked
+        self._hold_scheduler = False
+        self._in_micro_step = False
+        self._skipping = False
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+            guard.optimizer.register_step_pre_hook(self._before_step),
+            guard.optimizer.register_step_post_hook(self._after_step),
+        ]
+        if scheduler is not None:
+            self._scheduler_step = scheduler.step
+            scheduler.step = self._scheduler_step_unless_skipped
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """``Guard.last_grad_norm``: the latest step's gradient norm, across ranks and before the
+        loop's clip; NaN or Inf for a step that tripped; None before the first."""
+        return self.guard.last_grad_norm if self.guard is not None else None
+
+    # -- what the loop calls -----------------------------------------------------------------
+    def micro_step(self, fn: F) -> F:
+        """Decorate the function that computes one micro-batch's loss from its arguments (when
+        the loss is computed outside the model); each call is recorded and a trip's replay calls
+        it again, backward included.
+
+        Example:
+            >>> @guard.micro_step
+            ... def loss_of(x, y):
+            ...     return F.cross_entropy(model(x), y)
+        """
+        if not callable(fn):
+            raise ValueError(f"micro_step takes the function computing a micro-batch's loss, got {type(fn).__name__}")
+
+        @functools.wraps(fn)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if self._in_micro_step or not torch.is_grad_enabled() or not self.model.training:
+                return fn(*args, **kwargs)
+            m = self._capture.record(args, kwargs)
+            if m is not None:
+                m.run = fn
+            self._in_micro_step = True
+            try:
+                loss = fn(*args, **kwargs)
+            finally:
+                self._in_micro_step = False
+            if m is not None and _scalar(loss):
+                m.loss = loss.detach()
+            return loss
+
+        return recorded  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Unhook the loop and end the run's log (the guard's counters stay readable)."""
+        if self.guard is None or not self._hooks:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._unhook()
+        if self.scheduler is not None:
+            vars(self.scheduler).pop("step", None)
+        self.guard.close()
+
+    def _unhook(self) -> None:
+        """What a subclass hooked besides the forwards and the steps."""
+
+    def __enter__(self) -> LoopGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's counters and history, to save with a checkpoint."""
+        return self.guard.state_dict() if self.guard is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.guard is not None:
+            self.guard.load_state_dict(state)
+
+    # -- the loop's moments ------------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._in_micro_step or not module.training or not torch.is_grad_enabled():
+            return  # inside a recorded micro_step, evaluation, or generation
+        self._verdict = None  # a forward after the step's check starts the next step
+        self._capture.record(args, kwargs)  # nothing during our own replay
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        micro = self._capture.micro
+        if self._in_micro_step or self._capture.replaying or not micro or micro[-1].loss is not None:
+            return
+        loss = _loss_of(output)
+        if loss is not None:
+            micro[-1].loss = loss.detach()
+
+    def _before_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:  # args[0] is the optimizer
+            raise ValueError("the guard checks the gradients the loop computed: call optimizer.step() without a "
+                             "closure, or use ng.Guard(...).step(closure)")  # fmt: skip
+        ok, self._verdict = self._decide(), None
+        # A skipped step's gradients are gone (capture.check dropped them): this step changes nothing.
+        self._skipping = not ok
+        if not ok:
+            self._hold_scheduler = self.scheduler is not None
+
+    def _after_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._skipping:
+            self._skipping = False
+            return
+        assert self.guard is not None
+        self.guard.after_step()
+
+    def _scheduler_step_unless_skipped(self, *args: Any, **kwargs: Any) -> Any:
+        if self._hold_scheduler:
+            self._hold_scheduler = False
+            return None
+        return self._scheduler_step(*args, **kwargs)
+
+    # -- the check and the replay ------------------------------------------------------------
+    def _step_loss(self, micro: list[Micro]) -> torch.Tensor | None:
+        """The loss the loop back-propagated over the step: the micro-batches' losses, averaged
+        (``mean``) or summed; None (the gradients alone decide) when one is unknown."""
+        if not micro or any(m.loss is None for m in micro):
+            return None
+        losses = torch.stack([m.loss.float().reshape(()) for m in micro])  # type: ignore[union-attr]
+        return losses.mean() if self.mean else losses.sum()
+
+    def _decide(self) -> bool:
+        """This step's verdict: checked once, the same answer after."""
+        if self._verdict is not None:
+            return self._verdict
+        guard = self.guard
+        assert guard is not None
+        micro = self._capture.take()
+        before = guard.last_diagnosis
+        self._verdict = self._capture.check(
+            guard,
+            self._step_loss(micro),
+            micro,
+            replay=(lambda: self._replay(micro)) if micro else None,
+            batch=_batch_of(micro, self._user.forward),
+            on_raise=lambda: self._record(before),
+        )
+        if not self._verdict:
+            self._record(before)
+        return self._verdict
+
+    def _replay(self, micro: list[Micro]) -> list[Any]:
+        """Each micro-batch's forward (and loss), then backward on it scaled as the loop scaled it."""
+        n = len(micro) if self.mean else 1
+
+        def run(m: Micro) -> Any:
+            with self._capture.precision(m):
+                out = m.run(*m.args, **m.kwargs) if m.run is not None else self.model(*m.args, **m.kwargs)
+            loss = out if m.run is not None else _loss_of(out)
+            if not _scalar(loss):
+                return out  # a loss computed outside the model and no micro_step: trace the forward alone
+            self._backward(loss / n)
+            return loss
+
+        return self._capture.replay(self.model, micro, run)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _record(self, before: Any) -> None:
+        guard = self.guard
+        assert guard is not None
+        diag = guard.last_diagnosis
+        if guard.last_action not in ("skip", "rollback", "raise") or diag is None or diag is before:
+            return  # a batch dropped after a rollback was counted by the guard already
+        self.trips += 1
+        if self._announces():  # every rank agreed on this diagnosis: print it once
+            log.warning("%s", diagnosis_text(diag))
+
+    def _announces(self) -> bool:
+        return dist.rank() == 0
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(fn: Callable[..., Any], bound: bool) -> inspect.Signature:
+    """``fn``'s signature, read once (every step names its inputs); ``bound``: without ``self``."""
+    signature = inspect.signature(fn)
+    return signature.replace(parameters=list(signature.parameters.values())[1:]) if bound else signature
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    """A model's loss in its output: a one-element tensor, ``output["loss"]``, or the first
+    one-element floating tensor among a tuple's items (nanoGPT's ``logits, loss``)."""
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    elif isinstance(output, (tuple, list)):
+        output = next((t for t in output if _scalar(t)), None)
+    return output if _scalar(output) else None
+
+
+def _scalar(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+
+
+def _batch_of(micro: list[Micro], forward: Callable[..., Any]) -> Any:
+    """The step's inputs as the diagnosis names them, by the parameter names of the function they
+    went to (``batch['idx']``); a list with one entry per micro-batch."""
+    if not micro:
+        return None
+    batches = [_named_arguments(m.run or forward, m) for m in micro]
+    return batches[0] if len(batches) == 1 else batches
+
+
+def _named_arguments(fn: Callable[..., Any], m: Micro) -> dict[str, Any]:
+    try:
+        signature = _signature(getattr(fn, "__func__", fn), hasattr(fn, "__self__"))
+        bound = signature.bind(*m.args, **m.kwargs).arguments
+    except (TypeError, ValueError):  # no signature to read, or one the call does not fit
+        return {**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs}
+    named: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update({f"{name}[{i}]": a for i, a in enumerate(value)})
+        else:
+            named[name] = value
+    return named
