@@ -436,7 +436,7 @@ class Guard:
         if verdict.kind in ("collapse", "replicas"):
             self._repair(verdict, diag, action)
             return False
-        _track(self, diag, verdict.step)
+        _track(self, diag, verdict.step, kind)
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
         self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
@@ -460,6 +460,8 @@ class Guard:
             self.recovery.reset_overflow_streak()
             return
         ranks = [self.rank] if verdict.kind == "collapse" else diag.ranks
+        if verdict.kind == "replicas":  # every rank compares fingerprints: the tracker's gather is safe
+            _track(self, diag, step, kind)
         self.recorder.trip(step, action=kind, ranks=ranks, diagnosis=diag)
         if verdict.kind == "replicas":
             _announce(self.rank, step, diag, kind)
@@ -671,10 +673,10 @@ def _end_drill(guard: Guard) -> None:
                        spiked=guard.history.spikes > guard._spikes_before)  # fmt: skip
 
 
-def _track(guard: Guard, diag: Diagnosis, step: int) -> None:
-    """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
-    hardware tracker (``guard/tracker.py``)."""
-    guard.injector.mark(diag, step)
+def _track(guard: Guard, diag: Diagnosis, step: int, action: str) -> None:
+    """Which planted faults the trip answers (and the action taken), and where it ran, into its
+    diagnosis and the run's hardware tracker (``guard/tracker.py``)."""
+    guard.injector.mark(diag, step, action)
     try:
         guard.tracker.trip(diag, step)
     except Exception as err:  # evidence only: nanguard's own failure must not kill training
