@@ -63,9 +63,9 @@ class History:
         divergence_factor: float,
     ) -> None:
         self.points: deque[Point] = deque(maxlen=size)
-        spike_args = {"window": spike_window, "warmup": spike_warmup, "threshold": spike_threshold}
-        self.loss_spikes = SpikeDetector("loss", **spike_args)
-        self.grad_spikes = SpikeDetector("grad_norm", **spike_args)
+        self.loss_spikes = SpikeDetector("loss", window=spike_window, warmup=spike_warmup, threshold=spike_threshold)
+        self.grad_spikes = SpikeDetector("grad_norm", window=spike_window, warmup=spike_warmup,
+                                         threshold=spike_threshold)  # fmt: skip
         self.divergence_window = divergence_window
         self.divergence_factor = divergence_factor
         self.spikes = 0
