@@ -1,6 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CORE_STAMP := $(VENV)/.installed-core
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test lint bench clean
@@ -15,17 +16,23 @@ $(CORE_STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $(CORE_STAMP)
 
-# The tests need the extras: report (matplotlib), lightning, transformers, accelerate, tensorboard.
+# The demo needs the package and its report extra (matplotlib) only.
+$(DEMO_STAMP): $(CORE_STAMP)
+	$(PY) -m pip install --quiet -e ".[report]"
+	touch $(DEMO_STAMP)
+
+# The tests need the extras: report (matplotlib), lightning, transformers, accelerate, tensorboard, mypy.
 $(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/nanguard demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest

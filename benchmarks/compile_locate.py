@@ -141,7 +141,8 @@ def trips(backends: list[str]) -> None:
         out = subprocess.run([sys.executable, __file__, "--one-trip", backend], capture_output=True, text=True,
                              check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
         got = json.loads(out.stdout.strip().splitlines()[-1])
-        named = f"{got['cause']}, graph {got['graph']}, module `{got['module']}`"
+        module = f"module `{got['module']}`" if got["module"] else "no single module (several outputs differ)"
+        named = f"{got['cause']}, graph {got['graph']}, {module}"
         named += f", aot_eager finite: {got['aot_eager_finite']}"
         rows.append(
             f"| {backend} | {got['step']:.3f} | {got['trip']:.2f} | {got['trip'] / got['step']:.0f}x | {named} |"

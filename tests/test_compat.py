@@ -185,6 +185,35 @@ def test_scaler_steps_aside_lets_a_replay_unscale_again() -> None:
     assert torch.equal(param.grad, torch.full((2,), 0.5))
 
 
+def test_the_dispatch_mode_sees_each_op_and_the_autograd_node_of_backward() -> None:
+    seen: list[tuple[str, bool]] = []
+
+    class Mode(compat.DispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((str(func), compat.current_autograd_node() is not None))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3, requires_grad=True)
+    before = compat.autograd_sequence_nr()
+    with Mode():
+        y = x.log().sum()
+        built = compat.autograd_sequence_nr()
+        y.backward()
+    assert built >= before + 2  # log and sum each made an autograd node
+    assert ("aten.log.default", False) in seen  # forward: no node is running
+    assert any(running for op, running in seen if op != "aten.log.default")  # backward: its node is
+    assert compat.current_autograd_node() is None
+
+
+def test_op_overloads_and_uninitialized_parameters_are_told_apart() -> None:
+    assert compat.is_op_overload(torch.ops.aten.log) and compat.is_op_overload(torch.ops.aten.log.default)
+    assert not compat.is_op_overload(torch.log)
+    lazy = torch.nn.LazyLinear(2)
+    assert compat.is_uninitialized(lazy.weight)
+    lazy(torch.ones(1, 3))
+    assert not compat.is_uninitialized(lazy.weight)
+
+
 def _dtensor_internals(rank, world):
     from torch.distributed import _functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh

@@ -363,3 +363,13 @@ def test_report_takes_several_run_dirs_and_tables_trips_per_device(tmp_path: Pat
     out, _ = capsys.readouterr()
     assert "Trips per host and device (2 runs)" in out and "step.not_reproduced x2" in out
     assert main(["report", str(tmp_path / "job"), str(tmp_path / "restart"), "--html", str(tmp_path / "x.html")]) == 2
+
+
+def test_a_trip_after_a_skipped_spike_is_not_divergence(tmp_path: Path) -> None:
+    # The skipped spike never reached the weights: the NaN three steps later is its own fault (the old
+    # history kept the spike as the "spike before the trip" and named optimizer.divergence).
+    faults = [{"kind": "spike_loss", "step": 12, "rank": 0}, {"kind": "nan_grad", "step": 15, "rank": 0}]
+    result = drill_rank(0, 1, faults, 17, str(tmp_path))
+    assert result["actions"][12] == "skip" and result["actions"][15] == "skip" and result["broken"] == []
+    (trip,) = [e for e in read_events(tmp_path / "events-rank0.jsonl") if e["kind"] == "trip"]
+    assert trip["step"] == 15 and trip["diagnosis"]["cause"] == "op.nan_write"

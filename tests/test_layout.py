@@ -13,7 +13,11 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 MAX_METHOD_LINES = 60
 # Optional dependencies: a module that needs one is left out when it is not installed.
-OPTIONAL = {"nanguard.integrations.lightning": "lightning", "nanguard.integrations.hf": "transformers"}
+OPTIONAL = {
+    "nanguard.integrations.lightning": "lightning",
+    "nanguard.integrations.fabric": "lightning",
+    "nanguard.integrations.hf": "transformers",
+}
 # Each module is imported first, with no other nanguard module loaded: a module in an import
 # cycle then meets a half-initialized partner ("partially initialized module"). torch and the
 # other dependencies stay loaded between modules, so one fresh interpreter serves them all.

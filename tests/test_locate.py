@@ -304,3 +304,16 @@ def test_a_zero_count_is_the_batchs_only_when_counted_from_the_batch(count_of, c
     assert diag is not None and diag.cause == cause and diag.op == "aten.div.Tensor"
     assert diag.evidence["origin"]["inputs"][1].get("counted_from") == counted_from
     assert diag.phase == ("data" if counted_from else "forward")
+
+
+def test_code_that_raises_on_the_nan_it_made_still_gets_the_nan_named() -> None:
+    # A loop that checks its own loss and raises: the NaN was created first, so locate names it
+    # (the error path once returned a bare Diagnosis where the caller unpacks one with its comm count).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.log(x - 5)
+        if not torch.isfinite(y).all():
+            raise RuntimeError("loss is NaN, stopping")
+        return y.sum()
+
+    diag = ng.locate(fn, torch.ones(3))
+    assert diag is not None and (diag.cause, diag.op) == ("op.log_domain", "aten.log.default")

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from nanguard import stepline
 from nanguard.events import EventLog
+from nanguard.guard.recorder import Recorder
 from nanguard.report.load import load_run
 from nanguard.report.stream import MAX_POINTS, read_rank_log
 
@@ -120,3 +122,23 @@ def test_steps_union_over_ranks_restarts_and_events(tmp_path: Path) -> None:
         report = load_run(tmp_path)
     assert not report.ranks[0].series.ordered and report.ranks[1].series.ordered
     assert list(report.steps) == sorted({*range(0, 60), *range(10, 70, 2), 75})
+
+
+def test_the_writer_writes_the_layout_the_fast_reader_splits(tmp_path: Path) -> None:
+    recorder = Recorder(tmp_path, rank=3, max_bundle_bytes=0)
+    recorder.step(7, loss=2.5, grad_norm=math.inf, scale=None, skipped=True)
+    recorder.step(8, loss=None, grad_norm=0.25, scale=1024.0, skipped=False)
+    recorder.close()
+    lines = [ln for ln in (tmp_path / "events-rank3.jsonl").read_bytes().splitlines(keepends=True) if b'"step"' in ln]
+    assert [tuple(json.loads(ln)) for ln in lines] == [stepline.KEYS] * 2
+    run = b"".join(lines)
+    columns = stepline.split_run(run, lines=2, rank=3)
+    assert columns is not None and columns.loss == [b'"loss":2.5', b'"loss":null']
+    assert columns.scale == [b'"scale":null', b'"scale":1024.0'] and columns.skipped[0] == b'"skipped":true'
+    assert stepline.split_run(run, lines=2, rank=0) is None  # another rank's lines are not this rank's
+    assert [m[:5] for m in stepline.LINE.findall(run)[:2]] == [
+        (b"7", b"2.5", b'"inf"', b"true", b"null"), (b"8", b"null", b"0.25", b"false", b"1024.0")
+    ]  # fmt: skip
+    swapped = run.replace(b'"loss":2.5,"grad_norm":"inf"', b'"grad_norm":"inf","loss":2.5')
+    cut = stepline.split_run(swapped, lines=2, rank=3)  # cut by position: the keys tell it is not the layout
+    assert cut is not None and not all(c.startswith(stepline.cell("loss")) for c in cut.loss)

@@ -6,6 +6,7 @@ The public names load on first use, so ``nanguard --help`` answers without impor
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,7 +31,17 @@ __all__ = [
     "locate",
     "replay",
 ]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("nanguard")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
+"""The installed distribution's version: pyproject.toml is its one source."""
 
 _HOME = {
     "CAUSES": "nanguard.findings",

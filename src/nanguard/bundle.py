@@ -703,7 +703,9 @@ def replay(
     if not bundle.batch_stored:
         raise BundleError(bundle.path, "batch not stored: shapes only (it was over max_batch_bytes)")
     if locate_fn is None:
-        from nanguard.tracer import locate as locate_fn
+        from nanguard.tracer import locate
+
+        locate_fn = locate
     if fn is None:
         if model is None:
             raise ValueError("replay needs a model or a step function fn")

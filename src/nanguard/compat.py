@@ -17,10 +17,36 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.nn import parameter as _parameter
+from torch.utils import _python_dispatch
+
+# Known to work: torch 2.4 - 2.13.0. The base class of a mode that sees every aten op (the tracer's
+# and the headroom check's); torch's own FlopCounterMode and DebugMode are built on it.
+DispatchMode = _python_dispatch.TorchDispatchMode
+
+# Known to work: torch 2.4 - 2.13.0. Aliases, not wrappers: the tracer calls them on every op.
+# The number the next autograd node will get (nodes are numbered in creation order) ...
+autograd_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+# ... and the autograd node whose backward is running now (None outside backward).
+current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
+
+
+def is_op_overload(target: Any) -> bool:
+    """Is ``target`` an aten op (``torch.ops.aten.log`` or ``torch.ops.aten.log.default``)?"""
+    return isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload))
+
+
+def is_uninitialized(t: torch.Tensor) -> bool:
+    """A lazy module's parameter or buffer that has no values yet (``nn.LazyLinear`` before its first call)."""
+    return isinstance(t, _parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
+
 
 __all__ = [
     "COMM_NAMESPACES",
+    "DispatchMode",
+    "autograd_sequence_nr",
     "compiled_backend",
+    "current_autograd_node",
     "ddp_has_comm_hook",
     "ddp_join_enabled",
     "ddp_join_paused",
@@ -37,6 +63,8 @@ __all__ = [
     "hf_set_initial_step",
     "hf_trainer_of",
     "inner_tensor",
+    "is_op_overload",
+    "is_uninitialized",
     "lightning_logging_off",
     "lightning_step_context",
     "lookup_backend",
@@ -88,7 +116,7 @@ def ddp_join_paused(model: nn.Module) -> Iterator[None]:
 
     saved, sync = model._join_config, model.require_forward_param_sync
     model._join_config = _JoinConfig.construct_disabled_join_config()
-    model.require_forward_param_sync = False
+    model.require_forward_param_sync = False  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -109,7 +137,7 @@ def zero_owners(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
     """``id(parameter) -> rank`` that updates it, for a ``ZeroRedundancyOptimizer``; None for any other."""
     if zero_local_optimizer(optimizer) is None:
         return None
-    return {id(p): r for p, r in optimizer._param_to_rank.items()}
+    return {id(p): r for p, r in optimizer._param_to_rank.items()}  # type: ignore[attr-defined]
 
 
 # Known to work: torch 2.13.0. ``GradScaler._scale`` is the scale as a device tensor;

@@ -551,7 +551,7 @@ def backward_roots() -> Iterator[list[torch.Tensor]]:
         roots.extend([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
         return original(tensors, *args, **kwargs)
 
-    torch.autograd.backward = recording  # type: ignore[assignment]
+    torch.autograd.backward = recording
     try:
         yield roots
     finally:

@@ -6,6 +6,9 @@ Every ``Guard`` reads them when it is built; ``nanguard doctor`` shows them.
 from __future__ import annotations
 
 import os
+from typing import TypeVar
+
+T = TypeVar("T")
 
 __all__ = ["POLICIES", "VARIABLES", "disabled", "inject", "policy", "run_dir"]
 
@@ -57,7 +60,7 @@ def disabled() -> bool:
     return os.environ.get("NANGUARD_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def inject(default: object) -> object:
+def inject(default: T | None) -> T | str | None:
     """``default`` when the code gave faults to plant, else NANGUARD_INJECT (None when unset).
 
     Example:

@@ -343,7 +343,7 @@ def _backward_roots(change: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[
             sent.append(tensors)
         return original(tensors, *args, **kwargs)
 
-    torch.autograd.backward = planted  # type: ignore[assignment]
+    torch.autograd.backward = planted
     try:
         yield sent
     finally:
@@ -369,7 +369,7 @@ def _on_the_wire(active: bool) -> Iterator[list[bool]]:
                 _poison(tensor)
         return original(tensor, *args, **kwargs)
 
-    tdist.all_reduce = corrupting  # type: ignore[assignment]
+    tdist.all_reduce = corrupting
     try:
         yield hit
     finally:

@@ -133,7 +133,7 @@ _ACCUMULATE = {"cuda": torch.float64}
 
 def _norm_of_norms(groups: list[Sequence[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
     # One foreach kernel per group, then one stack of the per-tensor norms and their norm.
-    norms = []
+    norms: list[torch.Tensor] = []
     for ts in groups:
         found = compat.foreach_norm(list(ts), 2.0, dtype=acc)
         norms.extend(found if len(groups) == 1 else (n.to(device) for n in found))

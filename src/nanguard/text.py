@@ -251,7 +251,8 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
             output  float32 [8, 4, 32, 32], finite range 0 .. 1, 4096 NaN
     """
     ev = diag.evidence or {}
-    origin = ev.get("origin") if isinstance(ev.get("origin"), Mapping) else {}
+    found = ev.get("origin")
+    origin: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
     lines: list[tuple[str, str]] = []
     if ev.get("why"):
         lines.append(("why", str(ev["why"])))
@@ -360,7 +361,8 @@ def op_path(diag: DiagnosisFields) -> list[dict[str, Any]]:
         [('origin', 'aten._softmax.default'), ('after', 'aten.detach.default'), ...]
     """
     ev = diag.evidence or {}
-    origin = ev.get("origin") if isinstance(ev.get("origin"), Mapping) else {}
+    found = ev.get("origin")
+    origin: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
     rows: list[dict[str, Any]] = []
     for item in ev.get("before") or []:
         if isinstance(item, Mapping):

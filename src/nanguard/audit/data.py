@@ -99,8 +99,8 @@ def check_batch(
                 pending.append(_check_range(reader, where, t, vocab, ignore_index=ignore_index))
     if not pending:
         return []
-    values = reader.read()
-    return [finding for done in pending for finding in done(values)]
+    counts = reader.read()
+    return [finding for done in pending for finding in done(counts)]
 
 
 # --------------------------------------------------------------------------- traversal

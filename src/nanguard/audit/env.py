@@ -245,7 +245,7 @@ def _check_nanguard_variables() -> list[DoctorItem]:
     items = []
     for name, meaning in environ.VARIABLES:
         value = os.environ.get(name)
-        bad = name == "NANGUARD_POLICY" and bool(value) and value.strip() not in environ.POLICIES
+        bad = name == "NANGUARD_POLICY" and value is not None and bool(value) and value.strip() not in environ.POLICIES
         advice = f"must be one of {environ.POLICIES}: every Guard will refuse to start" if bad else meaning
         items.append(DoctorItem(name, "error" if bad else "ok", value if value is not None else "unset", advice))
     return items

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.loss import _Loss
-from torch.nn.parameter import UninitializedTensorMixin
 
+from nanguard import compat
 from nanguard.dtypes import dtype_facts
 from nanguard.findings import Finding
 from nanguard.stats import INIT_RATIO_HIGH, INIT_RATIO_LOW, fan_in, init_ratio
@@ -65,7 +65,7 @@ def audit_model(model: nn.Module, *, data_parallel: bool | None = None) -> list[
     modules = list(model.named_modules())
     entries = _entries(modules)
     embedding_weights = {id(m.weight) for _, m in modules if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
-    weights = {
+    weights: dict[int, tuple[str, nn.Module]] = {
         id(m.weight): (name, m)
         for name, m in modules
         if isinstance(m, (nn.Linear, _ConvNd))
@@ -95,7 +95,7 @@ def audit_model(model: nn.Module, *, data_parallel: bool | None = None) -> list[
 def _readable(t: object) -> bool:
     return (
         isinstance(t, torch.Tensor)
-        and not isinstance(t, UninitializedTensorMixin)
+        and not compat.is_uninitialized(t)
         and t.device.type != "meta"
         and t.layout == torch.strided
         and t.numel() > 0
@@ -106,7 +106,9 @@ def _entries(modules: list[tuple[str, nn.Module]]) -> list[_Entry]:
     seen: set[int] = set()
     out: list[_Entry] = []
     for name, module in modules:
-        tensors = [("parameter", a, t) for a, t in module.named_parameters(recurse=False)]
+        tensors: list[tuple[str, str, torch.Tensor]] = [
+            ("parameter", a, t) for a, t in module.named_parameters(recurse=False)
+        ]
         tensors += [("buffer", a, t) for a, t in module.named_buffers(recurse=False)]
         for kind, attr, t in tensors:
             if id(t) in seen or not _readable(t) or not (t.is_floating_point() or t.is_complex()):

@@ -15,10 +15,10 @@ import contextlib
 import logging
 import math
 import numbers
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,7 +96,7 @@ class Guard:
         *,
         scaler: Any = None,
         scheduler: Any = None,
-        run_dir: str | Path | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         inject: str | list[Fault] | None = None,
@@ -106,10 +106,9 @@ class Guard:
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
-        self.model = model
-        self.optimizer = optimizer
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.scheduler = scheduler
+        # _calls: Guard.step/check calls, undone by nothing: the step index the ranks agree on.
         self.rank, self.step_count, self._calls = dist.rank(), 0, 0
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
@@ -124,7 +123,12 @@ class Guard:
         self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
                                      bundle_weights=c.bundle_weights)  # fmt: skip
         self.recorder.listener = _listener(on_event, self.disabled)
-        _drill_and_tracker(self, inject, run_dir)
+        # The fire drill's injector (inject= or NANGUARD_INJECT) and the run's hardware tracker.
+        self.injector = injector_for(None if self.disabled else environ.inject(inject), model,
+                                     write=self.recorder.drill, steps=lambda: self.step_count)  # fmt: skip
+        self.tracker = Tracker(run_dir, here=where(self._params[0].device if self._params else None),
+                               warn_after=c.hardware_warn_after)  # fmt: skip
+        self._spikes_before = 0  # the spikes seen before a drilled step
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = _PolicyState(self)
@@ -171,7 +175,7 @@ class Guard:
         self._remedies.begin_step(sample_ids)
         if self._drop_batch() or self._bad_batch(batch):
             return None
-        closure = _begin_drill(self).wrap(closure)
+        closure = self._begin_drill().wrap(closure)
         rng = get_rng_state(self._cuda_devices)
         self.recovery.buffers.save()
         try:
@@ -187,7 +191,7 @@ class Guard:
                 return loss
         finally:
             if self._waiting is None:  # deferred: the drill's outcome comes with the verdict
-                _end_drill(self)
+                self._end_drill()
 
     def step_accumulated(
         self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True,
@@ -239,7 +243,7 @@ class Guard:
             self.health.comm.reset()
             return False
         self._closure_error = None
-        value = _begin_drill(self).loss(value)
+        value = self._begin_drill().loss(value)
         try:
             _unscale(self.scaler, self.optimizer)
             verdict = self._measure(value, replay, batch, rng, device_step=False, restore_buffers=False)
@@ -249,7 +253,7 @@ class Guard:
             self._clip()
             return True
         finally:
-            _end_drill(self)
+            self._end_drill()
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
@@ -426,7 +430,7 @@ class Guard:
         if diag is None:  # a spike skip: no diagnosis of its own
             assert kind == "skip" and verdict.spikes and verdict.health is not None
             # As in a run that never saw the batch: its values leave the detectors' windows too.
-            self.history.forget(loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
+            self.history.forget(verdict.step, loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
             self.recovery.abandon(restore_buffers, rng)
             spike = verdict.spikes[0]
             self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
@@ -436,7 +440,7 @@ class Guard:
         if verdict.kind in ("collapse", "replicas"):
             self._repair(verdict, diag, action)
             return False
-        _track(self, diag, verdict.step)
+        self._track(diag, verdict.step)
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
         self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
@@ -468,6 +472,7 @@ class Guard:
         if kind == "rollback":
             self._rollback(step, diag, action, count=False)
         else:
+            assert verdict.source is not None  # the policy resyncs only from a finite replica
             dist.broadcast_state(self.model, src=verdict.source)
         self.health.forget_update()  # the queued parameter check saw the replicas before the repair
 
@@ -515,6 +520,25 @@ class Guard:
             torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
 
     # -- around the step -----------------------------------------------------------------
+    def _begin_drill(self) -> NullInjector:
+        """Plant this step's faults; the injector then wraps its closure (``step``) or loss (``check``)."""
+        self._spikes_before = self.history.spikes
+        self.injector.begin(self.step_count)
+        return self.injector
+
+    def _end_drill(self) -> None:
+        self.injector.end(action=self.last_action, diagnosis=self.last_diagnosis,
+                          spiked=self.history.spikes > self._spikes_before)  # fmt: skip
+
+    def _track(self, diag: Diagnosis, step: int) -> None:
+        """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
+        hardware tracker (``guard/tracker.py``)."""
+        self.injector.mark(diag, step)
+        try:
+            self.tracker.trip(diag, step)
+        except Exception as err:  # evidence only: nanguard's own failure must not kill training
+            warnings.warn(f"nanguard: could not track the hardware of step {step}'s trip: {err!r}", stacklevel=4)
+
     def _settle(self) -> None:
         """Deferred mode: read the last step's flags (its update is running on the device, which
         skipped it if bad) and finish that step as the immediate path would have."""
@@ -530,7 +554,7 @@ class Guard:
                 if self._act(verdict, w.batch, w.rng, restore_buffers=True):
                     self.after_step()
         finally:
-            _end_drill(self)
+            self._end_drill()
 
     def _run_closure(self, closure: Callable[[], Any]) -> tuple[Any, Any, BaseException | None]:
         """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
@@ -648,39 +672,6 @@ class _Waiting:
     closure_error: BaseException | None
 
 
-def _drill_and_tracker(guard: Guard, inject: Any, run_dir: Any) -> None:
-    """The fire drill's injector (``Guard(inject=...)`` or NANGUARD_INJECT, ``nanguard.inject``) and
-    the run's hardware tracker (``guard/tracker.py``)."""
-    params = guard._params
-    guard.injector = injector_for(None if guard.disabled else environ.inject(inject), guard.model,
-                                  write=guard.recorder.drill, steps=lambda: guard.step_count)  # fmt: skip
-    guard._spikes_before = 0
-    here = where(params[0].device if params else None)
-    guard.tracker = Tracker(run_dir, here=here, warn_after=guard.config.hardware_warn_after)
-
-
-def _begin_drill(guard: Guard) -> NullInjector:
-    """Plant this step's faults; the injector then wraps its closure (``step``) or loss (``check``)."""
-    guard._spikes_before = guard.history.spikes
-    guard.injector.begin(guard.step_count)
-    return guard.injector
-
-
-def _end_drill(guard: Guard) -> None:
-    guard.injector.end(action=guard.last_action, diagnosis=guard.last_diagnosis,
-                       spiked=guard.history.spikes > guard._spikes_before)  # fmt: skip
-
-
-def _track(guard: Guard, diag: Diagnosis, step: int) -> None:
-    """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
-    hardware tracker (``guard/tracker.py``)."""
-    guard.injector.mark(diag, step)
-    try:
-        guard.tracker.trip(diag, step)
-    except Exception as err:  # evidence only: nanguard's own failure must not kill training
-        warnings.warn(f"nanguard: could not track the hardware of step {step}'s trip: {err!r}", stacklevel=4)
-
-
 def _deferred(config: GuardConfig, optimizer: torch.optim.Optimizer, scaler: Any, fused: bool, cuda: list[int]) -> bool:
     """Whether ``step`` reads each step's health one step late (``GuardConfig.sync``)."""
     fits = fused and scaler is None and config.clip_grad_norm is None and not config.skip_spikes
@@ -705,7 +696,7 @@ def _name_the_origin(guard: Guard, closure: Callable[[], Any], rng: dict[str, to
         if guard.config.locate and not isinstance(err, NonFiniteError) and not dist.is_distributed():
             note = error_origin(closure, err, model=dist.unwrap(guard.model))
             guard.recovery.undo(rng, unscaled=False)  # the replay ran the closure again
-            if note is not None:
+            if note is not None and hasattr(err, "add_note"):  # Python 3.11+: 3.10 keeps the error as it was
                 err.add_note(note)
         raise
 

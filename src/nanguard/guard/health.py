@@ -383,7 +383,7 @@ def _copies(t: torch.Tensor) -> int:
     placements = getattr(t, "placements", None)
     if placements is None:
         return dist.world_size()
-    mesh = t.device_mesh
+    mesh = t.device_mesh  # type: ignore[attr-defined]  # a DTensor
     copies = max(1, dist.world_size() // mesh.size())
     for dim, placement in enumerate(placements):
         if placement.is_replicate() or placement.is_partial():  # (a strided shard is no is_shard())

@@ -63,13 +63,14 @@ class History:
         divergence_factor: float,
     ) -> None:
         self.points: deque[Point] = deque(maxlen=size)
-        spike_args = {"window": spike_window, "warmup": spike_warmup, "threshold": spike_threshold}
-        self.loss_spikes = SpikeDetector("loss", **spike_args)
-        self.grad_spikes = SpikeDetector("grad_norm", **spike_args)
+        self.loss_spikes = SpikeDetector("loss", window=spike_window, warmup=spike_warmup, threshold=spike_threshold)
+        self.grad_spikes = SpikeDetector("grad_norm", window=spike_window, warmup=spike_warmup,
+                                         threshold=spike_threshold)  # fmt: skip
         self.divergence_window = divergence_window
         self.divergence_factor = divergence_factor
         self.spikes = 0
         self._recent_spike_step: int | None = None
+        self._spike_before: int | None = None
         self._trend: deque[Point] = deque(maxlen=TREND_POINTS)
         self._warned = False
         self._quiet = 0
@@ -92,6 +93,7 @@ class History:
 
     def observe(self, step: int, *, loss: float, grad_norm: float) -> list[Spike]:
         """Score a step's values against the detectors; returns its spikes (loss first)."""
+        self._spike_before = self._recent_spike_step
         found = []
         for detector, value in ((self.loss_spikes, loss), (self.grad_spikes, grad_norm)):
             spike = detector.update(value)
@@ -101,12 +103,18 @@ class History:
                 self._recent_spike_step = step
         return found
 
-    def forget(self, *, loss: float, grad_norm: float) -> None:
-        """Take back the last ``observe``: its step was skipped (``skip_spikes``), so, as in a run
-        that never saw the batch, its values stay out of the windows: else a skipped spike would
-        raise the bar for the next one until it left the window."""
+    def forget(self, step: int, *, loss: float, grad_norm: float) -> None:
+        """Take back the last ``observe`` and ``forecast`` of ``step``: it was skipped (``skip_spikes``),
+        so, as in a run that never saw the batch, its values stay out of the detectors' windows and
+        the trend, and its spike is not the "spike before the trip" the divergence rule reads (the
+        skipped update never reached the weights). Else a skipped spike would raise the bar for the
+        next one until it left the window, and turn any trip in the next few steps into divergence.
+        ``spikes`` still counts it."""
         self.loss_spikes.forget(loss)
         self.grad_spikes.forget(grad_norm)
+        self._recent_spike_step = self._spike_before
+        if self._trend and self._trend[-1].step == step:
+            self._trend.pop()
 
     def forecast(self, step: int, *, loss: float, grad_norm: float) -> Forecast | None:
         """A warning, once per episode, when the last ``TREND_POINTS`` steps' grad norm or loss

@@ -43,6 +43,7 @@ class NullRecorder:
     def step(
         self, step: int, *, loss: float | None, grad_norm: float | None, scale: float | None, skipped: bool
     ) -> None:
+        # In stepline.KEYS order (kind, step and rank come first): the report reads these lines by columns.
         self._write("step", step, loss=loss, grad_norm=grad_norm, skipped=skipped, scale=scale)
 
     def trip(self, step: int, *, action: str, ranks: list[int], diagnosis: Diagnosis, **extra: Any) -> None:
@@ -141,7 +142,7 @@ class Recorder(NullRecorder):
 
     def __init__(
         self,
-        run_dir: str | Path,
+        run_dir: str | os.PathLike[str],
         *,
         rank: int,
         max_bundle_bytes: int,
@@ -200,8 +201,8 @@ def _model_state(model: torch.nn.Module, rank: int) -> tuple[dict[str, torch.Ten
     """The state dict a replay's model loads: names as the user's module has them (no DDP
     ``module.`` or ``torch.compile`` ``_orig_mod.`` prefix); a sharded model gives this rank's shards."""
     inner = dist.unwrap(model)
-    while isinstance(getattr(inner, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
-        inner = dist.unwrap(inner._orig_mod)
+    while isinstance(compiled := getattr(inner, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
+        inner = dist.unwrap(compiled)
     state = {key: value for key, value in inner.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)}
     shards = {key: local(value).detach() for key, value in state.items()}
     if any(local(value) is not value for value in state.values()):
@@ -210,7 +211,7 @@ def _model_state(model: torch.nn.Module, rank: int) -> tuple[dict[str, torch.Ten
 
 
 def recorder_for(
-    run_dir: str | Path | None,
+    run_dir: str | os.PathLike[str] | None,
     *,
     rank: int,
     max_bundle_bytes: int,

@@ -237,6 +237,6 @@ def _copy_to_cpu(obj: Any, into: Any) -> Any:
         old = into if isinstance(into, dict) else {}
         return {k: _copy_to_cpu(v, old.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        old = into if isinstance(into, type(obj)) and len(into) == len(obj) else [None] * len(obj)
-        return type(obj)(_copy_to_cpu(v, o) for v, o in zip(obj, old, strict=True))
+        olds = into if isinstance(into, type(obj)) and len(into) == len(obj) else [None] * len(obj)
+        return type(obj)(_copy_to_cpu(v, o) for v, o in zip(obj, olds, strict=True))
     return copy.deepcopy(obj)

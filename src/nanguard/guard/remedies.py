@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from nanguard import dist, sampler
+from nanguard.evidence import OriginEvidence
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.policy import SANE_SCALE, Remedy
@@ -218,7 +219,7 @@ def upcast_module(module: nn.Module) -> None:
         with _autocast_off(args, kwargs):
             return inner(*_to_float32(args), **_to_float32(kwargs))
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
 
 @contextlib.contextmanager
@@ -270,14 +271,14 @@ def bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> list[int] | Non
         >>> bad_rows(diag, {"x": torch.tensor([[1.0], [float("nan")]])}, n_rows=2)
         [1]
     """
-    origin = diag.evidence.get("origin") or {}
+    origin = OriginEvidence.from_dict(diag.evidence.get("origin"))
+    size = origin.indexed_size
     if diag.cause == "data.nonfinite":
-        paths = {origin.get("path")}
-    elif diag.cause == "data.index_out_of_range" and isinstance(origin.get("indexed_size"), int):
-        paths = {i.get("path") for i in origin.get("index_inputs") or []}
+        paths = {origin.path}
+    elif diag.cause == "data.index_out_of_range" and size is not None:
+        paths = {i.get("path") for i in origin.index_inputs}
     else:
         return None
-    size = origin.get("indexed_size")
     bad: torch.Tensor | None = None
     for key_path, leaf in leaves_with_path(batch):
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or (n_rows is not None and leaf.shape[0] != n_rows):
@@ -288,6 +289,7 @@ def bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> list[int] | Non
         if diag.cause == "data.nonfinite" and leaf.is_floating_point():
             rows = ~torch.isfinite(flat).all(dim=1)
         elif diag.cause == "data.index_out_of_range" and not leaf.is_floating_point() and leaf.dtype != torch.bool:
+            assert size is not None  # checked above: a range to compare with
             rows = ((flat < 0) | (flat >= size)).any(dim=1)
         else:
             continue

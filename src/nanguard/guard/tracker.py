@@ -75,7 +75,7 @@ class Tracker:
         >>> tracker.trip(diag, step=120)   # appends one line; warns on the 2nd non-reproducing trip here
     """
 
-    def __init__(self, run_dir: str | Path | None, *, here: Mapping[str, Any], warn_after: int) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str] | None, *, here: Mapping[str, Any], warn_after: int) -> None:
         self.path = Path(run_dir) / TRACKER if run_dir is not None else None
         self.here = dict(here)
         self.warn_after = warn_after

@@ -6,8 +6,9 @@
   (``pip install nanguard[hf]``).
 - ``nanguard.integrations.fabric.FabricGuard``: watches a hand-written Lightning Fabric loop
   (``pip install nanguard[lightning]``).
+- ``nanguard.integrations.loop.LoopGuard``: watches a hand-written loop (nanoGPT, llm.c); no extra.
 
-All three use ``nanguard.integrations.capture`` to record, check and replay a step.
+All of them use ``nanguard.integrations.capture`` to record, check and replay a step.
 
 Importing this package imports no framework; each adapter module imports its own and
 raises an ImportError naming the extra when it is missing.

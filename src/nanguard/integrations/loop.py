@@ -274,6 +274,13 @@ class LoopGuard(GuardedCallback):
         return dist.rank() == 0
 
 
+@functools.lru_cache(maxsize=64)
+def _signature(fn: Callable[..., Any], bound: bool) -> inspect.Signature:
+    """``fn``'s signature, read once (every step names its inputs); ``bound``: without ``self``."""
+    signature = inspect.signature(fn)
+    return signature.replace(parameters=list(signature.parameters.values())[1:]) if bound else signature
+
+
 def _loss_of(output: Any) -> torch.Tensor | None:
     """A model's loss in its output: a one-element tensor, ``output["loss"]``, or the first
     one-element floating tensor among a tuple's items (nanoGPT's ``logits, loss``)."""
@@ -299,7 +306,7 @@ def _batch_of(micro: list[Micro], forward: Callable[..., Any]) -> Any:
 
 def _named_arguments(fn: Callable[..., Any], m: Micro) -> dict[str, Any]:
     try:
-        signature = inspect.signature(fn)
+        signature = _signature(getattr(fn, "__func__", fn), hasattr(fn, "__self__"))
         bound = signature.bind(*m.args, **m.kwargs).arguments
     except (TypeError, ValueError):  # no signature to read, or one the call does not fit
         return {**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs}

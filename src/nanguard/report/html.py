@@ -376,8 +376,8 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
             out.append(_diagnosis_html(group[0]))
             advance(f"trip at step {group[0].step}")
         if len(groups) > MAX_DETAILED_TRIPS:
-            later = sum(len(g) for g in groups[MAX_DETAILED_TRIPS:])
-            out.append(f'<p class="muted">{later} later trips are listed in the table above only.</p>')
+            n_later = sum(len(g) for g in groups[MAX_DETAILED_TRIPS:])
+            out.append(f'<p class="muted">{n_later} later trips are listed in the table above only.</p>')
 
     out.append('<h2 id="events">Skips, rollbacks, spikes and overflows</h2>')
     out.append(_events_html(report))

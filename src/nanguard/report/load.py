@@ -422,8 +422,9 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> N
         for event in events:
             kind = event["kind"]
             key = (event["step"], *keys[kind](event))
-            nth = seen[(kind, *key)]
-            seen[(kind, *key)] += 1
+            seen_key = (kind, *key)
+            nth = seen[seen_key]
+            seen[seen_key] += 1
             # The n-th identical event of each rank is one merged entry (a resumed run may repeat steps).
             merged[kind].setdefault((*key, nth), []).append((rank, event))
 

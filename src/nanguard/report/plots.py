@@ -47,7 +47,7 @@ SMOOTH_FROM = 1000
 """Curves longer than this get a smoothed trend line over a faint every-step curve."""
 _MAX_MODULE_ROWS = 48
 
-_RC = {
+_RC: dict[Any, Any] = {
     "svg.fonttype": "none",
     "svg.hashsalt": "nanguard",
     "font.size": 9,
@@ -324,7 +324,8 @@ def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
         values = [number(m.fields.get("value")) for m in spikes]
         pts = [(m.step, v) for m, v in zip(spikes, values, strict=True) if v is not None and math.isfinite(v)]
         if pts:
-            ax.scatter(*zip(*pts, strict=True), marker="*", s=110 * _weight(len(pts))[2], color=_SPIKE,
+            xs, ys = zip(*pts, strict=True)
+            ax.scatter(xs, ys, marker="*", s=110 * _weight(len(pts))[2], color=_SPIKE,
                        edgecolors="black", lw=0.5, zorder=6)  # fmt: skip
         handles.append(Line2D([], [], color=_SPIKE, marker="*", ls="", markeredgecolor="black",
                               label=f"spike ({len(spikes)})"))  # fmt: skip
@@ -388,7 +389,7 @@ def nonfinite_plot(report: RunReport) -> Figure:
         handles.append(Line2D([], [], color=_OVERFLOW, lw=6, label="GradScaler overflow"))
     top = max(bottom.values(), default=0.0)
     ax.set_ylim(0, max(2.0, top + 0.5))
-    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.yaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]  # a MaxNLocator
     ax.set_xlabel("step")
     ax.set_ylabel("count")
     ax.set_title("non-finite values per step", loc="left")
@@ -420,10 +421,12 @@ def rank_plot(report: RunReport) -> Figure:
     origins = [(t.step, t.origin_rank) for t in report.trips if t.origin_rank is not None]
     area = _weight(len(report.trips))[2]
     if others:  # one scatter per kind, not per trip: a long run may trip hundreds of times
-        ax.scatter(*zip(*others, strict=True), marker="o", s=60 * area, facecolors="none", edgecolors=_TRIP,
+        xs, ys = zip(*others, strict=True)
+        ax.scatter(xs, ys, marker="o", s=60 * area, facecolors="none", edgecolors=_TRIP,
                    zorder=4)  # fmt: skip
     if origins:
-        ax.scatter(*zip(*origins, strict=True), marker="X", s=120 * area, color=_TRIP, zorder=5)
+        xs, ys = zip(*origins, strict=True)
+        ax.scatter(xs, ys, marker="X", s=120 * area, color=_TRIP, zorder=5)
     # One label per cause and cluster of trips: a label is about a quarter of the axis wide, so trips
     # closer than that share one ("8 trips, steps 3–10, ..."); several causes stack their labels.
     span = report.steps[-1] - report.steps[0] if report.steps else 0
@@ -452,7 +455,7 @@ def rank_plot(report: RunReport) -> Figure:
 
 
 def _rows(stats: Mapping[str, Any], origin_module: str | None) -> tuple[list[dict[str, Any]], str]:
-    rows = [r for r in stats.get("modules") or [] if isinstance(r, Mapping) and r.get("name")]
+    rows = [dict(r) for r in stats.get("modules") or [] if isinstance(r, Mapping) and r.get("name")]
     note = ""
     if len(rows) > _MAX_MODULE_ROWS:
         # Show the window where things go wrong: from a little before the first bad module.

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import warnings
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from math import isfinite
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeGuard
 
 import numpy as np
 
+from nanguard import stepline
 from nanguard.events import KNOWN_KINDS
 from nanguard.findings import Diagnosis, jsonable
 from nanguard.text import diagnosis_text, op_path, summary
@@ -39,16 +39,8 @@ MAX_STEP = 2**62  # step numbers are kept as int64
 _MAX_NOTES = 200  # per file: a log of garbage should not become a flood of warnings
 
 _BLOCK_BYTES = 2**20  # a block's split into cells stays small (and in cache)
-# Step lines exactly as EventLog writes them are read by columns (``_parse_run``). A run of lines that
-# is not goes through ``_LINE``, one match per line: a step line in another layout (groups 1-5), or any
-# other line (group 6), which takes the slow, checked path.
-_STEP_PREFIX = b'{"kind":"step","step":'
-_NOT_STEP = re.compile(rb"\n(?!" + re.escape(_STEP_PREFIX) + rb")")  # a newline that starts another kind of line
-_LINE = re.compile(
-    rb'^(?:\{"kind":"step","step":(\d{1,18}),"rank":-?\d{1,9},"loss":([^,]*),"grad_norm":([^,]*),'
-    rb'"skipped":(true|false),"scale":([^,}]*)\}[ \t\r]*|(.*))$',
-    re.M,
-)
+# Step lines exactly as EventLog writes them are read by columns (``stepline.split_run``). A run of lines
+# that is not goes through ``stepline.LINE``, one match per line, and the others take the slow, checked path.
 
 
 @dataclass
@@ -317,8 +309,8 @@ def _fold_block(block: bytes, first: int, rank: int, found: RankEvents) -> Itera
     """Fold a block's step lines into ``found`` in bulk; yield (line number, line) for the others."""
     runs: list[tuple[int, bytes]] = []
     start, lineno = 0, first
-    others = [0] if not block.startswith(_STEP_PREFIX) else []
-    others += [m.end() for m in _NOT_STEP.finditer(block) if m.end() < len(block)]
+    others = [0] if not block.startswith(stepline.PREFIX) else []
+    others += [m.end() for m in stepline.NOT_STEP.finditer(block) if m.end() < len(block)]
     for begin in others:
         run = block[start:begin]
         runs.append((lineno, run))
@@ -342,7 +334,7 @@ def _fold_run(run: bytes, first: int, rank: int, found: RankEvents) -> Iterator[
     if _fold_table(run, rank, found):
         return
     lines = run.count(b"\n")
-    rows = _LINE.findall(run)[:lines]
+    rows = stepline.LINE.findall(run)[:lines]
     if not rows:
         return
     steps_c, loss_c, grad_c, skipped_c, scale_c, other_c = zip(*rows, strict=True)
@@ -381,8 +373,9 @@ def _fold_table(run: bytes, rank: int, found: RankEvents) -> bool:
     return True
 
 
-_KIND = b'{"kind":"step"'
-_NEXT_LINE = b"}\n" + _KIND
+_STEP, _LOSS, _GRAD_NORM, _SKIPPED, _SCALE = (
+    stepline.cell(k) for k in ("step", "loss", "grad_norm", "skipped", "scale")
+)
 _NUMBER_CHARS = b"0123456789.eE+-,"
 _NON_FINITE = (b'"nan"', b'"inf"', b'"-inf"')
 
@@ -394,22 +387,19 @@ def _parse_run(run: bytes, lines: int, rank: int) -> tuple[np.ndarray, Column, C
     A step line has six commas, so the run split on commas lays its fields out in columns: each
     column is checked against its key as one text, not line by line.
     """
-    parts = run.split(b",")
-    if len(parts) != 6 * lines + 1 or parts[0] != _KIND or b"".join(parts[2::6]) != b'"rank":%d' % rank * lines:
-        return None
-    tails = b"".join(parts[6::6])  # '"scale":S}\n{"kind":"step"' per line, the last one '"scale":S}\n'
-    if not tails.endswith(b"}\n") or tails.count(_NEXT_LINE) != lines - 1:
+    columns = stepline.split_run(run, lines, rank)
+    if columns is None:
         return None
     scale: Column | None
-    if tails == (b'"scale":null' + _NEXT_LINE) * (lines - 1) + b'"scale":null}\n':  # no GradScaler
+    if columns.scale is None:  # no GradScaler
         scale = Parsed(np.full(lines, math.nan), np.ones(lines, dtype=bool))
     else:
-        scale = _cells(tails[:-2].split(_NEXT_LINE), b'"scale":', lines)
-    text = _column(parts[1::6], b'"step":', lines)
+        scale = _cells(columns.scale, _SCALE, lines)
+    text = _column(columns.step, _STEP, lines)
     steps = _numbers(text, lines, np.int64) if text is not None else None
-    loss = _cells(parts[3::6], b'"loss":', lines)
-    grad_norm = _cells(parts[4::6], b'"grad_norm":', lines)
-    skipped = _flags(parts[5::6], lines)
+    loss = _cells(columns.loss, _LOSS, lines)
+    grad_norm = _cells(columns.grad_norm, _GRAD_NORM, lines)
+    skipped = _flags(columns.skipped, lines)
     if steps is None or loss is None or grad_norm is None or skipped is None or scale is None:
         return None
     in_range = (steps >= 0).all() and (steps < MAX_STEP).all()  # numpy clamps what int64 cannot hold
@@ -430,8 +420,9 @@ def _cells(cells: list[bytes], key: bytes, lines: int) -> Cells | None:
     null = bad = np.zeros(lines, dtype=bool)
     if b'"' in text or b"null" in text:
         words = {word: n for word in (b"null", *_NON_FINITE) if (n := text.count(word))}
-        masks = {word: _where(cells, key + word, n, lines) for word, n in words.items()}
-        if any(mask is None for mask in masks.values()):  # a cell that holds one of these words and more
+        found = {word: _where(cells, key + word, n, lines) for word, n in words.items()}
+        masks = {word: mask for word, mask in found.items() if mask is not None}
+        if len(masks) < len(found):  # a cell that holds one of these words and more
             return None
         null = masks.pop(b"null", null)
         bad = np.logical_or.reduce([bad, *masks.values()])
@@ -478,7 +469,7 @@ def _numbers(text: bytes, lines: int, dtype: type) -> np.ndarray | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # numpy < 2 warns and stops at text it cannot read
         try:
-            values = np.fromstring(text, dtype=dtype, sep=",")
+            values: np.ndarray = np.fromstring(text, dtype=dtype, sep=",")
         except ValueError:
             return None
     return values if values.size == lines else None
@@ -487,10 +478,11 @@ def _numbers(text: bytes, lines: int, dtype: type) -> np.ndarray | None:
 def _flags(cells: list[bytes], lines: int) -> np.ndarray | None:
     """The ``skipped`` cells as bools; None unless each says true or false."""
     text = b"".join(cells)
-    true, false = text.count(b'"skipped":true'), text.count(b'"skipped":false')
-    if true + false != lines or len(text) != 14 * true + 15 * false:
+    yes, no = _SKIPPED + b"true", _SKIPPED + b"false"
+    true, false = text.count(yes), text.count(no)
+    if true + false != lines or len(text) != len(yes) * true + len(no) * false:
         return None
-    return _where(cells, b'"skipped":true', true, lines)
+    return _where(cells, yes, true, lines)
 
 
 def _floats(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -540,7 +532,7 @@ def _read_other(raw: bytes, lineno: int, found: RankEvents) -> str | None:
     return None
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

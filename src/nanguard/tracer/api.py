@@ -110,7 +110,7 @@ def _traced(
             raised = _raised_after_nonfinite(tracer, error)
             if raised is None:
                 raise error
-            return _diagnosis(raised, [], root)
+            return _diagnosis(raised, [], root, tracer.comm.ops), tracer.comm.ops
         origin = Origin(
             id=-1,
             category="index",

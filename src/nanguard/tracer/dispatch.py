@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanguard import compat
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
 from nanguard.tracer import normalize, ops
 from nanguard.tracer.calls import UserCalls
@@ -105,7 +105,7 @@ class Failure:
     index: ops.IndexFacts | None
 
 
-class _TracerMode(TorchDispatchMode):
+class _TracerMode(compat.DispatchMode):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
         self.tracer = tracer
@@ -223,7 +223,7 @@ class Tracer:
             flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
         if self.counts:
             self.counts.note(flat_in, flat_out)
-        node = torch._C._current_autograd_node()
+        node = compat.current_autograd_node()
         grads = self.grads
         if grads.seen_backward or node is not None:
             grads.before(node is not None, flat_in, facts, args, kwargs)
@@ -362,7 +362,7 @@ class Tracer:
             return False
         if ops.info(func).mask_aware:
             return False
-        node = torch._C._current_autograd_node()
+        node = compat.current_autograd_node()
         return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
 
     def _outranked(self, taint: frozenset[int]) -> bool:
@@ -380,7 +380,7 @@ class Tracer:
                 origin.category = "data"
 
     def _where(self, func: Any) -> _Where:
-        node = torch._C._current_autograd_node()
+        node = compat.current_autograd_node()
         module = self.modules.current
         op = ops.op_name(func) if func is not None else None
         if node is None:
@@ -493,7 +493,7 @@ def _taint_and_comm(tracer: Tracer) -> tuple[TaintMap, Communication]:
 
 def _comm_where(tracer: Tracer) -> tuple[str | None, str]:
     """The module and phase a collective is issued in."""
-    return tracer.modules.current_name(), "forward" if torch._C._current_autograd_node() is None else "backward"
+    return tracer.modules.current_name(), "forward" if compat.current_autograd_node() is None else "backward"
 
 
 def _with_count(stats: dict[str, Any], path: str | None) -> dict[str, Any]:

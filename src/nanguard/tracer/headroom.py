@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanguard import compat
 from nanguard.dtypes import OVERFLOW_FRACTION, dtype_facts
 from nanguard.tracer.compiled import eager
 from nanguard.tracer.modules import ModuleStack
@@ -43,7 +43,7 @@ class Headroom:
         return self.absmax > self.limit * OVERFLOW_FRACTION
 
 
-class _HeadroomMode(TorchDispatchMode):
+class _HeadroomMode(compat.DispatchMode):
     def __init__(self, stack: ModuleStack) -> None:
         super().__init__()
         self.stack = stack

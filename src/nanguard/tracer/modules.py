@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ def user_source(skip: int = 1) -> tuple[str | None, str | None]:
         >>> user_source()
         ('train.py:42', '.../site-packages/transformers/loss/loss_utils.py:36')
     """
-    frame = sys._getframe(skip)
+    frame: FrameType | None = sys._getframe(skip)
     library = None
     kinds = _kinds
     while frame is not None:
@@ -196,8 +196,8 @@ def _named_state(root: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for key, t in module.named_parameters(recurse=False, remove_duplicate=False):
             yield _join(prefix, key), t
     for prefix, module in modules:
-        for key, t in module.named_buffers(recurse=False, remove_duplicate=False):
-            yield _join(prefix, key), t
+        for key, buffer in module.named_buffers(recurse=False, remove_duplicate=False):
+            yield _join(prefix, key), buffer
 
 
 # The attribute under which a wrapper holds the module it wraps: a level of the tree the user

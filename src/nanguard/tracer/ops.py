@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from nanguard import compat
 from nanguard.tree import op_leaves
 
 __all__ = [
@@ -103,7 +104,7 @@ _NAMES: dict[Any, str] = {}
 
 def _register(table: dict[Any, Any], targets: tuple[Any, ...], fn: Any) -> None:
     for target in targets:
-        if not isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        if not compat.is_op_overload(target):
             raise ValueError(f"targets must be aten ops or op overloads (aten.exp), got {target!r}")
         if target in table:
             raise ValueError(f"{target} is registered twice")

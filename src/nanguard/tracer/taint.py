@@ -82,7 +82,7 @@ class TaintMap:
         for x in flat:
             if isinstance(x, torch.Tensor):
                 entry = status.get(id(x))
-                if entry is None or entry[0]() is not x or entry[1] != version(x):
+                if entry is None or entry[1] != version(x) or entry[0]() is not x:
                     if not (x.is_floating_point() or x.is_complex()):
                         continue
                     entry = self._read(x, entry)

@@ -33,7 +33,7 @@ def _corrupt_image(model: GPT, batch: Batch) -> Batch:
 
 _WEIGHT = "blocks.1.mlp.fc"
 
-EDGE_SCENARIOS = (
+EDGE_SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "fsdp2_shard_nan",
         "4 ranks under FSDP2; rank 2 writes a NaN into its own shard of blocks.1.mlp.fc.weight",
@@ -137,13 +137,14 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
         return (Diagnosis.from_dict(out["diag"]) if out["diag"] else None), out["diag_step"]
     run = build(s, seed, rank=rank)
     model = run.model
-    weight = model.blocks[1].mlp.fc.weight
+    weight: Any = model.blocks[1].mlp.fc.weight  # a DTensor once sharded
+    optimizer: torch.optim.Optimizer
     if s.dist_fault == "shard":
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
-        net: torch.nn.Module = fully_shard(model)
+        net: torch.nn.Module = fully_shard(model)  # type: ignore[assignment]  # FSDPModule: a Module at run time
         optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr)
         guard = Guard(net, optimizer, policy="skip", max_consecutive_skips=10**6)
         weight = model.blocks[1].mlp.fc.weight
@@ -170,11 +171,11 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
                 handle = optimizer.register_step_post_hook(lambda *_: _spoil(weight))
             if s.dist_fault == "toggle" and rank == 1:
                 handle = model.blocks[1].mlp.fc.register_forward_hook(_log_of_negative)
-        batch = run.batch(step, faulty=False)
+        batch: Any = run.batch(step, faulty=False)  # or the micro-batches of a toggling step
         closure = run.closure(batch, net)
         if s.dist_fault == "toggle":
-            batch = [run.batch(2 * step + m, faulty=False) for m in range(2)]
-            closure = _toggling_closure(net, optimizer, batch)
+            micro = [run.batch(2 * step + m, faulty=False) for m in range(2)]
+            closure, batch = _toggling_closure(net, optimizer, micro), micro
         try:
             guard.step(closure, batch=batch)
         except NonFiniteError as err:  # what a skip cannot repair escalates at once

@@ -56,7 +56,8 @@ def chaos_faults(seed: int, *, steps: int, world: int, gap: int = 6, first: int 
     """
     rng = random.Random(seed)
     kinds = list(FAULTS)
-    faults, step = [], first
+    faults: list[Fault] = []
+    step = first
     while step < steps - gap:
         kind = kinds[len(faults)] if len(faults) < len(kinds) else rng.choice(kinds)
         module = rng.choice(_MODULES) if kind in ("nan_grad", "nan_param") else None
@@ -73,8 +74,9 @@ def _model() -> torch.nn.Module:
 
 
 def _batch(model: torch.nn.Module, rank: int, step: int) -> dict[str, torch.Tensor]:
-    from nanguard.zoo import synthetic_batch
+    from nanguard.zoo import GPT, synthetic_batch
 
+    assert isinstance(model, GPT)
     return synthetic_batch(model.config, torch.Generator().manual_seed(rank * 100_003 + step), batch_size=4)
 
 
@@ -107,7 +109,7 @@ def drill_rank(
     for step in range(steps):
         batch = _batch(model, rank, step)
         before[step] = _state(model, opt)
-        while len(before) > 16:
+        while len(before) > 64:  # back to the oldest snapshot a rollback may restore (held while growing)
             before.popitem(last=False)
 
         def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:

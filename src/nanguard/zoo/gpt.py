@@ -125,7 +125,8 @@ class GPT(nn.Module):
             self.ln_emb = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         if cfg.vision_dim:
             self.vis_proj = nn.Linear(cfg.vision_dim, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # A ModuleList; typed as the blocks it holds, which mypy would see as plain Modules.
+        self.blocks: list[Block] = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))  # type: ignore[assignment]
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)

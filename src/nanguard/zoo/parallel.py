@@ -94,7 +94,9 @@ def _build(setup: str, rank: int, world: int) -> tuple[nn.Module, Any, int]:
 
         _tensor_parallel(model, mesh["tp"])
         fully_shard(model, mesh=mesh["dp"])
-        return model, None, mesh.get_coordinate()[0]
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None  # every rank of the run is in the mesh
+        return model, None, coordinate[0]
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     stage = PipelineStage(model, rank, world, torch.device("cpu"))
@@ -156,13 +158,13 @@ def parallel_rank(
         gen = torch.Generator().manual_seed(1000 * replica + step)
         x, y = torch.randn(_ROWS, _DIM, generator=gen), torch.randn(_ROWS, _DIM, generator=gen)
         here = step == fault_step and rank == fault_rank
-        model.act.negative = here and fault == "sqrt"  # type: ignore[union-attr]
+        model.act.negative = here and fault == "sqrt"  # type: ignore[method-assign, assignment]
         model.act.zero = here and fault == "sqrt_grad"  # type: ignore[union-attr]
         if step == fault_step and fault == "input":
             x[0, 0] = float("nan")
         if here and fault == "weight":
             with torch.no_grad():
-                local(model.up.weight).view(-1)[0] = float("nan")  # type: ignore[union-attr]
+                local(model.up.weight).view(-1)[0] = float("nan")  # type: ignore[union-attr, arg-type]
         before = _digest(model)
         closure = _closure(setup, model, schedule, opt, x, y, rank, world)
         if guard is None:
@@ -175,7 +177,7 @@ def parallel_rank(
         except NonFiniteError as err:
             out["actions"].append("raise")
             out["raised"] = step
-            out["diag"], out["diag_step"] = err.diagnosis.to_dict(), step
+            out["diag"], out["diag_step"] = (err.diagnosis.to_dict() if err.diagnosis else None), step
             break
         out["actions"].append(guard.last_action)
         if guard.last_action == "skip" and step == fault_step:

@@ -96,7 +96,7 @@ def _regression_loop(
     for step in range(steps):
         if step == poison_at:
             with torch.no_grad():
-                model.weight[0, 0] = math.nan  # type: ignore[index]
+                model.get_parameter("weight")[0, 0] = math.nan
         x = torch.randn(32, 8)
 
         def closure(x: torch.Tensor = x) -> torch.Tensor:
@@ -144,8 +144,9 @@ def _data_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, state
     xs = torch.randn(96, 8, generator=g)
     ys = xs @ state["w"]
     xs[torch.arange(5, 96, 11), 3] = math.nan  # a few corrupt rows
-    loader = torch.utils.data.DataLoader(
-        list(zip(range(96), xs, ys, strict=True)),
+    rows: Any = list(zip(range(96), xs, ys, strict=True))  # a list serves as a map-style dataset
+    loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
+        rows,
         batch_size=8,
         sampler=QuarantineSampler(range(96), state["run_dir"]),
     )

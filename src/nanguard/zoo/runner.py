@@ -274,7 +274,7 @@ def run_zoo(
         rows = [{**r.to_dict(), "group": groups[r.name]} for r in results]
         print(json.dumps({"results": rows, "total": len(results), "misses": len(misses)}))
         return 1 if misses else 0
-    rows = []
+    table: list[list[str]] = []
     for r in results:
         got = r.got or {}
         exp = r.expected
@@ -286,11 +286,11 @@ def run_zoo(
             same = got.get(key) == want
             return _cell(want) if same else f"{_cell(want)} / {_cell(got.get(key))}"
 
-        rows.append([groups[r.name], r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"),
+        table.append([groups[r.name], r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"),
                      pair("step"), _cell(r.steps_late), "ok" if r.ok else "MISS"])  # fmt: skip
     # Console.table: rich on a terminal, full-width aligned columns when piped (never cut to 80).
     columns = ("group", "scenario", "cause (expected / got)", "op", "module", "phase", "rank", "step", "late", "ok")
-    console.table(columns, rows, title="nanguard fault zoo")
+    console.table(columns, table, title="nanguard fault zoo")
     console.line(f"{len(results) - len(misses)}/{len(results)} scenarios right; {len(misses)} miss(es)")
     if ranks == 1 and group != "wild" and any(s.ranks > 1 for s in SCENARIOS) and not names:
         console.line("distributed scenarios skipped: run `nanguard zoo --ranks 2` to include them")

@@ -92,6 +92,8 @@ def spawn_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: flo
         outcome = results.get(rank)
         if isinstance(outcome, str):
             failures.append(f"rank {rank}: {outcome}")
+        elif outcome is None:
+            failures.append(f"rank {rank} reported nothing")
         elif not outcome["ok"]:
             failures.append(f"rank {rank} failed:\n{outcome['error']}")
     if failures:

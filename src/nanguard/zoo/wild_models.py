@@ -59,7 +59,7 @@ def _compile_log_zero() -> Case:
     with torch.no_grad():
         net.feat.weight.copy_(torch.eye(4))
         net.feat.bias.zero_()
-    model = torch.compile(net, backend="eager")
+    model: nn.Module = torch.compile(net, backend="eager")  # type: ignore[assignment]  # an OptimizedModule
     x = torch.tensor([[1.0, -2.0, 3.0, 0.5], [2.0, 1.0, 1.5, -4.0]])  # relu zeroes the negatives
     return Case(step(model, lambda x: model(x).sum()), (x,), model)
 

@@ -118,7 +118,7 @@ class Vocoder(nn.Module):
             self.conv_pre = weight_norm(nn.Conv1d(2, 4, 3, padding=1))
             self.conv_post = weight_norm(nn.Conv1d(4, 1, 3, padding=1))
         with torch.no_grad():
-            self.conv_post.weight_v.zero_()
+            self.conv_post.weight_v.zero_()  # type: ignore[operator]
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.conv_post(F.leaky_relu(self.conv_pre(mel), 0.1)))
@@ -177,7 +177,7 @@ class Critic(nn.Module):
         self.fc = nn.Linear(4, 6)
         self.out = spectral_norm(nn.Linear(6, 1))
         with torch.no_grad():
-            self.out.weight_orig.zero_()  # a zero-initialized output layer, as in a residual start
+            self.out.weight_orig.zero_()  # type: ignore[operator]  # a zero-initialized output layer, as in a residual start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.fc(x)))

@@ -82,7 +82,7 @@ def _pcgrad_tiny_task_gradient() -> Case:
         for loss in losses:
             model.zero_grad(set_to_none=True)
             loss.backward(retain_graph=True)
-            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))  # type: ignore[union-attr]
         merged = _project_conflicting(grads)
         for p in model.parameters():
             p.grad = merged[: p.numel()].view_as(p).clone()
@@ -116,7 +116,7 @@ def _clip_by_norm_zero_gradient() -> Case:
         loss = F.cross_entropy(logits, y)
         loss.backward()
         for p in model.parameters():  # clip each gradient to max_norm by its own norm
-            p.grad.mul_(max_norm / p.grad.norm())
+            p.grad.mul_(max_norm / p.grad.norm())  # type: ignore[union-attr]
         return loss
 
     return Case(fn, (torch.randn(3, 4), torch.tensor([0, 2, 1])), model)
