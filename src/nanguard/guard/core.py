@@ -456,7 +456,7 @@ class Guard:
         if verdict.kind in ("collapse", "replicas"):
             self._repair(verdict, diag, action)
             return False
-        self._track(diag, verdict.step)
+        self._track(diag, verdict.step, kind)
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
         self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
@@ -480,6 +480,8 @@ class Guard:
             self.recovery.reset_overflow_streak()
             return
         ranks = [self.rank] if verdict.kind == "collapse" else diag.ranks
+        if verdict.kind == "replicas":  # every rank compares fingerprints: the tracker's gather is safe
+            self._track(diag, step, kind)
         self.recorder.trip(step, action=kind, ranks=ranks, diagnosis=diag)
         if verdict.kind == "replicas":
             _announce(self.rank, step, diag, kind)
@@ -559,10 +561,10 @@ class Guard:
         self.injector.end(action=self.last_action, diagnosis=self.last_diagnosis,
                           spiked=self.history.spikes > self._spikes_before)  # fmt: skip
 
-    def _track(self, diag: Diagnosis, step: int) -> None:
+    def _track(self, diag: Diagnosis, step: int, action: str) -> None:
         """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
         hardware tracker (``guard/tracker.py``)."""
-        self.injector.mark(diag, step)
+        self.injector.mark(diag, step, action)
         try:
             self.tracker.trip(diag, step)
         except Exception as err:  # evidence only: nanguard's own failure must not kill training
