@@ -155,7 +155,8 @@ def trips(backends: list[str]) -> None:
 The tiny GPT compiled with a planted miscompile on top of each backend (`nanguard.zoo.miscompile`: the graph
 holding `blocks.1` outputs NaN at step 7), guarded. Seconds: one healthy compiled step (median of steps 3-6),
 the tripped step (the eager replay under the tracer, the compiled replay, and the fresh differential compile
-of the forward that names the graph), and what the diagnosis named.
+of the forward that names the graph), and what the diagnosis named. The fresh compile's cost follows
+inductor's on-disk cache: cold (the first run on this machine) the tripped inductor step took 32 s.
 
 | backend | healthy step | tripped step | ratio | diagnosis |
 |---|---:|---:|---:|---|

@@ -21,12 +21,12 @@ from nanguard.findings import Diagnosis, Finding
 from nanguard.text import diagnosis_text, kind_name, summary
 
 
-def _op(op, inputs=None, *, module_type=None, kind=None, weight_scale=None, initial_weight_scale=None, history=None,
-        why=None, **facts):  # fmt: skip
+def _op(op, inputs=None, *, module_type=None, node=None, scalars=(), kind=None, weight_scale=None,
+        initial_weight_scale=None, history=None, why=None, **facts):  # fmt: skip
     """Evidence of an op origin, built through the records: a field renamed there is a TypeError here.
     ``facts`` are the op's own facts (``OriginEvidence.extra``), which the record does not name."""
-    origin = OriginEvidence(category="op", op=op, module="m", module_type=module_type, phase="forward",
-                            inputs=inputs or [{}], extra=facts)  # fmt: skip
+    origin = OriginEvidence(category="op", op=op, module="m", module_type=module_type, phase="forward", node=node,
+                            inputs=inputs or [{}], scalars=list(scalars), extra=facts)  # fmt: skip
     return Evidence(origin=origin, kind=kind, weight_scale=weight_scale, initial_weight_scale=initial_weight_scale,
                     history=history, why=why)  # fmt: skip
 
@@ -338,3 +338,65 @@ def test_a_step_without_a_finished_replay_says_why(attempted, why) -> None:
                         attempted=attempted)  # fmt: skip
     assert d.cause == "unknown" and why in d.evidence["why"]
     assert "locate is off" not in d.evidence["why"] or not attempted
+
+
+# -- a normalization whose statistics overflow is not a zero variance (issue 27, item 4) ----
+_LN_OVERFLOW = {"op": "aten.native_layer_norm.default", "module_type": "LayerNorm", "norm_eps": 1e-5,
+                "min_variance": 3.0, "max_variance": float("inf"),
+                "inputs": [{"absmax": 8e20, "dtype": "float32"}]}  # fmt: skip
+
+
+def test_a_norm_whose_variance_overflowed_after_the_weights_grew_is_divergence() -> None:
+    ev = _op(**_LN_OVERFLOW, kind="nan", weight_scale={"max_ratio": 2e7, "module": "blocks.0.mlp.proj"},
+             initial_weight_scale={"max_ratio": 0.45, "module": "blocks.0.mlp.proj"})  # fmt: skip
+    verdict = diagnose(ev)
+    assert verdict.cause == "optimizer.divergence"
+    assert "not a zero variance" in verdict.why and "blocks.0.mlp.proj" in verdict.why
+    assert any("learning rate" in fix for fix in verdict.fixes)
+    assert not any("eps" in fix for fix in verdict.fixes)
+
+
+def test_a_norm_whose_variance_overflowed_without_grown_weights_names_no_eps() -> None:
+    # locate alone (no scale from the run's start), or weights at their start scale: not a zero variance either
+    for extra in ({}, {"weight_scale": {"max_ratio": 0.5}, "initial_weight_scale": {"max_ratio": 0.45}}):
+        verdict = diagnose(_op(**_LN_OVERFLOW, kind="nan", **extra))
+        assert verdict.cause == "unknown" and "overflows float32" in verdict.why
+    # the backward of such a norm: its input's squares overflow float32
+    node = {"op": "aten.native_layer_norm_backward.default", "node": "NativeLayerNormBackward0",
+            "inputs": [{"absmax": 1.0}, {"absmax": 5e19}]}  # fmt: skip
+    assert diagnose(_op(**node, kind="nan")).cause == "unknown"
+    # a finite variance, however small, is still the eps's business
+    assert diagnose(_op(**{**_LN_OVERFLOW, "max_variance": 4.0, "inputs": [{"absmax": 3.0}]})).cause == (
+        "norm.zero_variance"
+    )
+
+
+@pytest.mark.parametrize("op", ["aten.div.Tensor", "aten.div_.Tensor"])
+def test_a_tensor_divided_by_the_number_zero_is_a_division_by_zero(op) -> None:
+    verdict = diagnose(_op(op, [{"zeros": 0, "absmax": 2.0}], scalars=[0.0]))
+    assert verdict.cause == "op.division_by_zero" and "the number 0" in verdict.why
+    assert diagnose(_op(op, [{"zeros": 0, "absmax": 2.0}], scalars=[2.0])).cause == "unknown"
+
+
+def test_an_optimizer_eps_that_is_zero_in_the_parameters_dtype_is_named() -> None:
+    def fixes(dtype):
+        return nonfinite_update(step=0, optimizer="AdamW", hyperparameters={"eps": 1e-8, "lr": 1e-3},
+                                bad_parameters=["wte.weight"], rank=None, ranks=[], dtype=dtype).fixes  # fmt: skip
+
+    assert "eps=1e-08 is 0 in float16" in fixes("float16")[0]
+    for dtype in ("bfloat16", "float32", None):  # 1e-8 is a normal bfloat16 and float32 value
+        assert not any("is 0 in" in fix for fix in fixes(dtype))
+
+
+def test_loaded_nonfinite_parameters_name_their_rows_and_module() -> None:
+    from nanguard.diagnose import loaded_nonfinite
+
+    found = [{"name": "wte.weight", "module": "wte", "nan": 128, "inf": 0, "rows": [0]}]
+    diag = loaded_nonfinite(step=0, found=found, rank=None, ranks=[])
+    assert (diag.cause, diag.phase, diag.kind, diag.module) == ("parameters.nonfinite", "parameters", "nan", "wte")
+    assert diag.evidence["loaded"] and diag.evidence["rows"] == [0] and "rows [0] of wte.weight" in diag.evidence["why"]
+    only_optimizer = [
+        {"name": "optimizer.param_groups[0]['params'][2]", "module": None, "nan": 0, "inf": 3, "rows": []}
+    ]
+    diag = loaded_nonfinite(step=4, found=only_optimizer, rank=1, ranks=[1])
+    assert (diag.module, diag.kind, diag.rank) == (None, "inf", 1)

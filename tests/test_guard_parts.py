@@ -187,10 +187,12 @@ def test_growing_finite_gradients_then_a_nan_are_divergence() -> None:
     model = nn.Linear(8, 1)
     guard = ng.Guard(model, torch.optim.SGD(model.parameters(), lr=0.0), policy="raise")
     x = torch.randn(4, 8)
-    for k in range(5):  # gradients ~1e18 .. 1e22: finite, each step 10x the last
-        guard.step(lambda k=k: _scaled_loss(model, x, 10.0 ** (18 + k)))
+    # Gradients ~1e13 .. 1e17: finite, each step 10x the last, below float32's squared range (past
+    # 1.8e19 a float32 clip computes an Inf norm, and the guard trips first: tests/test_loop_faults.py).
+    for k in range(5):
+        guard.step(lambda k=k: _scaled_loss(model, x, 10.0 ** (13 + k)))
     assert guard.skipped == 0
-    assert all(1e17 < p.grad_norm < 1e24 for p in guard.history)
+    assert all(1e12 < p.grad_norm < 1e19 for p in guard.history)
     with pytest.raises(ng.NonFiniteError) as info:
         guard.step(lambda: _scaled_loss(model, x, 1e39))  # float32 overflow: a real Inf at last
     diag = info.value.diagnosis

@@ -38,12 +38,14 @@ __all__ = [
     "Verdict",
     "communication_overflow",
     "diagnose",
+    "loaded_nonfinite",
     "loss_scale_collapse",
     "nonfinite_shards",
     "nonfinite_update",
     "rejected_batch",
     "rejudge",
     "replica_divergence",
+    "runaway_growth",
     "transient_fault",
     "with_run_facts",
 ]
@@ -292,12 +294,15 @@ def divergence(ev: Evidence) -> Verdict | None:
     )
     if o.op:
         why += f"; the first non-finite value then appeared in {o.op} ({_where(o)})"
-    fixes = [
+    return Verdict("optimizer.divergence", why, _divergence_fixes(history))
+
+
+def _divergence_fixes(history: Mapping[str, Any]) -> list[str]:
+    return [
         f"lower the learning rate (now {history['lr']:.3g})" if history.get("lr") else "lower the learning rate",
         "add warmup and gradient clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
         "watch the spike events in the run's event log: they start before the NaN",
     ]
-    return Verdict("optimizer.divergence", why, fixes)
 
 
 # -- op-level --------------------------------------------------------------------------
@@ -384,11 +389,55 @@ def _too_few_elements(o: OriginEvidence) -> bool:
     return isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0
 
 
+_SQUARE_OVERFLOW = math.sqrt(torch.finfo(torch.float32).max)
+"""Values past this have squares that overflow float32, where norms compute their statistics."""
+
+
+def _statistics_overflowed(o: OriginEvidence) -> bool:
+    """A normalization's variance overflowed: finite inputs too large for their squares (an
+    Inf variance, or in a norm's backward inputs past the square's range), the opposite of a
+    zero variance."""
+    var = o.get("max_variance")
+    return (isinstance(var, (int, float)) and not math.isfinite(var)) or _input_absmax(o) >= _SQUARE_OVERFLOW
+
+
+GROWN_WEIGHTS = 100.0
+"""Weights this many times their scale at the start of the run (rms x sqrt(fan_in)) were grown by training."""
+
+
+def _weight_growth(ev: Evidence) -> float:
+    """How many times the weights' scale grew since the run started (0 when only the guard could tell)."""
+    now, start = ev.weight_scale or {}, ev.initial_weight_scale or {}
+    ratio, initial = now.get("max_ratio") or 0.0, start.get("max_ratio") or 0.0
+    return ratio / initial if initial > 0 and ratio >= INIT_RATIO_HIGH else 0.0
+
+
+def _overflow_why(o: OriginEvidence) -> str:
+    dtype = _first_input(o).get("dtype", "float32")
+    name = o.module_type or "the normalization layer"
+    return (
+        f"{name} in {_where(o)} got inputs up to {_input_absmax(o):.3g}, whose variance overflows {dtype} "
+        "(a row variance of inf): an overflow of grown activations, not a zero variance"
+    )
+
+
+@_rule
+def grown_weights_norm_overflow(ev: Evidence) -> Verdict | None:
+    """A normalization whose statistics overflowed once the weights grew far from the scale the run
+    started from: training blew them up (the guard passes that scale; ``norm_overflow`` otherwise)."""
+    o = _origin(ev)
+    if not _normalization(o) or not _statistics_overflowed(o) or (growth := _weight_growth(ev)) < GROWN_WEIGHTS:
+        return None
+    scale = ev.weight_scale or {}
+    why = _overflow_why(o) + f"; the weights of '{scale.get('module')}' are {growth:.3g}x their scale at the start"
+    return Verdict("optimizer.divergence", why + " of the run", _divergence_fixes(ev.history or {}))
+
+
 @_rule
 def zero_variance(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     mtype = o.module_type or ""
-    if not _normalization(o):
+    if not _normalization(o) or _statistics_overflowed(o):
         return None
     eps = o.get("norm_eps", o.get("module_eps"))
     var = o.get("min_variance")
@@ -532,9 +581,12 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
     at = _DIVISIONS.get(op, 1)
     denom = inputs[at] if len(inputs) > at else inputs[0] if inputs else {}
     zeros = denom.get("zeros", 0) if denom else 0
-    if not zeros and not node:
+    if _zero_scalar_divisor(o, op):
+        why = f"{o.op} in {_where(o)} divided by the number 0 (a Python scalar)"
+    elif zeros or node:
+        why = f"{o.op} in {_where(o)} divided by a denominator with {zeros} zeros"
+    else:
         return None
-    why = f"{o.op} in {_where(o)} divided by a denominator with {zeros} zeros"
     if o.source:
         why += f" at {o.source}"
     fixes = [
@@ -542,6 +594,13 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
         "or add an eps: x / (d + 1e-8)",
     ]
     return Verdict("op.division_by_zero", why, fixes)
+
+
+def _zero_scalar_divisor(o: OriginEvidence, op: str) -> bool:
+    """``h / 0.0``: a tensor divided by a Python number, which the tracer keeps in ``scalars``, not ``inputs``."""
+    scalars = o.scalars or []
+    one_tensor = len(o.inputs or []) == 1
+    return op in ("div", "div_", "true_divide") and one_tensor and bool(scalars) and scalars[0] == 0
 
 
 # Ops that divide, by the position of their denominator among the tensor inputs.
@@ -679,6 +738,20 @@ def nan_write(ev: Evidence) -> Verdict | None:
 
 
 @_rule
+def norm_overflow(ev: Evidence) -> Verdict | None:
+    """A normalization whose statistics overflowed, with nothing upstream to blame: the origin is
+    named without a cause, and never as an eps (``zero_variance`` leaves it alone)."""
+    o = _origin(ev)
+    if not _normalization(o) or not _statistics_overflowed(o):
+        return None
+    fixes = [
+        "find what makes the activations grow: the per-module absmax of this step, ng.audit_model(model)",
+        "if the loss grew in the steps before, lower the learning rate and add gradient clipping",
+    ]
+    return Verdict("unknown", _overflow_why(o), fixes)
+
+
+@_rule
 def unknown(ev: Evidence) -> Verdict:
     o = _origin(ev)
     why = f"first non-finite value created by {o.op or 'an unknown op'} in {_where(o)}"
@@ -696,6 +769,7 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
     nonfinite_parameters,
     init_scale,
     divergence,
+    grown_weights_norm_overflow,
     precision_overflow,
     masked_softmax,
     zero_variance,
@@ -707,6 +781,7 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
     # explicit writes
     mask_fill_in_loss,
     nan_write,
+    norm_overflow,
 ]
 # Rules that never name the cause, only add a secondary one to ``also``.
 HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [_weight_scale_hint, _normalization_hint]
@@ -737,7 +812,7 @@ def diagnose(evidence: Evidence | Mapping[str, Any]) -> Verdict:
 
 
 # The rules that read the run's facts; the others answer the same with or without them.
-_READ_RUN_FACTS = (init_scale, divergence, _weight_scale_hint)
+_READ_RUN_FACTS = (init_scale, divergence, grown_weights_norm_overflow, _weight_scale_hint)
 
 
 def _op_cause(record: Evidence, judged: list[tuple[Callable[..., Verdict | None], Verdict | None]]) -> str:
@@ -760,8 +835,9 @@ def nonfinite_update(
     bad_parameters: list[str],
     rank: int | None,
     ranks: list[int],
+    dtype: str | None = None,
 ) -> Diagnosis:
-    """Finite gradients, yet the optimizer's update left ``bad_parameters`` non-finite.
+    """Finite gradients, yet the optimizer's update left ``bad_parameters`` (of ``dtype``) non-finite.
 
     Example:
         >>> nonfinite_update(step=3, optimizer="Adam", hyperparameters={"eps": 0.0}, bad_parameters=["fc.weight"],
@@ -783,24 +859,76 @@ def nonfinite_update(
             "nonfinite_parameters": len(bad_parameters),
             "optimizer": optimizer,
             "hyperparameters": dict(hyperparameters),
+            **({"dtype": dtype} if dtype else {}),
             "why": f"gradients were finite, but after {optimizer}.step "
             f"{len(bad_parameters)} parameter tensor(s) hold NaN/Inf, first {first}",
         },
-        fixes=_update_fixes(hyperparameters),
+        fixes=_update_fixes(hyperparameters, dtype),
     )
 
 
-def _update_fixes(hp: Mapping[str, Any]) -> list[str]:
+def _update_fixes(hp: Mapping[str, Any], dtype: str | None = None) -> list[str]:
     fixes = []
     eps = hp.get("eps")
     if isinstance(eps, (int, float)) and eps <= 1e-12:
         fixes.append(f"optimizer eps is {eps}; use 1e-8 (1e-6 or more with bf16/fp16 states): "
                      "a zero second moment divides 0 by 0")  # fmt: skip
+    elif isinstance(eps, (int, float)) and eps > 0 and (lost := _rounds_to_zero(eps, dtype)):
+        fixes.append(f"optimizer eps={eps:g} is 0 in {dtype} (its smallest value is {lost:.3g}), the dtype of the "
+                     "parameters and so of the optimizer's state: a zero second moment divides 0 by 0; keep float32 "
+                     "master weights (autocast, or a mixed-precision optimizer) or use eps >= 1e-4")  # fmt: skip
     fixes += [
         "check the optimizer state for NaN/Inf (a resumed state from another run or dtype)",
         f"lower the learning rate (now {hp.get('lr')})" if "lr" in hp else "lower the learning rate",
     ]
     return fixes
+
+
+def _rounds_to_zero(value: float, dtype: str | None) -> float:
+    """The smallest positive ``dtype`` value when ``value`` rounds to 0 in that dtype, else 0."""
+    torch_dtype = getattr(torch, dtype, None) if dtype else None
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        return 0.0
+    if torch.tensor(value, dtype=torch_dtype).item() != 0:
+        return 0.0
+    return float(torch.finfo(torch_dtype).smallest_normal * torch.finfo(torch_dtype).eps)
+
+
+def runaway_growth(*, step: int, history: Mapping[str, Any], lr: Any, rank: int | None, ranks: list[int]) -> Diagnosis:
+    """A finite step whose gradients (or loss) grew so fast that the run is diverging, caught
+    before its clip and update (``History.runaway``'s ``history``): nothing is non-finite yet,
+    but a float32 clip would compute an Inf norm (``float32_overflow``), or will soon.
+
+    Example:
+        >>> runaway_growth(step=3, history={"metric": "grad_norm", "growth": 4e18, "float32_overflow": True,
+        ...                "grad_norm": 7e19, "window": 3}, lr=1e3, rank=None, ranks=[]).cause
+        'optimizer.divergence'
+    """
+    overflow = bool(history.get("float32_overflow"))
+    metric, growth = history.get("metric", "grad_norm"), history.get("growth", 0.0)
+    why = f"the gradients are finite, but their norm {history.get('grad_norm', 0.0):.3g} "
+    why = (
+        why + "is past float32's range once squared: a float32 clip_grad_norm_ computes an Inf norm"
+        if overflow
+        else f"{metric} grew {growth:.3g}x over the last {history.get('window', 0)} step(s)"
+    )
+    if overflow and growth:
+        why += f"; it grew {growth:.3g}x over the last {history.get('window', 0)} step(s)"
+    return Diagnosis(
+        cause="optimizer.divergence",
+        kind="inf" if overflow else "invalid",  # nothing non-finite exists yet
+        phase="backward",  # the gradients it made; no update ran
+        rank=rank,
+        ranks=ranks,
+        step=step,
+        evidence={
+            "history": {**history, "lr": lr},
+            "loss": history.get("loss"),
+            "grad_norm": history.get("grad_norm"),
+            "why": why + ", caught before the clip and the update",
+        },
+        fixes=_divergence_fixes({"lr": lr}),
+    )
 
 
 def transient_fault(
@@ -882,6 +1010,43 @@ def nonfinite_shards(*, step: int, parameters: list[str], nan: int, inf: int, ra
             "parameters": parameters[:16],
             "sharded": True,
             "why": f"rank {rank}'s own shard of " + verdict.why,
+        },
+        fixes=verdict.fixes,
+    )
+
+
+def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None, ranks: list[int]) -> Diagnosis:
+    """Parameters non-finite before any update of the guard: as the model was built or a state dict
+    (a checkpoint) loaded it. ``found`` holds per parameter, in ``named_parameters`` order, its
+    ``name``, ``module`` (None for one only the optimizer holds), ``nan`` and ``inf`` counts and
+    the ``rows`` (dim 0) that hold them.
+
+    Example:
+        >>> loaded_nonfinite(step=0, found=[{"name": "wte.weight", "module": "wte", "nan": 64, "inf": 0,
+        ...                                  "rows": [7]}], rank=None, ranks=[]).module
+        'wte'
+    """
+    first = found[0] if found else {}
+    name, module, rows = first.get("name", "a parameter"), first.get("module"), first.get("rows", [])
+    nan, inf = first.get("nan", 0), first.get("inf", 0)
+    origin = {"category": "parameters", "path": name, "module": module, "inputs": [{"nan": nan, "posinf": inf}]}
+    verdict = nonfinite_parameters({"origin": origin})
+    assert verdict is not None
+    where = f" (rows {rows} of {name})" if rows else ""
+    return Diagnosis(
+        cause=verdict.cause,
+        kind="nan" if nan else "inf",
+        phase="parameters",
+        module=module,
+        rank=rank,
+        ranks=ranks,
+        step=step,
+        evidence={
+            "origin": origin,
+            "parameters": [f["name"] for f in found][:16],
+            "rows": rows,
+            "loaded": True,
+            "why": verdict.why.replace("before the step", f"before step {step}, as built or loaded{where}"),
         },
         fixes=verdict.fixes,
     )

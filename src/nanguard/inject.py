@@ -152,7 +152,7 @@ class NullInjector:
     def at(self, step: int) -> list[Fault]:
         return []
 
-    def mark(self, diagnosis: Any, step: int) -> None:
+    def mark(self, diagnosis: Any, step: int, action: str) -> None:
         pass
 
     def end(self, *, action: str | None, diagnosis: Any, spiked: bool) -> None:
@@ -185,6 +185,7 @@ class Injector(NullInjector):
         self._started = 0.0
         self._fired: set[Fault] = set()
         self._late: list[int] = []
+        self._marked: dict[int, tuple[str, str]] = {}
         self._mine = [f for f in self.faults if f.rank == self.rank]
         self._targets = {f: _parameter(model, f) for f in self._mine if f.kind in ("nan_grad", "nan_param")}
         self._first = _parameter(model, Fault("nan_grad", step=0))
@@ -253,8 +254,9 @@ class Injector(NullInjector):
             return value * f.factor
         return value
 
-    def mark(self, diagnosis: Any, step: int) -> None:
-        """Say in a trip's diagnosis which planted faults it answers (at ``step``, on any rank).
+    def mark(self, diagnosis: Any, step: int, action: str) -> None:
+        """Say in a trip's diagnosis which planted faults it answers (at ``step``, on any rank), and
+        remember the ``action`` taken (skip, rollback, resync, raise) for the drill's events.
 
         A trip of an earlier step (a NaN written where the forward does not read it shows in the
         parameter check after the update, read with the next step) gets its drill events late.
@@ -262,6 +264,7 @@ class Injector(NullInjector):
         faults = [f for f in self.at(step) if f.kind != "stall"]  # a stall makes nothing non-finite
         if faults:
             diagnosis.evidence["injected"] = [f.to_dict() for f in faults]
+            self._marked[step] = (action, diagnosis.cause)
             if step != self._step:
                 self._late.append(step)
 
@@ -274,8 +277,11 @@ class Injector(NullInjector):
             self._outcome(at, action, diagnosis, spiked and at == step)
 
     def _outcome(self, step: int, action: str | None, diagnosis: Any, spiked: bool) -> None:
+        marked = self._marked.pop(step, None)
+        tripped = marked is not None
+        if marked is not None:
+            action = marked[0]
         for f in self.at(step):
-            tripped = diagnosis is not None and diagnosis.step == step and action in ("skip", "rollback", "raise")
             spike = spiked and f.kind == "spike_loss"
             self._write(
                 step,
@@ -285,7 +291,7 @@ class Injector(NullInjector):
                 planted_here=f.rank == self.rank,
                 action=action,
                 detected=None if f.kind == "stall" else tripped or spike,
-                cause=diagnosis.cause if tripped else "spike" if spike else None,
+                cause=marked[1] if marked is not None else "spike" if spike else None,
                 seconds=time.monotonic() - self._started,
             )
 

@@ -41,7 +41,10 @@ class GuardConfig:
     """Skip the update on a spike (OLMo-core's skip-step), instead of only warning."""
     divergence_factor: float = 10.0
     divergence_window: int = 5
-    """A trip after the grad norm or loss grew this factor within this many steps is divergence."""
+    """A trip after the grad norm or loss grew this factor within this many steps is divergence; a
+    finite step whose loss and grad norm both grew this factor, on the second spike in a row of the
+    warm detectors, trips as divergence itself, before its clip and update (so does a grad norm past 1.8e19, whose
+    float32 square overflows)."""
     loss_scale_floor: float = 2.0**-8
     """A GradScaler scale below this is a collapse (precision.loss_scale)."""
     max_overflow_streak: int = 20
@@ -75,7 +78,8 @@ class GuardConfig:
     """policy="auto", data causes with ``sample_ids``: quarantine the bad "rows", the whole "batch"
     when the rows cannot be told, that and the "previous" batch, or "off"."""
     headroom_every: int = 100
-    """Every N steps, measure how close float16/bfloat16 op outputs per module come to overflow (0 = off)."""
+    """Every N steps, measure how close float16/bfloat16 op outputs per module come to overflow, on a
+    replay of the step (never the step that updates the weights); 0 = off."""
     sync: str = "auto"
     """When ``step`` reads a step's health: "immediate" (within the step, before its update), or
     "deferred": step N's flags go to the host in a non-blocking copy and are read at the start of
@@ -90,7 +94,8 @@ class GuardConfig:
     replay (counted in ``run_dir/hardware.jsonl`` across restarts; 0 = never)."""
     clip_grad_norm: float | None = None
     """Clip the gradients' global norm to this after the guard's unscale and check, before the
-    optimizer step; the history keeps the norm before clipping, so divergence still shows."""
+    optimizer step, as ``clip_grad_norm_(model.parameters())`` would (its tensors, in its order);
+    the history keeps the norm before clipping, so divergence still shows."""
 
     @classmethod
     def from_options(cls, policy: str, options: Mapping[str, Any]) -> GuardConfig:

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from nanguard import compat, dist, environ
-from nanguard.diagnose import loss_scale_collapse, replica_divergence
+from nanguard.diagnose import loss_scale_collapse, replica_divergence, runaway_growth
 from nanguard.errors import NonFiniteError, OutOfStepError
 from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
+from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth, check_after_loads
 from nanguard.guard.history import History
 from nanguard.guard.join import in_join, install, telling_joined
 from nanguard.guard.policy import STEP, Action, Policy, Verdict
@@ -115,7 +115,8 @@ class Guard:
         self.last_grad_norm: float | None = None  # documented on the class: across ranks, before clipping
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
-                                  param_check_every=c.param_check_every)  # fmt: skip
+                                  param_check_every=c.param_check_every, check_loaded=True)  # fmt: skip
+        self._load_hook = check_after_loads(model, self.health)  # a later load_state_dict is checked too
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)
         self.history = History.from_config(c)
         self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats,
@@ -183,9 +184,11 @@ class Guard:
                 loss, value = self._forward_backward(closure)
                 verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
                 if verdict is None:
+                    self._headroom(closure, rng)
                     return loss  # deferred: its verdict and bookkeeping come with the next call
                 if not self._act(verdict, batch, rng, restore_buffers=True):
                     return None
+                self._headroom(closure, rng)
                 self._update(device_step=self._device_step)
                 self.after_step()
                 return loss
@@ -250,6 +253,7 @@ class Guard:
             assert verdict is not None  # only the device path defers
             if not self._act(verdict, batch, rng, restore_buffers=False):
                 return False
+            self._headroom(replay, rng)
             self._clip()
             return True
         finally:
@@ -290,7 +294,8 @@ class Guard:
         step = self.step_count
         self.step_count += 1
         if not device_step and self.health.alone:
-            return self._verdict(self.health.read_alone(value, step), replay, batch, rng, restore_buffers)
+            h = self.health.read_alone(value, step)
+            return self._verdict(h, replay, batch, rng, restore_buffers, updated=False)
         measured = self.health.measure(value)
         # The step index the ranks agree on: this rank's Guard.step/check calls, undone by nothing.
         agreed = measured.agree(sharded=self._sharded, carried=self.health.carried(), step=self._calls - 1)
@@ -302,13 +307,15 @@ class Guard:
                 self._waiting = _Waiting(step, copy, replay, batch, rng, self._closure_error)
                 return None
         h = measured.read(step, agreed, scaled=self.scaler is not None)
-        return self._verdict(h, replay, batch, rng, restore_buffers)
+        return self._verdict(h, replay, batch, rng, restore_buffers, updated=device_step)
 
     def _verdict(
-        self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, restore_buffers: bool
-    ) -> Verdict:
-        """What a read step is: a bad update, a GradScaler overflow, a trip (replayed and
-        diagnosed), a spike, or healthy."""
+        self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, restore_buffers: bool,
+        *, updated: bool,
+    ) -> Verdict:  # fmt: skip
+        """What a read step is: bad parameters (as loaded, or after an update), a GradScaler
+        overflow, a trip (replayed and diagnosed), runaway growth, a spike, or healthy.
+        ``updated``: the device path has applied the step's update already."""
         step = h.step
         self.last_grad_norm = h.grad_norm
         if h.out_of_step:
@@ -317,6 +324,9 @@ class Guard:
         if kind == "params":
             params_bad = h.ranks_with(HealthFlag.PARAMS)
             self.recovery.abandon(restore_buffers, rng)
+            if loaded := h.ranks_with(HealthFlag.LOADED):  # as built or loaded: no update of this guard wrote them
+                diag = _or_unknown(lambda: self.diagnoser.loaded_parameters(step, loaded), step, h)
+                return Verdict("trip", step, h, diagnosis=diag)
             diag = _or_unknown(lambda: self.diagnoser.nonfinite_update(step - 1, params_bad), step - 1, h)
             return Verdict("trip", step - 1, h, diagnosis=diag)
         if kind == "overflow":
@@ -324,6 +334,12 @@ class Guard:
         if kind == "trip":
             return self._tripped(h, replay, batch, rng, restore_buffers)
         spikes = self._watch_trends(step, h)
+        # Finite, but diverging: caught before the clip and the update (the device path has applied it).
+        if not updated and (runaway := self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)) is not None:
+            self.recovery.abandon(restore_buffers, rng)
+            diag = runaway_growth(step=step, history=runaway, lr=self.optimizer.param_groups[0].get("lr"),
+                                  rank=dist.rank_or_none(), ranks=[])  # fmt: skip
+            return Verdict("trip", step, h, diagnosis=diag)
         return Verdict("spike", step, h, spikes=spikes) if spikes else Verdict("healthy", step, h)
 
     def _tripped(
@@ -440,7 +456,7 @@ class Guard:
         if verdict.kind in ("collapse", "replicas"):
             self._repair(verdict, diag, action)
             return False
-        self._track(diag, verdict.step)
+        self._track(diag, verdict.step, kind)
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
         self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
@@ -464,6 +480,8 @@ class Guard:
             self.recovery.reset_overflow_streak()
             return
         ranks = [self.rank] if verdict.kind == "collapse" else diag.ranks
+        if verdict.kind == "replicas":  # every rank compares fingerprints: the tracker's gather is safe
+            self._track(diag, step, kind)
         self.recorder.trip(step, action=kind, ranks=ranks, diagnosis=diag)
         if verdict.kind == "replicas":
             _announce(self.rank, step, diag, kind)
@@ -515,9 +533,22 @@ class Guard:
             self.optimizer.step()
 
     def _clip(self) -> None:
-        """``clip_grad_norm``, after the check that measured (and recorded) the norm before it."""
+        """``clip_grad_norm``, after the check that measured (and recorded) the norm before it: over
+        what ``clip_grad_norm_(model.parameters())`` clips, in its order (the norm's rounding follows
+        the order), then any parameter only the optimizer holds."""
         if self.config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
+            params = list({id(p): p for p in [*self.model.parameters(), *self._params]}.values())
+            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+
+    def _headroom(self, replay: Callable[[], Any] | None, rng: Rng | None) -> None:
+        """Every ``headroom_every``-th step's overflow headroom, measured on a replay of its closure
+        with communication off, never on the step that updates the weights."""
+        check, step = self._remedies.headroom, self.step_count - 1
+        run = _scaler_aside(self.scaler, replay)
+        if run is None or not check.due(step):
+            return
+        check.replay(step, lambda: dist.replay_locally(self.model, run), params=self._params, rng=rng,
+                     cuda_devices=self._cuda_devices)  # fmt: skip
 
     # -- around the step -----------------------------------------------------------------
     def _begin_drill(self) -> NullInjector:
@@ -530,10 +561,10 @@ class Guard:
         self.injector.end(action=self.last_action, diagnosis=self.last_diagnosis,
                           spiked=self.history.spikes > self._spikes_before)  # fmt: skip
 
-    def _track(self, diag: Diagnosis, step: int) -> None:
+    def _track(self, diag: Diagnosis, step: int, action: str) -> None:
         """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
         hardware tracker (``guard/tracker.py``)."""
-        self.injector.mark(diag, step)
+        self.injector.mark(diag, step, action)
         try:
             self.tracker.trip(diag, step)
         except Exception as err:  # evidence only: nanguard's own failure must not kill training
@@ -550,7 +581,7 @@ class Guard:
         assert w.rng is not None
         try:
             with self._undo_on_error(w.rng):
-                verdict = self._verdict(h, w.replay, w.batch, w.rng, True)
+                verdict = self._verdict(h, w.replay, w.batch, w.rng, True, updated=True)
                 if self._act(verdict, w.batch, w.rng, restore_buffers=True):
                     self.after_step()
         finally:
@@ -560,7 +591,7 @@ class Guard:
         """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
         try:
             riding = self.health.riding(self._calls - 1)
-            with torch.enable_grad(), self._remedies.headroom.watch(self.step_count), riding:
+            with torch.enable_grad(), riding:
                 loss = closure()
             return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
         except (IndexError, RuntimeError) as err:

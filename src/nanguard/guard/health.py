@@ -17,12 +17,13 @@ from enum import IntFlag
 from typing import Any
 
 import torch
+from torch import nn
 
 from nanguard import compat, dist
 from nanguard.dist import CommWatch
 from nanguard.stats import float_groups, local, total_norm
 
-__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth"]
+__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth", "check_after_loads"]
 
 
 class HealthFlag(IntFlag):
@@ -32,13 +33,16 @@ class HealthFlag(IntFlag):
     LOCAL = 1
     """This rank's own loss, or its own gradients before communication, are non-finite."""
     PARAMS = 2
-    """The previous update left non-finite parameters."""
+    """The parameters are non-finite: after the previous update, or as the guard found them (built
+    or loaded, ``HealthCheck.checked``)."""
     SYNCED = 4
     """The gradients it holds now (after any all-reduce) are non-finite."""
     WIRE = 8
     """Its own gradients were finite, but overflowed the comm hook's wire dtype (float16 compression)."""
     JOINED = 16
     """It ran out of inputs inside DDP's ``join()``: it takes no step and only shadows the others' collectives."""
+    LOADED = 32
+    """With PARAMS: the check covered the parameters as built or loaded, which no update of the guard wrote."""
 
 
 @dataclass(frozen=True)
@@ -190,8 +194,24 @@ class HealthCheck:
         >>> health = check.measure(loss)        # device scalars, no host read
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], *, scaler: Any, comm: CommWatch, param_check_every: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        scaler: Any,
+        comm: CommWatch,
+        param_check_every: int,
+        check_loaded: bool = False,
+    ) -> None:
         self.params = list(params)
+        # The parameters the guard was built with (or a state dict loaded later) are checked once,
+        # with the first step: a NaN row no batch uses would otherwise pass as the first update's fault.
+        self.watch_loads = check_loaded and param_check_every > 0
+        self.unchecked = self.watch_loads
+        self.checked: str | None = None
+        """What the parameter check read with the latest step covered: "loaded" (the parameters as
+        built or loaded, before any update of this guard), "update" (the last update), or None."""
+        self._queued: str | None = None
         # Grouped by device and dtype once. DTensor shards are taken anew each step, and a
         # sparse gradient (found on the first step that has one) needs its values coalesced.
         self._groups: list[list[torch.Tensor]] | None = None
@@ -208,7 +228,7 @@ class HealthCheck:
         gn = self._grad_norm()
         device = gn.device if gn is not None else _device_of(loss)
         gn = gn if gn is not None else torch.zeros((), device=device)
-        pn, self._param_norm = self._param_norm, None
+        pn = self._take_param_norm()
         pn = pn.to(device) if pn is not None else gn.new_zeros(())
         lv = _loss_scalar(loss, device)
         # One isfinite over [loss, grad norm, parameter norm], and the flags looked up from its
@@ -223,6 +243,8 @@ class HealthCheck:
         wire = self.comm.wire_flag(device)
         if wire is not None:
             flags = flags + wire.to(torch.int32) * HealthFlag.WIRE
+        if self.checked == "loaded":
+            flags = flags + bad[2].to(torch.int32) * HealthFlag.LOADED
         if self.scaler is not None:
             scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
         else:
@@ -243,12 +265,13 @@ class HealthCheck:
             >>> health = check.read_alone(loss, step=7)   # when check.alone
         """
         gn = self._grad_norm()
-        pn, self._param_norm = self._param_norm, None
+        pn = self._take_param_norm()
         lv = _loss_scalar(loss, gn.device if gn is not None else _device_of(loss))
         scale = compat.scaler_scale(self.scaler) if self.scaler is not None else None
         own_loss, grad_norm, param_norm, scale_value = _host_floats([lv, gn, pn, scale])
         bad = [v is not None and not math.isfinite(v) for v in (own_loss, grad_norm, param_norm)]
         flags = _FLAGS[(self.scaler is not None, True)][bad[0] + 2 * bad[1] + 4 * bad[2]]
+        flags |= HealthFlag.LOADED if bad[2] and self.checked == "loaded" else 0
         return StepHealth(step=step, loss=own_loss or 0.0, grad_norm=grad_norm or 0.0, scale=scale_value,
                           own_loss=own_loss or 0.0, rank_flags=(HealthFlag(flags),))  # fmt: skip
 
@@ -266,9 +289,31 @@ class HealthCheck:
         """Queue a parameter check of the update of ``step`` (every ``param_check_every`` steps)."""
         every = self.param_check_every
         if every and step % every == 0:
-            with torch.no_grad():
-                groups = self._groups if self._groups is not None else float_groups(self.params)
-                self._param_norm = total_norm(groups)  # non-finite exactly when a parameter is
+            self._queue_param_norm("update")
+
+    def check_loaded(self) -> None:
+        """Before a step's forward: queue a check of the parameters as they are, once after the
+        guard was built and after each ``load_state_dict`` into the model (``loaded``)."""
+        if self.unchecked:
+            self.unchecked = False
+            self._queue_param_norm("loaded")
+
+    def loaded(self) -> None:
+        """A state dict was loaded into the model: check its parameters with the next step."""
+        self.unchecked = self.watch_loads
+
+    def _queue_param_norm(self, covers: str) -> None:
+        with torch.no_grad():
+            groups = self._groups if self._groups is not None else float_groups(self.params)
+            self._param_norm = total_norm(groups)  # non-finite exactly when a parameter is
+        self._queued = covers
+
+    def _take_param_norm(self) -> torch.Tensor | None:
+        """The queued parameter check, read with this step (``checked`` says what it covers)."""
+        self.check_loaded()  # check() calls no hook before the forward: the parameters are still as loaded
+        pn, self._param_norm = self._param_norm, None
+        self.checked, self._queued = (self._queued if pn is not None else None), None
+        return pn
 
     def _grad_norm(self) -> torch.Tensor | None:
         """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
@@ -296,6 +341,7 @@ class HealthCheck:
         LOCAL covers its own gradients before averaging and its loss's finiteness, PARAMS the last
         update; the step slot holds ``dist.step_slot(step)``.
         """
+        self.check_loaded()  # before the backward: the check's flag rides in its all-reduce
         if not self.comm.rides:
             yield
             return
@@ -325,7 +371,8 @@ class HealthCheck:
         local = loss_bad if self.scaler is not None else loss_bad | pre_comm  # as measure() decides
         code = local.to(torch.int32) * HealthFlag.LOCAL
         if self._param_norm is not None:
-            code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * HealthFlag.PARAMS
+            params = HealthFlag.PARAMS + (HealthFlag.LOADED if self._queued == "loaded" else 0)
+            code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * params
         extras = torch.zeros(2 * world + 2, dtype=torch.float32, device=device)
         extras[dist.rank()] = code.float()
         extras[world] = loss
@@ -334,8 +381,25 @@ class HealthCheck:
         return extras
 
     def forget_update(self) -> None:
-        """Drop a queued parameter check: the parameters it covered were restored."""
-        self._param_norm = None
+        """Drop a queued parameter check: the parameters it covered were restored (from the guard's
+        own snapshot or a finite replica, so the load that restored them needs no check either)."""
+        self._param_norm, self._queued = None, None
+        self.unchecked = False
+
+
+def check_after_loads(model: nn.Module, check: HealthCheck) -> Any:
+    """After each ``model.load_state_dict`` (the wrapper's or the inner module's), check the
+    loaded parameters with the next step; returns the hook's handle.
+
+    Example:
+        >>> handle = check_after_loads(model, guard.health)
+        >>> model.load_state_dict(torch.load("ckpt.pt"))   # checked with the next step
+    """
+
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        check.loaded()
+
+    return dist.unwrap(model).register_load_state_dict_post_hook(hook)
 
 
 _TABLE_KEYS = [(scaled, merge) for scaled in (False, True) for merge in (False, True)]

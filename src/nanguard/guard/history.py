@@ -17,11 +17,15 @@ from typing import Any, NamedTuple
 from nanguard.guard.config import GuardConfig
 from nanguard.spikes import Spike, SpikeDetector
 
-__all__ = ["Forecast", "History", "Point"]
+__all__ = ["FLOAT32_SQUARE_MAX", "Forecast", "History", "Point"]
 
 TREND_POINTS = 4
 """How many recent steps the divergence forecast fits."""
+RUNAWAY_STEPS = 2
+"""Spiking steps in a row, each grown ``divergence_factor``, that make a finite step a divergence trip."""
 _LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)
+FLOAT32_SQUARE_MAX = math.sqrt(3.4028234663852886e38)
+"""A norm past this squares past float32's range: a float32 norm of such gradients is Inf."""
 
 
 class Point(NamedTuple):
@@ -74,6 +78,8 @@ class History:
         self._trend: deque[Point] = deque(maxlen=TREND_POINTS)
         self._warned = False
         self._quiet = 0
+        self._observed: tuple[int | None, bool, bool] = (None, False, False)  # step, detectors warm, spiked
+        self._grown: tuple[int | None, int] = (None, 0)  # the last step grown on a spike, how many in a row
 
     @classmethod
     def from_config(cls, config: GuardConfig) -> History:
@@ -93,6 +99,7 @@ class History:
 
     def observe(self, step: int, *, loss: float, grad_norm: float) -> list[Spike]:
         """Score a step's values against the detectors; returns its spikes (loss first)."""
+        ready = all(len(d.values) >= d.warmup for d in (self.loss_spikes, self.grad_spikes))
         self._spike_before = self._recent_spike_step
         found = []
         for detector, value in ((self.loss_spikes, loss), (self.grad_spikes, grad_norm)):
@@ -101,6 +108,7 @@ class History:
                 found.append(spike)
                 self.spikes += 1
                 self._recent_spike_step = step
+        self._observed = (step, ready, bool(found))
         return found
 
     def forget(self, step: int, *, loss: float, grad_norm: float) -> None:
@@ -215,6 +223,47 @@ class History:
         out["diverging"] = best[1] >= self.divergence_factor or spiked
         out["spike"] = spiked
         return out
+
+    def runaway(self, step: int, *, loss: float, grad_norm: float) -> dict[str, Any] | None:
+        """Divergence seen in a finite step (after ``observe``), before its clip and update: the
+        ``history`` evidence when the gradients' norm is past what float32 can square (a float32
+        ``clip_grad_norm_`` computes an Inf norm), or when the loss and the grad norm both grew
+        ``divergence_factor`` over the last ``divergence_window`` updates on ``RUNAWAY_STEPS``
+        steps in a row that the warm spike detectors flag. None otherwise.
+
+        Growth alone is no trip: in a run's first steps healthy losses and grad norms move by
+        such factors too (a zero-initialized head, warmup). Nor is one spike: a single bad batch
+        spikes too, and the next step is back; a run that diverges keeps growing.
+
+        Example:
+            >>> history.observe(9, loss=2.0, grad_norm=7e19)
+            >>> history.runaway(9, loss=2.0, grad_norm=7e19)["metric"]
+            'grad_norm'
+        """
+        seen, ready, spiked = self._observed
+        spiked = spiked and seen == step
+        if math.isfinite(grad_norm) and grad_norm >= FLOAT32_SQUARE_MAX:
+            found = {"metric": "grad_norm", "growth": self._growth("grad_norm", grad_norm), "float32_overflow": True}
+        else:
+            growth = {m: self._growth(m, v) for m, v in (("loss", loss), ("grad_norm", grad_norm))}
+            if min(growth.values()) < self.divergence_factor or not (ready and spiked):
+                self._grown = (None, 0)
+                return None
+            last, streak = self._grown
+            self._grown = (step, streak + 1 if last == step - 1 else 1)
+            if self._grown[1] < RUNAWAY_STEPS:
+                return None
+            metric = max(growth, key=lambda m: growth[m])
+            found = {"metric": metric, "growth": growth[metric], "float32_overflow": False}
+        recent = [p for p in self.points if p.step < step][-self.divergence_window :]
+        return {"window": len(recent), **found, "diverging": True, "spike": spiked, "loss": loss,
+                "grad_norm": grad_norm}  # fmt: skip
+
+    def _growth(self, metric: str, value: float) -> float:
+        """``value`` over the smallest finite, positive ``metric`` of the last ``divergence_window`` updates."""
+        recent = [getattr(p, metric) for p in list(self.points)[-self.divergence_window :]]
+        base = [v for v in recent if math.isfinite(v) and v > 0]
+        return value / min(base) if base and math.isfinite(value) and value > 0 else 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {

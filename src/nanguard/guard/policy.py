@@ -9,6 +9,8 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
   parameters (``Cause.skippable`` False, or a diagnosis of the optimizer phase), which a skip
   cannot repair;
 - ``auto``: the remedy the cause's row names, within ``remedy_budget`` (``Cause.budgeted``);
+- parameters non-finite as the guard was built or a state dict loaded them (``evidence["loaded"]``)
+  stop the run under every policy: no skip repairs them and no snapshot holds better ones;
 - skips and rollbacks in a row past ``max_consecutive_skips`` stop the run;
 - a GradScaler overflow is the scaler's own skip, and its collapse is reset once under auto;
 - replicas that differ are re-broadcast from a finite majority, else rolled back, else raised.
@@ -141,6 +143,10 @@ class Policy:
             return self._collapse(diag)
         if kind == "replicas":
             return self._replicas(verdict, state)
+        if diag.evidence.get("loaded"):  # non-finite as built or loaded: nothing in this run repairs them
+            return _raise(diag, "the parameters were non-finite before any update of this guard (as built, or as a "
+                                "state dict loaded them): no skip repairs them and no snapshot holds better ones; "
+                                "fix the checkpoint")  # fmt: skip
         auto = self.config.policy == "auto"
         action = self._auto(diag, facts(diag.cause), state) if auto else self._plain(diag, state)
         return self._in_a_row(action, state) if action.kind in ("skip", "rollback") else action

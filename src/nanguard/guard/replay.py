@@ -24,6 +24,7 @@ from nanguard import compat, dist
 from nanguard.causes import facts
 from nanguard.diagnose import (
     communication_overflow,
+    loaded_nonfinite,
     nonfinite_shards,
     nonfinite_update,
     rejected_batch,
@@ -236,15 +237,43 @@ class Diagnoser:
                 {owners[id(p)] for (_, p), ok in zip(named, finite, strict=True) if not ok and id(p) in owners}
             )
             ranks = owned or ranks
+        bad = [(n, p) for (n, p), ok in zip(named, finite, strict=True) if not ok]
         diag = nonfinite_update(
             step=step,
             optimizer=type(self.optimizer).__name__,
             hyperparameters={k: v for k, v in group.items() if isinstance(v, (int, float, bool))},
-            bad_parameters=[n for (n, _), ok in zip(named, finite, strict=True) if not ok],
+            bad_parameters=[n for n, _ in bad],
             rank=ranks[0] if dist.is_distributed() and ranks else dist.rank_or_none(),
             ranks=ranks if dist.is_distributed() else [],
+            dtype=str(bad[0][1].dtype).removeprefix("torch.") if bad else None,
         )
         return with_run_facts(diag, RunFacts(self.history.evidence(step + 1, self._lr())))
+
+    def loaded_parameters(self, step: int, ranks: list[int]) -> Diagnosis:
+        """The parameters were non-finite before ``step``, as the guard was built or a state dict
+        loaded them (no update of this guard wrote them): name them, and the rows that hold NaN/Inf."""
+        named: list[tuple[str, str | None, torch.Tensor]] = [
+            (n, n.rpartition(".")[0], p) for n, p in dist.unwrap(self.model).named_parameters()
+        ]
+        seen = {id(p) for _, _, p in named}
+        named += [(f"optimizer.param_groups[{g}]['params'][{i}]", None, p)  # held by the optimizer only
+                  for g, group in enumerate(self.optimizer.param_groups)
+                  for i, p in enumerate(group["params"]) if id(p) not in seen]  # fmt: skip
+        counts = []
+        with torch.no_grad():  # host reads: on a trip only
+            for name, module, p in named:
+                t = local(p).detach()
+                bad = ~torch.isfinite(t)
+                if bool(bad.any()):
+                    rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten()[:16].tolist() if t.dim() else []
+                    nan = int(t.isnan().sum())
+                    counts.append(
+                        {"name": name, "module": module, "nan": nan, "inf": int(bad.sum()) - nan, "rows": rows}
+                    )
+        mine = loaded_nonfinite(step=step, found=counts, rank=dist.rank_or_none(), ranks=[]) if counts else None
+        # Every rank is here (the flag is agreed): each gets the diagnosis of a rank that holds them.
+        diag = dist.gather_diagnosis(mine, ranks)
+        return diag if diag is not None else loaded_nonfinite(step=step, found=[], rank=None, ranks=ranks)
 
     def rejected_batch(self, batch: Any, step: int) -> Diagnosis | None:
         """``check_batch`` before the forward: a diagnosis of its errors, or None."""

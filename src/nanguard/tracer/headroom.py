@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,11 @@ from torch import nn
 
 from nanguard import compat
 from nanguard.dtypes import OVERFLOW_FRACTION, dtype_facts
+from nanguard.rng import get_rng_state, set_rng_state
 from nanguard.tracer.compiled import eager
 from nanguard.tracer.modules import ModuleStack
+from nanguard.tracer.ops import info
+from nanguard.tracer.protect import Backup
 from nanguard.tree import op_leaves
 
 __all__ = ["Headroom", "HeadroomCheck", "measure_headroom"]
@@ -44,12 +48,15 @@ class Headroom:
 
 
 class _HeadroomMode(compat.DispatchMode):
-    def __init__(self, stack: ModuleStack) -> None:
+    def __init__(self, stack: ModuleStack, backup: Backup | None = None) -> None:
         super().__init__()
         self.stack = stack
+        self.backup = backup
         self.maxima: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.backup is not None and (writes := info(func).writes):
+            self.backup.before(writes, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         name = self.stack.current_name()
         if name is None:  # outside the model (the loss, the backward's accumulation)
@@ -65,7 +72,7 @@ class _HeadroomMode(compat.DispatchMode):
 
 
 @contextlib.contextmanager
-def measure_headroom(model: nn.Module) -> Iterator[list[Headroom]]:
+def measure_headroom(model: nn.Module, backup: Backup | None = None) -> Iterator[list[Headroom]]:
     """Measure low-precision op outputs per module while the block runs; the yielded list
     is filled, worst first, when the block ends.
 
@@ -77,7 +84,7 @@ def measure_headroom(model: nn.Module) -> Iterator[list[Headroom]]:
         [('blocks.0.attn', 12288.0)]
     """
     found: list[Headroom] = []
-    with ModuleStack(model) as stack, _HeadroomMode(stack) as mode:
+    with ModuleStack(model) as stack, _HeadroomMode(stack, backup) as mode:
         yield found
     if mode.maxima:
         keys = list(mode.maxima)
@@ -90,14 +97,19 @@ def measure_headroom(model: nn.Module) -> Iterator[list[Headroom]]:
 
 
 class HeadroomCheck:
-    """Runs ``measure_headroom`` on every ``every``-th step's closure and reports each module
-    through ``emit(step, headroom)``. The first check that sees no float16/bfloat16 op output
-    turns the checks off.
+    """Every ``every``-th step, runs ``measure_headroom`` on a replay of the step's closure and
+    reports each module through ``emit(step, headroom)``. The first check that sees no
+    float16/bfloat16 op output turns the checks off.
+
+    The step that updates the weights is never run under the measurement: a compiled model's
+    replay runs eagerly (the mode must see aten ops), in another numeric path than the user's.
+    The replay leaves the step as it found it: gradients, buffers, parameters and RNG.
 
     Example:
         >>> check = HeadroomCheck(model, every=100, emit=lambda step, h: print(step, h))
-        >>> with check.watch(step):
-        ...     loss = closure()
+        >>> loss = closure()                      # the step itself, as the user wrote it
+        >>> if check.due(step):
+        ...     check.replay(step, closure, params=params, rng=rng_before_the_step)
     """
 
     def __init__(self, model: nn.Module, *, every: int, emit: Callable[[int, Headroom], None]) -> None:
@@ -105,14 +117,35 @@ class HeadroomCheck:
         self.every = every
         self.emit = emit
 
-    @contextlib.contextmanager
-    def watch(self, step: int) -> Iterator[None]:
-        if not self.every or step % self.every:
-            yield
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def replay(
+        self,
+        step: int,
+        closure: Callable[[], Any],
+        *,
+        params: Sequence[torch.Tensor],
+        rng: Mapping[str, torch.Tensor] | None,
+        cuda_devices: Sequence[int] = (),
+    ) -> None:
+        """Measure ``closure`` (the step's forward and backward) again from ``rng``, the RNG state
+        before the step; nanguard's own failure only warns and turns the checks off."""
+        try:
+            with (
+                _aside(self.model, params, rng, cuda_devices) as backup,
+                eager(),
+                measure_headroom(self.model, backup) as found,
+                torch.enable_grad(),
+            ):
+                closure()
+        except Exception as err:  # a measurement is never worth killing training
+            warnings.warn(f"nanguard: the headroom check of step {step} failed: {err!r}; checks stop", stacklevel=3)
+            self.every = 0
             return
-        # A compiled model runs this step eagerly: the mode must see the aten ops, not dynamo.
-        with eager(), measure_headroom(self.model) as found:
-            yield
+        self._report(step, found)
+
+    def _report(self, step: int, found: list[Headroom]) -> None:
         if not found:
             # No float16/bfloat16 op ran: a float32 run stays one, so stop paying for the trace.
             log.info("nanguard: step %d: no low-precision op outputs; headroom checks stop", step)
@@ -130,3 +163,26 @@ class HeadroomCheck:
                     h.dtype,
                     h.limit,
                 )
+
+
+@contextlib.contextmanager
+def _aside(
+    model: nn.Module, params: Sequence[torch.Tensor], rng: Mapping[str, torch.Tensor] | None, cuda: Sequence[int]
+) -> Iterator[Backup]:
+    """Around a replay: the step's gradients set aside (the replay makes its own), buffers and
+    written parameters backed up, the RNG run from ``rng`` and put back where the step left it."""
+    params = list({id(p): p for p in [*model.parameters(), *params]}.values())  # the optimizer's and the model's
+    grads = [p.grad for p in params]
+    after = get_rng_state(cuda)
+    backup = Backup(on_write=params, now=list(model.buffers()))
+    for p in params:
+        p.grad = None
+    try:
+        if rng is not None:
+            set_rng_state(rng)
+        yield backup
+    finally:
+        backup.restore()
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        set_rng_state(after)

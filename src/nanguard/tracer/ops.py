@@ -333,7 +333,8 @@ def user_facts(op: str, args: tuple) -> dict[str, Any]:
 
 
 def _norm_facts(x: torch.Tensor, args: tuple, width: int | None) -> dict[str, Any]:
-    """The norm's eps (its last float argument) and the smallest variance among the rows it normalizes."""
+    """The norm's eps (its last float argument), and the smallest and largest variance among the rows
+    it normalizes (the largest is Inf where finite inputs are too large for their squares)."""
     facts: dict[str, Any] = {}
     eps = next((a for a in reversed(args) if isinstance(a, float)), None)
     if eps is not None:
@@ -344,7 +345,8 @@ def _norm_facts(x: torch.Tensor, args: tuple, width: int | None) -> dict[str, An
             flat = flat.reshape(-1, width)
         else:
             flat = flat.reshape(x.shape[0], -1) if x.dim() > 1 else flat[None]
-        facts["min_variance"] = float(flat.var(dim=-1, unbiased=False).min())
+        var = flat.var(dim=-1, unbiased=False)
+        facts["min_variance"], facts["max_variance"] = torch.stack([var.min(), var.max()]).tolist()
     return facts
 
 

@@ -96,7 +96,7 @@ def _guarded(run: Run, model: torch.nn.Module, **config: Any) -> tuple[Diagnosis
 
 
 def _first_bad_step(s: Scenario, seed: int) -> int | None:
-    """The step where a plain, unguarded loop first sees a non-finite loss or gradient."""
+    """The step where a plain, unguarded loop first sees a non-finite loss or gradient (or gradient norm)."""
     if s.amp or s.ranks > 1 or s.expect.cause is None:
         return None
     run = build(s, seed)
@@ -108,6 +108,8 @@ def _first_bad_step(s: Scenario, seed: int) -> int | None:
         grads = [p.grad for p in run.model.parameters() if p.grad is not None]
         if not math.isfinite(loss.item()) or not all(bool(torch.isfinite(g).all()) for g in grads):
             return step
+        if grads and not math.isfinite(torch.nn.utils.get_total_norm(grads).item()):
+            return step  # finite gradients a float32 clip_grad_norm_ cannot measure
         run.optimizer_step()
     return None
 

@@ -20,7 +20,8 @@ Batch = dict[str, torch.Tensor]
 
 
 FIRST_BAD = -1
-"""``Expect.step``: the step where a plain, unguarded run first sees a non-finite loss or gradient."""
+"""``Expect.step``: the step where a plain, unguarded run first sees a non-finite loss or gradient, or
+gradients whose float32 norm (``clip_grad_norm_``'s) is Inf."""
 
 
 @dataclass(frozen=True)

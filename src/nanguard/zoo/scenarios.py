@@ -86,6 +86,13 @@ def _nan_weight(model: GPT, batch: Batch) -> Batch:
     return batch
 
 
+def _nan_padding_row_checkpoint(model: GPT, batch: Batch) -> Batch:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["wte.weight"][0] = float("nan")  # the padding row (padding_idx=0): no batch reads it
+    model.load_state_dict(state)  # as a resumed run loads its checkpoint
+    return batch
+
+
 def _empty_loss_mask(model: GPT, batch: Batch) -> Batch:
     return {**batch, "loss_mask": torch.zeros_like(batch["labels"])}
 
@@ -183,6 +190,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         Expect("parameters.nonfinite", None, "blocks.1.mlp.fc", "parameters", "nan"),
         fault=_nan_weight,
     ),
+    Scenario(
+        "checkpoint_nan_unused_row",
+        "a checkpoint whose embedding padding row is NaN: no batch reads it, so no loss or gradient shows it",
+        Expect("parameters.nonfinite", None, "wte", "parameters", "nan", step=0),
+        fault=_nan_padding_row_checkpoint,
+        fault_step=0,
+        steps=3,
+    ),
     # The init is the upstream fault, but float32 computes this q @ k^T finitely (absmax ~1e6):
     # by the causes' definitions the float16 overflow is precision.overflow, and the weight
     # scale is the secondary cause in diag.also (tests/test_zoo.py checks it is there).
@@ -228,6 +243,37 @@ SCENARIOS: tuple[Scenario, ...] = (
         lr=50.0,
         fault_step=0,
         steps=10,
+    ),
+    # One AdamW update moves every weight by about lr: the next forward's residual stream is so
+    # large that a LayerNorm's variance overflows float32 (Inf, not zero). The history holds one
+    # step, so the weights' growth from the run's start is the evidence of divergence.
+    # SGD's update is lr x gradient: by step 4 the gradients are finite but past 1.8e19, float32's
+    # squared range, where the loop's own clip_grad_norm_ computes an Inf norm (the runner counts that
+    # as the plain run's first bad step); the step after, they are NaN.
+    Scenario(
+        "sgd_lr_huge_finite_gradients",
+        "SGD at lr=200: finite gradients past 1.8e19, whose float32 norm (a clip's) is Inf, before any NaN",
+        Expect("optimizer.divergence", None, None, "backward", "inf", step=FIRST_BAD),
+        optimizer="sgd",
+        lr=200.0,
+        fault_step=0,
+        steps=8,
+    ),
+    Scenario(
+        "adamw_lr_exponent_typo",
+        "AdamW at lr=1e6 (1e-6 typed without its minus): a LayerNorm's input variance overflows to Inf",
+        Expect("optimizer.divergence", step=FIRST_BAD),
+        lr=1e6,
+        fault_step=0,
+        steps=3,
+    ),
+    Scenario(
+        "fp16_adamw_default_eps",
+        "a float16 model with AdamW's default eps=1e-8, which is 0 in float16: 0/0 on the padding row",
+        Expect("optimizer.nonfinite_update", "AdamW.step", "wte", "optimizer", "nan", step=0),
+        dtype=torch.float16,
+        fault_step=0,
+        steps=3,
     ),
     Scenario(
         "adam_eps_zero",

@@ -242,6 +242,19 @@ def _vae_logvar_exp_overflow() -> Case:
     return Case(step(model, model), (torch.randn(3, 4), torch.randn(3, 2)), model)
 
 
+def _zero_rollout_temperature() -> Case:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 16)  # the policy's output layer over a 16-token vocabulary
+    temperature = 0.0  # greedy rollouts: the trainer reuses the rollout temperature
+
+    def loss_of(h: torch.Tensor, tokens: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        logits = model(h).div(temperature)  # logprobs "at the rollout temperature"
+        logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+        return -(logp * advantages).mean()
+
+    return Case(step(model, loss_of), (torch.randn(4, 8), torch.tensor([1, 5, 2, 9]), torch.randn(4)), model)
+
+
 SCENARIOS = (
     WildScenario(
         "ppo_std_one_sample", "DLR-RM/stable-baselines3#325",
@@ -249,6 +262,13 @@ SCENARIOS = (
         Expect("op.division_by_zero", "aten.std.correction", None, "forward", "nan"),
         "std with n=1 and correction=1 divides by n - correction = 0, in loss code outside any module",
         _ppo_std_one_sample,
+    ),
+    WildScenario(
+        "zero_rollout_temperature", "radixark/miles#1190",
+        "policy logprobs computed as logits.div(temperature) with a greedy rollout's temperature of 0.0",
+        Expect("op.division_by_zero", "aten.div.Tensor", None, "forward", "inf"),
+        "finite logits divided by the Python number 0.0 are +-inf, in loss code outside the policy module",
+        _zero_rollout_temperature,
     ),
     WildScenario(
         "empty_positive_anchors", "pytorch/vision#2144",
