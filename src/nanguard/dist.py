@@ -21,6 +21,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from nanguard import compat
+from nanguard.agreement import STEP_PERIOD, Layout, step_slot
 from nanguard.findings import Diagnosis
 from nanguard.stats import local
 
@@ -68,21 +69,12 @@ def rank_or_none() -> int | None:
     return rank() if _initialized() else None
 
 
-STEP_PERIOD = 2**24 - 1
-"""Step slots hold ``step % STEP_PERIOD + 1``: exact in float32, and 0 for a rank that takes no step."""
-
-
-def step_slot(step: int | None) -> float:
-    """The value a rank writes into its step slot of the agreement (0.0: it takes no step, as a joined rank)."""
-    return 0.0 if step is None else float(step % STEP_PERIOD + 1)
-
-
 def agree(
     code: torch.Tensor, loss: torch.Tensor, grad_sq: torch.Tensor, *, sharded: bool = False, step: int | None = 0
 ) -> torch.Tensor:
-    """One all-reduce that gives every rank the same view of the step, as a float32 device tensor:
-    ``[code of rank 0, ..., code of rank W-1, mean loss, global grad norm, step slot of rank 0, ...,
-    step slot of rank W-1]``.
+    """One all-reduce that gives every rank the same view of the step, as a float32 device tensor
+    laid out by ``agreement.Layout``: ``[code of rank 0, ..., code of rank W-1, mean loss, global
+    grad norm, step slot of rank 0, ..., step slot of rank W-1]``.
 
     Each rank writes its own code and step slot (small ints, exact in float32; see ``step_slot``), so
     all ranks learn *which* ranks flagged and where each rank's loop is; the loss is averaged and the
@@ -91,19 +83,15 @@ def agree(
     ``join()`` and only shadows the collectives). 2 x world_size + 2 floats.
     """
     world = world_size()
-    vec = torch.zeros(2 * world + 2, dtype=torch.float32, device=loss.device)
-    me = rank() if world > 1 else 0
-    vec[me] = code.float()
-    vec[world] = loss.float()
-    vec[world + 1] = grad_sq.float()
-    vec[world + 2 + me] = step_slot(step)
+    at = Layout(world)
+    vec = at.vector(rank=rank() if world > 1 else 0, code=code, loss=loss, norm=grad_sq, step=step, device=loss.device)
     if world > 1:
         tdist.all_reduce(vec)
-        stepping = (vec[world + 2 :] > 0).sum().clamp_min(1).float()
-        vec[world] = vec[world] / stepping
+        stepping = (vec[at.steps] > 0).sum().clamp_min(1).float()
+        vec[at.loss] = vec[at.loss] / stepping
         if not sharded:
-            vec[world + 1] = vec[world + 1] / stepping
-    vec[world + 1] = vec[world + 1].sqrt()
+            vec[at.norm] = vec[at.norm] / stepping
+    vec[at.norm] = vec[at.norm].sqrt()
     return vec
 
 
@@ -231,7 +219,7 @@ class DDPCommWatch(CommWatch):
                 if last and self._join_enabled():
                     # Under join() the last bucket always has the extras' room: a joined rank's shadow
                     # cannot know whether the others ride, so they always make room.
-                    return self._ride(buffer, buffer.new_zeros(2 * world_size() + 2), keep=False)
+                    return self._ride(buffer, buffer.new_zeros(Layout(world_size()).size), keep=False)
                 return inner(state, bucket)
             if last:
                 return self._ride(buffer, self._extras(~torch.isfinite(self._acc)), keep=True)

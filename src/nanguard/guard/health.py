@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nanguard import compat, dist
+from nanguard.agreement import Layout
 from nanguard.dist import CommWatch
 from nanguard.stats import float_groups, local, total_norm
 
@@ -67,7 +68,7 @@ class StepHealth:
     """This rank's own loss: its event log keeps this rank's curve."""
     rank_flags: tuple[HealthFlag, ...]
     rank_steps: tuple[int, ...] = ()
-    """Each rank's step slot (``dist.step_slot``: its guard call index + 1, 0 when it takes no step)."""
+    """Each rank's step slot (``agreement.step_slot``: its guard call index + 1, 0 when it takes no step)."""
 
     def ranks_with(self, flag: HealthFlag) -> list[int]:
         return [r for r, f in enumerate(self.rank_flags) if f & flag]
@@ -126,30 +127,31 @@ class DeviceHealth:
         """
         if carried is None:
             return dist.agree(self.flags, self.loss, self.grad_norm * self.grad_norm, sharded=sharded, step=step)
-        world = dist.world_size()
-        mean_loss = carried[world] / carried[world + 1].clamp_min(1)  # over the ranks whose loss was known
-        norm = self.grad_norm.float().to(carried.device)
-        return torch.cat([carried[:world], torch.stack([mean_loss, norm]), carried[world + 2 :]])
+        at = Layout(dist.world_size())
+        agreed = carried.clone()
+        agreed[at.loss] = carried[at.loss] / carried[at.norm].clamp_min(1)  # over the ranks whose loss was known
+        agreed[at.norm] = self.grad_norm.float().to(carried.device)
+        return agreed
 
     @staticmethod
     def found_inf(agreed: torch.Tensor) -> torch.Tensor:
         """A device float, nonzero when any rank flagged: what a fused optimizer skips on."""
-        return (torch.remainder(agreed[: dist.world_size()], float(HealthFlag.JOINED)).amax() > 0).float()
+        return (torch.remainder(agreed[Layout(dist.world_size()).codes], float(HealthFlag.JOINED)).amax() > 0).float()
 
     def read(self, step: int, agreed: torch.Tensor, *, scaled: bool) -> StepHealth:
-        world = dist.world_size()
+        at = Layout(dist.world_size())
         extra = torch.stack([self.scale.float(), self.loss.float(), self.grad_norm.float()]).to(agreed.device)
         values: list[float] = torch.cat([agreed, extra]).tolist()  # the one host read of this step
-        own = 2 * world + 2  # this rank's own scale, loss and grad norm follow the agreement
+        read = at.read(values)
         return StepHealth(
             step=step,
-            loss=values[world],
+            loss=read.loss,
             # One process reads its own norm: the agreement squares it in float32, past 1.8e19 an overflow.
-            grad_norm=values[world + 1] if world > 1 else values[own + 2],
-            scale=values[own] if scaled else None,
-            own_loss=values[own + 1],
-            rank_flags=tuple(HealthFlag(int(c)) for c in values[:world]),
-            rank_steps=tuple(int(s) for s in values[world + 2 : own]) if world > 1 else (),
+            grad_norm=read.norm if at.world > 1 else values[at.own_norm],
+            scale=values[at.own_scale] if scaled else None,
+            own_loss=values[at.own_loss],
+            rank_flags=tuple(HealthFlag(c) for c in read.codes),
+            rank_steps=read.steps if at.world > 1 else (),
         )
 
 
@@ -163,7 +165,7 @@ class HostCopy:
     """
 
     def __init__(self, measured: DeviceHealth, agreed: torch.Tensor) -> None:
-        self.world = agreed.numel()
+        self.layout = Layout.for_size(agreed.numel())
         extra = torch.stack([measured.scale.float(), measured.loss.float(), measured.grad_norm.float()])
         packed = torch.cat([agreed, extra.to(agreed.device)])
         self.event: Any = None
@@ -178,9 +180,9 @@ class HostCopy:
     def read(self, step: int, *, scaled: bool) -> StepHealth:
         if self.event is not None:
             self.event.synchronize()  # the copy only, not the work queued after it
-        v, w = self.values, self.world
-        host = DeviceHealth(grad_norm=v[w + 2], loss=v[w + 1], scale=v[w], flags=v[:0])
-        return host.read(step, v[:w], scaled=scaled)
+        v, at = self.values, self.layout
+        host = DeviceHealth(grad_norm=v[at.own_norm], loss=v[at.own_loss], scale=v[at.own_scale], flags=v[:0])
+        return host.read(step, v[: at.size], scaled=scaled)
 
 
 class HealthCheck:
@@ -339,7 +341,7 @@ class HealthCheck:
         bucket is sent; the closure's return value stays this rank's own loss. Each rank sends
         ``[one-hot code slot x world, loss, 1 if its loss was known, one-hot step slot x world]``:
         LOCAL covers its own gradients before averaging and its loss's finiteness, PARAMS the last
-        update; the step slot holds ``dist.step_slot(step)``.
+        update; the step slot holds ``agreement.step_slot(step)`` (the layout: ``agreement.Layout``).
         """
         self.check_loaded()  # before the backward: the check's flag rides in its all-reduce
         if not self.comm.rides:
@@ -355,14 +357,14 @@ class HealthCheck:
         raw = self.comm.carried()
         if raw is None:
             return None
-        world = dist.world_size()
-        codes = raw[:world].to(torch.int32)
+        at = Layout(dist.world_size())
+        codes = raw[at.codes].to(torch.int32)
         if self.scaler is None:
             codes = codes | (raw[-1] > 0).to(torch.int32) * HealthFlag.SYNCED
-        return torch.cat([codes.float(), raw[world:-1]])
+        return torch.cat([codes.float(), raw[at.loss : at.size]])  # raw[-1]: the bucket's own flag
 
     def _extras(self, pre_comm: torch.Tensor, roots: list[torch.Tensor], step: int) -> torch.Tensor:
-        device, world = pre_comm.device, dist.world_size()
+        device = pre_comm.device
         known = bool(roots)
         loss = sum((r.detach().float().mean().to(device) for r in roots), torch.zeros((), device=device))
         if self.scaler is not None:
@@ -373,12 +375,8 @@ class HealthCheck:
         if self._param_norm is not None:
             params = HealthFlag.PARAMS + (HealthFlag.LOADED if self._queued == "loaded" else 0)
             code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * params
-        extras = torch.zeros(2 * world + 2, dtype=torch.float32, device=device)
-        extras[dist.rank()] = code.float()
-        extras[world] = loss
-        extras[world + 1] = float(known)
-        extras[world + 2 + dist.rank()] = dist.step_slot(step)
-        return extras
+        return Layout(dist.world_size()).vector(rank=dist.rank(), code=code, loss=loss, norm=float(known), step=step,
+                                                device=device)  # fmt: skip
 
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored (from the guard's

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from nanguard import compat, dist
+from nanguard.agreement import Layout
 from nanguard.errors import NonFiniteError, OutOfStepError
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, StepHealth
@@ -84,12 +85,10 @@ class _GuardedJoinHook(JoinHook):
             self.inner.main_hook()
             return
         comm = guard.health.comm
-        world = dist.world_size()
+        at = Layout(dist.world_size())
 
         def extras() -> torch.Tensor:
-            out = torch.zeros(2 * world + 2, dtype=torch.float32)
-            out[dist.rank()] = float(HealthFlag.JOINED)
-            return out
+            return at.vector(rank=dist.rank(), code=float(HealthFlag.JOINED), step=None)  # no step: slot 0
 
         guard.health.comm.reset()
         if isinstance(comm, dist.DDPCommWatch):
@@ -108,8 +107,7 @@ class _GuardedJoinHook(JoinHook):
 def _shadow_step(guard: Guard) -> None:
     """The joined rank's part of one guarded step of the others: the agreement, then a trip's collectives."""
     carried = guard.health.carried()
-    world = dist.world_size()
-    if carried is not None and not bool((carried[world + 2 :] > 0).any()):
+    if carried is not None and not bool((carried[Layout(dist.world_size()).steps] > 0).any()):
         carried = None  # the last bucket made room, but nobody rode in it: they agree separately
     zero = torch.zeros(())
     mine = DeviceHealth(grad_norm=zero, loss=zero, scale=torch.ones(()), flags=torch.tensor(int(HealthFlag.JOINED)))
