@@ -45,7 +45,9 @@ from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
 from nanguard.text import diagnosis_text
 
-_callbacks = require("transformers.trainer_callback", "hf", "Hugging Face transformers")
+_callbacks: Any = require(  # Any: its classes are bases below, known only once imported
+    "transformers.trainer_callback", "hf", "Hugging Face transformers"
+)
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments

@@ -35,7 +35,9 @@ from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
 from nanguard.text import diagnosis_text
 
-_pl = require("lightning.pytorch", "lightning", "PyTorch Lightning")
+_pl: Any = require(  # Any: its classes are bases below, known only once imported
+    "lightning.pytorch", "lightning", "PyTorch Lightning"
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

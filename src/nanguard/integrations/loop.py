@@ -29,7 +29,7 @@ import inspect
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 from torch import nn
@@ -291,7 +291,7 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return output if _scalar(output) else None
 
 
-def _scalar(t: Any) -> bool:
+def _scalar(t: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
 
 
