@@ -82,7 +82,12 @@ class SpikeDetector:
         """Take back the last ``update(value)``: a step that was skipped leaves no trace here either.
 
         Example:
-            >>> det.update(50.0); det.forget(50.0)   # the spike's step was skipped
+            >>> det = SpikeDetector("loss", window=20, warmup=5)
+            >>> for v in (2.0, 2.01, 2.02, 2.0, 2.01, 2.02):
+            ...     _ = det.update(v)
+            >>> _ = det.update(50.0); det.forget(50.0)   # the spike's step was skipped
+            >>> max(det.values)
+            2.02
         """
         if math.isfinite(value) and self.values and self.values[-1] == value:
             self.values.pop()
