@@ -124,7 +124,7 @@ Target: <= 1 warning per 10,000 clean steps. Divergence must still be caught at 
 | **all** | {total_steps} | {total} | {total / max(total_steps, 1) * 1e4:.1f} |
 
 Divergence scenario `lr_too_high`: tripped at step {lr.detect_step} with `{got.get("cause")}` (expected step
-{get("lr_too_high").trip_step}, `optimizer.divergence`). The run took {seconds:.0f} s.
+{lr.expected_step}, the plain run's first bad step, `optimizer.divergence`). The run took {seconds:.0f} s.
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/spike_rate.py --steps {args.steps}`."""
     write_section("spike-rate", body)

@@ -72,3 +72,33 @@ def test_series_that_cross_zero_are_scored_linearly() -> None:
         det.update(-1.0 + 0.01 * (i % 5))  # e.g. a negative log-likelihood bonus
     assert det.update(-0.97) is None
     assert det.update(5.0) is not None
+
+
+def _bursty(n: int, every: int, burst: float) -> list[float]:
+    """A clean grad norm (log-normal noise) with a burst of ``burst`` x its level every ``every`` steps."""
+    gen = torch.Generator().manual_seed(2)
+    values = torch.exp(0.05 * torch.randn(n, generator=gen, dtype=torch.float64))
+    values[every - 1 :: every] *= burst
+    return values.tolist()
+
+
+def test_a_clean_runs_recurring_bursts_rarer_than_the_window_warn_once() -> None:
+    """AdamW's grad norm on a loss at its floor bursts to several times its median every hundred
+    steps or so: each burst once passed the window-peak test again after the last left the window."""
+    det = SpikeDetector("grad_norm", window=50)
+    warned = [i for i, v in enumerate(_bursty(5000, every=80, burst=4.0)) if det.update(v) is not None]
+    assert warned == [79]  # the first burst only: the run has shown it since
+    assert det.update(40.0) is not None  # ten times the bursts is still a spike
+    other = SpikeDetector("grad_norm", window=50)
+    other.load_state_dict(det.state_dict())
+    assert list(other.bursts) == list(det.bursts) and other.update(9.0) is det.update(9.0) is None
+
+
+def test_a_forgotten_value_stays_out_of_the_recorded_bursts() -> None:
+    det = SpikeDetector("grad_norm", window=10, warmup=5)
+    for v in [1.0] * 9 + [5.0]:
+        det.update(v)
+    det.forget(5.0)  # the window's last value was a skipped step
+    det.update(1.0)
+    det.update(1.0)  # closes the window: its burst is 1.0, not 5.0
+    assert list(det.bursts) == [1.0]

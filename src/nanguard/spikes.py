@@ -8,7 +8,11 @@ Positive series (a loss, a grad norm) are scored in log space: their noise is mu
 and right-skewed, and a spike is a *ratio* to the recent level: scored linearly, the long
 upper tail of a noisy loss passes a median/MAD threshold far more often than its nominal rate.
 Clean runs still throw the odd value at twice the median, so a spike must also be at least
-twice the largest value in the window.
+twice the largest value in the window. Some clean runs (a grad norm under AdamW once the loss sits
+at its floor) burst to several times the median every hundred steps or so, more rarely than one
+window holds: a spike must also rise at least twice as far above the median as the largest burst
+of the last ``_BURST_WINDOWS`` windows did above theirs (ratios to each window's median, so a
+falling level does not raise the bar).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ __all__ = ["Spike", "SpikeDetector"]
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its std
 _PEAK_RATIO = 2.0  # a positive value must be this many times the window's largest to be a spike
 _LOG_FLOOR = 0.02  # scale floor in log space: with the default threshold, no rise under ~13% is a spike
+_BURST_WINDOWS = 10  # how many past windows' largest bursts (max / median) a spike must clear twice
 
 
 @dataclass(frozen=True)
@@ -55,27 +60,38 @@ class SpikeDetector:
         self.warmup = warmup
         self.threshold = threshold
         self.values: deque[float] = deque(maxlen=window)
+        self.bursts: deque[float] = deque(maxlen=_BURST_WINDOWS)  # each past window's max / median
+        self._since = 0  # values added since the last window was closed into ``bursts``
 
     def update(self, value: float) -> Spike | None:
         """Score ``value`` against the window, then add it when finite."""
         if not math.isfinite(value):
             return None
+        if self._since >= len(self.values) == self.values.maxlen:
+            self._close_window()
         spike = None
         if len(self.values) >= self.warmup and self._above_recent_peak(value):  # the cheap test first
             score, med = self.score(value)
-            if score > self.threshold:
+            if score > self.threshold and self._above_recent_bursts(value, med):
                 spike = Spike(self.metric, value, med, score)
         self.values.append(value)
+        self._since += 1
         return spike
 
     def forget(self, value: float) -> None:
         """Take back the last ``update(value)``: a step that was skipped leaves no trace here either.
 
         Example:
-            >>> det.update(50.0); det.forget(50.0)   # the spike's step was skipped
+            >>> det = SpikeDetector("loss", window=20, warmup=5)
+            >>> for v in (2.0, 2.01, 2.02, 2.0, 2.01, 2.02):
+            ...     _ = det.update(v)
+            >>> _ = det.update(50.0); det.forget(50.0)   # the spike's step was skipped
+            >>> max(det.values)
+            2.02
         """
         if math.isfinite(value) and self.values and self.values[-1] == value:
             self.values.pop()
+            self._since = max(self._since - 1, 0)
 
     def score(self, value: float) -> tuple[float, float]:
         """The robust z-score of ``value`` against the window, and the window's median."""
@@ -96,12 +112,31 @@ class SpikeDetector:
         peak = max(self.values)
         return value >= peak * _PEAK_RATIO if peak > 0 else value > peak
 
+    def _above_recent_bursts(self, value: float, med: float) -> bool:
+        # A burst the run has already shown, and stayed healthy through, is its noise: a clean
+        # run's rare bursts would each pass the window peak test once the last had left the window.
+        if not self.bursts or value <= 0 or med <= 0:
+            return True
+        return value / med >= _PEAK_RATIO * max(self.bursts)
+
+    def _close_window(self) -> None:
+        # Closed lazily, at the next update, so that ``forget`` of a window's last value still
+        # takes it out before the window's burst is recorded.
+        self._since = 0
+        window = sorted(self.values)
+        med = _median(window)
+        if window[0] > 0 and med > 0:
+            self.bursts.append(window[-1] / med)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"values": list(self.values)}
+        return {"values": list(self.values), "bursts": list(self.bursts), "since": self._since}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.values.clear()
         self.values.extend(float(v) for v in state.get("values", []))
+        self.bursts.clear()
+        self.bursts.extend(float(v) for v in state.get("bursts", []))
+        self._since = int(state.get("since", 0))
 
 
 def _median(ordered: list[float]) -> float:

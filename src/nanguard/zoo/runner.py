@@ -46,6 +46,12 @@ class Result:
         return self.detect_step - self.first_bad_step
 
     @property
+    def expected_step(self) -> int | None:
+        """The step the guard must trip at: a ``FIRST_BAD`` expectation read as the plain run's
+        first bad step."""
+        return self.first_bad_step if self.expected["step"] == FIRST_BAD else self.expected["step"]
+
+    @property
     def ok(self) -> bool:
         if self.expected["cause"] is None:
             return self.got is None
@@ -53,8 +59,7 @@ class Result:
             return False
         # Only what the expectation names is scored (see Expect).
         fields_ok = all(self.got.get(k) == v for k, v in self.expected.items() if v is not None and k != "step")
-        step = self.first_bad_step if self.expected["step"] == FIRST_BAD else self.expected["step"]
-        return fields_ok and self.got.get("step") == step and self.steps_late in (0, None)
+        return fields_ok and self.got.get("step") == self.expected_step and self.steps_late in (0, None)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "steps_late": self.steps_late, "ok": self.ok}
