@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from nanguard import compat
+from nanguard.evidence import OriginEvidence
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
 from nanguard.tracer import normalize, ops
 from nanguard.tracer.calls import UserCalls
@@ -64,22 +65,24 @@ class Origin:
     after: list[dict[str, Any]] = field(default_factory=list)
 
     def to_evidence(self) -> dict[str, Any]:
-        return {
-            "category": self.category,
-            "op": self.op,
-            "module": self.module,
-            "module_type": self.module_type,
-            "phase": self.phase,
-            "node": self.node,
-            "forward_op": self.forward_op,
-            "source": self.source,
-            "library_source": self.library_source,
-            "path": self.path,
-            "inputs": self.inputs,
-            "outputs": self.outputs,
-            "scalars": self.scalars,
-            **self.extra,
-        }
+        """The written origin (``diag.evidence["origin"]``), built through ``evidence.OriginEvidence``:
+        its fields by keyword, the op's own facts after them."""
+        return OriginEvidence(
+            category=self.category,
+            op=self.op,
+            module=self.module,
+            module_type=self.module_type,
+            phase=self.phase,
+            node=self.node,
+            forward_op=self.forward_op,
+            source=self.source,
+            library_source=self.library_source,
+            path=self.path,
+            inputs=self.inputs,
+            outputs=self.outputs,
+            scalars=self.scalars,
+            extra=dict(self.extra),
+        ).to_dict()
 
 
 @dataclass
