@@ -316,7 +316,7 @@ class _Policy(nn.Module):
 def _act(model):
     def fn(obs, temperature):
         model.zero_grad()
-        dist = torch.distributions.Categorical(logits=model(obs, temperature))
+        dist = torch.distributions.Categorical(logits=model(obs, temperature), validate_args=True)
         loss = -dist.log_prob(dist.sample()).mean()
         loss.backward()
         return loss
@@ -359,7 +359,8 @@ def test_a_user_assert_on_isfinite_returns_the_origin() -> None:
 
 def test_a_raise_with_nothing_non_finite_is_re_raised_unchanged() -> None:
     def fn(loc):
-        return torch.distributions.Normal(loc, torch.zeros(2)).sample()  # scale 0: finite, but invalid
+        # scale 0: finite, but invalid (validate_args explicit: a torch.compile earlier in the process turns it off)
+        return torch.distributions.Normal(loc, torch.zeros(2), validate_args=True).sample()
 
     with pytest.raises(ValueError, match="Expected parameter scale") as err:
         ng.locate(fn, torch.zeros(2))
@@ -394,5 +395,6 @@ def test_under_the_guard_the_closure_error_propagates_with_one_line_naming_the_o
     assert guard.step_count == 0 and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="Expected parameter probs") as err:  # nothing non-finite: no note
-        guard.step(lambda: torch.distributions.Categorical(probs=torch.tensor([-1.0, 2.0])).sample())
+        probs = torch.tensor([-1.0, 2.0])
+        guard.step(lambda: torch.distributions.Categorical(probs=probs, validate_args=True).sample())
     assert not getattr(err.value, "__notes__", None)

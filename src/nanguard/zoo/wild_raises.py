@@ -4,6 +4,8 @@
 ``torch.logdet`` returns NaN by definition for a negative determinant; PCGrad and hand-written
 clipping run on ``.grad`` between ``backward()`` and the optimizer step; a distribution's
 ``validate_args``, ``torch.multinomial`` or a loss check raise on a NaN made earlier in the step.
+The distributions pass ``validate_args=True``: torch's default, which the first ``torch.compile`` in a
+process turns off for the whole process (dynamo's ``TorchPatcher``).
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ class PromptLearner(nn.Module):
         self.policy = PromptPolicy()
 
     def forward(self, reward: torch.Tensor) -> torch.Tensor:
-        dist = torch.distributions.Categorical(probs=self.policy())
+        dist = torch.distributions.Categorical(probs=self.policy(), validate_args=True)
         return -(dist.log_prob(dist.sample()) * reward).mean()
 
 
@@ -193,7 +195,7 @@ class LatentODE(nn.Module):
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         mu, std = self.head(torch.tanh(self.encoder(x)))
-        return -torch.distributions.Normal(mu, std).log_prob(target).mean()
+        return -torch.distributions.Normal(mu, std, validate_args=True).log_prob(target).mean()
 
 
 def _normal_scale_sqrt_negative() -> Case:
