@@ -277,6 +277,26 @@ def test_headroom_is_measured_on_a_replay_that_leaves_the_step_as_it_was(tmp_pat
     assert any(e["kind"] == "headroom" and e["dtype"] == "bfloat16" for e in events)
 
 
+def test_an_eager_models_headroom_is_measured_as_its_step_runs_with_no_replay(tmp_path) -> None:
+    # Reading op outputs changes none of an eager step's values: no second run of the closure.
+    model = _gpt(torch.bfloat16, n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = ng.Guard(model, optimizer, headroom_every=1, run_dir=tmp_path)
+    calls = []
+    for step in range(2):
+        closure, batch = _closure(model, optimizer, step)
+
+        def counted(closure=closure, step=step):
+            calls.append(step)
+            return closure()
+
+        assert guard.step(counted, batch=batch) is not None
+    guard.close()
+    assert calls == [0, 1]
+    events = read_events(next(tmp_path.glob("events*.jsonl")))
+    assert {e["step"] for e in events if e["kind"] == "headroom" and e["dtype"] == "bfloat16"} == {0, 1}
+
+
 # -- item 9: Guard(clip_grad_norm=) clips as the loop's own clip_grad_norm_ does -------------
 def test_the_guards_clip_is_bit_identical_to_the_loops_own_clip() -> None:
     def train(guarded):

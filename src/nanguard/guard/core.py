@@ -541,8 +541,9 @@ class Guard:
             torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
 
     def _headroom(self, replay: Callable[[], Any] | None, rng: Rng | None) -> None:
-        """Every ``headroom_every``-th step's overflow headroom, measured on a replay of its closure
-        with communication off, never on the step that updates the weights."""
+        """Every ``headroom_every``-th step's overflow headroom, where the step itself was not
+        measured as it ran (compiled models, ``check()``): on a replay of its closure with
+        communication off, never on the compiled step that updates the weights."""
         check, step = self._remedies.headroom, self.step_count - 1
         run = _scaler_aside(self.scaler, replay)
         if run is None or not check.due(step):
@@ -591,7 +592,7 @@ class Guard:
         """The step's forward and backward: (loss, its value, the index error a CPU forward raised)."""
         try:
             riding = self.health.riding(self._calls - 1)
-            with torch.enable_grad(), riding:
+            with torch.enable_grad(), riding, self._remedies.headroom.watch(self.step_count):
                 loss = closure()
             return loss, _loss_value(loss, "the closure's return value", allow_none=False), None
         except (IndexError, RuntimeError) as err:

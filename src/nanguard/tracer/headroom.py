@@ -21,7 +21,7 @@ from torch import nn
 from nanguard import compat
 from nanguard.dtypes import OVERFLOW_FRACTION, dtype_facts
 from nanguard.rng import get_rng_state, set_rng_state
-from nanguard.tracer.compiled import eager
+from nanguard.tracer.compiled import compiled_modules, eager
 from nanguard.tracer.modules import ModuleStack
 from nanguard.tracer.ops import info
 from nanguard.tracer.protect import Backup
@@ -101,14 +101,17 @@ class HeadroomCheck:
     reports each module through ``emit(step, headroom)``. The first check that sees no
     float16/bfloat16 op output turns the checks off.
 
-    The step that updates the weights is never run under the measurement: a compiled model's
-    replay runs eagerly (the mode must see aten ops), in another numeric path than the user's.
-    The replay leaves the step as it found it: gradients, buffers, parameters and RNG.
+    An eager model's step is measured as it runs (``watch``): reading op outputs changes none.
+    A compiled model's step is never run under the measurement, which would run it eagerly, in
+    another numeric path than the user's: a replay of its closure is measured instead, and leaves
+    the step as it found it (gradients, buffers, parameters and RNG). ``Guard.check`` loops, whose
+    forward ran before the guard saw it, are measured on their replay too.
 
     Example:
         >>> check = HeadroomCheck(model, every=100, emit=lambda step, h: print(step, h))
-        >>> loss = closure()                      # the step itself, as the user wrote it
-        >>> if check.due(step):
+        >>> with check.watch(step):               # eager: measured in place
+        ...     loss = closure()                  # the step itself, as the user wrote it
+        >>> if check.due(step):                   # compiled (or not measured in place)
         ...     check.replay(step, closure, params=params, rng=rng_before_the_step)
     """
 
@@ -116,9 +119,23 @@ class HeadroomCheck:
         self.model = model
         self.every = every
         self.emit = emit
+        self._measured: int | None = None  # the step ``watch`` measured as it ran
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0
+        return bool(self.every) and step % self.every == 0 and self._measured != step
+
+    @contextlib.contextmanager
+    def watch(self, step: int) -> Iterator[None]:
+        """Measure a due step of an eager model as it runs, with no replay: a mode that only reads
+        the ops' outputs changes none of them. A compiled model is left to ``replay`` (under the
+        mode it would run eagerly, in another numeric path than the user's)."""
+        if not self.due(step) or compiled_modules(self.model):
+            yield
+            return
+        with measure_headroom(self.model) as found:
+            yield
+        self._measured = step
+        self._report(step, found)
 
     def replay(
         self,
