@@ -281,6 +281,21 @@ def test_chaos_soak_long_on_three_ranks(tmp_path: Path) -> None:
     _soak(world=3, steps=1500, seed=2, tmp_path=tmp_path)
 
 
+@pytest.mark.dist
+def test_the_soak_checks_a_rollback_to_a_snapshot_older_than_any_window(tmp_path: Path) -> None:
+    # A rollback may restore a snapshot from any step back: refreshes are held while the run grows
+    # (the 1500-step soak once restored one 16 steps old, past its 16-state window), or they are
+    # far apart. The soak's checker kept the last states only, and called an exact rollback broken.
+    from nanguard.zoo.spawn import spawn_ranks
+
+    fault = {"kind": "nan_param", "step": 66, "rank": 0, "module": "blocks.0.mlp", "factor": 1e4, "seconds": 0.2}
+    results = spawn_ranks(drill_rank, [fault], 68, None, {"snapshot_every": 100}, world=2)
+    assert [r["actions"][66] for r in results] == ["rollback", "rollback"]
+    assert check_drill([Fault(**fault)], results) == []
+    # Back to the snapshot the guard took as it was built: no update before the fault survived.
+    assert [r["applied"] for r in results] == [0, 0]
+
+
 def test_a_planted_fault_logs_where_and_what(caplog, tmp_path: Path) -> None:
     with caplog.at_level(logging.WARNING, logger="nanguard"):
         _run("nan_grad@step=2", tmp_path, steps=3)

@@ -2,18 +2,18 @@
 ``nanguard.inject`` plants every kind of fault, and the run is checked against what the guard
 promises.
 
-Each rank records every step's action and, around every skip and rollback, the weights and
-optimizer state: a skip must leave them bit-identical, a rollback must restore exactly the state
-before the snapshot's step. After the run, a fresh model trained (unguarded) on only the batches
-whose updates survived must end with bit-identical weights. The parent compares the ranks'
-decisions step by step.
+Each rank records every step's action and the exact bits of the weights and optimizer state
+before every step: a skip must leave them bit-identical, a rollback must restore exactly the state
+before the snapshot's step, however far back that is. After the run, a fresh model trained
+(unguarded) on only the batches whose updates survived must end with bit-identical weights. The
+parent compares the ranks' decisions step by step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,11 +88,24 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Te
     return torch.cat(parts).clone()
 
 
+def _digest(state: torch.Tensor) -> bytes:
+    """The exact bits of a ``_state``, in 32 bytes: one is kept for every step, since a rollback
+    may restore a snapshot from any step back (``snapshot_every`` good steps apart, or older while
+    the guard holds its refreshes as the run grows), and a whole state per step would not fit."""
+    return hashlib.sha256(state.contiguous().numpy().tobytes()).digest()
+
+
 def drill_rank(
-    rank: int, world: int, faults: Sequence[dict[str, Any]], steps: int, run_dir: str | None
+    rank: int,
+    world: int,
+    faults: Sequence[dict[str, Any]],
+    steps: int,
+    run_dir: str | None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One rank's drill (under a process group when ``world > 1``): a guarded loop with ``faults``
-    planted, checked step by step, then the unguarded reference run on the surviving batches."""
+    planted, checked step by step, then the unguarded reference run on the surviving batches.
+    ``options`` override the drill's ``Guard`` arguments (``snapshot_every=100``, say)."""
     from nanguard.guard import Guard
 
     model = _model()
@@ -107,17 +120,16 @@ def drill_rank(
         elif event["kind"] == "trip" and event["action"] == "resync":
             repaired.append(event["step"])
 
-    guard = Guard(net, opt, policy="auto", run_dir=run_dir, inject=[Fault(**f) for f in faults],
-                  skip_spikes=True, snapshot_every=4, remedy_budget=10**6, max_consecutive_skips=10**6,
-                  headroom_every=0, on_event=listen)  # fmt: skip
-    before: OrderedDict[int, torch.Tensor] = OrderedDict()
+    settings: dict[str, Any] = {"policy": "auto", "skip_spikes": True, "snapshot_every": 4, "remedy_budget": 10**6,
+                                "max_consecutive_skips": 10**6, "headroom_every": 0, **(options or {})}  # fmt: skip
+    guard = Guard(net, opt, run_dir=run_dir, inject=[Fault(**f) for f in faults], on_event=listen, **settings)
+    digests: dict[int, bytes] = {}  # every step's, by step: the bits a rollback to it must restore
     actions, applied, broken = [], [], []
     started = time.monotonic()
     for step in range(steps):
         batch = _batch(model, rank, step)
-        before[step] = _state(model, opt)
-        while len(before) > 64:  # back to the oldest snapshot a rollback may restore (held while growing)
-            before.popitem(last=False)
+        before = _state(model, opt)
+        digests[step] = _digest(before)
 
         def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
@@ -130,12 +142,14 @@ def drill_rank(
         actions.append(action)
         if action == "step":
             applied.append(step)
-        elif action == "skip" and not torch.equal(_state(model, opt), before[step]):
+        elif action == "skip" and not torch.equal(_state(model, opt), before):
             broken.append(f"step {step}: the skip changed the weights or optimizer state")
         elif action == "rollback":
-            back = restored[-1]
-            if back not in before or not torch.equal(_state(model, opt), before[back]):
+            back, now = restored[-1], _state(model, opt)
+            if back not in digests or _digest(now) != digests[back]:
                 broken.append(f"step {step}: the rollback did not restore the state before step {back}")
+            elif not bool(torch.isfinite(now).all()):  # equal bits, but a snapshot must never hold a NaN
+                broken.append(f"step {step}: the rollback restored a non-finite state (before step {back})")
             applied = [s for s in applied if s < back]
     guard.close()
     seconds = time.monotonic() - started
