@@ -76,10 +76,7 @@ class LoopGuard(GuardedCallback):
         **options: Any,
     ) -> None:
         guard_options(policy, options)
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        # Guard checks the model and the optimizer: a ValueError names a wrong one.
         guard = Guard(model, optimizer, policy, scheduler=scheduler, run_dir=run_dir, **options)
         self._watch(model, optimizer, guard, scheduler=scheduler, mean=mean, user=dist.unwrap(model))
 
