@@ -23,8 +23,10 @@ from nanguard.zoo.spawn import spawn_ranks
 
 def soak(world: int, steps: int, seed: int) -> str:
     faults = chaos_faults(seed, steps=steps, world=world)
-    dicts = [{"kind": f.kind, "step": f.step, "rank": f.rank, "module": f.module, "factor": f.factor,
-              "seconds": f.seconds} for f in faults]  # fmt: skip
+    dicts = [
+        {"kind": f.kind, "step": f.step, "rank": f.rank, "module": f.module, "factor": f.factor, "seconds": f.seconds}
+        for f in faults
+    ]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
         results = spawn_ranks(drill_rank, dicts, steps, run_dir, world=world, timeout=3600)
@@ -36,9 +38,11 @@ def soak(world: int, steps: int, seed: int) -> str:
     caught = len(faults) - stalls - sum("not caught" in p for p in problems)
     planted = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
     verdict = "all held" if not problems else f"{len(problems)} failed: {problems[0]}"
-    return (f"| {world} | {steps} | {len(faults)} ({planted}) | {caught} of {len(faults) - stalls} | "
-            f"{actions['skip']} / {actions['rollback']} / {actions['drop_batch']} | {results[0]['applied']} | "
-            f"{verdict} | {wall:.0f} |")  # fmt: skip
+    return (
+        f"| {world} | {steps} | {len(faults)} ({planted}) | {caught} of {len(faults) - stalls} | "
+        f"{actions['skip']} / {actions['rollback']} / {actions['drop_batch']} | {results[0]['applied']} | "
+        f"{verdict} | {wall:.0f} |"
+    )
 
 
 def main() -> None:

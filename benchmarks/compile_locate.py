@@ -72,9 +72,14 @@ def trip(backend: str) -> dict[str, object]:
         steps.append(_time(lambda: guard.step(closure)))
     diag = guard.last_diagnosis
     healthy = sorted(steps[3:7])[1]
-    return {"step": healthy, "trip": steps[7], "cause": diag.cause if diag else None,
-            "module": diag.module if diag else None, "graph": diag.evidence.get("graph") if diag else None,
-            "aot_eager_finite": diag.evidence.get("aot_eager_finite") if diag else None}  # fmt: skip
+    return {
+        "step": healthy,
+        "trip": steps[7],
+        "cause": diag.cause if diag else None,
+        "module": diag.module if diag else None,
+        "graph": diag.evidence.get("graph") if diag else None,
+        "aot_eager_finite": diag.evidence.get("aot_eager_finite") if diag else None,
+    }
 
 
 def _time(fn) -> float:
@@ -138,8 +143,13 @@ Machine: {machine()}, load average {load:.1f} at the end. Reproduce: `.venv/bin/
 def trips(backends: list[str]) -> None:
     rows = []
     for backend in backends:
-        out = subprocess.run([sys.executable, __file__, "--one-trip", backend], capture_output=True, text=True,
-                             check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, __file__, "--one-trip", backend],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
         got = json.loads(out.stdout.strip().splitlines()[-1])
         module = f"module `{got['module']}`" if got["module"] else "no single module (several outputs differ)"
         named = f"{got['cause']}, graph {got['graph']}, {module}"

@@ -55,8 +55,13 @@ def _wrap(setup: str, world: int) -> tuple[nn.Module, nn.Module, torch.optim.Opt
 
         mlp = _MLP()
         mesh = init_device_mesh("cpu", (world,))
-        plan = {"up1": ColwiseParallel(), "down1": RowwiseParallel(), "up2": ColwiseParallel(),
-                "down2": RowwiseParallel(), "head": ColwiseParallel(output_layouts=Replicate())}  # fmt: skip
+        plan = {
+            "up1": ColwiseParallel(),
+            "down1": RowwiseParallel(),
+            "up2": ColwiseParallel(),
+            "down2": RowwiseParallel(),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        }
         parallelize_module(mlp, mesh, plan)
         xs = [torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(8)]
         return mlp, mlp, torch.optim.AdamW(mlp.parameters(), lr=1e-4), lambda i: {"x": xs[i % 8]}

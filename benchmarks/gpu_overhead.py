@@ -37,8 +37,10 @@ def _loop(fused: bool, guarded: bool, batch_size: int) -> tuple[Callable[[], Non
     torch.manual_seed(0)
     model = _gpt2_small().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
-    pool = [{k: v.cuda() for k, v in synthetic_batch(GPT2_SMALL, torch.Generator().manual_seed(i), batch_size).items()}
-            for i in range(4)]  # fmt: skip
+    pool = [
+        {k: v.cuda() for k, v in synthetic_batch(GPT2_SMALL, torch.Generator().manual_seed(i), batch_size).items()}
+        for i in range(4)
+    ]
     guard = ng.Guard(model, opt) if guarded else None
     it = iter(range(1 << 62))
 
@@ -103,8 +105,10 @@ def main() -> None:
     for fused in (True, False):
         plain, guarded = (sorted(times[(fused, g)])[args.rounds // 2] for g in (False, True))
         mode = "deferred" if configs[(fused, True)][1]._deferred else "immediate"  # type: ignore[union-attr]
-        rows.append(f"| AdamW {'fused' if fused else 'foreach'} | {mode} | {plain * 1e3:.1f} | {guarded * 1e3:.1f} | "
-                    f"{guarded / plain:.4f}x | {syncs[(fused, True)] - syncs[(fused, False)]:+.1f} |")  # fmt: skip
+        rows.append(
+            f"| AdamW {'fused' if fused else 'foreach'} | {mode} | {plain * 1e3:.1f} | {guarded * 1e3:.1f} | "
+            f"{guarded / plain:.4f}x | {syncs[(fused, True)] - syncs[(fused, False)]:+.1f} |"
+        )
     with torch.device("meta"):
         n_params = sum(p.numel() for p in _gpt2_small().parameters())
     body = f"""## Guard overhead (GPU)

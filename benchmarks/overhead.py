@@ -71,8 +71,10 @@ def guard_configs(cfg: GPTConfig) -> dict[str, Callable[[], None]]:
             total_norm([r_params])
 
     out[READS] = reads
-    for name, options in (("nanguard Guard (skip)", {}),
-                          ("nanguard Guard (skip, param_check_every=0)", {"param_check_every": 0})):  # fmt: skip
+    for name, options in (
+        ("nanguard Guard (skip)", {}),
+        ("nanguard Guard (skip, param_check_every=0)", {"param_check_every": 0}),
+    ):
         g_model, g_opt = _setup(cfg)
         g_next = _batches(g_model.config)
         guard = ng.Guard(g_model, g_opt, policy="skip", **options)

@@ -29,8 +29,10 @@ def _scores() -> str:
     ]
     for r in rows:
         ok = "yes" if r["ok"] else f"no ({r['stopped_by']})"
-        lines.append(f"| {r['scenario']} | {r['policy']} | {ok} | {r['final_loss']:.3g} | {r['skipped']} | "
-                     f"{r['rollbacks']} | {', '.join(r['remedies']) or '-'} |")  # fmt: skip
+        lines.append(
+            f"| {r['scenario']} | {r['policy']} | {ok} | {r['final_loss']:.3g} | {r['skipped']} | "
+            f"{r['rollbacks']} | {', '.join(r['remedies']) or '-'} |"
+        )
     described = "\n".join(f"- `{s.name}`: {s.description}." for s in REMEDY_SCENARIOS)
     return described + "\n\n" + "\n".join(lines)
 

@@ -131,8 +131,10 @@ def main() -> None:
     rows = []
     for name in versions:
         (text_s, text_mb), (html_s, html_mb), (imp_s, imp_mb) = (cell(name, w) for w in ("text", "html", "import"))
-        rows.append(f"| {name} | {size:.0f} MB, {steps} steps | {text_s} | {text_mb} | {html_s} | {html_mb} "
-                    f"| {imp_s}, {imp_mb} MB |")  # fmt: skip
+        rows.append(
+            f"| {name} | {size:.0f} MB, {steps} steps | {text_s} | {text_mb} | {html_s} | {html_mb} "
+            f"| {imp_s}, {imp_mb} MB |"
+        )
     page_rows = [
         f"| {name} | {pages[(name, 'long')]:.0f} KB | {pages[(name, 'many')]:.0f} KB | {pages[(name, 'big')]:.0f} KB |"
         for name in versions

@@ -24,8 +24,15 @@ from nanguard.integrations.fabric import FabricGuard  # nanguard
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch
 
 
-def train(fabric: L.Fabric, steps: int, *, bad_step: int | None, accumulation: int = 2,
-          max_norm: float = 1.0, run_dir: str | None = None) -> FabricGuard:  # fmt: skip
+def train(
+    fabric: L.Fabric,
+    steps: int,
+    *,
+    bad_step: int | None,
+    accumulation: int = 2,
+    max_norm: float = 1.0,
+    run_dir: str | None = None,
+) -> FabricGuard:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vision_dim=16, n_embd=64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)

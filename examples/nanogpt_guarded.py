@@ -20,8 +20,15 @@ import nanguard as ng
 from nanguard.zoo import GPT, GPTConfig, synthetic_batch
 
 
-def train(steps: int, *, bad_step: int | None = None, grad_clip: float = 1.0, accumulation: int = 4,
-          compile_backend: str | None = None, run_dir: str | None = None) -> ng.Guard:  # fmt: skip
+def train(
+    steps: int,
+    *,
+    bad_step: int | None = None,
+    grad_clip: float = 1.0,
+    accumulation: int = 4,
+    compile_backend: str | None = None,
+    run_dir: str | None = None,
+) -> ng.Guard:
     """Train the tiny GPT nanoGPT-style; micro-batch 0 of ``bad_step`` holds a NaN image."""
     torch.manual_seed(0)
     raw = GPT(GPTConfig(vision_dim=16))
@@ -57,8 +64,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     parser.add_argument("--run-dir", default=None)
     args = parser.parse_args()
-    guard = train(args.steps, bad_step=args.bad_step, compile_backend="inductor" if args.compile else None,
-                  run_dir=args.run_dir)  # fmt: skip
+    guard = train(
+        args.steps, bad_step=args.bad_step, compile_backend="inductor" if args.compile else None, run_dir=args.run_dir
+    )
     print(f"{guard.skipped} skipped; {guard.last_diagnosis}")
 
 

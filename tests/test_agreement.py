@@ -17,8 +17,12 @@ def test_each_ranks_part_reads_back_by_slot_and_the_sum_is_everyones(world: int)
     assert own.codes[-1] == world and sum(own.codes) == world and own.steps[-1] == step_slot(10 + world - 1)
     total = at.read(torch.stack(parts).sum(0).tolist())  # what the all-reduce (a sum) leaves on every rank
     squares = float(sum(r * r for r in range(world)))
-    expected = Agreed(codes=tuple(range(1, world + 1)), loss=0.25 * sum(range(world)), norm=squares,
-                      steps=tuple(11 + r for r in range(world)))  # fmt: skip
+    expected = Agreed(
+        codes=tuple(range(1, world + 1)),
+        loss=0.25 * sum(range(world)),
+        norm=squares,
+        steps=tuple(11 + r for r in range(world)),
+    )
     assert total == expected
     assert Layout.for_size(at.size) == at
 

@@ -633,8 +633,9 @@ def test_dtensor_weights_are_stored_as_this_ranks_shards_and_replay_says_so(tmp_
     if not hasattr(pytest.importorskip("torch.distributed.tensor"), "distribute_tensor"):
         pytest.skip("DTensor is public from torch 2.5")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path), str(tmp_path / "store")], env=env, check=True,
-                   timeout=120)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", _SHARDED, str(tmp_path), str(tmp_path / "store")], env=env, check=True, timeout=120
+    )
     path = tmp_path / "bundles" / "step-00000001-rank-0"
     bundle = load_bundle(path)
     assert bundle.weights_stored and "rank 0's local shards of a sharded (DTensor/FSDP2) model" in bundle.weights_note

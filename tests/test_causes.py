@@ -24,8 +24,18 @@ FIELDS = [f.name for f in dataclasses.fields(Cause)]
 
 
 def test_every_cause_has_every_field() -> None:
-    assert FIELDS == ["id", "meaning", "stage", "phase", "skippable", "repeatable", "remedy", "budgeted",
-                      "history_overrules", "fixes"]  # fmt: skip
+    assert FIELDS == [
+        "id",
+        "meaning",
+        "stage",
+        "phase",
+        "skippable",
+        "repeatable",
+        "remedy",
+        "budgeted",
+        "history_overrules",
+        "fixes",
+    ]
     for cause_id, cause in TABLE.items():
         assert cause.id == cause_id and cause.meaning and cause.fixes and all(cause.fixes), cause_id
         assert cause.stage in STAGES and cause.remedy in REMEDIES, cause_id

@@ -154,8 +154,15 @@ def test_weights_over_the_bundle_limit_are_left_out_and_the_finite_replay_says_s
 ) -> None:
     with_weights, _ = nan_weight_bundles
     bundle = load_bundle(with_weights)
-    bundle_dir = save_bundle(tmp_path, step=3, rank=0, batch=bundle.batch, rng_state=bundle.rng_state,
-                             weights=bundle.load_weights(), max_weights_bytes=1000)  # fmt: skip
+    bundle_dir = save_bundle(
+        tmp_path,
+        step=3,
+        rank=0,
+        batch=bundle.batch,
+        rng_state=bundle.rng_state,
+        weights=bundle.load_weights(),
+        max_weights_bytes=1000,
+    )
     assert not (bundle_dir / "weights.safetensors").exists()
     assert main(["replay", str(bundle_dir), *REPLAY_NAN_WEIGHT]) == 1
     hint = " ".join(capsys.readouterr().out.split())
@@ -203,8 +210,9 @@ def test_doctor_json(capsys) -> None:
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={**os.environ, **env})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    )
 
 
 def test_help_of_every_command_and_the_version_never_import_torch() -> None:

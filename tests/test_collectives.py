@@ -12,10 +12,13 @@ from nanguard.text import diagnosis_text
 from nanguard.tracer.collectives import Choice, choose, is_comm
 
 
-def _diag(*, arrived: bool = False, index: int = 10, phase: str = "forward", stage: int | None = None,
-          collectives: int = 4) -> Diagnosis:  # fmt: skip
-    evidence = {"origin": {"phase": phase}, "communication": {"collectives": collectives, "arrived": arrived,
-                                                              "index": index}}  # fmt: skip
+def _diag(
+    *, arrived: bool = False, index: int = 10, phase: str = "forward", stage: int | None = None, collectives: int = 4
+) -> Diagnosis:
+    evidence = {
+        "origin": {"phase": phase},
+        "communication": {"collectives": collectives, "arrived": arrived, "index": index},
+    }
     if stage is not None:
         evidence["stage"] = {"index": stage, "stages": 4}
     return Diagnosis(cause="unknown" if arrived else "op.sqrt_domain", phase=phase, evidence=evidence)

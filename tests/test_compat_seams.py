@@ -100,8 +100,15 @@ def test_hf_trainer_internals_are_where_the_callback_reads_them(tmp_path: Path) 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
     data = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32} for _ in range(4)]
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to="none",
-                             save_strategy="no", use_cpu=True, disable_tqdm=True)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     probe = Probe()
     trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=[probe])
     trainer.train()

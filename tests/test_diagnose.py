@@ -21,14 +21,41 @@ from nanguard.findings import Diagnosis, Finding
 from nanguard.text import diagnosis_text, kind_name, summary
 
 
-def _op(op, inputs=None, *, module_type=None, node=None, scalars=(), kind=None, weight_scale=None,
-        initial_weight_scale=None, history=None, why=None, **facts):  # fmt: skip
+def _op(
+    op,
+    inputs=None,
+    *,
+    module_type=None,
+    node=None,
+    scalars=(),
+    kind=None,
+    weight_scale=None,
+    initial_weight_scale=None,
+    history=None,
+    why=None,
+    **facts,
+):
     """Evidence of an op origin, built through the records: a field renamed there is a TypeError here.
     ``facts`` are the op's own facts (``OriginEvidence.extra``), which the record does not name."""
-    origin = OriginEvidence(category="op", op=op, module="m", module_type=module_type, phase="forward", node=node,
-                            inputs=inputs or [{}], scalars=list(scalars), extra=facts)  # fmt: skip
-    return Evidence(origin=origin, kind=kind, weight_scale=weight_scale, initial_weight_scale=initial_weight_scale,
-                    history=history, why=why)  # fmt: skip
+    origin = OriginEvidence(
+        category="op",
+        op=op,
+        module="m",
+        module_type=module_type,
+        phase="forward",
+        node=node,
+        inputs=inputs or [{}],
+        scalars=list(scalars),
+        extra=facts,
+    )
+    return Evidence(
+        origin=origin,
+        kind=kind,
+        weight_scale=weight_scale,
+        initial_weight_scale=initial_weight_scale,
+        history=history,
+        why=why,
+    )
 
 
 def _at(*, kind=None, facts=None, **origin):
@@ -37,46 +64,110 @@ def _at(*, kind=None, facts=None, **origin):
 
 
 CASES = [
-    (_at(category="index", op="aten.embedding.default", indexed_size=10,
-         index_inputs=[{"min": 0, "max": 10, "path": "batch['input_ids']"}], error="IndexError"),
-     "data.index_out_of_range", "ids must be < 10"),
-    (_op("aten.nll_loss_forward.default", targets=8, valid_targets=0, ignore_index=-100),
-     "data.no_valid_targets", "-100"),
+    (
+        _at(
+            category="index",
+            op="aten.embedding.default",
+            indexed_size=10,
+            index_inputs=[{"min": 0, "max": 10, "path": "batch['input_ids']"}],
+            error="IndexError",
+        ),
+        "data.index_out_of_range",
+        "ids must be < 10",
+    ),
+    (
+        _op("aten.nll_loss_forward.default", targets=8, valid_targets=0, ignore_index=-100),
+        "data.no_valid_targets",
+        "-100",
+    ),
     (_at(category="data", path="batch['x']", inputs=[{"nan": 3}]), "data.nonfinite", "batch['x']"),
     (_at(category="fill", path="mask", inputs=[{"neginf": 3}]), "data.nonfinite", "mask"),
-    (_at(category="parameters", path="fc.weight", module="fc", inputs=[{"nan": 1}]),
-     "parameters.nonfinite", "checkpoint"),
-    (_op("aten.bmm.default", [{"absmax": 1e5}], kind="inf", weight_scale={"max_ratio": 200.0, "module": "fc"}),
-     "init.scale", "1/sqrt(fan_in)"),
-    (_op("aten.exp.default", input_max=300.0, kind="inf",
-         history={"diverging": True, "metric": "loss", "growth": 50.0, "window": 4, "lr": 3.0}),
-     "optimizer.divergence", "learning rate (now 3)"),
-    (_op("aten.bmm.default", fp32_recompute={"finite": True, "absmax": 1e5, "dtype": "float16", "dtype_max": 65504.0}),
-     "precision.overflow", "bfloat16"),
+    (
+        _at(category="parameters", path="fc.weight", module="fc", inputs=[{"nan": 1}]),
+        "parameters.nonfinite",
+        "checkpoint",
+    ),
+    (
+        _op("aten.bmm.default", [{"absmax": 1e5}], kind="inf", weight_scale={"max_ratio": 200.0, "module": "fc"}),
+        "init.scale",
+        "1/sqrt(fan_in)",
+    ),
+    (
+        _op(
+            "aten.exp.default",
+            input_max=300.0,
+            kind="inf",
+            history={"diverging": True, "metric": "loss", "growth": 50.0, "window": 4, "lr": 3.0},
+        ),
+        "optimizer.divergence",
+        "learning rate (now 3)",
+    ),
+    (
+        _op(
+            "aten.bmm.default", fp32_recompute={"finite": True, "absmax": 1e5, "dtype": "float16", "dtype_max": 65504.0}
+        ),
+        "precision.overflow",
+        "bfloat16",
+    ),
     (_op("aten._softmax.default", fully_masked_rows=2, rows=8), "op.masked_softmax", "finfo(dtype).min"),
-    (_op("aten.native_layer_norm.default", norm_eps=0.0, min_variance=0.0, module_type="LayerNorm"),
-     "norm.zero_variance", "LayerNorm eps is 0.0; use >= 1e-05"),
-    (_at(category="op", op="aten.mul.Tensor", node="NativeLayerNormBackward0", inputs=[{}]),
-     "norm.zero_variance", "eps"),
+    (
+        _op("aten.native_layer_norm.default", norm_eps=0.0, min_variance=0.0, module_type="LayerNorm"),
+        "norm.zero_variance",
+        "LayerNorm eps is 0.0; use >= 1e-05",
+    ),
+    (
+        _at(category="op", op="aten.mul.Tensor", node="NativeLayerNormBackward0", inputs=[{}]),
+        "norm.zero_variance",
+        "eps",
+    ),
     (_op("aten.log.default", [{"zeros": 4}]), "op.log_domain", "log_softmax"),
-    (_at(category="op", op="aten.div.Tensor", node="LogBackward0", phase="backward", inputs=[{}, {"zeros": 1}]),
-     "op.log_domain", "log_softmax"),
+    (
+        _at(category="op", op="aten.div.Tensor", node="LogBackward0", phase="backward", inputs=[{}, {"zeros": 1}]),
+        "op.log_domain",
+        "log_softmax",
+    ),
     (_op("aten.sqrt.default", [{"negative": 2}]), "op.sqrt_domain", "clamp_min"),
-    (_at(category="op", op="aten.div.Tensor", node="SqrtBackward0", phase="backward", forward_op="aten.sqrt.default",
-         inputs=[{}, {"zeros": 2}]), "op.sqrt_domain", "eps"),
+    (
+        _at(
+            category="op",
+            op="aten.div.Tensor",
+            node="SqrtBackward0",
+            phase="backward",
+            forward_op="aten.sqrt.default",
+            inputs=[{}, {"zeros": 2}],
+        ),
+        "op.sqrt_domain",
+        "eps",
+    ),
     (_op("aten.exp.default", input_max=120.0, kind="inf"), "op.exp_overflow", "max"),
     (_op("aten.div.Tensor", [{}, {"zeros": 1}]), "op.division_by_zero", "clamp_min(1)"),
     (_op("aten.mm.default"), "unknown", "input statistics"),
     (_op("aten.std.correction", reduced_elements=1, correction=1.0), "op.division_by_zero", "std(correction=0)"),
     (_op("aten.mean.default", reduced_elements=0, correction=0), "op.division_by_zero", "max(n, 1)"),
-    (_op("aten.smooth_l1_loss.default", reduced_elements=0, correction=0, targets=0, reduction=1),
-     "data.no_valid_targets", "reduction='sum'"),
+    (
+        _op("aten.smooth_l1_loss.default", reduced_elements=0, correction=0, targets=0, reduction=1),
+        "data.no_valid_targets",
+        "reduction='sum'",
+    ),
     (_op("aten.acos.default", [{"min": -0.2, "max": 1.03}], kind="nan"), "op.trig_domain", "clamp"),
-    (_at(category="op", op="aten.sub.Tensor", node="LogsumexpBackward0", phase="backward",
-         inputs=[{"neginf": 5}, {"neginf": 1}], kind="nan"), "op.masked_softmax", "finfo(dtype).min"),
-    (_op("aten.pow.Tensor_Scalar", [{"absmax": 1e20, "negative": 0}], input_max=1e20, kind="inf"),
-     "op.exp_overflow", "bound the argument"),
-]  # fmt: skip
+    (
+        _at(
+            category="op",
+            op="aten.sub.Tensor",
+            node="LogsumexpBackward0",
+            phase="backward",
+            inputs=[{"neginf": 5}, {"neginf": 1}],
+            kind="nan",
+        ),
+        "op.masked_softmax",
+        "finfo(dtype).min",
+    ),
+    (
+        _op("aten.pow.Tensor_Scalar", [{"absmax": 1e20, "negative": 0}], input_max=1e20, kind="inf"),
+        "op.exp_overflow",
+        "bound the argument",
+    ),
+]
 
 
 @pytest.mark.parametrize(("evidence", "cause", "fix_text"), CASES, ids=[c[1] + f"-{i}" for i, c in enumerate(CASES)])
@@ -94,15 +185,21 @@ def test_data_wins_over_op_level_evidence() -> None:
 
 
 def test_init_rule_needs_an_overflow_not_just_big_weights() -> None:
-    ev = _op("aten.log.default", [{"zeros": 2, "absmax": 1.0}], kind="inf",
-             weight_scale={"max_ratio": 200.0, "module": "fc"})  # fmt: skip
+    ev = _op(
+        "aten.log.default", [{"zeros": 2, "absmax": 1.0}], kind="inf", weight_scale={"max_ratio": 200.0, "module": "fc"}
+    )
     ev = replace(ev, kind="nan")
     assert diagnose(ev).cause == "op.log_domain"
 
 
 def test_initial_weight_scale_overrides_the_current_one() -> None:
-    ev = _op("aten.bmm.default", [{"absmax": 1e6}], kind="inf", weight_scale={"max_ratio": 500.0},
-             initial_weight_scale={"max_ratio": 0.2})  # fmt: skip
+    ev = _op(
+        "aten.bmm.default",
+        [{"absmax": 1e6}],
+        kind="inf",
+        weight_scale={"max_ratio": 500.0},
+        initial_weight_scale={"max_ratio": 0.2},
+    )
     assert diagnose(ev).cause == "unknown"
     ev = replace(ev, initial_weight_scale={"max_ratio": 500.0, "module": "fc"})
     assert diagnose(ev).cause == "init.scale"
@@ -118,31 +215,64 @@ NAN = float("nan")
 _MASKED = Finding("data.fully_masked", "batch['attention_mask'][3]", "every position is masked", fix="drop the sample")
 
 GUARD_CASES = [
-    (lambda: nonfinite_update(step=3, optimizer="Adam", hyperparameters={"eps": 0.0, "lr": 1e-3},
-                              bad_parameters=["h.0.fc.weight", "h.0.fc.bias"], rank=None, ranks=[]),
-     ("optimizer.nonfinite_update", "optimizer", "nan", "h.0.fc", None), "eps is 0.0"),
-    (lambda: nonfinite_update(step=3, optimizer="SGD", hyperparameters={"lr": 0.5}, bad_parameters=["w"],
-                              rank=1, ranks=[1]),
-     ("optimizer.nonfinite_update", "optimizer", "nan", "", 1), "now 0.5"),
-    (lambda: transient_fault(step=2, loss=NAN, grad_norm=1.0, flagged_ranks=[1], located=True, distributed=True),
-     ("distributed.transient", "communication", "nan", None, 1), "TORCH_NCCL_NAN_CHECK"),
-    (lambda: transient_fault(step=2, loss=1.0, grad_norm=float("inf"), flagged_ranks=[0], located=False,
-                             distributed=False),
-     ("unknown", "backward", "inf", None, None), "hardware"),
+    (
+        lambda: nonfinite_update(
+            step=3,
+            optimizer="Adam",
+            hyperparameters={"eps": 0.0, "lr": 1e-3},
+            bad_parameters=["h.0.fc.weight", "h.0.fc.bias"],
+            rank=None,
+            ranks=[],
+        ),
+        ("optimizer.nonfinite_update", "optimizer", "nan", "h.0.fc", None),
+        "eps is 0.0",
+    ),
+    (
+        lambda: nonfinite_update(
+            step=3, optimizer="SGD", hyperparameters={"lr": 0.5}, bad_parameters=["w"], rank=1, ranks=[1]
+        ),
+        ("optimizer.nonfinite_update", "optimizer", "nan", "", 1),
+        "now 0.5",
+    ),
+    (
+        lambda: transient_fault(step=2, loss=NAN, grad_norm=1.0, flagged_ranks=[1], located=True, distributed=True),
+        ("distributed.transient", "communication", "nan", None, 1),
+        "TORCH_NCCL_NAN_CHECK",
+    ),
+    (
+        lambda: transient_fault(
+            step=2, loss=1.0, grad_norm=float("inf"), flagged_ranks=[0], located=False, distributed=False
+        ),
+        ("unknown", "backward", "inf", None, None),
+        "hardware",
+    ),
     # distributed.* needs torch.distributed: a single process that does not reproduce says just that
-    (lambda: transient_fault(step=2, loss=NAN, grad_norm=NAN, flagged_ranks=[0], located=True, distributed=False),
-     ("step.not_reproduced", "backward", "nan", None, None), "hardware"),
-    (lambda: loss_scale_collapse(step=9, scale=2.0**-10, floor=2.0**-8, streak=7, overflows=9, rank=None),
-     ("precision.loss_scale", "backward", "inf", None, None), "bfloat16"),
-    (lambda: replica_divergence(step=4, ranks=[1, 3], first_parameter="h.0.fc.weight"),
-     ("distributed.replica_divergence", "parameters", "invalid", "h.0.fc", 1), "broadcast"),
-    (lambda: rejected_batch([_MASKED], step=0, rank=None, ranks=[]),
-     ("data.fully_masked", "data", "invalid", None, None), "drop the sample"),
-]  # fmt: skip
+    (
+        lambda: transient_fault(step=2, loss=NAN, grad_norm=NAN, flagged_ranks=[0], located=True, distributed=False),
+        ("step.not_reproduced", "backward", "nan", None, None),
+        "hardware",
+    ),
+    (
+        lambda: loss_scale_collapse(step=9, scale=2.0**-10, floor=2.0**-8, streak=7, overflows=9, rank=None),
+        ("precision.loss_scale", "backward", "inf", None, None),
+        "bfloat16",
+    ),
+    (
+        lambda: replica_divergence(step=4, ranks=[1, 3], first_parameter="h.0.fc.weight"),
+        ("distributed.replica_divergence", "parameters", "invalid", "h.0.fc", 1),
+        "broadcast",
+    ),
+    (
+        lambda: rejected_batch([_MASKED], step=0, rank=None, ranks=[]),
+        ("data.fully_masked", "data", "invalid", None, None),
+        "drop the sample",
+    ),
+]
 
 
-@pytest.mark.parametrize(("build", "expected", "fix_text"), GUARD_CASES, ids=[c[1][0] + f"-{i}" for i, c in
-                                                                             enumerate(GUARD_CASES)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("build", "expected", "fix_text"), GUARD_CASES, ids=[c[1][0] + f"-{i}" for i, c in enumerate(GUARD_CASES)]
+)
 def test_guard_diagnosis_table(build, expected, fix_text) -> None:
     diag = build()
     assert (diag.cause, diag.phase, diag.kind, diag.module, diag.rank) == expected
@@ -152,8 +282,9 @@ def test_guard_diagnosis_table(build, expected, fix_text) -> None:
 
 
 def test_nonfinite_update_names_what_it_counted() -> None:
-    diag = nonfinite_update(step=0, optimizer="Adam", hyperparameters={}, bad_parameters=[f"p{i}" for i in range(20)],
-                            rank=None, ranks=[])  # fmt: skip
+    diag = nonfinite_update(
+        step=0, optimizer="Adam", hyperparameters={}, bad_parameters=[f"p{i}" for i in range(20)], rank=None, ranks=[]
+    )
     assert diag.evidence["nonfinite_parameters"] == 20 and diag.evidence["parameters"] == [f"p{i}" for i in range(16)]
     assert diag.op == "Adam.step" and "20 parameter tensor(s)" in diag.evidence["why"]
 
@@ -170,8 +301,9 @@ def _located(cause, origin, kind="nan"):
 
 
 def _update():
-    return nonfinite_update(step=5, optimizer="Adam", hyperparameters={"lr": 3.0}, bad_parameters=["w"], rank=None,
-                            ranks=[])  # fmt: skip
+    return nonfinite_update(
+        step=5, optimizer="Adam", hyperparameters={"lr": 3.0}, bad_parameters=["w"], rank=None, ranks=[]
+    )
 
 
 def _transient():
@@ -189,11 +321,14 @@ REJUDGE_CASES = [
     (_update, CALM, None, "optimizer.nonfinite_update", None, False),
     (_transient, DIVERGING, None, "optimizer.divergence", "distributed.transient", True),
     (_transient, CALM, None, "distributed.transient", None, False),
-]  # fmt: skip
+]
 
 
-@pytest.mark.parametrize(("build", "history", "scale", "cause", "op_cause", "new_why"), REJUDGE_CASES,
-                         ids=[f"{i}-{c[3]}" for i, c in enumerate(REJUDGE_CASES)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("build", "history", "scale", "cause", "op_cause", "new_why"),
+    REJUDGE_CASES,
+    ids=[f"{i}-{c[3]}" for i, c in enumerate(REJUDGE_CASES)],
+)
 def test_rejudge_table(build, history, scale, cause, op_cause, new_why) -> None:
     diag = build()
     before = copy.deepcopy(diag)
@@ -227,8 +362,13 @@ def test_division_by_zero_evidence_names_count_and_correction() -> None:
 
 def test_low_precision_overflow_with_large_weights_is_precision_with_init_scale_also() -> None:
     fp32 = {"finite": True, "absmax": 1.0e5, "dtype": "float16", "dtype_max": 65504.0}
-    ev = _op("aten.mm.default", [{"absmax": 160.0}], fp32_recompute=fp32, kind="inf",
-             weight_scale={"max_ratio": 300.0, "module": "ff.wo"})  # fmt: skip
+    ev = _op(
+        "aten.mm.default",
+        [{"absmax": 160.0}],
+        fp32_recompute=fp32,
+        kind="inf",
+        weight_scale={"max_ratio": 300.0, "module": "ff.wo"},
+    )
     verdict = diagnose(ev)
     assert verdict.cause == "precision.overflow"
     assert [a["cause"] for a in verdict.also] == ["init.scale"]
@@ -239,8 +379,9 @@ def test_low_precision_overflow_with_large_weights_is_precision_with_init_scale_
 
 
 def test_log_of_zero_next_to_large_weights_is_log_domain_without_init_hint() -> None:
-    ev = _op("aten.log.default", [{"zeros": 1, "absmax": 1.0}], kind="inf",
-             weight_scale={"max_ratio": 17.0, "module": "fc"})  # fmt: skip
+    ev = _op(
+        "aten.log.default", [{"zeros": 1, "absmax": 1.0}], kind="inf", weight_scale={"max_ratio": 17.0, "module": "fc"}
+    )
     verdict = diagnose(ev)
     assert verdict.cause == "op.log_domain" and verdict.also == []
 
@@ -267,9 +408,14 @@ def test_acos_inside_its_domain_is_not_trig_domain() -> None:
 
 
 def test_also_lists_other_fitting_causes_most_likely_first_without_the_winner() -> None:
-    ev = _op("aten.exp.default", [{"absmax": 1e5}], input_max=1e5, kind="inf",
-             history={"diverging": True, "metric": "loss", "growth": 50.0, "window": 4},
-             weight_scale={"max_ratio": 40.0, "module": "fc"})  # fmt: skip
+    ev = _op(
+        "aten.exp.default",
+        [{"absmax": 1e5}],
+        input_max=1e5,
+        kind="inf",
+        history={"diverging": True, "metric": "loss", "growth": 50.0, "window": 4},
+        weight_scale={"max_ratio": 40.0, "module": "fc"},
+    )
     verdict = diagnose(ev)
     causes = [a["cause"] for a in verdict.also]
     assert verdict.cause == "init.scale"
@@ -278,9 +424,14 @@ def test_also_lists_other_fitting_causes_most_likely_first_without_the_winner() 
 
 
 def test_also_round_trips_and_shows_in_text() -> None:
-    diag = Diagnosis(cause="precision.overflow", kind="inf", op="aten.mm.default", module="ff.wo",
-                     evidence={"why": "overflowed"},
-                     also=[{"cause": "init.scale", "why": "weights of 'ff.wo' are 300x the fan-in scale"}])  # fmt: skip
+    diag = Diagnosis(
+        cause="precision.overflow",
+        kind="inf",
+        op="aten.mm.default",
+        module="ff.wo",
+        evidence={"why": "overflowed"},
+        also=[{"cause": "init.scale", "why": "weights of 'ff.wo' are 300x the fan-in scale"}],
+    )
     back = Diagnosis.from_dict(json.loads(json.dumps(diag.to_dict())))
     assert back == diag
     assert "also" in str(diag) and "init.scale: weights of 'ff.wo' are 300x the fan-in" in str(diag)
@@ -334,21 +485,31 @@ def test_kind_is_validated_and_worded() -> None:
     [(False, "locate is off, so no replay was run"), (True, "its replay failed")],
 )
 def test_a_step_without_a_finished_replay_says_why(attempted, why) -> None:
-    d = transient_fault(step=2, loss=NAN, grad_norm=1.0, flagged_ranks=[0], located=False, distributed=True,
-                        attempted=attempted)  # fmt: skip
+    d = transient_fault(
+        step=2, loss=NAN, grad_norm=1.0, flagged_ranks=[0], located=False, distributed=True, attempted=attempted
+    )
     assert d.cause == "unknown" and why in d.evidence["why"]
     assert "locate is off" not in d.evidence["why"] or not attempted
 
 
 # -- a normalization whose statistics overflow is not a zero variance (issue 27, item 4) ----
-_LN_OVERFLOW = {"op": "aten.native_layer_norm.default", "module_type": "LayerNorm", "norm_eps": 1e-5,
-                "min_variance": 3.0, "max_variance": float("inf"),
-                "inputs": [{"absmax": 8e20, "dtype": "float32"}]}  # fmt: skip
+_LN_OVERFLOW = {
+    "op": "aten.native_layer_norm.default",
+    "module_type": "LayerNorm",
+    "norm_eps": 1e-5,
+    "min_variance": 3.0,
+    "max_variance": float("inf"),
+    "inputs": [{"absmax": 8e20, "dtype": "float32"}],
+}
 
 
 def test_a_norm_whose_variance_overflowed_after_the_weights_grew_is_divergence() -> None:
-    ev = _op(**_LN_OVERFLOW, kind="nan", weight_scale={"max_ratio": 2e7, "module": "blocks.0.mlp.proj"},
-             initial_weight_scale={"max_ratio": 0.45, "module": "blocks.0.mlp.proj"})  # fmt: skip
+    ev = _op(
+        **_LN_OVERFLOW,
+        kind="nan",
+        weight_scale={"max_ratio": 2e7, "module": "blocks.0.mlp.proj"},
+        initial_weight_scale={"max_ratio": 0.45, "module": "blocks.0.mlp.proj"},
+    )
     verdict = diagnose(ev)
     assert verdict.cause == "optimizer.divergence"
     assert "not a zero variance" in verdict.why and "blocks.0.mlp.proj" in verdict.why
@@ -362,8 +523,11 @@ def test_a_norm_whose_variance_overflowed_without_grown_weights_names_no_eps() -
         verdict = diagnose(_op(**_LN_OVERFLOW, kind="nan", **extra))
         assert verdict.cause == "unknown" and "overflows float32" in verdict.why
     # the backward of such a norm: its input's squares overflow float32
-    node = {"op": "aten.native_layer_norm_backward.default", "node": "NativeLayerNormBackward0",
-            "inputs": [{"absmax": 1.0}, {"absmax": 5e19}]}  # fmt: skip
+    node = {
+        "op": "aten.native_layer_norm_backward.default",
+        "node": "NativeLayerNormBackward0",
+        "inputs": [{"absmax": 1.0}, {"absmax": 5e19}],
+    }
     assert diagnose(_op(**node, kind="nan")).cause == "unknown"
     # a finite variance, however small, is still the eps's business
     assert diagnose(_op(**{**_LN_OVERFLOW, "max_variance": 4.0, "inputs": [{"absmax": 3.0}]})).cause == (
@@ -380,8 +544,15 @@ def test_a_tensor_divided_by_the_number_zero_is_a_division_by_zero(op) -> None:
 
 def test_an_optimizer_eps_that_is_zero_in_the_parameters_dtype_is_named() -> None:
     def fixes(dtype):
-        return nonfinite_update(step=0, optimizer="AdamW", hyperparameters={"eps": 1e-8, "lr": 1e-3},
-                                bad_parameters=["wte.weight"], rank=None, ranks=[], dtype=dtype).fixes  # fmt: skip
+        return nonfinite_update(
+            step=0,
+            optimizer="AdamW",
+            hyperparameters={"eps": 1e-8, "lr": 1e-3},
+            bad_parameters=["wte.weight"],
+            rank=None,
+            ranks=[],
+            dtype=dtype,
+        ).fixes
 
     assert "eps=1e-08 is 0 in float16" in fixes("float16")[0]
     for dtype in ("bfloat16", "float32", None):  # 1e-8 is a normal bfloat16 and float32 value

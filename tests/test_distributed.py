@@ -222,11 +222,25 @@ def test_plain_all_reduce_loop_attributes_by_the_local_loss(tmp_path) -> None:
 def test_torchrun_end_to_end(tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     script = str(ROOT / "examples" / "ddp_train.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
-           "--run-dir", str(tmp_path), "--steps", "5", "--bad-step", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        script,
+        "--run-dir",
+        str(tmp_path),
+        "--steps",
+        "5",
+        "--bad-step",
+        "2",
+    ]
     # Its own session, so a hang kills torchrun's workers too, not only torchrun.
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                             start_new_session=True)  # fmt: skip
+    popen = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         stdout, stderr = popen.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -451,8 +465,13 @@ def test_fp16_compression_overflow_is_named_as_communication_precision(tmp_path)
         assert r["skipped"] == 1 and r["equal"], r
         d = r["diag"]
         assert (d["cause"], d["phase"], d["kind"], d["rank"], d["ranks"], d["step"]) == (
-            "precision.overflow", "communication", "inf", 0, [0], 1
-        ), d  # fmt: skip
+            "precision.overflow",
+            "communication",
+            "inf",
+            0,
+            [0],
+            1,
+        ), d
         assert "main.weight" in d["evidence"]["parameters"] and d["evidence"]["wire_dtype"] == "float16"
         assert d["evidence"]["absmax"] > 65504
 
@@ -497,8 +516,13 @@ def test_fsdp2_nan_in_one_ranks_shard_is_attributed_to_that_rank(tmp_path) -> No
             d = r["diag"]
             assert r["raised"] and r["skipped"] == 0, r
             assert (d["cause"], d["phase"], d["rank"], d["ranks"], d["module"], d["step"]) == (
-                "parameters.nonfinite", "parameters", 2, [2], "blocks.1.mlp.fc", 1
-            ), d  # fmt: skip
+                "parameters.nonfinite",
+                "parameters",
+                2,
+                [2],
+                "blocks.1.mlp.fc",
+                1,
+            ), d
             assert d["evidence"]["parameters"] == ["blocks.1.mlp.fc.weight"]
 
 

@@ -79,8 +79,13 @@ def _zero_run(rank, policy, batches, fault=None):
     d = guard.last_diagnosis if guard is not None else None
     diag = None if d is None else [d.cause, d.rank, d.ranks, d.step]
     params = [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]
-    return {"state": _shard_state(model, zero), "params": params, "actions": actions, "diag": diag,
-            "owners": sorted(set(owners.values()))}  # fmt: skip
+    return {
+        "state": _shard_state(model, zero),
+        "params": params,
+        "actions": actions,
+        "diag": diag,
+        "owners": sorted(set(owners.values())),
+    }
 
 
 def _zero_cases(rank, world):

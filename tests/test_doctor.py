@@ -185,12 +185,17 @@ def test_a_valid_torch_distributed_debug_in_any_case_is_fine(monkeypatch: pytest
 
 def test_doctor_command_reports_an_invalid_torch_distributed_debug(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TORCH_DISTRIBUTED_DEBUG": "bogus"}
-    probe = subprocess.run([sys.executable, "-c", "import nanguard.cli, sys; print('torch' in sys.modules)"],
-                           env={**env, "TORCH_DISTRIBUTED_DEBUG": "OFF"}, capture_output=True, text=True)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", "import nanguard.cli, sys; print('torch' in sys.modules)"],
+        env={**env, "TORCH_DISTRIBUTED_DEBUG": "OFF"},
+        capture_output=True,
+        text=True,
+    )
     if probe.stdout.strip() != "False":
         pytest.skip("`import nanguard` imports torch eagerly, which itself fails under this variable")
-    done = subprocess.run([sys.executable, "-m", "nanguard", "doctor", "--json"], env=env, capture_output=True,
-                          text=True, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "nanguard", "doctor", "--json"], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
     assert "Traceback" not in done.stderr, done.stderr
     items = {i["name"]: i for i in json.loads(done.stdout)["items"]}
     assert items["TORCH_DISTRIBUTED_DEBUG"]["status"] == "error" and done.returncode == 1

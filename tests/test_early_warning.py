@@ -17,8 +17,9 @@ from nanguard.zoo.scenarios import build
 
 
 def _history(size: int = 64) -> History:
-    return History(size=size, spike_window=50, spike_warmup=10, spike_threshold=6.0, divergence_window=5,
-                   divergence_factor=10.0)  # fmt: skip
+    return History(
+        size=size, spike_window=50, spike_warmup=10, spike_threshold=6.0, divergence_window=5, divergence_factor=10.0
+    )
 
 
 def _warnings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -70,8 +71,15 @@ def test_warning_comes_two_steps_before_the_zoo_lr_too_high_overflow(tmp_path) -
     first_bad = _first_nonfinite_plain("lr_too_high", 10)
     run = build(get("lr_too_high"), seed=0)
     events: list[dict[str, Any]] = []
-    guard = ng.Guard(run.model, run.optimizer, policy="skip", locate=False, module_stats=False, on_event=events.append,
-                     run_dir=tmp_path)  # fmt: skip
+    guard = ng.Guard(
+        run.model,
+        run.optimizer,
+        policy="skip",
+        locate=False,
+        module_stats=False,
+        on_event=events.append,
+        run_dir=tmp_path,
+    )
     for i in range(first_bad + 1):
         batch = run.batch(i)
         guard.step(run.closure(batch), batch=batch)

@@ -28,9 +28,29 @@ from test_report import STEPS, OneRank, one_rank  # noqa: F401  (the run whose l
 
 MUTANTS_PER_KIND = 120
 RAW = "\x00RAW\x00"
-POOL: list[Any] = [None, True, False, -1, 0, 2**63, 10**30, 1e308, -0.0, "nan", "-inf", "", "x[/]", "[bold red]x",
-                   "\x1b]0;pwned\x07\x1b[31mred", "<root>", [], {}, [1, "a", None], {"a": [1, {"b": 2}]},
-                   [[[[]]]]]  # fmt: skip
+POOL: list[Any] = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    2**63,
+    10**30,
+    1e308,
+    -0.0,
+    "nan",
+    "-inf",
+    "",
+    "x[/]",
+    "[bold red]x",
+    "\x1b]0;pwned\x07\x1b[31mred",
+    "<root>",
+    [],
+    {},
+    [1, "a", None],
+    {"a": [1, {"b": 2}]},
+    [[[[]]]],
+]
 RAW_POOL = ["1" * 5000, "[" * 100_000 + "]" * 100_000, "NaN", "-Infinity", "1e999", '"\\ud800"', "tru"]
 # Raw text that JSON cannot hold (a number past Python's digit limit, nesting past the recursion limit).
 ALWAYS_BAD_RAW = {RAW_POOL[0], RAW_POOL[1], "tru"}
@@ -219,8 +239,15 @@ def test_markup_and_escape_sequences_from_a_log_are_shown_as_text(
     assert "\x1b]" not in text and "\x07" not in text and "\x1b[2J" not in text and "\x9b" not in text
 
 
-@pytest.mark.parametrize("write", [lambda c, s: c.line(s), lambda c, s: c.title(s), lambda c, s: c.group(s, s),
-                                   lambda c, s: c.table(["col"], [[s]], title=s)])  # fmt: skip
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda c, s: c.line(s),
+        lambda c, s: c.title(s),
+        lambda c, s: c.group(s, s),
+        lambda c, s: c.table(["col"], [[s]], title=s),
+    ],
+)
 def test_console_never_interprets_what_it_is_given(write: Callable[[Console, str], None]) -> None:
     for file in (FakeTTY(), io.StringIO()):
         console = Console(file)

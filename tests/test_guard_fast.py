@@ -163,9 +163,16 @@ def test_total_norm_stays_finite_past_the_float32_square_range() -> None:
 def test_the_flag_table_matches_each_mode() -> None:
     local, synced, params = HealthFlag.LOCAL, HealthFlag.SYNCED, HealthFlag.PARAMS
     # index = loss_bad + 2 * grads_bad + 4 * params_bad
-    assert _flag_table(scaled=False, merge=True) == [0, local, local | synced, local | synced, params,
-                                                     params | local, params | local | synced,
-                                                     params | local | synced]  # fmt: skip
+    assert _flag_table(scaled=False, merge=True) == [
+        0,
+        local,
+        local | synced,
+        local | synced,
+        params,
+        params | local,
+        params | local | synced,
+        params | local | synced,
+    ]
     # Under torch.distributed without a comm watch, gradients (already averaged) are not the rank's own.
     assert _flag_table(scaled=False, merge=False)[2] == synced
     # With a GradScaler an overflowing gradient is the scaler's business.

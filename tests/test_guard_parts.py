@@ -24,9 +24,12 @@ def _check(w: nn.Parameter) -> HealthCheck:
 
 @pytest.mark.parametrize(
     ("grad", "loss", "flags"),
-    [(1.0, 2.0, HealthFlag.OK), (float("nan"), 2.0, HealthFlag.LOCAL | HealthFlag.SYNCED),
-     (1.0, float("inf"), HealthFlag.LOCAL)],
-)  # fmt: skip
+    [
+        (1.0, 2.0, HealthFlag.OK),
+        (float("nan"), 2.0, HealthFlag.LOCAL | HealthFlag.SYNCED),
+        (1.0, float("inf"), HealthFlag.LOCAL),
+    ],
+)
 def test_health_flags_read_back_once(grad: float, loss: float, flags: HealthFlag) -> None:
     w = nn.Parameter(torch.zeros(3))
     w.grad = torch.full((3,), grad)
@@ -68,16 +71,19 @@ def test_history_evidence_sees_growth_and_spikes() -> None:
 
 @pytest.mark.parametrize(
     ("policy", "cause", "phase", "snapshot", "action"),
-    [("skip", "data.nonfinite", "data", False, "skip"),
-     ("skip", "optimizer.nonfinite_update", "optimizer", False, "raise"),
-     ("skip", "optimizer.nonfinite_update", "optimizer", True, "rollback"),
-     ("raise", "data.nonfinite", "data", False, "raise"),
-     ("rollback", "op.log_domain", "forward", True, "rollback")],
-)  # fmt: skip
+    [
+        ("skip", "data.nonfinite", "data", False, "skip"),
+        ("skip", "optimizer.nonfinite_update", "optimizer", False, "raise"),
+        ("skip", "optimizer.nonfinite_update", "optimizer", True, "rollback"),
+        ("raise", "data.nonfinite", "data", False, "raise"),
+        ("rollback", "op.log_domain", "forward", True, "rollback"),
+    ],
+)
 def test_policy_table(policy: str, cause: str, phase: str, snapshot: bool, action: str) -> None:
     model = nn.Linear(2, 2)
-    recovery = Recovery(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=None,
-                        config=GuardConfig(policy=policy))  # fmt: skip
+    recovery = Recovery(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=None, config=GuardConfig(policy=policy)
+    )
     if snapshot:
         recovery.take_snapshot(0)
     state = _State(has_snapshot=recovery.snapshot is not None)
@@ -131,8 +137,10 @@ def _params(dtype: torch.dtype, bad: float | None, where: str) -> list[nn.Parame
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("bad", "where"), [(None, "grad"), (float("nan"), "grad"), (float("inf"), "grad"),
-                                            (float("-inf"), "param"), (float("nan"), "param")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bad", "where"),
+    [(None, "grad"), (float("nan"), "grad"), (float("inf"), "grad"), (float("-inf"), "param"), (float("nan"), "param")],
+)
 def test_fused_check_flags_what_the_slow_path_flags(dtype: torch.dtype, bad: float | None, where: str) -> None:
     params = _params(dtype, bad, where)
     check = HealthCheck(params, scaler=None, comm=CommWatch(), param_check_every=1)
@@ -212,8 +220,7 @@ def test_a_single_process_step_that_does_not_reproduce_claims_no_distribution() 
     from nanguard.findings import CAUSES
 
     assert "distribut" not in CAUSES["step.not_reproduced"]
-    diag = transient_fault(step=3, loss=float("nan"), grad_norm=1.0, flagged_ranks=[0], located=True,
-                           distributed=False)  # fmt: skip
+    diag = transient_fault(step=3, loss=float("nan"), grad_norm=1.0, flagged_ranks=[0], located=True, distributed=False)
     assert diag.cause == "step.not_reproduced" and diag.rank is None and diag.ranks == []
     assert not any("NCCL" in fix for fix in diag.fixes)
     grew = {"diverging": True, "metric": "loss", "growth": 50.0, "window": 4, "lr": 1.0}

@@ -36,8 +36,9 @@ def _run(inject, tmp_path: Path | None, steps: int = 14, policy: str = "auto", *
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    guard = ng.Guard(model, opt, policy=policy, run_dir=tmp_path, inject=inject, skip_spikes=True,
-                     snapshot_every=1, **options)  # fmt: skip
+    guard = ng.Guard(
+        model, opt, policy=policy, run_dir=tmp_path, inject=inject, skip_spikes=True, snapshot_every=1, **options
+    )
     actions = []
     for i in range(steps):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
@@ -104,8 +105,9 @@ def test_nan_grad_is_written_by_a_gradient_hook_and_diagnosed_where_it_was_plant
     assert actions[6] == "skip" and actions.count("skip") == 1
     # The hook's own write is the origin: the tracer saw it in the backward of that module.
     assert (diag.cause, diag.phase, diag.module, diag.step) == ("op.nan_write", "backward", "blocks.1.0", 6)
-    assert diag.evidence["injected"] == [{"fault": "nan_grad@step=6,rank=0,module=blocks.1", "kind": "nan_grad",
-                                          "step": 6, "rank": 0}]  # fmt: skip
+    assert diag.evidence["injected"] == [
+        {"fault": "nan_grad@step=6,rank=0,module=blocks.1", "kind": "nan_grad", "step": 6, "rank": 0}
+    ]
     assert "a fire drill (NANGUARD_INJECT)" in str(diag)
     (drill,) = _drills(tmp_path)
     assert drill["step"] == 6 and drill["action"] == "skip" and drill["detected"] and drill["cause"] == "op.nan_write"
@@ -231,8 +233,10 @@ def test_a_snapshot_never_copies_a_nan_the_forward_does_not_read() -> None:
 
 def test_the_drill_on_one_process_passes(tmp_path: Path) -> None:
     faults = standard_drill(1)
-    dicts = [{"kind": f.kind, "step": f.step, "rank": f.rank, "module": f.module, "factor": f.factor,
-              "seconds": 0.05} for f in faults]  # fmt: skip
+    dicts = [
+        {"kind": f.kind, "step": f.step, "rank": f.rank, "module": f.module, "factor": f.factor, "seconds": 0.05}
+        for f in faults
+    ]
     result = drill_rank(0, 1, dicts, 60, str(tmp_path))
     assert check_drill(faults, [result]) == []
     assert result["actions"][faults[2].step] == "rollback" and result["applied"] < 60
@@ -254,8 +258,10 @@ def _soak(world: int, steps: int, seed: int, tmp_path: Path) -> None:
     faults = chaos_faults(seed, steps=steps, world=world)
     assert {f.kind for f in faults} == set(FAULTS)
     assert {f.rank for f in faults} >= {0, world // 2}
-    dicts = [{"kind": f.kind, "step": f.step, "rank": f.rank, "module": f.module, "factor": f.factor,
-              "seconds": f.seconds} for f in faults]  # fmt: skip
+    dicts = [
+        {"kind": f.kind, "step": f.step, "rank": f.rank, "module": f.module, "factor": f.factor, "seconds": f.seconds}
+        for f in faults
+    ]
     results = spawn_ranks(drill_rank, dicts, steps, str(tmp_path), world=world, timeout=600)
     assert check_drill(faults, results) == []
     rollbacks = sum(a == "rollback" for a in results[0]["actions"])

@@ -50,9 +50,17 @@ class StopAfter(TrainerCallback):
 def _gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=2, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+        n_layer=2,
+        n_embd=EMBD,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -208,8 +216,9 @@ def test_a_skipped_step_counts_neither_in_train_loss_nor_in_the_logged_loss(tmp_
     bad_step, steps = 1, 5
     guard_cb = NanGuardCallback(policy="skip")
     args = _args(tmp_path, max_steps=steps, logging_steps=2, logging_nan_inf_filter=nan_inf_filter)
-    trainer = Trainer(model=_gpt2(), args=args, train_dataset=Samples(BATCH * steps, nan_at=BATCH * bad_step),
-                      callbacks=[guard_cb])  # fmt: skip
+    trainer = Trainer(
+        model=_gpt2(), args=args, train_dataset=Samples(BATCH * steps, nan_at=BATCH * bad_step), callbacks=[guard_cb]
+    )
     out = trainer.train()
     assert guard_cb.skipped == 1
 

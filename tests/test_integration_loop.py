@@ -159,8 +159,9 @@ def _ddp_llmc(rank: int, world: int, bad_rank: int) -> dict:
     raw, opt = _setup()
     model = DDP(raw)
     guard = LoopGuard(model, opt)
-    logged = _llmc_loop(model, raw, opt, Loader(rank, bad=ACCUM + 1 if rank == bad_rank else None), ddp=True,
-                        guard=guard)  # fmt: skip
+    logged = _llmc_loop(
+        model, raw, opt, Loader(rank, bad=ACCUM + 1 if rank == bad_rank else None), ddp=True, guard=guard
+    )
     guard.close()
     flat = torch.cat([p.detach().reshape(-1) for p in raw.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(world)]

@@ -140,8 +140,9 @@ def test_growth_trips_only_with_both_metrics_on_two_spikes_in_a_row_of_warm_dete
     from nanguard.guard.history import History
 
     def feed(values):
-        h = History(size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0, divergence_window=5,
-                    divergence_factor=10.0)  # fmt: skip
+        h = History(
+            size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0, divergence_window=5, divergence_factor=10.0
+        )
         for step, (loss, gn) in enumerate(values):
             h.observe(step, loss=loss, grad_norm=gn)
             if (found := h.runaway(step, loss=loss, grad_norm=gn)) is not None:
@@ -176,8 +177,9 @@ def _clean(kind, n, seed):
 def test_clean_runs_never_trip_on_growth(loss_kind, grad_kind) -> None:
     from nanguard.guard.history import History
 
-    h = History(size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0, divergence_window=5,
-                divergence_factor=10.0)  # fmt: skip
+    h = History(
+        size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0, divergence_window=5, divergence_factor=10.0
+    )
     losses, norms = _clean(loss_kind, 10_000, 1), _clean(grad_kind, 10_000, 2)
     trips = 0
     for step, (loss, gn) in enumerate(zip(losses, norms, strict=True)):
@@ -305,8 +307,9 @@ def test_the_guards_clip_is_bit_identical_to_the_loops_own_clip() -> None:
         # optimizer's order is not model.parameters()' order.
         decay = [p for p in model.parameters() if p.dim() >= 2]
         rest = [p for p in model.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                      lr=3e-3)  # fmt: skip
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3
+        )
         guard = ng.Guard(model, optimizer, clip_grad_norm=0.5) if guarded else None
         for step in range(5):
             closure, batch = _closure(model, optimizer, step)
@@ -346,5 +349,10 @@ def test_a_nan_row_loaded_on_one_ddp_rank_stops_every_rank_naming_it(tmp_path, b
     for r in spawn_ranks(_loaded_on_one_rank, tmp_path, bad):
         d = r["diag"]
         assert d is not None and r["step"] == 1, r  # every rank stopped at the first step: no hang
-        assert (d["cause"], d["module"], d["rank"], d["ranks"], d["step"]) == ("parameters.nonfinite", "wte", bad,
-                                                                             [bad], 0)  # fmt: skip
+        assert (d["cause"], d["module"], d["rank"], d["ranks"], d["step"]) == (
+            "parameters.nonfinite",
+            "wte",
+            bad,
+            [bad],
+            0,
+        )

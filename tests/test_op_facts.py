@@ -309,10 +309,21 @@ def test_ops_that_make_nonfinite_values_are_not_in_the_class(op: Any, dtype: tor
 
 @pytest.mark.parametrize(
     "op",
-    [aten.view.default, aten.t.default, aten.transpose.int, aten.expand.default, aten.select.int, aten.slice.Tensor,
-     aten.unsqueeze.default, aten.permute.default, aten.split.Tensor, aten.detach.default, aten.view_as_real.default],
+    [
+        aten.view.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.expand.default,
+        aten.select.int,
+        aten.slice.Tensor,
+        aten.unsqueeze.default,
+        aten.permute.default,
+        aten.split.Tensor,
+        aten.detach.default,
+        aten.view_as_real.default,
+    ],
     ids=str,
-)  # fmt: skip
+)
 def test_plain_views_keep_finite_values(op: Any) -> None:
     assert ops.info(op).keeps_finite
 

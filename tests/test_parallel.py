@@ -74,24 +74,49 @@ def _check(results: list[list[dict]], cases: list[tuple], expected: list[dict]) 
 
 
 def _op(rank: int, ranks: list[int] | None = None) -> dict:
-    return {"cause": "op.sqrt_domain", "op": "aten.sqrt.default", "module": "act", "phase": "forward",
-            "rank": rank, "ranks": ranks or [rank]}  # fmt: skip
+    return {
+        "cause": "op.sqrt_domain",
+        "op": "aten.sqrt.default",
+        "module": "act",
+        "phase": "forward",
+        "rank": rank,
+        "ranks": ranks or [rank],
+    }
 
 
 def _grad(rank: int) -> dict:
     """The gradient of sqrt at zero: the division in SqrtBackward, attributed to the module that ran sqrt."""
-    return {"cause": "op.sqrt_domain", "op": "aten.div.Tensor", "module": "act", "phase": "backward",
-            "rank": rank, "ranks": [rank]}  # fmt: skip
+    return {
+        "cause": "op.sqrt_domain",
+        "op": "aten.div.Tensor",
+        "module": "act",
+        "phase": "backward",
+        "rank": rank,
+        "ranks": [rank],
+    }
 
 
 def _weight(rank: int) -> dict:
-    return {"cause": "parameters.nonfinite", "op": None, "module": "up", "phase": "parameters",
-            "rank": rank, "ranks": [rank]}  # fmt: skip
+    return {
+        "cause": "parameters.nonfinite",
+        "op": None,
+        "module": "up",
+        "phase": "parameters",
+        "rank": rank,
+        "ranks": [rank],
+    }
 
 
 def test_tensor_parallel_names_the_rank_whose_column_block_made_the_nan(tmp_path) -> None:
-    cases = [("sqrt", 0, "skip"), ("sqrt", 1, "rollback"), ("weight", 0, "skip"), ("weight", 1, "rollback"),
-             ("sqrt_grad", 0, "rollback"), (None, 0, "skip"), (None, 0, None)]  # fmt: skip
+    cases = [
+        ("sqrt", 0, "skip"),
+        ("sqrt", 1, "rollback"),
+        ("weight", 0, "skip"),
+        ("weight", 1, "rollback"),
+        ("sqrt_grad", 0, "rollback"),
+        (None, 0, "skip"),
+        (None, 0, None),
+    ]
     results = spawn_ranks(_cases, "tp", cases, world=2, timeout=240)
     _check(results, cases[:5], [_op(0), _op(1), _weight(0), _weight(1), _grad(0)])
     for r in results:  # healthy: guarded bit-identical to unguarded, no trip
@@ -100,8 +125,14 @@ def test_tensor_parallel_names_the_rank_whose_column_block_made_the_nan(tmp_path
 
 
 def test_2d_mesh_names_the_activation_and_the_rank_across_both_mesh_dims(tmp_path) -> None:
-    cases = [("sqrt", 0, "skip"), ("sqrt", 2, "rollback"), ("sqrt", 1, "skip"), ("weight", 2, "skip"),
-             (None, 0, "skip"), (None, 0, None)]  # fmt: skip
+    cases = [
+        ("sqrt", 0, "skip"),
+        ("sqrt", 2, "rollback"),
+        ("sqrt", 1, "skip"),
+        ("weight", 2, "skip"),
+        (None, 0, "skip"),
+        (None, 0, None),
+    ]
     results = spawn_ranks(_cases, "2d", cases, world=4, timeout=300)
     _check(results, cases[:4], [_op(0), _op(2), _op(1), _weight(2)])
     for r in results:
@@ -109,8 +140,16 @@ def test_2d_mesh_names_the_activation_and_the_rank_across_both_mesh_dims(tmp_pat
 
 
 def test_pipeline_names_the_stage_that_created_the_value(tmp_path) -> None:
-    cases = [("sqrt", 0, "skip"), ("sqrt", 1, "rollback"), ("weight", 0, "skip"), ("weight", 1, "rollback"),
-             ("input", 0, "skip"), ("sqrt_grad", 1, "skip"), (None, 0, "skip"), (None, 0, None)]  # fmt: skip
+    cases = [
+        ("sqrt", 0, "skip"),
+        ("sqrt", 1, "rollback"),
+        ("weight", 0, "skip"),
+        ("weight", 1, "rollback"),
+        ("input", 0, "skip"),
+        ("sqrt_grad", 1, "skip"),
+        (None, 0, "skip"),
+        (None, 0, None),
+    ]
     results = spawn_ranks(_cases, "pp", cases, world=3, timeout=300)
     data = {"cause": "data.nonfinite", "op": None, "module": None, "phase": "data", "rank": 0, "ranks": [0]}
     _check(results, cases[:6], [_op(0), _op(1), _weight(0), _weight(1), data, _grad(1)])
@@ -192,7 +231,12 @@ def test_locate_on_a_one_rank_mesh_follows_taint_through_dtensor(tmp_path) -> No
         x = torch.randn(4, 8)
         diag = ng.locate(lambda: model(x).sum().backward(), model=model)
         assert (diag.cause, diag.op, diag.module, diag.phase, diag.rank) == (
-            "op.sqrt_domain", "aten.sqrt.default", "act", "forward", 0)  # fmt: skip
+            "op.sqrt_domain",
+            "aten.sqrt.default",
+            "act",
+            "forward",
+            0,
+        )
         crossing = _Crossing(mesh)
         diag = ng.locate(lambda: crossing(torch.randn(2, 4)), model=crossing)
         assert (diag.cause, diag.op, diag.module) == ("op.sqrt_domain", "aten.sqrt.default", "")

@@ -112,17 +112,33 @@ def test_a_real_full_file_system_warns_once_per_kind_and_training_goes_on(tmp_pa
         pytest.skip("no unshare(1) to mount a private tmpfs")
     mount = tmp_path / "mnt"
     mount.mkdir()
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                            f"mount -t tmpfs -o size=256k tmpfs {mount}"], capture_output=True, text=True)  # fmt: skip
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"mount -t tmpfs -o size=256k tmpfs {mount}"],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode != 0:
         pytest.skip(f"mounting a tmpfs is not permitted here: {probe.stderr.strip()}")
     script = _FULL_TMPFS_RUN.format(tests=str(Path(__file__).parent), mount=str(mount))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-         'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$1" -c "$2"', str(mount), sys.executable, script],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "--mount",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$1" -c "$2"',
+            str(mount),
+            sys.executable,
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["steps"] == 6 and result["skipped"] == 2
@@ -335,8 +351,10 @@ def test_a_snapshot_refresh_reuses_the_snapshot_memory() -> None:
     second = tensors()
     assert [t.data_ptr() for t in first] == [t.data_ptr() for t in second]
     assert _equal(list(guard.recovery.snapshot["model"].values()), [*_params_and_buffers(model)])
-    assert _equal([opt.state[p]["exp_avg"] for p in model.parameters()],
-                  [s["exp_avg"] for s in guard.recovery.snapshot["optimizer"]["state"].values()])  # fmt: skip
+    assert _equal(
+        [opt.state[p]["exp_avg"] for p in model.parameters()],
+        [s["exp_avg"] for s in guard.recovery.snapshot["optimizer"]["state"].values()],
+    )
 
 
 def _params_and_buffers(model: nn.Module) -> list[torch.Tensor]:

@@ -65,8 +65,9 @@ def _scaled_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], factor:
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> OneRank:
     run_dir = tmp_path_factory.mktemp("one-rank")
     run = build(get("padding_fully_masked"), seed=0)
-    guard = Guard(run.model, run.optimizer, policy="rollback", run_dir=run_dir, snapshot_every=2,
-                  spike_warmup=3, spike_window=8)  # fmt: skip
+    guard = Guard(
+        run.model, run.optimizer, policy="rollback", run_dir=run_dir, snapshot_every=2, spike_warmup=3, spike_window=8
+    )
     for step, batch in run.batches(STEPS):
         factor = 100.0 if step == SPIKE_STEP else 1.0
         guard.step(lambda batch=batch, factor=factor: _scaled_step(run.model, batch, factor), batch=batch)
@@ -287,13 +288,24 @@ class Browser:
             os.dup2(from_child_w, 4)
 
         args = [
-            str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--disable-extensions", "--hide-scrollbars", f"--user-data-dir={profile}",
-            "--remote-debugging-pipe", "about:blank",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(args, pass_fds=(3, 4), preexec_fn=wire,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            str(CHROMIUM),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-extensions",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            args, pass_fds=(3, 4), preexec_fn=wire, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self._buf = b""
@@ -337,8 +349,11 @@ class Browser:
         session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.call(f"{domain}.enable", None, session)
-        self.call("Emulation.setDeviceMetricsOverride",
-                  {"width": 1200, "height": 2400, "deviceScaleFactor": 1, "mobile": False}, session)  # fmt: skip
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1200, "height": 2400, "deviceScaleFactor": 1, "mobile": False},
+            session,
+        )
         start = len(self.events)
         self.call("Page.navigate", {"url": path.resolve().as_uri()}, session)
         self.wait_for("Page.loadEventFired", session)
@@ -471,8 +486,10 @@ def _self_contained(html: str) -> None:
 
 def test_browser_check_catches_console_errors(browser: Browser, tmp_path: Path) -> None:
     bad = tmp_path / "bad.html"
-    bad.write_text('<!DOCTYPE html><html><head><link rel="icon" href="data:,"></head><body><p>x</p>'
-                   '<script>console.error("boom"); missingFunction();</script></body></html>')  # fmt: skip
+    bad.write_text(
+        '<!DOCTYPE html><html><head><link rel="icon" href="data:,"></head><body><p>x</p>'
+        '<script>console.error("boom"); missingFunction();</script></body></html>'
+    )
     page = browser.open(bad)
     errors = page.console_errors()
     assert any("boom" in e for e in errors) and any("missingFunction" in e for e in errors)
@@ -498,8 +515,16 @@ def test_html_one_rank_in_chromium(one_rank: OneRank, browser: Browser, tmp_path
     assert ids == expected
     diag = trip.diagnosis
     assert diag is not None
-    for text in (diag.cause, diag.meaning, diag.fixes[0], diag.fixes[-1], str(diag.evidence["why"])[:60],
-                 "blocks.0.attn", "aten._softmax.default", "The origin and the ops that followed"):  # fmt: skip
+    for text in (
+        diag.cause,
+        diag.meaning,
+        diag.fixes[0],
+        diag.fixes[-1],
+        str(diag.evidence["why"])[:60],
+        "blocks.0.attn",
+        "aten._softmax.default",
+        "The origin and the ops that followed",
+    ):
         assert text in page.text, text
     after = [a["op"] for a in diag.evidence["after"]]
     before = [b["op"] for b in diag.evidence["before"]]

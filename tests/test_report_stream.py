@@ -88,10 +88,18 @@ def test_bulk_reading_matches_json_line_by_line(tmp_path: Path, scaler: bool) ->
 # always kept); on the other lines only its characters are checked.
 @pytest.mark.parametrize(
     ("bad_value", "skipped"),
-    [('"step":-1', False), ('"step":99999999999999999999', False),
-     ('"loss":1.2x3', False), ('"loss":', False), ('"loss":"1.5"', False), ('"loss":nul', False),
-     ('"loss":true', False), ('"loss":"nanx"', False), ('"loss":1.5.2', True)],
-)  # fmt: skip
+    [
+        ('"step":-1', False),
+        ('"step":99999999999999999999', False),
+        ('"loss":1.2x3', False),
+        ('"loss":', False),
+        ('"loss":"1.5"', False),
+        ('"loss":nul', False),
+        ('"loss":true', False),
+        ('"loss":"nanx"', False),
+        ('"loss":1.5.2', True),
+    ],
+)
 def test_a_bad_value_deep_in_a_large_log_is_named_by_line(tmp_path: Path, bad_value: str, skipped: bool) -> None:
     _write(tmp_path, list(range(1, LINES + 1)), random.Random(2), scaler=False)
     path = tmp_path / "events-rank0.jsonl"
@@ -137,8 +145,9 @@ def test_the_writer_writes_the_layout_the_fast_reader_splits(tmp_path: Path) -> 
     assert columns.scale == [b'"scale":null', b'"scale":1024.0'] and columns.skipped[0] == b'"skipped":true'
     assert stepline.split_run(run, lines=2, rank=0) is None  # another rank's lines are not this rank's
     assert [m[:5] for m in stepline.LINE.findall(run)[:2]] == [
-        (b"7", b"2.5", b'"inf"', b"true", b"null"), (b"8", b"null", b"0.25", b"false", b"1024.0")
-    ]  # fmt: skip
+        (b"7", b"2.5", b'"inf"', b"true", b"null"),
+        (b"8", b"null", b"0.25", b"false", b"1024.0"),
+    ]
     swapped = run.replace(b'"loss":2.5,"grad_norm":"inf"', b'"grad_norm":"inf","loss":2.5')
     cut = stepline.split_run(swapped, lines=2, rank=3)  # cut by position: the keys tell it is not the layout
     assert cut is not None and not all(c.startswith(stepline.cell("loss")) for c in cut.loss)

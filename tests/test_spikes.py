@@ -25,8 +25,9 @@ def test_no_spike_during_warmup_and_state_round_trip() -> None:
     assert list(other.values) == [1.0, 1000.0]
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [({"window": 2}, "window"), ({"warmup": 0}, "warmup"),
-                                              ({"threshold": 0.0}, "threshold")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "name"), [({"window": 2}, "window"), ({"warmup": 0}, "warmup"), ({"threshold": 0.0}, "threshold")]
+)
 def test_bad_settings(kwargs, name) -> None:
     with pytest.raises(ValueError, match=name):
         SpikeDetector("loss", **kwargs)

@@ -20,11 +20,25 @@ def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:
     assert len(SCENARIOS) >= 24
     assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)
     causes = {s.expect.cause for s in SCENARIOS} | {s.expect.cause for s in WILD}  # the zoo's two groups
-    for cause in ("data.nonfinite", "data.index_out_of_range", "data.no_valid_targets", "parameters.nonfinite",
-                  "op.log_domain", "op.sqrt_domain", "op.division_by_zero", "op.exp_overflow", "op.masked_softmax",
-                  "norm.zero_variance", "precision.overflow", "precision.loss_scale", "optimizer.divergence",
-                  "optimizer.nonfinite_update", "distributed.transient",
-                  "distributed.replica_divergence", None):  # fmt: skip
+    for cause in (
+        "data.nonfinite",
+        "data.index_out_of_range",
+        "data.no_valid_targets",
+        "parameters.nonfinite",
+        "op.log_domain",
+        "op.sqrt_domain",
+        "op.division_by_zero",
+        "op.exp_overflow",
+        "op.masked_softmax",
+        "norm.zero_variance",
+        "precision.overflow",
+        "precision.loss_scale",
+        "optimizer.divergence",
+        "optimizer.nonfinite_update",
+        "distributed.transient",
+        "distributed.replica_divergence",
+        None,
+    ):
         assert cause in causes, cause
 
 

@@ -817,8 +817,12 @@ _READ_RUN_FACTS = (init_scale, divergence, grown_weights_norm_overflow, _weight_
 
 def _op_cause(record: Evidence, judged: list[tuple[Callable[..., Verdict | None], Verdict | None]]) -> str:
     """The cause without the run's facts: only the rules that read them are asked again."""
-    own = replace(record, history=None, initial_weight_scale=None,
-                  given=tuple(k for k in record.given if k not in ("history", "initial_weight_scale")))  # fmt: skip
+    own = replace(
+        record,
+        history=None,
+        initial_weight_scale=None,
+        given=tuple(k for k in record.given if k not in ("history", "initial_weight_scale")),
+    )
     for rule, verdict in judged:
         verdict = rule(own) if rule in _READ_RUN_FACTS else verdict
         if verdict is not None:
@@ -871,12 +875,16 @@ def _update_fixes(hp: Mapping[str, Any], dtype: str | None = None) -> list[str]:
     fixes = []
     eps = hp.get("eps")
     if isinstance(eps, (int, float)) and eps <= 1e-12:
-        fixes.append(f"optimizer eps is {eps}; use 1e-8 (1e-6 or more with bf16/fp16 states): "
-                     "a zero second moment divides 0 by 0")  # fmt: skip
+        fixes.append(
+            f"optimizer eps is {eps}; use 1e-8 (1e-6 or more with bf16/fp16 states): "
+            "a zero second moment divides 0 by 0"
+        )
     elif isinstance(eps, (int, float)) and eps > 0 and (lost := _rounds_to_zero(eps, dtype)):
-        fixes.append(f"optimizer eps={eps:g} is 0 in {dtype} (its smallest value is {lost:.3g}), the dtype of the "
-                     "parameters and so of the optimizer's state: a zero second moment divides 0 by 0; keep float32 "
-                     "master weights (autocast, or a mixed-precision optimizer) or use eps >= 1e-4")  # fmt: skip
+        fixes.append(
+            f"optimizer eps={eps:g} is 0 in {dtype} (its smallest value is {lost:.3g}), the dtype of the "
+            "parameters and so of the optimizer's state: a zero second moment divides 0 by 0; keep float32 "
+            "master weights (autocast, or a mixed-precision optimizer) or use eps >= 1e-4"
+        )
     fixes += [
         "check the optimizer state for NaN/Inf (a resumed state from another run or dtype)",
         f"lower the learning rate (now {hp.get('lr')})" if "lr" in hp else "lower the learning rate",
@@ -966,11 +974,15 @@ def transient_fault(
         + "or nondeterministic kernels",
     ]
     if distributed:
-        fixes.append("if it repeats on the same rank or node, drain that node; run NCCL with "
-                     "TORCH_NCCL_NAN_CHECK=1 to catch a bad collective")  # fmt: skip
+        fixes.append(
+            "if it repeats on the same rank or node, drain that node; run NCCL with "
+            "TORCH_NCCL_NAN_CHECK=1 to catch a bad collective"
+        )
     else:
-        fixes.append("a value at the edge of its range (a borderline overflow) can round either way: "
-                     "if it repeats, lower the learning rate or run ng.locate on the saved bundle")  # fmt: skip
+        fixes.append(
+            "a value at the edge of its range (a borderline overflow) can round either way: "
+            "if it repeats, lower the learning rate or run ng.locate on the saved bundle"
+        )
     # No rank reproduces it: the rank is unknown, but every rank reports the same.
     return Diagnosis(
         cause=cause,

@@ -57,8 +57,10 @@ class OutOfStepError(NanguardError):
         groups: dict[int, list[int]] = {}
         for r, s in sorted(self.steps.items()):
             groups.setdefault(s, []).append(r)
-        parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} at call {s}"
-                          for s, rs in sorted(groups.items()))  # fmt: skip
+        parts = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} at call {s}"
+            for s, rs in sorted(groups.items())
+        )
         super().__init__(
             f"nanguard: the ranks are out of step ({parts}): a rank's loop skipped or repeated a guarded "
             "step, so its gradients were averaged with another step's; every rank stops here"

@@ -82,9 +82,18 @@ def device_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
         key = device_key(r)
-        empty: dict[str, Any] = {"host": key[0], "device": r.get("device"), "id": key[1],
-                                 "local_rank": r.get("local_rank"), "trips": 0, "transient": 0, "reproduced": 0,
-                                 "injected": 0, "causes": {}, "steps": []}  # fmt: skip
+        empty: dict[str, Any] = {
+            "host": key[0],
+            "device": r.get("device"),
+            "id": key[1],
+            "local_rank": r.get("local_rank"),
+            "trips": 0,
+            "transient": 0,
+            "reproduced": 0,
+            "injected": 0,
+            "causes": {},
+            "steps": [],
+        }
         row = rows.setdefault(key, empty)
         if r.get("injected"):
             row["injected"] += 1

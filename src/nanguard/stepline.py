@@ -37,11 +37,21 @@ _NEXT_LINE = b"}\n" + KIND  # the last cell of one line runs into the first of t
 NOT_STEP = re.compile(rb"\n(?!" + re.escape(PREFIX) + rb")")
 """A newline that starts another kind of line."""
 LINE = re.compile(
-    rb"^(?:" + PREFIX + rb"(\d{1,18})," + cell("rank") + rb"-?\d{1,9}," + cell("loss") + rb"([^,]*),"
-    + cell("grad_norm") + rb"([^,]*)," + cell("skipped") + rb"(true|false)," + cell("scale")
+    rb"^(?:"
+    + PREFIX
+    + rb"(\d{1,18}),"
+    + cell("rank")
+    + rb"-?\d{1,9},"
+    + cell("loss")
+    + rb"([^,]*),"
+    + cell("grad_norm")
+    + rb"([^,]*),"
+    + cell("skipped")
+    + rb"(true|false),"
+    + cell("scale")
     + rb"([^,}]*)\}[ \t\r]*|(.*))$",
     re.M,
-)  # fmt: skip
+)
 """One line: a step line in this layout, any spacing after it (groups 1-5: step, loss, grad_norm,
 skipped, scale), or any other line (group 6)."""
 

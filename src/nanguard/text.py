@@ -504,14 +504,16 @@ def drill_rows(drills: Sequence[Mapping[str, Any]]) -> list[list[str]]:
             "-" if d.get("kind") == "stall" else "yes" if d.get("detected") else "NOT DETECTED"
         )
         seconds = d.get("seconds")
-        rows.append([
-            str(d.get("step")),
-            str(d.get("fault")),
-            str(detected),
-            " ".join(f"{r}:{a}" for r, a in actions.items()),
-            "yes" if d.get("agreed") else "NO",
-            f"{seconds:.3g} s" if isinstance(seconds, (int, float)) else "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(d.get("step")),
+                str(d.get("fault")),
+                str(detected),
+                " ".join(f"{r}:{a}" for r, a in actions.items()),
+                "yes" if d.get("agreed") else "NO",
+                f"{seconds:.3g} s" if isinstance(seconds, (int, float)) else "-",
+            ]
+        )
     return rows
 
 

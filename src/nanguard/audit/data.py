@@ -80,8 +80,11 @@ def check_batch(
             # A sparse tensor's stored values are all it holds: check those for NaN/Inf.
             values = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
             if values.is_floating_point() or values.is_complex():
-                pending.append(_check_nonfinite(reader, f"{where} (sparse values)", values.reshape(-1),
-                                                ignore_neginf=False, per_sample=False))  # fmt: skip
+                pending.append(
+                    _check_nonfinite(
+                        reader, f"{where} (sparse values)", values.reshape(-1), ignore_neginf=False, per_sample=False
+                    )
+                )
             continue
         role = _role(key)
         if t.is_floating_point() or t.is_complex():

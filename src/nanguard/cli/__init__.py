@@ -130,8 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     drill.add_argument("--ranks", type=int, default=1, help="spawn N gloo ranks on CPU (default 1)")
     drill.add_argument("--steps", type=int, default=64, help="training steps (default 64)")
-    drill.add_argument("--inject", default=None, metavar="SPEC",
-                       help="the faults, as NANGUARD_INJECT writes them (default: one of each kind)")  # fmt: skip
+    drill.add_argument(
+        "--inject",
+        default=None,
+        metavar="SPEC",
+        help="the faults, as NANGUARD_INJECT writes them (default: one of each kind)",
+    )
     drill.add_argument(
         "--run-dir", default="runs/drill", help="write events here (default runs/drill); see `nanguard report`"
     )
@@ -146,14 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zoo.add_argument("--seed", type=int, default=0, help="seed of the models' init and the data (default 0)")
     zoo.add_argument("--remedies", action="store_true", help="score skip, rollback and auto on the remedy scenarios")
-    zoo.add_argument("--group", default="all", choices=("all", "gpt", "wild"),
-                     help="tiny-GPT scenarios, wild ones (public bug reports, via ng.locate), or both")  # fmt: skip
+    zoo.add_argument(
+        "--group",
+        default="all",
+        choices=("all", "gpt", "wild"),
+        help="tiny-GPT scenarios, wild ones (public bug reports, via ng.locate), or both",
+    )
     zoo.set_defaults(func=_zoo)
 
     report = sub.add_parser("report", help="summarize a run directory; --html writes a self-contained page")
-    report.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
-                        help="directory holding events-rank*.jsonl and bundles/; several (a job and its restarts) "
-                             "add one table of trips per host and device")  # fmt: skip
+    report.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        nargs="+",
+        help="directory holding events-rank*.jsonl and bundles/; several (a job and its restarts) "
+        "add one table of trips per host and device",
+    )
     report.add_argument("--html", default=None, metavar="OUT", help="write one self-contained HTML file")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
     report.set_defaults(func=_report)
@@ -166,11 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
         "1: the replay is finite or the bundle is unreadable; 2: a bad option.",
     )
     replay.add_argument("bundle", metavar="BUNDLE", help="a bundle directory (run_dir/bundles/step-...)")
-    replay.add_argument("--model", required=True, metavar="PKG.MODULE:FACTORY",
-                        help="an importable function that builds the model with no arguments")  # fmt: skip
-    replay.add_argument("--weights", default=None, metavar="PATH",
-                        help="a state dict (.safetensors, or .pt read with weights_only=True); "
-                             "overrides the bundle's weights")  # fmt: skip
+    replay.add_argument(
+        "--model",
+        required=True,
+        metavar="PKG.MODULE:FACTORY",
+        help="an importable function that builds the model with no arguments",
+    )
+    replay.add_argument(
+        "--weights",
+        default=None,
+        metavar="PATH",
+        help="a state dict (.safetensors, or .pt read with weights_only=True); overrides the bundle's weights",
+    )
     replay.add_argument("--fn", default=None, metavar="PKG.MODULE:FUNCTION", help="fn(model) -> step(batch)")
     replay.set_defaults(func=_replay)
 

@@ -45,8 +45,9 @@ def accumulation_closure(
             with _no_sync(model) if i < n - 1 else contextlib.nullcontext():
                 loss = loss_fn(batch)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise TypeError(f"loss_fn must return the micro-batch's loss as a one-element tensor, "
-                                    f"got {type(loss).__name__}")  # fmt: skip
+                    raise TypeError(
+                        f"loss_fn must return the micro-batch's loss as a one-element tensor, got {type(loss).__name__}"
+                    )
                 part = loss / n if mean else loss
                 (scaler.scale(part) if scaler is not None else part).backward()
             value = part.detach().float().reshape(())
@@ -64,8 +65,9 @@ def micro_batch_list(micro_batches: Iterable[Any], loss_fn: Any, mean: Any) -> l
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable (a micro-batch -> its loss), got {type(loss_fn).__name__}")
     if isinstance(micro_batches, (torch.Tensor, dict, str, bytes)) or not isinstance(micro_batches, Iterable):
-        raise ValueError(f"micro_batches must be a list (or other iterable) of micro-batches, "
-                         f"got {type(micro_batches).__name__}")  # fmt: skip
+        raise ValueError(
+            f"micro_batches must be a list (or other iterable) of micro-batches, got {type(micro_batches).__name__}"
+        )
     batches = list(micro_batches)
     if not batches:
         raise ValueError("micro_batches must hold at least one micro-batch, got none")

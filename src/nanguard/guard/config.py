@@ -109,14 +109,29 @@ class GuardConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        positive = ("max_consecutive_skips", "snapshot_every", "spike_window", "spike_warmup",
-                    "divergence_window", "max_overflow_streak", "log_every", "history")  # fmt: skip
+        positive = (
+            "max_consecutive_skips",
+            "snapshot_every",
+            "spike_window",
+            "spike_warmup",
+            "divergence_window",
+            "max_overflow_streak",
+            "log_every",
+            "history",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("rollback_skip_batches", "param_check_every", "fingerprint_every", "max_bundle_bytes",
-                     "remedy_budget", "headroom_every", "hardware_warn_after"):  # fmt: skip
+        for name in (
+            "rollback_skip_batches",
+            "param_check_every",
+            "fingerprint_every",
+            "max_bundle_bytes",
+            "remedy_budget",
+            "headroom_every",
+            "hardware_warn_after",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -114,40 +114,59 @@ class Guard:
         self.last_action: str | None = None
         self.last_grad_norm: float | None = None  # documented on the class: across ranks, before clipping
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.health = HealthCheck(self._params, scaler=self.scaler, comm=dist.watch_communication(model, comm_hook),
-                                  param_check_every=c.param_check_every, check_loaded=True)  # fmt: skip
+        self.health = HealthCheck(
+            self._params,
+            scaler=self.scaler,
+            comm=dist.watch_communication(model, comm_hook),
+            param_check_every=c.param_check_every,
+            check_loaded=True,
+        )
         self._load_hook = check_after_loads(model, self.health)  # a later load_state_dict is checked too
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)
         self.history = History.from_config(c)
-        self.diagnoser = Diagnoser(model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats,
-                                   comm=self.health.comm)  # fmt: skip
-        self.recorder = recorder_for(run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model,
-                                     bundle_weights=c.bundle_weights)  # fmt: skip
+        self.diagnoser = Diagnoser(
+            model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats, comm=self.health.comm
+        )
+        self.recorder = recorder_for(
+            run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model, bundle_weights=c.bundle_weights
+        )
         self.recorder.listener = _listener(on_event, self.disabled)
-        # The fire drill's injector (inject= or NANGUARD_INJECT) and the run's hardware tracker.
-        self.injector = injector_for(None if self.disabled else environ.inject(inject), model,
-                                     write=self.recorder.drill, steps=lambda: self.step_count)  # fmt: skip
-        self.tracker = Tracker(run_dir, here=where(self._params[0].device if self._params else None),
-                               warn_after=c.hardware_warn_after)  # fmt: skip
+        self._drill_and_tracker(inject, run_dir)
         self._spikes_before = 0  # the spikes seen before a drilled step
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = _PolicyState(self)
-        # Only the GPUs this model lives on draw random numbers for its step.
-        self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
-        self._fused = compat.supports_found_inf(optimizer)
-        self._sharded = any(local(p) is not p for p in self._params)  # FSDP2: each rank holds a shard
-        # The fused optimizer skips a bad update on the device; a spike verdict (after the host
-        # read) and a clip (before the step) need the host path.
-        self._device_step = self._fused and self.scaler is None and not c.skip_spikes and c.clip_grad_norm is None
+        self._choose_paths()
         self._closure_error: BaseException | None = None
         self._pending: StepHealth | None = None  # a checked step whose update is to be recorded
-        self._deferred = _deferred(c, optimizer, self.scaler, self._fused, self._cuda_devices)
         self._waiting: _Waiting | None = None  # deferred: the last step, its verdict not read yet
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
         if c.policy in ("rollback", "auto"):
             self.recovery.take_snapshot(self.step_count)
         install(self)  # DDP join(): a rank out of batches shadows the guard's collectives
+
+    def _drill_and_tracker(self, inject: str | list[Fault] | None, run_dir: str | os.PathLike[str] | None) -> None:
+        """The fire drill's injector (``inject=`` or NANGUARD_INJECT) and the run's hardware tracker."""
+        self.injector = injector_for(
+            None if self.disabled else environ.inject(inject),
+            self.model,
+            write=self.recorder.drill,
+            steps=lambda: self.step_count,
+        )
+        here = where(self._params[0].device if self._params else None)
+        self.tracker = Tracker(run_dir, here=here, warn_after=self.config.hardware_warn_after)
+
+    def _choose_paths(self) -> None:
+        """The paths every step takes, fixed by the parts the guard was built with."""
+        c = self.config
+        # Only the GPUs this model lives on draw random numbers for its step.
+        self._cuda_devices = sorted({p.device.index or 0 for p in self._params if p.device.type == "cuda"})
+        self._fused = compat.supports_found_inf(self.optimizer)
+        self._sharded = any(local(p) is not p for p in self._params)  # FSDP2: each rank holds a shard
+        # The fused optimizer skips a bad update on the device; a spike verdict (after the host
+        # read) and a clip (before the step) need the host path.
+        self._device_step = self._fused and self.scaler is None and not c.skip_spikes and c.clip_grad_norm is None
+        self._deferred = _deferred(c, self.optimizer, self.scaler, self._fused, self._cuda_devices)
 
     # Counters owned by the parts, read where users always found them.
     skipped = property(lambda self: self.recovery.skipped, doc="How many steps were skipped.")
@@ -197,9 +216,13 @@ class Guard:
                 self._end_drill()
 
     def step_accumulated(
-        self, micro_batches: Iterable[Any], loss_fn: Callable[[Any], Any], *, mean: bool = True,
+        self,
+        micro_batches: Iterable[Any],
+        loss_fn: Callable[[Any], Any],
+        *,
+        mean: bool = True,
         sample_ids: Any = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """One optimizer step over several micro-batches, as ``step``.
 
         ``loss_fn(micro_batch)`` runs the forward and returns the loss; the guard zeroes the
@@ -285,9 +308,15 @@ class Guard:
         return loss, value
 
     def _measure(
-        self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, *, device_step: bool,
+        self,
+        value: Any,
+        replay: Callable[[], Any] | None,
+        batch: Any,
+        rng: Rng | None,
+        *,
+        device_step: bool,
         restore_buffers: bool = True,
-    ) -> Verdict | None:  # fmt: skip
+    ) -> Verdict | None:
         """Read the step's health (the one host read) and diagnose a trip: the step's verdict.
         None when the read is deferred to the next call (the device path with ``sync="deferred"``).
         ``restore_buffers`` is False when no backup was taken before the forward (``check()``)."""
@@ -310,9 +339,15 @@ class Guard:
         return self._verdict(h, replay, batch, rng, restore_buffers, updated=device_step)
 
     def _verdict(
-        self, h: StepHealth, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, restore_buffers: bool,
-        *, updated: bool,
-    ) -> Verdict:  # fmt: skip
+        self,
+        h: StepHealth,
+        replay: Callable[[], Any] | None,
+        batch: Any,
+        rng: Rng | None,
+        restore_buffers: bool,
+        *,
+        updated: bool,
+    ) -> Verdict:
         """What a read step is: bad parameters (as loaded, or after an update), a GradScaler
         overflow, a trip (replayed and diagnosed), runaway growth, a spike, or healthy.
         ``updated``: the device path has applied the step's update already."""
@@ -337,8 +372,13 @@ class Guard:
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
         if not updated and (runaway := self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)) is not None:
             self.recovery.abandon(restore_buffers, rng)
-            diag = runaway_growth(step=step, history=runaway, lr=self.optimizer.param_groups[0].get("lr"),
-                                  rank=dist.rank_or_none(), ranks=[])  # fmt: skip
+            diag = runaway_growth(
+                step=step,
+                history=runaway,
+                lr=self.optimizer.param_groups[0].get("lr"),
+                rank=dist.rank_or_none(),
+                ranks=[],
+            )
             return Verdict("trip", step, h, diagnosis=diag)
         return Verdict("spike", step, h, spikes=spikes) if spikes else Verdict("healthy", step, h)
 
@@ -370,8 +410,14 @@ class Guard:
         self.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
         if new_scale >= c.loss_scale_floor and streak < c.max_overflow_streak:
             return Verdict("overflow", h.step, h)
-        diag = loss_scale_collapse(step=h.step, scale=new_scale, floor=c.loss_scale_floor, streak=streak,
-                                   overflows=self.recovery.overflows, rank=dist.rank_or_none())  # fmt: skip
+        diag = loss_scale_collapse(
+            step=h.step,
+            scale=new_scale,
+            floor=c.loss_scale_floor,
+            streak=streak,
+            overflows=self.recovery.overflows,
+            rank=dist.rank_or_none(),
+        )
         return Verdict("collapse", h.step, h, diagnosis=diag)
 
     def _watch_trends(self, step: int, h: StepHealth) -> list[Any]:
@@ -379,12 +425,24 @@ class Guard:
         spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
         for spike in spikes:
             self.recorder.spike(step, spike)
-            log.warning("nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
-                        step, spike.metric, spike.value, spike.median, spike.score)  # fmt: skip
+            log.warning(
+                "nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
+                step,
+                spike.metric,
+                spike.value,
+                spike.median,
+                spike.score,
+            )
         if trend := self.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm):
             self.recorder.forecast(step, trend)
-            log.warning("nanguard: step %d: %s %.4g grows x%.3g per step: float32 overflow predicted in %d steps",
-                        step, trend.metric, trend.value, trend.growth, trend.predicted_overflow_in)  # fmt: skip
+            log.warning(
+                "nanguard: step %d: %s %.4g grows x%.3g per step: float32 overflow predicted in %d steps",
+                step,
+                trend.metric,
+                trend.value,
+                trend.growth,
+                trend.predicted_overflow_in,
+            )
         return spikes
 
     def _drop_batch(self) -> bool:
@@ -459,8 +517,16 @@ class Guard:
         self._track(diag, verdict.step, kind)
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
-        self.recorder.trip_and_bundle(verdict.step, action=kind, ranks=flagged, diagnosis=diag, batch=batch,
-                                      rng=rng, meta=self._bundle_meta, **extra)  # fmt: skip
+        self.recorder.trip_and_bundle(
+            verdict.step,
+            action=kind,
+            ranks=flagged,
+            diagnosis=diag,
+            batch=batch,
+            rng=rng,
+            meta=self._bundle_meta,
+            **extra,
+        )
         _announce(self.rank, verdict.step, diag, kind)
         if kind == "raise":
             self.last_action = "raise"
@@ -502,8 +568,9 @@ class Guard:
             self._remedies.lower_lr()
             self.recovery.take_snapshot(restored)
         self.health.forget_update()
-        self.recorder.rollback(step, restored_step=restored, skip_batches=self.recovery.drop_batches,
-                               reason=diag.cause, why=why)  # fmt: skip
+        self.recorder.rollback(
+            step, restored_step=restored, skip_batches=self.recovery.drop_batches, reason=diag.cause, why=why
+        )
         if count:
             self.last_action = "rollback"
             self.recovery.count_in_a_row()
@@ -514,8 +581,13 @@ class Guard:
         self.recovery.skip()
         self.last_action = "skip"
         self.recorder.skip(verdict.step, reason)
-        self.recorder.step(verdict.step, loss=h.own_loss if h else None, grad_norm=h.grad_norm if h else None,
-                           scale=h.scale if h else None, skipped=True)  # fmt: skip
+        self.recorder.step(
+            verdict.step,
+            loss=h.own_loss if h else None,
+            grad_norm=h.grad_norm if h else None,
+            scale=h.scale if h else None,
+            skipped=True,
+        )
         self.recovery.count_in_a_row()
         self._stop_if(action, self.last_diagnosis)
 
@@ -548,8 +620,13 @@ class Guard:
         run = _scaler_aside(self.scaler, replay)
         if run is None or not check.due(step):
             return
-        check.replay(step, lambda: dist.replay_locally(self.model, run), params=self._params, rng=rng,
-                     cuda_devices=self._cuda_devices)  # fmt: skip
+        check.replay(
+            step,
+            lambda: dist.replay_locally(self.model, run),
+            params=self._params,
+            rng=rng,
+            cuda_devices=self._cuda_devices,
+        )
 
     # -- around the step -----------------------------------------------------------------
     def _begin_drill(self) -> NullInjector:
@@ -559,8 +636,9 @@ class Guard:
         return self.injector
 
     def _end_drill(self) -> None:
-        self.injector.end(action=self.last_action, diagnosis=self.last_diagnosis,
-                          spiked=self.history.spikes > self._spikes_before)  # fmt: skip
+        self.injector.end(
+            action=self.last_action, diagnosis=self.last_diagnosis, spiked=self.history.spikes > self._spikes_before
+        )
 
     def _track(self, diag: Diagnosis, step: int, action: str) -> None:
         """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
@@ -601,8 +679,11 @@ class Guard:
             if dist.is_distributed():
                 # The other ranks are already in the gradient all-reduce: joining them is
                 # impossible, so fail loudly rather than hang. check_batch=True catches it first.
-                log.error("nanguard: the forward raised on rank %d; use Guard(check_batch=True) under "
-                          "torch.distributed to catch out-of-range ids before the forward", self.rank)  # fmt: skip
+                log.error(
+                    "nanguard: the forward raised on rank %d; use Guard(check_batch=True) under "
+                    "torch.distributed to catch out-of-range ids before the forward",
+                    self.rank,
+                )
                 raise
             # An out-of-range id raises on CPU. This rank still joins the agreement, flagged
             # by a NaN loss, and its replay turns the error into a data diagnosis.

@@ -274,8 +274,14 @@ class HealthCheck:
         bad = [v is not None and not math.isfinite(v) for v in (own_loss, grad_norm, param_norm)]
         flags = _FLAGS[(self.scaler is not None, True)][bad[0] + 2 * bad[1] + 4 * bad[2]]
         flags |= HealthFlag.LOADED if bad[2] and self.checked == "loaded" else 0
-        return StepHealth(step=step, loss=own_loss or 0.0, grad_norm=grad_norm or 0.0, scale=scale_value,
-                          own_loss=own_loss or 0.0, rank_flags=(HealthFlag(flags),))  # fmt: skip
+        return StepHealth(
+            step=step,
+            loss=own_loss or 0.0,
+            grad_norm=grad_norm or 0.0,
+            scale=scale_value,
+            own_loss=own_loss or 0.0,
+            rank_flags=(HealthFlag(flags),),
+        )
 
     def _tables(self, device: torch.device) -> tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]:
         """The flags of each (loss bad, grads bad, params bad) pattern, indexed by their bits, on ``device``."""
@@ -375,8 +381,9 @@ class HealthCheck:
         if self._param_norm is not None:
             params = HealthFlag.PARAMS + (HealthFlag.LOADED if self._queued == "loaded" else 0)
             code = code + (~torch.isfinite(self._param_norm.to(device))).to(torch.int32) * params
-        return Layout(dist.world_size()).vector(rank=dist.rank(), code=code, loss=loss, norm=float(known), step=step,
-                                                device=device)  # fmt: skip
+        return Layout(dist.world_size()).vector(
+            rank=dist.rank(), code=code, loss=loss, norm=float(known), step=step, device=device
+        )
 
     def forget_update(self) -> None:
         """Drop a queued parameter check: the parameters it covered were restored (from the guard's

@@ -68,8 +68,9 @@ class History:
     ) -> None:
         self.points: deque[Point] = deque(maxlen=size)
         self.loss_spikes = SpikeDetector("loss", window=spike_window, warmup=spike_warmup, threshold=spike_threshold)
-        self.grad_spikes = SpikeDetector("grad_norm", window=spike_window, warmup=spike_warmup,
-                                         threshold=spike_threshold)  # fmt: skip
+        self.grad_spikes = SpikeDetector(
+            "grad_norm", window=spike_window, warmup=spike_warmup, threshold=spike_threshold
+        )
         self.divergence_window = divergence_window
         self.divergence_factor = divergence_factor
         self.spikes = 0
@@ -84,9 +85,14 @@ class History:
     @classmethod
     def from_config(cls, config: GuardConfig) -> History:
         c = config
-        return cls(size=c.history, spike_window=c.spike_window, spike_warmup=c.spike_warmup,
-                   spike_threshold=c.spike_threshold, divergence_window=c.divergence_window,
-                   divergence_factor=c.divergence_factor)  # fmt: skip
+        return cls(
+            size=c.history,
+            spike_window=c.spike_window,
+            spike_warmup=c.spike_warmup,
+            spike_threshold=c.spike_threshold,
+            divergence_window=c.divergence_window,
+            divergence_factor=c.divergence_factor,
+        )
 
     def __iter__(self) -> Iterator[Point]:
         return iter(self.points)
@@ -256,8 +262,14 @@ class History:
             metric = max(growth, key=lambda m: growth[m])
             found = {"metric": metric, "growth": growth[metric], "float32_overflow": False}
         recent = [p for p in self.points if p.step < step][-self.divergence_window :]
-        return {"window": len(recent), **found, "diverging": True, "spike": spiked, "loss": loss,
-                "grad_norm": grad_norm}  # fmt: skip
+        return {
+            "window": len(recent),
+            **found,
+            "diverging": True,
+            "spike": spiked,
+            "loss": loss,
+            "grad_norm": grad_norm,
+        }
 
     def _growth(self, metric: str, value: float) -> float:
         """``value`` over the smallest finite, positive ``metric`` of the last ``divergence_window`` updates."""

@@ -144,9 +144,12 @@ class Policy:
         if kind == "replicas":
             return self._replicas(verdict, state)
         if diag.evidence.get("loaded"):  # non-finite as built or loaded: nothing in this run repairs them
-            return _raise(diag, "the parameters were non-finite before any update of this guard (as built, or as a "
-                                "state dict loaded them): no skip repairs them and no snapshot holds better ones; "
-                                "fix the checkpoint")  # fmt: skip
+            return _raise(
+                diag,
+                "the parameters were non-finite before any update of this guard (as built, or as a "
+                "state dict loaded them): no skip repairs them and no snapshot holds better ones; "
+                "fix the checkpoint",
+            )
         auto = self.config.policy == "auto"
         action = self._auto(diag, facts(diag.cause), state) if auto else self._plain(diag, state)
         return self._in_a_row(action, state) if action.kind in ("skip", "rollback") else action
@@ -174,8 +177,9 @@ class Policy:
         # Quarantines and plain skips are bounded by the dataset and max_consecutive_skips.
         used = self.used[cause.id] = self.used.get(cause.id, 0) + cause.budgeted
         if used > self.config.remedy_budget:
-            return _raise(diag, f"remedy_budget={self.config.remedy_budget} for {cause.id} is spent: "
-                                "the remedies did not hold")  # fmt: skip
+            return _raise(
+                diag, f"remedy_budget={self.config.remedy_budget} for {cause.id} is spent: the remedies did not hold"
+            )
         if cause.remedy == "quarantine":
             return Action("skip", Remedy("quarantine"))
         if cause.remedy == "upcast":
@@ -183,8 +187,9 @@ class Policy:
         if cause.remedy == "rollback_lower_lr":
             factor = self.config.lr_factor
             if state.has_snapshot:
-                return Action("rollback", Remedy("rollback", None, f"roll back, then LR x{factor:g}"),
-                              lower_lr=factor < 1)  # fmt: skip
+                return Action(
+                    "rollback", Remedy("rollback", None, f"roll back, then LR x{factor:g}"), lower_lr=factor < 1
+                )
             return Action("skip", Remedy("lower_lr"))
         if cause.remedy == "rollback":
             if state.has_snapshot:

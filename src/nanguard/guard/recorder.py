@@ -61,8 +61,14 @@ class NullRecorder:
 
     def forecast(self, step: int, forecast: Forecast) -> None:
         """The early divergence warning, as a ``spike`` event with ``predicted_overflow_in``."""
-        self._write("spike", step, metric=forecast.metric, value=forecast.value, growth=forecast.growth,
-                    predicted_overflow_in=forecast.predicted_overflow_in)  # fmt: skip
+        self._write(
+            "spike",
+            step,
+            metric=forecast.metric,
+            value=forecast.value,
+            growth=forecast.growth,
+            predicted_overflow_in=forecast.predicted_overflow_in,
+        )
 
     def overflow(self, step: int, *, scale: float, new_scale: float, streak: int) -> None:
         self._write("overflow", step, scale=scale, new_scale=new_scale, streak=streak)
@@ -71,8 +77,15 @@ class NullRecorder:
         self._write("remedy", step, cause=cause, action=action, target=target, reason=reason)
 
     def headroom(self, step: int, headroom: Headroom) -> None:
-        self._write("headroom", step, module=headroom.module, dtype=headroom.dtype, absmax=headroom.absmax,
-                    limit=headroom.limit, close=headroom.close)  # fmt: skip
+        self._write(
+            "headroom",
+            step,
+            module=headroom.module,
+            dtype=headroom.dtype,
+            absmax=headroom.absmax,
+            limit=headroom.limit,
+            close=headroom.close,
+        )
 
     def drill(self, step: int, **fields: Any) -> None:
         """A planted fault's outcome on this rank (``nanguard.inject``)."""
@@ -122,8 +135,10 @@ class NullRecorder:
         try:
             self.listener({"kind": kind, "step": step, **fields})
         except Exception as err:  # the user's hook must not kill the run either
-            warnings.warn(f"nanguard: on_event failed on a {kind} event at step {step}: {err!r}; "
-                          "it gets no more events", stacklevel=4)  # fmt: skip
+            warnings.warn(
+                f"nanguard: on_event failed on a {kind} event at step {step}: {err!r}; it gets no more events",
+                stacklevel=4,
+            )
             self.listener = None
 
 
@@ -186,8 +201,11 @@ class Recorder(NullRecorder):
         except Exception as err:  # a failed bundle must not kill training
             if not self._bundle_warned:
                 self._bundle_warned = True
-                warnings.warn(f"nanguard: could not write the bundle for step {step}: {err!r}; "
-                              "later bundle failures are not reported", stacklevel=3)  # fmt: skip
+                warnings.warn(
+                    f"nanguard: could not write the bundle for step {step}: {err!r}; "
+                    "later bundle failures are not reported",
+                    stacklevel=3,
+                )
 
     def close(self) -> None:
         self.events.close()

@@ -149,8 +149,10 @@ class Recovery:
         step = self.snapshot["step"]
         if self.held_since is None:
             return f"the last snapshot, taken at step {step}"
-        return (f"the last snapshot before the loss or grad norm began to grow, taken at step {step} "
-                f"(refreshes held from step {self.held_since})")  # fmt: skip
+        return (
+            f"the last snapshot before the loss or grad norm began to grow, taken at step {step} "
+            f"(refreshes held from step {self.held_since})"
+        )
 
     # -- snapshots and state -------------------------------------------------------------
     def take_snapshot(self, step: int) -> None:

@@ -121,8 +121,9 @@ class Diagnoser:
         if self.locate and closure is not None:
             log.info("nanguard: replaying step %d under the tracer…", h.step)
             with eager():
-                replayed = replay_trip(self.model, closure, batch=batch, rng=rng, step=h.step,
-                                       with_module_stats=self.module_stats, run=run)  # fmt: skip
+                replayed = replay_trip(
+                    self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats, run=run
+                )
         found = replayed.diagnosis
         if found is None and replayed.located and closure is not None:
             found = self._compiled_again(closure, rng, h.step)
@@ -140,9 +141,15 @@ class Diagnoser:
             found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
         diag = dist.gather_diagnosis(found, flagged, choose=choose)
         if diag is None:
-            diag = transient_fault(step=h.step, loss=h.loss, grad_norm=h.grad_norm, flagged_ranks=h.bad_ranks,
-                                   located=replayed.located, distributed=dist.is_distributed(),
-                                   attempted=self.locate and closure is not None)  # fmt: skip
+            diag = transient_fault(
+                step=h.step,
+                loss=h.loss,
+                grad_norm=h.grad_norm,
+                flagged_ranks=h.bad_ranks,
+                located=replayed.located,
+                distributed=dist.is_distributed(),
+                attempted=self.locate and closure is not None,
+            )
         diag.step = h.step
         # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
         replayed.diagnosis = with_run_facts(diag, run)
@@ -153,8 +160,9 @@ class Diagnoser:
         """A compiled model whose eager replay was finite: ``compile.numerics`` when the step is non-finite
         again through the compiled code (``tracer/compiled.py``); None otherwise, or when that check fails."""
         try:
-            return compiler_fault(self.model, closure, rng=rng, step=step,
-                                  replay=lambda fn: dist.replay_locally(self.model, fn))  # fmt: skip
+            return compiler_fault(
+                self.model, closure, rng=rng, step=step, replay=lambda fn: dist.replay_locally(self.model, fn)
+            )
         except Exception as err:  # evidence only: never worth killing training
             warnings.warn(f"nanguard: the compiled replay of step {step} failed: {err!r}", stacklevel=5)
             return None
@@ -204,8 +212,13 @@ class Diagnoser:
                     counts.append((name, nan, inf))
         if not counts:
             return None
-        return nonfinite_shards(step=step, parameters=[n for n, _, _ in counts], nan=sum(c[1] for c in counts),
-                                inf=sum(c[2] for c in counts), rank=dist.rank())  # fmt: skip
+        return nonfinite_shards(
+            step=step,
+            parameters=[n for n, _, _ in counts],
+            nan=sum(c[1] for c in counts),
+            inf=sum(c[2] for c in counts),
+            rank=dist.rank(),
+        )
 
     def _wire_overflow(self, step: int) -> Diagnosis | None:
         over = self.comm.overflowed()
@@ -220,9 +233,14 @@ class Diagnoser:
                 for n, p in dist.unwrap(self.model).named_parameters()
                 if n in in_bucket and p.grad is not None and not torch.isfinite(p.grad.abs().amax().to(wire))
             ]
-        return communication_overflow(step=step, hook=over.hook, wire_dtype=over.dtype,
-                                      parameters=hot or over.parameters, absmax=over.absmax,
-                                      rank=dist.rank())  # fmt: skip
+        return communication_overflow(
+            step=step,
+            hook=over.hook,
+            wire_dtype=over.dtype,
+            parameters=hot or over.parameters,
+            absmax=over.absmax,
+            rank=dist.rank(),
+        )
 
     def nonfinite_update(self, step: int, ranks: list[int]) -> Diagnosis:
         """The update of ``step`` left non-finite parameters on ``ranks``; name them."""
@@ -256,9 +274,12 @@ class Diagnoser:
             (n, n.rpartition(".")[0], p) for n, p in dist.unwrap(self.model).named_parameters()
         ]
         seen = {id(p) for _, _, p in named}
-        named += [(f"optimizer.param_groups[{g}]['params'][{i}]", None, p)  # held by the optimizer only
-                  for g, group in enumerate(self.optimizer.param_groups)
-                  for i, p in enumerate(group["params"]) if id(p) not in seen]  # fmt: skip
+        named += [
+            (f"optimizer.param_groups[{g}]['params'][{i}]", None, p)  # held by the optimizer only
+            for g, group in enumerate(self.optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+            if id(p) not in seen
+        ]
         counts = []
         with torch.no_grad():  # host reads: on a trip only
             for name, module, p in named:

@@ -83,8 +83,12 @@ class Tracker:
         self.records = read_tracker(self.path) if self.path is not None and self.path.exists() else []
         transient = self._transient()
         if warn_after and transient >= warn_after:
-            log.warning("nanguard: %s had %d trips that did not reproduce in this run_dir before this start: "
-                        "suspect its hardware", _named(self.here), transient)  # fmt: skip
+            log.warning(
+                "nanguard: %s had %d trips that did not reproduce in this run_dir before this start: "
+                "suspect its hardware",
+                _named(self.here),
+                transient,
+            )
 
     def _transient(self) -> int:
         mine = device_key(self.here)
@@ -130,9 +134,13 @@ class Tracker:
         transient = self._transient()
         suspect = record["flagged"] and not record["reproduced"] and not record["injected"]
         if suspect and self.warn_after and transient >= self.warn_after:
-            log.warning("nanguard: %s: %d trips flagged here did not reproduce on replay (the latest at step %d): "
-                        "suspect the hardware; drain this node or run its diagnostics",
-                        _named(self.here), transient, step)  # fmt: skip
+            log.warning(
+                "nanguard: %s: %d trips flagged here did not reproduce on replay (the latest at step %d): "
+                "suspect the hardware; drain this node or run its diagnostics",
+                _named(self.here),
+                transient,
+                step,
+            )
             diag.evidence["suspect_device"] = {**self.here, "transient_trips": transient}
 
     def _append(self, record: Mapping[str, Any]) -> None:

@@ -31,8 +31,10 @@ def guard_scaler(optimizer: torch.optim.Optimizer, scaler: Any) -> Any:
     if not _carries_scaler(optimizer):
         return scaler
     if scaler is not None and scaler is not optimizer.scaler:  # type: ignore[attr-defined]
-        raise ValueError("scaler must be None or the GradScaler the optimizer already carries (accelerator.scaler): "
-                         "two scalers would unscale the gradients twice")  # fmt: skip
+        raise ValueError(
+            "scaler must be None or the GradScaler the optimizer already carries (accelerator.scaler): "
+            "two scalers would unscale the gradients twice"
+        )
     return optimizer.scaler  # type: ignore[attr-defined]
 
 

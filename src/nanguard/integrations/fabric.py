@@ -90,15 +90,20 @@ class FabricGuard(LoopGuard):
             raise ValueError(f"fabric must be a lightning.fabric.Fabric, got {type(fabric).__name__}")
         forward, user = compat.fabric_modules(model)
         if forward is model:
-            raise ValueError("model must be the module fabric.setup(model, optimizer) returned, got a plain "
-                             f"{type(model).__name__}")  # fmt: skip
+            raise ValueError(
+                f"model must be the module fabric.setup(model, optimizer) returned, got a plain {type(model).__name__}"
+            )
         inner = compat.fabric_inner_optimizer(optimizer)
         if inner is optimizer:
-            raise ValueError("optimizer must be the optimizer fabric.setup(model, optimizer) returned, got a plain "
-                             f"{type(optimizer).__name__}")  # fmt: skip
+            raise ValueError(
+                "optimizer must be the optimizer fabric.setup(model, optimizer) returned, got a plain "
+                f"{type(optimizer).__name__}"
+            )
         if getattr(fabric.strategy.precision, "scaler", None) is not None:
-            raise ValueError("FabricGuard does not support a precision with a GradScaler (precision='16-mixed') yet; "
-                             "use precision='bf16-mixed', '32-true' or '64-true'")  # fmt: skip
+            raise ValueError(
+                "FabricGuard does not support a precision with a GradScaler (precision='16-mixed') yet; "
+                "use precision='bf16-mixed', '32-true' or '64-true'"
+            )
         self.fabric = fabric
         self._loss: torch.Tensor | None = None
         self._originals = {"backward": fabric.backward, "clip_gradients": fabric.clip_gradients}

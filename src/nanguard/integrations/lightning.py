@@ -114,8 +114,15 @@ class NanGuard(GuardedCallback, _pl.Callback):
         def replay() -> list[Any]:
             return _replay(trainer, pl_module, self._capture, micro)
 
-        ok = self._capture.check(self.guard, loss, micro, replay=replay, batch=batch, optimizer=optimizer,
-                                 on_raise=lambda: self._record(trainer))  # fmt: skip
+        ok = self._capture.check(
+            self.guard,
+            loss,
+            micro,
+            replay=replay,
+            batch=batch,
+            optimizer=optimizer,
+            on_raise=lambda: self._record(trainer),
+        )
         if not ok:
             self._held.hold([c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"], optimizer)
             self._record(trainer)

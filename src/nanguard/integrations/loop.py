@@ -80,8 +80,9 @@ class LoopGuard(GuardedCallback):
         guard = Guard(model, optimizer, policy, scheduler=scheduler, run_dir=run_dir, **options)
         self._watch(model, optimizer, guard, scheduler=scheduler, mean=mean, user=dist.unwrap(model))
 
-    def _watch(self, model: nn.Module, optimizer: Any, guard: Guard, *, scheduler: Any, mean: Any,
-               user: nn.Module) -> None:  # fmt: skip
+    def _watch(
+        self, model: nn.Module, optimizer: Any, guard: Guard, *, scheduler: Any, mean: Any, user: nn.Module
+    ) -> None:
         """Hook the loop: ``model`` is what it calls, ``optimizer`` what it steps (``guard.optimizer``
         is the torch optimizer inside it, whose step hooks run whoever calls its ``step``)."""
         if not isinstance(mean, bool):
@@ -189,8 +190,10 @@ class LoopGuard(GuardedCallback):
 
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:  # args[0] is the optimizer
-            raise ValueError("the guard checks the gradients the loop computed: call optimizer.step() without a "
-                             "closure, or use ng.Guard(...).step(closure)")  # fmt: skip
+            raise ValueError(
+                "the guard checks the gradients the loop computed: call optimizer.step() without a "
+                "closure, or use ng.Guard(...).step(closure)"
+            )
         ok, self._verdict = self._decide(), None
         # A skipped step's gradients are gone (capture.check dropped them): this step changes nothing.
         self._skipping = not ok

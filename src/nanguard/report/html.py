@@ -371,8 +371,10 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
         out.append(f'<h2 id="trips">Trips ({counts["trips"]})</h2>')
         for group in groups[:MAX_DETAILED_TRIPS]:
             if len(group) > 1:
-                out.append(f'<p class="group">{len(group)} trips in a row with this cause, steps {_steps(group)}; '
-                           "the first is shown.</p>")  # fmt: skip
+                out.append(
+                    f'<p class="group">{len(group)} trips in a row with this cause, steps {_steps(group)}; '
+                    "the first is shown.</p>"
+                )
             out.append(_diagnosis_html(group[0]))
             advance(f"trip at step {group[0].step}")
         if len(groups) > MAX_DETAILED_TRIPS:

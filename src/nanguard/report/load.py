@@ -133,9 +133,17 @@ class Drill:
         return len(set(self.actions.values())) <= 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"fault": self.fault, "step": self.step, "kind": self.kind, "rank": self.rank,
-                "actions": {str(r): a for r, a in sorted(self.actions.items())}, "agreed": self.agreed,
-                "detected": self.detected, "cause": self.cause, "seconds": self.seconds}  # fmt: skip
+        return {
+            "fault": self.fault,
+            "step": self.step,
+            "kind": self.kind,
+            "rank": self.rank,
+            "actions": {str(r): a for r, a in sorted(self.actions.items())},
+            "agreed": self.agreed,
+            "detected": self.detected,
+            "cause": self.cause,
+            "seconds": self.seconds,
+        }
 
 
 @dataclass
@@ -380,8 +388,15 @@ def _bundle_dirs(root: Path) -> list[tuple[int, int, Path]]:
 
 def _read_rank(rank: int, path: Path, notes: list[str]) -> tuple[RankLog, list[dict[str, Any]]]:
     found = read_rank_log(path, rank, notes)
-    log = RankLog(rank=rank, path=path, series=found.steps, world_size=found.world_size, starts=found.starts,
-                  end=found.end, events=found.count)  # fmt: skip
+    log = RankLog(
+        rank=rank,
+        path=path,
+        series=found.steps,
+        world_size=found.world_size,
+        starts=found.starts,
+        end=found.end,
+        events=found.count,
+    )
     return log, found.events
 
 
@@ -460,9 +475,19 @@ def _merge_drills(merged: Mapping[tuple[Any, ...], list[tuple[int, dict[str, Any
         for rank, event in entries:
             key = (event["step"], str(event.get("fault")))
             fault_rank = event.get("fault_rank")
-            drill = drills.setdefault(key, Drill(fault=key[1], step=key[0], kind=str(event.get("fault_kind")),
-                                                 rank=fault_rank if isinstance(fault_rank, int) else None,
-                                                 actions={}, detected=False, cause=None, seconds=None))  # fmt: skip
+            drill = drills.setdefault(
+                key,
+                Drill(
+                    fault=key[1],
+                    step=key[0],
+                    kind=str(event.get("fault_kind")),
+                    rank=fault_rank if isinstance(fault_rank, int) else None,
+                    actions={},
+                    detected=False,
+                    cause=None,
+                    seconds=None,
+                ),
+            )
             drill.actions[rank] = str(event.get("action"))
             drill.detected = drill.detected or event.get("detected") is not False
             drill.cause = event.get("cause") if isinstance(event.get("cause"), str) else drill.cause

@@ -78,8 +78,11 @@ def run_report(
         except ImportError as error:  # matplotlib comes with the [report] extra, needed by --html only
             if (error.name or "").split(".")[0] != "matplotlib":
                 raise
-            print("nanguard report: error: --html draws with matplotlib: pip install 'nanguard[report]'",
-                  file=err, flush=True)  # fmt: skip
+            print(
+                "nanguard report: error: --html draws with matplotlib: pip install 'nanguard[report]'",
+                file=err,
+                flush=True,
+            )
             return 1
         total = 4 + min(len(report.trips), MAX_DETAILED_TRIPS)
         try:
@@ -158,9 +161,16 @@ def print_summary(report: RunReport, console: Console) -> None:
     )
     console.table(list(RANK_COLUMNS), rank_rows(data))
 
-    events = [(t.step, "trip", t.ranks, f"{t.diagnosis.cause if t.diagnosis else '?'} -> {t.action}"
-               + (" (drill: injected)" if t.diagnosis and t.diagnosis.evidence.get("injected") else ""))
-              for t in report.trips]  # fmt: skip
+    events = [
+        (
+            t.step,
+            "trip",
+            t.ranks,
+            f"{t.diagnosis.cause if t.diagnosis else '?'} -> {t.action}"
+            + (" (drill: injected)" if t.diagnosis and t.diagnosis.evidence.get("injected") else ""),
+        )
+        for t in report.trips
+    ]
     for marker in [*report.skips, *report.rollbacks, *report.spikes, *report.overflows]:
         detail = event_words(marker.kind, marker.fields)
         events.append((marker.step, marker.kind, marker.ranks, detail))
@@ -176,8 +186,10 @@ def print_summary(report: RunReport, console: Console) -> None:
             console.line(f"step {trip.step}: trip ({trip.action}) without a readable diagnosis")
             continue
         if len(report.ranks) > 1 and trip.origin_rank is not None:
-            console.line(f"step {trip.step}: started on rank {trip.origin_rank}, "
-                         f"non-finite on rank(s) {', '.join(map(str, trip.ranks)) or '-'}")  # fmt: skip
+            console.line(
+                f"step {trip.step}: started on rank {trip.origin_rank}, "
+                f"non-finite on rank(s) {', '.join(map(str, trip.ranks)) or '-'}"
+            )
         console.diagnosis(trip.diagnosis)
     if len(report.trips) > _MAX_PANELS:
         console.line(f"... {len(report.trips) - _MAX_PANELS} more trips (see --html or --json)")
@@ -187,8 +199,9 @@ def print_summary(report: RunReport, console: Console) -> None:
     if report.drills:
         console.table(list(DRILL_COLUMNS), drill_rows([d.to_dict() for d in report.drills]), title="Fire drill")
     if report.hardware:
-        console.table(list(HARDWARE_COLUMNS), hardware_rows(device_rows(report.hardware)),
-                      title="Trips per host and device")  # fmt: skip
+        console.table(
+            list(HARDWARE_COLUMNS), hardware_rows(device_rows(report.hardware)), title="Trips per host and device"
+        )
 
 
 def print_remedies(report: RunReport, console: Console) -> None:

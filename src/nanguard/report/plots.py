@@ -250,8 +250,9 @@ def _metric_plot(report: RunReport, metric: str, label: str) -> Figure:
             name += f" (faint: {_every(x)}; line: mean of {round(_window(len(x)) * _spacing(x))} steps)"
         x, y = decimate(x, y)
         curves.append(y)
-        (line,) = ax.plot(x, y, color=_rank_color(rank), lw=0.6 if long_run else 1.3, alpha=0.35 if long_run else 1.0,
-                          label=name)  # fmt: skip
+        (line,) = ax.plot(
+            x, y, color=_rank_color(rank), lw=0.6 if long_run else 1.3, alpha=0.35 if long_run else 1.0, label=name
+        )
         handles.append(line)
     _set_scale(ax, curves)
     ax.set_xlabel("step")
@@ -298,11 +299,19 @@ def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
     skip_steps = [m.step for m in report.skips]
     if skip_steps:
         lw, alpha, area = _weight(len(skip_steps))
-        ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_SKIP, lw=lw * 0.6, ls=":",
-                  alpha=alpha)  # fmt: skip
+        ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_SKIP, lw=lw * 0.6, ls=":", alpha=alpha)
         # A skip usually shares its step with a trip: its marker sits above the trip's line and X.
-        ax.scatter(skip_steps, [0.9] * len(skip_steps), transform=ax.get_xaxis_transform(), marker="v",
-                   s=36 * area, color=_SKIP, edgecolors="black", linewidths=0.4, zorder=7)  # fmt: skip
+        ax.scatter(
+            skip_steps,
+            [0.9] * len(skip_steps),
+            transform=ax.get_xaxis_transform(),
+            marker="v",
+            s=36 * area,
+            color=_SKIP,
+            edgecolors="black",
+            linewidths=0.4,
+            zorder=7,
+        )
         handles.append(Line2D([], [], color=_SKIP, ls=":", marker="v", label=f"skip ({len(skip_steps)})"))
     for m in report.rollbacks:
         restored = m.fields.get("restored_step")
@@ -316,8 +325,15 @@ def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
         steps = [t.step for t in report.trips]
         lw, alpha, area = _weight(len(steps))
         ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_TRIP, lw=lw, alpha=min(1.0, alpha + 0.1))
-        ax.scatter(steps, [0.97] * len(steps), transform=ax.get_xaxis_transform(), marker="X", s=50 * area,
-                   color=_TRIP, zorder=5)  # fmt: skip
+        ax.scatter(
+            steps,
+            [0.97] * len(steps),
+            transform=ax.get_xaxis_transform(),
+            marker="X",
+            s=50 * area,
+            color=_TRIP,
+            zorder=5,
+        )
         handles.append(Line2D([], [], color=_TRIP, marker="X", label=f"trip ({len(steps)})"))
     spikes = [m for m in report.spikes if m.fields.get("metric") == metric]
     if spikes:
@@ -325,10 +341,12 @@ def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
         pts = [(m.step, v) for m, v in zip(spikes, values, strict=True) if v is not None and math.isfinite(v)]
         if pts:
             xs, ys = zip(*pts, strict=True)
-            ax.scatter(xs, ys, marker="*", s=110 * _weight(len(pts))[2], color=_SPIKE,
-                       edgecolors="black", lw=0.5, zorder=6)  # fmt: skip
-        handles.append(Line2D([], [], color=_SPIKE, marker="*", ls="", markeredgecolor="black",
-                              label=f"spike ({len(spikes)})"))  # fmt: skip
+            ax.scatter(
+                xs, ys, marker="*", s=110 * _weight(len(pts))[2], color=_SPIKE, edgecolors="black", lw=0.5, zorder=6
+            )
+        handles.append(
+            Line2D([], [], color=_SPIKE, marker="*", ls="", markeredgecolor="black", label=f"spike ({len(spikes)})")
+        )
     return handles
 
 
@@ -422,8 +440,7 @@ def rank_plot(report: RunReport) -> Figure:
     area = _weight(len(report.trips))[2]
     if others:  # one scatter per kind, not per trip: a long run may trip hundreds of times
         xs, ys = zip(*others, strict=True)
-        ax.scatter(xs, ys, marker="o", s=60 * area, facecolors="none", edgecolors=_TRIP,
-                   zorder=4)  # fmt: skip
+        ax.scatter(xs, ys, marker="o", s=60 * area, facecolors="none", edgecolors=_TRIP, zorder=4)
     if origins:
         xs, ys = zip(*origins, strict=True)
         ax.scatter(xs, ys, marker="X", s=120 * area, color=_TRIP, zorder=5)
@@ -434,9 +451,14 @@ def rank_plot(report: RunReport) -> Figure:
         mine = [t for t in report.trips if t.origin_rank == rank]
         causes = list(dict.fromkeys(_cause(t) for t in mine))
         for first, last, count, cause in group_trips(mine, gap=max(1, span // 4)):
-            ax.annotate(f"{group_label(first, last, count, cause)} (origin)", (first, rank),
-                        xytext=(6, 6 + 10 * causes.index(cause)), textcoords="offset points", fontsize=8,
-                        color=_TRIP)  # fmt: skip
+            ax.annotate(
+                f"{group_label(first, last, count, cause)} (origin)",
+                (first, rank),
+                xytext=(6, 6 + 10 * causes.index(cause)),
+                textcoords="offset points",
+                fontsize=8,
+                color=_TRIP,
+            )
     if report.rollbacks:
         ax.vlines([m.step for m in report.rollbacks], -0.5, len(ranks) - 0.5, colors=_ROLLBACK, ls="--", lw=1)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
@@ -513,8 +535,14 @@ def module_plot(trip: Trip, stats: Mapping[str, Any]) -> Figure:
                 bits.append("no float output" if key == "absmax" else "no own grads")
             if bits:
                 at = floor + widths[i] if widths[i] > 0 else floor
-                ax.text(at * 1.15, i, ", ".join(bits), va="center", fontsize=7,
-                        color=_TRIP if r.get(nan_key) or r.get(inf_key) else "#555555")  # fmt: skip
+                ax.text(
+                    at * 1.15,
+                    i,
+                    ", ".join(bits),
+                    va="center",
+                    fontsize=7,
+                    color=_TRIP if r.get(nan_key) or r.get(inf_key) else "#555555",
+                )
         ax.set_title(title, loc="left", fontsize=9)
         ax.grid(axis="y", visible=False)
     ax_act.set_yticks(y, labels, fontsize=7)

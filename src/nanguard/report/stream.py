@@ -121,8 +121,7 @@ class StepSeries:
             if len(self.points) > 2 * MAX_POINTS:
                 self._thin()
 
-    def add_many(self, steps: np.ndarray, loss: Column, grad_norm: Column, skipped: np.ndarray,
-                 scale: Column) -> bool:  # fmt: skip
+    def add_many(self, steps: np.ndarray, loss: Column, grad_norm: Column, skipped: np.ndarray, scale: Column) -> bool:
         """``add`` for a block of lines at once: int64 steps, bool skipped, and float columns read only at
         the rows the series keeps. False, and nothing added, when a value there is not a number."""
         n = len(steps)
@@ -132,8 +131,10 @@ class StepSeries:
         while stride * MAX_POINTS < base + n:
             stride *= 2
         keep = np.flatnonzero((bad > 0) | skipped | ((base + np.arange(n)) % stride == 0))
-        best = {attr: _last_highest(steps, rows) for attr, rows in (("_applied", np.flatnonzero(~skipped)),
-                                                                    ("_latest", np.arange(n)))}  # fmt: skip
+        best = {
+            attr: _last_highest(steps, rows)
+            for attr, rows in (("_applied", np.flatnonzero(~skipped)), ("_latest", np.arange(n)))
+        }
         rows = np.union1d(keep, [i for i in best.values() if i is not None])
         picked = [column.pick(rows) for column in (loss, grad_norm, scale)]
         columns = [(p[0].tolist(), p[1].tolist()) for p in picked if p is not None]
@@ -513,8 +514,13 @@ def _read_other(raw: bytes, lineno: int, found: RankEvents) -> str | None:
         return f"skipping {kind} event at step {step}: {why}"
     found.count += 1
     if kind == "step":
-        found.steps.add(step, _number(event.get("loss")), _number(event.get("grad_norm")),
-                        bool(event.get("skipped")), _number(event.get("scale")))  # fmt: skip
+        found.steps.add(
+            step,
+            _number(event.get("loss")),
+            _number(event.get("grad_norm")),
+            bool(event.get("skipped")),
+            _number(event.get("scale")),
+        )
     elif kind == "start":
         found.starts += 1
         if event.get("world_size") is not None:
@@ -548,28 +554,49 @@ def _is_int_list(value: Any) -> bool:
 
 # Fields the report reads, per kind: (name, check, what it must be). Absent fields are fine.
 _FIELDS: dict[str, tuple[tuple[str, Any, str], ...]] = {
-        "step": (("loss", _is_number, "a number"), ("grad_norm", _is_number, "a number"),
-                 ("scale", _is_number, "a number"), ("skipped", lambda v: isinstance(v, bool), "true or false")),
-        "start": (("world_size", lambda v: v is None or (_is_int(v) and 0 < v < 2**31), "a positive int"),),
-        "trip": (("action", lambda v: isinstance(v, str), "a string"), ("ranks", _is_int_list, "a list of ints"),
-                 ("diagnosis", lambda v: v is None or isinstance(v, dict), "an object"),
-                 ("module_stats", lambda v: v is None or isinstance(v, dict), "an object")),
-        "skip": (("reason", lambda v: isinstance(v, str), "a string"),),
-        "rollback": (("restored_step", lambda v: v is None or _is_int(v), "an int"),
-                     ("skip_batches", lambda v: v is None or _is_int(v), "an int"),
-                     ("reason", lambda v: isinstance(v, str), "a string")),
-        "spike": (("metric", lambda v: isinstance(v, str), "a string"), ("value", _is_number, "a number"),
-                  ("median", _is_number, "a number"), ("score", _is_number, "a number")),
-        "overflow": (("scale", _is_number, "a number"), ("new_scale", _is_number, "a number"),
-                     ("streak", lambda v: v is None or _is_int(v), "an int")),
-        "remedy": (("cause", lambda v: isinstance(v, str), "a string"),
-                   ("action", lambda v: isinstance(v, str), "a string"),
-                   ("reason", lambda v: v is None or isinstance(v, str), "a string")),
-        "headroom": (("module", lambda v: isinstance(v, str), "a string"),
-                     ("dtype", lambda v: isinstance(v, str), "a string"),
-                     ("absmax", _is_number, "a number"), ("limit", _is_number, "a number")),
-        "end": (),
-}  # fmt: skip
+    "step": (
+        ("loss", _is_number, "a number"),
+        ("grad_norm", _is_number, "a number"),
+        ("scale", _is_number, "a number"),
+        ("skipped", lambda v: isinstance(v, bool), "true or false"),
+    ),
+    "start": (("world_size", lambda v: v is None or (_is_int(v) and 0 < v < 2**31), "a positive int"),),
+    "trip": (
+        ("action", lambda v: isinstance(v, str), "a string"),
+        ("ranks", _is_int_list, "a list of ints"),
+        ("diagnosis", lambda v: v is None or isinstance(v, dict), "an object"),
+        ("module_stats", lambda v: v is None or isinstance(v, dict), "an object"),
+    ),
+    "skip": (("reason", lambda v: isinstance(v, str), "a string"),),
+    "rollback": (
+        ("restored_step", lambda v: v is None or _is_int(v), "an int"),
+        ("skip_batches", lambda v: v is None or _is_int(v), "an int"),
+        ("reason", lambda v: isinstance(v, str), "a string"),
+    ),
+    "spike": (
+        ("metric", lambda v: isinstance(v, str), "a string"),
+        ("value", _is_number, "a number"),
+        ("median", _is_number, "a number"),
+        ("score", _is_number, "a number"),
+    ),
+    "overflow": (
+        ("scale", _is_number, "a number"),
+        ("new_scale", _is_number, "a number"),
+        ("streak", lambda v: v is None or _is_int(v), "an int"),
+    ),
+    "remedy": (
+        ("cause", lambda v: isinstance(v, str), "a string"),
+        ("action", lambda v: isinstance(v, str), "a string"),
+        ("reason", lambda v: v is None or isinstance(v, str), "a string"),
+    ),
+    "headroom": (
+        ("module", lambda v: isinstance(v, str), "a string"),
+        ("dtype", lambda v: isinstance(v, str), "a string"),
+        ("absmax", _is_number, "a number"),
+        ("limit", _is_number, "a number"),
+    ),
+    "end": (),
+}
 
 
 def _check(kind: str, event: dict[str, Any]) -> str | None:

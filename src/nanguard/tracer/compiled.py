@@ -175,9 +175,13 @@ def narrow(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def compiler_fault(
-    model: nn.Module, closure: Callable[[], Any], *, rng: dict[str, torch.Tensor] | None, step: int,
+    model: nn.Module,
+    closure: Callable[[], Any],
+    *,
+    rng: dict[str, torch.Tensor] | None,
+    step: int,
     replay: Callable[[Callable[[], Any]], Any],
-) -> Diagnosis | None:  # fmt: skip
+) -> Diagnosis | None:
     """A ``compile.numerics`` diagnosis when ``closure`` (whose eager replay was finite) goes
     non-finite again through the compiled code from the same RNG state; None when it stays finite
     or nothing is compiled. ``replay`` runs a function as the guard replays (gradient sync off).
@@ -260,27 +264,51 @@ def _diagnosis(step: int, loss: Any, backend: str, narrowed: Narrowed | None, se
     codegen = narrowed.aot_eager_finite if narrowed is not None else None
     fixes = []
     if codegen:
-        fixes.append(f"the same graph under backend='aot_eager' (no {backend} code generation) is finite: the "
-                     f"backend's generated code is wrong; compile with torch.compile(model, backend='aot_eager') "
-                     "until it is fixed")  # fmt: skip
+        fixes.append(
+            f"the same graph under backend='aot_eager' (no {backend} code generation) is finite: the "
+            f"backend's generated code is wrong; compile with torch.compile(model, backend='aot_eager') "
+            "until it is fixed"
+        )
     else:
-        fixes.append("compile with torch.compile(model, backend='aot_eager') or mode='default' instead of "
-                     "'max-autotune', and see whether the run stays finite")  # fmt: skip
+        fixes.append(
+            "compile with torch.compile(model, backend='aot_eager') or mode='default' instead of "
+            "'max-autotune', and see whether the run stays finite"
+        )
     target = module or (_common_module(narrowed.modules) if narrowed is not None else None)
     if target:
         fixes.append(f"run the module eagerly: model.{target}.forward = torch._dynamo.disable(model.{target}.forward)")
-    fixes.append("make inductor follow eager numerics: torch._inductor.config.emulate_precision_casts = True "
-                 "(and fallback_random = True when random ops are involved)")  # fmt: skip
-    fixes.append("file a minimal repro: TORCHDYNAMO_REPRO_AFTER='aot' TORCHDYNAMO_REPRO_LEVEL=4 minifies the "
-                 "graph; attach it with the torch version to an issue on pytorch/pytorch")  # fmt: skip
+    fixes.append(
+        "make inductor follow eager numerics: torch._inductor.config.emulate_precision_casts = True "
+        "(and fallback_random = True when random ops are involved)"
+    )
+    fixes.append(
+        "file a minimal repro: TORCHDYNAMO_REPRO_AFTER='aot' TORCHDYNAMO_REPRO_LEVEL=4 minifies the "
+        "graph; attach it with the torch version to an issue on pytorch/pytorch"
+    )
     value = next((t for t in tensors(loss) if t.is_floating_point()), None)
     nan = value is not None and bool(torch.isnan(value.detach()).any())
-    evidence: dict[str, Any] = {"why": why, "backend": backend, "eager_replay": "finite",
-                                "compiled_replay": "non-finite", "diagnose_seconds": seconds}  # fmt: skip
+    evidence: dict[str, Any] = {
+        "why": why,
+        "backend": backend,
+        "eager_replay": "finite",
+        "compiled_replay": "non-finite",
+        "diagnose_seconds": seconds,
+    }
     if narrowed is not None:
-        evidence.update(graph=narrowed.graph, graphs=narrowed.graphs, graph_modules=narrowed.modules,
-                        node=narrowed.node, outputs_differing=narrowed.outputs,
-                        aot_eager_finite=narrowed.aot_eager_finite)  # fmt: skip
-    return Diagnosis(cause="compile.numerics", kind="nan" if nan or value is None else "inf",
-                     phase="forward" if narrowed is not None and narrowed.graph is not None else "backward",
-                     module=module, step=step, evidence=evidence, fixes=fixes)  # fmt: skip
+        evidence.update(
+            graph=narrowed.graph,
+            graphs=narrowed.graphs,
+            graph_modules=narrowed.modules,
+            node=narrowed.node,
+            outputs_differing=narrowed.outputs,
+            aot_eager_finite=narrowed.aot_eager_finite,
+        )
+    return Diagnosis(
+        cause="compile.numerics",
+        kind="nan" if nan or value is None else "inf",
+        phase="forward" if narrowed is not None and narrowed.graph is not None else "backward",
+        module=module,
+        step=step,
+        evidence=evidence,
+        fixes=fixes,
+    )

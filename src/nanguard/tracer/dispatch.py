@@ -354,8 +354,7 @@ class Tracer:
         if value != "-inf" and where.node is None and func is not None and self.calls.inside(func, value, tensor):
             user_op, facts = self.calls.by_definition(where.op, value)
             return self._record(replace(where, op=user_op), "op", kind, **facts)
-        return self._record(where, "write", kind, inputs=list(inputs), outputs=list(outputs),
-                            extra={"written": value})  # fmt: skip
+        return self._record(where, "write", kind, inputs=list(inputs), outputs=list(outputs), extra={"written": value})
 
     def _from_written_inf(self, func: Any, ins: Inputs) -> bool:
         """Is a NaN this op makes only the consequence of an Inf some op wrote on purpose
@@ -486,8 +485,17 @@ def _taint_and_comm(tracer: Tracer) -> tuple[TaintMap, Communication]:
         sent = comm.sent(t) if comm.ops and not user else None
         if sent is None:
             return tracer._source(t, nan, inf).id
-        origin = Origin(len(tracer.origins), "comm", "nan" if nan else "inf", sent.index, sent.op, sent.module,
-                        sent.phase, outputs=[tensor_stats(t)], before=tracer.recent_ops())  # fmt: skip
+        origin = Origin(
+            len(tracer.origins),
+            "comm",
+            "nan" if nan else "inf",
+            sent.index,
+            sent.op,
+            sent.module,
+            sent.phase,
+            outputs=[tensor_stats(t)],
+            before=tracer.recent_ops(),
+        )
         tracer.origins.append(origin)
         return origin.id
 

@@ -20,19 +20,53 @@ __all__ = ["NormalizationWatch", "Statistic", "node_of", "shares_source", "stati
 
 # Autograd nodes of reductions, by the statistic they compute (the name without its number).
 _REDUCTIONS = {
-    "MeanBackward": "mean", "SumBackward": "sum", "VarBackward": "variance", "StdBackward": "std",
-    "VarMeanBackward": "variance", "StdMeanBackward": "std", "NormBackward": "L2 norm",
-    "LinalgVectorNormBackward": "L2 norm", "DotBackward": "spectral norm", "AmaxBackward": "max",
-}  # fmt: skip
+    "MeanBackward": "mean",
+    "SumBackward": "sum",
+    "VarBackward": "variance",
+    "StdBackward": "std",
+    "VarMeanBackward": "variance",
+    "StdMeanBackward": "std",
+    "NormBackward": "L2 norm",
+    "LinalgVectorNormBackward": "L2 norm",
+    "DotBackward": "spectral norm",
+    "AmaxBackward": "max",
+}
 # Nodes a statistic passes through on its way to the division: an eps, a root, a clamp, a broadcast.
-_ON_THE_WAY = ("AddBackward", "SubBackward", "MulBackward", "DivBackward", "SqrtBackward", "RsqrtBackward",
-               "PowBackward", "ClampMinBackward", "ClampBackward", "MaximumBackward", "ExpandBackward",
-               "ViewBackward", "UnsqueezeBackward", "SqueezeBackward", "ToCopyBackward", "ReshapeAlias",
-               "MvBackward", "AbsBackward")  # fmt: skip
+_ON_THE_WAY = (
+    "AddBackward",
+    "SubBackward",
+    "MulBackward",
+    "DivBackward",
+    "SqrtBackward",
+    "RsqrtBackward",
+    "PowBackward",
+    "ClampMinBackward",
+    "ClampBackward",
+    "MaximumBackward",
+    "ExpandBackward",
+    "ViewBackward",
+    "UnsqueezeBackward",
+    "SqueezeBackward",
+    "ToCopyBackward",
+    "ReshapeAlias",
+    "MvBackward",
+    "AbsBackward",
+)
 # Nodes between the tensor normalized and what a statistic or a numerator reads of it: its square,
 # centering, a cast, a reshape, a gain.
-_SAME_TENSOR = ("PowBackward", "SubBackward", "MulBackward", "AbsBackward", "ToCopyBackward", "ViewBackward",
-                "UnsqueezeBackward", "ExpandBackward", "AddBackward", "MvBackward", "TBackward")  # fmt: skip
+_SAME_TENSOR = (
+    "PowBackward",
+    "SubBackward",
+    "MulBackward",
+    "AbsBackward",
+    "ToCopyBackward",
+    "ViewBackward",
+    "UnsqueezeBackward",
+    "ExpandBackward",
+    "AddBackward",
+    "MvBackward",
+    "TBackward",
+)
 _MEAN_OF = {"variance", "std", "mean of squares"}
 _DEPTH = 6
 

@@ -54,30 +54,81 @@ aten = torch.ops.aten
 # (bfloat16's largest value comes out Inf).
 # The tracer skips the output check of these ops when no input (tensor or number) is NaN/Inf.
 KEEPS_FINITE = {
-    aten.clone, aten.cat, aten.stack, aten.embedding, aten.index_select, aten.gather, aten.index,
-    aten.zeros_like, aten.ones_like, aten.empty_like, aten.new_zeros, aten.new_ones, aten.new_empty,
-    aten.new_empty_strided, aten.zero_, aten._unsafe_view, aten.constant_pad_nd, aten.flip, aten.roll,
-    aten.repeat, aten.slice_backward, aten.select_backward, aten.relu, aten.tanh, aten.sigmoid,
-    aten.abs, aten.neg, aten.clamp, aten.where, aten.masked_fill, aten.threshold_backward, aten._softmax,
-    aten.maximum, aten.minimum, aten.max, aten.min, aten.amax, aten.amin, aten.sort, aten.topk,
-    aten.relu_, aten.clamp_, aten.masked_fill_, aten.clamp_min, aten.clamp_max,
-}  # fmt: skip
+    aten.clone,
+    aten.cat,
+    aten.stack,
+    aten.embedding,
+    aten.index_select,
+    aten.gather,
+    aten.index,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.empty_like,
+    aten.new_zeros,
+    aten.new_ones,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.zero_,
+    aten._unsafe_view,
+    aten.constant_pad_nd,
+    aten.flip,
+    aten.roll,
+    aten.repeat,
+    aten.slice_backward,
+    aten.select_backward,
+    aten.relu,
+    aten.tanh,
+    aten.sigmoid,
+    aten.abs,
+    aten.neg,
+    aten.clamp,
+    aten.where,
+    aten.masked_fill,
+    aten.threshold_backward,
+    aten._softmax,
+    aten.maximum,
+    aten.minimum,
+    aten.max,
+    aten.min,
+    aten.amax,
+    aten.amin,
+    aten.sort,
+    aten.topk,
+    aten.relu_,
+    aten.clamp_,
+    aten.masked_fill_,
+    aten.clamp_min,
+    aten.clamp_max,
+}
 # Views that reinterpret bits or may reach past their input's elements into the storage.
 _UNSAFE_VIEWS = {aten.view.dtype, aten.as_strided, aten.as_strided_, aten.as_strided_scatter}
 # Ops whose output holds every value of their tensor input, and no other, whenever it has at
 # least as many elements: its NaN/Inf flags are the input's, read without a pass over it.
 SAME_VALUES = {
-    aten.view, aten._unsafe_view, aten._reshape_alias, aten.reshape, aten.t, aten.transpose, aten.permute,
-    aten.unsqueeze, aten.squeeze, aten.expand, aten.alias, aten.detach, aten.clone,
-}  # fmt: skip
+    aten.view,
+    aten._unsafe_view,
+    aten._reshape_alias,
+    aten.reshape,
+    aten.t,
+    aten.transpose,
+    aten.permute,
+    aten.unsqueeze,
+    aten.squeeze,
+    aten.expand,
+    aten.alias,
+    aten.detach,
+    aten.clone,
+}
 
 
 # Bookkeeping ops autograd inserts: not worth listing among "the ops before".
 def _record_function_ops() -> set[Any]:
     """The ops ``torch.profiler.record_function`` dispatches to mark a region (HF models and Lightning use it)."""
     try:
-        return {torch.ops.profiler._record_function_enter_new.default,
-                torch.ops.profiler._record_function_exit._RecordFunction}  # fmt: skip
+        return {
+            torch.ops.profiler._record_function_enter_new.default,
+            torch.ops.profiler._record_function_exit._RecordFunction,
+        }
     except (AttributeError, RuntimeError):  # a torch without them: nothing to hide
         return set()
 
@@ -92,8 +143,12 @@ MASK_AWARE = {"_softmax", "_log_softmax", "_safe_softmax", "logsumexp"}  # op pa
 MASK_AWARE_NODES = ("Softmax", "LogSoftmax", "SafeSoftmax", "Logsumexp")
 # Ops that weigh an input as features: a 0/-inf tensor they consume is data, not an additive mask.
 WEIGHTED = {
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default, aten.mul.Tensor,
-}  # fmt: skip
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.convolution.default,
+    aten.mul.Tensor,
+}
 _LOW = (torch.float16, torch.bfloat16)
 
 Facts = Callable[[tuple], dict[str, Any]]
@@ -399,8 +454,10 @@ def _reduced(x: torch.Tensor, dim: Any) -> int:
 def _std_var(args: tuple, kwargs: dict) -> dict[str, Any]:
     correction = kwargs.get("correction")
     correction = 1.0 if correction is None else float(correction)
-    return {"reduced_elements": _reduced(args[0], args[1] if len(args) > 1 else kwargs.get("dim")),
-            "correction": correction}  # fmt: skip
+    return {
+        "reduced_elements": _reduced(args[0], args[1] if len(args) > 1 else kwargs.get("dim")),
+        "correction": correction,
+    }
 
 
 def _mean(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -415,8 +472,16 @@ def _loss(args: tuple, kwargs: dict) -> dict[str, Any]:
     return facts
 
 
-_MEAN_LOSSES = ("smooth_l1_loss", "mse_loss", "l1_loss", "huber_loss", "binary_cross_entropy",
-                "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div")  # fmt: skip
+_MEAN_LOSSES = (
+    "smooth_l1_loss",
+    "mse_loss",
+    "l1_loss",
+    "huber_loss",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "soft_margin_loss",
+    "kl_div",
+)
 _register(_COUNTS, tuple(_existing("std", "var", "std_mean", "var_mean")), _std_var)
 _register(_COUNTS, (aten.mean,), _mean)
 _register(_COUNTS, tuple(_existing(*_MEAN_LOSSES)), _loss)

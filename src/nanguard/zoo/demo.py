@@ -60,8 +60,9 @@ def run_demo(
     console.title(f"nanguard demo: {scenario.name}", scenario.summary)
     run = build(scenario, seed)
     # The demo shows the diagnosis itself: a long run of GradScaler overflows must reach its verdict.
-    guard = Guard(run.model, run.optimizer, policy="skip", scaler=run.scaler, run_dir=run_dir,
-                  max_consecutive_skips=10**6)  # fmt: skip
+    guard = Guard(
+        run.model, run.optimizer, policy="skip", scaler=run.scaler, run_dir=run_dir, max_consecutive_skips=10**6
+    )
     start = time.perf_counter()
     first = None
     try:

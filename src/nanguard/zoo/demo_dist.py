@@ -33,9 +33,16 @@ def demo_rank(rank: int, world: int, fault: str, steps: int, run_dir: str | None
     run = build(scenario, seed, rank=rank)
     ddp = DistributedDataParallel(run.model)
     hook = CorruptOnce()
-    guard = Guard(ddp, run.optimizer, policy="skip", scaler=run.scaler, run_dir=run_dir,
-                  comm_hook=(None, hook) if kind == "comm" else None,
-                  fingerprint_every=1 if kind == "replica" else 100, max_consecutive_skips=10**6)  # fmt: skip
+    guard = Guard(
+        ddp,
+        run.optimizer,
+        policy="skip",
+        scaler=run.scaler,
+        run_dir=run_dir,
+        comm_hook=(None, hook) if kind == "comm" else None,
+        fingerprint_every=1 if kind == "replica" else 100,
+        max_consecutive_skips=10**6,
+    )
     for step in range(steps):
         if step == scenario.fault_step and kind == "comm":
             hook.at_call = hook.calls + 1

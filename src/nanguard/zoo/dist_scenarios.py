@@ -155,8 +155,14 @@ def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int 
         net = DistributedDataParallel(run.model)
         optimizer = run.optimizer
         hook = (None, fp16_compress_hook) if s.dist_fault == "wire" else None
-        guard = Guard(net, optimizer, policy="skip", comm_hook=hook, max_consecutive_skips=10**6,
-                      fingerprint_every=1 if s.dist_fault == "nan_replica" else 100)  # fmt: skip
+        guard = Guard(
+            net,
+            optimizer,
+            policy="skip",
+            comm_hook=hook,
+            max_consecutive_skips=10**6,
+            fingerprint_every=1 if s.dist_fault == "nan_replica" else 100,
+        )
     run.optimizer = optimizer
     for step in range(s.run_steps):
         handle: Any = None

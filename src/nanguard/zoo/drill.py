@@ -120,8 +120,15 @@ def drill_rank(
         elif event["kind"] == "trip" and event["action"] == "resync":
             repaired.append(event["step"])
 
-    settings: dict[str, Any] = {"policy": "auto", "skip_spikes": True, "snapshot_every": 4, "remedy_budget": 10**6,
-                                "max_consecutive_skips": 10**6, "headroom_every": 0, **(options or {})}  # fmt: skip
+    settings: dict[str, Any] = {
+        "policy": "auto",
+        "skip_spikes": True,
+        "snapshot_every": 4,
+        "remedy_budget": 10**6,
+        "max_consecutive_skips": 10**6,
+        "headroom_every": 0,
+        **(options or {}),
+    }
     guard = Guard(net, opt, run_dir=run_dir, inject=[Fault(**f) for f in faults], on_event=listen, **settings)
     digests: dict[int, bytes] = {}  # every step's, by step: the bits a rollback to it must restore
     actions, applied, broken = [], [], []
@@ -244,8 +251,10 @@ def run_drill(*, ranks: int = 1, steps: int = 64, inject: str | None = None, run
         raise ValueError(f"steps must be > the last fault's step ({max(f.step for f in faults)}), got {steps}")
     console = Console()
     console.title(f"nanguard drill: {len(faults)} faults on {ranks} rank(s)", "; ".join(f.spec for f in faults))
-    dicts = [{"kind": f.kind, "step": f.step, "rank": f.rank, "module": f.module, "factor": f.factor,
-              "seconds": f.seconds} for f in faults]  # fmt: skip
+    dicts = [
+        {"kind": f.kind, "step": f.step, "rank": f.rank, "module": f.module, "factor": f.factor, "seconds": f.seconds}
+        for f in faults
+    ]
     if ranks > 1:
         from nanguard.zoo.spawn import RanksFailed, spawn_ranks
 
@@ -262,8 +271,10 @@ def run_drill(*, ranks: int = 1, steps: int = 64, inject: str | None = None, run
     for problem in problems:
         console.line(f"FAILED: {problem}")
     if not problems:
-        console.line(f"drill passed: every fault caught and handled alike on every rank; the final weights equal "
-                     f"a run that never saw the {steps - results[0]['applied']} dropped batches")  # fmt: skip
+        console.line(
+            f"drill passed: every fault caught and handled alike on every rank; the final weights equal "
+            f"a run that never saw the {steps - results[0]['applied']} dropped batches"
+        )
     if run_dir is not None:
         console.line(f"events in {run_dir}; see `nanguard report {run_dir}`")
     return 1 if problems else 0

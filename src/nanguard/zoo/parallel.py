@@ -103,8 +103,9 @@ def _build(setup: str, rank: int, world: int) -> tuple[nn.Module, Any, int]:
     return model, ScheduleGPipe(stage, n_microbatches=2, loss_fn=_loss), 0
 
 
-def _closure(setup: str, model: nn.Module, schedule: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, rank: int,
-             world: int) -> Any:  # fmt: skip
+def _closure(
+    setup: str, model: nn.Module, schedule: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, rank: int, world: int
+) -> Any:
     def closure() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         if schedule is None:

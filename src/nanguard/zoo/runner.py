@@ -200,8 +200,9 @@ def dist_rank(rank: int, world: int, name: str, seed: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(run.model)
     hook = CorruptOnce()
     comm = (None, hook) if s.dist_fault == "comm" else None
-    guard = Guard(ddp, run.optimizer, policy="skip", comm_hook=comm,
-                  fingerprint_every=1 if s.dist_fault == "replica" else 100)  # fmt: skip
+    guard = Guard(
+        ddp, run.optimizer, policy="skip", comm_hook=comm, fingerprint_every=1 if s.dist_fault == "replica" else 100
+    )
     first: Diagnosis | None = None
     detect: int | None = None
     for step in range(s.run_steps):
@@ -293,8 +294,20 @@ def run_zoo(
             same = got.get(key) == want
             return _cell(want) if same else f"{_cell(want)} / {_cell(got.get(key))}"
 
-        table.append([groups[r.name], r.name, pair("cause"), pair("op"), pair("module"), pair("phase"), pair("rank"),
-                     pair("step"), _cell(r.steps_late), "ok" if r.ok else "MISS"])  # fmt: skip
+        table.append(
+            [
+                groups[r.name],
+                r.name,
+                pair("cause"),
+                pair("op"),
+                pair("module"),
+                pair("phase"),
+                pair("rank"),
+                pair("step"),
+                _cell(r.steps_late),
+                "ok" if r.ok else "MISS",
+            ]
+        )
     # Console.table: rich on a terminal, full-width aligned columns when piped (never cut to 80).
     columns = ("group", "scenario", "cause (expected / got)", "op", "module", "phase", "rank", "step", "late", "ok")
     console.table(columns, table, title="nanguard fault zoo")

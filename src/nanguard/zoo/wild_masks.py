@@ -174,45 +174,51 @@ def _inplace_nan_index_write() -> Case:
 
 SCENARIOS = (
     WildScenario(
-        "attention_fully_masked_row", "THUwangcy/ReChorus#8",
+        "attention_fully_masked_row",
+        "THUwangcy/ReChorus#8",
         "attention with masked_fill(-inf) over keys, one sample all padding",
         Expect("op.masked_softmax", "aten._softmax.default", "attn", "forward", "nan"),
         "softmax of a row that is entirely -inf is 0/0, in the attention module",
         _attention_fully_masked_row,
     ),
     WildScenario(
-        "label_smoothing_masked_vocab", "facebookresearch/pytext#1698",
+        "label_smoothing_masked_vocab",
+        "facebookresearch/pytext#1698",
         "label smoothing over logits with banned tokens filled with -inf",
         Expect("op.mask_fill_in_loss", "aten.masked_fill.Scalar", "head", "forward", "inf"),
         "label smoothing averages log-probabilities over every class, -inf at the head's masked_fill; inputs finite",
         _label_smoothing_masked_vocab,
     ),
     WildScenario(
-        "logsumexp_fully_masked", "pytorch/pytorch#31829",
+        "logsumexp_fully_masked",
+        "pytorch/pytorch#31829",
         "CRF log-partition logsumexp over an additive -inf mask with a fully masked padding row",
         Expect("op.masked_softmax", "aten.sub.Tensor", "crf", "backward", "nan"),
         "LogsumexpBackward0 computes exp(x - result) with x = result = -inf for the all-masked row",
         _logsumexp_fully_masked,
     ),
     WildScenario(
-        "masked_action_entropy", "tensorforce/tensorforce#586",
+        "masked_action_entropy",
+        "tensorforce/tensorforce#586",
         "entropy bonus -(p * log p) over action logits masked with -inf",
         Expect("op.mask_fill_in_loss", "aten.masked_fill.Scalar", "policy", "forward", "inf"),
         "the policy's -inf fill reaches the entropy sum (0 * -inf); every input is finite",
         _masked_action_entropy,
     ),
     WildScenario(
-        "neginf_input_feature", "A2Zadeh/CMU-MultimodalSDK#179",
+        "neginf_input_feature",
+        "A2Zadeh/CMU-MultimodalSDK#179",
         "a dataset feature holding -inf (log-energy of silence), not a mask",
         Expect("data.nonfinite", None, "encoder", "data", "inf"),
         "the batch's float feature holds -inf, first read by the encoder",
         _neginf_input_feature,
     ),
     WildScenario(
-        "inplace_nan_index_write", "pytorch/pytorch#64305",
+        "inplace_nan_index_write",
+        "pytorch/pytorch#64305",
         "model code writing NaN as a missing-value marker: h[pad] = nan",
         Expect("op.nan_write", "aten.index_put_.default", "encoder", "forward", "nan"),
         "index_put_ writes NaN into the encoder's activations; every input is finite",
         _inplace_nan_index_write,
     ),
-)  # fmt: skip
+)

@@ -127,8 +127,9 @@ class Vocoder(nn.Module):
 def _weight_norm_zero_init() -> Case:
     torch.manual_seed(0)
     model = Vocoder()
-    return Case(step(model, lambda mel, wav: F.l1_loss(model(mel), wav)), (torch.randn(2, 2, 8), torch.randn(2, 1, 8)),
-                model)  # fmt: skip
+    return Case(
+        step(model, lambda mel, wav: F.l1_loss(model(mel), wav)), (torch.randn(2, 2, 8), torch.randn(2, 1, 8)), model
+    )
 
 
 class SegHead(nn.Module):
@@ -186,8 +187,11 @@ class Critic(nn.Module):
 def _spectral_norm_zero_weight() -> Case:
     torch.manual_seed(0)
     model = Critic()
-    return Case(step(model, lambda real, fake: model(fake).mean() - model(real).mean()),
-                (torch.randn(3, 4), torch.randn(3, 4)), model)  # fmt: skip
+    return Case(
+        step(model, lambda real, fake: model(fake).mean() - model(real).mean()),
+        (torch.randn(3, 4), torch.randn(3, 4)),
+        model,
+    )
 
 
 class BagEncoder(nn.Module):
@@ -249,7 +253,8 @@ def _adain_one_element() -> Case:
 
 SCENARIOS = (
     WildScenario(
-        "fp16_layernorm_kernel_eps_lost", "deepspeedai/DeepSpeed#581",
+        "fp16_layernorm_kernel_eps_lost",
+        "deepspeedai/DeepSpeed#581",
         "a float16 LayerNorm kernel written out (class not named *Norm) whose eps 1e-12 rounds to 0, on a zero row",
         Expect("norm.zero_variance", "aten.rsqrt.default", "ln", "forward", "inf"),
         "var + 1e-12 is 0 in float16 for the padding row, rsqrt(0) = inf; it is a normalization by what it "
@@ -257,7 +262,8 @@ SCENARIOS = (
         _fp16_layernorm_kernel_eps_lost,
     ),
     WildScenario(
-        "rmsnorm_eps_zero_unnamed", "NVIDIA/apex#1295",
+        "rmsnorm_eps_zero_unnamed",
+        "NVIDIA/apex#1295",
         "a hand-written FusedRMSNormAffine with eps=0 on the zero embedding row of a padding token",
         Expect("norm.zero_variance", "aten.rsqrt.default", "norm", "forward", "inf"),
         "the padding_idx row is all zeros, so mean(x**2) is 0 and rsqrt(0 + 0) = inf: a zero mean of squares, "
@@ -265,7 +271,8 @@ SCENARIOS = (
         _rmsnorm_eps_zero_unnamed,
     ),
     WildScenario(
-        "norm_named_magnitude_penalty", "tenstorrent/tt-metal#55585",
+        "norm_named_magnitude_penalty",
+        "tenstorrent/tt-metal#55585",
         "a module named FeatureNorm that returns sqrt(sum(h**2)) for a penalty, on an all-zero feature row",
         Expect("op.sqrt_domain", "aten.div.Tensor", "feat_norm", "backward", "inf"),
         "SqrtBackward0 computes grad / (2 * sqrt(0)); FeatureNorm divides nothing by its result, so it is no "
@@ -273,14 +280,16 @@ SCENARIOS = (
         _norm_named_magnitude_penalty,
     ),
     WildScenario(
-        "weight_norm_zero_init", "pytorch/pytorch#19126",
+        "weight_norm_zero_init",
+        "pytorch/pytorch#19126",
         "a vocoder's output convolution under weight_norm, its weight initialized to zero",
         Expect("op.division_by_zero", "aten._weight_norm_interface.default", "conv_post", "forward", "nan"),
         "weight_norm computes g * v / ||v|| and ||v|| = 0: 0/0 inside the composite op, in conv_post",
         _weight_norm_zero_init,
     ),
     WildScenario(
-        "seg_void_crop_class_weight", "holgerroth/3Dunet_abdomen_cascade#3",
+        "seg_void_crop_class_weight",
+        "holgerroth/3Dunet_abdomen_cascade#3",
         "class-weighted segmentation loss on a crop that holds only the zero-weighted background class",
         Expect("data.no_valid_targets", "aten.nll_loss2d_forward.default", None, "data", "nan"),
         "the weighted mean divides by the total weight of the crop's targets, all of class 0 (weight 0): "
@@ -288,31 +297,35 @@ SCENARIOS = (
         _seg_void_crop_class_weight,
     ),
     WildScenario(
-        "class_weights_zeroed", "zoomin-lee/SemCity#9",
+        "class_weights_zeroed",
+        "zoomin-lee/SemCity#9",
         "cross_entropy with a class-weight tensor that is all zeros",
         Expect("op.division_by_zero", "aten.nll_loss_forward.default", None, "forward", "nan"),
         "every class weighs 0, so the weighted mean is 0 / 0 whatever the targets: the loss code's doing",
         _class_weights_zeroed,
     ),
     WildScenario(
-        "spectral_norm_zero_weight", "pytorch/pytorch#20192",
+        "spectral_norm_zero_weight",
+        "pytorch/pytorch#20192",
         "a critic's output layer under spectral_norm, its weight zeroed",
         Expect("op.division_by_zero", "aten.div.Tensor", "out", "forward", "nan"),
         "sigma = u . W v is 0 for W = 0 whatever eps does in the power iteration; W / sigma is 0/0 in module out",
         _spectral_norm_zero_weight,
     ),
     WildScenario(
-        "cosine_sim_zero_embedding", "huggingface/sentence-transformers#625",
+        "cosine_sim_zero_embedding",
+        "huggingface/sentence-transformers#625",
         "a hand-written cosine similarity over mean word embeddings, one sentence of unknown words only",
         Expect("op.division_by_zero", "aten.div.Tensor", None, "forward", "nan"),
         "the unknown-word sentence embeds to the zero vector: a / ||a|| is 0/0 in the loss code",
         _cosine_sim_zero_embedding,
     ),
     WildScenario(
-        "adain_one_element", "naoto0804/pytorch-AdaIN#2",
+        "adain_one_element",
+        "naoto0804/pytorch-AdaIN#2",
         "adaptive instance normalization on a 1x1 feature map: the unbiased variance over one element",
         Expect("op.division_by_zero", "aten.var.correction", "adain", "forward", "nan"),
         "var over H*W = 1 element with correction 1 divides by n - 1 = 0 (the eps added after it cannot help)",
         _adain_one_element,
     ),
-)  # fmt: skip
+)

@@ -234,7 +234,8 @@ def _loss_check_raises() -> Case:
 
 SCENARIOS = (
     WildScenario(
-        "glow_invconv_negative_det", "NVIDIA/waveglow#103",
+        "glow_invconv_negative_det",
+        "NVIDIA/waveglow#103",
         "WaveGlow's invertible 1x1 convolution taking torch.logdet(W) of a W whose determinant is -1",
         Expect("op.log_domain", "aten.logdet.default", "invconv", "forward", "nan"),
         "logdet returns NaN by definition for a negative determinant (an internal where writes it): the log of "
@@ -242,7 +243,8 @@ SCENARIOS = (
         _glow_invconv_negative_det,
     ),
     WildScenario(
-        "pcgrad_tiny_task_gradient", "WeiChengTseng/Pytorch-PCGrad#7",
+        "pcgrad_tiny_task_gradient",
+        "WeiChengTseng/Pytorch-PCGrad#7",
         "PCGrad's projection g_i -= (g_i . g_j) g_j / ||g_j||**2 on float16 gradients of a task weighted 3e-5",
         Expect("op.division_by_zero", "aten.div.Tensor", None, "backward", "nan"),
         "||g_j||**2 rounds to 0 in float16 while g_i . g_j < 0: 0/0 in the projection, which runs on .grad "
@@ -250,7 +252,8 @@ SCENARIOS = (
         _pcgrad_tiny_task_gradient,
     ),
     WildScenario(
-        "clip_by_norm_zero_gradient", "PaddlePaddle/Paddle#30777",
+        "clip_by_norm_zero_gradient",
+        "PaddlePaddle/Paddle#30777",
         "a hand-written per-tensor clip g * max_norm / ||g|| on the zero gradient of a head the batch did not use",
         Expect("op.division_by_zero", "aten.reciprocal.default", None, "backward", "inf"),
         "max_norm / ||g|| is reciprocal(0) * max_norm = inf for head_box's zero gradients (then 0 * inf = NaN), "
@@ -258,7 +261,8 @@ SCENARIOS = (
         _clip_by_norm_zero_gradient,
     ),
     WildScenario(
-        "categorical_probs_nan", "shizhediao/Black-Box-Prompt-Learning#3",
+        "categorical_probs_nan",
+        "shizhediao/Black-Box-Prompt-Learning#3",
         "Categorical(probs) over prompt probabilities renormalized by hand, one row clamped to all zeros",
         Expect("op.division_by_zero", "aten.div.Tensor", "policy", "forward", "nan"),
         "p / p.sum() is 0/0 for the all-zero row; validate_args then raises ValueError on the NaN probs: the "
@@ -266,7 +270,8 @@ SCENARIOS = (
         _categorical_probs_nan,
     ),
     WildScenario(
-        "multinomial_fp16_logits", "DLLXW/baby-llama2-chinese#33",
+        "multinomial_fp16_logits",
+        "DLLXW/baby-llama2-chinese#33",
         "sampling with torch.multinomial from the softmax of float16 logits that overflowed",
         Expect("precision.overflow", "aten.mm.default", "lm_head", "forward", "inf"),
         "lm_head's logits reach 72000 > 65504 in float16 (finite in float32); softmax of Inf is NaN and "
@@ -274,7 +279,8 @@ SCENARIOS = (
         _multinomial_fp16_logits,
     ),
     WildScenario(
-        "normal_scale_sqrt_negative", "ZijieH/CG-ODE#1",
+        "normal_scale_sqrt_negative",
+        "ZijieH/CG-ODE#1",
         "Normal(mu, sqrt(var)) with a variance predicted without a positivity constraint",
         Expect("op.sqrt_domain", "aten.sqrt.default", "head", "forward", "nan"),
         "sqrt of the negative predicted variance -0.3 is NaN in the head; Normal's validate_args then raises "
@@ -282,10 +288,11 @@ SCENARIOS = (
         _normal_scale_sqrt_negative,
     ),
     WildScenario(
-        "loss_check_raises", "facebookresearch/detectron2#214",
+        "loss_check_raises",
+        "facebookresearch/detectron2#214",
         "a trainer's isfinite(loss) check raising FloatingPointError after a log of a zero box size",
         Expect("op.log_domain", "aten.log.default", "", "forward", "inf"),
         "relu makes the predicted height 0 and log(0 / h) = -inf in the root module; the loss check then raises",
         _loss_check_raises,
     ),
-)  # fmt: skip
+)
