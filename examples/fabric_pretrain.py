@@ -79,6 +79,8 @@ def main() -> None:
     guard = train(fabric, args.steps, bad_step=args.bad_step, run_dir=args.run_dir)
     diag = guard.last_diagnosis
     fabric.print(f"{guard.skipped} skipped; {diag.summary() if diag else 'no trip'}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # gloo's threads left at exit can abort the process
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ def main(out: Path, bad_rank: int) -> None:
         "adam_steps": int(first["step"]) if "step" in first else None,
     }
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
+    # Gloo's threads still running at interpreter exit abort the process now and then
+    # ("terminate called without an active exception"): end the group as a real script does.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
