@@ -92,6 +92,11 @@ def main(out: Path) -> None:
         "adam_steps": int(first["step"]) if "step" in first else None,
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    # Gloo's threads still running at interpreter exit abort the process now and then
+    # ("terminate called without an active exception"): end the group as a real script does.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
