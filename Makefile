@@ -21,8 +21,11 @@ $(DEMO_STAMP): $(CORE_STAMP)
 	$(PY) -m pip install --quiet -e ".[report]"
 	touch $(DEMO_STAMP)
 
-# The tests need the extras: report (matplotlib), lightning, transformers, accelerate, tensorboard, mypy.
+# The tests need the extras: report (matplotlib), lightning, transformers, accelerate, tensorboard, mypy, the docs
+# tool and the engines (deepspeed, torchtitan). deepspeed builds from source against the torch already here: an
+# isolated build would fetch another torch.
 $(STAMP): $(CORE_STAMP)
+	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.16"
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
