@@ -49,7 +49,7 @@ from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard
 from nanguard.stats import float_groups, total_norm
 
-_ds: Any = require("deepspeed", "deepspeed", "DeepSpeed")
+_ds: Any = require("deepspeed", "engines", "DeepSpeed")
 
 __all__ = ["DeepSpeedGuard", "EngineState"]
 
