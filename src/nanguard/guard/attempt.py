@@ -113,7 +113,7 @@ class Runner:
                 raise
             # An out-of-range id raises on CPU. This rank still joins the agreement, flagged
             # by a NaN loss, and its replay turns the error into a data diagnosis.
-            self.model.zero_grad(set_to_none=True)
+            dist.zero_grad(self.model)
             attempt.loss = attempt.value = torch.full((), math.nan, device=self.device)
             attempt.closure_error = err
         if self.scaler is not None:

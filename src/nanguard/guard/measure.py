@@ -84,7 +84,7 @@ class Measure:
         if not device_step and health.alone:
             return self.verdict(health.read_alone(attempt.value, step), attempt, updated=False)
         measured = health.measure(attempt.value)
-        agreed = measured.agree(sharded=self.sharded, carried=health.carried(), step=attempt.call)
+        agreed = measured.agree(sharded=self.sharded or health.sharded, carried=health.carried(), step=attempt.call)
         if device_step:
             copy = HostCopy(measured, agreed) if self.deferred else None  # queued before the update
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))
