@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -128,9 +129,12 @@ def ddp_join_paused(model: nn.Module) -> Iterator[None]:
 # first, a gather), and which rank updates (and broadcasts) each parameter in ``_param_to_rank``.
 def zero_local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
     """The optimizer over this rank's own shard inside a ``ZeroRedundancyOptimizer``; None for any other."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    # Looked up only where it was imported (a user who built one did): importing
+    # ``torch.distributed.optim`` scripts its functional optimizers, and torch warns that
+    # ``torch.jit.script`` is deprecated, on a run that has no ZeRO optimizer at all.
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero) else None
 
 
 def zero_owners(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:

@@ -203,11 +203,9 @@ class Guard:
                 loss, value = self._forward_backward(closure)
                 verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
                 if verdict is None:
-                    self._headroom(closure, rng)
                     return loss  # deferred: its verdict and bookkeeping come with the next call
                 if not self._act(verdict, batch, rng, restore_buffers=True):
                     return None
-                self._headroom(closure, rng)
                 self._update(device_step=self._device_step)
                 self.after_step()
                 return loss
@@ -265,6 +263,14 @@ class Guard:
             return True
         self._calls += 1
         self._settle()
+        # The forward this call checks ran before it: headroom was measured as it ran (armed by the last call).
+        self._remedies.headroom.collect(self.step_count)
+        try:
+            return self._check(value, replay, batch, rng)
+        finally:
+            self._remedies.headroom.arm(self.step_count)  # the next due step's forward, as it runs
+
+    def _check(self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None) -> bool:
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
@@ -276,7 +282,6 @@ class Guard:
             assert verdict is not None  # only the device path defers
             if not self._act(verdict, batch, rng, restore_buffers=False):
                 return False
-            self._headroom(replay, rng)
             self._clip()
             return True
         finally:
@@ -612,22 +617,6 @@ class Guard:
             params = list({id(p): p for p in [*self.model.parameters(), *self._params]}.values())
             torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
 
-    def _headroom(self, replay: Callable[[], Any] | None, rng: Rng | None) -> None:
-        """Every ``headroom_every``-th step's overflow headroom, where the step itself was not
-        measured as it ran (compiled models, ``check()``): on a replay of its closure with
-        communication off, never on the compiled step that updates the weights."""
-        check, step = self._remedies.headroom, self.step_count - 1
-        run = _scaler_aside(self.scaler, replay)
-        if run is None or not check.due(step):
-            return
-        check.replay(
-            step,
-            lambda: dist.replay_locally(self.model, run),
-            params=self._params,
-            rng=rng,
-            cuda_devices=self._cuda_devices,
-        )
-
     # -- around the step -----------------------------------------------------------------
     def _begin_drill(self) -> NullInjector:
         """Plant this step's faults; the injector then wraps its closure (``step``) or loss (``check``)."""
@@ -743,6 +732,7 @@ class Guard:
 
     def close(self) -> None:
         self._settle()
+        self._remedies.headroom.close()
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
 
