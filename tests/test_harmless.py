@@ -274,6 +274,89 @@ def test_a_partly_written_blank_buffer_is_not_read_but_a_computed_value_close_to
     assert [(h.module, h.absmax) for h in found if h.close] == [("", 18000.0)]
 
 
+# -- item 3: NANGUARD_DISABLE=1 is the loop as written without nanguard ------------------------
+def _amp_setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.5), torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+
+def _big_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(step)
+    return x, y * 100.0  # gradients far above the clip: a missing clip changes the weights
+
+
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _plain_amp_loop() -> tuple[list[torch.Tensor], list[float]]:
+    """The reference: torch's own scaler and clip_grad_norm_, no nanguard anywhere."""
+    model, optimizer, scaler = _amp_setup()
+    norms = []
+    for step in range(STEPS):
+        x, y = _big_batch(step)
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.unscale_(optimizer)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        scaler.step(optimizer)
+        scaler.update()
+    return _weights(model), norms
+
+
+@pytest.mark.parametrize("entry", ["step", "check", "loop_guard"])
+def test_a_disabled_guard_keeps_the_clip_the_scaler_and_the_norm(entry: str, monkeypatch) -> None:
+    expected, expected_norms = _plain_amp_loop()
+    monkeypatch.setenv("NANGUARD_DISABLE", "1")
+    model, optimizer, scaler = _amp_setup()
+    norms = []
+    if entry == "loop_guard":
+        guard: Any = LoopGuard(model, optimizer, clip_grad_norm=1.0)
+    else:
+        guard = ng.Guard(model, optimizer, scaler=scaler if entry == "step" else None, clip_grad_norm=1.0)
+    for step in range(STEPS):
+        x, y = _big_batch(step)
+        if entry == "step":
+
+            def closure(x=x, y=y):
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                scaler.scale(loss).backward()
+                return loss
+
+            guard.step(closure)
+        else:  # the loop owns backward and the optimizer step; the guard clips (after the scaler's unscale)
+            optimizer.zero_grad()
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            scaler.unscale_(optimizer)
+            if entry == "check":
+                assert guard.check(torch.zeros(()))
+            scaler.step(optimizer)
+            scaler.update()
+        norms.append(guard.last_grad_norm)
+    for a, b in zip(_weights(model), expected, strict=True):
+        assert torch.equal(a, b)
+    assert norms == expected_norms and max(norms) > 1.0  # the clip had work to do
+
+
+def test_a_disabled_guard_without_a_clip_reads_the_loops_norm(monkeypatch) -> None:
+    monkeypatch.setenv("NANGUARD_DISABLE", "1")
+    model, optimizer, _ = _amp_setup()
+    guard = ng.Guard(model, optimizer)
+    x, y = _big_batch(0)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    guard.step(closure)
+    grads = [p.grad for p in model.parameters()]
+    assert guard.last_grad_norm == float(torch.nn.utils.get_total_norm(grads))
+
+
 # -- item 10: a healthy guarded run prints nothing the unguarded run does not ------------------
 def healthy_run(rank: int, world: int, guarded: bool, policy: str) -> dict[str, Any]:
     """A healthy DDP (or single-process) loop; every warning raised while it builds and runs."""

@@ -57,6 +57,7 @@ __all__ = [
     "fabric_modules",
     "foreach_copy_",
     "foreach_norm",
+    "full_tensor",
     "has_forward_hooks",
     "hf_callbacks",
     "hf_initial_step",
@@ -257,6 +258,14 @@ def swap_collectives(stand_ins: Mapping[str, Callable[..., Any]]) -> Iterator[No
     finally:
         for name, original in saved.items():
             setattr(tdist, name, original)
+
+
+# Known to work: torch 2.13.0. ``DTensor.full_tensor()`` gathers (or reduces a ``Partial``) into
+# the whole value on every rank of its mesh: a collective every rank must call.
+def full_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The whole value of a DTensor (a collective on its mesh), else None."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none exists unless imported
+    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else None
 
 
 # Known to work: torch 2.13.0. A DTensor keeps this rank's values in ``_local_tensor`` and a
