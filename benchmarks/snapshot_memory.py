@@ -61,5 +61,6 @@ def main() -> None:
     )
     print(f"refresh peak above the resting RSS: {extra_mib:.0f} MiB = {extra_mib / snapshot_mib:.2f}x a snapshot")
 
+
 if __name__ == "__main__":
     main()
