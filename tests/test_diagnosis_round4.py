@@ -29,3 +29,11 @@ def test_a_distribution_at_the_edge_of_its_support_is_named_by_its_method() -> N
     assert diag.evidence["origin"]["at_boundary"] == 1
     assert "Beta.log_prob" in diag.evidence["why"] and "support" in diag.evidence["why"]
     assert "clamp(eps, 1 - eps)" in diag.fixes[0]
+
+
+def test_arithmetic_on_what_autograd_grad_returned_is_gradient_surgery() -> None:
+    diag = _locate("pcgrad_autograd_grad_zero_task")
+    assert (diag.cause, diag.phase) == ("op.division_by_zero", "backward")
+    assert diag.evidence["origin"]["gradient_surgery"] is True
+    update = _locate("sam_layerwise_zero_grad")
+    assert (update.op, update.phase) == ("aten.addcdiv_.default", "optimizer")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -36,20 +37,25 @@ class UserCalls(TorchFunctionMode):
         ...     torch.logdet(w)      # inside, ``calls.name`` is "logdet" for every aten op it runs
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_gradients: Callable[[Any], None] | None = None) -> None:
         super().__init__()
         self.func: Any = None
         self.args: tuple = ()
         self.kwargs: dict[str, Any] = {}
+        self.on_gradients = on_gradients
+        """Called with what ``torch.autograd.grad`` returned: gradients that never reach a ``.grad``."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         outer = self.func, self.args, self.kwargs
         self.func, self.args, self.kwargs = func, args, kwargs
         try:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
         finally:
             self.func, self.args, self.kwargs = outer
+        if func is torch.autograd.grad and self.on_gradients is not None:
+            self.on_gradients(result)
+        return result
 
     @property
     def name(self) -> str | None:

@@ -172,9 +172,10 @@ class Tracer:
         self.failure: Failure | None = None
         self._mode: _TracerMode | None = None
         self._func: Any = None  # the op being run, for the origins its inputs make
-        self.calls = UserCalls()
-        # Gradient surgery (PCGrad, a hand-written clip) between backward() and optimizer.step().
+        # Gradient surgery (PCGrad, a hand-written clip) between backward() and optimizer.step(), on
+        # the .grad tensors or on what torch.autograd.grad returned.
         self.grads = GradWatch(modules, self.leaves, protected)
+        self.calls = UserCalls(on_gradients=self.grads.produced)
         self.norms = normalize.NormalizationWatch()
         # The taint of the latest op that read a non-finite value, and its index: what a raise
         # right after it (a distribution's validate_args, multinomial, an assert) is about.
