@@ -460,7 +460,8 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
     if callable(setter):
         setter(False)
         try:
-            yield
+            with compat.fsdp_sync_pinned_off(model):
+                yield
         finally:
             setter(True)
             compat.drop_fsdp_accumulated_grads(model)
