@@ -229,8 +229,8 @@ def fsdp_sync_pinned_off(model: nn.Module) -> Iterator[None]:
     sets (torchtitan's chunked loss turns its output layer's sync back on for the last chunk)."""
     modules = [m for m in model.modules() if callable(getattr(m, "set_requires_gradient_sync", None))]
     for module in modules:
-        module.set_requires_gradient_sync(False, recurse=False)
-        setter = type(module).set_requires_gradient_sync  # type: ignore[attr-defined]
+        setter: Callable[..., Any] = type(module).set_requires_gradient_sync  # type: ignore[attr-defined]
+        setter(module, False, recurse=False)
         module.__dict__["set_requires_gradient_sync"] = functools.partial(_sync_off, module, setter)
     try:
         yield
@@ -239,7 +239,9 @@ def fsdp_sync_pinned_off(model: nn.Module) -> Iterator[None]:
             module.__dict__.pop("set_requires_gradient_sync", None)
 
 
-def _sync_off(module: nn.Module, setter: Callable[..., Any], requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+def _sync_off(
+    module: nn.Module, setter: Callable[..., Any], requires_gradient_sync: bool, *, recurse: bool = True
+) -> None:
     setter(module, False, recurse=recurse)
 
 

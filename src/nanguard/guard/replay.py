@@ -117,10 +117,11 @@ class Diagnoser:
             self._last = _LastTrip(h.step, h.bad_ranks, repeat)
             return Replayed(repeat, located=True)
         replayed = Replayed(None, located=False)
+        gaps: list[str] = []
         run = RunFacts(self.history.evidence(h.step, self._lr()), self.initial_scale)
         if self.locate and closure is not None:
             log.info("nanguard: replaying step %d under the tracer…", h.step)
-            with eager():
+            with eager(), dist.observing() as gaps:
                 replayed = replay_trip(
                     self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats, run=run
                 )
@@ -149,6 +150,7 @@ class Diagnoser:
                 located=replayed.located,
                 distributed=dist.is_distributed(),
                 attempted=self.locate and closure is not None,
+                unobserved=_agreed(gaps),
             )
         diag.step = h.step
         # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
@@ -384,3 +386,11 @@ def replay_trip(
         except Exception as err:  # evidence for the report only: never worth killing training
             warnings.warn(f"nanguard: module stats failed on step {step}: {err!r}", stacklevel=5)
     return replayed
+
+
+def _agreed(gaps: list[str]) -> list[str]:
+    """What some rank's replay could not observe, the same on every rank (only a trip pays the collective)."""
+    if not dist.is_distributed():
+        return gaps
+    flagged = dist.agree_flag(bool(gaps))
+    return gaps or ([f"what the replay of rank(s) {flagged} could not observe"] if flagged else [])

@@ -265,7 +265,9 @@ class LoopGuard(GuardedCallback):
                 out = m.run(*m.args, **m.kwargs) if m.run is not None else self.model(*m.args, **m.kwargs)
             loss = out if m.run is not None else _loss_of(out)
             if not _scalar(loss):
-                return out  # a loss computed outside the model and no micro_step: trace the forward alone
+                # A loss computed outside the model and no micro_step: trace the forward alone.
+                dist.unobserved("the loss and the backward (the loss is computed outside the model)")
+                return out
             self._backward(loss / n)
             return loss
 

@@ -69,7 +69,7 @@ def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64) -> di
         ),
     )
     for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()  # type: ignore[attr-defined]
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
     dims = ParallelDims(
         dp_replicate=1,
         dp_shard=2 if setup == "fsdp" else 1,
@@ -125,7 +125,7 @@ def _plant(model: nn.Module, fault: str | None, on: dict[str, bool]) -> None:
     """``sqrt``: layers.1.feed_forward.w1 takes the square root of negative values while ``on``."""
     if fault != "sqrt":
         return
-    w1 = model.layers["1"].feed_forward.w1  # type: ignore[index]
+    w1: Any = model.get_submodule("layers.1.feed_forward.w1")
     forward = w1.forward
 
     def faulty(x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +163,12 @@ def titan_rank(
     from nanguard.integrations.torchtitan import TitanGuard
 
     parts = build(setup, lr=lr)
-    model, loss_fn, optimizers, schedulers = parts["model"], parts["loss_fn"], parts["optimizers"], parts["lr_schedulers"]
+    model, loss_fn, optimizers, schedulers = (
+        parts["model"],
+        parts["loss_fn"],
+        parts["optimizers"],
+        parts["lr_schedulers"],
+    )
     on = {"bad": False}
     if rank == fault_rank:
         _plant(model, fault, on)
