@@ -4,7 +4,7 @@ CORE_STAMP := $(VENV)/.installed-core
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -40,9 +40,13 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest
 
+# The documentation site (README.md is the front page; docs/ holds the rest): site/, every warning an error.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	cd benchmarks && ../$(PY) locate_cost.py && ../$(PY) overhead.py --ddp && ../$(PY) guard_cost.py && ../$(PY) zoo_compare.py --ranks 2
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache
+	rm -rf $(VENV) build dist site .pytest_cache

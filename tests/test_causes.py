@@ -1,6 +1,6 @@
 """The cause table (``nanguard.causes``) against everything that speaks of causes: ``ng.CAUSES``,
 the order of ``diagnose.RULES``, the policy's decisions, the zoo's expected phases, the text
-layer and the README's cause table. A cause added without one of these fails here."""
+layer and the cause table of docs/causes.md. A cause added without one of these fails here."""
 
 from __future__ import annotations
 
@@ -61,9 +61,9 @@ def test_ng_causes_is_the_table() -> None:
         facts("op.banana")
 
 
-def test_readme_cause_table_is_the_table() -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Causes (`ng.CAUSES`)", 1)[1].split("\n## ", 1)[0]
+def test_docs_cause_table_is_the_table() -> None:
+    text = (ROOT / "docs" / "causes.md").read_text(encoding="utf-8")
+    section = text.split("# Causes (`ng.CAUSES`)", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| `([a-z_.]+)` \| (.+?) \|$", section, flags=re.M))
     assert rows == {c.id: c.meaning for c in TABLE.values()}
 

@@ -68,7 +68,7 @@ def test_help_lists_every_command() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "nanguard", "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for command in ("demo", "zoo", "report", "replay", "doctor"):
+    for command in ("demo", "zoo", "report", "replay", "bisect", "doctor"):
         assert command in out
 
 
@@ -220,7 +220,7 @@ def test_help_of_every_command_and_the_version_never_import_torch() -> None:
 import sys
 from nanguard.cli import main
 for argv in (["--help"], ["--version"], ["demo", "--help"], ["zoo", "--help"], ["report", "--help"],
-             ["replay", "--help"], ["doctor", "--help"]):
+             ["replay", "--help"], ["bisect", "--help"], ["doctor", "--help"]):
     try:
         main(argv)
     except SystemExit as exit:

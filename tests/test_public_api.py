@@ -18,6 +18,7 @@ def test_all_is_pinned() -> None:
             "NonFiniteError",
             "QuarantineSampler",
             "audit_model",
+            "bisect",
             "check_batch",
             "load_bundle",
             "locate",
@@ -36,6 +37,7 @@ HOMES = {
     "NonFiniteError": "nanguard.errors",
     "QuarantineSampler": "nanguard.sampler",
     "audit_model": "nanguard.audit",
+    "bisect": "nanguard.bisection",
     "check_batch": "nanguard.audit",
     "load_bundle": "nanguard.bundle",
     "locate": "nanguard.tracer",
@@ -47,7 +49,7 @@ def test_public_names_have_their_kinds() -> None:
     for name in ("Diagnosis", "Finding", "Guard", "QuarantineSampler"):
         assert isinstance(getattr(ng, name), type), name
     assert issubclass(ng.NonFiniteError, Exception)
-    for name in ("audit_model", "check_batch", "load_bundle", "locate", "replay"):
+    for name in ("audit_model", "bisect", "check_batch", "load_bundle", "locate", "replay"):
         fn = getattr(ng, name)
         assert callable(fn) and not isinstance(fn, type) and fn.__doc__, name
     assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in ng.CAUSES.items())

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nanguard.audit import audit_model, check_batch
+    from nanguard.bisection import bisect
     from nanguard.bundle import load_bundle, replay
     from nanguard.errors import NonFiniteError
     from nanguard.findings import CAUSES, Diagnosis, Finding
@@ -26,6 +27,7 @@ __all__ = [
     "NonFiniteError",
     "QuarantineSampler",
     "audit_model",
+    "bisect",
     "check_batch",
     "load_bundle",
     "locate",
@@ -51,6 +53,7 @@ _HOME = {
     "QuarantineSampler": "nanguard.sampler",
     "NonFiniteError": "nanguard.errors",
     "audit_model": "nanguard.audit",
+    "bisect": "nanguard.bisection",
     "check_batch": "nanguard.audit",
     "load_bundle": "nanguard.bundle",
     "locate": "nanguard.tracer",

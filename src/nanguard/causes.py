@@ -1,9 +1,9 @@
 """The cause table: one record per cause id, every fact the other parts read about a cause.
 
 ``findings.CAUSES`` (the public id -> meaning map), the order of ``diagnose.RULES``, the guard's
-policy (what a skip can repair, what repeats, what a remedy costs) and the README's cause table
+policy (what a skip can repair, what repeats, what a remedy costs) and the cause table of docs/causes.md
 are all read from, or checked against, ``TABLE`` (``tests/test_causes.py``). Adding a cause is one
-row here, one rule in ``diagnose.py`` and one test (README, "Adding a cause").
+row here, one rule in ``diagnose.py`` and one test (docs/causes.md, "Adding a cause").
 
 Imports nothing from nanguard: every other module may read it.
 """
@@ -33,7 +33,7 @@ class Cause:
 
     id: str
     meaning: str
-    """One line, the public ``ng.CAUSES[id]`` and the README's cause table."""
+    """One line, the public ``ng.CAUSES[id]`` and the table of docs/causes.md."""
     stage: str
     """One of ``STAGES``: when several rules fit, the more upstream stage wins."""
     phase: str | None

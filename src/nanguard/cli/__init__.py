@@ -1,4 +1,4 @@
-"""The ``nanguard`` command: demo, drill, zoo, report, replay, doctor.
+"""The ``nanguard`` command: demo, drill, zoo, report, replay, bisect, doctor.
 
 Subcommands load their code on first use: ``--help`` and ``--version`` never import torch.
 """
@@ -76,6 +76,50 @@ def _replay(args: argparse.Namespace) -> int:
     result.diagnosis.step = result.bundle.step
     console.diagnosis(result.diagnosis)
     return 0
+
+
+def _bisect(args: argparse.Namespace) -> int:
+    import json
+
+    from nanguard import dist
+    from nanguard.bisection import bisect
+    from nanguard.report.terminal import Console
+
+    status = Console(sys.stderr)
+    found = bisect(
+        args.setup,
+        args.checkpoints,
+        until=args.until,
+        run_dir=args.run_dir,
+        progress=lambda total, label: status.progress(total, label, echo=False),
+    )
+    if dist.rank() != 0:  # every rank found the same; one prints it
+        return 0 if found.first_bad_step is not None else 1
+    if args.json:
+        print(json.dumps(found.to_dict(), indent=2), flush=True)
+        return 0 if found.first_bad_step is not None else 1
+    console = Console()
+    rows = [
+        [c.path, "-" if c.step is None else str(c.step), _checkpoint_state(c, found.checkpoint)]
+        for c in found.checkpoints
+    ]
+    console.table(["checkpoint", "step", "state"], rows, title="checkpoints")
+    console.line(found.summary())
+    if found.rows is not None:
+        console.line(f"rows of the batch holding the bad values: {found.rows}")
+    console.diagnosis(found.diagnosis)
+    return 0 if found.first_bad_step is not None else 1
+
+
+def _checkpoint_state(c: object, chosen: str) -> str:
+    from nanguard.bisection import Checkpoint
+
+    assert isinstance(c, Checkpoint)
+    if c.step is None:
+        return f"not a checkpoint: {c.refused}"
+    if c.nonfinite is not None:
+        return f"non-finite: {c.nonfinite}"
+    return "finite, replayed from here" if c.path == chosen else "finite"
 
 
 def _zoo(args: argparse.Namespace) -> int:
@@ -192,6 +236,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--fn", default=None, metavar="PKG.MODULE:FUNCTION", help="fn(model) -> step(batch)")
     replay.set_defaults(func=_replay)
+
+    bis = sub.add_parser(
+        "bisect",
+        help="find the first bad step of a run that had no guard, from its checkpoints",
+        description="FUNCTION() returns a dict: model, optimizer, optionally scheduler and scaler; load(path) -> "
+        "the step of the checkpoint it restored; batches(start) -> the run's batches from that step on; "
+        "closure(batch) -> loss (zero the gradients, forward, backward). Every checkpoint is checked for "
+        "non-finite values, the steps after the latest finite one are replayed under a guard, and the first "
+        "that trips is diagnosed. Under torchrun every rank runs it and rank 0 prints. Exit 0: a bad step "
+        "found; 1: every step is finite (or no finite checkpoint); 2: a bad option.",
+    )
+    bis.add_argument("setup", metavar="PKG.MODULE:FUNCTION", help="an importable function returning the dict")
+    bis.add_argument("--checkpoints", required=True, metavar="DIR", help="the run's checkpoints, one entry each")
+    bis.add_argument(
+        "--until", type=int, default=None, metavar="STEP", help="replay no step after STEP (default: every batch)"
+    )
+    bis.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    bis.add_argument(
+        "--run-dir", default=None, metavar="DIR", help="keep the replay's events and the bad step's bundle here"
+    )
+    bis.set_defaults(func=_bisect)
 
     doctor = sub.add_parser("doctor", help="check torch, CUDA, NCCL, debug settings and NANGUARD_* variables")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")

@@ -136,6 +136,7 @@ class Console:
 
         With ``echo=False`` the messages only label the bar, and nothing is printed when
         the output is not a terminal (for work whose items are not news, like reading files).
+        A ``total`` of 0 is an unknown one.
         """
         if not self.tty:
             if echo:
@@ -145,7 +146,7 @@ class Console:
             return
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=self.rich, transient=not echo) as bar:
-            task = bar.add_task(escape(safe(label)), total=total)
+            task = bar.add_task(escape(safe(label)), total=total or None)
 
             def advance(message: str) -> None:
                 if echo:
