@@ -39,6 +39,7 @@ def runs() -> dict[str, list[dict]]:
         "fsdp_guarded": ["fsdp", None, 0, "skip"],
         "fsdp_sqrt_rank0": ["fsdp", "sqrt", 0, "skip"],
         "fsdp_token_rank1": ["fsdp", "token", 1, "skip", {"check_batch": True}],
+        "fsdp_nan_row": ["fsdp", "nan_row", 1, "skip", {"steps": 1}],
         "tp_plain": ["tp", None, 0, None],
         "tp_guarded": ["tp", None, 0, "skip"],
         "tp_sqrt_rank1": ["tp", "sqrt", 1, "skip"],
@@ -101,6 +102,26 @@ def test_bad_token_id_on_rank1_is_named_and_skipped_not_fatal(runs: dict[str, li
     assert [r["skipped"] for r in runs["fsdp_token_rank1"]] == [[2], [2]]
     # The run goes on after the skip, both ranks in step (FSDP keeps them consistent).
     assert all(len(r["losses"]) == 3 for r in runs["fsdp_token_rank1"])
+
+
+@pytest.mark.dist
+def test_a_nan_row_of_the_sharded_embedding_is_named_as_a_row_of_the_model_on_its_owner(
+    runs: dict[str, list[dict]],
+) -> None:
+    from nanguard.zoo.titan import NAN_ROW
+
+    ranks = runs["fsdp_nan_row"]
+    assert all(r["raised"] for r in ranks)  # no skip repairs a loaded NaN: every rank stops together
+    d = _diag(ranks)
+    assert (d["cause"], d["module"], d["phase"], d["rank"]) == (
+        "parameters.nonfinite",
+        "tok_embeddings",
+        "parameters",
+        1,
+    )
+    evidence = ranks[0]["diag"]["evidence"]
+    assert evidence["rows"] == [NAN_ROW]  # not 200 - 128, the row in rank 1's shard
+    assert evidence["token_ids"] == [NAN_ROW]
 
 
 # -- one process: a replay that could not observe the step blames no hardware ------------------

@@ -247,6 +247,19 @@ def _sync_off(
 
 # Known to work: torch 2.13.0 (FSDP2, ``fully_shard``). With gradient sync off, FSDP2 keeps
 # unsharded gradients on each FSDPParam to add to the next reduce-scatter.
+# Known to work: torch 2.13.0 (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``).
+def row_offset(t: torch.Tensor) -> int:
+    """Where this rank's local shard of ``t`` starts along dim 0 of the full tensor: 0 for a plain
+    tensor or a DTensor not sharded on dim 0 (FSDP2 and tensor parallel shard rows this way)."""
+    placements = getattr(t, "placements", None)
+    if placements is None or t.dim() == 0:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)  # type: ignore[attr-defined]
+    return int(offset[0]) if offset else 0
+
+
 def fsdp_unsharded_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The unsharded gradients FSDP2 holds for ``model``'s parameters while gradient sync is off,
     by the parameter's name; [] outside FSDP2."""

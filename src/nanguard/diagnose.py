@@ -1081,6 +1081,8 @@ def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None
     verdict = nonfinite_parameters({"origin": origin})
     assert verdict is not None
     where = f" (rows {rows} of {name})" if rows else ""
+    if rows and first.get("token_ids"):
+        where = f" (rows {rows} of {name}: the embeddings of token ids {rows})"
     return Diagnosis(
         cause=verdict.cause,
         kind="nan" if nan else "inf",
@@ -1093,6 +1095,7 @@ def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None
             "origin": origin,
             "parameters": [f["name"] for f in found][:16],
             "rows": rows,
+            **({"token_ids": first["token_ids"]} if first.get("token_ids") else {}),
             "loaded": True,
             "why": verdict.why.replace("before the step", f"before step {step}, as built or loaded{where}"),
         },

@@ -272,9 +272,11 @@ class Diagnoser:
     def loaded_parameters(self, step: int, ranks: list[int]) -> Diagnosis:
         """The parameters were non-finite before ``step``, as the guard was built or a state dict
         loaded them (no update of this guard wrote them): name them, and the rows that hold NaN/Inf."""
+        root = dist.unwrap(self.model)
         named: list[tuple[str, str | None, torch.Tensor]] = [
-            (n, n.rpartition(".")[0], p) for n, p in dist.unwrap(self.model).named_parameters()
+            (n, n.rpartition(".")[0], p) for n, p in root.named_parameters()
         ]
+        embeddings = {n for n, m in root.named_modules() if isinstance(m, nn.Embedding)}
         seen = {id(p) for _, _, p in named}
         named += [
             (f"optimizer.param_groups[{g}]['params'][{i}]", None, p)  # held by the optimizer only
@@ -289,10 +291,13 @@ class Diagnoser:
                 bad = ~torch.isfinite(t)
                 if bool(bad.any()):
                     rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten()[:16].tolist() if t.dim() else []
+                    start = compat.row_offset(p)  # a shard's rows, as rows of the full parameter
+                    rows = [start + r for r in rows]
                     nan = int(t.isnan().sum())
-                    counts.append(
-                        {"name": name, "module": module, "nan": nan, "inf": int(bad.sum()) - nan, "rows": rows}
-                    )
+                    found = {"name": name, "module": module, "nan": nan, "inf": int(bad.sum()) - nan, "rows": rows}
+                    if module in embeddings and name.endswith(".weight"):
+                        found["token_ids"] = rows  # an embedding's rows are the ids that read them
+                    counts.append(found)
         mine = loaded_nonfinite(step=step, found=counts, rank=dist.rank_or_none(), ranks=[]) if counts else None
         # Every rank is here (the flag is agreed): each gets the diagnosis of a rank that holds them.
         diag = dist.gather_diagnosis(mine, ranks)

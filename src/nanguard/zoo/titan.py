@@ -24,6 +24,7 @@ __all__ = ["BAD_STEP", "VOCAB", "build", "titan_rank"]
 
 VOCAB = 256
 BAD_STEP = 2
+NAN_ROW = 200  # held by rank 1 under FSDP2 and TP (rows 128..255)
 SEQ = 16
 
 
@@ -135,6 +136,19 @@ def _plant(model: nn.Module, fault: str | None, on: dict[str, bool]) -> None:
     w1.forward = faulty
 
 
+def _nan_row(model: nn.Module, row: int) -> None:
+    """Row ``row`` of the token embedding NaN, as a bad checkpoint would load it: written by the
+    rank whose shard holds it."""
+    from nanguard.compat import row_offset
+
+    weight: Any = model.get_submodule("tok_embeddings").weight
+    start = row_offset(weight)
+    shard = weight.to_local() if hasattr(weight, "to_local") else weight
+    if start <= row < start + shard.shape[0]:
+        with torch.no_grad():
+            shard[row - start] = float("nan")
+
+
 def _digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
@@ -159,7 +173,9 @@ def titan_rank(
 ) -> dict[str, Any]:
     """Train ``steps`` steps as torchtitan's ``train_step`` does; ``fault`` on ``fault_rank`` at
     ``BAD_STEP``: "sqrt" (an op fault in the forward), "token" (a token id past the vocabulary),
-    "label" (a label past it), or None; ``policy`` None trains unguarded."""
+    "label" (a label past it), "nan_row" (row ``NAN_ROW`` of the embedding NaN from the start,
+    on the rank that holds it), or None; ``policy`` None trains unguarded."""
+    from nanguard.errors import NonFiniteError
     from nanguard.integrations.torchtitan import TitanGuard
 
     parts = build(setup, lr=lr)
@@ -172,6 +188,8 @@ def titan_rank(
     on = {"bad": False}
     if rank == fault_rank:
         _plant(model, fault, on)
+    if fault == "nan_row":
+        _nan_row(model, NAN_ROW)
     guard = None
     if policy is not None:
         guard = TitanGuard([model], optimizers, schedulers, policy, check_batch=check_batch, module_stats=False)
@@ -180,6 +198,7 @@ def titan_rank(
     model.register_forward_pre_hook(lambda *a: forwards.__setitem__("n", forwards["n"] + 1))
     losses, norms, skipped = [], [], []
     positions = torch.arange(SEQ).expand(2, SEQ)
+    raised = None
     for step in range(steps):
         optimizers.zero_grad()
         tokens, labels = _batch(setup, rank, step)
@@ -195,7 +214,11 @@ def titan_rank(
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        optimizers.step()
+        try:
+            optimizers.step()
+        except NonFiniteError as err:  # policy "raise", or parameters no skip can repair
+            raised = err.diagnosis
+            break
         schedulers.step()
         on["bad"] = False
         if guard is not None and guard.step_skipped:
@@ -204,7 +227,7 @@ def titan_rank(
         value = loss.detach()
         losses.append(float((value.to_local() if hasattr(value, "to_local") else value).item()))
         norms.append(float(norm.item()))
-    d = guard.last_diagnosis if guard is not None else None
+    d = raised or (guard.last_diagnosis if guard is not None else None)
     if guard is not None:
         guard.close()
     return {
@@ -214,6 +237,7 @@ def titan_rank(
         "skipped": skipped,
         "digest": _digest(model),
         "forwards": forwards["n"],
+        "raised": raised is not None,
         "diag": None
         if d is None
         else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step")}
