@@ -340,6 +340,8 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
             f"{o.op} in {node} ({_where(o)}) computed -inf - (-inf): a row given to "
             f"{_node_op(node)} in forward was entirely -inf, so its gradient is exp(NaN)"
         )
+    elif _met_sentinels(o):
+        return _infinities_met(o)
     else:
         return None
     fixes = [
@@ -347,6 +349,33 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
         "key (padding queries can attend to themselves)",
         "use F.scaled_dot_product_attention, whose softmax returns 0 for fully masked rows",
         "drop all-padding samples: ng.check_batch flags them as data.fully_masked",
+    ]
+    return Verdict("op.masked_softmax", why, fixes)
+
+
+def _met_sentinels(o: OriginEvidence) -> bool:
+    """Did the origin combine two -inf it was given on purpose (a mask fill, a running max
+    initialised to -inf, an additive mask of the batch's)?"""
+    sources = o.get("infinity_sources") or []
+    met = o.get("infinities_met") or ""
+    return "-inf" in met and bool(sources) and all(s.get("category") in ("write", "fill") for s in sources)
+
+
+def _infinities_met(o: OriginEvidence) -> Verdict:
+    """A softmax, logsumexp or online (blockwise) softmax written out by hand over a row or block
+    that is entirely -inf: ``x - max(x)`` is ``-inf - (-inf)``."""
+    written = sorted({s.get("op") or s.get("path") or "?" for s in o.get("infinity_sources") or []})
+    why = (
+        f"{o.op} in {_where(o)} ({o.phase}) computed {o.get('infinities_met')} = NaN: two -inf sentinels "
+        f"(written by {', '.join(_short(w) for w in written)}) met, as in x - max(x) over a row or key block "
+        "that is entirely masked (a softmax, logsumexp or running max written out by hand)"
+    )
+    fixes = [
+        "use a finite sentinel: initialise the running max and fill masked scores with torch.finfo(dtype).min "
+        "instead of -inf, so an empty row or block gives exp(0) weights that the mask then zeroes",
+        "or guard the empty block: subtract torch.where(m == -inf, 0, m) instead of m, so a fully masked "
+        "block contributes exp(-inf) = 0 and its row sum stays 0 (divide by sum.clamp_min(tiny))",
+        "drop all-padding samples before the model: ng.check_batch flags them as data.fully_masked",
     ]
     return Verdict("op.masked_softmax", why, fixes)
 
@@ -477,6 +506,11 @@ def _normalization_hint(ev: Evidence) -> Verdict | None:
 _LOG_OPS = ("log", "log2", "log10", "log_", "log2_", "log10_")
 # User-level ops that take a log of a determinant: NaN for a negative one, -inf for a singular matrix.
 _LOGDET_OPS = ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet")
+# Ops with a log (or the log of the gamma function) inside: their domain facts come from tracer.ops.
+_LOG_FAMILY = frozenset(
+    {"xlogy", "special_xlog1py", "log1p", "log1p_", "logit", "logit_", "lgamma", "lgamma_", "digamma", "digamma_"}
+    | {"polygamma", "mvlgamma", "special_entr"}
+)
 
 
 @_rule
@@ -486,6 +520,8 @@ def log_domain(ev: Evidence) -> Verdict | None:
     in_log = op in _LOG_OPS or _node_op(node) in _LOG_OPS
     if op in _LOGDET_OPS and not node:
         return _log_determinant(o)
+    if op in _LOG_FAMILY and not node and o.get("domain"):
+        return _log_family(o)
     if not in_log:
         return None
     x = _first_input(o)
@@ -496,6 +532,31 @@ def log_domain(ev: Evidence) -> Verdict | None:
     fixes = [
         "compute F.log_softmax(logits.float()) instead of log(softmax(...)); F.cross_entropy takes logits directly",
         "if you need log of a probability, clamp it: torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))",
+    ]
+    return Verdict("op.log_domain", why, fixes)
+
+
+def _log_family(o: OriginEvidence) -> Verdict:
+    """xlogy, log1p, logit, lgamma/digamma and the special functions with a log inside, at or past
+    the end of their domain; inside a distribution's method (``Beta.log_prob`` runs
+    ``xlogy(a - 1, x)``), a value on the boundary of the distribution's support."""
+    user, op = o.get("user_op"), _short(o.op)
+    where = f"{op} inside {user}" if user and user != op else op
+    why = f"{where} in {_where(o)} ({o.phase}) got {o.get('at_boundary', 0)} values on the edge of its domain"
+    why += f" and {o.get('outside_domain')} outside it" if o.get("outside_domain") else ""
+    why += f" ({o.get('domain')}): the log there is -inf, or NaN past it"
+    fixes = []
+    if user and "." in user:
+        dist = user.split(".")[0]
+        why += f"; {dist}'s support is open at that edge, so a value clipped to its bound has no finite log-density"
+        fixes.append(
+            f"keep values strictly inside {dist}'s support: x.clamp(eps, 1 - eps) for a Beta action clipped to its "
+            "bounds, and compute the log-density of the unclipped sample (or of the clamped value)"
+        )
+    fixes += [
+        f"keep {op}'s argument inside its domain: clamp it away from the edge (torch.finfo(dtype).eps), "
+        "or mask the terms that sit on it out of the sum",
+        "where a log of a probability is the goal, compute it from logits (F.logsigmoid, F.log_softmax)",
     ]
     return Verdict("op.log_domain", why, fixes)
 

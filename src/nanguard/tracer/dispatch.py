@@ -23,7 +23,7 @@ from nanguard import compat
 from nanguard.evidence import OriginEvidence
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
 from nanguard.tracer import normalize, ops
-from nanguard.tracer.calls import UserCalls
+from nanguard.tracer.calls import UserCalls, distribution_call
 from nanguard.tracer.collectives import Communication, is_comm
 from nanguard.tracer.counts import BatchCounts
 from nanguard.tracer.grads import GradWatch
@@ -63,6 +63,14 @@ class Origin:
     extra: dict[str, Any] = field(default_factory=dict)
     before: list[dict[str, Any]] = field(default_factory=list)
     after: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Where this origin's values came from, in a line of JSON: its category, op, module, path
+        and the value it wrote."""
+        found = {"category": self.category, "op": self.op, "module": self.module, "path": self.path}
+        if "written" in self.extra:
+            found["written"] = self.extra["written"]
+        return {k: v for k, v in found.items() if v is not None}
 
     def to_evidence(self) -> dict[str, Any]:
         """The written origin (``diag.evidence["origin"]``), built through ``evidence.OriginEvidence``:
@@ -164,9 +172,10 @@ class Tracer:
         self.failure: Failure | None = None
         self._mode: _TracerMode | None = None
         self._func: Any = None  # the op being run, for the origins its inputs make
-        self.calls = UserCalls()
-        # Gradient surgery (PCGrad, a hand-written clip) between backward() and optimizer.step().
+        # Gradient surgery (PCGrad, a hand-written clip) between backward() and optimizer.step(), on
+        # the .grad tensors or on what torch.autograd.grad returned.
         self.grads = GradWatch(modules, self.leaves, protected)
+        self.calls = UserCalls(on_gradients=self.grads.produced)
         self.norms = normalize.NormalizationWatch()
         # The taint of the latest op that read a non-finite value, and its index: what a raise
         # right after it (a distribution's validate_args, multinomial, an assert) is about.
@@ -287,11 +296,17 @@ class Tracer:
             created_nan = nan and not ins.nan
             created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, flat_in))
             out_taint = ins.taint
-            if (created_nan or created_inf) and not (created_nan and self._from_written_inf(func, ins)):
+            # Two infinities combined (-inf - (-inf) in a running max): that arithmetic made the NaN,
+            # even where each infinity was written on purpose.
+            met = ops.infinities_met(func, flat_in, o) if created_nan and ins.inf_taint else None
+            if (created_nan or created_inf) and not (created_nan and not met and self._from_written_inf(func, ins)):
                 if where is None:
                     self.grads.recheck(flat_in, facts, args, kwargs)
                 where = where or self._where(func)
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
+                if met:
+                    origin.extra["infinities_met"] = met
+                    origin.extra["infinity_sources"] = [self.origins[i].summary() for i in sorted(ins.inf_taint)]
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
                 out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE)
             elif ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
@@ -432,6 +447,9 @@ class Tracer:
     def _call_facts(self, func: Any, flat_args: list[Any]) -> dict[str, Any]:
         """The user-level call around a forward creation, and the gradients a gradient-surgery op read."""
         facts = {"user_op": self.calls.name} if self.calls.implements(ops.op_name(func)) else {}
+        method = distribution_call()
+        if method is not None:
+            facts["user_op"] = method
         return facts | self.grads.facts(flat_args)
 
     def _record(self, where: _Where, category: str, kind: str, **facts: Any) -> Origin:
