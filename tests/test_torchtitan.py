@@ -40,6 +40,7 @@ def runs() -> dict[str, list[dict]]:
         "fsdp_sqrt_rank0": ["fsdp", "sqrt", 0, "skip"],
         "fsdp_token_rank1": ["fsdp", "token", 1, "skip", {"check_batch": True}],
         "fsdp_nan_row": ["fsdp", "nan_row", 1, "skip", {"steps": 1}],
+        "fsdp_sqrt_grad_rank1": ["fsdp", "sqrt_grad", 1, "skip"],
         "tp_plain": ["tp", None, 0, None],
         "tp_guarded": ["tp", None, 0, "skip"],
         "tp_sqrt_rank1": ["tp", "sqrt", 1, "skip"],
@@ -63,6 +64,7 @@ def test_healthy_runs_are_bit_identical_to_unguarded_ones(runs: dict[str, list[d
         assert guarded["losses"] == plain["losses"]  # torchtitan's logged loss and grad norm unchanged
         assert guarded["norms"] == plain["norms"]
         assert guarded["skipped"] == [] and guarded["diag"] is None
+        assert guarded["forwards"] == plain["forwards"] == 4  # the trainer's forward and backward once a step
 
 
 @pytest.mark.dist
@@ -80,6 +82,25 @@ def test_fsdp_op_fault_on_rank0_is_named_there_with_the_chunked_loss(runs: dict[
     }
     assert [r["skipped"] for r in runs["fsdp_sqrt_rank0"]] == [[2], [2]]
     assert all(len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in runs["fsdp_sqrt_rank0"])
+
+
+@pytest.mark.dist
+def test_fsdp_backward_fault_is_seen_in_the_unsharded_gradients_not_blamed_on_hardware(
+    runs: dict[str, list[dict]],
+) -> None:
+    # The replay's backward runs with FSDP sync off: its gradients sit in FSDP's unsharded
+    # buffers, which the tracer now reads; before, the replay looked finite and the step was
+    # called distributed.transient ("drain this node").
+    d = _diag(runs["fsdp_sqrt_grad_rank1"])
+    assert (d["op"], d["module"], d["phase"], d["rank"], d["ranks"]) == (
+        "aten.sqrt.default",
+        "layers.1.feed_forward.w1",
+        "backward",
+        1,
+        [1],
+    )
+    assert d["cause"] not in ("distributed.transient", "step.not_reproduced")
+    assert [r["skipped"] for r in runs["fsdp_sqrt_grad_rank1"]] == [[2], [2]]
 
 
 @pytest.mark.dist
