@@ -7,6 +7,8 @@ whether they run distributed.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import math
 import warnings
@@ -45,6 +47,7 @@ __all__ = [
     "unwrap",
     "watch_communication",
     "world_size",
+    "zero_grad",
 ]
 
 
@@ -432,6 +435,30 @@ def broadcast_state(model: nn.Module, src: int) -> None:
     with torch.no_grad():
         for t in list(unwrap(model).parameters()) + list(unwrap(model).buffers()):
             tdist.broadcast(t.data, src)
+
+
+def zero_grad(model: Any) -> None:
+    """``model.zero_grad(set_to_none=True)``, or ``model.zero_grad()`` where it takes no ``set_to_none``
+    (DeepSpeed's engine, older wrappers, which drop the gradients themselves).
+
+    Example:
+        >>> zero_grad(engine)   # DeepSpeedEngine.zero_grad(self)
+    """
+    method = model.zero_grad
+    if _takes_set_to_none(getattr(method, "__func__", method)):
+        model.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad()
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_set_to_none(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` take a ``set_to_none`` argument (by name, or through ``**kwargs``)? Read once per function."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: call it plainly
+        return False
+    return any(p.name == "set_to_none" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -78,7 +78,7 @@ class Recovery:
             self.buffers.restore()
             if rng is not None:
                 set_rng_state(rng)
-        self.model.zero_grad(set_to_none=True)
+        dist.zero_grad(self.model)
         if self.scaler is not None:
             # unscale_ already ran for this step: update() closes it, or the next unscale_ raises.
             self.scaler.update()
@@ -88,7 +88,7 @@ class Recovery:
         and close the scaler's ``unscale_`` (when it ran) with the scale as it was."""
         self.buffers.restore()
         set_rng_state(rng)
-        self.model.zero_grad(set_to_none=True)
+        dist.zero_grad(self.model)
         if self.scaler is not None and unscaled:
             scale = self.scaler.state_dict()
             with contextlib.suppress(AssertionError, RuntimeError):  # already closed by abandon()
@@ -138,7 +138,7 @@ class Recovery:
             self.scaler.load_state_dict(snap["scaler"])
         if self.scheduler is not None and snap["scheduler"] is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
-        self.model.zero_grad(set_to_none=True)
+        dist.zero_grad(self.model)
         self.rollbacks += 1
         self.drop_batches = self.config.rollback_skip_batches
         return int(snap["step"])

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanguard import dist
 from nanguard.errors import NonFiniteError
 from nanguard.guard import Guard
 from nanguard.integrations import drop_grads, running_stats
@@ -99,7 +100,7 @@ class StepCapture:
     def replay(self, model: nn.Module, micro: Sequence[Micro], run: Callable[[Micro], Any]) -> list[Any]:
         """Zero ``model``'s gradients, then ``run`` each micro-batch from its own RNG state; the
         results, for the tracer to follow to the loss."""
-        model.zero_grad(set_to_none=True)
+        dist.zero_grad(model)  # a wrapper's zero_grad may take no set_to_none (DeepSpeed's engine)
         results = []
         with self.replay_mode():
             for m in micro:
