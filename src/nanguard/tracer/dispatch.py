@@ -296,21 +296,13 @@ class Tracer:
                     self.grads.recheck(flat_in, facts, args, kwargs)
                 where = where or self._where(func)
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
-                if origin.extra.get("fully_masked_samples") and ins.inf_taint:
-                    self._masked_by(origin, ins.inf_taint)
-                if met:
-                    origin.extra["infinities_met"] = met
-                    origin.extra["infinity_sources"] = [self.origins[i].summary() for i in sorted(ins.inf_taint)]
+                self._inf_facts(origin, ins.inf_taint, met)
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
                 out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE)
             elif ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
                 value = _written(o, ins.written)
                 if value is not None:
-                    written = self._write(func, value, outputs=[tensor_stats(o)])
-                    mask = _mask_argument(func, args) if value == "-inf" else None
-                    if mask is not None and (mask_path := self.counts.path(mask) or self._path(mask)) is not None:
-                        written.extra["mask_from"] = mask_path  # a mask computed from the batch's own tensor
-                    out_taint = out_taint | {written.id}
+                    out_taint = out_taint | {self._fill(func, args, value, o).id}
             self.taint.set(o, nan, inf, out_taint, base)
             self._note_after(func, facts, out_taint, nan, where)
 
@@ -389,6 +381,25 @@ class Tracer:
             return False
         node = compat.current_autograd_node()
         return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
+
+    def _fill(self, func: Any, args: tuple, value: str, out: torch.Tensor) -> Origin:
+        """The write of an explicit ``value`` into ``out``; a -inf fill remembers the batch tensor its
+        mask was computed from (``masked_fill(batch_mask == 0, -inf)``)."""
+        written = self._write(func, value, outputs=[tensor_stats(out)])
+        mask = _mask_argument(func, args) if value == "-inf" else None
+        path = (self.counts.path(mask) or self._path(mask)) if mask is not None else None
+        if path is not None:
+            written.extra["mask_from"] = path
+        return written
+
+    def _inf_facts(self, origin: Origin, inf_taint: frozenset[int], met: str | None) -> None:
+        """What a creation from Inf inputs learns of them: the batch mask behind a fully masked
+        row, and which sentinels two infinities that met came from."""
+        if origin.extra.get("fully_masked_samples") and inf_taint:
+            self._masked_by(origin, inf_taint)
+        if met:
+            origin.extra["infinities_met"] = met
+            origin.extra["infinity_sources"] = [self.origins[i].summary() for i in sorted(inf_taint)]
 
     def _mask_fills(self, func: Any, args: tuple, inf_taint: frozenset[int]) -> None:
         """``where(batch_mask, scores, full_like(scores, -inf))``: the -inf written beforehand becomes a
