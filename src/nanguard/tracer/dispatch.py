@@ -214,7 +214,17 @@ class Tracer:
         ins = self.taint.inputs(flat_in)
         if ins is not CLEAN and ins.taint:
             self.last_taint, self.last_taint_index = ins.taint, self.index
+            self._first_reader(ins.taint)
         return flat_in, ins
+
+    def _first_reader(self, taint: frozenset[int]) -> None:
+        """Bad data first touched outside any module (a pipeline schedule splitting the batch into
+        microbatches, the loop's own arithmetic) is named after the first module that reads it."""
+        for oid in taint:
+            origin = self.origins[oid]
+            if origin.category == "data" and origin.module is None and self.modules.current is not None:
+                origin.module = self.modules.current_name()
+                origin.module_type = type(self.modules.current).__name__
 
     def op_failed(self, func: Any, args: tuple, err: BaseException) -> None:
         if self.failure is None:
