@@ -334,6 +334,7 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
             f"{o.get('fully_masked_rows')} of {o.get('rows')} rows given to {o.op} in {_where(o)} "
             "are entirely -inf, and softmax of an all -inf row is 0/0"
         )
+        why += _masked_by(o)
     elif _node_op(node) in ("logsumexp", "softmax", "logsoftmax") and _neginf_inputs(o) >= 2:
         # The backward of logsumexp/softmax computes exp(x - result): -inf - (-inf) on an all -inf row.
         why = (
@@ -351,6 +352,27 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
         "drop all-padding samples: ng.check_batch flags them as data.fully_masked",
     ]
     return Verdict("op.masked_softmax", why, fixes)
+
+
+def _masked_by(o: OriginEvidence) -> str:
+    """``; the mask came from the batch: batch[0][1] row 3 masks every position``, when the tracer
+    followed the -inf back to a mask the batch carried."""
+    found = o.get("masked_by")
+    if not isinstance(found, dict):
+        return ""
+    rows = found.get("rows") or []
+    return f"; the mask came from the batch: {found.get('path')} row(s) {rows} mask every position (an empty sample)"
+
+
+@_rule
+def _empty_sample_hint(ev: Evidence) -> Verdict | None:
+    """A fully masked row whose mask the batch carried: the sample is the cause behind the op."""
+    o = _origin(ev)
+    found = o.get("masked_by")
+    if not isinstance(found, dict):
+        return None
+    why = f"sample row(s) {found.get('rows')} of {found.get('path')} mask every position"
+    return Verdict("data.fully_masked", why, ["drop or re-pack samples whose mask is all zeros"])
 
 
 def _met_sentinels(o: OriginEvidence) -> bool:
@@ -845,7 +867,11 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
     norm_overflow,
 ]
 # Rules that never name the cause, only add a secondary one to ``also``.
-HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [_weight_scale_hint, _normalization_hint]
+HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
+    _weight_scale_hint,
+    _normalization_hint,
+    _empty_sample_hint,
+]
 
 
 def diagnose(evidence: Evidence | Mapping[str, Any]) -> Verdict:

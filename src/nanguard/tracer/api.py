@@ -251,6 +251,9 @@ def _diagnosis(
         }
     if "exception" in origin.extra:
         evidence["exception"] = origin.extra["exception"]
+    masked_by = origin.extra.get("masked_by")
+    if isinstance(masked_by, dict) and masked_by.get("rows"):
+        evidence["rows"] = list(masked_by["rows"])  # the empty samples: what a quarantine takes
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
     if facts is not None:
