@@ -563,8 +563,9 @@ class Guard:
         self.health.forget_update()  # the queued parameter check saw the replicas before the repair
 
     def _rollback(self, step: int, diag: Diagnosis, action: Action, *, count: bool = True) -> None:
-        why = self.recovery.why_restored()
-        restored = self.recovery.rollback(diag)
+        onset = self.history.onset()  # a steady growth under way: land before it began
+        why = self.recovery.why_restored(onset)
+        restored = self.recovery.rollback(diag, onset)
         if action.lower_lr:
             # Snapshot again, so a later rollback restores the lowered LR, not the one that diverged.
             self._remedies.lower_lr()
