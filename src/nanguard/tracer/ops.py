@@ -325,7 +325,11 @@ def _finite_max(x: torch.Tensor) -> float:
 def _softmax(args: tuple) -> dict[str, Any]:
     x, dim = args[0], int(args[1])
     masked = (x == -math.inf).all(dim=dim)
-    return {"rows": int(masked.numel()), "fully_masked_rows": int(masked.sum()), "input_max": _finite_max(x)}
+    facts = {"rows": int(masked.numel()), "fully_masked_rows": int(masked.sum()), "input_max": _finite_max(x)}
+    if masked.dim() and bool(masked.any()):
+        # The samples (dim 0) those rows belong to: where a batch mask emptied them, the samples to drop.
+        facts["fully_masked_samples"] = masked.reshape(masked.shape[0], -1).any(1).nonzero().flatten()[:16].tolist()
+    return facts
 
 
 # Forward only: the backward ops take (grad, self, target, weight, reduction, ignore_index, ...).
