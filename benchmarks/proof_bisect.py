@@ -53,7 +53,7 @@ def _proof_rank(rank: int, world: int, rounds: int) -> dict[str, Any]:
             for step in range(WARM + 1):
                 batch = _batch(rank, step)
 
-                def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
+                def closure(batch: dict[str, torch.Tensor] = batch, model: Any = model, opt: Any = opt) -> Any:
                     opt.zero_grad()
                     loss = model(**batch)[1]
                     loss.backward()
@@ -141,19 +141,26 @@ def main() -> None:
     ranks = spawn_ranks(_proof_rank, args.rounds, world=2, timeout=1200)
     p = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the slower rank sets the pace
     b = _bisect(args.rounds, args.every, args.steps)
-    n = CONFIG
-    body = f"""### A trip's proof and a bisect, in training steps
-{machine()}; tiny GPT ({n.n_layer} layers, width {n.n_embd}, {n.block_size} tokens, batch {BATCH}), AdamW; medians of {args.rounds} rounds.
-
-| what | seconds | in training steps |
-|---|---:|---:|
-| healthy guarded DDP step (2 gloo ranks) | {p["healthy"]:.4f} | 1 |
-| trip with its proof (`faulty_device` on rank 1: peer re-computes, `hardware.faulty_device`) | {p["proved"]:.4f} | {p["proved"] / p["healthy"]:.1f} |
-| the same trip with `prove=False` | {p["unproved"]:.4f} | {p["unproved"] / p["healthy"]:.1f} |
-| the proof alone (difference) | {p["proved"] - p["unproved"]:.4f} | {(p["proved"] - p["unproved"]) / p["healthy"]:.1f} |
-| unguarded training step (1 process) | {b["step"]:.4f} | 1 |
-| `ng.bisect`: {args.steps // args.every} checkpoints checked, {b["replayed"]:.0f} steps replayed, the bad one diagnosed | {b["bisect"]:.4f} | {b["bisect"] / b["step"]:.1f} |
-"""
+    n, h, ckpts = CONFIG, p["healthy"], args.steps // args.every
+    rows = [
+        ("healthy guarded DDP step (2 gloo ranks)", h, 1.0),
+        ("trip with its proof (`faulty_device` on rank 1: `hardware.faulty_device`)", p["proved"], p["proved"] / h),
+        ("the same trip with `prove=False`", p["unproved"], p["unproved"] / h),
+        ("the proof alone (difference)", p["proved"] - p["unproved"], (p["proved"] - p["unproved"]) / h),
+        ("unguarded training step (1 process)", b["step"], 1.0),
+        (
+            f"`ng.bisect`: {ckpts} checkpoints checked, {b['replayed']:.0f} steps replayed, the bad one diagnosed",
+            b["bisect"],
+            b["bisect"] / b["step"],
+        ),
+    ]
+    table = "\n".join(f"| {what} | {sec:.4f} | {ratio:.1f} |" for what, sec, ratio in rows)
+    body = (
+        "### A trip's proof and a bisect, in training steps\n"
+        f"{machine()}; tiny GPT ({n.n_layer} layers, width {n.n_embd}, {n.block_size} tokens, batch {BATCH}), "
+        f"AdamW; medians of {args.rounds} rounds.\n\n"
+        "| what | seconds | in training steps |\n|---|---:|---:|\n" + table + "\n"
+    )
     write_section("proof-bisect", body)
     print(body)
 

@@ -73,18 +73,12 @@ def test_on_event_sends_scalars_and_trips_to_a_real_summary_writer(tmp_path) -> 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    from nanguard.integrations.scalars import to_tensorboard, to_wandb
+    from nanguard.integrations.scalars import to_tensorboard
 
     model, optimizer, x, y = _regression()
-    writer = SummaryWriter(str(tmp_path / "tb"))
-    logged = []
-
-    class Run:  # the one method of a W&B run the hook uses
-        def log(self, values, step):
-            logged.append((step, values))
-
-    tb, wb = to_tensorboard(writer), to_wandb(Run())
-    guard = ng.Guard(model, optimizer, on_event=lambda e: (tb(e), wb(e)))
+    writers = {"plain": SummaryWriter(str(tmp_path / "plain")), "curves": SummaryWriter(str(tmp_path / "curves"))}
+    plain, curves = to_tensorboard(writers["plain"]), to_tensorboard(writers["curves"], curves=True)
+    guard = ng.Guard(model, optimizer, on_event=lambda e: (plain(e), curves(e)))
     for step in range(4):
         bad = x.clone()
         if step == 2:
@@ -98,17 +92,21 @@ def test_on_event_sends_scalars_and_trips_to_a_real_summary_writer(tmp_path) -> 
 
         guard.step(closure)
     guard.close()
-    writer.close()
-    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("nanguard/loss")] == [0, 1, 3]
-    assert [(e.step, e.value) for e in acc.Scalars("nanguard/trips")] == [(2, 1.0)]
-    assert [(e.step, e.value) for e in acc.Scalars("nanguard/skips")] == [(2, 1.0)]
-    assert [e.step for e in acc.Tensors("nanguard/cause/text_summary")] == [2]
-    assert [step for step, values in logged if "nanguard/loss" in values] == [0, 1, 3]
-    assert [(step, values["nanguard/cause"]) for step, values in logged if "nanguard/cause" in values] == [
-        (2, "data.nonfinite")
-    ]
+    for writer in writers.values():
+        writer.close()
+    acc = {}
+    for name in writers:
+        acc[name] = EventAccumulator(str(tmp_path / name), size_guidance={"scalars": 0, "tensors": 0})
+        acc[name].Reload()
+    # The loss and grad norm are the loop's own curves: only with curves=True.
+    assert "nanguard/loss" not in acc["plain"].Tags()["scalars"]
+    assert [e.step for e in acc["curves"].Scalars("nanguard/loss")] == [0, 1, 3]
+    # Trips and skips: a step function from a zero baseline, one value at least per step.
+    for tag in ("nanguard/trips", "nanguard/skips"):
+        series = {e.step: e.value for e in acc["plain"].Scalars(tag)}
+        assert series == {0: 0.0, 1: 0.0, 2: 1.0, 3: 1.0}, tag
+    assert "nanguard/rollbacks" not in acc["plain"].Tags()["scalars"]
+    assert [e.step for e in acc["plain"].Tensors("nanguard/cause/text_summary")] == [2]
 
 
 def test_a_failing_on_event_warns_once_and_training_goes_on() -> None:

@@ -328,7 +328,9 @@ class Guard:
             return self._verdict(h, replay, batch, rng, restore_buffers, updated=False)
         measured = self.health.measure(value)
         # The step index the ranks agree on: this rank's Guard.step/check calls, undone by nothing.
-        agreed = measured.agree(sharded=self._sharded, carried=self.health.carried(), step=self._calls - 1)
+        agreed = measured.agree(
+            sharded=self._sharded or self.health.sharded, carried=self.health.carried(), step=self._calls - 1
+        )
         if device_step:
             copy = HostCopy(measured, agreed) if self._deferred else None  # queued before the update
             # Device path: the fused optimizer skips the update on the device when any rank is bad.
@@ -562,8 +564,9 @@ class Guard:
         self.health.forget_update()  # the queued parameter check saw the replicas before the repair
 
     def _rollback(self, step: int, diag: Diagnosis, action: Action, *, count: bool = True) -> None:
-        why = self.recovery.why_restored()
-        restored = self.recovery.rollback(diag)
+        onset = self.history.onset()  # a steady growth under way: land before it began
+        why = self.recovery.why_restored(onset)
+        restored = self.recovery.rollback(diag, onset)
         if action.lower_lr:
             # Snapshot again, so a later rollback restores the lowered LR, not the one that diverged.
             self._remedies.lower_lr()
@@ -688,7 +691,7 @@ class Guard:
                 raise
             # An out-of-range id raises on CPU. This rank still joins the agreement, flagged
             # by a NaN loss, and its replay turns the error into a data diagnosis.
-            self.model.zero_grad(set_to_none=True)
+            dist.zero_grad(self.model)
             nan = torch.full((), math.nan, device=self._params[0].device if self._params else None)
             return nan, nan, err
 

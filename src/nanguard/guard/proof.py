@@ -179,6 +179,8 @@ def _applies(model: nn.Module, closure: Any, diag: Diagnosis, flagged: list[int]
         return False
     if not isinstance(model, DistributedDataParallel):  # FSDP, TP, PP: a rank's step needs the others' shards
         return False
+    if diag.evidence.get("unobserved"):  # a replay that could not see the whole step: nor could a peer's
+        return False
     return not diag.cause.startswith(_NOT_A_DEVICE)
 
 

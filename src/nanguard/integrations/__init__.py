@@ -21,6 +21,8 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
+from dataclasses import fields
 from types import ModuleType
 from typing import Any
 
@@ -45,8 +47,21 @@ def require(module: str, extra: str, what: str) -> ModuleType:
 
 
 def guard_options(policy: str, options: dict[str, Any]) -> None:
-    """Validate Guard options when the callback is built, not when training starts."""
-    GuardConfig.from_options(policy, options)
+    """Validate Guard options when the callback is built, not when training starts.
+
+    Every entry point takes ``ng.Guard``'s options the same way: its keyword arguments
+    (``on_event=``, ``inject=``, ``comm_hook=``, ...) and every ``GuardConfig`` field.
+    """
+    named = {n for n, p in inspect.signature(Guard).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    config = {k: v for k, v in options.items() if k not in named}
+    known = named | {f.name for f in fields(GuardConfig)} - {"policy"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"unknown Guard option(s) {unknown}; accepted: {sorted(known)}")
+    GuardConfig.from_options(policy, config)
+    on_event = options.get("on_event")
+    if on_event is not None and not callable(on_event):
+        raise ValueError(f"on_event must be None or a callable taking an event dict, got {type(on_event).__name__}")
 
 
 class GuardedCallback:

@@ -95,7 +95,8 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     def state(self) -> dict[str, Any]:
         guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state
         return {
-            "args": {"policy": self.policy, "run_dir": self.run_dir, **self.options},
+            # The Trainer writes this state as JSON: options that are objects (on_event=) are the code's to pass again.
+            "args": {"policy": self.policy, "run_dir": self.run_dir, **_plain(self.options)},
             "attributes": {"guard_state": guard_state},
         }
 
@@ -328,3 +329,8 @@ def _batch_of(micro: list[Micro]) -> Any:
         return None
     batches = [{**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs} for m in micro]
     return batches[0] if len(batches) == 1 else batches
+
+
+def _plain(options: dict[str, Any]) -> dict[str, Any]:
+    """The options a JSON file can hold: numbers, strings, booleans, None."""
+    return {k: v for k, v in options.items() if v is None or isinstance(v, (bool, int, float, str))}

@@ -1,6 +1,12 @@
-"""Send a plain loop's per-step scalars and trips to TensorBoard or W&B: ``Guard(on_event=...)``.
+"""Send a plain loop's trips and skips to TensorBoard or W&B: ``Guard(on_event=...)``.
 
 Neither package is imported here: the writer or run you pass in is the only link to it.
+
+What is logged: ``nanguard/trips`` and ``nanguard/skips``, the run's totals so far, at every step (a step
+function from a zero baseline: a trip is a rise, not a lone dot), ``nanguard/rollbacks`` and
+``nanguard/overflows`` from their first one on, ``nanguard/cause`` at a trip, and ``nanguard/scale`` (a
+GradScaler's scale). The loss and the gradient norm are your loop's own curves: ``curves=True`` adds the
+guard's (``nanguard/loss``, ``nanguard/grad_norm``: across ranks, before clipping).
 
 Example:
     >>> from torch.utils.tensorboard import SummaryWriter
@@ -16,22 +22,30 @@ from typing import Any
 __all__ = ["scalars_of", "to_tensorboard", "to_wandb"]
 
 Event = dict[str, Any]
+COUNTED = ("trip", "skip", "rollback", "overflow")
+BASELINE = ("trip", "skip")  # logged from step 0 on; the others once they happened
 
 
-def scalars_of(event: Event, counts: dict[str, int]) -> dict[str, float | str]:
-    """The ``nanguard/*`` values of one guard event; ``counts`` carries the trip and skip totals.
+def scalars_of(event: Event, counts: dict[str, int], *, curves: bool = False) -> dict[str, float | str]:
+    """The ``nanguard/*`` values of one guard event; ``counts`` carries the totals between events.
 
     Example:
         >>> scalars_of({"kind": "step", "step": 3, "loss": 2.5, "grad_norm": 1.0, "skipped": False}, {})
-        {'nanguard/loss': 2.5, 'nanguard/grad_norm': 1.0}
+        {'nanguard/trips': 0.0, 'nanguard/skips': 0.0}
+        >>> scalars_of({"kind": "step", "step": 3, "loss": 2.5, "skipped": False}, {}, curves=True)["nanguard/loss"]
+        2.5
     """
     kind = event.get("kind")
     out: dict[str, float | str] = {}
-    if kind == "step" and not event.get("skipped"):
-        for key in ("loss", "grad_norm", "scale"):
+    if kind == "step":
+        keys = ("loss", "grad_norm", "scale") if curves and not event.get("skipped") else ("scale",)
+        for key in keys:
             if event.get(key) is not None:
                 out[f"nanguard/{key}"] = float(event[key])
-    elif kind in ("trip", "skip", "rollback", "overflow"):
+        for counted in COUNTED:
+            if counted in BASELINE or counts.get(counted):
+                out[f"nanguard/{counted}s"] = float(counts.get(counted, 0))
+    elif kind in COUNTED:
         counts[kind] = counts.get(kind, 0) + 1
         out[f"nanguard/{kind}s"] = float(counts[kind])
         if kind == "trip":
@@ -39,12 +53,15 @@ def scalars_of(event: Event, counts: dict[str, int]) -> dict[str, float | str]:
     return out
 
 
-def to_tensorboard(writer: Any) -> Callable[[Event], None]:
-    """An ``on_event`` that writes to a ``SummaryWriter``: scalars, and the cause as text."""
+def to_tensorboard(writer: Any, *, curves: bool = False) -> Callable[[Event], None]:
+    """An ``on_event`` that writes to a ``SummaryWriter`` at the guard's step: scalars, and the cause as text.
+
+    ``curves=True`` adds the guard's loss and gradient norm (off: they would repeat your loop's own).
+    """
     counts: dict[str, int] = {}
 
     def on_event(event: Event) -> None:
-        for key, value in scalars_of(event, counts).items():
+        for key, value in scalars_of(event, counts, curves=curves).items():
             if isinstance(value, str):
                 writer.add_text(key, value, event["step"])
             else:
@@ -53,13 +70,20 @@ def to_tensorboard(writer: Any) -> Callable[[Event], None]:
     return on_event
 
 
-def to_wandb(run: Any) -> Callable[[Event], None]:
-    """An ``on_event`` that logs to a W&B run (``wandb.init(...)``) at the guard's step."""
+def to_wandb(run: Any, *, curves: bool = False) -> Callable[[Event], None]:
+    """An ``on_event`` that logs to a W&B run (``wandb.init(...)``) on an axis of its own.
+
+    The values are plotted against ``nanguard/step`` (the guard's step, declared with the run's
+    ``define_metric``), and logged without ``step=``: a loop that logs with a step axis of its own
+    (samples seen, tokens) keeps it, and no value is refused as "less than the current step".
+    """
+    run.define_metric("nanguard/step", hidden=True)
+    run.define_metric("nanguard/*", step_metric="nanguard/step")
     counts: dict[str, int] = {}
 
     def on_event(event: Event) -> None:
-        values = scalars_of(event, counts)
+        values: dict[str, Any] = dict(scalars_of(event, counts, curves=curves))
         if values:
-            run.log(values, step=event["step"])
+            run.log({**values, "nanguard/step": event["step"]})
 
     return on_event

@@ -1,0 +1,63 @@
+"""Every entry point takes ``ng.Guard``'s options the same way, and the first trip of a run shows the
+whole diagnosis whatever the entry point (later trips one line)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanguard.integrations import guard_options
+from nanguard.integrations.loop import LoopGuard
+from nanguard.zoo import GPT, GPTConfig, synthetic_batch
+
+CONFIG = GPTConfig(vision_dim=16, n_embd=32, block_size=16)
+
+
+def _setup() -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _loop(model: GPT, optimizer: torch.optim.Optimizer, steps: int, bad: set[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        b = synthetic_batch(CONFIG, gen, batch_size=4)
+        if step in bad:
+            b["pixel_values"][0, 0, 0] = float("nan")
+        _, loss = model(b["input_ids"], labels=b["labels"], pixel_values=b["pixel_values"])
+        loss.backward()
+        optimizer.step()
+
+
+def test_loop_guard_takes_on_event_as_guard_does() -> None:
+    events: list[dict] = []
+    model, opt = _setup()
+    with LoopGuard(model, opt, policy="skip", on_event=events.append, inject=None):
+        _loop(model, opt, 3, bad={1})
+    kinds = [e["kind"] for e in events]
+    assert "trip" in kinds and kinds.count("step") >= 2
+
+
+def test_every_entry_point_accepts_and_refuses_the_same_options() -> None:
+    for ok in ({"on_event": print}, {"inject": "nan_grad@step=3"}, {"max_consecutive_skips": 5}, {}):
+        guard_options("skip", ok)
+    with pytest.raises(ValueError, match=r"unknown Guard option\(s\) \['on_evnt'\]; accepted: .*'on_event'"):
+        guard_options("skip", {"on_evnt": print})
+    with pytest.raises(ValueError, match="on_event must be None or a callable"):
+        guard_options("skip", {"on_event": "tb"})
+    model, opt = _setup()
+    with pytest.raises(ValueError, match="on_evnt"):
+        LoopGuard(model, opt, on_evnt=print)
+
+
+def test_framework_callbacks_take_on_event() -> None:
+    pytest.importorskip("lightning")
+    from nanguard.integrations.hf import NanGuardCallback
+    from nanguard.integrations.lightning import NanGuard
+
+    events: list[dict] = []
+    assert NanGuard(on_event=events.append).options["on_event"] == events.append
+    hf = NanGuardCallback(on_event=events.append, max_consecutive_skips=4)
+    assert hf.state()["args"] == {"policy": "skip", "run_dir": None, "max_consecutive_skips": 4}
