@@ -127,6 +127,7 @@ class Guard:
         self.diagnoser = Diagnoser(
             model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats, comm=self.health.comm
         )
+        self.diagnoser.prove = c.prove
         self.recorder = recorder_for(
             run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model, bundle_weights=c.bundle_weights
         )
