@@ -94,7 +94,8 @@ as `train_step` runs them (`nanguard/zoo/titan.py`); unguarded and guarded by `T
 module_stats=False)` with `guard.loss(loss_fn)`, {rounds} interleaved rounds in one run, median step
 time as seen by rank 0; then {rounds} guarded steps under cProfile, the time inside `LoopGuard`'s
 hooks (the check, its all-reduce, bookkeeping) as a share of the step. One intra-op thread per rank;
-the machine is shared, so the ratio, not the time, is the result. Load average (1 min) at the start: {load:.2f}. {machine()}.
+the machine is shared, so the ratio, not the time, is the result. Load average (1 min) at the
+start: {load:.2f}. {machine()}.
 Reproduce: `.venv/bin/python benchmarks/torchtitan_overhead.py --rounds {rounds}`.
 
 | setup | plain ms | guarded ms | ratio | guard's own share (profile) |
