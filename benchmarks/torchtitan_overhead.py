@@ -103,7 +103,11 @@ Reproduce: `.venv/bin/python benchmarks/torchtitan_overhead.py --rounds {rounds}
 {chr(10).join(rows)}
 
 A healthy step adds one all-reduce of `2 x world_size + 2` float32 (the agreed health) and no replay
-(`headroom_every` is 0 under `TitanGuard` unless given)."""
+(`headroom_every` is 0 under `TitanGuard` unless given). The profiled share includes the time rank 0
+waits in that all-reduce for the other rank: on this shared, loaded machine the ranks drift apart,
+most under TP (there, by profile, about two thirds of the hooks' time is `dist.agree`, the health
+measure ~15%). Not measured: GPUs, NCCL, a model of real size, where the check's pass over the
+gradients is a small share of a step."""
 
 
 def main() -> None:

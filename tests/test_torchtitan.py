@@ -250,6 +250,25 @@ def test_a_dtensor_loss_is_checked_and_a_trip_named(tmp_path) -> None:
         tdist.destroy_process_group()
 
 
+def test_a_blind_replay_after_a_millionfold_loss_growth_is_a_divergence() -> None:
+    from nanguard.diagnose import with_run_facts
+    from nanguard.evidence import RunFacts
+
+    blind = transient_fault(
+        step=9,
+        loss=float("nan"),
+        grad_norm=float("nan"),
+        flagged_ranks=[0, 1],
+        located=True,
+        distributed=True,
+        unobserved=["the gradients FSDP2 reduce-scatters"],
+    )
+    grew = RunFacts(history={"diverging": True, "metric": "loss", "growth": 1e6, "window": 5})
+    d = with_run_facts(blind, grew)
+    assert d.cause == "optimizer.divergence"
+    assert not any("drain" in f for f in d.fixes)
+
+
 def test_titan_guard_names_wrong_arguments() -> None:
     from nanguard.integrations.torchtitan import TitanGuard
 
