@@ -19,7 +19,7 @@ from torch import nn
 from nanguard import dist
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
-from nanguard.guard.attempt import Attempt, scaler_aside
+from nanguard.guard.attempt import Attempt
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck
 from nanguard.guard.history import History
@@ -146,8 +146,9 @@ class Apply:
         self.health.forget_update()  # the queued parameter check saw the replicas before the repair
 
     def _rollback(self, step: int, diag: Diagnosis, action: Action, *, count: bool = True) -> None:
-        why = self.recovery.why_restored()
-        restored = self.recovery.rollback(diag)
+        onset = self.history.onset()  # a steady growth under way: land before it began
+        why = self.recovery.why_restored(onset)
+        restored = self.recovery.rollback(diag, onset)
         if action.lower_lr:
             # Snapshot again, so a later rollback restores the lowered LR, not the one that diverged.
             self.remedies.lower_lr()
@@ -209,26 +210,10 @@ class Apply:
         what ``clip_grad_norm_(model.parameters())`` clips, in its order (the norm's rounding follows
         the order), then any parameter only the optimizer holds."""
         if self.config.clip_grad_norm is not None:
-            params = list({id(p): p for p in [*self.model.parameters(), *self.params]}.values())
-            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self.clip_params(), self.config.clip_grad_norm)
 
-    def headroom(self, attempt: Attempt) -> None:
-        """Every ``headroom_every``-th step's overflow headroom, where the step itself was not
-        measured as it ran (compiled models, ``check()``): on a replay of its closure with
-        communication off, never on the compiled step that updates the weights."""
-        check, step = self.remedies.headroom, self.progress.step - 1
-        run = attempt.replay
-        if run is None or not check.due(step):
-            return
-        run = scaler_aside(self.scaler, run)
-        assert run is not None
-        check.replay(
-            step,
-            lambda: dist.replay_locally(self.model, run),
-            params=self.params,
-            rng=attempt.rng,
-            cuda_devices=self.cuda_devices,
-        )
+    def clip_params(self) -> list[torch.Tensor]:
+        return list({id(p): p for p in [*self.model.parameters(), *self.params]}.values())
 
 
 def _stop_if(action: Action, diag: Diagnosis | None) -> None:

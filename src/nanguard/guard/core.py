@@ -29,7 +29,7 @@ from nanguard.guard.apply import Apply
 from nanguard.guard.attempt import Attempt, Rng, Runner, check_args, unscale
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.deferred import Waiting, deferred_mode
-from nanguard.guard.health import HealthCheck, StepHealth, check_after_loads
+from nanguard.guard.health import HealthCheck, StepHealth, check_after_loads, loop_grad_norm
 from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
@@ -121,6 +121,7 @@ class Guard:
         self.diagnoser = Diagnoser(
             model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats, comm=self.health.comm
         )
+        self.diagnoser.prove = c.prove
         self.recorder = recorder_for(
             run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model, bundle_weights=c.bundle_weights
         )
@@ -206,10 +207,6 @@ class Guard:
     step_count = property(lambda self: self.progress.step, doc="Steps checked so far.")
     last_diagnosis = property(lambda self: self.progress.diagnosis, doc="The latest trip's diagnosis, or None.")
     last_action = property(lambda self: self.progress.action, doc="The latest step's action, or None.")
-    last_grad_norm = property(
-        lambda self: self.progress.grad_norm,
-        doc="The latest checked step's gradient norm, across ranks and before clipping; None before the first.",
-    )
     skipped = property(lambda self: self.recovery.skipped, doc="How many steps were skipped.")
     rollbacks = property(lambda self: self.recovery.rollbacks, doc="How many rollbacks ran.")
     overflows = property(lambda self: self.recovery.overflows, doc="GradScaler overflow steps.")
@@ -219,6 +216,13 @@ class Guard:
     remedies = property(lambda self: self._remedies.entries, doc="Remedies applied, oldest first.")
     loss_spikes = property(lambda self: self.history.loss_spikes, doc="The loss spike detector.")
     grad_spikes = property(lambda self: self.history.grad_spikes, doc="The grad-norm spike detector.")
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The latest checked step's gradient norm (see the class docstring)."""
+        if isinstance(self.progress.grad_norm, torch.Tensor):
+            self.progress.grad_norm = float(self.progress.grad_norm)
+        return self.progress.grad_norm
 
     # -- the step ------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any], batch: Any = None, sample_ids: Any = None) -> Any:
@@ -297,9 +301,18 @@ class Guard:
         """
         value = check_args(loss, replay, rng)
         if self.disabled:
+            self._plain_check()
             return True
         self.progress.calls += 1
         self._settle()
+        # The forward this call checks ran before it: headroom was measured as it ran (armed by the last call).
+        self._remedies.headroom.collect(self.progress.step)
+        try:
+            return self._check(value, replay, batch, rng)
+        finally:
+            self._remedies.headroom.arm(self.progress.step)  # the next due step's forward, as it runs
+
+    def _check(self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None) -> bool:
         if self._dropped(batch):
             self.health.comm.reset()
             return False
@@ -312,7 +325,6 @@ class Guard:
             verdict = self.measure.step(attempt, device_step=False)
             if not self._act(attempt, verdict, self._decide(verdict)):
                 return False
-            self.apply.headroom(attempt)
             self.apply.clip()
             return True
         finally:
@@ -357,12 +369,11 @@ class Guard:
         if action is DEFER:  # its verdict and bookkeeping come with the next call
             assert verdict.queued is not None
             self._waiting = Waiting(attempt, verdict.queued)
-        elif not self._act(attempt, verdict, action):
+            return attempt.loss
+        if not self._act(attempt, verdict, action):
             return None
-        self.apply.headroom(attempt)
-        if action is not DEFER:
-            self.apply.update(device_step=self._device_step)
-            self.after_step()
+        self.apply.update(device_step=self._device_step)
+        self.after_step()
         return attempt.loss
 
     def _act(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
@@ -439,11 +450,18 @@ class Guard:
         self.progress.step += 1
         self.progress.action = "step"
         loss = closure()
+        self._plain_check()
         if self.scaler is not None:
             scaler_step(self.optimizer, self.scaler)
         else:
             self.optimizer.step()
         return loss
+
+    def _plain_check(self) -> None:
+        """A disabled guard's share of the step, as the loop would write it without nanguard: the
+        scaler's unscale, the clip (``clip_grad_norm``) and the gradient norm the loop reads."""
+        unscale(self.scaler, self.optimizer)
+        self.progress.grad_norm = loop_grad_norm(self.apply.clip_params(), self.config.clip_grad_norm)
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -470,6 +488,7 @@ class Guard:
 
     def close(self) -> None:
         self._settle()
+        self._remedies.headroom.close()
         self.recorder.end(self.progress.step, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
 

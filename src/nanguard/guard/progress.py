@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from nanguard.findings import Diagnosis
 
 __all__ = ["Progress"]
@@ -32,5 +34,6 @@ class Progress:
     """The latest step's action (``Guard.last_action``)."""
     diagnosis: Diagnosis | None = None
     """The latest trip's diagnosis (``Guard.last_diagnosis``)."""
-    grad_norm: float | None = None
-    """The latest checked step's gradient norm, across ranks, before clipping (``Guard.last_grad_norm``)."""
+    grad_norm: float | torch.Tensor | None = None
+    """The latest checked step's gradient norm, across ranks, before clipping (``Guard.last_grad_norm``);
+    a tensor until read, where a disabled guard computed it."""
