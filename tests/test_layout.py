@@ -17,6 +17,7 @@ OPTIONAL = {
     "nanguard.integrations.lightning": "lightning",
     "nanguard.integrations.fabric": "lightning",
     "nanguard.integrations.hf": "transformers",
+    "nanguard.integrations.deepspeed": "deepspeed",
 }
 # Each module is imported first, with no other nanguard module loaded: a module in an import
 # cycle then meets a half-initialized partner ("partially initialized module"). torch and the

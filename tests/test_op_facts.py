@@ -112,6 +112,30 @@ CASES = [
     Case(aten.exp_, aten.exp_.default, (_GROWS.clone(),), {"input_max": 50.0}),
     Case(aten.pow, aten.pow.Tensor_Scalar, (_GROWS, 2), {"input_max": 50.0}),
     Case(aten.pow, aten.pow.Scalar, (2.0, _GROWS), {"input_max": 50.0}),  # 2 ** x: the tensor comes second
+    # The log family: values on the edge of the domain, and past it.
+    Case(
+        aten.xlogy,
+        aten.xlogy.Tensor,
+        (torch.tensor([1.0, 0.0, 2.0, 1.0]), torch.tensor([0.0, 0.0, -1.0, 3.0])),
+        {"at_boundary": 1, "outside_domain": 1},
+    ),
+    Case(
+        aten.special_xlog1py,
+        aten.special_xlog1py.default,
+        (torch.tensor([1.0, 0.0]), torch.tensor([-1.0, -1.0])),
+        {"at_boundary": 1, "outside_domain": 0},
+    ),
+    Case(aten.log1p, aten.log1p.default, (torch.tensor([-1.0, -2.0, 0.5]),), {"at_boundary": 1, "outside_domain": 1}),
+    Case(aten.log1p_, aten.log1p_.default, (torch.tensor([-1.0]),), {"at_boundary": 1}),
+    Case(aten.logit, aten.logit.default, (torch.tensor([0.0, 1.0, 1.5]),), {"at_boundary": 2, "outside_domain": 1}),
+    Case(aten.logit_, aten.logit_.default, (torch.tensor([0.0, 0.5]), 1e-6), {"at_boundary": 0}),  # eps clamps
+    Case(aten.lgamma, aten.lgamma.default, (torch.tensor([0.0, -2.0, 1.5, -0.5]),), {"at_boundary": 2}),
+    Case(aten.lgamma_, aten.lgamma_.default, (torch.tensor([0.0]),), {"at_boundary": 1}),
+    Case(aten.digamma, aten.digamma.default, (torch.tensor([0.0, 3.0]),), {"at_boundary": 1}),
+    Case(aten.digamma_, aten.digamma_.default, (torch.tensor([-1.0]),), {"at_boundary": 1}),
+    Case(aten.polygamma, aten.polygamma.default, (1, torch.tensor([0.0, 2.0])), {"at_boundary": 1}),
+    Case(aten.mvlgamma, aten.mvlgamma.default, (torch.tensor([0.0, 2.0]), 1), {"at_boundary": 1}),
+    Case(aten.special_entr, aten.special_entr.default, (torch.tensor([-1.0, 0.5]),), {"outside_domain": 1}),
 ]
 for _name, _args, _expect in (
     ("_safe_softmax", (_rows(), 1), {"rows": 2, "fully_masked_rows": 1}),
@@ -344,3 +368,21 @@ def test_op_info_is_cached_per_overload_and_reads_the_schema() -> None:
     assert ops.info(aten.lift_fresh.default).literal and ops.info(aten.detach.default).quiet
     assert ops.info(aten._softmax.default).mask_aware and not ops.info(aten.exp.default).mask_aware
     assert ops.info(aten.mm.default).weighted and not ops.info(aten.add.Tensor).weighted
+
+
+@pytest.mark.parametrize(
+    ("func", "a", "b", "met"),
+    [
+        (aten.sub.Tensor, -INF, -INF, "-inf - (-inf)"),
+        (aten.sub.Tensor, INF, INF, "inf - inf"),
+        (aten.add.Tensor, INF, -INF, "inf + (-inf)"),
+        (aten.div.Tensor, -INF, INF, "-inf / inf"),
+        (aten.rsub.Tensor, -INF, -INF, "-inf - (-inf)"),
+        (aten.div.Tensor, 0.0, 0.0, None),  # 0/0: no infinity met
+        (aten.mul.Tensor, 0.0, INF, None),  # not an op that combines two infinities
+    ],
+)
+def test_infinities_met_names_the_two_infinities_an_op_combined(func, a, b, met) -> None:
+    x, y = torch.tensor([1.0, a]), torch.tensor([2.0, b])
+    out = func(x, y)
+    assert ops.infinities_met(func, [x, y], out) == met

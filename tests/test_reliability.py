@@ -337,7 +337,8 @@ def test_a_failing_trip_record_is_a_warning(monkeypatch: pytest.MonkeyPatch, tmp
 # -- 11. the rollback snapshot is refreshed in place ----------------------------------------
 def test_a_snapshot_refresh_reuses_the_snapshot_memory() -> None:
     model = _model()
-    guard, opt = _guard(model, policy="rollback", snapshot_every=1)
+    # One snapshot kept: each refresh replaces it (several: each slot's refresh replaces that slot's).
+    guard, opt = _guard(model, policy="rollback", snapshot_every=1, snapshots=1)
     _train(guard, model, opt, [(0, False)])  # Adam's state exists from here on
 
     def tensors() -> list[torch.Tensor]:

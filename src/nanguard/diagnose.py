@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ __all__ = [
     "Verdict",
     "communication_overflow",
     "diagnose",
+    "faulty_device",
     "loaded_nonfinite",
     "loss_scale_collapse",
     "nonfinite_shards",
@@ -334,12 +335,15 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
             f"{o.get('fully_masked_rows')} of {o.get('rows')} rows given to {o.op} in {_where(o)} "
             "are entirely -inf, and softmax of an all -inf row is 0/0"
         )
+        why += _masked_by(o)
     elif _node_op(node) in ("logsumexp", "softmax", "logsoftmax") and _neginf_inputs(o) >= 2:
         # The backward of logsumexp/softmax computes exp(x - result): -inf - (-inf) on an all -inf row.
         why = (
             f"{o.op} in {node} ({_where(o)}) computed -inf - (-inf): a row given to "
             f"{_node_op(node)} in forward was entirely -inf, so its gradient is exp(NaN)"
         )
+    elif _met_sentinels(o):
+        return _infinities_met(o)
     else:
         return None
     fixes = [
@@ -347,6 +351,54 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
         "key (padding queries can attend to themselves)",
         "use F.scaled_dot_product_attention, whose softmax returns 0 for fully masked rows",
         "drop all-padding samples: ng.check_batch flags them as data.fully_masked",
+    ]
+    return Verdict("op.masked_softmax", why, fixes)
+
+
+def _masked_by(o: OriginEvidence) -> str:
+    """``; the mask came from the batch: batch[0][1] row 3 masks every position``, when the tracer
+    followed the -inf back to a mask the batch carried."""
+    found = o.get("masked_by")
+    if not isinstance(found, dict):
+        return ""
+    rows = found.get("rows") or []
+    return f"; the mask came from the batch: {found.get('path')} row(s) {rows} mask every position (an empty sample)"
+
+
+@_rule
+def _empty_sample_hint(ev: Evidence) -> Verdict | None:
+    """A fully masked row whose mask the batch carried: the sample is the cause behind the op."""
+    o = _origin(ev)
+    found = o.get("masked_by")
+    if not isinstance(found, dict):
+        return None
+    why = f"sample row(s) {found.get('rows')} of {found.get('path')} mask every position"
+    return Verdict("data.fully_masked", why, ["drop or re-pack samples whose mask is all zeros"])
+
+
+def _met_sentinels(o: OriginEvidence) -> bool:
+    """Did the origin combine two -inf it was given on purpose (a mask fill, a running max
+    initialised to -inf, an additive mask of the batch's)?"""
+    sources = o.get("infinity_sources") or []
+    met = o.get("infinities_met") or ""
+    return "-inf" in met and bool(sources) and all(s.get("category") in ("write", "fill") for s in sources)
+
+
+def _infinities_met(o: OriginEvidence) -> Verdict:
+    """A softmax, logsumexp or online (blockwise) softmax written out by hand over a row or block
+    that is entirely -inf: ``x - max(x)`` is ``-inf - (-inf)``."""
+    written = sorted({s.get("op") or s.get("path") or "?" for s in o.get("infinity_sources") or []})
+    why = (
+        f"{o.op} in {_where(o)} ({o.phase}) computed {o.get('infinities_met')} = NaN: two -inf sentinels "
+        f"(written by {', '.join(_short(w) for w in written)}) met, as in x - max(x) over a row or key block "
+        "that is entirely masked (a softmax, logsumexp or running max written out by hand)"
+    )
+    fixes = [
+        "use a finite sentinel: initialise the running max and fill masked scores with torch.finfo(dtype).min "
+        "instead of -inf, so an empty row or block gives exp(0) weights that the mask then zeroes",
+        "or guard the empty block: subtract torch.where(m == -inf, 0, m) instead of m, so a fully masked "
+        "block contributes exp(-inf) = 0 and its row sum stays 0 (divide by sum.clamp_min(tiny))",
+        "drop all-padding samples before the model: ng.check_batch flags them as data.fully_masked",
     ]
     return Verdict("op.masked_softmax", why, fixes)
 
@@ -477,6 +529,11 @@ def _normalization_hint(ev: Evidence) -> Verdict | None:
 _LOG_OPS = ("log", "log2", "log10", "log_", "log2_", "log10_")
 # User-level ops that take a log of a determinant: NaN for a negative one, -inf for a singular matrix.
 _LOGDET_OPS = ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet")
+# Ops with a log (or the log of the gamma function) inside: their domain facts come from tracer.ops.
+_LOG_FAMILY = frozenset(
+    {"xlogy", "special_xlog1py", "log1p", "log1p_", "logit", "logit_", "lgamma", "lgamma_", "digamma", "digamma_"}
+    | {"polygamma", "mvlgamma", "special_entr"}
+)
 
 
 @_rule
@@ -486,6 +543,8 @@ def log_domain(ev: Evidence) -> Verdict | None:
     in_log = op in _LOG_OPS or _node_op(node) in _LOG_OPS
     if op in _LOGDET_OPS and not node:
         return _log_determinant(o)
+    if op in _LOG_FAMILY and not node and o.get("domain"):
+        return _log_family(o)
     if not in_log:
         return None
     x = _first_input(o)
@@ -496,6 +555,31 @@ def log_domain(ev: Evidence) -> Verdict | None:
     fixes = [
         "compute F.log_softmax(logits.float()) instead of log(softmax(...)); F.cross_entropy takes logits directly",
         "if you need log of a probability, clamp it: torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))",
+    ]
+    return Verdict("op.log_domain", why, fixes)
+
+
+def _log_family(o: OriginEvidence) -> Verdict:
+    """xlogy, log1p, logit, lgamma/digamma and the special functions with a log inside, at or past
+    the end of their domain; inside a distribution's method (``Beta.log_prob`` runs
+    ``xlogy(a - 1, x)``), a value on the boundary of the distribution's support."""
+    user, op = o.get("user_op"), _short(o.op)
+    where = f"{op} inside {user}" if user and user != op else op
+    why = f"{where} in {_where(o)} ({o.phase}) got {o.get('at_boundary', 0)} values on the edge of its domain"
+    why += f" and {o.get('outside_domain')} outside it" if o.get("outside_domain") else ""
+    why += f" ({o.get('domain')}): the log there is -inf, or NaN past it"
+    fixes = []
+    if user and "." in user:
+        dist = user.split(".")[0]
+        why += f"; {dist}'s support is open at that edge, so a value clipped to its bound has no finite log-density"
+        fixes.append(
+            f"keep values strictly inside {dist}'s support: x.clamp(eps, 1 - eps) for a Beta action clipped to its "
+            "bounds, and compute the log-density of the unclipped sample (or of the clamped value)"
+        )
+    fixes += [
+        f"keep {op}'s argument inside its domain: clamp it away from the edge (torch.finfo(dtype).eps), "
+        "or mask the terms that sit on it out of the sum",
+        "where a log of a probability is the goal, compute it from logits (F.logsigmoid, F.log_softmax)",
     ]
     return Verdict("op.log_domain", why, fixes)
 
@@ -784,7 +868,11 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
     norm_overflow,
 ]
 # Rules that never name the cause, only add a secondary one to ``also``.
-HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [_weight_scale_hint, _normalization_hint]
+HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
+    _weight_scale_hint,
+    _normalization_hint,
+    _empty_sample_hint,
+]
 
 
 def diagnose(evidence: Evidence | Mapping[str, Any]) -> Verdict:
@@ -948,9 +1036,15 @@ def transient_fault(
     located: bool,
     distributed: bool,
     attempted: bool = False,
+    unobserved: Sequence[str] = (),
 ) -> Diagnosis:
     """A step went non-finite but no rank's replay reproduces it (or no replay finished: ``located``
     False; ``attempted`` says whether one was started, so the text says why there is none).
+
+    The hardware is suspected only when the replay was faithful: ``unobserved`` lists what it
+    could not observe of the step (its backward, a part of the model). Then the cause is
+    ``unknown``, the evidence says what was not seen, and no advice points at the hardware
+    (the run's history may still make it a divergence: ``with_run_facts``).
 
     ``distributed.transient`` needs torch.distributed; a single process whose replay is finite
     gets ``step.not_reproduced``, which claims no distribution; without a replay it is ``unknown``.
@@ -960,6 +1054,8 @@ def transient_fault(
         ...                 distributed=False).cause
         'step.not_reproduced'
     """
+    if located and unobserved:
+        return _unobserved(step, loss, grad_norm, flagged_ranks, list(unobserved), distributed)
     if located:
         why = "the step went non-finite, but replaying it from the same RNG state and parameters"
         why += " on every rank gives finite values" if distributed else " gives finite values"
@@ -993,6 +1089,75 @@ def transient_fault(
         step=step,
         evidence={"loss": loss, "grad_norm": grad_norm, "flagged_ranks": flagged_ranks, "why": why},
         fixes=fixes,
+    )
+
+
+def faulty_device(*, step: int, origin: Diagnosis, proof: Mapping[str, Any]) -> Diagnosis:
+    """The suspect rank's device computes the step non-finite (or different) where a peer replica,
+    re-computing the same step (the suspect's batch and RNG state, the same parameters), does not:
+    ``proof`` is the evidence of both computations (``guard/proof.py``); ``origin`` the ordinary
+    diagnosis, whose op and module say where the bad value appeared on that device.
+
+    Example:
+        >>> faulty_device(step=7, origin=diag, proof={"suspect": 2, "peer": 0, ...}).cause
+        'hardware.faulty_device'
+    """
+    from nanguard.text import device_words
+
+    suspect, peer = int(proof["suspect"]), int(proof["peer"])
+    here, there = proof.get("suspect_where") or {}, proof.get("peer_where") or {}
+    named = device_words(here) if here else f"rank {suspect}'s device"
+    why = (
+        f"rank {suspect} computes step {step} {proof.get('suspect_result', 'non-finite')} on {named}; "
+        f"rank {peer} re-computed the same step (rank {suspect}'s batch and RNG state, the same parameters) "
+        f"{proof.get('peer_result', 'finite')}" + (f" on {device_words(there)}" if there else "")
+    )
+    fixes = [
+        f"drain {named} and run its diagnostics (ECC error counters, DCGM diagnostics), then resume without it",
+        "the step itself is sound (a peer computes it finite): no change to the model, data or hyperparameters",
+    ]
+    kind = origin.kind if origin.kind in ("nan", "inf") else "nan"
+    phase = origin.phase if origin.phase in ("forward", "backward") else "backward"
+    evidence = {**origin.evidence, "origin_cause": origin.cause, "proof": dict(proof), "why": why}
+    return Diagnosis(
+        cause="hardware.faulty_device",
+        kind=kind,
+        phase=phase,
+        op=origin.op,
+        module=origin.module,
+        rank=suspect,
+        ranks=[suspect],
+        step=step,
+        evidence=evidence,
+        fixes=fixes,
+    )
+
+
+def _unobserved(
+    step: int, loss: float, grad_norm: float, flagged: list[int], unobserved: list[str], distributed: bool
+) -> Diagnosis:
+    """A finite replay that could not observe everything the step did: it proves nothing."""
+    seen = "; ".join(unobserved)
+    return Diagnosis(
+        cause="unknown",
+        kind="nan" if math.isnan(loss) or math.isnan(grad_norm) else "inf",
+        phase="backward",
+        rank=flagged[0] if flagged and distributed else None,
+        ranks=list(flagged) if distributed else [],
+        step=step,
+        evidence={
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "flagged_ranks": flagged,
+            "unobserved": unobserved,
+            "why": f"the step went non-finite; its replay is finite but could not observe {seen}, "
+            "so nothing points at the hardware",
+        },
+        fixes=[
+            f"let the replay see the whole step ({seen}): compute the loss in the model, or "
+            "decorate the loss function with guard.micro_step (torchtitan: TitanGuard.loss)",
+            "check the loss and gradient-norm curves before this step (nanguard report RUN_DIR)",
+        ],
     )
 
 
@@ -1045,6 +1210,8 @@ def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None
     verdict = nonfinite_parameters({"origin": origin})
     assert verdict is not None
     where = f" (rows {rows} of {name})" if rows else ""
+    if rows and first.get("token_ids"):
+        where = f" (rows {rows} of {name}: the embeddings of token ids {rows})"
     return Diagnosis(
         cause=verdict.cause,
         kind="nan" if nan else "inf",
@@ -1057,6 +1224,7 @@ def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None
             "origin": origin,
             "parameters": [f["name"] for f in found][:16],
             "rows": rows,
+            **({"token_ids": first["token_ids"]} if first.get("token_ids") else {}),
             "loaded": True,
             "why": verdict.why.replace("before the step", f"before step {step}, as built or loaded{where}"),
         },

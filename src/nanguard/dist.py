@@ -7,6 +7,8 @@ whether they run distributed.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import math
 import warnings
@@ -37,14 +39,17 @@ __all__ = [
     "fingerprint",
     "gather_diagnosis",
     "is_distributed",
+    "observing",
     "rank",
     "rank_or_none",
     "replay_locally",
     "replica_mismatch",
     "step_slot",
+    "unobserved",
     "unwrap",
     "watch_communication",
     "world_size",
+    "zero_grad",
 ]
 
 
@@ -434,6 +439,30 @@ def broadcast_state(model: nn.Module, src: int) -> None:
             tdist.broadcast(t.data, src)
 
 
+def zero_grad(model: Any) -> None:
+    """``model.zero_grad(set_to_none=True)``, or ``model.zero_grad()`` where it takes no ``set_to_none``
+    (DeepSpeed's engine, older wrappers, which drop the gradients themselves).
+
+    Example:
+        >>> zero_grad(engine)   # DeepSpeedEngine.zero_grad(self)
+    """
+    method = model.zero_grad
+    if _takes_set_to_none(getattr(method, "__func__", method)):
+        model.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad()
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_set_to_none(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` take a ``set_to_none`` argument (by name, or through ``**kwargs``)? Read once per function."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: call it plainly
+        return False
+    return any(p.name == "set_to_none" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DDP/DataParallel wrappers, so names match theirs."""
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -460,7 +489,8 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
     if callable(setter):
         setter(False)
         try:
-            yield
+            with compat.fsdp_sync_pinned_off(model):
+                yield
         finally:
             setter(True)
             compat.drop_fsdp_accumulated_grads(model)
@@ -544,6 +574,34 @@ def backward_roots() -> Iterator[list[torch.Tensor]]:
         yield roots
     finally:
         torch.autograd.backward = original
+
+
+_UNOBSERVED: list[list[str]] = []
+
+
+def unobserved(what: str) -> None:
+    """Say, from inside a replay, that it could not observe ``what`` the step did (its backward,
+    a part of the model): a finite replay then proves nothing about the hardware."""
+    if _UNOBSERVED and what not in _UNOBSERVED[-1]:
+        _UNOBSERVED[-1].append(what)
+
+
+@contextlib.contextmanager
+def observing() -> Iterator[list[str]]:
+    """Collect what a replay run inside the block says it could not observe (``unobserved``).
+
+    Example:
+        >>> with observing() as gaps:
+        ...     replay()
+        >>> gaps
+        ['the backward: the loss is computed outside the model']
+    """
+    gaps: list[str] = []
+    _UNOBSERVED.append(gaps)
+    try:
+        yield gaps
+    finally:
+        _UNOBSERVED.pop()
 
 
 def replay_locally(model: nn.Module, fn: Callable[[], Any]) -> Any:

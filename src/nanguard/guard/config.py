@@ -29,6 +29,10 @@ class GuardConfig:
     """Raise NonFiniteError after this many skipped (or rolled-back) steps in a row."""
     snapshot_every: int = 50
     """Keep a CPU snapshot of model and optimizer every N good steps (rollback policy)."""
+    snapshots: int = 3
+    """How many snapshots to keep, at doubling ages (``snapshot_every``, up to 2x, 4x... apart), so a
+    rollback can land before a growth that began before the newest one; fewer when the host's
+    available memory would not hold a quarter more (each costs model + optimizer state in CPU memory)."""
     rollback_skip_batches: int = 1
     """After a rollback, the next K calls to ``step`` drop their batch without running it."""
     param_check_every: int = 1
@@ -55,6 +59,10 @@ class GuardConfig:
     """Write a compact step event every N steps (trips and skips are always written)."""
     locate: bool = True
     """Replay a tripped step under the op tracer to find the origin."""
+    prove: bool = True
+    """Under DDP, on a trip one rank's device may have made, re-compute that rank's step on a peer rank
+    (its batch and RNG state): reproduced everywhere is a software or data fault, only on that device a
+    faulty device (``hardware.faulty_device``), nowhere a transient one (``guard/proof.py``)."""
     module_stats: bool = True
     """On a trip, replay once more to record each module's activation absmax and grad norm."""
     check_batch: bool = False
@@ -112,6 +120,7 @@ class GuardConfig:
         positive = (
             "max_consecutive_skips",
             "snapshot_every",
+            "snapshots",
             "spike_window",
             "spike_warmup",
             "divergence_window",

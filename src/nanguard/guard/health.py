@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntFlag
 from typing import Any
@@ -24,7 +24,7 @@ from nanguard.agreement import Layout
 from nanguard.dist import CommWatch
 from nanguard.stats import float_groups, local, total_norm
 
-__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth", "check_after_loads"]
+__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth", "check_after_loads", "loop_grad_norm"]
 
 
 class HealthFlag(IntFlag):
@@ -225,6 +225,24 @@ class HealthCheck:
         self._param_norm: torch.Tensor | None = None
         self._flag_tables: dict[torch.device, tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]] = {}
         self._one: dict[torch.device, torch.Tensor] = {}
+        self.grad_source: Callable[[], torch.Tensor | None] | None = None
+        """Where an engine keeps this rank's gradients (``read_engine``); None: the parameters' ``.grad``."""
+        self.sharded = False
+        """Each rank's gradients are its own partition: the squared norms add up across ranks."""
+
+    def read_engine(
+        self, grad_norm: Callable[[], torch.Tensor | None], params: Sequence[torch.Tensor], *, sharded: bool
+    ) -> None:
+        """Read the gradients where an engine keeps them (DeepSpeed ZeRO's partitions): ``grad_norm``
+        gives this rank's gradient norm as a device scalar; ``params`` are the weights the engine
+        updates on this rank (its fp32 partitions), for the parameter check.
+
+        Example:
+            >>> guard.health.read_engine(lambda: partition_norm(), master_partitions, sharded=True)
+        """
+        self.grad_source, self.sharded = grad_norm, sharded
+        self.params = list(params)
+        self._groups = float_groups(self.params)
 
     def measure(self, loss: Any) -> DeviceHealth:
         gn = self._grad_norm()
@@ -325,6 +343,9 @@ class HealthCheck:
 
     def _grad_norm(self) -> torch.Tensor | None:
         """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
+        if self.grad_source is not None:
+            with torch.no_grad():
+                return self.grad_source()
         with torch.no_grad():
             if self._groups is not None:
                 groups = [g for g in ([p.grad for p in ps if p.grad is not None] for ps in self._groups) if g]
@@ -484,3 +505,15 @@ def _float32_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _device_of(loss: Any) -> torch.device:
     return loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")
+
+
+def loop_grad_norm(params: Sequence[torch.Tensor], clip: float | None) -> torch.Tensor:
+    """What a loop without nanguard computes: ``clip_grad_norm_(params, clip)`` (the clip, and its
+    total norm), or with no clip the same norm unclipped; left on the device (no host read). A
+    DTensor norm is made whole here, on every rank alike: a later read on one rank communicates nothing."""
+    if clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    full = compat.full_tensor(norm)
+    return full if full is not None else norm

@@ -23,6 +23,10 @@ TREND_POINTS = 4
 """How many recent steps the divergence forecast fits."""
 RUNAWAY_STEPS = 2
 """Spiking steps in a row, each grown ``divergence_factor``, that make a finite step a divergence trip."""
+ONSET_RISES = 3
+"""Updates in a row whose loss (or grad norm) rose that make a steady growth (with ``ONSET_GROWTH``)."""
+ONSET_GROWTH = 2.0
+"""How much such a run of rises must have grown in all to be a growth, not noise."""
 _LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)
 FLOAT32_SQUARE_MAX = math.sqrt(3.4028234663852886e38)
 """A norm past this squares past float32's range: a float32 norm of such gradients is Inf."""
@@ -175,7 +179,8 @@ class History:
         return best
 
     def growing(self, baseline: float | None = None) -> bool:
-        """Is the run growing now: the forecast's episode is open, a spike came within the last
+        """Is the run growing now: a steady growth is under way (``onset``), the forecast's episode
+        is open, a spike came within the last
         ``divergence_window`` updates, the loss or grad norm grew ``divergence_factor``-fold
         within them (the divergence rule's own evidence), or the loss stands ``divergence_factor``
         times above ``baseline`` (the loss when the last good snapshot was taken)?
@@ -188,7 +193,7 @@ class History:
             >>> history.growing()
             True
         """
-        if self._warned:
+        if self._warned or self.onset() is not None:
             return True
         if not self.points:
             return False
@@ -196,6 +201,33 @@ class History:
         if baseline is not None and 0 < baseline < math.inf and last.loss > self.divergence_factor * baseline:
             return True
         return bool(self.evidence(last.step + 1, None).get("diverging"))
+
+    def onset(self) -> int | None:
+        """The step a steady growth under way began at: the first of the last updates whose loss or
+        grad norm rose on each update since, at least ``ONSET_RISES`` times and ``ONSET_GROWTH``-fold
+        in all (the earlier of the two metrics' starts). None when the last updates do not grow so.
+        A snapshot taken at this step or before holds the state from before the growth; one taken
+        after it holds a state already on its way out, whatever the growth rate (x1.3 a step never
+        makes the tenfold jump the other rules wait for).
+
+        Example:
+            >>> for step, loss in enumerate([2.0, 1.9, 2.6, 5.2, 10.4]):
+            ...     history.append(step, loss=loss, grad_norm=1.0)
+            >>> history.onset()
+            1
+        """
+        points = list(self.points)
+        found: int | None = None
+        for metric in ("loss", "grad_norm"):
+            vals = [getattr(p, metric) for p in points]
+            first = len(vals) - 1
+            while first > 0 and 0 < vals[first - 1] < vals[first] < math.inf:
+                first -= 1
+            rises = len(vals) - 1 - first
+            if rises >= ONSET_RISES and vals[-1] >= ONSET_GROWTH * vals[first]:
+                step = points[first].step
+                found = step if found is None else min(found, step)
+        return found
 
     def tail(self, n: int = 16) -> dict[str, list[float]]:
         """The last ``n`` losses and grad norms, for a repro bundle."""

@@ -196,6 +196,9 @@ class Policy:
                 why = "the parameters hold the damage: restore the last snapshot"
                 return Action("rollback", Remedy("rollback", None, why))
             return _raise(diag, f"{cause.id} cannot be skipped and there is no snapshot to roll back to")
+        if _empty_samples(diag):
+            # A fully masked row whose mask the batch carried: the sample behind the op is what repeats.
+            return Action("skip", Remedy("quarantine"))
         return Action("skip", Remedy("skip", None, "no specific remedy for this cause"))
 
     def _upcast(self, diag: Diagnosis, state: State) -> Action:
@@ -246,3 +249,10 @@ class Policy:
 
 def _raise(diag: Diagnosis, reason: str, target: Any = None) -> Action:
     return Action("raise", Remedy("raise", target, reason), f"{diag}\n{reason}")
+
+
+def _empty_samples(diag: Diagnosis) -> bool:
+    """Does ``diag`` name the batch rows of samples whose mask is empty (``data.fully_masked`` among
+    its other causes, with the rows in its evidence)?"""
+    rows = diag.evidence.get("rows") if isinstance(diag.evidence, dict) else None
+    return bool(rows) and any(a.get("cause") == "data.fully_masked" for a in diag.also)

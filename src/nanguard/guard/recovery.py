@@ -56,7 +56,8 @@ class Recovery:
         self.scheduler = scheduler
         self.config = config
         self.buffers = BufferBackup(list(model.buffers()))
-        self.snapshot: dict[str, Any] | None = None
+        self._slots: list[dict[str, Any] | None] = []  # the snapshots kept, by slot (``take_snapshot``)
+        self._taken = 0  # snapshots taken: which slot the next one refreshes
         self.skipped = 0
         self.rollbacks = 0
         self.overflows = 0
@@ -67,7 +68,23 @@ class Recovery:
         self.held_since: int | None = None
         """The step from which snapshot refreshes are held while the run grows; None when none is."""
         self.snapshot_loss: float | None = None
-        """The loss of the last step before the snapshot was taken (None: not known)."""
+        """The loss of the last step before the newest snapshot was taken (None: not known)."""
+
+    @property
+    def snapshots(self) -> list[dict[str, Any]]:
+        """The snapshots kept, at doubling ages (``take_snapshot``), oldest step first."""
+        return sorted((snap for snap in self._slots if snap is not None), key=lambda snap: int(snap["step"]))
+
+    @property
+    def snapshot(self) -> dict[str, Any] | None:
+        """The newest snapshot, None when none is kept; setting None drops them all."""
+        return self.snapshots[-1] if self.snapshots else None
+
+    @snapshot.setter
+    def snapshot(self, value: dict[str, Any] | None) -> None:
+        if value is not None:
+            raise ValueError("Recovery.snapshot can only be set to None (drop every snapshot)")
+        self._slots.clear()
 
     # -- one step ------------------------------------------------------------------------
     def abandon(self, restore_buffers: bool, rng: dict[str, torch.Tensor] | None = None) -> None:
@@ -78,7 +95,7 @@ class Recovery:
             self.buffers.restore()
             if rng is not None:
                 set_rng_state(rng)
-        self.model.zero_grad(set_to_none=True)
+        dist.zero_grad(self.model)
         if self.scaler is not None:
             # unscale_ already ran for this step: update() closes it, or the next unscale_ raises.
             self.scaler.update()
@@ -88,7 +105,7 @@ class Recovery:
         and close the scaler's ``unscale_`` (when it ran) with the scale as it was."""
         self.buffers.restore()
         set_rng_state(rng)
-        self.model.zero_grad(set_to_none=True)
+        dist.zero_grad(self.model)
         if self.scaler is not None and unscaled:
             scale = self.scaler.state_dict()
             with contextlib.suppress(AssertionError, RuntimeError):  # already closed by abandon()
@@ -125,12 +142,25 @@ class Recovery:
         """A skip or rollback without a good step since the last one."""
         self.consecutive_skips += 1
 
-    def rollback(self, diag: Diagnosis) -> int:
-        """Restore the last snapshot and drop the next ``rollback_skip_batches`` batches;
-        returns the step the snapshot was taken at (``why_restored`` says why that one)."""
-        if self.snapshot is None:
+    def target(self, onset: int | None = None) -> dict[str, Any] | None:
+        """The snapshot a rollback restores: the newest taken at or before ``onset`` (the step a
+        steady growth began at, ``History.onset``), else the oldest kept; the newest without one."""
+        if not self.snapshots:
+            return None
+        if onset is None:
+            return self.snapshots[-1]
+        before = [snap for snap in self.snapshots if snap["step"] <= onset]
+        return before[-1] if before else self.snapshots[0]
+
+    def rollback(self, diag: Diagnosis, onset: int | None = None) -> int:
+        """Restore the snapshot ``target(onset)`` names, drop the newer ones (taken on the way out)
+        and the next ``rollback_skip_batches`` batches; returns the step the snapshot was taken at
+        (``why_restored`` says why that one)."""
+        snap = self.target(onset)
+        if snap is None:
             raise NonFiniteError(diag, f"{diag}\n(no snapshot to roll back to)")
-        snap = self.snapshot
+        self._slots = [s if s is None or s["step"] <= snap["step"] else None for s in self._slots]
+        self.snapshot_loss = snap["loss"]
         self.model.load_state_dict(snap["model"])
         # A copy: the optimizer may keep CPU tensors it is given, and the snapshot is refreshed in place.
         load_optimizer_state(self.optimizer, copy.deepcopy(snap["optimizer"]))
@@ -138,15 +168,19 @@ class Recovery:
             self.scaler.load_state_dict(snap["scaler"])
         if self.scheduler is not None and snap["scheduler"] is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
-        self.model.zero_grad(set_to_none=True)
+        dist.zero_grad(self.model)
         self.rollbacks += 1
         self.drop_batches = self.config.rollback_skip_batches
         return int(snap["step"])
 
-    def why_restored(self) -> str:
+    def why_restored(self, onset: int | None = None) -> str:
         """Why the rollback target is the snapshot it is, for the rollback event."""
-        assert self.snapshot is not None
-        step = self.snapshot["step"]
+        snap = self.target(onset)
+        assert snap is not None
+        step = snap["step"]
+        if onset is not None:
+            where = "the last snapshot" if step <= onset else "the oldest snapshot kept"
+            return f"{where} before the loss or grad norm began to grow at step {onset}, taken at step {step}"
         if self.held_since is None:
             return f"the last snapshot, taken at step {step}"
         return (
@@ -155,22 +189,48 @@ class Recovery:
         )
 
     # -- snapshots and state -------------------------------------------------------------
-    def take_snapshot(self, step: int) -> None:
+    def take_snapshot(self, step: int, loss: float | None = None) -> None:
         """Copy model, optimizer, scaler and scheduler state to the CPU.
 
-        A refresh copies into the previous snapshot's tensors where shapes and dtypes match,
-        so it holds one snapshot's memory, not two.
+        Up to ``config.snapshots`` are kept, at doubling ages: the n-th snapshot refreshes slot
+        ``min(trailing zeros of n, snapshots - 1)``, so slot 0 is refreshed every time, slot 1 every
+        second time, slot 2 every fourth... (a snapshot of the same step refreshes that one). A
+        refresh copies into the replaced snapshot's tensors where shapes and dtypes match, so each
+        slot holds one snapshot's memory; a new slot is added only while the host's available
+        memory holds four more snapshots.
         """
-        old = self.snapshot or {}
         self.held_since = None
-        self.snapshot = None  # a refresh that fails midway leaves no half-new snapshot
-        self.snapshot = {
+        slot = self._slot(step)
+        old, self._slots[slot] = self._slots[slot] or {}, None  # a refresh that fails midway leaves none half-new
+        if loss is None:
+            loss = old.get("loss") if old.get("step") == step else None
+        self._slots[slot] = {
             "step": step,
+            "loss": loss,
             "model": _copy_to_cpu(self.model.state_dict(), old.get("model")),
             "optimizer": _copy_to_cpu(optimizer_state(self.optimizer), old.get("optimizer")),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
         }
+        self.snapshot_loss = loss
+
+    def _slot(self, step: int) -> int:
+        """The slot a snapshot of ``step`` goes to: the one of the same step, else the next in the
+        doubling-age rotation; a slot not yet allocated only while the host's available memory holds
+        four more snapshots (else the newest snapshot's slot is refreshed)."""
+        held = [i for i, snap in enumerate(self._slots) if snap is not None]
+        for i in held:
+            if self._slots[i]["step"] == step:  # type: ignore[index]
+                return i
+        slot = _trailing_zeros(self._taken, self.config.snapshots - 1)
+        self._taken += 1
+        self._slots.extend([None] * (slot + 1 - len(self._slots)))
+        if self._slots[slot] is None and held:
+            newest = max(held, key=lambda i: int(self._slots[i]["step"]))  # type: ignore[index]
+            free = _available_memory()
+            if free is not None and 4 * _nbytes(self._slots[newest]) > free:
+                return newest
+        return slot
 
     def snapshot_if_due(
         self, step: int, loss: float, growing: Callable[[float | None], bool], *, joined: bool = False
@@ -197,8 +257,7 @@ class Recovery:
         finite = _finite(self.model.state_dict()) and _finite(optimizer_state(self.optimizer))
         if dist.agree_flag(not finite):
             return
-        self.take_snapshot(step)
-        self.snapshot_loss = loss
+        self.take_snapshot(step, loss)
 
     def state_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}
@@ -225,6 +284,37 @@ def _finite(obj: Any) -> bool:
 
     walk(obj)
     return not found or bool(torch.stack([f.to(found[0].device) for f in found]).all())
+
+
+def _trailing_zeros(n: int, cap: int) -> int:
+    """How many times 2 divides ``n``, at most ``cap`` (``cap`` for 0: the first snapshot takes the
+    slot refreshed least often)."""
+    if n == 0:
+        return cap
+    return min((n & -n).bit_length() - 1, cap)
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes held by the tensors in ``obj`` (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _available_memory() -> int | None:
+    """The host's available memory in bytes (Linux ``MemAvailable``), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _copy_to_cpu(obj: Any, into: Any) -> Any:

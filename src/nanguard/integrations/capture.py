@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanguard import dist
 from nanguard.errors import NonFiniteError
 from nanguard.guard import Guard
 from nanguard.integrations import drop_grads, running_stats
@@ -40,7 +41,8 @@ __all__ = ["HeldSchedulers", "Micro", "StepCapture"]
 class Micro:
     """One recorded micro-batch: the arguments its forward was called with, and the RNG state
     before it and the autocast it ran under; ``loss`` once the framework has computed it;
-    ``run``, the function the arguments went to when it is not the model itself (``micro_step``)."""
+    ``run``, the function the arguments went to when it is not the model itself (``micro_step``);
+    ``extra``, inputs the step took besides the forward's (the labels a loss outside the model read)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -48,6 +50,7 @@ class Micro:
     loss: torch.Tensor | None = None
     run: Callable[..., Any] | None = None
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=lambda: _autocast_now())
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class StepCapture:
@@ -99,7 +102,7 @@ class StepCapture:
     def replay(self, model: nn.Module, micro: Sequence[Micro], run: Callable[[Micro], Any]) -> list[Any]:
         """Zero ``model``'s gradients, then ``run`` each micro-batch from its own RNG state; the
         results, for the tracer to follow to the loss."""
-        model.zero_grad(set_to_none=True)
+        dist.zero_grad(model)  # a wrapper's zero_grad may take no set_to_none (DeepSpeed's engine)
         results = []
         with self.replay_mode():
             for m in micro:

@@ -10,6 +10,10 @@ call recorded is always the outermost one, the user's (or a library's) own.
 from __future__ import annotations
 
 import math
+import os
+import sys
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -19,7 +23,7 @@ from nanguard.stats import tensor_stats
 from nanguard.tracer import ops
 from nanguard.tree import op_leaves
 
-__all__ = ["UserCalls"]
+__all__ = ["UserCalls", "distribution_call"]
 
 # Calls that run the user's own code inside them: what runs within is not torch's implementation.
 _RUNS_USER_CODE = frozenset({"backward", "apply", "grad", "checkpoint", "_call_impl", "__call__"})
@@ -33,20 +37,25 @@ class UserCalls(TorchFunctionMode):
         ...     torch.logdet(w)      # inside, ``calls.name`` is "logdet" for every aten op it runs
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_gradients: Callable[[Any], None] | None = None) -> None:
         super().__init__()
         self.func: Any = None
         self.args: tuple = ()
         self.kwargs: dict[str, Any] = {}
+        self.on_gradients = on_gradients
+        """Called with what ``torch.autograd.grad`` returned: gradients that never reach a ``.grad``."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         outer = self.func, self.args, self.kwargs
         self.func, self.args, self.kwargs = func, args, kwargs
         try:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
         finally:
             self.func, self.args, self.kwargs = outer
+        if func is torch.autograd.grad and self.on_gradients is not None:
+            self.on_gradients(result)
+        return result
 
     @property
     def name(self) -> str | None:
@@ -95,3 +104,25 @@ class UserCalls(TorchFunctionMode):
 
 def _name(x: float) -> str:
     return "nan" if math.isnan(x) else "-inf" if x < 0 else "inf"
+
+
+_DISTRIBUTIONS = os.path.dirname(torch.distributions.__file__) + os.sep
+
+
+def distribution_call() -> str | None:
+    """``Beta.log_prob``: the outermost ``torch.distributions`` method on the stack now (the call the
+    user wrote, around the ``xlogy`` its ``Dirichlet`` runs), or None outside one."""
+    frame: FrameType | None = sys._getframe(1)
+    found = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith(_DISTRIBUTIONS):
+            owner = frame.f_locals.get("self")
+            found = f"{type(owner).__name__}.{code.co_name}" if owner is not None else code.co_name
+        elif found is not None and not code.co_filename.startswith(_TORCH):
+            return found
+        frame = frame.f_back
+    return found
+
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep

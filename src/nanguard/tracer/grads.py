@@ -3,8 +3,9 @@
 PCGrad's projections, a hand-written clip, gradient noise: they run outside the autograd engine,
 so no backward node is current, yet they compute the gradients the optimizer gets. ``GradWatch``
 knows the gradients once a backward has run (their storages, read again whenever a backward
-ends) and follows the tensors computed from them, so such an op gets phase ``backward``
-(``optimizer`` when it writes into a parameter: an update written by hand). Before the first
+ends, and what ``torch.autograd.grad`` returned) and follows the tensors computed from them,
+so such an op gets phase ``backward`` (``optimizer`` when it writes into a parameter: an update
+written by hand). Before the first
 backward it costs one flag test per op, and inside a module's forward (the next micro-batch) one more.
 """
 
@@ -66,6 +67,14 @@ class GradWatch:
             if isinstance(x, torch.Tensor) and self._is_grad(x):
                 self.phase = "optimizer" if self._writes_parameter(facts, args, kwargs) else "backward"
                 return
+
+    def produced(self, gradients: Any) -> None:
+        """``torch.autograd.grad`` returned ``gradients``: arithmetic on them is gradient surgery too,
+        though no ``.grad`` holds them (PCGrad's per-task gradients)."""
+        for g in gradients if isinstance(gradients, (list, tuple)) else (gradients,):
+            if isinstance(g, torch.Tensor):
+                self._derived[id(g)] = weakref.ref(g)
+        self.seen_backward = True
 
     def recheck(self, inputs: list[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
         """At a creation, read the gradients afresh: a ``.grad`` assigned after the backward (``p.grad =

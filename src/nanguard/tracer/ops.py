@@ -24,6 +24,7 @@ from nanguard import compat
 from nanguard.tree import op_leaves
 
 __all__ = [
+    "BLANK",
     "KEEPS_FINITE",
     "LITERALS",
     "MASK_AWARE",
@@ -37,6 +38,7 @@ __all__ = [
     "ignore_index",
     "index_op",
     "index_size",
+    "infinities_met",
     "info",
     "is_index_op",
     "op_facts",
@@ -154,6 +156,20 @@ _LOW = (torch.float16, torch.bfloat16)
 Facts = Callable[[tuple], dict[str, Any]]
 _FACTS: dict[Any, Facts] = {}
 _INDEX: dict[Any, Callable[[tuple], int | None]] = {}
+# Ops whose output holds no value any op computed: memory allocated and not written (``empty``,
+# ``empty_like``: what dropout's mask and an ``out=`` buffer start as), grown by ``resize_``, or
+# pointed at another storage by ``set_``. Reading it reads whatever the allocator left there.
+BLANK = {
+    aten.empty,
+    aten.empty_like,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.empty_strided,
+    aten.empty_permuted,
+    aten.resize_,
+    aten.resize_as_,
+    aten.set_,
+}
 _NAMES: dict[Any, str] = {}
 
 
@@ -229,6 +245,7 @@ class OpInfo:
     view: bool  # returns a view of its first argument (any view: a dtype view too)
     flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
+    blank: bool = False  # its output is memory no op has written (BLANK)
 
 
 _INFO: dict[int, tuple[Any, OpInfo]] = {}
@@ -271,6 +288,7 @@ def _describe(func: Any) -> OpInfo:
         view=bool(getattr(func, "is_view", False)),
         flat=schema is not None and all(_flat_type(str(a.type)) for a in arguments),
         writes=writes,
+        blank=_in(BLANK, func),
     )
 
 
@@ -307,7 +325,11 @@ def _finite_max(x: torch.Tensor) -> float:
 def _softmax(args: tuple) -> dict[str, Any]:
     x, dim = args[0], int(args[1])
     masked = (x == -math.inf).all(dim=dim)
-    return {"rows": int(masked.numel()), "fully_masked_rows": int(masked.sum()), "input_max": _finite_max(x)}
+    facts = {"rows": int(masked.numel()), "fully_masked_rows": int(masked.sum()), "input_max": _finite_max(x)}
+    if masked.dim() and bool(masked.any()):
+        # The samples (dim 0) those rows belong to: where a batch mask emptied them, the samples to drop.
+        facts["fully_masked_samples"] = masked.reshape(masked.shape[0], -1).any(1).nonzero().flatten()[:16].tolist()
+    return facts
 
 
 # Forward only: the backward ops take (grad, self, target, weight, reduction, ignore_index, ...).
@@ -590,3 +612,94 @@ def _one_hot(args: tuple) -> int | None:
 )
 def _unknown_size(args: tuple) -> int | None:
     return None
+
+
+# -- infinities meeting infinities (inf - inf, inf + -inf, inf / inf) -------------------------
+# The ops that combine two operands elementwise, and how each makes NaN from two infinities.
+_MEETS: dict[Any, str] = {
+    aten.sub: "-",
+    aten.sub_: "-",
+    aten.rsub: "r-",
+    aten.add: "+",
+    aten.add_: "+",
+    aten.div: "/",
+    aten.div_: "/",
+}
+
+
+def infinities_met(func: Any, flat_in: list[Any], out: torch.Tensor) -> str | None:
+    """``"-inf - (-inf)"``, ``"inf + (-inf)"`` or ``"inf / inf"`` when the NaN that ``func`` (a
+    subtraction, an addition or a division) made sits where both its operands were infinite: the
+    arithmetic combined two infinities. None for any other op or any other NaN (``0 / 0``)."""
+    sign = _lookup(_MEETS, func)
+    operands = [x for x in flat_in if isinstance(x, (torch.Tensor, float))][:2]
+    if sign is None or len(operands) < 2 or not isinstance(out, torch.Tensor):
+        return None
+    if sign == "r-":
+        sign, operands = "-", operands[::-1]
+    with contextlib.suppress(RuntimeError):
+        a, b = (torch.as_tensor(x, device=out.device).detach() for x in operands)
+        met = torch.isnan(out) & torch.isinf(a) & torch.isinf(b)
+        if not bool(met.any()):
+            return None
+        first = met.nonzero()[0].tolist()
+        x, y = (float(t.broadcast_to(out.shape)[tuple(first)]) for t in (a, b))
+        right = f"({_inf(y)})" if y < 0 else _inf(y)
+        return f"{_inf(x)} {sign} {right}"
+    return None
+
+
+def _inf(x: float) -> str:
+    return "-inf" if x < 0 else "inf"
+
+
+# -- the log family: ops with a log (or a pole) inside, and where their domain ends --------------
+def _count(mask: torch.Tensor) -> int:
+    return int(mask.sum())
+
+
+def _domain(boundary: torch.Tensor, outside: torch.Tensor, what: str) -> dict[str, Any]:
+    return {"domain": what, "at_boundary": _count(boundary), "outside_domain": _count(outside)}
+
+
+@op_facts(aten.xlogy)
+def _xlogy(args: tuple) -> dict[str, Any]:
+    """xlogy(x, y) = x * log(y): -inf where y == 0 and x != 0, NaN where y < 0."""
+    x, y = (torch.as_tensor(a).detach() for a in args[:2])
+    return _domain((y == 0) & (x != 0), y < 0, "y > 0 where x != 0 (x * log(y))")
+
+
+@op_facts(aten.special_xlog1py)
+def _xlog1py(args: tuple) -> dict[str, Any]:
+    """xlog1py(x, y) = x * log(1 + y): -inf where y == -1 and x != 0, NaN where y < -1."""
+    x, y = (torch.as_tensor(a).detach() for a in args[:2])
+    return _domain((y == -1) & (x != 0), y < -1, "y > -1 where x != 0 (x * log(1 + y))")
+
+
+@op_facts(aten.log1p, aten.log1p_)
+def _log1p(args: tuple) -> dict[str, Any]:
+    x = args[0].detach()
+    return _domain(x == -1, x < -1, "x > -1 (log(1 + x))")
+
+
+@op_facts(aten.logit, aten.logit_)
+def _logit(args: tuple) -> dict[str, Any]:
+    p = args[0].detach()
+    eps = args[1] if len(args) > 1 and isinstance(args[1], float) else None
+    if eps is not None:
+        p = p.clamp(eps, 1 - eps)
+    return _domain((p == 0) | (p == 1), (p < 0) | (p > 1), "0 < p < 1 (log(p / (1 - p)))")
+
+
+@op_facts(aten.lgamma, aten.lgamma_, aten.digamma, aten.digamma_, aten.polygamma, aten.mvlgamma)
+def _gamma_poles(args: tuple) -> dict[str, Any]:
+    """lgamma, digamma and polygamma have poles at 0, -1, -2, ...: +-inf (or NaN) there."""
+    x = next(a for a in args if isinstance(a, torch.Tensor)).detach()
+    pole = (x <= 0) & (x == x.floor())
+    return _domain(pole, torch.zeros_like(pole), "x not in {0, -1, -2, ...} (a pole of the gamma function)")
+
+
+@op_facts(aten.special_entr)
+def _entr(args: tuple) -> dict[str, Any]:
+    x = args[0].detach()
+    return _domain(torch.zeros_like(x, dtype=torch.bool), x < 0, "x >= 0 (-x * log(x))")

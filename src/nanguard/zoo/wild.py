@@ -6,13 +6,24 @@ the report describes it (which op makes the first non-finite value, in which mod
 why), never from nanguard's output; ``basis`` says what it rests on. The cases live in
 ``wild_losses`` (loss and training-step code), ``wild_models`` (model code) and
 ``wild_masks`` (masks, fills and writes), ``wild_norms`` (normalizations and divisions inside
-composite ops) and ``wild_raises`` (torch's own NaN results, gradient surgery, NaNs that surface
-as a raise).
+composite ops), ``wild_raises`` (torch's own NaN results, gradient surgery, NaNs that surface
+as a raise) ``wild_domains`` (infinities meeting infinities, the log family) ``wild_surgery``
+(gradient surgery on what ``torch.autograd.grad`` returned) and ``wild_samples`` (the sample
+behind a masked row).
 """
 
 from __future__ import annotations
 
-from nanguard.zoo import wild_losses, wild_masks, wild_models, wild_norms, wild_raises
+from nanguard.zoo import (
+    wild_domains,
+    wild_losses,
+    wild_masks,
+    wild_models,
+    wild_norms,
+    wild_raises,
+    wild_samples,
+    wild_surgery,
+)
 from nanguard.zoo.scenarios import WildScenario
 
 __all__ = ["WILD", "get_wild"]
@@ -24,6 +35,9 @@ WILD: tuple[WildScenario, ...] = (
     *wild_masks.SCENARIOS,
     *wild_norms.SCENARIOS,
     *wild_raises.SCENARIOS,
+    *wild_domains.SCENARIOS,
+    *wild_surgery.SCENARIOS,
+    *wild_samples.SCENARIOS,
 )
 
 

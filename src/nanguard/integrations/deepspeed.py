@@ -1,0 +1,395 @@
+"""DeepSpeed: guard a ``deepspeed.initialize`` engine loop where it stands, ZeRO 0-3, fp32/bf16/fp16.
+
+``DeepSpeedGuard(engine)`` watches the loop the user already wrote: each training forward of the
+engine (its inputs and the RNG state before it), each ``engine.backward(loss)`` (the step's loss
+is the micro-batches' mean, as DeepSpeed divides by the accumulation steps), and
+``engine.step()`` at the gradient-accumulation boundary, which checks the step first and then
+lets the engine step, or skips it *through the engine*, every rank agreeing.
+
+Where the gradients live: ZeRO keeps them in its own partitioned buffers and ``param.grad`` is
+None, so the guard reads each rank's own partition where the engine keeps it (stage 1 and 2:
+the optimizer's averaged gradient partition; stage 3: its flat gradient partition; stage 0: the
+parameters' averaged ``.grad``), divided by DeepSpeed's loss scale under fp16. No gradient is
+gathered: the squared partition norms add up across ranks in the guard's one small all-reduce.
+The parameter check reads the fp32 partitions the engine updates.
+
+A skip is the engine's own: the step takes DeepSpeed's overflow path (gradient buffers cleared,
+``engine.skipped_steps`` counted, the LR scheduler not stepped, ``global_steps`` advanced), as
+a loss-scaler overflow does; under fp16 the loss scale is lowered only when the gradients were
+non-finite, as DeepSpeed itself would have. A trip is replayed per rank without communication:
+the module's forward (ZeRO-3 parameters gathered once with ``deepspeed.zero.GatheredParameters``,
+ZeRO's fetch and reduce hooks held aside) and gradients by ``torch.autograd.grad``, which leaves
+the engine's buffers alone; under fp16 the loss is scaled as the engine scaled it, so a backward
+overflow the scaler would hide is found and named (``precision.overflow``, with the module).
+
+Example:
+    >>> from nanguard.integrations.deepspeed import DeepSpeedGuard
+    >>> engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    >>> guard = DeepSpeedGuard(engine, policy="skip", run_dir="runs/exp1")
+    >>> for batch in loader:
+    ...     loss = engine(batch)           # recorded: inputs, RNG state
+    ...     engine.backward(loss)          # recorded: the loss
+    ...     engine.step()                  # checked first; skipped through the engine when it tripped
+    >>> guard.close(); guard.skipped, guard.last_diagnosis
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanguard import dist
+from nanguard.findings import Diagnosis
+from nanguard.guard import Guard
+from nanguard.guard.replay import replay_trip
+from nanguard.integrations import guard_options, require
+from nanguard.integrations.capture import Micro
+from nanguard.integrations.loop import LoopGuard, _batch_of
+from nanguard.stats import float_groups, total_norm
+
+_ds: Any = require("deepspeed", "engines", "DeepSpeed")
+
+__all__ = ["DeepSpeedGuard", "EngineState", "LossScale"]
+
+log = logging.getLogger("nanguard")
+
+
+class DeepSpeedGuard(LoopGuard):
+    """Checks each optimizer step of a DeepSpeed engine loop for NaN/Inf, diagnoses a trip, and
+    skips (through the engine), rolls back or raises, every rank agreeing.
+
+    ``engine`` is what ``deepspeed.initialize`` returned (built with an optimizer); ``policy``
+    and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); the headroom check, which
+    would run a second backward inside the engine, is off unless ``headroom_every`` is given.
+    When the loss is computed outside the model, decorate the function that computes it with
+    ``@guard.micro_step`` (``LoopGuard.micro_step``) so a trip's replay runs it again.
+
+    Example:
+        >>> with DeepSpeedGuard(engine, policy="raise") as guard:
+        ...     train(engine)
+        Traceback (most recent call last):
+        nanguard.errors.NonFiniteError: ... data.nonfinite ...
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        policy: str = "skip",
+        *,
+        run_dir: str | Path | None = None,
+        mean: bool = True,
+        **options: Any,
+    ) -> None:
+        guard_options(policy, options)
+        if not isinstance(engine, _ds.DeepSpeedEngine):
+            raise ValueError(
+                f"engine must be the DeepSpeedEngine deepspeed.initialize returned, got {type(engine).__name__}"
+            )
+        self.engine = engine
+        self.state = EngineState(engine)
+        options.setdefault("headroom_every", 0)  # a replay on a healthy step is a second backward
+        scaler = LossScale(engine.optimizer) if self.state.fp16 and self.state.stage > 0 else None
+        guard = Guard(
+            engine.module,
+            self.state.optimizer,
+            policy,
+            scaler=scaler,
+            scheduler=engine.lr_scheduler,
+            run_dir=run_dir,
+            **options,
+        )
+        guard.health.read_engine(self.state.grad_norm, self.state.master_params(), sharded=self.state.stage > 0)
+        self._losses: list[torch.Tensor] = []
+        self._micro: list[Micro] = []  # the step just checked, for naming an overflow the scaler skipped
+        self._replay_scale: float | None = None  # the loss scale a replay scales by (None: the engine's now)
+        self.last_overflow: Diagnosis | None = None
+        """The latest fp16 overflow DeepSpeed's loss scaler skipped, named by a replay (module, op, rank)."""
+        self._originals: dict[str, Callable[..., Any]] = {"backward": engine.backward, "step": engine.step}
+        # The engine steps its own LR scheduler, and not on a skip: nothing to hold.
+        self._watch(engine, engine.optimizer, guard, scheduler=None, mean=mean, user=engine.module)
+        for hook in self._hooks[2:]:  # the optimizer's step hooks: the engine's step is wrapped instead
+            hook.remove()
+        self._hooks = self._hooks[:2]
+        engine.backward = self._engine_backward
+        engine.step = self._engine_step
+
+    def _unhook(self) -> None:
+        for name in self._originals:
+            vars(self.engine).pop(name, None)
+
+    # -- what the loop calls -------------------------------------------------------------------
+    def _engine_backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._capture.replaying and isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach().float().reshape(-1).mean())
+        return self._originals["backward"](loss, *args, **kwargs)
+
+    def _engine_step(self, *args: Any, **kwargs: Any) -> Any:
+        step = self._originals["step"]
+        if not self.engine.is_gradient_accumulation_boundary():
+            return step(*args, **kwargs)
+        scale = self.state.loss_scale()
+        if self._decide():
+            out = step(*args, **kwargs)
+            assert self.guard is not None
+            self.guard.after_step()
+            return out
+        guard = self.guard
+        assert guard is not None
+        if guard.last_action == "overflow":
+            # DeepSpeed's scaler's own business: the guard's check let it lower the scale already.
+            self._name_overflow(scale, guard.step_count - 1)
+            lower = False
+        else:
+            norm = guard.last_grad_norm
+            lower = self.state.fp16 and norm is not None and not math.isfinite(norm)
+        with self.state.skipping(lower_scale=lower):
+            return step(*args, **kwargs)
+
+    def _name_overflow(self, scale: float, step: int) -> None:
+        """Replay a step the fp16 loss scaler skips (the gradients overflowed, every loss finite) at the
+        scale it ran at, and name where it overflowed; every rank agrees, rank 0 says it."""
+        assert self.guard is not None
+        micro, self._micro = self._micro, []
+        if not micro:
+            return
+        self._replay_scale = scale
+        try:
+            replayed = replay_trip(
+                self.guard.model,
+                lambda: self._replay(micro),
+                batch=_batch_of(micro, self._user.forward),
+                rng=micro[0].rng,
+                step=step,
+                with_module_stats=False,
+            )
+        finally:
+            self._replay_scale = None
+            dist.zero_grad(self.engine.module)
+            self._capture.restore_stats()
+        found = replayed.diagnosis
+        flagged = dist.agree_flag(found is not None)
+        diag = dist.gather_diagnosis(found, flagged) if flagged else None
+        if diag is None:
+            return
+        diag.step = step
+        self.last_overflow = diag
+        self.guard.recorder.trip(step, action="overflow", ranks=flagged, diagnosis=diag, scale=scale)
+        if self._announces():
+            log.warning(
+                "nanguard: step %d: DeepSpeed's loss scaler skipped an fp16 overflow (scale %g): %s",
+                step,
+                scale,
+                diag.summary(),
+            )
+
+    # -- the check and the replay --------------------------------------------------------------
+    def _step_loss(self, micro: list[Micro]) -> torch.Tensor | None:
+        """The losses given to ``engine.backward`` over the step, averaged (``mean``) or summed."""
+        losses, self._losses = self._losses, []
+        self._micro = micro
+        if not losses:
+            return super()._step_loss(micro)
+        stacked = torch.stack(losses)
+        return stacked.mean() if self.mean else stacked.sum()
+
+    def _replay(self, micro: list[Micro]) -> list[Any]:
+        with self.state.replaying():
+            return super()._replay(micro)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """The replay's backward: gradients by ``autograd.grad`` (ZeRO's reduce hooks stay quiet),
+        scaled as the engine scales the loss, written to ``.grad`` for the tracer to read."""
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        scale = self._replay_scale if self._replay_scale is not None else self.state.loss_scale()
+        grads = torch.autograd.grad(loss * scale, params, allow_unused=True)
+        for p, g in zip(params, grads, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+
+class EngineState:
+    """What a DeepSpeed engine keeps where: this rank's gradient partition, its fp32 partitions,
+    its loss scale; and the engine's own way to skip a step.
+
+    Example:
+        >>> state = EngineState(engine)
+        >>> state.grad_norm()                         # this rank's partition, unscaled
+        >>> with state.skipping(lower_scale=False):
+        ...     engine.step()                         # DeepSpeed's overflow path: nothing updated
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.stage = int(engine.zero_optimization_stage())
+        self.fp16 = bool(engine.fp16_enabled())
+        self.zero = engine.optimizer
+        inner = self.zero if isinstance(self.zero, torch.optim.Optimizer) else getattr(self.zero, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ValueError(
+                "the engine must be built with a torch optimizer (deepspeed.initialize(..., optimizer=...) or the "
+                f"config's 'optimizer' section), got {type(self.zero).__name__}"
+            )
+        self.optimizer = inner
+
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's gradients as the engine keeps them at the accumulation boundary (scaled under fp16)."""
+        zero = self.zero
+        if self.stage >= 3:
+            return [zero.grad_partitions_flat_buffer]
+        if self.stage > 0:
+            return [t for group in zero.averaged_gradients.values() if group for t in group if t is not None]
+        return [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor | None:
+        grads = self.grads()
+        if not grads:
+            return None
+        norm = total_norm(float_groups(grads))
+        return norm / self.loss_scale() if self.fp16 else norm
+
+    def loss_scale(self) -> float:
+        """DeepSpeed's loss scale now (1 without fp16)."""
+        return float(self.zero.loss_scale) if self.fp16 else 1.0
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The weights the engine updates on this rank: ZeRO's fp32 partitions, else the module's."""
+        if self.stage >= 3:
+            return list(self.zero.fp32_partitioned_groups_flat)
+        if self.stage > 0:
+            return list(self.zero.single_partition_of_fp32_groups)
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @contextlib.contextmanager
+    def skipping(self, *, lower_scale: bool) -> Iterator[None]:
+        """Inside the block, ``engine.step()`` takes DeepSpeed's overflow path: its gradient buffers
+        cleared, no update, ``skipped_steps`` counted, the LR scheduler held; the loss scale
+        lowered only when ``lower_scale`` (the gradients overflowed, as the scaler would have seen)."""
+        zero = self.zero
+
+        def overflowed(*args: Any, **kwargs: Any) -> bool:
+            zero.overflow = True
+            return True
+
+        patches: dict[str, Any]
+        if self.stage >= 3:
+            patches = {"_overflow_check_and_loss_scale_update": overflowed}
+        elif self.stage > 0:
+            patches = {"check_grad_overflow": True, "check_overflow": overflowed}
+        else:
+            patches = {"step": lambda *args, **kwargs: None, "overflow": True}
+        if self.stage > 0 and not lower_scale:
+            patches["_update_scale"] = lambda *args, **kwargs: None
+        with _patched(zero, patches):
+            yield
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Inside the block, calling the engine runs its module alone (no engine hooks on the loss),
+        ZeRO's gradient hooks held aside (the replay's gradients stay out of its buffers), and under
+        ZeRO-3 with every parameter gathered and ZeRO's fetch/release hooks held aside, so the replay
+        communicates only to gather, the same on every rank."""
+        engine = self.engine
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_patched(engine, {"forward": engine.module.__call__}))
+            if self.stage > 0:  # ZeRO's per-parameter gradient hooks: reduce, partition, run the epilogue
+                stack.enter_context(_hooks_aside(list(self.zero._grad_acc_hooks)))
+            if self.stage >= 3:
+                params = list(engine.module.parameters())
+                stack.enter_context(_ds.zero.GatheredParameters(params, modifier_rank=None))
+                offload = self.zero.parameter_offload
+                stack.enter_context(_hooks_aside([*offload.forward_hooks, *offload.backward_hooks]))
+            yield
+
+
+class LossScale:
+    """DeepSpeed's fp16 loss scaler, seen by the guard as its GradScaler: the guard reads its scale
+    (the gradients it checks are divided by it) and, on an overflow (gradients non-finite, every loss
+    finite), has it lower the scale as DeepSpeed does; the engine then skips the step itself. The
+    gradients are DeepSpeed's to unscale: ``unscale_`` does nothing.
+
+    Example:
+        >>> scale = LossScale(engine.optimizer)
+        >>> scale.get_scale()
+        256.0
+    """
+
+    def __init__(self, zero: Any) -> None:
+        from torch.amp.grad_scaler import OptState
+
+        self.zero = zero
+        # What the guard asks a GradScaler: has unscale_ run this step? Always yes.
+        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(lambda: {"stage": OptState.UNSCALED})
+
+    @property
+    def _scale(self) -> torch.Tensor:
+        return torch.tensor(self.get_scale())
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return float(self.zero.loss_scale)
+
+    def unscale_(self, optimizer: Any) -> None:
+        """DeepSpeed unscales the gradients in its own step."""
+
+    def step(self, optimizer: Any) -> None:
+        """An overflow: the scale goes down as DeepSpeed's scaler takes it (its hysteresis included)."""
+        self.zero._update_scale(True)
+
+    def update(self, new_scale: float | None = None) -> None:
+        """Only a new scale given (a reset after a collapse) changes it: DeepSpeed updates its own."""
+        if new_scale is not None:
+            self.zero.loss_scaler.cur_scale = float(new_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        scaler = self.zero.loss_scaler
+        return {name: value for name, value in vars(scaler).items() if name in _SCALER_STATE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        vars(self.zero.loss_scaler).update({k: v for k, v in state.items() if k in _SCALER_STATE})
+
+
+_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, attrs: dict[str, Any]) -> Iterator[None]:
+    """``obj``'s instance attributes set to ``attrs`` inside the block, as they were after it."""
+    own = vars(obj)  # written directly: a module's __setattr__ would register a module value as a child
+    saved = {name: own[name] for name in attrs if name in own}
+    own.update(attrs)
+    try:
+        yield
+    finally:
+        for name in attrs:
+            if name in saved:
+                own[name] = saved[name]
+            else:
+                own.pop(name, None)
+
+
+@contextlib.contextmanager
+def _hooks_aside(handles: list[Any]) -> Iterator[None]:
+    """Module hooks (by their handles) taken out inside the block, back in their places after it."""
+    saved: list[tuple[dict[Any, Any], list[Any], Any, Any]] = []
+    for handle in handles:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            saved.append((hooks, list(hooks), handle.id, hooks.pop(handle.id)))
+    try:
+        yield
+    finally:
+        for hooks, order, key, hook in reversed(saved):
+            hooks[key] = hook
+            place = {k: i for i, k in enumerate(order)}
+            items = sorted(hooks.items(), key=lambda kv: place.get(kv[0], len(order)))
+            hooks.clear()
+            hooks.update(items)

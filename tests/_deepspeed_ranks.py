@@ -1,0 +1,150 @@
+"""The rank side of tests/test_integration_deepspeed.py: DeepSpeed engines on CPU with gloo, several
+cases in sequence in one spawned group (each engine is built fresh; building one costs seconds)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Net(nn.Module):
+    """A tiny MLP whose middle module can be told to fault on this rank: ``log`` of a negative
+    (an op fault), or a product past float16's range (an fp16 overflow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.act = Act()
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.out(self.act(self.inp(x))).float() - y).pow(2).mean()
+
+
+class Act(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fault: str | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.fault == "log":
+            return torch.log(h - 10.0)
+        if self.fault == "overflow":
+            return h * 1e5  # past float16's max: Inf in float16, finite in float32
+        if self.fault == "grad_overflow":
+            return torch.tanh(_Amplified.apply(h))  # the backward alone overflows float16
+        return torch.tanh(h)
+
+
+class _Amplified(torch.autograd.Function):
+    """The identity forward; a backward that multiplies the gradient by 1e4 (past float16's range
+    under the loss scale): the overflow DeepSpeed's scaler skips silently, every loss finite."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1e4
+
+
+def init(rank: int) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def engine_for(stage: int, dtype: str, *, lr: float = 1e-2, accum: int = 1) -> Any:
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = Net()
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": accum,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    if dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
+    elif dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def batch(rank: int, index: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank * 1000 + index)
+    return torch.randn(4, 8, generator=g).to(DTYPES[dtype]), torch.randn(4, 4, generator=g)
+
+
+def weights(engine: Any) -> list[float]:
+    """This rank's fp32 weights as the engine keeps them (ZeRO's partition), flat."""
+    from nanguard.integrations.deepspeed import EngineState
+
+    return torch.cat([p.detach().float().reshape(-1) for p in EngineState(engine).master_params()]).tolist()
+
+
+def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One run: ``steps`` steps of a fresh engine, guarded (``policy``) or not; ``fault``:
+    (kind, rank, step) with kind "data" (a NaN in the batch), "log" or "overflow" (the module faults)."""
+    from nanguard.integrations.deepspeed import DeepSpeedGuard
+
+    stage, dtype, accum = case["stage"], case["dtype"], case.get("accum", 1)
+    engine = engine_for(stage, dtype, lr=case.get("lr", 1e-2), accum=accum)
+    forwards = [0]
+    engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    guard = None
+    if case.get("policy"):
+        guard = DeepSpeedGuard(engine, case["policy"], **case.get("options", {}))
+    fault = case.get("fault")
+    losses, error = [], None
+    try:
+        for step in range(case["steps"]):
+            hit = fault is not None and fault[1] == rank and fault[2] == step
+            engine.module.act.fault = fault[0] if hit and fault[0] != "data" else None
+            for micro in range(accum):
+                x, y = batch(rank, step * accum + micro, dtype)
+                if hit and fault[0] == "data":
+                    x[0, 0] = float("nan")
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+            losses.append(float(loss))
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    engine.module.act.fault = None
+    scale = float(engine.optimizer.loss_scale) if dtype == "fp16" else None
+    out: dict[str, Any] = {
+        "weights": weights(engine),
+        "losses": losses,
+        "forwards": forwards[0],
+        "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "error": error,
+        "scale": scale,
+    }
+    if guard is not None:
+        diag = guard.last_diagnosis
+        out.update(skipped=guard.skipped, trips=guard.trips, diagnosis=diag.to_dict() if diag else None)
+        out["overflows"] = guard.guard.overflows if guard.guard is not None else None
+        out["last_overflow"] = guard.last_overflow.to_dict() if guard.last_overflow else None
+        out["last_grad_norm"] = guard.last_grad_norm
+        guard.close()
+    return out
+
+
+def run_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    init(rank)
+    return [run_case(rank, case) for case in cases]
