@@ -210,6 +210,65 @@ def test_transient_is_claimed_only_for_a_faithful_replay() -> None:
     assert single.cause == "unknown"
 
 
+class _DTensorLoss(nn.Module):
+    """A tensor-parallel model whose loss is a DTensor (a parallel loss); NaN when ``bad``."""
+
+    def __init__(self, mesh: object) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.fc = nn.Linear(4, 4)
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        h = self.fc(x)
+        loss = torch.log(h.pow(2).mean() - 1e3) if self.bad else h.pow(2).mean()
+        return DTensor.from_local(loss, self.mesh, [Replicate()])
+
+
+def test_a_dtensor_loss_is_checked_and_a_trip_named(tmp_path) -> None:
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _DTensorLoss(init_device_mesh("cpu", (1,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with LoopGuard(model, opt, policy="skip", module_stats=False) as guard:
+            for step in range(3):
+                model.bad = step == 1
+                model(torch.randn(2, 4)).backward()  # the README's loop: the loss is the model's
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                assert guard.step_skipped == (step == 1)
+        d = guard.last_diagnosis
+        assert d is not None and (d.cause, d.op, d.step) == ("op.log_domain", "aten.log.default", 1)
+        assert guard.last_grad_norm is not None and math.isfinite(guard.last_grad_norm)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_blind_replay_after_a_millionfold_loss_growth_is_a_divergence() -> None:
+    from nanguard.diagnose import with_run_facts
+    from nanguard.evidence import RunFacts
+
+    blind = transient_fault(
+        step=9,
+        loss=float("nan"),
+        grad_norm=float("nan"),
+        flagged_ranks=[0, 1],
+        located=True,
+        distributed=True,
+        unobserved=["the gradients FSDP2 reduce-scatters"],
+    )
+    grew = RunFacts(history={"diverging": True, "metric": "loss", "growth": 1e6, "window": 5})
+    d = with_run_facts(blind, grew)
+    assert d.cause == "optimizer.divergence"
+    assert not any("drain" in f for f in d.fixes)
+
+
 def test_titan_guard_names_wrong_arguments() -> None:
     from nanguard.integrations.torchtitan import TitanGuard
 
