@@ -192,6 +192,70 @@ def test_hf_trainer_runs_each_forward_once(tmp_path: Path) -> None:
     assert _headroom_steps(tmp_path / "run") == set(range(1, STEPS))
 
 
+class _CountComms(TorchDispatchMode):
+    """Collectives dispatched while entered (DTensor's redistributions and c10d's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
+        return func(*args, **(kwargs or {}))
+
+
+def tp_headroom_run(rank: int, world: int, entry: str, run_dir: str) -> dict[str, Any]:
+    """A bfloat16 tensor-parallel MLP (DTensor op outputs inside its layers), headroom every 2nd step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)).to(torch.bfloat16)
+    parallelize_module(model, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = ng.Guard(model, optimizer, headroom_every=2, run_dir=Path(run_dir) / str(rank))
+    comms, replays = [], []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            counter = _CountComms()
+            if entry == "step":
+
+                def closure(x=x):
+                    optimizer.zero_grad()
+                    loss = model(x).float().pow(2).mean()
+                    loss.backward()
+                    return loss
+
+                with counter:
+                    assert guard.step(closure) is not None
+            else:
+                optimizer.zero_grad()
+                with counter:
+                    loss = model(x).float().pow(2).mean()
+                    loss.backward()
+                assert guard.check(loss, replay=lambda: replays.append(1))
+                optimizer.step()
+                guard.after_step()
+            comms.append(counter.count)
+        guard.close()
+    events = read_events(Path(run_dir) / str(rank) / f"events-rank{rank}.jsonl")
+    measured = sorted({e["step"] for e in events if e["kind"] == "headroom"})
+    return {"comms": comms, "replays": len(replays), "measured": measured, "warnings": [str(w.message) for w in seen]}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("entry", ["step", "check"])
+def test_headroom_under_tensor_parallel_reads_each_ranks_shard_and_communicates_nothing(entry: str, tmp_path) -> None:
+    from nanguard.zoo.spawn import spawn_ranks
+
+    for r in spawn_ranks(tp_headroom_run, entry, str(tmp_path), world=2, timeout=240):
+        assert r["replays"] == 0 and r["warnings"] == [], r
+        assert r["measured"] == ([0, 2] if entry == "step" else [2]), r  # check(): from its second step on
+        assert r["comms"][0] == r["comms"][1] == r["comms"][2] == r["comms"][3], r  # measured steps add none
+
+
 # -- item 2: headroom reads the values ops compute, nothing else -------------------------------
 _BLANK = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 
