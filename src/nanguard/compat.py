@@ -22,6 +22,10 @@ from torch import nn
 from torch.nn import parameter as _parameter
 from torch.utils import _python_dispatch
 
+TESTED_TORCH = "2.13.0"
+"""The newest torch every internal below was checked against (``tests/test_compat.py``); ``nanguard doctor``
+and a bundle replayed under another torch say when the torch in use differs."""
+
 # Known to work: torch 2.4 - 2.13.0. The base class of a mode that sees every aten op (the tracer's
 # and the headroom check's); torch's own FlopCounterMode and DebugMode are built on it.
 DispatchMode = _python_dispatch.TorchDispatchMode

@@ -241,7 +241,7 @@ class HeadroomCheck:
     def _report(self, step: int, found: list[Headroom]) -> None:
         if not found:
             # No float16/bfloat16 op ran: a float32 run stays one, so stop paying for the trace.
-            log.info("nanguard: step %d: no low-precision op outputs; headroom checks stop", step)
+            log.debug("nanguard: step %d: no low-precision op outputs; headroom checks stop", step)
             self.every = 0
         for h in found:
             self.emit(step, h)
