@@ -12,11 +12,11 @@ from nanguard.diagnose import (
     loss_scale_collapse,
     nonfinite_update,
     rejected_batch,
-    rejudge,
     replica_divergence,
     transient_fault,
+    with_run_facts,
 )
-from nanguard.evidence import Evidence, OriginEvidence
+from nanguard.evidence import Evidence, OriginEvidence, RunFacts
 from nanguard.findings import Diagnosis, Finding
 from nanguard.text import diagnosis_text, kind_name, summary
 
@@ -332,7 +332,7 @@ REJUDGE_CASES = [
 def test_rejudge_table(build, history, scale, cause, op_cause, new_why) -> None:
     diag = build()
     before = copy.deepcopy(diag)
-    after = rejudge(diag, history=history, initial_weight_scale=scale)
+    after = with_run_facts(diag, RunFacts(history, scale))
     assert diag == before, "rejudge must not change its argument"
     assert after.cause == cause and after.evidence.get("op_cause") == op_cause
     assert (after.evidence["why"] != before.evidence["why"]) == new_why
@@ -442,7 +442,7 @@ def test_also_round_trips_and_shows_in_text() -> None:
 def test_rejudged_divergence_keeps_the_op_cause_in_also() -> None:
     ev = _op("aten.exp.default", input_max=300.0, kind="inf", why="exp overflowed")
     diag = Diagnosis(cause="op.exp_overflow", kind="inf", op="aten.exp.default", evidence=ev.to_dict())
-    out = rejudge(diag, history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5})
+    out = with_run_facts(diag, RunFacts({"diverging": True, "metric": "loss", "growth": 40.0, "window": 5}))
     assert out.cause == "optimizer.divergence"
     assert out.also and out.also[0]["cause"] == "op.exp_overflow"
 

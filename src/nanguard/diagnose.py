@@ -44,7 +44,6 @@ __all__ = [
     "nonfinite_shards",
     "nonfinite_update",
     "rejected_batch",
-    "rejudge",
     "replica_divergence",
     "runaway_growth",
     "transient_fault",
@@ -1407,16 +1406,3 @@ def with_run_facts(diag: Diagnosis, facts: RunFacts) -> Diagnosis:
     if located or diag.cause != "optimizer.nonfinite_update":
         evidence["why"] = verdict.why
     return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence, also=also)
-
-
-def rejudge(
-    diag: Diagnosis, *, history: dict[str, Any], initial_weight_scale: dict[str, Any] | None = None
-) -> Diagnosis:
-    """``with_run_facts(diag, RunFacts(history, initial_weight_scale))``, by keyword (kept for callers
-    of the earlier name; the guard no longer re-reads a traced diagnosis).
-
-    Example:
-        >>> rejudge(diag, history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5}).cause
-        'optimizer.divergence'
-    """
-    return with_run_facts(diag, RunFacts(history, initial_weight_scale))

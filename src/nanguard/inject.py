@@ -22,7 +22,7 @@ Without torch.distributed it corrupts a gradient after backward, as a faulty dev
 
 Every rank knows every fault (the spec is the same everywhere), so each one writes a ``drill``
 event for each fault of a step, with its own action; the guard marks a trip at such a step
-as injected (``diag.evidence["injected"]``).
+as injected (``diag.evidence["injected"]``, through the guard's ``Trip`` record).
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ class NullInjector:
     def at(self, step: int) -> list[Fault]:
         return []
 
-    def mark(self, diagnosis: Any, step: int, action: str) -> None:
-        pass
+    def mark(self, cause: str, step: int, action: str) -> list[dict[str, Any]]:
+        return []
 
     def end(self, *, action: str | None, diagnosis: Any, spiked: bool) -> None:
         pass
@@ -291,9 +291,10 @@ class Injector(NullInjector):
             return value * f.factor
         return value
 
-    def mark(self, diagnosis: Any, step: int, action: str) -> None:
-        """Say in a trip's diagnosis which planted faults it answers (at ``step``, on any rank), and
-        remember the ``action`` taken (skip, rollback, resync, raise) for the drill's events.
+    def mark(self, cause: str, step: int, action: str) -> list[dict[str, Any]]:
+        """Which planted faults a trip of ``cause`` answers (at ``step``, on any rank; the trip's
+        ``evidence["injected"]``), remembering the ``action`` taken (skip, rollback, resync, raise)
+        for the drill's events.
 
         A trip of an earlier step (a NaN written where the forward does not read it shows in the
         parameter check after the update, read with the next step) gets its drill events late.
@@ -301,10 +302,10 @@ class Injector(NullInjector):
         faults = [f for f in self.at(step) if f.kind != "stall"]  # a stall makes nothing non-finite
         faults += [f for f in self.faults if f.kind in DEVICE_FAULTS and not f.runs and f.step < step]
         if faults:
-            diagnosis.evidence["injected"] = [f.to_dict() for f in faults]
-            self._marked[step] = (action, diagnosis.cause)
+            self._marked[step] = (action, cause)
             if step != self._step:
                 self._late.append(step)
+        return [f.to_dict() for f in faults]
 
     def end(self, *, action: str | None, diagnosis: Any, spiked: bool) -> None:
         step, self._step = self._step, None

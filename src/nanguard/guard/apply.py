@@ -30,6 +30,7 @@ from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.tracker import Tracker
+from nanguard.guard.trip import Trip
 from nanguard.guard.wrapped import scaler_step
 from nanguard.inject import NullInjector
 
@@ -99,10 +100,11 @@ class Apply:
         if verdict.kind in ("collapse", "replicas"):
             self._repair(verdict, diag, action)
             return False
-        self._track(diag, verdict.step, kind)
+        trip = self._trip(diag, verdict.step, kind)
+        diag = trip.diagnosis
         flagged = diag.evidence.get("flagged_ranks", [self.rank])
         extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
-        self.recorder.trip_and_bundle(
+        bundle = self.recorder.trip_and_bundle(
             verdict.step,
             action=kind,
             ranks=flagged,
@@ -112,6 +114,7 @@ class Apply:
             meta=self._bundle_meta(attempt.batch),
             **extra,
         )
+        diag = self.progress.diagnosis = trip.with_bundle(bundle).diagnosis
         _announce(self.rank, verdict.step, diag, kind)
         if kind == "raise":
             self.progress.action = "raise"
@@ -132,7 +135,7 @@ class Apply:
             return
         ranks = [self.rank] if verdict.kind == "collapse" else diag.ranks
         if verdict.kind == "replicas":  # every rank compares fingerprints: the tracker's gather is safe
-            self._track(diag, step, kind)
+            diag = self.progress.diagnosis = self._trip(diag, step, kind).diagnosis
         self.recorder.trip(step, action=kind, ranks=ranks, diagnosis=diag)
         if verdict.kind == "replicas":
             _announce(self.rank, step, diag, kind)
@@ -177,14 +180,16 @@ class Apply:
         self.recovery.count_in_a_row()
         _stop_if(action, self.progress.diagnosis)
 
-    def _track(self, diag: Diagnosis, step: int, action: str) -> None:
-        """Which planted faults the trip answers, and where it ran, into its diagnosis and the run's
-        hardware tracker (``guard/tracker.py``)."""
-        self.injector.mark(diag, step, action)
+    def _trip(self, diag: Diagnosis, step: int, action: str) -> Trip:
+        """The trip's record: which planted faults it answers, and where it ran (the run's hardware
+        tracker, ``guard/tracker.py``, records it too)."""
+        injected = self.injector.mark(diag.cause, step, action)
         try:
-            self.tracker.trip(diag, step)
+            hardware = self.tracker.trip(diag, step, injected=bool(injected))
         except Exception as err:  # evidence only: nanguard's own failure must not kill training
             warnings.warn(f"nanguard: could not track the hardware of step {step}'s trip: {err!r}", stacklevel=4)
+            hardware = {}
+        return Trip(diag, step, action, injected, hardware)
 
     def _bundle_meta(self, batch: Any) -> dict[str, Any]:
         """What a trip's bundle keeps besides the batch: the recent history and the weights' fingerprint."""

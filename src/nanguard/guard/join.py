@@ -22,7 +22,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -127,8 +127,7 @@ def _shadow_step(guard: Shadow) -> None:
         guard.tracker.everyone()  # the stepping ranks' trip gathers every rank's whereabouts once
     raised, step = _tell(False, None)
     if diag is not None:
-        diag.step = step
-        guard.progress.diagnosis = diag
+        diag = guard.progress.diagnosis = replace(diag, step=step)
         log.warning("nanguard: rank %d (joined): step %d of the others: %s", dist.rank(), step, diag.summary())
     if raised:
         raise NonFiniteError(diag, f"{diag}\n(the ranks still stepping stopped)" if diag else None)

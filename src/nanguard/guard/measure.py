@@ -12,6 +12,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -136,8 +137,8 @@ class Measure:
         self.progress.step = step + 1
         diag = dist.gather_diagnosis(diag, flagged)
         assert diag is not None  # a flagged rank always contributes its diagnosis
-        diag.step = step
-        return Verdict("trip", step, diagnosis=with_bad_rows(diag, batch, self.remedies.rows()))
+        diag = with_bad_rows(replace(diag, step=step), batch, self.remedies.rows())
+        return Verdict("trip", step, diagnosis=diag)
 
     def replicas(self, step: int) -> Verdict | None:
         """Compare the replicas' fingerprints: a verdict when they differ."""

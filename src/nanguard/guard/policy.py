@@ -24,7 +24,7 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 from nanguard.causes import Cause, facts
 from nanguard.findings import Diagnosis
@@ -32,10 +32,30 @@ from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HostCopy, StepHealth
 from nanguard.spikes import Spike
 
-__all__ = ["DEFER", "KINDS", "SANE_SCALE", "STEP", "Action", "Policy", "Remedy", "State", "Verdict"]
+__all__ = [
+    "ACTION_KINDS",
+    "DEFER",
+    "KINDS",
+    "SANE_SCALE",
+    "STEP",
+    "Action",
+    "ActionKind",
+    "Policy",
+    "Remedy",
+    "RemedyKind",
+    "State",
+    "Verdict",
+    "VerdictKind",
+]
 
-KINDS = ("healthy", "spike", "trip", "overflow", "collapse", "replicas", "deferred")
+VerdictKind = Literal["healthy", "spike", "trip", "overflow", "collapse", "replicas", "deferred"]
 """What a ``Verdict`` can say about a step."""
+KINDS: tuple[VerdictKind, ...] = get_args(VerdictKind)
+ActionKind = Literal["step", "skip", "rollback", "raise", "overflow", "reset_scale", "resync", "defer"]
+"""What the guard does with a step (``Action.kind``)."""
+ACTION_KINDS: tuple[ActionKind, ...] = get_args(ActionKind)
+RemedyKind = Literal["skip", "quarantine", "upcast", "rollback", "lower_lr", "raise"]
+"""A remedy entry's action (``guard.remedies``, the ``remedy`` event)."""
 SANE_SCALE = 2.0**16  # GradScaler's own default initial scale
 
 
@@ -51,7 +71,7 @@ class Verdict:
 
     def __init__(
         self,
-        kind: str,
+        kind: VerdictKind,
         step: int,
         health: StepHealth | None = None,
         *,
@@ -78,8 +98,7 @@ class Verdict:
 class Remedy:
     """A remedy entry (``guard.remedies``): what ``Remedies.apply`` does and records."""
 
-    action: str
-    """One of ``remedies.ACTIONS``."""
+    action: RemedyKind
     target: Any = None
     reason: str = ""
     """Why; "" when the applier words what it did (a quarantine, a lowered LR)."""
@@ -95,7 +114,7 @@ class Action:
     stepped on the device; the step is decided when its health is read, with the next call).
     """
 
-    kind: str
+    kind: ActionKind
     remedy: Remedy | None = None
     message: str | None = None
     """raise: the NonFiniteError's message (None: the diagnosis alone)."""
@@ -196,7 +215,7 @@ class Policy:
             return Action("raise")
         if policy == "rollback" and not state.has_snapshot:
             return Action("raise", message=f"{diag}\n(no snapshot to roll back to)")
-        return Action(policy)
+        return Action(_PLAIN[policy])
 
     def _auto(self, diag: Diagnosis, cause: Cause, state: State) -> Action:
         """policy auto: the remedy of the cause's row, within its budget."""
@@ -271,6 +290,10 @@ class Policy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.used = {str(k): int(v) for k, v in dict(state.get("used", {})).items()}
+
+
+_PLAIN: dict[str, ActionKind] = {"skip": "skip", "rollback": "rollback", "raise": "raise"}
+"""The action each plain policy takes on a trip it can take."""
 
 
 def _raise(diag: Diagnosis, reason: str, target: Any = None) -> Action:

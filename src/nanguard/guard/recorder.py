@@ -101,8 +101,9 @@ class NullRecorder:
         batch: Any,
         rng: dict[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
-    ) -> None:
-        """Save a repro bundle of a tripped step, with ``meta`` in its ``meta.json``."""
+    ) -> str | None:
+        """Save a repro bundle of a tripped step, with ``meta`` in its ``meta.json``; its path, or None."""
+        return None
 
     def keeps_bundle(self, batch: Any) -> bool:
         """Whether a trip with this batch gets a bundle (its ``meta`` is worth building)."""
@@ -119,13 +120,15 @@ class NullRecorder:
         rng: dict[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
         **extra: Any,
-    ) -> None:
-        """The trip event and its bundle; a failure warns, since recording must never kill training."""
+    ) -> str | None:
+        """The trip event and its bundle (its path, or None); a failure warns, since recording must
+        never kill training."""
         try:
             self.trip(step, action=action, ranks=ranks, diagnosis=diagnosis, **extra)
-            self.bundle(diagnosis, step, batch, rng, meta)
+            return self.bundle(diagnosis, step, batch, rng, meta)
         except Exception as err:
             warnings.warn(f"nanguard: could not record the trip of step {step}: {err!r}", stacklevel=4)
+            return None
 
     def close(self) -> None:
         pass
@@ -184,9 +187,9 @@ class Recorder(NullRecorder):
         batch: Any,
         rng: dict[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
-    ) -> None:
+    ) -> str | None:
         if batch is None:
-            return
+            return None
         try:
             weights, note = _model_state(self.model, self.rank) if self.model is not None else (None, None)
             path = save_bundle(
@@ -201,7 +204,7 @@ class Recorder(NullRecorder):
                 max_weights_bytes=self.max_weights_bytes,
                 weights_note=note,
             )
-            diag.evidence["bundle"] = str(path)
+            return str(path)
         except Exception as err:  # a failed bundle must not kill training
             if not self._bundle_warned:
                 self._bundle_warned = True
@@ -210,6 +213,7 @@ class Recorder(NullRecorder):
                     "later bundle failures are not reported",
                     stacklevel=3,
                 )
+            return None
 
     def keeps_bundle(self, batch: Any) -> bool:
         return batch is not None

@@ -21,7 +21,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from nanguard import dist, sampler
 from nanguard.evidence import Evidence
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.policy import SANE_SCALE, Remedy
+from nanguard.guard.policy import SANE_SCALE, Remedy, RemedyKind
 from nanguard.guard.recorder import NullRecorder
 from nanguard.tracer.headroom import HeadroomCheck
 from nanguard.tree import leaves_with_path, path_str
@@ -39,7 +39,7 @@ __all__ = ["ACTIONS", "Remedies", "bad_rows", "upcast_module", "with_bad_rows"]
 
 log = logging.getLogger("nanguard")
 
-ACTIONS = ("skip", "quarantine", "upcast", "rollback", "lower_lr", "raise")
+ACTIONS = get_args(RemedyKind)
 
 
 class Remedies:

@@ -72,7 +72,8 @@ class Tracker:
 
     Example:
         >>> tracker = Tracker("runs/job7", here=where(), warn_after=2)
-        >>> tracker.trip(diag, step=120)   # appends one line; warns on the 2nd non-reproducing trip here
+        >>> tracker.trip(diag, step=120, injected=False)["where"]   # appends one line; warns on the 2nd
+        ...                                                           # non-reproducing trip here
     """
 
     def __init__(self, run_dir: str | os.PathLike[str] | None, *, here: Mapping[str, Any], warn_after: int) -> None:
@@ -108,17 +109,18 @@ class Tracker:
                 self._everyone = [self.here]
         return self._everyone
 
-    def trip(self, diag: Any, step: int) -> None:
-        """Put where the trip started in ``diag.evidence`` and append this rank's record of it."""
+    def trip(self, diag: Any, step: int, *, injected: bool) -> dict[str, Any]:
+        """Append this rank's record of a trip; returns where it started, for its evidence: ``where``,
+        and ``flagged_where`` and ``suspect_device`` when known. ``injected``: a fire drill planted it."""
         everyone = self.everyone()
         origin = diag.rank if diag.rank is not None and diag.rank < len(everyone) else None
         flagged = diag.evidence.get("flagged_ranks")
         flagged = [r for r in flagged if isinstance(r, int)] if isinstance(flagged, list) else []
         if origin is None:
             origin = flagged[0] if flagged else dist.rank()
-        diag.evidence["where"] = everyone[origin]
+        found: dict[str, Any] = {"where": everyone[origin]}
         if len(everyone) > 1 and flagged:
-            diag.evidence["flagged_where"] = {str(r): everyone[r] for r in flagged if r < len(everyone)}
+            found["flagged_where"] = {str(r): everyone[r] for r in flagged if r < len(everyone)}
         me = dist.rank()
         record = {
             **self.here,
@@ -127,7 +129,7 @@ class Tracker:
             "cause": diag.cause,
             "flagged": me in flagged if dist.is_distributed() else True,
             "reproduced": _reproduced(diag, me),
-            "injected": bool(diag.evidence.get("injected")),
+            "injected": injected,
         }
         self.records.append(record)
         self._append(record)
@@ -141,7 +143,8 @@ class Tracker:
                 transient,
                 step,
             )
-            diag.evidence["suspect_device"] = {**self.here, "transient_trips": transient}
+            found["suspect_device"] = {**self.here, "transient_trips": transient}
+        return found
 
     def _append(self, record: Mapping[str, Any]) -> None:
         if self.path is None:

@@ -67,7 +67,6 @@ _SAME_TENSOR = (
     "MvBackward",
     "TBackward",
 )
-_MEAN_OF = {"variance", "std", "mean of squares"}
 _DEPTH = 6
 
 
@@ -77,11 +76,6 @@ class Statistic:
     def __init__(self, kind: str, sources: dict[int, Any]) -> None:
         self.kind = kind
         self.sources = sources
-
-    @property
-    def mean_based(self) -> bool:
-        """A variance, std or mean of squares: what LayerNorm, RMSNorm and BatchNorm divide by."""
-        return self.kind in _MEAN_OF
 
 
 def node_of(t: Any) -> Any:
