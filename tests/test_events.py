@@ -68,3 +68,44 @@ def test_a_log_that_cannot_be_opened_or_written_warns_once_and_never_raises(tmp_
             full.write("step", step, loss=1.0)
         full.close()
     assert len(record) == 1 and not full.enabled
+
+
+def test_the_schema_is_what_the_recorder_writes_and_the_docstring_names() -> None:
+    # One owner of the event format: every field each recorder method writes is in events.SCHEMA,
+    # passes the reader's checks, and is named in the events module's prose; no kind goes unwritten.
+    import math
+
+    from nanguard import events
+    from nanguard.findings import Diagnosis
+    from nanguard.guard.history import Forecast
+    from nanguard.guard.recorder import NullRecorder
+    from nanguard.spikes import Spike
+    from nanguard.tracer.headroom import Headroom
+
+    written: list[dict] = []
+    rec = NullRecorder()
+    rec.listener = written.append
+    diag = Diagnosis(cause="unknown", step=1)
+    rec.start({"policy": "skip"}, 1, "host")
+    rec.step(1, loss=1.0, grad_norm=math.nan, scale=None, skipped=False)
+    rec.trip(1, action="skip", ranks=[0], diagnosis=diag, where={"host": "h"}, module_stats={})
+    rec.skip(1, "a reason")
+    rec.rollback(1, restored_step=0, skip_batches=2, reason="unknown", why="the last snapshot")
+    rec.spike(1, Spike(metric="loss", value=9.0, median=1.0, score=7.0))
+    rec.forecast(1, Forecast("loss", 9.0, 2.0, 40))
+    rec.overflow(1, scale=2.0**16, new_scale=2.0**15, streak=1)
+    rec.remedy(step=1, cause="unknown", action="skip", target=None, reason="")
+    rec.headroom(1, Headroom(module="m", dtype="torch.float16", absmax=6e4, limit=65504.0))
+    drill = {"fault": "inf_loss@step=1,rank=0", "fault_kind": "inf_loss", "fault_rank": 0, "planted_here": True}
+    rec.drill(1, **drill, action="skip", detected=True, cause="unknown", seconds=0.1)
+    rec.end(2, skipped=1, rollbacks=1)
+    assert {e["kind"] for e in written} == set(events.SCHEMA) == events.KNOWN_KINDS
+    doc = events.__doc__ or ""
+    for event in written:
+        names = {f.name for f in events.SCHEMA[event["kind"]]}
+        fields = {k: v for k, v in event.items() if k not in ("kind", "step")}
+        assert set(fields) <= names, (event["kind"], set(fields) - names)
+        assert events.field_error(event["kind"], fields) is None, event
+        for name in names:
+            assert f"``{name}``" in doc, f"events.py's prose does not name {event['kind']}.{name}"
+    assert events.field_error("step", {"skipped": "yes"}) == ("skipped", "true or false")

@@ -1,23 +1,33 @@
-"""Per-rank JSONL event log: ``run_dir/events-rank{R}.jsonl``.
+"""Per-rank JSONL event log: ``run_dir/events-rank{R}.jsonl``, and the one owner of its schema.
 
-Each line is one JSON object with at least ``kind``, ``step`` and ``rank``. Kinds:
+Each line is one JSON object with at least ``kind``, ``step`` and ``rank``. ``SCHEMA`` names each
+kind's fields and what each must be; the writer (``guard/recorder.py``) writes those fields, the
+report's reader (``report/stream.py``) checks them with ``field_error``, and a test holds the three
+together. Kinds:
 
-- ``start``: the guard's config and world size.
+- ``start``: the guard's ``config``, ``world_size`` and ``path`` ("host" or "device").
 - ``step``: one compact line per logged step: ``loss``, ``grad_norm``, ``skipped`` and
-  ``scale`` (``null`` without a GradScaler). Keys are short so a step costs a few dozen bytes.
-- ``trip``: a non-finite step: ``action`` ("skip" | "rollback" | "raise"), ``ranks`` (the
-  ranks whose own values were non-finite) and ``diagnosis`` (``Diagnosis.to_dict()``).
+  ``scale`` (``null`` without a GradScaler). Keys are short so a step costs a few dozen bytes;
+  the line's byte layout is ``nanguard.stepline``'s.
+- ``trip``: a non-finite step: ``action`` ("skip" | "rollback" | "raise" | ...), ``ranks`` (the
+  ranks whose own values were non-finite), ``diagnosis`` (``Diagnosis.to_dict()``), ``where``
+  (where this rank runs) and ``module_stats`` (per-module statistics of the replay, when taken).
 - ``skip``, ``rollback``: the recovery taken, with ``reason`` and, for rollbacks,
   ``restored_step`` (the step the restored snapshot was taken at), ``skip_batches`` and ``why``
   (why that snapshot: the last one, or the last before the run began to grow).
 - ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``; or the
   divergence warning: ``metric``, ``value``, ``growth`` and ``predicted_overflow_in``.
-- ``overflow``: a GradScaler overflow step it skipped on purpose (normal, not a trip).
+- ``overflow``: a GradScaler overflow step it skipped on purpose (normal, not a trip): ``scale``,
+  ``new_scale``, ``streak``.
+- ``remedy``: a remedy applied (``policy="auto"``): ``cause``, ``action``, ``target``, ``reason``.
+- ``headroom``: a low-precision module's outputs near its dtype's limit: ``module``, ``dtype``,
+  ``absmax``, ``limit``, ``close``.
 - ``drill``: a fault planted by ``NANGUARD_INJECT`` at this step (``nanguard.inject``), written by
   every rank: ``fault`` (its spec), ``fault_kind``, ``fault_rank`` (where it was planted), ``planted_here``,
   this rank's ``action``, ``detected`` (null for a stall: nothing to detect, the step must
   only finish), the diagnosed ``cause`` ("spike" for a spike) and ``seconds`` from planting to
   the decision.
+- ``end``: the run's ``skipped`` and ``rollbacks``.
 
 Every line is flushed as it is written, so a crash loses at most the line in flight.
 Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"``.
@@ -28,18 +38,118 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeGuard
 
 from nanguard.errors import EventLogError
 from nanguard.findings import jsonable
 
-__all__ = ["KNOWN_KINDS", "EventLog", "event_path", "read_events"]
+__all__ = ["KNOWN_KINDS", "SCHEMA", "EventLog", "Field", "event_path", "field_error", "read_events"]
 
-KNOWN_KINDS = frozenset(
-    {"start", "step", "trip", "skip", "rollback", "spike", "overflow", "end", "remedy", "headroom", "drill"}
-)
+
+def is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number, null, or one of the strings non-finite floats are written as."""
+    if value is None or is_int(value) or isinstance(value, float):
+        return True
+    return isinstance(value, str) and value in ("nan", "inf", "-inf")
+
+
+def is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(is_int(v) for v in value)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of an event kind: its name, and what the reader accepts (``check``, worded by ``what``)."""
+
+    name: str
+    check: Callable[[Any], bool] = _anything
+    what: str = "any JSON value"
+
+
+_NUMBER, _STRING = (is_number, "a number"), (_is_str, "a string")
+_INT = (lambda v: v is None or is_int(v), "an int")
+_OBJECT = (lambda v: v is None or isinstance(v, dict), "an object")
+
+SCHEMA: dict[str, tuple[Field, ...]] = {
+    "start": (
+        Field("config"),
+        Field("world_size", lambda v: v is None or (is_int(v) and 0 < v < 2**31), "a positive int"),
+        Field("path"),
+    ),
+    "step": (
+        Field("loss", *_NUMBER),
+        Field("grad_norm", *_NUMBER),
+        Field("skipped", lambda v: isinstance(v, bool), "true or false"),
+        Field("scale", *_NUMBER),
+    ),
+    "trip": (
+        Field("action", *_STRING),
+        Field("ranks", is_int_list, "a list of ints"),
+        Field("diagnosis", *_OBJECT),
+        Field("where"),
+        Field("module_stats", *_OBJECT),
+    ),
+    "skip": (Field("reason", *_STRING),),
+    "rollback": (
+        Field("restored_step", *_INT),
+        Field("skip_batches", *_INT),
+        Field("reason", *_STRING),
+        Field("why"),
+    ),
+    "spike": (
+        Field("metric", *_STRING),
+        Field("value", *_NUMBER),
+        Field("median", *_NUMBER),
+        Field("score", *_NUMBER),
+        Field("growth"),
+        Field("predicted_overflow_in"),
+    ),
+    "overflow": (Field("scale", *_NUMBER), Field("new_scale", *_NUMBER), Field("streak", *_INT)),
+    "remedy": (
+        Field("cause", *_STRING),
+        Field("action", *_STRING),
+        Field("target"),
+        Field("reason", lambda v: v is None or isinstance(v, str), "a string"),
+    ),
+    "headroom": (
+        Field("module", *_STRING),
+        Field("dtype", *_STRING),
+        Field("absmax", *_NUMBER),
+        Field("limit", *_NUMBER),
+        Field("close"),
+    ),
+    "drill": tuple(
+        Field(name)
+        for name in ("fault", "fault_kind", "fault_rank", "planted_here", "action", "detected", "cause", "seconds")
+    ),
+    "end": (Field("skipped"), Field("rollbacks")),
+}
+"""Each event kind and its fields besides ``kind``, ``step`` and ``rank``, in the order they are written."""
+KNOWN_KINDS = frozenset(SCHEMA)
+
+
+def field_error(kind: str, event: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first field of ``event`` the reader cannot take, as (its name, what it must be); None when
+    all can be. Absent fields are fine."""
+    for f in SCHEMA.get(kind, ()):
+        if f.name in event and not f.check(event[f.name]):
+            return f.name, f.what
+    return None
 
 
 def event_path(run_dir: str | Path, rank: int) -> Path:

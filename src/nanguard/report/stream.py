@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from math import isfinite
 from pathlib import Path
-from typing import Any, BinaryIO, TypeGuard
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from nanguard import stepline
-from nanguard.events import KNOWN_KINDS
+from nanguard.events import KNOWN_KINDS, field_error, is_int, is_int_list
 from nanguard.findings import Diagnosis, jsonable
 from nanguard.text import diagnosis_text, op_path, summary
 
@@ -520,7 +520,7 @@ def _read_other(raw: bytes, lineno: int, found: RankEvents) -> str | None:
     if not isinstance(kind, str) or kind not in KNOWN_KINDS:
         return f"ignoring unknown event kind {_short(kind)}"
     step = event.get("step")
-    if not _is_int(step) or not 0 <= step < MAX_STEP:
+    if not is_int(step) or not 0 <= step < MAX_STEP:
         return f"skipping {kind} event: 'step' must be an int in [0, 2**62), got {_short(step)}"
     why = _check(kind, event)
     if why is not None:
@@ -551,71 +551,11 @@ def _read_other(raw: bytes, lineno: int, found: RankEvents) -> str | None:
     return None
 
 
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    if value is None or _is_int(value) or isinstance(value, float):
-        return True
-    return isinstance(value, str) and value in ("nan", "inf", "-inf")
-
-
-def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(_is_int(v) for v in value)
-
-
-# Fields the report reads, per kind: (name, check, what it must be). Absent fields are fine.
-_FIELDS: dict[str, tuple[tuple[str, Any, str], ...]] = {
-    "step": (
-        ("loss", _is_number, "a number"),
-        ("grad_norm", _is_number, "a number"),
-        ("scale", _is_number, "a number"),
-        ("skipped", lambda v: isinstance(v, bool), "true or false"),
-    ),
-    "start": (("world_size", lambda v: v is None or (_is_int(v) and 0 < v < 2**31), "a positive int"),),
-    "trip": (
-        ("action", lambda v: isinstance(v, str), "a string"),
-        ("ranks", _is_int_list, "a list of ints"),
-        ("diagnosis", lambda v: v is None or isinstance(v, dict), "an object"),
-        ("module_stats", lambda v: v is None or isinstance(v, dict), "an object"),
-    ),
-    "skip": (("reason", lambda v: isinstance(v, str), "a string"),),
-    "rollback": (
-        ("restored_step", lambda v: v is None or _is_int(v), "an int"),
-        ("skip_batches", lambda v: v is None or _is_int(v), "an int"),
-        ("reason", lambda v: isinstance(v, str), "a string"),
-    ),
-    "spike": (
-        ("metric", lambda v: isinstance(v, str), "a string"),
-        ("value", _is_number, "a number"),
-        ("median", _is_number, "a number"),
-        ("score", _is_number, "a number"),
-    ),
-    "overflow": (
-        ("scale", _is_number, "a number"),
-        ("new_scale", _is_number, "a number"),
-        ("streak", lambda v: v is None or _is_int(v), "an int"),
-    ),
-    "remedy": (
-        ("cause", lambda v: isinstance(v, str), "a string"),
-        ("action", lambda v: isinstance(v, str), "a string"),
-        ("reason", lambda v: v is None or isinstance(v, str), "a string"),
-    ),
-    "headroom": (
-        ("module", lambda v: isinstance(v, str), "a string"),
-        ("dtype", lambda v: isinstance(v, str), "a string"),
-        ("absmax", _is_number, "a number"),
-        ("limit", _is_number, "a number"),
-    ),
-    "end": (),
-}
-
-
 def _check(kind: str, event: dict[str, Any]) -> str | None:
-    for name, ok, what in _FIELDS.get(kind, ()):
-        if name in event and not ok(event[name]):
-            return f"{name!r} must be {what}, got {_short(event[name])}"
+    wrong = field_error(kind, event)  # the schema's owner: nanguard.events
+    if wrong is not None:
+        name, what = wrong
+        return f"{name!r} must be {what}, got {_short(event[name])}"
     if kind != "step":
         try:
             json.dumps(jsonable(event), allow_nan=False)  # the --json report must be able to write it back
@@ -630,9 +570,9 @@ _DIAGNOSIS_FIELDS: tuple[tuple[str, Any, str], ...] = (
     ("phase", lambda v: isinstance(v, str), "a string"),
     ("op", lambda v: v is None or isinstance(v, str), "a string"),
     ("module", lambda v: v is None or isinstance(v, str), "a string"),
-    ("rank", lambda v: v is None or _is_int(v), "an int"),
-    ("ranks", _is_int_list, "a list of ints"),
-    ("step", lambda v: v is None or _is_int(v), "an int"),
+    ("rank", lambda v: v is None or is_int(v), "an int"),
+    ("ranks", is_int_list, "a list of ints"),
+    ("step", lambda v: v is None or is_int(v), "an int"),
     ("source", lambda v: v is None or isinstance(v, str), "a string"),
     ("evidence", lambda v: isinstance(v, dict), "an object"),
     ("fixes", lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v), "a list of strings"),
