@@ -18,7 +18,10 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
   collapsed;
 - snapshots (rollback and auto policies) are taken as the guard starts and every ``snapshot_every``
   good steps;
-- a deferred step (``sync="deferred"``) is decided with the next call, when its health is read.
+- a deferred step (``sync="deferred"``) is decided with the next call, when its health is read;
+- a trip right after a trip of a repeatable cause on the same ranks reuses its diagnosis (``repeats``),
+  once one forward confirms it;
+- a rollback happens only with a snapshot to roll back to (else the decision is a raise).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ __all__ = [
     "State",
     "Verdict",
     "VerdictKind",
+    "repeats",
 ]
 
 VerdictKind = Literal["healthy", "spike", "trip", "overflow", "collapse", "replicas", "deferred"]
@@ -290,6 +294,13 @@ class Policy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.used = {str(k): int(v) for k, v in dict(state.get("used", {})).items()}
+
+
+def repeats(last_step: int, last_ranks: list[int], last_cause: str, step: int, ranks: list[int]) -> bool:
+    """Whether a trip may reuse the last trip's diagnosis (confirmed by one forward, ``guard/replay.py``):
+    it directly follows that trip, on the same ranks, and its cause is one that repeats every step
+    (``Cause.repeatable``: a float16 overflow, a NaN weight), not one a batch makes."""
+    return last_step == step - 1 and bool(ranks) and last_ranks == ranks and facts(last_cause).repeatable
 
 
 _PLAIN: dict[str, ActionKind] = {"skip": "skip", "rollback": "rollback", "raise": "raise"}

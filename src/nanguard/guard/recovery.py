@@ -18,7 +18,6 @@ from torch import nn
 
 from nanguard import dist
 from nanguard.backup import BufferBackup
-from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.optim_state import load_optimizer_state, optimizer_state
@@ -157,8 +156,7 @@ class Recovery:
         and the next ``rollback_skip_batches`` batches; returns the step the snapshot was taken at
         (``why_restored`` says why that one)."""
         snap = self.target(onset)
-        if snap is None:
-            raise NonFiniteError(diag, f"{diag}\n(no snapshot to roll back to)")
+        assert snap is not None, "the policy rolls back only with a snapshot to roll back to"
         self._slots = [s if s is None or s["step"] <= snap["step"] else None for s in self._slots]
         self.snapshot_loss = snap["loss"]
         self.model.load_state_dict(snap["model"])

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from nanguard import compat, dist
-from nanguard.causes import facts
 from nanguard.diagnose import (
     communication_overflow,
     loaded_nonfinite,
@@ -35,6 +34,7 @@ from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
+from nanguard.guard.policy import repeats
 from nanguard.guard.proof import prove, proven
 from nanguard.pipeline import watch_stages
 from nanguard.rng import set_rng_state
@@ -195,7 +195,7 @@ class Diagnoser:
         if not self.locate or closure is None or last is None or self.sharded or h.joined:
             return None
         diag = last.diagnosis
-        if last.step != h.step - 1 or not h.bad_ranks or last.ranks != h.bad_ranks or not facts(diag.cause).repeatable:
+        if not repeats(last.step, last.ranks, diag.cause, h.step, h.bad_ranks):
             return None
         if diag.evidence.get("communication"):
             return None  # ranks that replay together (TP, PP) cannot each stop their forward early
