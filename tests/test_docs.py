@@ -172,3 +172,23 @@ def test_the_diagnosis_shown_is_what_the_demo_prints(capsys: pytest.CaptureFixtu
         assert blocks, page
         for block in blocks:
             assert _comparable(block) == printed, page
+
+
+def test_the_zoo_counts_on_the_zoo_page_are_the_zoos() -> None:
+    from nanguard.zoo import SCENARIOS
+    from nanguard.zoo.runner import WILD
+
+    text = " ".join((ROOT / "docs" / "zoo.md").read_text(encoding="utf-8").split())
+    single = [s for s in SCENARIOS if s.ranks == 1]
+    healthy = [s for s in single if s.expect.cause is None]
+    said = re.search(
+        r"(\d+) faulty single-process scenarios, (\d+) healthy ones, (\d+) distributed ones and (\d+) wild", text
+    )
+    assert said is not None
+    assert tuple(map(int, said.groups())) == (
+        len(single) - len(healthy),
+        len(healthy),
+        len(SCENARIOS) - len(single),
+        len(WILD),
+    )
+    assert f"rebuilds {len(WILD)} NaN bugs" in text
