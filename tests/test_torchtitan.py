@@ -41,6 +41,8 @@ def runs() -> dict[str, list[dict]]:
         "fsdp_token_rank1": ["fsdp", "token", 1, "skip", {"check_batch": True}],
         "fsdp_nan_row": ["fsdp", "nan_row", 1, "skip", {"steps": 1}],
         "fsdp_sqrt_grad_rank1": ["fsdp", "sqrt_grad", 1, "skip"],
+        "fsdp_rollback": ["fsdp", None, 0, "rollback"],
+        "tp_sqrt_rank0_raise": ["tp", "sqrt", 0, "raise"],
         "tp_plain": ["tp", None, 0, None],
         "tp_guarded": ["tp", None, 0, "skip"],
         "tp_sqrt_rank1": ["tp", "sqrt", 1, "skip"],
@@ -65,6 +67,32 @@ def test_healthy_runs_are_bit_identical_to_unguarded_ones(runs: dict[str, list[d
         assert guarded["norms"] == plain["norms"]
         assert guarded["skipped"] == [] and guarded["diag"] is None
         assert guarded["forwards"] == plain["forwards"] == 4  # the trainer's forward and backward once a step
+
+
+@pytest.mark.dist
+def test_a_rollback_guard_leaves_a_healthy_run_bit_identical(runs: dict[str, list[dict]]) -> None:
+    # Its snapshots read the container's optimizers one by one: OptimizersContainer.state_dict()
+    # would first run a zero-LR step, counting a step for AdamW and changing the first update.
+    for plain, guarded in zip(runs["fsdp_plain"], runs["fsdp_rollback"], strict=True):
+        assert (guarded["digest"], guarded["losses"], guarded["norms"]) == (
+            plain["digest"],
+            plain["losses"],
+            plain["norms"],
+        )
+
+
+@pytest.mark.dist
+def test_tp_op_fault_on_rank0_under_raise_stops_every_rank_naming_rank0(runs: dict[str, list[dict]]) -> None:
+    ranks = runs["tp_sqrt_rank0_raise"]
+    assert all(r["raised"] for r in ranks)
+    d = _diag(ranks)
+    assert (d["cause"], d["module"], d["rank"], d["ranks"], d["step"]) == (
+        "op.sqrt_domain",
+        "layers.1.feed_forward.w1",
+        0,
+        [0],
+        2,
+    )
 
 
 @pytest.mark.dist
