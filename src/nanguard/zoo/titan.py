@@ -28,9 +28,10 @@ NAN_ROW = 200  # held by rank 1 under FSDP2 and TP (rows 128..255)
 SEQ = 16
 
 
-def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64) -> dict[str, Any]:
+def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64, loss: str = "chunked") -> dict[str, Any]:
     """The model, loss, optimizers and schedulers of a torchtitan trainer for ``setup`` ("fsdp":
-    dp_shard=2, "tp": TP=2) on the 2 ranks of the current process group."""
+    dp_shard=2, "tp": TP=2) on the 2 ranks of the current process group; ``loss`` "chunked"
+    (torchtitan's default ``ChunkedLossWrapper``) or "ce" (its plain ``CrossEntropyLoss``)."""
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -105,9 +106,14 @@ def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64) -> di
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    loss_fn = ChunkedLossWrapper.Config(num_chunks=2, loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB)).build()
-    loss_fn.set_lm_head(model.lm_head)
-    model._skip_lm_head = True
+    if loss == "chunked":
+        loss_fn = ChunkedLossWrapper.Config(
+            num_chunks=2, loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB)
+        ).build()
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
+    else:
+        loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build()
     optimizer_config = default_adamw(lr=lr)
     optimizer_config.implementation = "for-loop"
     optimizers = optimizer_config.build(model_parts=[model])
@@ -122,16 +128,31 @@ def _batch(setup: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
+class _SqrtGrad(torch.autograd.Function):
+    """Identity forward; its backward takes the square root of the gradient shifted negative."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * torch.sqrt(grad.abs() * 0.0 - 1.0)
+
+
 def _plant(model: nn.Module, fault: str | None, on: dict[str, bool]) -> None:
-    """``sqrt``: layers.1.feed_forward.w1 takes the square root of negative values while ``on``."""
-    if fault != "sqrt":
+    """While ``on``, layers.1.feed_forward.w1 takes the square root of negative values: in its
+    forward (``sqrt``) or in its backward (``sqrt_grad``: the loss stays finite)."""
+    if fault not in ("sqrt", "sqrt_grad"):
         return
     w1: Any = model.get_submodule("layers.1.feed_forward.w1")
     forward = w1.forward
 
     def faulty(x: torch.Tensor) -> torch.Tensor:
         out = forward(x)
-        return torch.sqrt(out - 1.0) if on["bad"] else out
+        if not on["bad"]:
+            return out
+        return torch.sqrt(out - 1.0) if fault == "sqrt" else _SqrtGrad.apply(out)
 
     w1.forward = faulty
 
@@ -170,15 +191,16 @@ def titan_rank(
     steps: int = 4,
     lr: float = 1e-3,
     check_batch: bool = False,
+    loss: str = "chunked",
 ) -> dict[str, Any]:
     """Train ``steps`` steps as torchtitan's ``train_step`` does; ``fault`` on ``fault_rank`` at
-    ``BAD_STEP``: "sqrt" (an op fault in the forward), "token" (a token id past the vocabulary),
-    "label" (a label past it), "nan_row" (row ``NAN_ROW`` of the embedding NaN from the start,
-    on the rank that holds it), or None; ``policy`` None trains unguarded."""
+    ``BAD_STEP``: "sqrt" (an op fault in the forward), "sqrt_grad" (one in the backward), "token"
+    (a token id past the vocabulary), "label" (a label past it), "nan_row" (row ``NAN_ROW`` of the
+    embedding NaN from the start, on the rank that holds it), or None; ``policy`` None trains unguarded."""
     from nanguard.errors import NonFiniteError
     from nanguard.integrations.torchtitan import TitanGuard
 
-    parts = build(setup, lr=lr)
+    parts = build(setup, lr=lr, loss=loss)
     model, loss_fn, optimizers, schedulers = (
         parts["model"],
         parts["loss_fn"],
@@ -210,8 +232,8 @@ def titan_rank(
             labels[1, 2] = VOCAB + 7
         global_tokens = torch.tensor(labels.numel() * (2 if setup == "fsdp" else 1))
         pred = model(tokens, positions=positions)
-        loss, _ = loss_fn(pred, labels, global_tokens)
-        loss.backward()
+        value, _ = loss_fn(pred, labels, global_tokens)
+        value.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         try:
@@ -224,7 +246,7 @@ def titan_rank(
         if guard is not None and guard.step_skipped:
             skipped.append(step)
             continue
-        value = loss.detach()
+        value = value.detach()
         losses.append(float((value.to_local() if hasattr(value, "to_local") else value).item()))
         norms.append(float(norm.item()))
     d = raised or (guard.last_diagnosis if guard is not None else None)
@@ -232,6 +254,7 @@ def titan_rank(
         guard.close()
     return {
         "rank": rank,
+        "dtensor_loss": type(value).__name__ == "DTensor",
         "losses": losses,
         "norms": norms,
         "skipped": skipped,
