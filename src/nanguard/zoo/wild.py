@@ -4,13 +4,13 @@ Each scenario is one faulty step of code nobody here wrote (a loss, a model, a t
 step from the report), run through ``ng.locate``. ``expect`` is derived from the fault as
 the report describes it (which op makes the first non-finite value, in which module, and
 why), never from nanguard's output; ``basis`` says what it rests on. The cases live in
-``wild_losses`` (loss and training-step code), ``wild_models`` (model code) and
+``wild_losses`` (loss and training-step code), ``wild_models`` (model code),
 ``wild_masks`` (masks, fills and writes), ``wild_norms`` (normalizations and divisions inside
 composite ops), ``wild_raises`` (torch's own NaN results, gradient surgery, NaNs that surface
-as a raise) ``wild_domains`` (infinities meeting infinities, the log family) ``wild_surgery``
-(gradient surgery on what ``torch.autograd.grad`` returned) ``wild_samples`` (the sample
-behind a masked row) ``wild_replays`` (steps that draw from ``random``/``numpy.random``) and ``wild_compiled`` (a compiled
-submodule that miscompiles).
+as a raise), ``wild_domains`` (infinities meeting infinities, the log family), ``wild_surgery``
+(gradient surgery on what ``torch.autograd.grad`` returned), ``wild_samples`` (the sample
+behind a masked row), ``wild_replays`` (steps that draw from ``random``/``numpy.random``) and
+``wild_compiled`` (a compiled submodule that miscompiles).
 """
 
 from __future__ import annotations

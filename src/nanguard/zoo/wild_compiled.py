@@ -56,7 +56,7 @@ SCENARIOS = (
     WildScenario(
         "compiled_head_miscompile",
         "pytorch/pytorch#114109",
-        "model.head = torch.compile(model.head, backend=...) in an eager model; the backend's code for the head is wrong",
+        "model.head = torch.compile(model.head, backend=...) in an eager model; the backend's head code is wrong",
         Expect("compile.numerics", None, "head", "forward", "nan"),
         "only the head is compiled and its compiled graph outputs NaN where the same graph run eagerly is finite: "
         "the compiler's numerics, in the head's forward graph",
