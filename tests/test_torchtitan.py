@@ -41,6 +41,8 @@ def runs() -> dict[str, list[dict]]:
         "fsdp_token_rank1": ["fsdp", "token", 1, "skip", {"check_batch": True}],
         "fsdp_nan_row": ["fsdp", "nan_row", 1, "skip", {"steps": 1}],
         "fsdp_sqrt_grad_rank1": ["fsdp", "sqrt_grad", 1, "skip"],
+        "fsdp_rollback": ["fsdp", None, 0, "rollback"],
+        "tp_sqrt_rank0_raise": ["tp", "sqrt", 0, "raise"],
         "tp_plain": ["tp", None, 0, None],
         "tp_guarded": ["tp", None, 0, "skip"],
         "tp_sqrt_rank1": ["tp", "sqrt", 1, "skip"],
@@ -65,6 +67,32 @@ def test_healthy_runs_are_bit_identical_to_unguarded_ones(runs: dict[str, list[d
         assert guarded["norms"] == plain["norms"]
         assert guarded["skipped"] == [] and guarded["diag"] is None
         assert guarded["forwards"] == plain["forwards"] == 4  # the trainer's forward and backward once a step
+
+
+@pytest.mark.dist
+def test_a_rollback_guard_leaves_a_healthy_run_bit_identical(runs: dict[str, list[dict]]) -> None:
+    # Its snapshots read the container's optimizers one by one: OptimizersContainer.state_dict()
+    # would first run a zero-LR step, counting a step for AdamW and changing the first update.
+    for plain, guarded in zip(runs["fsdp_plain"], runs["fsdp_rollback"], strict=True):
+        assert (guarded["digest"], guarded["losses"], guarded["norms"]) == (
+            plain["digest"],
+            plain["losses"],
+            plain["norms"],
+        )
+
+
+@pytest.mark.dist
+def test_tp_op_fault_on_rank0_under_raise_stops_every_rank_naming_rank0(runs: dict[str, list[dict]]) -> None:
+    ranks = runs["tp_sqrt_rank0_raise"]
+    assert all(r["raised"] for r in ranks)
+    d = _diag(ranks)
+    assert (d["cause"], d["module"], d["rank"], d["ranks"], d["step"]) == (
+        "op.sqrt_domain",
+        "layers.1.feed_forward.w1",
+        0,
+        [0],
+        2,
+    )
 
 
 @pytest.mark.dist
@@ -208,6 +236,65 @@ def test_transient_is_claimed_only_for_a_faithful_replay() -> None:
     assert not any("hardware" in f or "drain" in f for f in blind.fixes)
     single = transient_fault(**args, distributed=False, unobserved=["the backward"])
     assert single.cause == "unknown"
+
+
+class _DTensorLoss(nn.Module):
+    """A tensor-parallel model whose loss is a DTensor (a parallel loss); NaN when ``bad``."""
+
+    def __init__(self, mesh: object) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.fc = nn.Linear(4, 4)
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        h = self.fc(x)
+        loss = torch.log(h.pow(2).mean() - 1e3) if self.bad else h.pow(2).mean()
+        return DTensor.from_local(loss, self.mesh, [Replicate()])
+
+
+def test_a_dtensor_loss_is_checked_and_a_trip_named(tmp_path) -> None:
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _DTensorLoss(init_device_mesh("cpu", (1,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with LoopGuard(model, opt, policy="skip", module_stats=False) as guard:
+            for step in range(3):
+                model.bad = step == 1
+                model(torch.randn(2, 4)).backward()  # the README's loop: the loss is the model's
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                assert guard.step_skipped == (step == 1)
+        d = guard.last_diagnosis
+        assert d is not None and (d.cause, d.op, d.step) == ("op.log_domain", "aten.log.default", 1)
+        assert guard.last_grad_norm is not None and math.isfinite(guard.last_grad_norm)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_blind_replay_after_a_millionfold_loss_growth_is_a_divergence() -> None:
+    from nanguard.diagnose import with_run_facts
+    from nanguard.evidence import RunFacts
+
+    blind = transient_fault(
+        step=9,
+        loss=float("nan"),
+        grad_norm=float("nan"),
+        flagged_ranks=[0, 1],
+        located=True,
+        distributed=True,
+        unobserved=["the gradients FSDP2 reduce-scatters"],
+    )
+    grew = RunFacts(history={"diverging": True, "metric": "loss", "growth": 1e6, "window": 5})
+    d = with_run_facts(blind, grew)
+    assert d.cause == "optimizer.divergence"
+    assert not any("drain" in f for f in d.fixes)
 
 
 def test_titan_guard_names_wrong_arguments() -> None:

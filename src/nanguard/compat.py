@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -20,6 +21,10 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn import parameter as _parameter
 from torch.utils import _python_dispatch
+
+TESTED_TORCH = "2.13.0"
+"""The newest torch every internal below was checked against (``tests/test_compat.py``); ``nanguard doctor``
+and a bundle replayed under another torch say when the torch in use differs."""
 
 # Known to work: torch 2.4 - 2.13.0. The base class of a mode that sees every aten op (the tracer's
 # and the headroom check's); torch's own FlopCounterMode and DebugMode are built on it.
@@ -57,6 +62,7 @@ __all__ = [
     "fabric_modules",
     "foreach_copy_",
     "foreach_norm",
+    "full_tensor",
     "has_forward_hooks",
     "hf_callbacks",
     "hf_initial_step",
@@ -129,9 +135,12 @@ def ddp_join_paused(model: nn.Module) -> Iterator[None]:
 # first, a gather), and which rank updates (and broadcasts) each parameter in ``_param_to_rank``.
 def zero_local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
     """The optimizer over this rank's own shard inside a ``ZeroRedundancyOptimizer``; None for any other."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    # Looked up only where it was imported (a user who built one did): importing
+    # ``torch.distributed.optim`` scripts its functional optimizers, and torch warns that
+    # ``torch.jit.script`` is deprecated, on a run that has no ZeRO optimizer at all.
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero) else None
 
 
 def zero_owners(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
@@ -310,6 +319,14 @@ def swap_collectives(stand_ins: Mapping[str, Callable[..., Any]]) -> Iterator[No
     finally:
         for name, original in saved.items():
             setattr(tdist, name, original)
+
+
+# Known to work: torch 2.13.0. ``DTensor.full_tensor()`` gathers (or reduces a ``Partial``) into
+# the whole value on every rank of its mesh: a collective every rank must call.
+def full_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The whole value of a DTensor (a collective on its mesh), else None."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none exists unless imported
+    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else None
 
 
 # Known to work: torch 2.13.0. A DTensor keeps this rank's values in ``_local_tensor`` and a

@@ -38,6 +38,7 @@ __all__ = [
     "Verdict",
     "communication_overflow",
     "diagnose",
+    "faulty_device",
     "loaded_nonfinite",
     "loss_scale_collapse",
     "nonfinite_shards",
@@ -1087,6 +1088,47 @@ def transient_fault(
         ranks=list(flagged_ranks) if distributed else [],
         step=step,
         evidence={"loss": loss, "grad_norm": grad_norm, "flagged_ranks": flagged_ranks, "why": why},
+        fixes=fixes,
+    )
+
+
+def faulty_device(*, step: int, origin: Diagnosis, proof: Mapping[str, Any]) -> Diagnosis:
+    """The suspect rank's device computes the step non-finite (or different) where a peer replica,
+    re-computing the same step (the suspect's batch and RNG state, the same parameters), does not:
+    ``proof`` is the evidence of both computations (``guard/proof.py``); ``origin`` the ordinary
+    diagnosis, whose op and module say where the bad value appeared on that device.
+
+    Example:
+        >>> faulty_device(step=7, origin=diag, proof={"suspect": 2, "peer": 0, ...}).cause
+        'hardware.faulty_device'
+    """
+    from nanguard.text import device_words
+
+    suspect, peer = int(proof["suspect"]), int(proof["peer"])
+    here, there = proof.get("suspect_where") or {}, proof.get("peer_where") or {}
+    named = device_words(here) if here else f"rank {suspect}'s device"
+    why = (
+        f"rank {suspect} computes step {step} {proof.get('suspect_result', 'non-finite')} on {named}; "
+        f"rank {peer} re-computed the same step (rank {suspect}'s batch and RNG state, the same parameters) "
+        f"{proof.get('peer_result', 'finite')}" + (f" on {device_words(there)}" if there else "")
+    )
+    fixes = [
+        f"drain {named} and run its diagnostics (ECC error counters, DCGM diagnostics), then resume without it",
+        "the step itself is sound (a peer computes it finite): no change to the model, data or hyperparameters",
+    ]
+    kind = origin.kind if origin.kind in ("nan", "inf") else "nan"
+    phase = origin.phase if origin.phase in ("forward", "backward") else "backward"
+    evidence = {**origin.evidence, "origin_cause": origin.cause, "proof": dict(proof), "why": why}
+    return Diagnosis(
+        cause="hardware.faulty_device",
+        kind=kind,
+        phase=phase,
+        op=origin.op,
+        module=origin.module,
+        rank=suspect,
+        ranks=[suspect],
+        step=step,
+        evidence=evidence,
         fixes=fixes,
     )
 

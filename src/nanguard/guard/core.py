@@ -30,7 +30,7 @@ from nanguard.errors import NonFiniteError, OutOfStepError
 from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth, check_after_loads
+from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth, check_after_loads, loop_grad_norm
 from nanguard.guard.history import History
 from nanguard.guard.join import in_join, install, telling_joined
 from nanguard.guard.policy import STEP, Action, Policy, Verdict
@@ -112,7 +112,7 @@ class Guard:
         self.rank, self.step_count, self._calls = dist.rank(), 0, 0
         self.last_diagnosis: Diagnosis | None = None
         self.last_action: str | None = None
-        self.last_grad_norm: float | None = None  # documented on the class: across ranks, before clipping
+        self._grad_norm: float | torch.Tensor | None = None  # last_grad_norm; a tensor until read (disabled)
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(
             self._params,
@@ -127,6 +127,7 @@ class Guard:
         self.diagnoser = Diagnoser(
             model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats, comm=self.health.comm
         )
+        self.diagnoser.prove = c.prove
         self.recorder = recorder_for(
             run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model, bundle_weights=c.bundle_weights
         )
@@ -179,6 +180,17 @@ class Guard:
     loss_spikes = property(lambda self: self.history.loss_spikes, doc="The loss spike detector.")
     grad_spikes = property(lambda self: self.history.grad_spikes, doc="The grad-norm spike detector.")
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The latest checked step's gradient norm (see the class docstring)."""
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = float(self._grad_norm)
+        return self._grad_norm
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: float | None) -> None:
+        self._grad_norm = value
+
     # -- the step ------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any], batch: Any = None, sample_ids: Any = None) -> Any:
         """Run ``closure``, check it, then step the optimizer or recover.
@@ -203,11 +215,9 @@ class Guard:
                 loss, value = self._forward_backward(closure)
                 verdict = self._measure(value, closure, batch, rng, device_step=self._device_step)
                 if verdict is None:
-                    self._headroom(closure, rng)
                     return loss  # deferred: its verdict and bookkeeping come with the next call
                 if not self._act(verdict, batch, rng, restore_buffers=True):
                     return None
-                self._headroom(closure, rng)
                 self._update(device_step=self._device_step)
                 self.after_step()
                 return loss
@@ -262,9 +272,18 @@ class Guard:
         """
         value = _check_args(loss, replay, rng)
         if self.disabled:
+            self._plain_check()
             return True
         self._calls += 1
         self._settle()
+        # The forward this call checks ran before it: headroom was measured as it ran (armed by the last call).
+        self._remedies.headroom.collect(self.step_count)
+        try:
+            return self._check(value, replay, batch, rng)
+        finally:
+            self._remedies.headroom.arm(self.step_count)  # the next due step's forward, as it runs
+
+    def _check(self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None) -> bool:
         if self._drop_batch() or self._bad_batch(batch):
             self.health.comm.reset()
             return False
@@ -276,7 +295,6 @@ class Guard:
             assert verdict is not None  # only the device path defers
             if not self._act(verdict, batch, rng, restore_buffers=False):
                 return False
-            self._headroom(replay, rng)
             self._clip()
             return True
         finally:
@@ -612,24 +630,10 @@ class Guard:
         what ``clip_grad_norm_(model.parameters())`` clips, in its order (the norm's rounding follows
         the order), then any parameter only the optimizer holds."""
         if self.config.clip_grad_norm is not None:
-            params = list({id(p): p for p in [*self.model.parameters(), *self._params]}.values())
-            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self._clip_params(), self.config.clip_grad_norm)
 
-    def _headroom(self, replay: Callable[[], Any] | None, rng: Rng | None) -> None:
-        """Every ``headroom_every``-th step's overflow headroom, where the step itself was not
-        measured as it ran (compiled models, ``check()``): on a replay of its closure with
-        communication off, never on the compiled step that updates the weights."""
-        check, step = self._remedies.headroom, self.step_count - 1
-        run = _scaler_aside(self.scaler, replay)
-        if run is None or not check.due(step):
-            return
-        check.replay(
-            step,
-            lambda: dist.replay_locally(self.model, run),
-            params=self._params,
-            rng=rng,
-            cuda_devices=self._cuda_devices,
-        )
+    def _clip_params(self) -> list[torch.Tensor]:
+        return list({id(p): p for p in [*self.model.parameters(), *self._params]}.values())
 
     # -- around the step -----------------------------------------------------------------
     def _begin_drill(self) -> NullInjector:
@@ -712,11 +716,18 @@ class Guard:
         self.step_count += 1
         self.last_action = "step"
         loss = closure()
+        self._plain_check()
         if self.scaler is not None:
             scaler_step(self.optimizer, self.scaler)
         else:
             self.optimizer.step()
         return loss
+
+    def _plain_check(self) -> None:
+        """A disabled guard's share of the step, as the loop would write it without nanguard: the
+        scaler's unscale, the clip (``clip_grad_norm``) and the gradient norm the loop reads."""
+        _unscale(self.scaler, self.optimizer)
+        self._grad_norm = loop_grad_norm(self._clip_params(), self.config.clip_grad_norm)
 
     def _bundle_meta(self) -> dict[str, Any]:
         return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
@@ -746,6 +757,7 @@ class Guard:
 
     def close(self) -> None:
         self._settle()
+        self._remedies.headroom.close()
         self.recorder.end(self.step_count, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
 

@@ -35,6 +35,7 @@ from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
+from nanguard.guard.proof import prove, proven
 from nanguard.pipeline import watch_stages
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
@@ -87,8 +88,10 @@ class Diagnoser:
         locate: bool,
         module_stats: bool,
         comm: dist.CommWatch | None = None,
+        prove: bool = True,
     ) -> None:
         self.model = model
+        self.prove = prove
         self.comm = comm or dist.CommWatch()
         self.sharded = dist.is_distributed() and any(local(p) is not p for p in model.parameters())
         self.optimizer = optimizer
@@ -154,9 +157,19 @@ class Diagnoser:
             )
         diag.step = h.step
         # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
-        replayed.diagnosis = with_run_facts(diag, run)
+        replayed.diagnosis = self._proven(with_run_facts(diag, run), closure, h, batch, rng)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
+
+    def _proven(
+        self, diag: Diagnosis, closure: Callable[[], Any] | None, h: StepHealth, batch: Any, rng: Any
+    ) -> Diagnosis:
+        """A rank's own fault, or its device's? A peer re-computes the suspect's step (``guard/proof.py``)."""
+        if not (self.prove and self.locate):
+            return diag
+        flagged, own = h.bad_ranks, h.own_loss
+        proof = prove(self.model, closure, diag=diag, flagged=flagged, batch=batch, rng=rng, own_loss=own)
+        return proven(diag, proof, h.step)
 
     def _compiled_again(self, closure: Callable[[], Any], rng: dict[str, torch.Tensor] | None, step: int) -> Any:
         """A compiled model whose eager replay was finite: ``compile.numerics`` when the step is non-finite

@@ -24,6 +24,7 @@ from nanguard import compat
 from nanguard.tree import op_leaves
 
 __all__ = [
+    "BLANK",
     "KEEPS_FINITE",
     "LITERALS",
     "MASK_AWARE",
@@ -155,6 +156,20 @@ _LOW = (torch.float16, torch.bfloat16)
 Facts = Callable[[tuple], dict[str, Any]]
 _FACTS: dict[Any, Facts] = {}
 _INDEX: dict[Any, Callable[[tuple], int | None]] = {}
+# Ops whose output holds no value any op computed: memory allocated and not written (``empty``,
+# ``empty_like``: what dropout's mask and an ``out=`` buffer start as), grown by ``resize_``, or
+# pointed at another storage by ``set_``. Reading it reads whatever the allocator left there.
+BLANK = {
+    aten.empty,
+    aten.empty_like,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.empty_strided,
+    aten.empty_permuted,
+    aten.resize_,
+    aten.resize_as_,
+    aten.set_,
+}
 _NAMES: dict[Any, str] = {}
 
 
@@ -230,6 +245,7 @@ class OpInfo:
     view: bool  # returns a view of its first argument (any view: a dtype view too)
     flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
+    blank: bool = False  # its output is memory no op has written (BLANK)
 
 
 _INFO: dict[int, tuple[Any, OpInfo]] = {}
@@ -272,6 +288,7 @@ def _describe(func: Any) -> OpInfo:
         view=bool(getattr(func, "is_view", False)),
         flat=schema is not None and all(_flat_type(str(a.type)) for a in arguments),
         writes=writes,
+        blank=_in(BLANK, func),
     )
 
 
