@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     ranks = spawn_ranks(_proof_rank, args.rounds, world=2, timeout=1200)
+    torch.set_num_threads(1)  # as each spawned rank runs: one core each on a shared machine
     p = {k: max(r[k] for r in ranks) for k in ranks[0]}  # the slower rank sets the pace
     b = _bisect(args.rounds, args.every, args.steps)
     n, h, ckpts = CONFIG, p["healthy"], args.steps // args.every

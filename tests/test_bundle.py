@@ -143,6 +143,22 @@ def test_rng_round_trip_through_a_bundle(tmp_path: Path) -> None:
     assert torch.equal(expected, torch.rand(4))
 
 
+def test_python_and_numpy_global_states_round_trip_through_a_bundle_as_bytes(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    random.gauss(0.0, 1.0), np.random.standard_normal()  # a cached gaussian in each
+    path = _save(tmp_path, rng_state=get_rng_state())
+    expected = (random.random(), random.gauss(0.0, 1.0), np.random.randint(1000), np.random.standard_normal())
+    loaded = load_bundle(path).rng_state
+    assert loaded["python"].dtype == torch.uint8 and loaded["numpy"].dtype == torch.uint8  # stored as bytes
+    set_rng_state(loaded)
+    assert (random.random(), random.gauss(0.0, 1.0), np.random.randint(1000), np.random.standard_normal()) == expected
+    with pytest.raises(ValueError, match="numpy"):
+        set_rng_state({"numpy": torch.zeros(3, dtype=torch.uint8)})
+
+
 def test_fork_rng_state_puts_the_callers_stream_back() -> None:
     state = get_rng_state()
     with fork_rng_state():
@@ -177,7 +193,7 @@ def test_oversize_batch_stores_shapes_only(tmp_path: Path) -> None:
     assert "max_batch_bytes" in loaded.meta["batch_reason"]
     assert loaded.batch["x"].device.type == "meta"
     assert loaded.batch["x"].shape == (4, 8) and loaded.batch["ids"][0].dtype == torch.int64
-    assert set(load_file(path / "tensors.safetensors")) == {"rng/cpu"}
+    assert set(load_file(path / "tensors.safetensors")) == {"rng/cpu", "rng/python", "rng/numpy"}
     assert "cpu" in loaded.rng_state
     with pytest.raises(BundleError, match="batch not stored"):
         replay(loaded, torch.nn.Linear(8, 1), locate_fn=lambda fn, *a, **k: None)
@@ -602,7 +618,7 @@ def test_recorder_stores_the_users_names_and_nothing_without_bundle_weights(tmp_
     assert sorted(wrapped.state_dict()) == ["module._orig_mod.bias", "module._orig_mod.weight"]
     for run, limit in (("on", 2**20), ("off", 0)):
         recorder = Recorder(tmp_path / run, rank=0, max_bundle_bytes=2**20, model=wrapped, max_weights_bytes=limit)
-        recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(2)}, None, dict)
+        recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(2)}, None, {})
         recorder.close()
     state = load_bundle(tmp_path / "on" / "bundles" / "step-00000001-rank-0").load_weights()
     assert sorted(state) == ["bias", "weight"] and torch.equal(state["weight"], inner.weight.detach())
@@ -621,7 +637,7 @@ model = torch.nn.Linear(4, 2)
 for name, param in list(model.named_parameters()):  # as FSDP2's fully_shard leaves them
     setattr(model, name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
 recorder = Recorder(sys.argv[1], rank=0, max_bundle_bytes=2**20, model=model, max_weights_bytes=2**20)
-recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(4)}, None, dict)
+recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(4)}, None, {})
 recorder.close()
 torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, sys.argv[1] + "/full.pt")
 dist.destroy_process_group()

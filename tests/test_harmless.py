@@ -338,6 +338,28 @@ def test_a_partly_written_blank_buffer_is_not_read_but_a_computed_value_close_to
     assert [(h.module, h.absmax) for h in found if h.close] == [("", 18000.0)]
 
 
+def fsdp2_headroom_run(rank: int, world: int) -> list[tuple[str, float]]:
+    """An FSDP2 MLP computing in bfloat16 (its all-gather buffers start as blank allocations); what
+    headroom reports close, with every blank allocation holding huge values."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    return _close(model, lambda: model(x).float().pow(2).mean().backward())
+
+
+@pytest.mark.dist
+def test_headroom_under_fsdp2_never_reads_its_all_gather_buffers() -> None:
+    from nanguard.zoo.spawn import spawn_ranks
+
+    assert spawn_ranks(fsdp2_headroom_run, world=2, timeout=240) == [[], []]
+
+
 # -- item 3: NANGUARD_DISABLE=1 is the loop as written without nanguard ------------------------
 def _amp_setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(0)

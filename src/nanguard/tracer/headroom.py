@@ -4,7 +4,8 @@ dtype's largest finite value.
 Every op output is seen, not only module outputs: attention scores computed inside an
 attention module count for that module. Only values an op computed are read: an allocation no
 op has written yet (``empty_like``, as dropout's mask starts; an ``out=`` buffer; ``resize_``),
-what is written into one, and views (their values were read where they were made) are not.
+anything in its storage later (what is written into it, an op's output that aliases it, as FSDP2's
+all-gather buffers), and views (their values were read where they were made) are not.
 A value of exactly the dtype's largest magnitude is a fill (``torch.finfo(dtype).min`` as a mask),
 as ``-inf`` is, not a computed value coming close. The running maxima stay on the device and
 are read once, when the measured step ends. Reading never communicates: a DTensor's own shard
@@ -74,8 +75,8 @@ class _HeadroomMode(compat.DispatchMode):
         for t in op_leaves(out):
             if isinstance(t, torch.Tensor) and t.numel() and (dtype := dtype_facts(t.dtype)) and dtype.low_precision:
                 t = local(t)  # this rank's shard: a DTensor's own reductions would communicate
-                if facts.writes and self._is_blank(t):
-                    continue  # written into a blank allocation: a mask or buffer, not the module's values
+                if self._is_blank(t):
+                    continue  # in a blank allocation (written into it, or an alias of it): a mask or buffer
                 a = t.abs()
                 # Inf/NaN are the guard's business, a value at the limit a fill: the finite values below it.
                 a = torch.where(a < dtype.max, a, 0).amax().float()
