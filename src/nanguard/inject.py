@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -150,6 +150,12 @@ def _parse_one(text: str) -> Fault:
     return Fault(kind=kind, **values)
 
 
+class Steps(Protocol):
+    """Where the guarded run stands (``nanguard.guard.progress.Progress``): ``step`` is the next step's index."""
+
+    step: int
+
+
 class NullInjector:
     """The injector of a guard with nothing to plant: every hook is a no-op."""
 
@@ -182,13 +188,11 @@ class Injector(NullInjector):
     with ``mark`` and ends the step with ``end``, which writes the ``drill`` events.
 
     Example:
-        >>> injector = Injector(parse("nan_grad@step=3"), model, write=recorder.drill, steps=lambda: guard.step_count)
+        >>> injector = Injector(parse("nan_grad@step=3"), model, write=recorder.drill, steps=Progress())
         >>> injector.begin(3); loss = injector.wrap(closure)()   # the gradient hook wrote a NaN
     """
 
-    def __init__(
-        self, faults: Sequence[Fault], model: nn.Module, *, write: Callable[..., None], steps: Callable[[], int]
-    ) -> None:
+    def __init__(self, faults: Sequence[Fault], model: nn.Module, *, write: Callable[..., None], steps: Steps) -> None:
         self.faults = tuple(faults)
         self._upcoming = steps  # the step a loop's own backward belongs to, before check() begins it
         self.rank, world = dist.rank(), dist.world_size()
@@ -216,7 +220,7 @@ class Injector(NullInjector):
 
     def _now(self, kind: str) -> Fault | None:
         """This rank's fault of ``kind`` at the running step, or None."""
-        step = self._step if self._step is not None else self._upcoming()
+        step = self._step if self._step is not None else self._upcoming.step
         return next((f for f in self._mine if f.kind == kind and f.step == step), None)
 
     def begin(self, step: int) -> None:
@@ -247,7 +251,7 @@ class Injector(NullInjector):
         (the first ``f.runs`` forwards when set), whoever runs it: the step, its replays, a proof."""
 
         def hook(_module: nn.Module, _args: Any, output: Any) -> Any:
-            step = self._step if self._step is not None else self._upcoming()
+            step = self._step if self._step is not None else self._upcoming.step
             done = self._corrupted.get(f, 0)
             if step < f.step or not isinstance(output, torch.Tensor) or (f.runs and done >= f.runs):
                 return None
@@ -331,12 +335,12 @@ class Injector(NullInjector):
 
 
 def injector_for(
-    inject: str | Sequence[Fault] | None, model: nn.Module, *, write: Callable[..., None], steps: Callable[[], int]
+    inject: str | Sequence[Fault] | None, model: nn.Module, *, write: Callable[..., None], steps: Steps
 ) -> NullInjector:
     """An ``Injector`` for the faults of ``inject``, or a ``NullInjector`` when there are none.
 
     Example:
-        >>> injector_for("inf_loss@step=5", model, write=recorder.drill, steps=lambda: 0).at(5)[0].kind
+        >>> injector_for("inf_loss@step=5", model, write=recorder.drill, steps=Progress()).at(5)[0].kind
         'inf_loss'
     """
     faults = parse(inject)

@@ -2,9 +2,9 @@
 
 Inside ``with ddp.join():`` a rank with no batch left loops in the join context, matching the
 others' collectives with zeros: DDP's join hook shadows the forward's and the backward's. The
-guard adds its own to the same hook (``install``): its last gradient bucket carries the
-agreement's room (the guard's comm hook makes that room on every rank whenever ``join()`` is on,
-so the shapes always match), or, when nothing rode, it takes part in the separate agreement
+guard adds its own to the same hook (``install``, over a ``Shadow`` of the guard's parts): its last
+gradient bucket carries the agreement's room (the guard's comm hook makes that room on every rank
+whenever ``join()`` is on, so the shapes always match), or, when nothing rode, it takes part in the separate agreement
 all-reduce. Its slot says ``JOINED`` and its step slot 0, so the mean loss and the grad norm are
 over the ranks that step, and every rank knows the same set of joined ranks.
 
@@ -22,7 +22,8 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Iterator
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -32,35 +33,38 @@ from torch.distributed.algorithms.join import JoinHook
 from nanguard import compat, dist
 from nanguard.agreement import Layout
 from nanguard.errors import NonFiniteError, OutOfStepError
-from nanguard.findings import Diagnosis
 from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, StepHealth
+from nanguard.guard.progress import Progress
 
-__all__ = ["in_join", "install", "telling_joined"]
+__all__ = ["Shadow", "in_join", "install", "telling_joined"]
 
 log = logging.getLogger("nanguard")
 
 
-class Guard(Protocol):
-    """What the shadow reads of a ``nanguard.Guard`` (core imports this module, not the reverse)."""
+@dataclass(eq=False)
+class Shadow:
+    """What a joined rank's shadow of the guard's step works with: the guard's parts, handed over
+    as they are (the guard keeps this record; the join hook holds it weakly)."""
 
-    model: nn.Module
-    disabled: bool
     health: HealthCheck
-    step_count: int
-    scaler: Any
-    last_diagnosis: Diagnosis | None
+    progress: Progress
+    """Where the run stands: the shadow reads the step and writes the others' diagnosis."""
+    scaled: bool
+    """The guard has a GradScaler."""
+    tracker: Any = None
+    """The run's hardware tracker (its first trip gathers every rank's whereabouts)."""
+    disabled: bool = False
 
 
-def install(guard: Guard) -> None:
-    """Make every ``Join`` built over the guard's DDP model (``ddp.join()`` included) run the
-    guard's shadow after DDP's own on a joined rank. Nothing changes outside ``join()``."""
-    model = guard.model
+def install(model: nn.Module, shadow: Shadow) -> None:
+    """Make every ``Join`` built over ``model`` (a DDP model; ``ddp.join()`` included) run the
+    guard's ``shadow`` after DDP's own on a joined rank. Nothing changes outside ``join()``."""
     if not isinstance(model, nn.parallel.DistributedDataParallel) or not dist.is_distributed():
         return
     # The bound method (Join calls joinable.join_hook(**kwargs)); a newer guard on the same model
     # replaces the older one's shadow rather than adding a second.
     ddp_hook = getattr(model.join_hook, "ddp_join_hook", model.join_hook)
-    ref = weakref.ref(guard)
+    ref = weakref.ref(shadow)
 
     def join_hook(**kwargs: Any) -> JoinHook:
         return _GuardedJoinHook(ddp_hook(**kwargs), ref)
@@ -75,12 +79,12 @@ def in_join(model: nn.Module) -> bool:
 
 
 class _GuardedJoinHook(JoinHook):
-    def __init__(self, inner: JoinHook, guard: weakref.ref[Guard]) -> None:
+    def __init__(self, inner: JoinHook, shadow: weakref.ref[Shadow]) -> None:
         self.inner = inner
-        self.guard = guard
+        self.shadow = shadow
 
     def main_hook(self) -> None:
-        guard = self.guard()
+        guard = self.shadow()
         if guard is None or guard.disabled:
             self.inner.main_hook()
             return
@@ -104,7 +108,7 @@ class _GuardedJoinHook(JoinHook):
         self.inner.post_hook(is_last_joiner)
 
 
-def _shadow_step(guard: Guard) -> None:
+def _shadow_step(guard: Shadow) -> None:
     """The joined rank's part of one guarded step of the others: the agreement, then a trip's collectives."""
     carried = guard.health.carried()
     if carried is not None and not bool((carried[Layout(dist.world_size()).steps] > 0).any()):
@@ -112,20 +116,19 @@ def _shadow_step(guard: Guard) -> None:
     zero = torch.zeros(())
     mine = DeviceHealth(grad_norm=zero, loss=zero, scale=torch.ones(()), flags=torch.tensor(int(HealthFlag.JOINED)))
     agreed = mine.agree(sharded=False, carried=carried, step=None)
-    h = mine.read(guard.step_count, agreed, scaled=False)
+    h = mine.read(guard.progress.step, agreed, scaled=False)
     if h.out_of_step:
         raise OutOfStepError(h.out_of_step)
-    kind = h.trip_kind(scaled=guard.scaler is not None)
+    kind = h.trip_kind(scaled=guard.scaled)
     if kind not in ("params", "trip"):
         return  # a GradScaler overflow needs the grad norm, which a joined rank does not hold
     diag = dist.gather_diagnosis(None, h.bad_ranks) if kind == "trip" else None
-    tracker = getattr(guard, "tracker", None)
-    if tracker is not None:
-        tracker.everyone()  # the stepping ranks' trip gathers every rank's whereabouts once
+    if guard.tracker is not None:
+        guard.tracker.everyone()  # the stepping ranks' trip gathers every rank's whereabouts once
     raised, step = _tell(False, None)
     if diag is not None:
         diag.step = step
-        guard.last_diagnosis = diag
+        guard.progress.diagnosis = diag
         log.warning("nanguard: rank %d (joined): step %d of the others: %s", dist.rank(), step, diag.summary())
     if raised:
         raise NonFiniteError(diag, f"{diag}\n(the ranks still stepping stopped)" if diag else None)
