@@ -216,7 +216,8 @@ def _scaled_loss(model: nn.Module, x: torch.Tensor, scale: float) -> torch.Tenso
 
 # -- non-reproduction outside torch.distributed ----------------------------------------------------
 def test_a_single_process_step_that_does_not_reproduce_claims_no_distribution() -> None:
-    from nanguard.diagnose import rejudge, transient_fault
+    from nanguard.diagnose import transient_fault, with_run_facts
+    from nanguard.evidence import RunFacts
     from nanguard.findings import CAUSES
 
     assert "distribut" not in CAUSES["step.not_reproduced"]
@@ -224,9 +225,9 @@ def test_a_single_process_step_that_does_not_reproduce_claims_no_distribution() 
     assert diag.cause == "step.not_reproduced" and diag.rank is None and diag.ranks == []
     assert not any("NCCL" in fix for fix in diag.fixes)
     grew = {"diverging": True, "metric": "loss", "growth": 50.0, "window": 4, "lr": 1.0}
-    after = rejudge(diag, history=grew)
+    after = with_run_facts(diag, RunFacts(grew))
     assert after.cause == "optimizer.divergence" and after.evidence["op_cause"] == "step.not_reproduced"
-    assert rejudge(diag, history={**grew, "diverging": False}).cause == "step.not_reproduced"
+    assert with_run_facts(diag, RunFacts({**grew, "diverging": False})).cause == "step.not_reproduced"
 
 
 def test_history_evidence_counts_updates_not_skipped_steps() -> None:

@@ -26,6 +26,7 @@ from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.apply import Apply
+from nanguard.guard.arguments import check_parts, check_state, listener
 from nanguard.guard.attempt import Attempt, Rng, Runner, check_args, unscale
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.deferred import Waiting, deferred_mode
@@ -34,13 +35,13 @@ from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
 from nanguard.guard.policy import DEFER, Action, Policy, Verdict
-from nanguard.guard.progress import Progress
+from nanguard.guard.progress import PolicyView, Progress
 from nanguard.guard.recorder import recorder_for
-from nanguard.guard.recovery import COUNTERS, Recovery
+from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser
 from nanguard.guard.tracker import Tracker, where
-from nanguard.guard.wrapped import guard_scaler, scaler_step
+from nanguard.guard.wrapped import scaler_step
 from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
@@ -100,7 +101,7 @@ class Guard:
         inject: str | list[Fault] | None = None,
         **config: Any,
     ) -> None:
-        scaler = _check_parts(model, optimizer, scaler, scheduler)
+        scaler = check_parts(model, optimizer, scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         run_dir = None if self.disabled else environ.run_dir(run_dir)
@@ -125,7 +126,7 @@ class Guard:
         self.recorder = recorder_for(
             run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model, bundle_weights=c.bundle_weights
         )
-        self.recorder.listener = _listener(on_event, self.disabled)
+        self.recorder.listener = listener(on_event, self.disabled)
         inject = None if self.disabled else environ.inject(inject)
         self.injector = injector_for(inject, model, write=self.recorder.drill, steps=self.progress)
         here = where(self._params[0].device if self._params else None)
@@ -134,7 +135,7 @@ class Guard:
         self._spikes_before = 0  # the spikes seen before a drilled step
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
-        self._state = _PolicyState(self.recovery, self._remedies, self.progress)
+        self._state = PolicyView(self.recovery, self._remedies, self.progress)
         self._choose_paths()
         self._wire()
         self._pending: StepHealth | None = None  # a checked step whose update is to be recorded
@@ -476,7 +477,7 @@ class Guard:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        _check_state(state, self.config)  # a bad entry is a ValueError, and nothing is applied
+        check_state(state, self.config)  # a bad entry is a ValueError, and nothing is applied
         self.progress.step = int(state.get("step_count", 0))
         self.recovery.load_state_dict(state)
         self.history.load_state_dict(state)
@@ -491,68 +492,3 @@ class Guard:
         self._remedies.headroom.close()
         self.recorder.end(self.progress.step, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
-
-
-class _PolicyState:
-    """What the policy reads of the other parts (``policy.State``), read only when it asks."""
-
-    def __init__(self, recovery: Recovery, remedies: Remedies, progress: Progress) -> None:
-        self._recovery, self._remedies, self._progress = recovery, remedies, progress
-
-    @property
-    def has_snapshot(self) -> bool:
-        return self._recovery.snapshot is not None
-
-    @property
-    def consecutive_skips(self) -> int:
-        return self._recovery.consecutive_skips
-
-    @property
-    def upcast(self) -> list[str]:
-        return self._remedies.upcast
-
-    @property
-    def last_diagnosis(self) -> Diagnosis | None:
-        return self._progress.diagnosis
-
-    def can_upcast(self, module: str | None) -> str | None:
-        return self._remedies.can_upcast(module)
-
-
-def _check_state(state: Any, config: GuardConfig) -> None:
-    """Check a ``Guard.state_dict()`` before any of it is applied: a ValueError names what is wrong."""
-    if not isinstance(state, Mapping):
-        raise ValueError(f"state must be a mapping from Guard.state_dict(), got {type(state).__name__}")
-    for name in ("step_count", *COUNTERS):
-        value = state.get(name, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"state[{name!r}] must be an int >= 0, got {value!r}")
-    try:  # the history and the diagnosis are checked by loading them into throwaway copies
-        History.from_config(config).load_state_dict(state)
-        last = state.get("last_diagnosis")
-        if last:
-            Diagnosis.from_dict(last)
-    except Exception as err:
-        raise ValueError(f"cannot load the guard state (history or last_diagnosis): {err!r}") from None
-
-
-def _check_parts(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> Any:
-    """The Guard's parts checked (a ValueError names the wrong one); returns the scaler to use."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
-    for obj, name, methods in [
-        (scaler, "scaler", ("is_enabled", "unscale_", "step", "update", "get_scale", "state_dict")),
-        (scheduler, "scheduler", ("step", "state_dict", "load_state_dict")),
-    ]:
-        if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
-            raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
-    return scaler
-
-
-def _listener(on_event: Any, disabled: bool) -> Callable[[dict[str, Any]], None] | None:
-    if on_event is not None and not callable(on_event):
-        raise ValueError(f"on_event must be None or a callable taking an event dict, got {type(on_event).__name__}")
-    return None if disabled else on_event

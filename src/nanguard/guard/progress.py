@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from nanguard.findings import Diagnosis
+from nanguard.guard.recovery import Recovery
+from nanguard.guard.remedies import Remedies
 
-__all__ = ["Progress"]
+__all__ = ["PolicyView", "Progress"]
 
 
 @dataclass
@@ -37,3 +39,34 @@ class Progress:
     grad_norm: float | torch.Tensor | None = None
     """The latest checked step's gradient norm, across ranks, before clipping (``Guard.last_grad_norm``);
     a tensor until read, where a disabled guard computed it."""
+
+
+class PolicyView:
+    """What the policy reads of the other parts (``policy.State``), read only when it asks.
+
+    Example:
+        >>> PolicyView(recovery, remedies, progress).has_snapshot
+        True
+    """
+
+    def __init__(self, recovery: Recovery, remedies: Remedies, progress: Progress) -> None:
+        self._recovery, self._remedies, self._progress = recovery, remedies, progress
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self._recovery.snapshot is not None
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self._recovery.consecutive_skips
+
+    @property
+    def upcast(self) -> list[str]:
+        return self._remedies.upcast
+
+    @property
+    def last_diagnosis(self) -> Diagnosis | None:
+        return self._progress.diagnosis
+
+    def can_upcast(self, module: str | None) -> str | None:
+        return self._remedies.can_upcast(module)
