@@ -159,3 +159,26 @@ def test_the_faulty_device_fault_parses_and_stays_out_of_the_step_faults() -> No
     from nanguard.inject import FAULTS
 
     assert "faulty_device" not in FAULTS  # the drill's every-kind sets plant step faults only
+
+
+def test_the_hardware_table_ranks_a_proven_faulty_device_first() -> None:
+    from nanguard.hardware import FAULTY, device_rows
+
+    def record(device: str, cause: str, reproduced: bool) -> dict[str, Any]:
+        return {
+            "host": "node7",
+            "device": device,
+            "uuid": device,
+            "flagged": True,
+            "reproduced": reproduced,
+            "cause": cause,
+        }
+
+    rows = device_rows(
+        [
+            record("GPU-a", "distributed.transient", False),
+            record("GPU-a", "distributed.transient", False),
+            record("GPU-b", FAULTY, True),
+        ]
+    )
+    assert [(r["id"], r["faulty"], r["transient"]) for r in rows] == [("GPU-b", 1, 0), ("GPU-a", 0, 2)]
