@@ -26,7 +26,7 @@ NOT_ONE_STEP = {"data.fully_masked", "data.invalid_mask", "step.not_reproduced",
 def test_every_cause_has_a_zoo_scenario_or_a_stated_reason() -> None:
     covered = {s.expect.cause for s in SCENARIOS} | {s.expect.cause for s in WILD}
     assert set(ng.CAUSES) - covered == NOT_ONE_STEP - covered
-    assert NOT_ONE_STEP <= set(ng.CAUSES)
+    assert set(ng.CAUSES) >= NOT_ONE_STEP
 
 
 def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:

@@ -20,9 +20,10 @@ class DeepMLP(nn.Module):
 
     def __init__(self, width: int = 64, depth: int = 16) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        linears = [nn.Linear(width, width) for _ in range(depth)]
+        self.layers = nn.ModuleList(linears)
         self.out = nn.Linear(width, 1)
-        for layer in self.layers:
+        for layer in linears:
             nn.init.normal_(layer.weight, std=40.0)  # meant: gain 40 x 1/sqrt(fan_in) (a deep residual-free stack)
             nn.init.zeros_(layer.bias)
 
