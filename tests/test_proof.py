@@ -182,3 +182,14 @@ def test_the_hardware_table_ranks_a_proven_faulty_device_first() -> None:
         ]
     )
     assert [(r["id"], r["faulty"], r["transient"]) for r in rows] == [("GPU-b", 1, 0), ("GPU-a", 0, 2)]
+
+
+def test_the_suspects_cuda_generators_become_the_peers_own() -> None:
+    from nanguard.guard.proof import _onto_own_devices
+
+    cpu, gpu = torch.get_rng_state(), torch.zeros(16, dtype=torch.uint8)
+    model = nn.Linear(2, 2)  # on the CPU: no device of its own draws, the suspect's CUDA states are left out
+    assert _onto_own_devices({"cpu": cpu, "cuda:3": gpu}, model) == {"cpu": cpu}
+    if torch.cuda.is_available():
+        moved = _onto_own_devices({"cpu": cpu, "cuda:3": gpu}, model.cuda())
+        assert moved is not None and set(moved) == {"cpu", f"cuda:{torch.cuda.current_device()}"}
