@@ -17,6 +17,7 @@ import math
 import numbers
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -32,7 +33,7 @@ from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth, check_after_loads
 from nanguard.guard.history import History
-from nanguard.guard.join import in_join, install, telling_joined
+from nanguard.guard.join import in_join, install, telling_joined, tells_every_step
 from nanguard.guard.policy import STEP, Action, Policy, Verdict
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import COUNTERS, Recovery
@@ -372,7 +373,9 @@ class Guard:
             return self._tripped(h, replay, batch, rng, restore_buffers)
         spikes = self._watch_trends(step, h)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
-        if not updated and (runaway := self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)) is not None:
+        # Not while a rank has joined (DDP join()): it holds no history to follow the trip with.
+        runaway = None if updated or h.joined else self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)
+        if runaway is not None:
             self.recovery.abandon(restore_buffers, rng)
             diag = runaway_growth(
                 step=step,
@@ -487,7 +490,7 @@ class Guard:
         """The policy's action for ``verdict``, applied; True when the update goes ahead. On a trip
         while a rank has joined (DDP join()), that rank learns whether the policy stopped the run."""
         h = verdict.health
-        if verdict.kind != "trip" or h is None or not h.joined:
+        if h is None or not h.joined or (verdict.kind != "trip" and not tells_every_step(self)):
             return self._apply(verdict, batch, rng, restore_buffers=restore_buffers)
         with telling_joined(h, verdict.step):
             return self._apply(verdict, batch, rng, restore_buffers=restore_buffers)
@@ -754,7 +757,9 @@ class _PolicyState:
     """What the policy reads of the guard's parts (``policy.State``), read only when it asks."""
 
     def __init__(self, guard: Guard) -> None:
-        self._guard = guard
+        # Weakly: the guard holds this, and a cycle would keep the guard, its model and (under DDP)
+        # the process group alive until a garbage collection, perhaps into interpreter shutdown.
+        self._guard = weakref.proxy(guard)
 
     @property
     def has_snapshot(self) -> bool:
