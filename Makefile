@@ -26,7 +26,7 @@ $(DEMO_STAMP): $(CORE_STAMP)
 # isolated build would fetch another torch.
 $(STAMP): $(CORE_STAMP)
 	$(PY) -c "import deepspeed" 2>/dev/null || $(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.16"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)

@@ -298,7 +298,8 @@ counts only in the scenarios whose expectation names it (a data fault names no o
 its cause), for every tool alike, and "n/a" where no scenario names it. Expectations come from the fault,
 not from any tool's output. detect_anomaly names a backward node, compared by op name (`LogBackward0` ~
 `aten.log.default`); DebugUnderflowOverflow names the module whose forward saw inf/nan first (its hooks are
-removed from the tiny GPT's attention blocks, where it crashes on the bool mask; a crash elsewhere is
+removed from each tiny-GPT block and its attention module, where it crashes on the bool mask, so it can
+never name those modules; a crash elsewhere is
 scored as a miss). Distributed scenarios run for nanguard only: the reference tools have no notion of ranks.
 
 {chr(10).join(lines)}

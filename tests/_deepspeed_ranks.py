@@ -37,7 +37,22 @@ class Act(nn.Module):
             return torch.log(h - 10.0)
         if self.fault == "overflow":
             return h * 1e5  # past float16's max: Inf in float16, finite in float32
+        if self.fault == "grad_overflow":
+            return torch.tanh(_Amplified.apply(h))  # the backward alone overflows float16
         return torch.tanh(h)
+
+
+class _Amplified(torch.autograd.Function):
+    """The identity forward; a backward that multiplies the gradient by 1e4 (past float16's range
+    under the loss scale): the overflow DeepSpeed's scaler skips silently, every loss finite."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1e4
 
 
 def init(rank: int) -> None:
@@ -110,6 +125,7 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
     engine.module.act.fault = None
+    scale = float(engine.optimizer.loss_scale) if dtype == "fp16" else None
     out: dict[str, Any] = {
         "weights": weights(engine),
         "losses": losses,
@@ -117,10 +133,13 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "error": error,
+        "scale": scale,
     }
     if guard is not None:
         diag = guard.last_diagnosis
         out.update(skipped=guard.skipped, trips=guard.trips, diagnosis=diag.to_dict() if diag else None)
+        out["overflows"] = guard.guard.overflows if guard.guard is not None else None
+        out["last_overflow"] = guard.last_overflow.to_dict() if guard.last_overflow else None
         out["last_grad_norm"] = guard.last_grad_norm
         guard.close()
     return out

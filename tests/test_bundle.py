@@ -602,7 +602,7 @@ def test_recorder_stores_the_users_names_and_nothing_without_bundle_weights(tmp_
     assert sorted(wrapped.state_dict()) == ["module._orig_mod.bias", "module._orig_mod.weight"]
     for run, limit in (("on", 2**20), ("off", 0)):
         recorder = Recorder(tmp_path / run, rank=0, max_bundle_bytes=2**20, model=wrapped, max_weights_bytes=limit)
-        recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(2)}, None, dict)
+        recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(2)}, None, {})
         recorder.close()
     state = load_bundle(tmp_path / "on" / "bundles" / "step-00000001-rank-0").load_weights()
     assert sorted(state) == ["bias", "weight"] and torch.equal(state["weight"], inner.weight.detach())
@@ -621,7 +621,7 @@ model = torch.nn.Linear(4, 2)
 for name, param in list(model.named_parameters()):  # as FSDP2's fully_shard leaves them
     setattr(model, name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
 recorder = Recorder(sys.argv[1], rank=0, max_bundle_bytes=2**20, model=model, max_weights_bytes=2**20)
-recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(4)}, None, dict)
+recorder.bundle(Diagnosis(cause="unknown", step=1), 1, {"x": torch.ones(4)}, None, {})
 recorder.close()
 torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, sys.argv[1] + "/full.pt")
 dist.destroy_process_group()

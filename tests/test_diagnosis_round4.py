@@ -1,8 +1,13 @@
 """Diagnosis, fourth round: infinities meeting infinities, the log family, replays that draw the
 same numbers, the sample behind a masked row, gradient surgery, a compiled submodule."""
 
+import json
+
+import torch
+
 import nanguard as ng
 from nanguard.zoo.wild import get_wild
+from nanguard.zoo.wild_samples import stopword_batch
 
 
 def _locate(name: str) -> ng.Diagnosis:
@@ -37,3 +42,40 @@ def test_arithmetic_on_what_autograd_grad_returned_is_gradient_surgery() -> None
     assert diag.evidence["origin"]["gradient_surgery"] is True
     update = _locate("sam_layerwise_zero_grad")
     assert (update.op, update.phase) == ("aten.addcdiv_.default", "optimizer")
+
+
+def test_an_empty_sample_is_traced_to_its_batch_tensor_and_row() -> None:
+    diag = _locate("stopword_empty_sample_tuple_batch")
+    assert diag.cause == "op.masked_softmax"
+    assert diag.evidence["origin"]["masked_by"] == {"path": "batch[0][1]", "rows": [3]}
+    assert diag.evidence["rows"] == [3] and diag.also[0]["cause"] == "data.fully_masked"
+    assert "batch[0][1] row(s) [3]" in diag.evidence["why"]
+    dict_diag = _locate("empty_passage_dict_where")  # torch.where(mask, scores, full_like(-inf)), 4-D heads
+    assert dict_diag.evidence["origin"]["masked_by"] == {"path": "batch['attention_mask']", "rows": [1]}
+
+
+def test_check_batch_finds_the_empty_sample_in_tuple_and_list_batches() -> None:
+    (ids, mask), labels = stopword_batch()
+    for batch, where in (
+        (((ids, mask), labels), "batch[0][1]"),
+        ([ids, mask, labels], "batch[1]"),
+        ({"input_ids": ids, "attention_mask": mask}, "batch['attention_mask']"),
+    ):
+        (finding,) = ng.check_batch(batch)
+        assert (finding.cause, finding.where, finding.details["samples"]) == ("data.fully_masked", where, [3])
+    # An all-zero tensor after the mask (token type ids of single sentences) is not read as a mask.
+    assert ng.check_batch((ids, torch.zeros_like(ids), torch.ones_like(ids))) == []
+
+
+def test_policy_auto_quarantines_the_dataset_id_of_the_empty_sample(tmp_path) -> None:
+    case = get_wild("stopword_empty_sample_tuple_batch").build()
+    (batch,) = case.args
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
+    guard = ng.Guard(case.model, optimizer, policy="auto", run_dir=tmp_path)
+    try:
+        guard.step(lambda: case.fn(batch), batch=batch, sample_ids=[40, 41, 42, 43])
+    finally:
+        guard.close()
+    (remedy,) = guard.remedies
+    assert remedy["action"] == "quarantine" and remedy["cause"] == "op.masked_softmax"
+    assert json.loads((tmp_path / "quarantine.json").read_text())["ids"] == [43]

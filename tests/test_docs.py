@@ -161,6 +161,7 @@ def _comparable(block: str) -> list[str]:
 def test_the_diagnosis_shown_is_what_the_demo_prints(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--no-run-dir"]) == 0
     out = capsys.readouterr().out.splitlines()
+    assert not [line for line in out if "headroom checks stop" in line]  # a float32 run's non-news stays quiet
     start = max(i for i, line in enumerate(out) if re.match(r"nanguard: \w+ created - ", line))
     end = start + 1
     while end < len(out) and out[end].startswith("  "):
@@ -171,3 +172,43 @@ def test_the_diagnosis_shown_is_what_the_demo_prints(capsys: pytest.CaptureFixtu
         assert blocks, page
         for block in blocks:
             assert _comparable(block) == printed, page
+
+
+def test_the_zoo_counts_on_the_zoo_page_are_the_zoos() -> None:
+    from nanguard.zoo import SCENARIOS
+    from nanguard.zoo.runner import WILD
+
+    text = " ".join((ROOT / "docs" / "zoo.md").read_text(encoding="utf-8").split())
+    single = [s for s in SCENARIOS if s.ranks == 1]
+    healthy = [s for s in single if s.expect.cause is None]
+    said = re.search(
+        r"(\d+) faulty single-process scenarios, (\d+) healthy ones, (\d+) distributed ones and (\d+) wild", text
+    )
+    assert said is not None
+    assert tuple(map(int, said.groups())) == (
+        len(single) - len(healthy),
+        len(healthy),
+        len(SCENARIOS) - len(single),
+        len(WILD),
+    )
+    assert f"rebuilds {len(WILD)} NaN bugs" in text
+
+
+def test_the_zoo_comparison_text_is_its_recorded_run() -> None:
+    """BENCHMARKS.md's zoo comparison is written by benchmarks/zoo_compare.py: the counts its text and the
+    "At a glance" line state are the rows of the run it recorded."""
+    text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    section = text.split("<!-- zoo-compare -->", 1)[1].split("<!-- /zoo-compare -->", 1)[0]
+    gpt, healthy, wild = map(
+        int, re.search(r"(\d+) tiny-GPT scenarios \((\d+) healthy\) and (\d+) wild", section).groups()
+    )
+    per_scenario = section.split("Per scenario", 1)[1]
+    rows = re.findall(r"^\| (gpt|wild) \| [a-z0-9_]+ ", per_scenario, flags=re.M)
+    assert (rows.count("gpt"), rows.count("wild")) == (gpt, wild)
+    assert (
+        f"| gpt | nanguard | {gpt - healthy}/{gpt - healthy} |" in section
+        and f"| wild | nanguard | {wild}/{wild} |" in section
+    )
+    glance = " ".join(text.split("<!-- locate-cost -->", 1)[0].split())
+    assert f"{gpt} tiny-GPT scenarios, {healthy} of them healthy, and {wild} wild ones" in glance
+    assert "hooks removed from each tiny-GPT block and its attention module" in glance

@@ -61,3 +61,12 @@ def test_framework_callbacks_take_on_event() -> None:
     assert NanGuard(on_event=events.append).options["on_event"] == events.append
     hf = NanGuardCallback(on_event=events.append, max_consecutive_skips=4)
     assert hf.state()["args"] == {"policy": "skip", "run_dir": None, "max_consecutive_skips": 4}
+
+
+def test_dir_of_nanguard_is_its_public_api() -> None:
+    import nanguard as ng
+
+    ng.Guard  # noqa: B018 - loads submodules, which must not show either
+    assert dir(ng) == sorted([*ng.__all__, "__version__"])
+    for private in ("Any", "TYPE_CHECKING", "annotations", "importlib", "guard", "findings"):
+        assert private not in dir(ng), private

@@ -66,18 +66,39 @@ def _check(results: list[list[dict[str, Any]]], stage: int, dtype: str, faults: 
             assert run["weights"] != plain["weights"]  # the skipped step's batch left no update
 
 
+def _check_scaler_overflow(results: list[list[dict[str, Any]]], bad_rank: int) -> None:
+    """A backward overflow DeepSpeed's fp16 scaler skips: the guarded run is the unguarded one (the
+    engine skipped it, its scale as DeepSpeed left it), and the guard named it; no skip of its own."""
+    for rank, (plain, guarded) in enumerate(results):
+        assert plain["error"] is None and guarded["error"] is None
+        assert guarded["weights"] == plain["weights"] and guarded["scale"] == plain["scale"], rank
+        assert guarded["skipped_steps"] == plain["skipped_steps"] == 1
+        assert guarded["skipped"] == 0 and guarded["overflows"] == 1
+        named = guarded["last_overflow"]
+        assert named is not None
+        assert (named["cause"], named["module"], named["phase"], named["rank"]) == (
+            "precision.overflow",
+            "act",
+            "backward",
+            bad_rank,
+        )
+
+
 def test_zero2_fp16_and_zero3_fp32_healthy_identical_faults_named_on_their_rank() -> None:
     plans = [
         (2, "fp16", [("data", 1, 1), ("log", 0, 1), ("overflow", 1, 2)]),
         (3, "fp32", [("log", 1, 1)]),
     ]
     cases = [case for stage, dtype, faults in plans for case in _cases(stage, dtype, faults)]
+    overflow = {"stage": 2, "dtype": "fp16", "steps": STEPS, "fault": ("grad_overflow", 0, 1)}
+    cases += [overflow, {**overflow, "policy": "raise"}]  # the scaler's overflow: raise does not stop the run
     results = spawn_ranks(run_cases, cases, world=2, timeout=400)
     start = 0
     for stage, dtype, faults in plans:
         n = 2 + len(faults)
         _check([runs[start : start + n] for runs in results], stage, dtype, faults)
         start += n
+    _check_scaler_overflow([runs[start:] for runs in results], bad_rank=0)
 
 
 @pytest.mark.slow

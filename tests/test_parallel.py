@@ -151,7 +151,8 @@ def test_pipeline_names_the_stage_that_created_the_value(tmp_path) -> None:
         (None, 0, None),
     ]
     results = spawn_ranks(_cases, "pp", cases, world=3, timeout=300)
-    data = {"cause": "data.nonfinite", "op": None, "module": None, "phase": "data", "rank": 0, "ranks": [0]}
+    # The batch is split into microbatches outside any module: named after the first module that reads it.
+    data = {"cause": "data.nonfinite", "op": None, "module": "up", "phase": "data", "rank": 0, "ranks": [0]}
     _check(results, cases[:6], [_op(0), _op(1), _weight(0), _weight(1), data, _grad(1)])
     for i, stage in enumerate((0, 1, 0, 1, 0, 1)):
         assert results[0][i]["diag"]["evidence"]["stage"]["index"] == stage

@@ -179,13 +179,13 @@ def test_truncated_last_line_is_skipped_with_a_warning(
     log = run_dir / "events-rank0.jsonl"
     lines = log.read_text().splitlines(keepends=True)
     log.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # a crash mid-write
-    with pytest.warns(UserWarning, match=rf"events-rank0\.jsonl:{len(lines)}: skipping unreadable event line"):
+    with pytest.warns(UserWarning, match=rf"events-rank0\.jsonl:{len(lines)}: the log.s last line is cut short"):
         report = load_run(run_dir)
     assert len(report.trips) == 1 and report.ranks[0].end is None
 
     assert run_report(run_dir) == 0
     captured = capsys.readouterr()
-    assert f"events-rank0.jsonl:{len(lines)}: skipping unreadable event line" in captured.err
+    assert f"events-rank0.jsonl:{len(lines)}: the log's last line is cut short" in captured.err
     assert "op.masked_softmax" in captured.out
 
 

@@ -70,4 +70,6 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    """The public API and the version: not the names this module imports for itself (``importlib``,
+    ``Any``, ``TYPE_CHECKING``, ``annotations``) nor the submodules loaded so far."""
+    return sorted([*__all__, "__version__"])

@@ -273,6 +273,14 @@ _ROWS = [
         history_overrules=True,
         fixes=("rerun the saved bundle with nanguard replay; set deterministic algorithms to compare",),
     ),
+    _cause(
+        "hardware.faulty_device",
+        "one device computes the step non-finite (or different) where a peer replica computes the same "
+        "step finite: the device is faulty",
+        "fallback",
+        repeatable=True,
+        fixes=("drain the named host and device and run its diagnostics (ECC errors, DCGM), then resume",),
+    ),
 ]
 
 TABLE: Mapping[str, Cause] = MappingProxyType({c.id: c for c in _ROWS})

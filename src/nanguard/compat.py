@@ -10,7 +10,9 @@ rather than as a silent wrong answer inside a training run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -19,6 +21,10 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn import parameter as _parameter
 from torch.utils import _python_dispatch
+
+TESTED_TORCH = "2.13.0"
+"""The newest torch every internal below was checked against (``tests/test_compat.py``); ``nanguard doctor``
+and a bundle replayed under another torch say when the torch in use differs."""
 
 # Known to work: torch 2.4 - 2.13.0. The base class of a mode that sees every aten op (the tracer's
 # and the headroom check's); torch's own FlopCounterMode and DebugMode are built on it.
@@ -56,6 +62,7 @@ __all__ = [
     "fabric_modules",
     "foreach_copy_",
     "foreach_norm",
+    "full_tensor",
     "has_forward_hooks",
     "hf_callbacks",
     "hf_initial_step",
@@ -128,9 +135,12 @@ def ddp_join_paused(model: nn.Module) -> Iterator[None]:
 # first, a gather), and which rank updates (and broadcasts) each parameter in ``_param_to_rank``.
 def zero_local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
     """The optimizer over this rank's own shard inside a ``ZeroRedundancyOptimizer``; None for any other."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    # Looked up only where it was imported (a user who built one did): importing
+    # ``torch.distributed.optim`` scripts its functional optimizers, and torch warns that
+    # ``torch.jit.script`` is deprecated, on a run that has no ZeRO optimizer at all.
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero) else None
 
 
 def zero_owners(optimizer: torch.optim.Optimizer) -> dict[int, int] | None:
@@ -220,8 +230,64 @@ def _pinned_off(cls: type) -> type:
     return _PINNED[cls]
 
 
+# Known to work: torch 2.13.0 (FSDP2, ``fully_shard``): ``set_requires_gradient_sync`` is a method
+# of each FSDP-managed module's class; an instance attribute of the same name shadows it.
+@contextlib.contextmanager
+def fsdp_sync_pinned_off(model: nn.Module) -> Iterator[None]:
+    """Inside the block no FSDP2 module of ``model`` reduces gradients, whatever the code inside
+    sets (torchtitan's chunked loss turns its output layer's sync back on for the last chunk)."""
+    modules = [m for m in model.modules() if callable(getattr(m, "set_requires_gradient_sync", None))]
+    for module in modules:
+        setter: Callable[..., Any] = type(module).set_requires_gradient_sync  # type: ignore[attr-defined]
+        setter(module, False, recurse=False)
+        module.__dict__["set_requires_gradient_sync"] = functools.partial(_sync_off, module, setter)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.__dict__.pop("set_requires_gradient_sync", None)
+
+
+def _sync_off(
+    module: nn.Module, setter: Callable[..., Any], requires_gradient_sync: bool, *, recurse: bool = True
+) -> None:
+    setter(module, False, recurse=recurse)
+
+
 # Known to work: torch 2.13.0 (FSDP2, ``fully_shard``). With gradient sync off, FSDP2 keeps
 # unsharded gradients on each FSDPParam to add to the next reduce-scatter.
+# Known to work: torch 2.13.0 (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``).
+def row_offset(t: torch.Tensor) -> int:
+    """Where this rank's local shard of ``t`` starts along dim 0 of the full tensor: 0 for a plain
+    tensor or a DTensor not sharded on dim 0 (FSDP2 and tensor parallel shard rows this way)."""
+    placements = getattr(t, "placements", None)
+    if placements is None or t.dim() == 0:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)  # type: ignore[attr-defined]
+    return int(offset[0]) if offset else 0
+
+
+def fsdp_unsharded_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The unsharded gradients FSDP2 holds for ``model``'s parameters while gradient sync is off,
+    by the parameter's name; [] outside FSDP2."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    found: list[tuple[str, torch.Tensor]] = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if not callable(get_state):
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            name = names.get(id(getattr(fsdp_param, "sharded_param", None)), "")
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            for grad in (getattr(fsdp_param, "unsharded_accumulated_grad", None), getattr(unsharded, "grad", None)):
+                if isinstance(grad, torch.Tensor):
+                    found.append((name, grad))
+    return found
+
+
 def drop_fsdp_accumulated_grads(model: nn.Module) -> None:
     """Forget the unsharded gradients FSDP2 accumulated while gradient sync was off."""
     for module in model.modules():
@@ -253,6 +319,14 @@ def swap_collectives(stand_ins: Mapping[str, Callable[..., Any]]) -> Iterator[No
     finally:
         for name, original in saved.items():
             setattr(tdist, name, original)
+
+
+# Known to work: torch 2.13.0. ``DTensor.full_tensor()`` gathers (or reduces a ``Partial``) into
+# the whole value on every rank of its mesh: a collective every rank must call.
+def full_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The whole value of a DTensor (a collective on its mesh), else None."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none exists unless imported
+    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else None
 
 
 # Known to work: torch 2.13.0. A DTensor keeps this rank's values in ``_local_tensor`` and a

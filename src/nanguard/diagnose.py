@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ __all__ = [
     "Verdict",
     "communication_overflow",
     "diagnose",
+    "faulty_device",
     "loaded_nonfinite",
     "loss_scale_collapse",
     "nonfinite_shards",
@@ -334,6 +335,7 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
             f"{o.get('fully_masked_rows')} of {o.get('rows')} rows given to {o.op} in {_where(o)} "
             "are entirely -inf, and softmax of an all -inf row is 0/0"
         )
+        why += _masked_by(o)
     elif _node_op(node) in ("logsumexp", "softmax", "logsoftmax") and _neginf_inputs(o) >= 2:
         # The backward of logsumexp/softmax computes exp(x - result): -inf - (-inf) on an all -inf row.
         why = (
@@ -351,6 +353,27 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
         "drop all-padding samples: ng.check_batch flags them as data.fully_masked",
     ]
     return Verdict("op.masked_softmax", why, fixes)
+
+
+def _masked_by(o: OriginEvidence) -> str:
+    """``; the mask came from the batch: batch[0][1] row 3 masks every position``, when the tracer
+    followed the -inf back to a mask the batch carried."""
+    found = o.get("masked_by")
+    if not isinstance(found, dict):
+        return ""
+    rows = found.get("rows") or []
+    return f"; the mask came from the batch: {found.get('path')} row(s) {rows} mask every position (an empty sample)"
+
+
+@_rule
+def _empty_sample_hint(ev: Evidence) -> Verdict | None:
+    """A fully masked row whose mask the batch carried: the sample is the cause behind the op."""
+    o = _origin(ev)
+    found = o.get("masked_by")
+    if not isinstance(found, dict):
+        return None
+    why = f"sample row(s) {found.get('rows')} of {found.get('path')} mask every position"
+    return Verdict("data.fully_masked", why, ["drop or re-pack samples whose mask is all zeros"])
 
 
 def _met_sentinels(o: OriginEvidence) -> bool:
@@ -845,7 +868,11 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
     norm_overflow,
 ]
 # Rules that never name the cause, only add a secondary one to ``also``.
-HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [_weight_scale_hint, _normalization_hint]
+HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
+    _weight_scale_hint,
+    _normalization_hint,
+    _empty_sample_hint,
+]
 
 
 def diagnose(evidence: Evidence | Mapping[str, Any]) -> Verdict:
@@ -1009,9 +1036,15 @@ def transient_fault(
     located: bool,
     distributed: bool,
     attempted: bool = False,
+    unobserved: Sequence[str] = (),
 ) -> Diagnosis:
     """A step went non-finite but no rank's replay reproduces it (or no replay finished: ``located``
     False; ``attempted`` says whether one was started, so the text says why there is none).
+
+    The hardware is suspected only when the replay was faithful: ``unobserved`` lists what it
+    could not observe of the step (its backward, a part of the model). Then the cause is
+    ``unknown``, the evidence says what was not seen, and no advice points at the hardware
+    (the run's history may still make it a divergence: ``with_run_facts``).
 
     ``distributed.transient`` needs torch.distributed; a single process whose replay is finite
     gets ``step.not_reproduced``, which claims no distribution; without a replay it is ``unknown``.
@@ -1021,6 +1054,8 @@ def transient_fault(
         ...                 distributed=False).cause
         'step.not_reproduced'
     """
+    if located and unobserved:
+        return _unobserved(step, loss, grad_norm, flagged_ranks, list(unobserved), distributed)
     if located:
         why = "the step went non-finite, but replaying it from the same RNG state and parameters"
         why += " on every rank gives finite values" if distributed else " gives finite values"
@@ -1054,6 +1089,75 @@ def transient_fault(
         step=step,
         evidence={"loss": loss, "grad_norm": grad_norm, "flagged_ranks": flagged_ranks, "why": why},
         fixes=fixes,
+    )
+
+
+def faulty_device(*, step: int, origin: Diagnosis, proof: Mapping[str, Any]) -> Diagnosis:
+    """The suspect rank's device computes the step non-finite (or different) where a peer replica,
+    re-computing the same step (the suspect's batch and RNG state, the same parameters), does not:
+    ``proof`` is the evidence of both computations (``guard/proof.py``); ``origin`` the ordinary
+    diagnosis, whose op and module say where the bad value appeared on that device.
+
+    Example:
+        >>> faulty_device(step=7, origin=diag, proof={"suspect": 2, "peer": 0, ...}).cause
+        'hardware.faulty_device'
+    """
+    from nanguard.text import device_words
+
+    suspect, peer = int(proof["suspect"]), int(proof["peer"])
+    here, there = proof.get("suspect_where") or {}, proof.get("peer_where") or {}
+    named = device_words(here) if here else f"rank {suspect}'s device"
+    why = (
+        f"rank {suspect} computes step {step} {proof.get('suspect_result', 'non-finite')} on {named}; "
+        f"rank {peer} re-computed the same step (rank {suspect}'s batch and RNG state, the same parameters) "
+        f"{proof.get('peer_result', 'finite')}" + (f" on {device_words(there)}" if there else "")
+    )
+    fixes = [
+        f"drain {named} and run its diagnostics (ECC error counters, DCGM diagnostics), then resume without it",
+        "the step itself is sound (a peer computes it finite): no change to the model, data or hyperparameters",
+    ]
+    kind = origin.kind if origin.kind in ("nan", "inf") else "nan"
+    phase = origin.phase if origin.phase in ("forward", "backward") else "backward"
+    evidence = {**origin.evidence, "origin_cause": origin.cause, "proof": dict(proof), "why": why}
+    return Diagnosis(
+        cause="hardware.faulty_device",
+        kind=kind,
+        phase=phase,
+        op=origin.op,
+        module=origin.module,
+        rank=suspect,
+        ranks=[suspect],
+        step=step,
+        evidence=evidence,
+        fixes=fixes,
+    )
+
+
+def _unobserved(
+    step: int, loss: float, grad_norm: float, flagged: list[int], unobserved: list[str], distributed: bool
+) -> Diagnosis:
+    """A finite replay that could not observe everything the step did: it proves nothing."""
+    seen = "; ".join(unobserved)
+    return Diagnosis(
+        cause="unknown",
+        kind="nan" if math.isnan(loss) or math.isnan(grad_norm) else "inf",
+        phase="backward",
+        rank=flagged[0] if flagged and distributed else None,
+        ranks=list(flagged) if distributed else [],
+        step=step,
+        evidence={
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "flagged_ranks": flagged,
+            "unobserved": unobserved,
+            "why": f"the step went non-finite; its replay is finite but could not observe {seen}, "
+            "so nothing points at the hardware",
+        },
+        fixes=[
+            f"let the replay see the whole step ({seen}): compute the loss in the model, or "
+            "decorate the loss function with guard.micro_step (torchtitan: TitanGuard.loss)",
+            "check the loss and gradient-norm curves before this step (nanguard report RUN_DIR)",
+        ],
     )
 
 
@@ -1106,6 +1210,8 @@ def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None
     verdict = nonfinite_parameters({"origin": origin})
     assert verdict is not None
     where = f" (rows {rows} of {name})" if rows else ""
+    if rows and first.get("token_ids"):
+        where = f" (rows {rows} of {name}: the embeddings of token ids {rows})"
     return Diagnosis(
         cause=verdict.cause,
         kind="nan" if nan else "inf",
@@ -1118,6 +1224,7 @@ def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None
             "origin": origin,
             "parameters": [f["name"] for f in found][:16],
             "rows": rows,
+            **({"token_ids": first["token_ids"]} if first.get("token_ids") else {}),
             "loaded": True,
             "why": verdict.why.replace("before the step", f"before step {step}, as built or loaded{where}"),
         },

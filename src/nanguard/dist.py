@@ -39,11 +39,13 @@ __all__ = [
     "fingerprint",
     "gather_diagnosis",
     "is_distributed",
+    "observing",
     "rank",
     "rank_or_none",
     "replay_locally",
     "replica_mismatch",
     "step_slot",
+    "unobserved",
     "unwrap",
     "watch_communication",
     "world_size",
@@ -513,7 +515,8 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
     if callable(setter):
         setter(False)
         try:
-            yield
+            with compat.fsdp_sync_pinned_off(model):
+                yield
         finally:
             setter(True)
             compat.drop_fsdp_accumulated_grads(model)
@@ -597,6 +600,34 @@ def backward_roots() -> Iterator[list[torch.Tensor]]:
         yield roots
     finally:
         torch.autograd.backward = original
+
+
+_UNOBSERVED: list[list[str]] = []
+
+
+def unobserved(what: str) -> None:
+    """Say, from inside a replay, that it could not observe ``what`` the step did (its backward,
+    a part of the model): a finite replay then proves nothing about the hardware."""
+    if _UNOBSERVED and what not in _UNOBSERVED[-1]:
+        _UNOBSERVED[-1].append(what)
+
+
+@contextlib.contextmanager
+def observing() -> Iterator[list[str]]:
+    """Collect what a replay run inside the block says it could not observe (``unobserved``).
+
+    Example:
+        >>> with observing() as gaps:
+        ...     replay()
+        >>> gaps
+        ['the backward: the loss is computed outside the model']
+    """
+    gaps: list[str] = []
+    _UNOBSERVED.append(gaps)
+    try:
+        yield gaps
+    finally:
+        _UNOBSERVED.pop()
 
 
 def replay_locally(model: nn.Module, fn: Callable[[], Any]) -> Any:

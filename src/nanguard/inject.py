@@ -8,11 +8,16 @@
     spike_loss@step=400,factor=1e4      the loss (so the gradients too) multiplied by ``factor``
     corrupt_allreduce@step=500          a NaN put on the wire of the gradient all-reduce, once: the replay is clean
     stall@step=600,rank=1,seconds=5     the rank sleeps before its step: the others wait in the collective
+    faulty_device@step=700,rank=2       a faulty device: from that step on, every forward of the module
+                                        (default: the first with parameters of its own) on that rank only
+                                        has a NaN in its output, replays included; runs=1: once (transient)
 
 ``rank`` defaults to 0, ``module`` to the model's first parameter. Nothing fakes the guard's
 flags: each fault makes a real tensor non-finite and the guard finds it as it finds any other.
 A fault that reproduces (all but ``corrupt_allreduce``) is planted again in the trip's replay,
 so it is diagnosed like a real one; ``corrupt_allreduce`` fires on the step's first run only.
+``faulty_device`` is planted in the device, not the step: a peer rank that re-computes the step
+(``guard/proof.py``) computes it finite, as a healthy device would.
 Without torch.distributed it corrupts a gradient after backward, as a faulty device would.
 
 Every rank knows every fault (the spec is the same everywhere), so each one writes a ``drill``
@@ -28,7 +33,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -36,7 +41,7 @@ from torch import nn
 from nanguard import dist
 from nanguard.stats import local
 
-__all__ = ["FAULTS", "Fault", "Injector", "NullInjector", "injector_for", "parse"]
+__all__ = ["DEVICE_FAULTS", "FAULTS", "KINDS", "Fault", "Injector", "NullInjector", "injector_for", "parse"]
 
 log = logging.getLogger("nanguard")
 
@@ -48,7 +53,11 @@ FAULTS: dict[str, tuple[str, ...]] = {
     "corrupt_allreduce": (),
     "stall": ("seconds",),
 }
-"""Each fault kind and the keys it takes besides ``step`` and ``rank``."""
+"""Each fault kind of a step and the keys it takes besides ``step`` and ``rank``."""
+DEVICE_FAULTS: dict[str, tuple[str, ...]] = {"faulty_device": ("module", "runs")}
+"""Faults of a device, not of a step: it stays faulty, so the drill's default set and the chaos
+soak (every kind of ``FAULTS``) leave them out; name them in a spec."""
+KINDS = {**FAULTS, **DEVICE_FAULTS}
 
 TRANSIENT = frozenset({"corrupt_allreduce", "stall"})
 """Faults the trip's replay does not see again."""
@@ -69,10 +78,12 @@ class Fault:
     module: str | None = None
     factor: float = 1e4
     seconds: float = 5.0
+    runs: int = 0
+    """faulty_device: how many forwards it corrupts (0: every one, from ``step`` on)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in FAULTS:
-            raise ValueError(f"fault kind must be one of {sorted(FAULTS)}, got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind must be one of {sorted(KINDS)}, got {self.kind!r}")
         for name in ("step", "rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -81,6 +92,8 @@ class Fault:
             raise ValueError(f"{self.kind}: factor must be a finite number > 0, got {self.factor!r}")
         if not (isinstance(self.seconds, (int, float)) and 0 <= self.seconds <= 3600):
             raise ValueError(f"{self.kind}: seconds must be a number in [0, 3600], got {self.seconds!r}")
+        if not isinstance(self.runs, int) or isinstance(self.runs, bool) or self.runs < 0:
+            raise ValueError(f"{self.kind}: runs must be an int >= 0 (0: every run), got {self.runs!r}")
 
     @property
     def spec(self) -> str:
@@ -92,6 +105,8 @@ class Fault:
             parts.append(f"factor={self.factor:g}")
         if self.kind == "stall":
             parts.append(f"seconds={self.seconds:g}")
+        if self.runs:
+            parts.append(f"runs={self.runs}")
         return f"{self.kind}@{','.join(parts)}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,21 +133,27 @@ def parse(spec: str | Sequence[Fault] | None) -> list[Fault]:
 def _parse_one(text: str) -> Fault:
     kind, at, rest = text.partition("@")
     kind = kind.strip()
-    if kind not in FAULTS or not at:
-        raise ValueError(f"inject: {text!r} must read KIND@step=N[,rank=R][,...] with KIND one of {sorted(FAULTS)}")
+    if kind not in KINDS or not at:
+        raise ValueError(f"inject: {text!r} must read KIND@step=N[,rank=R][,...] with KIND one of {sorted(KINDS)}")
     values: dict[str, Any] = {}
     for item in rest.split(","):
         key, eq, value = (s.strip() for s in item.partition("="))
-        accepted = ("step", "rank", *FAULTS[kind])
+        accepted = ("step", "rank", *KINDS[kind])
         if not eq or key not in accepted:
             raise ValueError(f"inject: {kind} takes the keys {list(accepted)}, got {item.strip()!r} in {text!r}")
         try:
-            values[key] = value if key == "module" else int(value) if key in ("step", "rank") else float(value)
+            values[key] = value if key == "module" else int(value) if key in ("step", "rank", "runs") else float(value)
         except ValueError:
             raise ValueError(f"inject: {key} must be a number in {text!r}, got {value!r}") from None
     if "step" not in values:
         raise ValueError(f"inject: {text!r} needs step=N")
     return Fault(kind=kind, **values)
+
+
+class Steps(Protocol):
+    """Where the guarded run stands (``nanguard.guard.progress.Progress``): ``step`` is the next step's index."""
+
+    step: int
 
 
 class NullInjector:
@@ -167,13 +188,11 @@ class Injector(NullInjector):
     with ``mark`` and ends the step with ``end``, which writes the ``drill`` events.
 
     Example:
-        >>> injector = Injector(parse("nan_grad@step=3"), model, write=recorder.drill, steps=lambda: guard.step_count)
+        >>> injector = Injector(parse("nan_grad@step=3"), model, write=recorder.drill, steps=Progress())
         >>> injector.begin(3); loss = injector.wrap(closure)()   # the gradient hook wrote a NaN
     """
 
-    def __init__(
-        self, faults: Sequence[Fault], model: nn.Module, *, write: Callable[..., None], steps: Callable[[], int]
-    ) -> None:
+    def __init__(self, faults: Sequence[Fault], model: nn.Module, *, write: Callable[..., None], steps: Steps) -> None:
         self.faults = tuple(faults)
         self._upcoming = steps  # the step a loop's own backward belongs to, before check() begins it
         self.rank, world = dist.rank(), dist.world_size()
@@ -191,13 +210,17 @@ class Injector(NullInjector):
         self._first = _parameter(model, Fault("nan_grad", step=0))
         for p in {id(p): p for f, p in self._targets.items() if f.kind == "nan_grad"}.values():
             p.register_hook(self._grad_hook(p))
+        self._corrupted: dict[Fault, int] = {}
+        for f in self._mine:
+            if f.kind == "faulty_device":
+                _module(model, f).register_forward_hook(self._device_hook(f))
 
     def at(self, step: int) -> list[Fault]:
         return [f for f in self.faults if f.step == step]
 
     def _now(self, kind: str) -> Fault | None:
         """This rank's fault of ``kind`` at the running step, or None."""
-        step = self._step if self._step is not None else self._upcoming()
+        step = self._step if self._step is not None else self._upcoming.step
         return next((f for f in self._mine if f.kind == kind and f.step == step), None)
 
     def begin(self, step: int) -> None:
@@ -220,6 +243,20 @@ class Injector(NullInjector):
             bad = grad.clone()
             _poison(bad)
             return bad
+
+        return hook
+
+    def _device_hook(self, f: Fault) -> Callable[..., Any]:
+        """A faulty device: the module's output gets a NaN on every forward from ``f.step`` on
+        (the first ``f.runs`` forwards when set), whoever runs it: the step, its replays, a proof."""
+
+        def hook(_module: nn.Module, _args: Any, output: Any) -> Any:
+            step = self._step if self._step is not None else self._upcoming.step
+            done = self._corrupted.get(f, 0)
+            if step < f.step or not isinstance(output, torch.Tensor) or (f.runs and done >= f.runs):
+                return None
+            self._corrupted[f] = done + 1
+            return _poisoned(output)
 
         return hook
 
@@ -262,6 +299,7 @@ class Injector(NullInjector):
         parameter check after the update, read with the next step) gets its drill events late.
         """
         faults = [f for f in self.at(step) if f.kind != "stall"]  # a stall makes nothing non-finite
+        faults += [f for f in self.faults if f.kind in DEVICE_FAULTS and not f.runs and f.step < step]
         if faults:
             diagnosis.evidence["injected"] = [f.to_dict() for f in faults]
             self._marked[step] = (action, diagnosis.cause)
@@ -297,12 +335,12 @@ class Injector(NullInjector):
 
 
 def injector_for(
-    inject: str | Sequence[Fault] | None, model: nn.Module, *, write: Callable[..., None], steps: Callable[[], int]
+    inject: str | Sequence[Fault] | None, model: nn.Module, *, write: Callable[..., None], steps: Steps
 ) -> NullInjector:
     """An ``Injector`` for the faults of ``inject``, or a ``NullInjector`` when there are none.
 
     Example:
-        >>> injector_for("inf_loss@step=5", model, write=recorder.drill, steps=lambda: 0).at(5)[0].kind
+        >>> injector_for("inf_loss@step=5", model, write=recorder.drill, steps=Progress()).at(5)[0].kind
         'inf_loss'
     """
     faults = parse(inject)
@@ -323,6 +361,28 @@ def _parameter(model: nn.Module, fault: Fault) -> torch.Tensor:
     if not params:
         raise ValueError(f"inject: {fault.spec}: module {name!r} has no trainable floating-point parameter")
     return params[0]
+
+
+def _module(model: nn.Module, fault: Fault) -> nn.Module:
+    """The module a faulty device corrupts: ``fault.module``, else the first with parameters of its own."""
+    from nanguard.tracer.compiled import user_name
+
+    inner = dist.unwrap(model)
+    modules = {user_name(n): m for n, m in inner.named_modules()}
+    if fault.module is None:
+        owning = [m for m in modules.values() if any(True for _ in m.parameters(recurse=False))]
+        return owning[0] if owning else inner
+    if fault.module not in modules:
+        some = [n for n in modules if n][:8]
+        raise ValueError(f"inject: {fault.spec}: module must name a module of the model, e.g. {some}")
+    return modules[fault.module]
+
+
+def _poisoned(output: torch.Tensor) -> torch.Tensor:
+    """``output`` with a NaN in its first element, still in the autograd graph (as a bad kernel leaves it)."""
+    mask = torch.zeros_like(output, dtype=torch.bool)
+    mask.view(-1)[0] = True
+    return output.masked_fill(mask, math.nan)
 
 
 def _poison(t: torch.Tensor) -> None:

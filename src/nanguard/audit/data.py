@@ -46,7 +46,9 @@ def check_batch(
     ending in ``mask``; ``*padding_mask`` means 1/True = padding; a loss mask needs one kept
     position in the batch, an attention mask one per sample). The vocabulary size is
     ``vocab_size``, or else the input embedding of ``model``. Unnamed integer tensors (in a
-    tuple batch) are range-checked like labels when the vocabulary size is known.
+    tuple batch) are range-checked like labels when the vocabulary size is known; an unnamed 2-D
+    0/1 integer tensor right after one of the same shape (``(input_ids, attention_mask, labels)``)
+    is checked as that tensor's attention mask.
 
     Returns one ``Finding`` per problem, ``[]`` for a clean batch; ``where`` is the path in
     the batch, e.g. ``batch['input_ids']``, ``batch[0]`` or ``batch.pixel_values``.
@@ -72,8 +74,17 @@ def check_batch(
     vocab = _resolve_vocab(model, vocab_size)
     reader = _Reader()
     pending: list[_Done] = []
+    ids_shape: torch.Size | None = None  # of the latest unnamed integer tensor: token ids in a tuple batch
     for where, key, tensor in _leaves(batch):
         t = tensor.detach()
+        if key is None and t.ndim == 2 and not (t.is_floating_point() or t.is_complex()) and t.dtype != torch.bool:
+            if ids_shape is not None and t.shape == ids_shape:
+                # (input_ids, attention_mask, ...): the integer tensor right after the ids, of their shape,
+                # is read as their attention mask (1 keeps a position), if it holds only 0 and 1.
+                ids_shape = None
+                pending.append(_check_mask(reader, where, "attention_mask", t, inferred=True))
+                continue
+            ids_shape = t.shape
         if t.device.type == "meta":
             continue
         if t.layout != torch.strided:
@@ -464,7 +475,9 @@ def _check_targets(reader: _Reader, where: str, t: torch.Tensor, ignore_index: i
     return done
 
 
-def _check_mask(reader: _Reader, where: str, key: str, t: torch.Tensor) -> _Done:
+def _check_mask(reader: _Reader, where: str, key: str, t: torch.Tensor, *, inferred: bool = False) -> _Done:
+    """``inferred``: ``t`` is read as a mask by its place in an unnamed batch; values other than 0/1
+    mean it is not one (no finding), rather than an invalid mask."""
     padding = "padding" in key  # PyTorch's *_key_padding_mask: True/1 means "ignore"
     # A loss mask row of zeros only drops that sample; all zeros leaves no target at all.
     loss = any(word in key for word in ("loss", "label", "target"))
@@ -498,13 +511,15 @@ def _check_mask(reader: _Reader, where: str, key: str, t: torch.Tensor) -> _Done
             form, rows = "binary", binary_rows
         elif n_not_additive == 0:
             form, rows = "additive", additive_rows
+        elif inferred:
+            return []
         else:
             return [_invalid_mask(where, t, n_not01, values, bounds, is_float)]
         if nothing_kept is not None and form == "binary" and values[nothing_kept][0]:
             return [_empty_loss_mask(where, t)]
         n_rows, first = _rows(values, rows)
-        if n_rows == 0:
-            return []
+        if n_rows == 0 or (inferred and n_rows == t.shape[0]):
+            return []  # an inferred "mask" of zeros only is more likely token type ids than a batch of empty samples
         return [
             Finding(
                 cause="data.fully_masked",

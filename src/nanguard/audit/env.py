@@ -143,7 +143,22 @@ def _check_torch() -> DoctorItem:
     if _torch_version() < MIN_TORCH:
         need = ".".join(map(str, MIN_TORCH))
         return DoctorItem("torch", "error", version, f"nanguard needs torch >= {need}; upgrade torch.")
-    return DoctorItem("torch", "ok", version, "")
+    return _newer_than_tested(version) or DoctorItem("torch", "ok", version, "")
+
+
+def _newer_than_tested(version: str) -> DoctorItem | None:
+    """A torch newer than the one ``nanguard.compat``'s private internals were checked against."""
+    from nanguard.compat import TESTED_TORCH
+
+    if _version(version) <= _version(TESTED_TORCH):
+        return None
+    return DoctorItem(
+        "torch",
+        "warning",
+        version,
+        f"newer than torch {TESTED_TORCH}, the newest nanguard.compat was tested with: the private internals it "
+        "uses may have changed; run tests/test_compat.py, and report a failure of a compat check.",
+    )
 
 
 def _check_cuda() -> DoctorItem:

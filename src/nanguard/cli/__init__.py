@@ -63,11 +63,24 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from nanguard.cli.replay import main_replay
+    import time
+
+    from nanguard.cli.replay import main_replay, version_note
     from nanguard.report.terminal import Console
 
-    result = main_replay(args.bundle, args.model, args.weights, args.fn)
-    console = Console()
+    console, status = Console(), Console(sys.stderr)  # news on stderr: stdout holds the diagnosis alone
+    start = time.perf_counter()
+
+    def starting() -> None:
+        nonlocal start
+        status.line(f"nanguard: replaying {args.bundle} under the tracer…")
+        start = time.perf_counter()
+
+    result = main_replay(args.bundle, args.model, args.weights, args.fn, starting=starting)
+    status.line(f"nanguard: replayed in {time.perf_counter() - start:.1f}s")
+    note = version_note(result.bundle)
+    if note is not None:
+        status.line(note)
     if result.diagnosis is None:
         console.line(result.finite_hint())
         return 1
@@ -186,7 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument("--no-run-dir", action="store_true", help="write nothing to disk")
     drill.set_defaults(func=_drill)
 
-    zoo = sub.add_parser("zoo", help="run every fault scenario under the guard and score the diagnoses")
+    zoo = sub.add_parser(
+        "zoo",
+        help="run every fault scenario under the guard and score the diagnoses",
+        description="Run the fault zoo: the tiny-GPT scenarios (each breaks the model one way at a known step, "
+        "trained under the guard) and the wild ones (NaN bugs from public issue trackers, one faulty step each, "
+        "located with ng.locate). Each diagnosis is scored on cause, op, module, phase, rank(s) and detection "
+        "step, where the fault determines them; healthy scenarios must never trip. Exit 0: every scenario "
+        "scored right; 1: one did not.",
+    )
     zoo.add_argument("--ranks", type=int, default=1, help="also run the distributed scenarios on N gloo ranks")
     zoo.add_argument("--json", action="store_true", help="print the results as JSON")
     zoo.add_argument(
@@ -202,7 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zoo.set_defaults(func=_zoo)
 
-    report = sub.add_parser("report", help="summarize a run directory; --html writes a self-contained page")
+    report = sub.add_parser(
+        "report",
+        help="summarize a run directory; --html writes a self-contained page",
+        description="Read the event logs (events-rank*.jsonl) and repro bundles a guard wrote to its run_dir, "
+        "and summarize the run: steps, trips with their diagnoses, skips, rollbacks, spikes, remedies, fire "
+        "drills and trips per host and device. --html writes one self-contained page with plots (needs the "
+        "report extra: matplotlib). Exit 0: reported; 1: nothing readable there.",
+    )
     report.add_argument(
         "run_dir",
         metavar="RUN_DIR",
@@ -234,7 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="a state dict (.safetensors, or .pt read with weights_only=True); overrides the bundle's weights",
     )
-    replay.add_argument("--fn", default=None, metavar="PKG.MODULE:FUNCTION", help="fn(model) -> step(batch)")
+    replay.add_argument(
+        "--fn",
+        default=None,
+        metavar="PKG.MODULE:FUNCTION",
+        help="an importable FUNCTION(model) that returns step(batch): zero the gradients, run the forward and "
+        "backward of one step on the bundle's batch, return the loss. Default: model(**batch) for a dict batch "
+        "(model(*batch) for a list), the loss read from its output",
+    )
     replay.set_defaults(func=_replay)
 
     bis = sub.add_parser(
@@ -258,7 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bis.set_defaults(func=_bisect)
 
-    doctor = sub.add_parser("doctor", help="check torch, CUDA, NCCL, debug settings and NANGUARD_* variables")
+    doctor = sub.add_parser(
+        "doctor",
+        help="check torch, CUDA, NCCL, debug settings and NANGUARD_* variables",
+        description="Check this environment for a guarded run: the torch version (and whether nanguard was "
+        "tested with it), CUDA, cuDNN, NCCL and the GPUs, debug switches left on that cost speed (anomaly "
+        "detection, deterministic algorithms), the variables worth setting when hunting a distributed NaN, and "
+        "the NANGUARD_* variables in effect. Exit 0: no error; 1: an error (a warning does not count).",
+        epilog=ENVIRONMENT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=_doctor)
     return parser

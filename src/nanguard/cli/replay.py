@@ -6,8 +6,10 @@ with ``torch.load(weights_only=True)``. Wrong options raise ValueError naming th
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -17,9 +19,10 @@ from typing import Any, NamedTuple
 import torch
 
 from nanguard.bundle import WEIGHTS_FILE, Bundle, load_bundle, replay
+from nanguard.errors import NanguardError
 from nanguard.findings import Diagnosis
 
-__all__ = ["Replayed", "main_replay"]
+__all__ = ["Replayed", "main_replay", "version_note"]
 
 
 class Replayed(NamedTuple):
@@ -46,7 +49,14 @@ class Replayed(NamedTuple):
         return f"{where} with the factory's weights; the fault may live in the weights, which this bundle lacks: {how}"
 
 
-def main_replay(bundle_path: str, model_spec: str, weights: str | None, fn_spec: str | None) -> Replayed:
+def main_replay(
+    bundle_path: str,
+    model_spec: str,
+    weights: str | None,
+    fn_spec: str | None,
+    *,
+    starting: Callable[[], None] | None = None,
+) -> Replayed:
     """``nanguard replay``: load a bundle, build the model, replay the step under ``locate``.
 
     ``model_spec`` is ``"pkg.module:factory"``; the factory is called with no arguments.
@@ -54,7 +64,7 @@ def main_replay(bundle_path: str, model_spec: str, weights: str | None, fn_spec:
     ``weights_only=True``); without it, the weights the bundle carries are loaded, if any
     (``Guard(bundle_weights=True)``), unless they are one rank's shards. ``fn_spec`` is
     ``"pkg.module:function"``, called as ``function(model)`` to get the step closure. Only
-    the code these specs name runs.
+    the code these specs name runs. ``starting()`` is called once all is loaded, as the replay starts.
 
     Example:
         >>> bundle, diag, weights = main_replay("runs/a/bundles/step-00000812-rank-0",
@@ -83,7 +93,44 @@ def main_replay(bundle_path: str, model_spec: str, weights: str | None, fn_spec:
         fn = _call(_resolve(fn_spec, "--fn", "pkg.module:function"), "--fn", fn_spec, model)
         if not callable(fn):
             raise ValueError(f"--fn: {fn_spec!r} returned a {type(fn).__name__}, not a function")
-    return Replayed(bundle, replay(bundle, model, fn), source)
+    if starting is not None:
+        starting()
+    try:
+        return Replayed(bundle, replay(bundle, model, fn), source)
+    except NanguardError:
+        raise
+    except Exception as err:
+        if fn is not None:
+            raise ValueError(f"--fn: the step {fn_spec!r} made raised {_first_line(err)}") from None
+        raise ValueError(
+            f"--fn: the default step ({_default_call(bundle.batch)}, then backward of the loss) does not fit "
+            f"{model_spec!r}: {_first_line(err)}; pass --fn PKG.MODULE:FUNCTION, where FUNCTION(model) returns "
+            "step(batch): the forward and backward of one step, returning the loss"
+        ) from None
+
+
+def version_note(bundle: Bundle) -> str | None:
+    """A line when the bundle was captured under another torch: kernels, and so values, may differ."""
+    recorded = bundle.meta.get("torch")
+    if not isinstance(recorded, str) or recorded == torch.__version__:
+        return None
+    return (
+        f"note: this bundle was captured under torch {recorded} and is replayed under torch {torch.__version__}: "
+        "kernels and their rounding may differ, so a fault may not reproduce"
+    )
+
+
+def _default_call(batch: Any) -> str:
+    if isinstance(batch, Mapping):
+        return f"model(**batch) with keys {', '.join(map(str, batch))}"
+    if isinstance(batch, (list, tuple)):
+        return f"model(*batch) with {len(batch)} positional argument(s)"
+    return "model(batch)"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _call(obj: Callable[..., Any], option: str, spec: str, *args: Any) -> Any:
@@ -130,7 +177,7 @@ def _resolve(spec: str, option: str, example: str) -> Callable[..., Any]:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _import_quietly(module_name, option)
     except ModuleNotFoundError as err:
         missing = err.name or ""
         if module_name == missing or module_name.startswith(missing + "."):
@@ -146,6 +193,30 @@ def _resolve(spec: str, option: str, example: str) -> Callable[..., Any]:
     if not callable(obj):
         raise ValueError(f"{option}: {spec!r} is not callable")
     return obj
+
+
+def _import_quietly(module_name: str, option: str) -> Any:
+    """Import the user's module; one that runs its command line on import (argparse at module level) would
+    print its usage under our name and exit: that is one line saying what to change, not its exit."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = [module_name]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module = importlib.import_module(module_name)
+    except SystemExit as exit_:
+        said = [line for line in (err.getvalue() + out.getvalue()).splitlines() if line.strip()]
+        why = f" ({said[-1].strip()})" if said else ""
+        raise ValueError(
+            f"{option}: importing {module_name!r} ran its command line and exited with {exit_.code}{why}: "
+            'keep its argument parsing under `if __name__ == "__main__":`, or name a module that only '
+            "defines the model"
+        ) from None
+    finally:
+        sys.argv = argv
+    sys.stdout.write(out.getvalue())  # what an import that went well printed, in its place
+    sys.stderr.write(err.getvalue())
+    return module
 
 
 def _read_weights(weights: str) -> Mapping[str, Any]:

@@ -59,6 +59,10 @@ class GuardConfig:
     """Write a compact step event every N steps (trips and skips are always written)."""
     locate: bool = True
     """Replay a tripped step under the op tracer to find the origin."""
+    prove: bool = True
+    """Under DDP, on a trip one rank's device may have made, re-compute that rank's step on a peer rank
+    (its batch and RNG state): reproduced everywhere is a software or data fault, only on that device a
+    faulty device (``hardware.faulty_device``), nowhere a transient one (``guard/proof.py``)."""
     module_stats: bool = True
     """On a trip, replay once more to record each module's activation absmax and grad norm."""
     check_batch: bool = False

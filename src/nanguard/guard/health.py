@@ -24,7 +24,7 @@ from nanguard.agreement import Layout
 from nanguard.dist import CommWatch
 from nanguard.stats import float_groups, local, total_norm
 
-__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth", "check_after_loads"]
+__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth", "check_after_loads", "loop_grad_norm"]
 
 
 class HealthFlag(IntFlag):
@@ -505,3 +505,15 @@ def _float32_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _device_of(loss: Any) -> torch.device:
     return loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")
+
+
+def loop_grad_norm(params: Sequence[torch.Tensor], clip: float | None) -> torch.Tensor:
+    """What a loop without nanguard computes: ``clip_grad_norm_(params, clip)`` (the clip, and its
+    total norm), or with no clip the same norm unclipped; left on the device (no host read). A
+    DTensor norm is made whole here, on every rank alike: a later read on one rank communicates nothing."""
+    if clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    full = compat.full_tensor(norm)
+    return full if full is not None else norm

@@ -164,8 +164,8 @@ class History:
         horizon = self.points.maxlen or TREND_POINTS
         steps = [p.step for p in self._trend]
         best: Forecast | None = None
-        for metric in ("grad_norm", "loss"):
-            vals = [getattr(p, metric) for p in self._trend]
+        for metric, at in (("grad_norm", 2), ("loss", 1)):  # Point's fields
+            vals = [p[at] for p in self._trend]
             if not all(0 < a < b < math.inf for a, b in pairwise(vals)):
                 continue  # not growing every step: nothing to fit
             # The slowest step's growth: one jump followed by a plateau predicts nothing.
@@ -283,8 +283,11 @@ class History:
         if math.isfinite(grad_norm) and grad_norm >= FLOAT32_SQUARE_MAX:
             found = {"metric": "grad_norm", "growth": self._growth("grad_norm", grad_norm), "float32_overflow": True}
         else:
+            if not (ready and spiked):  # no growth is a runaway without a spike the warm detectors flag
+                self._grown = (None, 0)
+                return None
             growth = {m: self._growth(m, v) for m, v in (("loss", loss), ("grad_norm", grad_norm))}
-            if min(growth.values()) < self.divergence_factor or not (ready and spiked):
+            if min(growth.values()) < self.divergence_factor:
                 self._grown = (None, 0)
                 return None
             last, streak = self._grown

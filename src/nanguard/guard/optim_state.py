@@ -5,6 +5,10 @@ updates; its ``state_dict()`` first gathers every shard to one rank (``consolida
 a collective on every rank). A rollback restores the same step on every rank, so each rank needs
 only its own shard back: the snapshot holds the local optimizer's state, with no gather, and the
 wrapper's hyperparameters (which it copies into the local optimizer at each step).
+
+A container of optimizers (torchtitan's ``OptimizersContainer``, one optimizer per model part and
+kind) is held as its optimizers' own states: its ``state_dict()`` first runs a zero-LR step on an
+optimizer with no state yet, which counts a step and changes the run's first real update.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         >>> state = optimizer_state(zero)   # no collective
         >>> load_optimizer_state(zero, state)
     """
+    inner = _contained(optimizer)
+    if inner is not None:
+        return {"contained": [torch.optim.Optimizer.state_dict(o) for o in inner]}
     local = compat.zero_local_optimizer(optimizer)
     if local is None:
         return optimizer.state_dict()
@@ -34,6 +41,11 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Put back what ``optimizer_state`` returned (on this rank: no collective)."""
+    inner = _contained(optimizer)
+    if inner is not None:
+        for o, saved in zip(inner, state["contained"], strict=True):
+            torch.optim.Optimizer.load_state_dict(o, saved)
+        return
     local = compat.zero_local_optimizer(optimizer)
     if local is None:
         optimizer.load_state_dict(state)
@@ -41,3 +53,11 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     local.load_state_dict(state["zero_shard"])
     for group, saved in zip(optimizer.param_groups, state["zero_groups"], strict=True):
         group.update(saved)
+
+
+def _contained(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer] | None:
+    """The optimizers a container steps (``optimizer.optimizers``), or None for a plain optimizer."""
+    inner = vars(optimizer).get("optimizers")
+    if isinstance(inner, list) and inner and all(isinstance(o, torch.optim.Optimizer) for o in inner):
+        return inner
+    return None

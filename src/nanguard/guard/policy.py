@@ -13,7 +13,12 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
   stop the run under every policy: no skip repairs them and no snapshot holds better ones;
 - skips and rollbacks in a row past ``max_consecutive_skips`` stop the run;
 - a GradScaler overflow is the scaler's own skip, and its collapse is reset once under auto;
-- replicas that differ are re-broadcast from a finite majority, else rolled back, else raised.
+- replicas that differ are re-broadcast from a finite majority, else rolled back, else raised;
+- a GradScaler scale below ``loss_scale_floor``, or ``max_overflow_streak`` overflows in a row, has
+  collapsed;
+- snapshots (rollback and auto policies) are taken as the guard starts and every ``snapshot_every``
+  good steps;
+- a deferred step (``sync="deferred"``) is decided with the next call, when its health is read.
 """
 
 from __future__ import annotations
@@ -24,12 +29,12 @@ from typing import Any, Protocol
 from nanguard.causes import Cause, facts
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.health import StepHealth
+from nanguard.guard.health import HostCopy, StepHealth
 from nanguard.spikes import Spike
 
-__all__ = ["KINDS", "SANE_SCALE", "STEP", "Action", "Policy", "Remedy", "State", "Verdict"]
+__all__ = ["DEFER", "KINDS", "SANE_SCALE", "STEP", "Action", "Policy", "Remedy", "State", "Verdict"]
 
-KINDS = ("healthy", "spike", "trip", "overflow", "collapse", "replicas")
+KINDS = ("healthy", "spike", "trip", "overflow", "collapse", "replicas", "deferred")
 """What a ``Verdict`` can say about a step."""
 SANE_SCALE = 2.0**16  # GradScaler's own default initial scale
 
@@ -42,7 +47,7 @@ class Verdict:
         'trip'
     """
 
-    __slots__ = ("diagnosis", "health", "kind", "module_stats", "source", "spikes", "step")
+    __slots__ = ("diagnosis", "health", "kind", "module_stats", "queued", "source", "spikes", "step")
 
     def __init__(
         self,
@@ -54,6 +59,7 @@ class Verdict:
         spikes: list[Spike] | None = None,
         module_stats: dict[str, Any] | None = None,
         source: int | None = None,
+        queued: HostCopy | None = None,
     ) -> None:
         self.kind = kind
         self.step = step
@@ -64,6 +70,8 @@ class Verdict:
         self.module_stats = module_stats
         self.source = source
         """replicas: the finite majority rank to copy from, None when no replica is finite."""
+        self.queued = queued
+        """deferred: the step's health on its way to the host, read with the next call."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,8 @@ class Action:
 
     ``kind``: "step" (update), "skip", "rollback", "raise", "overflow" (the GradScaler skipped
     the update itself), "reset_scale" (reset the collapsed GradScaler scale, then go on), or
-    "resync" (re-broadcast the replicas from ``Verdict.source``).
+    "resync" (re-broadcast the replicas from ``Verdict.source``), "defer" (the fused optimizer
+    stepped on the device; the step is decided when its health is read, with the next call).
     """
 
     kind: str
@@ -97,6 +106,7 @@ class Action:
 
 
 STEP = Action("step")
+DEFER = Action("defer")
 
 
 class State(Protocol):
@@ -137,6 +147,8 @@ class Policy:
             return self._in_a_row(Action("skip"), state) if self.config.skip_spikes else STEP
         if kind == "overflow":
             return Action("overflow")
+        if kind == "deferred":
+            return DEFER
         diag = verdict.diagnosis
         assert diag is not None, f"a {kind} verdict carries its diagnosis"
         if kind == "collapse":
@@ -153,6 +165,20 @@ class Policy:
         auto = self.config.policy == "auto"
         action = self._auto(diag, facts(diag.cause), state) if auto else self._plain(diag, state)
         return self._in_a_row(action, state) if action.kind in ("skip", "rollback") else action
+
+    def collapsed(self, scale: float, streak: int) -> bool:
+        """Has the GradScaler's scale collapsed: below ``loss_scale_floor`` after an overflow, or
+        ``max_overflow_streak`` overflows in a row?"""
+        return scale < self.config.loss_scale_floor or streak >= self.config.max_overflow_streak
+
+    @property
+    def takes_snapshots(self) -> bool:
+        """Whether the guard keeps a snapshot to roll back to (rollback and auto policies)."""
+        return self.config.policy in ("rollback", "auto")
+
+    def snapshot_due(self, good_steps: int) -> bool:
+        """Whether a snapshot is due after this many good steps (every ``snapshot_every``)."""
+        return self.config.policy in ("rollback", "auto") and good_steps % self.config.snapshot_every == 0
 
     # -- the decisions -----------------------------------------------------------------
     def _plain(self, diag: Diagnosis, state: State) -> Action:
@@ -196,6 +222,9 @@ class Policy:
                 why = "the parameters hold the damage: restore the last snapshot"
                 return Action("rollback", Remedy("rollback", None, why))
             return _raise(diag, f"{cause.id} cannot be skipped and there is no snapshot to roll back to")
+        if _empty_samples(diag):
+            # A fully masked row whose mask the batch carried: the sample behind the op is what repeats.
+            return Action("skip", Remedy("quarantine"))
         return Action("skip", Remedy("skip", None, "no specific remedy for this cause"))
 
     def _upcast(self, diag: Diagnosis, state: State) -> Action:
@@ -246,3 +275,10 @@ class Policy:
 
 def _raise(diag: Diagnosis, reason: str, target: Any = None) -> Action:
     return Action("raise", Remedy("raise", target, reason), f"{diag}\n{reason}")
+
+
+def _empty_samples(diag: Diagnosis) -> bool:
+    """Does ``diag`` name the batch rows of samples whose mask is empty (``data.fully_masked`` among
+    its other causes, with the rows in its evidence)?"""
+    rows = diag.evidence.get("rows") if isinstance(diag.evidence, dict) else None
+    return bool(rows) and any(a.get("cause") == "data.fully_masked" for a in diag.also)

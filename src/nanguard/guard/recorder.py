@@ -100,9 +100,13 @@ class NullRecorder:
         step: int,
         batch: Any,
         rng: dict[str, torch.Tensor] | None,
-        meta: Callable[[], dict[str, Any]],
+        meta: Mapping[str, Any],
     ) -> None:
-        """Save a repro bundle of a tripped step (``meta`` is called only when one is written)."""
+        """Save a repro bundle of a tripped step, with ``meta`` in its ``meta.json``."""
+
+    def keeps_bundle(self, batch: Any) -> bool:
+        """Whether a trip with this batch gets a bundle (its ``meta`` is worth building)."""
+        return False
 
     def trip_and_bundle(
         self,
@@ -113,7 +117,7 @@ class NullRecorder:
         diagnosis: Diagnosis,
         batch: Any,
         rng: dict[str, torch.Tensor] | None,
-        meta: Callable[[], dict[str, Any]],
+        meta: Mapping[str, Any],
         **extra: Any,
     ) -> None:
         """The trip event and its bundle; a failure warns, since recording must never kill training."""
@@ -179,7 +183,7 @@ class Recorder(NullRecorder):
         step: int,
         batch: Any,
         rng: dict[str, torch.Tensor] | None,
-        meta: Callable[[], dict[str, Any]],
+        meta: Mapping[str, Any],
     ) -> None:
         if batch is None:
             return
@@ -191,7 +195,7 @@ class Recorder(NullRecorder):
                 rank=self.rank,
                 batch=batch,
                 rng_state=rng or get_rng_state(),
-                meta={"diagnosis": diag.to_dict(), **meta()},
+                meta={"diagnosis": diag.to_dict(), **meta},
                 max_batch_bytes=self.max_bundle_bytes,
                 weights=weights,
                 max_weights_bytes=self.max_weights_bytes,
@@ -206,6 +210,9 @@ class Recorder(NullRecorder):
                     "later bundle failures are not reported",
                     stacklevel=3,
                 )
+
+    def keeps_bundle(self, batch: Any) -> bool:
+        return batch is not None
 
     def close(self) -> None:
         self.events.close()

@@ -232,12 +232,12 @@ class Recovery:
                 return newest
         return slot
 
-    def snapshot_if_due(
+    def refresh_snapshot(
         self, step: int, loss: float, growing: Callable[[float | None], bool], *, joined: bool = False
     ) -> None:
-        """Under the rollback and auto policies, snapshot every ``snapshot_every`` good steps, but
-        not while the run grows (``growing(loss when the last snapshot was taken)``): a rollback
-        for divergence must land before the growth, not on weights already on their way out.
+        """Snapshot again, when the policy says one is due (``Policy.snapshot_due``), but not while
+        the run grows (``growing(loss when the last snapshot was taken)``): a rollback for divergence
+        must land before the growth, not on weights already on their way out.
 
         Nor of a state that is not finite: the update's own parameter check is read only with the
         next step, so a snapshot could copy a NaN the update (or a fault outside the forward's reach,
@@ -246,8 +246,6 @@ class Recovery:
         snapshot), so every replica keeps a snapshot of the same step; none is taken while a rank
         has joined (``joined``: DDP ``join()``), which could not take part.
         """
-        if self.config.policy not in ("rollback", "auto") or self.good_steps % self.config.snapshot_every:
-            return
         if growing(self.snapshot_loss):
             if self.held_since is None:
                 self.held_since = step

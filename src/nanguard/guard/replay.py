@@ -35,6 +35,7 @@ from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
+from nanguard.guard.proof import prove, proven
 from nanguard.pipeline import watch_stages
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
@@ -87,8 +88,10 @@ class Diagnoser:
         locate: bool,
         module_stats: bool,
         comm: dist.CommWatch | None = None,
+        prove: bool = True,
     ) -> None:
         self.model = model
+        self.prove = prove
         self.comm = comm or dist.CommWatch()
         self.sharded = dist.is_distributed() and any(local(p) is not p for p in model.parameters())
         self.optimizer = optimizer
@@ -117,10 +120,11 @@ class Diagnoser:
             self._last = _LastTrip(h.step, h.bad_ranks, repeat)
             return Replayed(repeat, located=True)
         replayed = Replayed(None, located=False)
+        gaps: list[str] = []
         run = RunFacts(self.history.evidence(h.step, self._lr()), self.initial_scale)
         if self.locate and closure is not None:
             log.info("nanguard: replaying step %d under the tracer…", h.step)
-            with eager():
+            with eager(), dist.observing() as gaps:
                 replayed = replay_trip(
                     self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats, run=run
                 )
@@ -149,12 +153,23 @@ class Diagnoser:
                 located=replayed.located,
                 distributed=dist.is_distributed(),
                 attempted=self.locate and closure is not None,
+                unobserved=_agreed(gaps),
             )
         diag.step = h.step
         # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
-        replayed.diagnosis = with_run_facts(diag, run)
+        replayed.diagnosis = self._proven(with_run_facts(diag, run), closure, h, batch, rng)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
+
+    def _proven(
+        self, diag: Diagnosis, closure: Callable[[], Any] | None, h: StepHealth, batch: Any, rng: Any
+    ) -> Diagnosis:
+        """A rank's own fault, or its device's? A peer re-computes the suspect's step (``guard/proof.py``)."""
+        if not (self.prove and self.locate):
+            return diag
+        flagged, own = h.bad_ranks, h.own_loss
+        proof = prove(self.model, closure, diag=diag, flagged=flagged, batch=batch, rng=rng, own_loss=own)
+        return proven(diag, proof, h.step)
 
     def _compiled_again(self, closure: Callable[[], Any], rng: dict[str, torch.Tensor] | None, step: int) -> Any:
         """A compiled model whose eager replay was finite: ``compile.numerics`` when the step is non-finite
@@ -270,9 +285,11 @@ class Diagnoser:
     def loaded_parameters(self, step: int, ranks: list[int]) -> Diagnosis:
         """The parameters were non-finite before ``step``, as the guard was built or a state dict
         loaded them (no update of this guard wrote them): name them, and the rows that hold NaN/Inf."""
+        root = dist.unwrap(self.model)
         named: list[tuple[str, str | None, torch.Tensor]] = [
-            (n, n.rpartition(".")[0], p) for n, p in dist.unwrap(self.model).named_parameters()
+            (n, n.rpartition(".")[0], p) for n, p in root.named_parameters()
         ]
+        embeddings = {n for n, m in root.named_modules() if isinstance(m, nn.Embedding)}
         seen = {id(p) for _, _, p in named}
         named += [
             (f"optimizer.param_groups[{g}]['params'][{i}]", None, p)  # held by the optimizer only
@@ -287,10 +304,13 @@ class Diagnoser:
                 bad = ~torch.isfinite(t)
                 if bool(bad.any()):
                     rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten()[:16].tolist() if t.dim() else []
+                    start = compat.row_offset(p)  # a shard's rows, as rows of the full parameter
+                    rows = [start + r for r in rows]
                     nan = int(t.isnan().sum())
-                    counts.append(
-                        {"name": name, "module": module, "nan": nan, "inf": int(bad.sum()) - nan, "rows": rows}
-                    )
+                    found = {"name": name, "module": module, "nan": nan, "inf": int(bad.sum()) - nan, "rows": rows}
+                    if module in embeddings and name.endswith(".weight"):
+                        found["token_ids"] = rows  # an embedding's rows are the ids that read them
+                    counts.append(found)
         mine = loaded_nonfinite(step=step, found=counts, rank=dist.rank_or_none(), ranks=[]) if counts else None
         # Every rank is here (the flag is agreed): each gets the diagnosis of a rank that holds them.
         diag = dist.gather_diagnosis(mine, ranks)
@@ -384,3 +404,11 @@ def replay_trip(
         except Exception as err:  # evidence for the report only: never worth killing training
             warnings.warn(f"nanguard: module stats failed on step {step}: {err!r}", stacklevel=5)
     return replayed
+
+
+def _agreed(gaps: list[str]) -> list[str]:
+    """What some rank's replay could not observe, the same on every rank (only a trip pays the collective)."""
+    if not dist.is_distributed():
+        return gaps
+    flagged = dist.agree_flag(bool(gaps))
+    return gaps or ([f"what the replay of rank(s) {flagged} could not observe"] if flagged else [])

@@ -41,7 +41,8 @@ __all__ = ["HeldSchedulers", "Micro", "StepCapture"]
 class Micro:
     """One recorded micro-batch: the arguments its forward was called with, and the RNG state
     before it and the autocast it ran under; ``loss`` once the framework has computed it;
-    ``run``, the function the arguments went to when it is not the model itself (``micro_step``)."""
+    ``run``, the function the arguments went to when it is not the model itself (``micro_step``);
+    ``extra``, inputs the step took besides the forward's (the labels a loss outside the model read)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -49,6 +50,7 @@ class Micro:
     loss: torch.Tensor | None = None
     run: Callable[..., Any] | None = None
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=lambda: _autocast_now())
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class StepCapture:

@@ -36,22 +36,29 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nanguard import dist
+from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
+from nanguard.guard.replay import replay_trip
 from nanguard.integrations import guard_options, require
 from nanguard.integrations.capture import Micro
-from nanguard.integrations.loop import LoopGuard
+from nanguard.integrations.loop import LoopGuard, _batch_of
 from nanguard.stats import float_groups, total_norm
 
 _ds: Any = require("deepspeed", "engines", "DeepSpeed")
 
-__all__ = ["DeepSpeedGuard", "EngineState"]
+__all__ = ["DeepSpeedGuard", "EngineState", "LossScale"]
+
+log = logging.getLogger("nanguard")
 
 
 class DeepSpeedGuard(LoopGuard):
@@ -88,11 +95,22 @@ class DeepSpeedGuard(LoopGuard):
         self.engine = engine
         self.state = EngineState(engine)
         options.setdefault("headroom_every", 0)  # a replay on a healthy step is a second backward
+        scaler = LossScale(engine.optimizer) if self.state.fp16 and self.state.stage > 0 else None
         guard = Guard(
-            engine.module, self.state.optimizer, policy, scheduler=engine.lr_scheduler, run_dir=run_dir, **options
+            engine.module,
+            self.state.optimizer,
+            policy,
+            scaler=scaler,
+            scheduler=engine.lr_scheduler,
+            run_dir=run_dir,
+            **options,
         )
         guard.health.read_engine(self.state.grad_norm, self.state.master_params(), sharded=self.state.stage > 0)
         self._losses: list[torch.Tensor] = []
+        self._micro: list[Micro] = []  # the step just checked, for naming an overflow the scaler skipped
+        self._replay_scale: float | None = None  # the loss scale a replay scales by (None: the engine's now)
+        self.last_overflow: Diagnosis | None = None
+        """The latest fp16 overflow DeepSpeed's loss scaler skipped, named by a replay (module, op, rank)."""
         self._originals: dict[str, Callable[..., Any]] = {"backward": engine.backward, "step": engine.step}
         # The engine steps its own LR scheduler, and not on a skip: nothing to hold.
         self._watch(engine, engine.optimizer, guard, scheduler=None, mean=mean, user=engine.module)
@@ -116,21 +134,66 @@ class DeepSpeedGuard(LoopGuard):
         step = self._originals["step"]
         if not self.engine.is_gradient_accumulation_boundary():
             return step(*args, **kwargs)
+        scale = self.state.loss_scale()
         if self._decide():
             out = step(*args, **kwargs)
             assert self.guard is not None
             self.guard.after_step()
             return out
-        assert self.guard is not None
-        norm = self.guard.last_grad_norm
-        overflowed = norm is not None and not math.isfinite(norm)
-        with self.state.skipping(lower_scale=self.state.fp16 and overflowed):
+        guard = self.guard
+        assert guard is not None
+        if guard.last_action == "overflow":
+            # DeepSpeed's scaler's own business: the guard's check let it lower the scale already.
+            self._name_overflow(scale, guard.step_count - 1)
+            lower = False
+        else:
+            norm = guard.last_grad_norm
+            lower = self.state.fp16 and norm is not None and not math.isfinite(norm)
+        with self.state.skipping(lower_scale=lower):
             return step(*args, **kwargs)
+
+    def _name_overflow(self, scale: float, step: int) -> None:
+        """Replay a step the fp16 loss scaler skips (the gradients overflowed, every loss finite) at the
+        scale it ran at, and name where it overflowed; every rank agrees, rank 0 says it."""
+        assert self.guard is not None
+        micro, self._micro = self._micro, []
+        if not micro:
+            return
+        self._replay_scale = scale
+        try:
+            replayed = replay_trip(
+                self.guard.model,
+                lambda: self._replay(micro),
+                batch=_batch_of(micro, self._user.forward),
+                rng=micro[0].rng,
+                step=step,
+                with_module_stats=False,
+            )
+        finally:
+            self._replay_scale = None
+            dist.zero_grad(self.engine.module)
+            self._capture.restore_stats()
+        found = replayed.diagnosis
+        flagged = dist.agree_flag(found is not None)
+        diag = dist.gather_diagnosis(found, flagged) if flagged else None
+        if diag is None:
+            return
+        diag.step = step
+        self.last_overflow = diag
+        self.guard.recorder.trip(step, action="overflow", ranks=flagged, diagnosis=diag, scale=scale)
+        if self._announces():
+            log.warning(
+                "nanguard: step %d: DeepSpeed's loss scaler skipped an fp16 overflow (scale %g): %s",
+                step,
+                scale,
+                diag.summary(),
+            )
 
     # -- the check and the replay --------------------------------------------------------------
     def _step_loss(self, micro: list[Micro]) -> torch.Tensor | None:
         """The losses given to ``engine.backward`` over the step, averaged (``mean``) or summed."""
         losses, self._losses = self._losses, []
+        self._micro = micro
         if not losses:
             return super()._step_loss(micro)
         stacked = torch.stack(losses)
@@ -144,7 +207,8 @@ class DeepSpeedGuard(LoopGuard):
         """The replay's backward: gradients by ``autograd.grad`` (ZeRO's reduce hooks stay quiet),
         scaled as the engine scales the loss, written to ``.grad`` for the tracer to read."""
         params = [p for p in self.engine.module.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(loss * self.state.loss_scale(), params, allow_unused=True)
+        scale = self._replay_scale if self._replay_scale is not None else self.state.loss_scale()
+        grads = torch.autograd.grad(loss * scale, params, allow_unused=True)
         for p, g in zip(params, grads, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
@@ -242,6 +306,58 @@ class EngineState:
                 offload = self.zero.parameter_offload
                 stack.enter_context(_hooks_aside([*offload.forward_hooks, *offload.backward_hooks]))
             yield
+
+
+class LossScale:
+    """DeepSpeed's fp16 loss scaler, seen by the guard as its GradScaler: the guard reads its scale
+    (the gradients it checks are divided by it) and, on an overflow (gradients non-finite, every loss
+    finite), has it lower the scale as DeepSpeed does; the engine then skips the step itself. The
+    gradients are DeepSpeed's to unscale: ``unscale_`` does nothing.
+
+    Example:
+        >>> scale = LossScale(engine.optimizer)
+        >>> scale.get_scale()
+        256.0
+    """
+
+    def __init__(self, zero: Any) -> None:
+        from torch.amp.grad_scaler import OptState
+
+        self.zero = zero
+        # What the guard asks a GradScaler: has unscale_ run this step? Always yes.
+        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(lambda: {"stage": OptState.UNSCALED})
+
+    @property
+    def _scale(self) -> torch.Tensor:
+        return torch.tensor(self.get_scale())
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return float(self.zero.loss_scale)
+
+    def unscale_(self, optimizer: Any) -> None:
+        """DeepSpeed unscales the gradients in its own step."""
+
+    def step(self, optimizer: Any) -> None:
+        """An overflow: the scale goes down as DeepSpeed's scaler takes it (its hysteresis included)."""
+        self.zero._update_scale(True)
+
+    def update(self, new_scale: float | None = None) -> None:
+        """Only a new scale given (a reset after a collapse) changes it: DeepSpeed updates its own."""
+        if new_scale is not None:
+            self.zero.loss_scaler.cur_scale = float(new_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        scaler = self.zero.loss_scaler
+        return {name: value for name, value in vars(scaler).items() if name in _SCALER_STATE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        vars(self.zero.loss_scaler).update({k: v for k, v in state.items() if k in _SCALER_STATE})
+
+
+_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 @contextlib.contextmanager

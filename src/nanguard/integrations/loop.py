@@ -96,6 +96,7 @@ class LoopGuard(GuardedCallback):
         self._hold_scheduler = False
         self._in_micro_step = False
         self._skipping = False
+        self._step_skipped = False
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -111,6 +112,13 @@ class LoopGuard(GuardedCallback):
         """``Guard.last_grad_norm``: the latest step's gradient norm, across ranks and before the
         loop's clip; NaN or Inf for a step that tripped; None before the first."""
         return self.guard.last_grad_norm if self.guard is not None else None
+
+    @property
+    def step_skipped(self) -> bool:
+        """True when the latest ``optimizer.step()`` was skipped (a trip under ``skip`` or
+        ``rollback``, or a batch ``check_batch`` rejected): the loop may leave out its logging of a
+        step that did not happen. False before the first step."""
+        return self._step_skipped
 
     # -- what the loop calls -----------------------------------------------------------------
     def micro_step(self, fn: F) -> F:
@@ -139,7 +147,7 @@ class LoopGuard(GuardedCallback):
             finally:
                 self._in_micro_step = False
             if m is not None and _scalar(loss):
-                m.loss = loss.detach()
+                m.loss = _local(loss.detach())
             return loss
 
         return recorded  # type: ignore[return-value]
@@ -174,11 +182,17 @@ class LoopGuard(GuardedCallback):
             self.guard.load_state_dict(state)
 
     # -- the loop's moments ------------------------------------------------------------------
-    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         if self._in_micro_step or not module.training or not torch.is_grad_enabled():
             return  # inside a recorded micro_step, evaluation, or generation
         self._verdict = None  # a forward after the step's check starts the next step
         self._capture.record(args, kwargs)  # nothing during our own replay
+        if self._capture.replaying or self.guard is None or not self.guard.config.check_batch:
+            return None
+        # A rejected batch still runs its forward and backward, on ids made valid, so that every
+        # rank's collectives match; the step's check then rejects it on every rank (the recorded
+        # batch is the original one).
+        return _valid_ids(self._user, args, kwargs)
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         micro = self._capture.micro
@@ -186,7 +200,7 @@ class LoopGuard(GuardedCallback):
             return
         loss = _loss_of(output)
         if loss is not None:
-            micro[-1].loss = loss.detach()
+            micro[-1].loss = _local(loss.detach())
 
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:  # args[0] is the optimizer
@@ -196,7 +210,7 @@ class LoopGuard(GuardedCallback):
             )
         ok, self._verdict = self._decide(), None
         # A skipped step's gradients are gone (capture.check dropped them): this step changes nothing.
-        self._skipping = not ok
+        self._skipping = self._step_skipped = not ok
         if not ok:
             self._hold_scheduler = self.scheduler is not None
 
@@ -251,7 +265,9 @@ class LoopGuard(GuardedCallback):
                 out = m.run(*m.args, **m.kwargs) if m.run is not None else self.model(*m.args, **m.kwargs)
             loss = out if m.run is not None else _loss_of(out)
             if not _scalar(loss):
-                return out  # a loss computed outside the model and no micro_step: trace the forward alone
+                # A loss computed outside the model and no micro_step: trace the forward alone.
+                dist.unobserved("the loss and the backward (the loss is computed outside the model)")
+                return out
             self._backward(loss / n)
             return loss
 
@@ -291,6 +307,37 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return output if _scalar(output) else None
 
 
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    """A DTensor loss (tensor parallel with a parallel loss) as this rank's local value: its
+    finiteness is what the check reads, and the ranks agree on it in the check's one all-reduce."""
+    to_local = getattr(loss, "to_local", None)
+    return to_local() if callable(to_local) else loss
+
+
+def _valid_ids(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    """The forward's arguments with out-of-range integer ids (``check_batch``'s
+    ``data.index_out_of_range``) replaced by 0; None when every id is in range."""
+    from nanguard.audit import check_batch
+
+    named = _named_arguments(model.forward, Micro(args, kwargs, rng={}))
+    findings = check_batch(named, model=model)
+    keys = {f.where.split("'")[1] for f in findings if f.cause == "data.index_out_of_range" and "'" in f.where}
+    if not keys:
+        return None
+    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if vocab is None:
+        return None
+
+    def fixed(name: str, value: Any) -> Any:
+        if name not in keys or not isinstance(value, torch.Tensor) or value.is_floating_point():
+            return value
+        return torch.where((value < 0) | (value >= vocab), torch.zeros_like(value), value)
+
+    names = list(_signature(getattr(model.forward, "__func__", model.forward), True).parameters)
+    new_args = tuple(fixed(names[i] if i < len(names) else "", a) for i, a in enumerate(args))
+    return new_args, {k: fixed(k, v) for k, v in kwargs.items()}
+
+
 def _scalar(t: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
 
@@ -300,7 +347,7 @@ def _batch_of(micro: list[Micro], forward: Callable[..., Any]) -> Any:
     went to (``batch['idx']``); a list with one entry per micro-batch."""
     if not micro:
         return None
-    batches = [_named_arguments(m.run or forward, m) for m in micro]
+    batches = [{**_named_arguments(m.run or forward, m), **m.extra} for m in micro]
     return batches[0] if len(batches) == 1 else batches
 
 

@@ -65,6 +65,7 @@ class BundleInfo:
     cause: str | None = None
     batch_stored: bool | None = None
     error: str | None = None
+    diagnosis: Diagnosis | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -334,7 +335,7 @@ def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunRep
         key=lambda item: item[0],
     )
     if not files:
-        raise EventLogError(root, "no event logs (events-rank*.jsonl) here: was the Guard given run_dir=?")
+        raise EventLogError(root, _no_logs_here(root))
     bundle_dirs = _bundle_dirs(root)
     notes: list[str] = []
     report = RunReport(run_dir=root, ranks={})
@@ -362,6 +363,17 @@ def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunRep
     report.warnings = notes
     _flush(notes)
     return report
+
+
+def _no_logs_here(root: Path) -> str:
+    """Why ``root`` has nothing to report, and the folders below it (two levels) that do."""
+    below = sorted(
+        {p.parent for pattern in ("*/events-rank*.jsonl", "*/*/events-rank*.jsonl") for p in root.glob(pattern)}
+    )
+    if not below:
+        return "no event logs (events-rank*.jsonl) here: was the Guard given run_dir=?"
+    shown = ", ".join(str(p) for p in below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
+    return f"no event logs (events-rank*.jsonl) here, but below it: {shown}; run: nanguard report {below[0]}"
 
 
 @contextlib.contextmanager
@@ -416,6 +428,7 @@ def _read_bundle(path: Path, step: int, rank: int, notes: list[str]) -> BundleIn
     info.batch_stored = bundle.batch_stored
     if bundle.diagnosis is not None:
         info.cause = bundle.diagnosis.cause
+        info.diagnosis = bundle.diagnosis
     return info
 
 
@@ -466,6 +479,29 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> N
     by_key = {(b.step, b.rank): b for b in report.bundles}
     for trip in report.trips:
         trip.bundles = [by_key[(trip.step, r)] for r in trip.reported_by if (trip.step, r) in by_key]
+    _trips_only_bundled(report)
+
+
+def _trips_only_bundled(report: RunReport) -> None:
+    """A bundle whose trip event is missing (a log cut short by a killed run) is a trip all the same:
+    the diagnosis it holds is shown, its action unknown."""
+    logged = {t.step for t in report.trips}
+    for bundle in report.bundles:
+        if bundle.step in logged or bundle.diagnosis is None:
+            continue
+        logged.add(bundle.step)
+        same = [b for b in report.bundles if b.step == bundle.step and b.diagnosis is not None]
+        report.trips.append(
+            Trip(
+                step=bundle.step,
+                action="? (from its bundle: not in the event log)",
+                ranks=[b.rank for b in same],
+                reported_by=[b.rank for b in same],
+                diagnosis=bundle.diagnosis,
+                bundles=same,
+            )
+        )
+    report.trips.sort(key=lambda t: t.step)
 
 
 def _merge_drills(merged: Mapping[tuple[Any, ...], list[tuple[int, dict[str, Any]]]]) -> list[Drill]:

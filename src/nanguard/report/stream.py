@@ -267,20 +267,31 @@ def read_rank_log(path: Path, rank: int, notes: list[str]) -> RankEvents:
     except OSError as err:
         notes.append(f"{path}: cannot open event log ({err.strerror or err})")
         return found
+    tail: dict[str, int] = {}  # the line the file ends in without a newline, and its length
     with handle:
-        for first, block in _blocks(handle, lambda lineno: note(lineno, "skipping a line over 16 MB")):
+        for first, block in _blocks(handle, lambda lineno: note(lineno, "skipping a line over 16 MB"), tail):
             for lineno, raw in _fold_block(block, first, rank, found):
                 why = _read_other(raw, lineno, found)
                 if why is not None:
-                    note(lineno, why)
+                    note(lineno, _cut_short(why) if lineno == tail.get("lineno") else why)
     if bad > _MAX_NOTES:
         notes.append(f"{path}: {bad - _MAX_NOTES} more unreadable lines not listed")
     found.steps.finish()
     return found
 
 
-def _blocks(handle: BinaryIO, too_long: Callable[[int], None]) -> Iterator[tuple[int, bytes]]:
-    """(number of its first line, whole lines ending in a newline) for the file, a block at a time."""
+def _cut_short(why: str) -> str:
+    return (
+        "the log's last line is cut short (no newline: the run was killed while writing it?), so that event "
+        f"is left out; a trip's bundle still shows it ({why})"
+    )
+
+
+def _blocks(
+    handle: BinaryIO, too_long: Callable[[int], None], tail: dict[str, int] | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """(number of its first line, whole lines ending in a newline) for the file, a block at a time.
+    A last line without its newline is yielded too, and its number put in ``tail["lineno"]``."""
     lineno = 1
     carry = b""
     while chunk := handle.read(_BLOCK_BYTES):
@@ -295,6 +306,8 @@ def _blocks(handle: BinaryIO, too_long: Callable[[int], None]) -> Iterator[tuple
             carry = _rest_after_newline(handle)
             lineno += 1
     if carry:
+        if tail is not None:
+            tail["lineno"] = lineno
         yield lineno, carry + b"\n"
 
 

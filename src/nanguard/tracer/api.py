@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import dist
+from nanguard import compat, dist
 from nanguard.diagnose import diagnose
 from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
@@ -251,6 +251,9 @@ def _diagnosis(
         }
     if "exception" in origin.extra:
         evidence["exception"] = origin.extra["exception"]
+    masked_by = origin.extra.get("masked_by")
+    if isinstance(masked_by, dict) and masked_by.get("rows"):
+        evidence["rows"] = list(masked_by["rows"])  # the empty samples: what a quarantine takes
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
     if facts is not None:
@@ -296,6 +299,8 @@ def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> l
     candidates = tensors_with_path(result, "result")
     if root is not None:
         candidates += [(f"{n}.grad", p.grad) for n, p in root.named_parameters() if p.grad is not None]
+        # FSDP2 with gradient sync off (the replay) keeps a backward's gradients unsharded, off p.grad.
+        candidates += [(f"{n}.grad", g) for n, g in compat.fsdp_unsharded_grads(root)]
         seen = {id(p) for p in root.parameters()}
     else:
         seen = set()

@@ -214,7 +214,17 @@ class Tracer:
         ins = self.taint.inputs(flat_in)
         if ins is not CLEAN and ins.taint:
             self.last_taint, self.last_taint_index = ins.taint, self.index
+            self._first_reader(ins.taint)
         return flat_in, ins
+
+    def _first_reader(self, taint: frozenset[int]) -> None:
+        """Bad data first touched outside any module (a pipeline schedule splitting the batch into
+        microbatches, the loop's own arithmetic) is named after the first module that reads it."""
+        for oid in taint:
+            origin = self.origins[oid]
+            if origin.category == "data" and origin.module is None and self.modules.current is not None:
+                origin.module = self.modules.current_name()
+                origin.module_type = type(self.modules.current).__name__
 
     def op_failed(self, func: Any, args: tuple, err: BaseException) -> None:
         if self.failure is None:
@@ -268,6 +278,8 @@ class Tracer:
         where: _Where | None = None
         if ins.inf and facts.weighted:
             self._features(ins)
+        if ins.inf_taint and self.counts:
+            self._mask_fills(func, args, ins.inf_taint)
         if self.norms.pending and ins.taint:
             self.norms.used(facts.name, flat_in, ins.taint, self.taint.taint_of)
         source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
@@ -294,15 +306,13 @@ class Tracer:
                     self.grads.recheck(flat_in, facts, args, kwargs)
                 where = where or self._where(func)
                 origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
-                if met:
-                    origin.extra["infinities_met"] = met
-                    origin.extra["infinity_sources"] = [self.origins[i].summary() for i in sorted(ins.inf_taint)]
+                self._inf_facts(origin, ins.inf_taint, met)
                 # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
                 out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE)
             elif ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
                 value = _written(o, ins.written)
                 if value is not None:
-                    out_taint = out_taint | {self._write(func, value, outputs=[tensor_stats(o)]).id}
+                    out_taint = out_taint | {self._fill(func, args, value, o).id}
             self.taint.set(o, nan, inf, out_taint, base)
             self._note_after(func, facts, out_taint, nan, where)
 
@@ -381,6 +391,48 @@ class Tracer:
             return False
         node = compat.current_autograd_node()
         return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
+
+    def _fill(self, func: Any, args: tuple, value: str, out: torch.Tensor) -> Origin:
+        """The write of an explicit ``value`` into ``out``; a -inf fill remembers the batch tensor its
+        mask was computed from (``masked_fill(batch_mask == 0, -inf)``)."""
+        written = self._write(func, value, outputs=[tensor_stats(out)])
+        mask = _mask_argument(func, args) if value == "-inf" else None
+        path = (self.counts.path(mask) or self._path(mask)) if mask is not None else None
+        if path is not None:
+            written.extra["mask_from"] = path
+        return written
+
+    def _inf_facts(self, origin: Origin, inf_taint: frozenset[int], met: str | None) -> None:
+        """What a creation from Inf inputs learns of them: the batch mask behind a fully masked
+        row, and which sentinels two infinities that met came from."""
+        if origin.extra.get("fully_masked_samples") and inf_taint:
+            self._masked_by(origin, inf_taint)
+        if met:
+            origin.extra["infinities_met"] = met
+            origin.extra["infinity_sources"] = [self.origins[i].summary() for i in sorted(inf_taint)]
+
+    def _mask_fills(self, func: Any, args: tuple, inf_taint: frozenset[int]) -> None:
+        """``where(batch_mask, scores, full_like(scores, -inf))``: the -inf written beforehand becomes a
+        fill by the batch's mask here."""
+        mask = _mask_argument(func, args)
+        path = (self.counts.path(mask) or self._path(mask)) if mask is not None else None
+        if path is None:
+            return
+        for oid in inf_taint:
+            origin = self.origins[oid]
+            if origin.category == "write" and origin.extra.get("written") == "-inf":
+                origin.extra.setdefault("mask_from", path)
+
+    def _masked_by(self, origin: Origin, inf_taint: frozenset[int]) -> None:
+        """A softmax over fully masked rows whose -inf came from a mask of the batch's (``batch[0][1]``,
+        ``batch['attention_mask']``, or an additive mask passed in): that tensor, and the samples
+        (dim 0) whose rows are empty, so a quarantine can take them."""
+        for oid in sorted(inf_taint):
+            source = self.origins[oid]
+            path = source.extra.get("mask_from") or (source.path if source.category == "fill" else None)
+            if path is not None:
+                origin.extra["masked_by"] = {"path": path, "rows": origin.extra["fully_masked_samples"]}
+                return
 
     def _outranked(self, taint: frozenset[int]) -> bool:
         """Would any write origin made now lose to one in ``taint``? Every origin but a fill
@@ -540,6 +592,15 @@ def _written(out: torch.Tensor, values: Sequence[float]) -> str | None:
             if bool(hit):
                 return "nan" if math.isnan(x) else "-inf" if x < 0 else "inf"
     return None
+
+
+def _mask_argument(func: Any, args: tuple) -> torch.Tensor | None:
+    """The boolean mask a fill op took: ``masked_fill(x, mask, v)``'s second argument, ``where(mask, x, v)``'s first."""
+    name = ops.op_name(func)
+    position = 1 if name.startswith("aten.masked_fill") else 0 if name.startswith("aten.where") else None
+    if position is None or len(args) <= position or not isinstance(args[position], torch.Tensor):
+        return None
+    return args[position]
 
 
 def _value_name(stats: dict[str, Any]) -> str:

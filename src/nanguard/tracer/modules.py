@@ -108,6 +108,13 @@ class ModuleStack:
         ]
         return self
 
+    def enter_within(self, module: nn.Module) -> ModuleStack:
+        """Install from inside ``module``'s own forward pre-hook: the global hooks have run for
+        this call of it already, so it goes on the stack here."""
+        self.__enter__()
+        self._push(module, ())
+        return self
+
     def __exit__(self, *exc: object) -> None:
         for handle in [*self._handles, *self._late.values()]:
             handle.remove()

@@ -24,6 +24,7 @@ from nanguard import compat
 from nanguard.tree import op_leaves
 
 __all__ = [
+    "BLANK",
     "KEEPS_FINITE",
     "LITERALS",
     "MASK_AWARE",
@@ -155,6 +156,20 @@ _LOW = (torch.float16, torch.bfloat16)
 Facts = Callable[[tuple], dict[str, Any]]
 _FACTS: dict[Any, Facts] = {}
 _INDEX: dict[Any, Callable[[tuple], int | None]] = {}
+# Ops whose output holds no value any op computed: memory allocated and not written (``empty``,
+# ``empty_like``: what dropout's mask and an ``out=`` buffer start as), grown by ``resize_``, or
+# pointed at another storage by ``set_``. Reading it reads whatever the allocator left there.
+BLANK = {
+    aten.empty,
+    aten.empty_like,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.empty_strided,
+    aten.empty_permuted,
+    aten.resize_,
+    aten.resize_as_,
+    aten.set_,
+}
 _NAMES: dict[Any, str] = {}
 
 
@@ -230,6 +245,7 @@ class OpInfo:
     view: bool  # returns a view of its first argument (any view: a dtype view too)
     flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
+    blank: bool = False  # its output is memory no op has written (BLANK)
 
 
 _INFO: dict[int, tuple[Any, OpInfo]] = {}
@@ -272,6 +288,7 @@ def _describe(func: Any) -> OpInfo:
         view=bool(getattr(func, "is_view", False)),
         flat=schema is not None and all(_flat_type(str(a.type)) for a in arguments),
         writes=writes,
+        blank=_in(BLANK, func),
     )
 
 
@@ -308,7 +325,11 @@ def _finite_max(x: torch.Tensor) -> float:
 def _softmax(args: tuple) -> dict[str, Any]:
     x, dim = args[0], int(args[1])
     masked = (x == -math.inf).all(dim=dim)
-    return {"rows": int(masked.numel()), "fully_masked_rows": int(masked.sum()), "input_max": _finite_max(x)}
+    facts = {"rows": int(masked.numel()), "fully_masked_rows": int(masked.sum()), "input_max": _finite_max(x)}
+    if masked.dim() and bool(masked.any()):
+        # The samples (dim 0) those rows belong to: where a batch mask emptied them, the samples to drop.
+        facts["fully_masked_samples"] = masked.reshape(masked.shape[0], -1).any(1).nonzero().flatten()[:16].tolist()
+    return facts
 
 
 # Forward only: the backward ops take (grad, self, target, weight, reduction, ignore_index, ...).

@@ -7,13 +7,23 @@ why), never from nanguard's output; ``basis`` says what it rests on. The cases l
 ``wild_losses`` (loss and training-step code), ``wild_models`` (model code) and
 ``wild_masks`` (masks, fills and writes), ``wild_norms`` (normalizations and divisions inside
 composite ops), ``wild_raises`` (torch's own NaN results, gradient surgery, NaNs that surface
-as a raise) ``wild_domains`` (infinities meeting infinities, the log family) and ``wild_surgery``
-(gradient surgery on what ``torch.autograd.grad`` returned).
+as a raise) ``wild_domains`` (infinities meeting infinities, the log family) ``wild_surgery``
+(gradient surgery on what ``torch.autograd.grad`` returned) and ``wild_samples`` (the sample
+behind a masked row).
 """
 
 from __future__ import annotations
 
-from nanguard.zoo import wild_domains, wild_losses, wild_masks, wild_models, wild_norms, wild_raises, wild_surgery
+from nanguard.zoo import (
+    wild_domains,
+    wild_losses,
+    wild_masks,
+    wild_models,
+    wild_norms,
+    wild_raises,
+    wild_samples,
+    wild_surgery,
+)
 from nanguard.zoo.scenarios import WildScenario
 
 __all__ = ["WILD", "get_wild"]
@@ -27,6 +37,7 @@ WILD: tuple[WildScenario, ...] = (
     *wild_raises.SCENARIOS,
     *wild_domains.SCENARIOS,
     *wild_surgery.SCENARIOS,
+    *wild_samples.SCENARIOS,
 )
 
 

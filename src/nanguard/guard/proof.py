@@ -1,0 +1,331 @@
+"""Proof, not suspicion: a peer rank re-computes a suspect rank's step, to tell a faulty device
+from a software or data fault, and both from a transient one.
+
+Under data parallelism every replica holds the same parameters, so any rank can compute any
+rank's step: given the suspect's batch and RNG state, a healthy peer computes what the suspect
+should have. On a trip the suspect (the rank the diagnosis names, else the first that flagged)
+sends its batch and RNG state to a peer (the next rank that did not flag), point to point; both
+re-compute the step with gradient communication off, and compare (loss and each parameter's
+gradient norm, within a tolerance that nondeterministic reductions stay inside):
+
+- both non-finite: the step reproduces everywhere, a software or data fault: the ordinary diagnosis;
+- the suspect's non-finite (or different) where the peer's is finite: a faulty device
+  (``hardware.faulty_device``), named, with both computations as evidence;
+- both finite and alike: the fault came once and went (transient).
+
+Every rank gets the same verdict (one all-gather of the two results). It costs nothing until a
+trip; the peer's own batch is put back and its RNG state, buffers and parameters are restored by
+the guard as after any replay, so a healthy run after it stays bit-identical. Needs no
+determinism beyond what the tolerance allows. Only under DDP (``docs/distributed.md``): under
+FSDP or tensor parallelism a rank's step needs every rank's shards, which this does not gather.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from nanguard import dist
+from nanguard.diagnose import faulty_device
+from nanguard.findings import Diagnosis
+from nanguard.guard.tracker import where
+from nanguard.rng import set_rng_state
+from nanguard.tree import leaves_with_path, path_str
+
+__all__ = ["RTOL", "judge", "prove", "proven"]
+
+RTOL: Mapping[torch.dtype, float] = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-3,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+}
+"""How far two healthy computations of one step may differ, relatively, by the parameters' dtype:
+reductions in another order (atomics, split-K, TF32 matmuls) stay well inside."""
+
+# Causes a device cannot have made: the value is in the user's input, or in state every replica shares.
+_NOT_A_DEVICE = ("data.", "parameters.", "distributed.replica_divergence", "precision.loss_scale")
+
+
+def prove(
+    model: nn.Module,
+    closure: Callable[[], Any] | None,
+    *,
+    diag: Diagnosis,
+    flagged: list[int],
+    batch: Any,
+    rng: Mapping[str, torch.Tensor] | None,
+    own_loss: float,
+) -> dict[str, Any] | None:
+    """Re-compute the suspect rank's step on a peer; the proof's evidence (``verdict``: "everywhere",
+    "device", "transient", "inconclusive" or "unproven", with why), the same on every rank, or
+    None when no proof applies (not data parallel, no rank flagged, a cause no device makes).
+
+    Every rank calls it with the agreed ``diag`` and ``flagged``; the others wait in its collectives.
+    """
+    if not _applies(model, closure, diag, flagged):
+        return None
+    assert closure is not None
+    world, me = dist.world_size(), dist.rank()
+    suspect = diag.rank if diag.rank in flagged else flagged[0]
+    assert suspect is not None
+    ring = [(suspect + i) % world for i in range(1, world)]
+    peer = next((r for r in ring if r not in flagged), ring[0])
+    proof: dict[str, Any] = {"suspect": suspect, "peer": peer}
+    pair = me in (suspect, peer)
+    signature = _signature(batch, rng) if pair else None
+    sigs = _exchange(signature if pair else None)
+    mine = sigs[suspect]
+    if mine is None or not mine["batch"]:
+        return {**proof, "verdict": "unproven", "why": "the suspect rank passed no batch= (tensors) to Guard.step"}
+    peer_signature = sigs[peer]
+    if peer_signature is None or peer_signature["batch"] != mine["batch"]:
+        why = "the peer's batch has other shapes or dtypes than the suspect's, so it cannot hold the suspect's"
+        return {**proof, "verdict": "unproven", "why": why}
+    results = _exchange(_one_side(model, closure, batch, rng, own_loss, suspect, peer, mine))
+    s, p = results[suspect], results[peer]
+    assert s is not None and p is not None
+    verdict, why = judge(s, p, rtol=_rtol(model))
+    proof.update(
+        verdict=verdict,
+        why=why,
+        suspect_where=s.pop("where"),
+        peer_where=p.pop("where"),
+        suspect_result=_words(s),
+        peer_result=_words(p),
+        computations={"original": {"loss": s.pop("own_loss")}, "suspect": _brief(s), "peer": _brief(p)},
+    )
+    return proof
+
+
+def _one_side(
+    model: nn.Module,
+    closure: Callable[[], Any],
+    batch: Any,
+    rng: Mapping[str, torch.Tensor] | None,
+    own_loss: float,
+    suspect: int,
+    peer: int,
+    signature: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """This rank's computation: the suspect's of its own step, the peer's of the suspect's (its own
+    batch holding the suspect's values meanwhile); None on the other ranks."""
+    me = dist.rank()
+    if me == suspect:
+        _send(batch, rng, peer)
+        return {**_compute(model, closure, rng, reads=None), "own_loss": own_loss, "where": _where(model)}
+    if me == peer:
+        theirs, their_rng = _receive(batch, signature, suspect)
+        with _holding(batch, theirs) as leaves:
+            return {**_compute(model, closure, their_rng, reads=leaves), "where": _where(model)}
+    return None
+
+
+def proven(diag: Diagnosis, proof: Mapping[str, Any] | None, step: int) -> Diagnosis:
+    """The diagnosis as the proof leaves it: a faulty device named, or the ordinary one with the proof."""
+    if proof is None:
+        return diag
+    if proof["verdict"] == "device":
+        return faulty_device(step=step, origin=diag, proof=proof)
+    diag.evidence["proof"] = dict(proof)
+    return diag
+
+
+def judge(suspect: Mapping[str, Any], peer: Mapping[str, Any], *, rtol: float) -> tuple[str, str]:
+    """The verdict on two computations of one step (``{"loss", "grad_norms", "finite"}``, or
+    ``{"error"}``): where the step reproduces, and why.
+
+    Example:
+        >>> judge({"loss": math.nan, "grad_norms": [1.0], "finite": False},
+        ...       {"loss": 2.0, "grad_norms": [1.0], "finite": True}, rtol=1e-3)[0]
+        'device'
+    """
+    for name, c in (("suspect", suspect), ("peer", peer)):
+        if c.get("error"):
+            return "unproven", f"the {name}'s re-computation failed: {c['error']}"
+        if c.get("read") is False:
+            return (
+                "unproven",
+                "the closure does not read the batch passed to Guard.step, so a peer cannot run another's",
+            )
+    s_bad, p_bad = not suspect["finite"], not peer["finite"]
+    if s_bad and p_bad:
+        return "everywhere", "the suspect's step is non-finite on the suspect and on a peer: software or data"
+    if s_bad:
+        return "device", "the suspect's step is non-finite on the suspect only: a peer computes it finite"
+    if p_bad:
+        return "inconclusive", "the suspect computes its step finite now, while the peer computes it non-finite"
+    diff = _difference(suspect, peer)
+    if diff > rtol:
+        return "device", f"both finite, but the suspect's values differ from the peer's by {diff:.3g} (> {rtol:g})"
+    return "transient", f"the step is finite on the suspect and on a peer (within {rtol:g}): it came once and went"
+
+
+# -- when a proof applies ----------------------------------------------------------------------
+
+
+def _applies(model: nn.Module, closure: Any, diag: Diagnosis, flagged: list[int]) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if closure is None or not flagged or not dist.is_distributed():
+        return False
+    if not isinstance(model, DistributedDataParallel):  # FSDP, TP, PP: a rank's step needs the others' shards
+        return False
+    if diag.evidence.get("unobserved"):  # a replay that could not see the whole step: nor could a peer's
+        return False
+    return not diag.cause.startswith(_NOT_A_DEVICE)
+
+
+# -- the suspect's batch and RNG state, point to point ----------------------------------------------
+
+
+def _tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(path_str("batch", p), t) for p, t in leaves_with_path(batch) if isinstance(t, torch.Tensor)]
+
+
+def _signature(batch: Any, rng: Mapping[str, torch.Tensor] | None) -> dict[str, Any]:
+    return {
+        "batch": [[name, str(t.dtype), list(t.shape)] for name, t in _tensors(batch)],
+        "rng": {k: [str(v.dtype), list(v.shape)] for k, v in (rng or {}).items()},
+    }
+
+
+def _send(batch: Any, rng: Mapping[str, torch.Tensor] | None, peer: int) -> None:
+    device = dist._comm_device()
+    for _, t in _tensors(batch):
+        tdist.send(t.detach().to(device).contiguous(), dst=peer)
+    for _, state in sorted((rng or {}).items()):
+        tdist.send(state.to(device).contiguous(), dst=peer)
+
+
+def _receive(
+    batch: Any, signature: Mapping[str, Any], suspect: int
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor] | None]:
+    device = dist._comm_device()
+    theirs = []
+    for (_, t), (_, dtype, shape) in zip(_tensors(batch), signature["batch"], strict=True):
+        buf = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+        tdist.recv(buf, src=suspect)
+        theirs.append(buf.to(t.device))
+    states: dict[str, torch.Tensor] = {}
+    for key, (dtype, shape) in sorted(signature["rng"].items()):
+        buf = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+        tdist.recv(buf, src=suspect)
+        states[key] = buf.cpu()
+    return theirs, states or None
+
+
+@contextmanager
+def _holding(batch: Any, theirs: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """The peer's batch tensors hold the suspect's values while open; its own come back after."""
+    leaves = [t for _, t in _tensors(batch)]
+    saved = [t.detach().clone() for t in leaves]
+    try:
+        with torch.no_grad():
+            for leaf, value in zip(leaves, theirs, strict=True):
+                leaf.copy_(value)
+        yield leaves
+    finally:
+        with torch.no_grad():
+            for leaf, value in zip(leaves, saved, strict=True):
+                leaf.copy_(value)
+
+
+def _exchange(value: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    """Every rank's ``value`` (None: it has none), by rank: one all-gather of JSON bytes."""
+    payload = json.dumps(value).encode() if value is not None else b""
+    return [json.loads(p) if p else None for p in dist._all_gather_bytes(payload, dist._comm_device())]
+
+
+# -- one computation of the step ---------------------------------------------------------------
+
+
+class _Reads(TorchFunctionMode):
+    """Notes whether any torch call reads one of ``leaves`` (the closure reads the batch it was given)."""
+
+    def __init__(self, leaves: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ids = {id(t) for t in leaves}
+        self.read = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.read:
+            flat = [*args, *(kwargs or {}).values()]
+            self.read = any(id(a) in self.ids for a in flat) or any(
+                isinstance(a, (list, tuple)) and any(id(x) in self.ids for x in a) for a in flat
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def _compute(
+    model: nn.Module,
+    closure: Callable[[], Any],
+    rng: Mapping[str, torch.Tensor] | None,
+    *,
+    reads: list[torch.Tensor] | None,
+) -> dict[str, Any]:
+    """Run the step (gradient communication off) from ``rng``: its loss and each gradient's norm."""
+    params = [p for p in dist.unwrap(model).parameters() if p.requires_grad]
+    if rng is not None:
+        set_rng_state(rng)
+    watch = _Reads(reads or [])
+    try:
+        with torch.enable_grad():
+            if reads is None:
+                out = dist.replay_locally(model, closure)
+            else:
+                with watch:
+                    out = dist.replay_locally(model, closure)
+        loss = float(out.detach().float().sum()) if isinstance(out, torch.Tensor) else float(out)
+        norms = [float(p.grad.detach().float().norm()) if p.grad is not None else 0.0 for p in params]
+    except Exception as err:  # the proof is evidence: a failure leaves the ordinary diagnosis
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+    finite = math.isfinite(loss) and all(math.isfinite(n) for n in norms)
+    found: dict[str, Any] = {"loss": loss, "grad_norms": norms, "finite": finite}
+    if reads is not None:
+        found["read"] = watch.read
+    return found
+
+
+def _where(model: nn.Module) -> dict[str, Any]:
+    first = next(iter(dist.unwrap(model).parameters()), None)
+    return where(first.device if first is not None else None)
+
+
+def _rtol(model: nn.Module) -> float:
+    dtypes = {p.dtype for p in dist.unwrap(model).parameters() if p.is_floating_point()}
+    return max((RTOL.get(d, RTOL[torch.float32]) for d in dtypes), default=RTOL[torch.float32])
+
+
+def _difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """The largest relative difference between two finite computations' loss and gradient norms."""
+    pairs = [(a["loss"], b["loss"]), *zip(a["grad_norms"], b["grad_norms"], strict=False)]
+    return max((abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in pairs), default=0.0)
+
+
+def _brief(c: Mapping[str, Any]) -> dict[str, Any]:
+    """A computation as evidence: loss, total gradient norm, how many gradients are non-finite."""
+    if c.get("error"):
+        return {"error": c["error"]}
+    norms = c["grad_norms"]
+    total = math.sqrt(sum(n * n for n in norms)) if all(math.isfinite(n) for n in norms) else math.nan
+    return {
+        "loss": c["loss"],
+        "grad_norm": total,
+        "nonfinite_grads": sum(1 for n in norms if not math.isfinite(n)),
+        "finite": c["finite"],
+    }
+
+
+def _words(c: Mapping[str, Any]) -> str:
+    if c.get("error"):
+        return "(failed)"
+    return "finite" if c["finite"] else f"non-finite (loss {c['loss']:.4g})"

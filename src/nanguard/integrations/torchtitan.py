@@ -1,0 +1,145 @@
+"""torchtitan's trainer guarded in its own loop: FSDP2, tensor parallel (DTensor), pipeline parallel.
+
+torchtitan computes the loss outside the model (``loss_fn(model(inputs), labels, tokens)``), its
+default ``ChunkedLossWrapper`` runs the output layer's backward inside the loss and turns that
+layer's FSDP gradient sync back on for its last chunk, its loss may be a DTensor, and it steps an
+``OptimizersContainer`` and an ``LRSchedulersContainer``. ``TitanGuard`` is ``LoopGuard`` for that
+shape: it guards the model part the trainer calls, records each micro-batch's forward inputs and
+the loss call's labels, and replays a tripped step as the trainer ran it (model forward, the loss
+with its own backward, then backward on the loss), every FSDP gradient sync held off throughout.
+
+The lines to add to torchtitan's ``Trainer`` (``docs/torchtitan.md``):
+
+Example:
+    >>> from nanguard.integrations.torchtitan import TitanGuard                # __init__, at its end
+    >>> self.guard = TitanGuard(self.model_parts, self.optimizers, self.lr_schedulers,
+    ...                         policy="skip", run_dir=job_config.job.dump_folder)
+    >>> self.loss_fn = self.guard.loss(self.loss_fn)
+    >>> if self.guard.step_skipped:                                           # train_step, after
+    ...     return                                                            # lr_schedulers.step()
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard import dist
+from nanguard.guard import Guard
+from nanguard.integrations import guard_options
+from nanguard.integrations.loop import LoopGuard, _local, _scalar
+
+__all__ = ["IGNORE_INDEX", "TitanGuard"]
+
+IGNORE_INDEX = -100
+"""The label torchtitan's losses ignore (``torchtitan.components.loss.IGNORE_INDEX``)."""
+
+
+class TitanGuard(LoopGuard):
+    """``LoopGuard`` for torchtitan's ``Trainer``: checks each ``self.optimizers.step()`` and skips,
+    rolls back or raises, every rank agreeing, with one added all-reduce a step.
+
+    ``model_parts`` is the trainer's ``self.model_parts``. Without pipeline parallelism it holds
+    one model; under pipeline parallelism, this rank's stage(s): the first is guarded (the one
+    that reads the batch on the first stage). ``optimizers`` is the ``OptimizersContainer`` (a
+    ``torch.optim.Optimizer``: its ``step`` is checked), ``lr_schedulers`` the
+    ``LRSchedulersContainer`` (held after a skipped step, restored by a rollback). ``policy``
+    and ``**options`` are ``ng.Guard``'s; ``check_batch=True`` checks each micro-batch's token
+    ids and labels before they are used: a bad one on any rank is named (its rank, its key) and
+    the step skipped on every rank, never an ``IndexError`` that ends the job.
+
+    The headroom check (a replay on a healthy step) is off unless ``headroom_every`` is given:
+    a healthy step runs the trainer's forward and backward once.
+
+    ``step_skipped`` says the latest step was skipped: torchtitan's trainer logs the step's loss
+    and stops at a non-finite one, so it returns early instead.
+
+    Example:
+        >>> guard = TitanGuard(trainer.model_parts, trainer.optimizers, trainer.lr_schedulers)
+        >>> trainer.loss_fn = guard.loss(trainer.loss_fn)
+    """
+
+    def __init__(
+        self,
+        model_parts: nn.Module | Sequence[nn.Module],
+        optimizers: torch.optim.Optimizer,
+        lr_schedulers: Any = None,
+        policy: str = "skip",
+        *,
+        run_dir: str | Path | None = None,
+        **options: Any,
+    ) -> None:
+        parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+        if not parts or not all(isinstance(p, nn.Module) for p in parts):
+            raise ValueError(
+                "model_parts must be the trainer's model_parts: an nn.Module or a non-empty list of them, "
+                f"got {model_parts!r}"
+            )
+        if not isinstance(optimizers, torch.optim.Optimizer):
+            raise ValueError(
+                "optimizers must be the trainer's OptimizersContainer (a torch.optim.Optimizer), "
+                f"got {type(optimizers).__name__}"
+            )
+        if lr_schedulers is not None and not callable(getattr(lr_schedulers, "step", None)):
+            raise ValueError(
+                f"lr_schedulers must be the trainer's LRSchedulersContainer or None, got {type(lr_schedulers).__name__}"
+            )
+        # A headroom replay on a healthy step would be a second forward and backward of the trainer's.
+        options.setdefault("headroom_every", 0)
+        guard_options(policy, options)
+        model = parts[0]
+        self.model_parts = parts
+        guard = Guard(model, optimizers, policy, scheduler=lr_schedulers, run_dir=run_dir, **options)
+        self._watch(model, optimizers, guard, scheduler=lr_schedulers, mean=False, user=dist.unwrap(model))
+
+    def loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``loss_fn`` (the trainer's ``self.loss_fn``: ``(pred, labels, global_valid_tokens,
+        **kwargs) -> (loss, metrics)``), recorded: each training call attaches its labels and
+        loss to the micro-batch whose forward made ``pred``, and a trip's replay calls the model
+        and ``loss_fn`` again, then backward on the loss, as the trainer does."""
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be the trainer's loss function, got {type(loss_fn).__name__}")
+        model = self.model
+
+        def recorded(pred: Any, labels: Any, *args: Any, **kwargs: Any) -> Any:
+            micro = self._capture.micro
+            if self._capture.replaying or not micro or not torch.is_grad_enabled() or not model.training:
+                return loss_fn(pred, labels, *args, **kwargs)
+            m = micro[-1]
+            m.extra["labels"] = labels
+            used = labels
+            if self.guard is not None and self.guard.config.check_batch and isinstance(labels, torch.Tensor):
+                used = _valid_labels(self._user, labels)
+
+            @functools.wraps(model.forward)
+            def run(*a: Any, **k: Any) -> Any:
+                return _loss_value(loss_fn(model(*a, **k), used, *args, **kwargs))
+
+            m.run = run
+            out = loss_fn(pred, used, *args, **kwargs)
+            value = _loss_value(out)
+            if _scalar(value):
+                m.loss = _local(value.detach())
+            return out
+
+        return recorded
+
+
+def _loss_value(out: Any) -> Any:
+    """The loss of what a torchtitan loss returns: ``(loss, metrics)``, or the loss alone."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _valid_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` with ids outside the vocabulary made ignored: the loss runs on every rank (its
+    collectives match) and the step's check rejects the recorded, original labels."""
+    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if vocab is None or labels.is_floating_point():
+        return labels
+    bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab)
+    return torch.where(bad, torch.full_like(labels, IGNORE_INDEX), labels)

@@ -1,0 +1,315 @@
+"""torchtitan's real components (its llama3 model from a shrunk debug config, ``parallelize_llama``
+for FSDP2 dp_shard=2 and TP=2, its chunked loss that runs backward itself and toggles FSDP sync,
+its optimizer and scheduler containers) driven as its ``train_step`` drives them on 2 gloo ranks,
+guarded by ``TitanGuard``; and the rule that a replay which could not see the whole step never
+blames the hardware (one process).
+
+One spawn runs every distributed case in sequence (each build is a few seconds; the spawn and
+torchtitan's import are the cost)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard as ng
+from nanguard.diagnose import transient_fault
+from nanguard.integrations.loop import LoopGuard
+
+pytest.importorskip("torchtitan")
+
+_FIELDS = ("cause", "op", "module", "phase", "rank", "ranks", "step")
+
+
+def _cases(rank: int, world: int, cases: list[list]) -> list[dict]:
+    from nanguard.zoo.titan import titan_rank
+
+    return [titan_rank(rank, world, *case[:4], **(case[4] if len(case) > 4 else {})) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    from nanguard.zoo.spawn import spawn_ranks
+
+    cases = {
+        "fsdp_plain": ["fsdp", None, 0, None],
+        "fsdp_guarded": ["fsdp", None, 0, "skip"],
+        "fsdp_sqrt_rank0": ["fsdp", "sqrt", 0, "skip"],
+        "fsdp_token_rank1": ["fsdp", "token", 1, "skip", {"check_batch": True}],
+        "fsdp_nan_row": ["fsdp", "nan_row", 1, "skip", {"steps": 1}],
+        "fsdp_sqrt_grad_rank1": ["fsdp", "sqrt_grad", 1, "skip"],
+        "fsdp_rollback": ["fsdp", None, 0, "rollback"],
+        "tp_sqrt_rank0_raise": ["tp", "sqrt", 0, "raise"],
+        "tp_plain": ["tp", None, 0, None],
+        "tp_guarded": ["tp", None, 0, "skip"],
+        "tp_sqrt_rank1": ["tp", "sqrt", 1, "skip"],
+    }
+    results = spawn_ranks(_cases, list(cases.values()), world=2, timeout=420)
+    return {name: [results[r][i] for r in range(2)] for i, name in enumerate(cases)}
+
+
+def _diag(ranks: list[dict]) -> dict:
+    """The diagnosis, the same on both ranks."""
+    a, b = ({k: r["diag"][k] for k in _FIELDS} for r in ranks)
+    assert a == b
+    return a
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("setup", ["fsdp", "tp"])
+def test_healthy_runs_are_bit_identical_to_unguarded_ones(runs: dict[str, list[dict]], setup: str) -> None:
+    for plain, guarded in zip(runs[f"{setup}_plain"], runs[f"{setup}_guarded"], strict=True):
+        assert guarded["digest"] == plain["digest"]
+        assert guarded["losses"] == plain["losses"]  # torchtitan's logged loss and grad norm unchanged
+        assert guarded["norms"] == plain["norms"]
+        assert guarded["skipped"] == [] and guarded["diag"] is None
+        assert guarded["forwards"] == plain["forwards"] == 4  # the trainer's forward and backward once a step
+
+
+@pytest.mark.dist
+def test_a_rollback_guard_leaves_a_healthy_run_bit_identical(runs: dict[str, list[dict]]) -> None:
+    # Its snapshots read the container's optimizers one by one: OptimizersContainer.state_dict()
+    # would first run a zero-LR step, counting a step for AdamW and changing the first update.
+    for plain, guarded in zip(runs["fsdp_plain"], runs["fsdp_rollback"], strict=True):
+        assert (guarded["digest"], guarded["losses"], guarded["norms"]) == (
+            plain["digest"],
+            plain["losses"],
+            plain["norms"],
+        )
+
+
+@pytest.mark.dist
+def test_tp_op_fault_on_rank0_under_raise_stops_every_rank_naming_rank0(runs: dict[str, list[dict]]) -> None:
+    ranks = runs["tp_sqrt_rank0_raise"]
+    assert all(r["raised"] for r in ranks)
+    d = _diag(ranks)
+    assert (d["cause"], d["module"], d["rank"], d["ranks"], d["step"]) == (
+        "op.sqrt_domain",
+        "layers.1.feed_forward.w1",
+        0,
+        [0],
+        2,
+    )
+
+
+@pytest.mark.dist
+def test_fsdp_op_fault_on_rank0_is_named_there_with_the_chunked_loss(runs: dict[str, list[dict]]) -> None:
+    # The chunked loss turns the output layer's FSDP sync back on: the replay keeps it off, so
+    # rank 1 does not receive rank 0's NaN and call it data in lm_head.
+    assert _diag(runs["fsdp_sqrt_rank0"]) == {
+        "cause": "op.sqrt_domain",
+        "op": "aten.sqrt.default",
+        "module": "layers.1.feed_forward.w1",
+        "phase": "forward",
+        "rank": 0,
+        "ranks": [0],
+        "step": 2,
+    }
+    assert [r["skipped"] for r in runs["fsdp_sqrt_rank0"]] == [[2], [2]]
+    assert all(len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in runs["fsdp_sqrt_rank0"])
+
+
+@pytest.mark.dist
+def test_fsdp_backward_fault_is_seen_in_the_unsharded_gradients_not_blamed_on_hardware(
+    runs: dict[str, list[dict]],
+) -> None:
+    # The replay's backward runs with FSDP sync off: its gradients sit in FSDP's unsharded
+    # buffers, which the tracer now reads; before, the replay looked finite and the step was
+    # called distributed.transient ("drain this node").
+    d = _diag(runs["fsdp_sqrt_grad_rank1"])
+    assert (d["op"], d["module"], d["phase"], d["rank"], d["ranks"]) == (
+        "aten.sqrt.default",
+        "layers.1.feed_forward.w1",
+        "backward",
+        1,
+        [1],
+    )
+    assert d["cause"] not in ("distributed.transient", "step.not_reproduced")
+    assert [r["skipped"] for r in runs["fsdp_sqrt_grad_rank1"]] == [[2], [2]]
+
+
+@pytest.mark.dist
+def test_tp_op_fault_on_rank1_is_named_on_rank1(runs: dict[str, list[dict]]) -> None:
+    d = _diag(runs["tp_sqrt_rank1"])
+    assert (d["cause"], d["module"], d["phase"], d["rank"], d["ranks"]) == (
+        "op.sqrt_domain",
+        "layers.1.feed_forward.w1",
+        "forward",
+        1,
+        [1],
+    )
+    assert [r["skipped"] for r in runs["tp_sqrt_rank1"]] == [[2], [2]]
+
+
+@pytest.mark.dist
+def test_bad_token_id_on_rank1_is_named_and_skipped_not_fatal(runs: dict[str, list[dict]]) -> None:
+    d = _diag(runs["fsdp_token_rank1"])
+    assert (d["cause"], d["phase"], d["rank"], d["step"]) == ("data.index_out_of_range", "data", 1, 2)
+    assert [r["skipped"] for r in runs["fsdp_token_rank1"]] == [[2], [2]]
+    # The run goes on after the skip, both ranks in step (FSDP keeps them consistent).
+    assert all(len(r["losses"]) == 3 for r in runs["fsdp_token_rank1"])
+
+
+@pytest.mark.dist
+def test_a_nan_row_of_the_sharded_embedding_is_named_as_a_row_of_the_model_on_its_owner(
+    runs: dict[str, list[dict]],
+) -> None:
+    from nanguard.zoo.titan import NAN_ROW
+
+    ranks = runs["fsdp_nan_row"]
+    assert all(r["raised"] for r in ranks)  # no skip repairs a loaded NaN: every rank stops together
+    d = _diag(ranks)
+    assert (d["cause"], d["module"], d["phase"], d["rank"]) == (
+        "parameters.nonfinite",
+        "tok_embeddings",
+        "parameters",
+        1,
+    )
+    evidence = ranks[0]["diag"]["evidence"]
+    assert evidence["rows"] == [NAN_ROW]  # not 200 - 128, the row in rank 1's shard
+    assert evidence["token_ids"] == [NAN_ROW]
+
+
+# -- one process: a replay that could not observe the step blames no hardware ------------------
+
+
+class _BackwardNaN(torch.autograd.Function):
+    """Identity forward; NaN gradient in the backward (a fault only a backward can show)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return _BackwardNaN.apply(h) if self.bad else h
+
+
+def test_a_replay_that_could_not_see_the_backward_blames_no_hardware() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = LoopGuard(model, opt, policy="skip", module_stats=False)
+    for step in range(3):
+        model.bad = step == 2
+        loss = model(torch.randn(2, 4)).pow(2).mean()  # the loss outside the model, no micro_step
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    guard.close()
+    d = guard.last_diagnosis
+    assert guard.step_skipped and d is not None
+    assert d.cause not in ("step.not_reproduced", "distributed.transient")
+    assert "the loss and the backward" in " ".join(d.evidence["unobserved"])
+    assert not any("hardware" in f or "drain" in f for f in d.fixes)
+
+
+def test_step_skipped_is_false_on_a_healthy_step() -> None:
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with LoopGuard(model, opt, module_stats=False) as guard:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        assert not guard.step_skipped and guard.skipped == 0
+
+
+def test_transient_is_claimed_only_for_a_faithful_replay() -> None:
+    args = {"step": 3, "loss": float("nan"), "grad_norm": 1.0, "flagged_ranks": [1], "located": True}
+    faithful = transient_fault(**args, distributed=True)
+    assert faithful.cause == "distributed.transient"
+    blind = transient_fault(**args, distributed=True, unobserved=["the gradient reduce-scatter"])
+    assert blind.cause == "unknown" and blind.evidence["unobserved"] == ["the gradient reduce-scatter"]
+    assert not any("hardware" in f or "drain" in f for f in blind.fixes)
+    single = transient_fault(**args, distributed=False, unobserved=["the backward"])
+    assert single.cause == "unknown"
+
+
+class _DTensorLoss(nn.Module):
+    """A tensor-parallel model whose loss is a DTensor (a parallel loss); NaN when ``bad``."""
+
+    def __init__(self, mesh: object) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.fc = nn.Linear(4, 4)
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        h = self.fc(x)
+        loss = torch.log(h.pow(2).mean() - 1e3) if self.bad else h.pow(2).mean()
+        return DTensor.from_local(loss, self.mesh, [Replicate()])
+
+
+def test_a_dtensor_loss_is_checked_and_a_trip_named(tmp_path) -> None:
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _DTensorLoss(init_device_mesh("cpu", (1,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with LoopGuard(model, opt, policy="skip", module_stats=False) as guard:
+            for step in range(3):
+                model.bad = step == 1
+                model(torch.randn(2, 4)).backward()  # the README's loop: the loss is the model's
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                assert guard.step_skipped == (step == 1)
+        d = guard.last_diagnosis
+        assert d is not None and (d.cause, d.op, d.step) == ("op.log_domain", "aten.log.default", 1)
+        assert guard.last_grad_norm is not None and math.isfinite(guard.last_grad_norm)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_blind_replay_after_a_millionfold_loss_growth_is_a_divergence() -> None:
+    from nanguard.diagnose import with_run_facts
+    from nanguard.evidence import RunFacts
+
+    blind = transient_fault(
+        step=9,
+        loss=float("nan"),
+        grad_norm=float("nan"),
+        flagged_ranks=[0, 1],
+        located=True,
+        distributed=True,
+        unobserved=["the gradients FSDP2 reduce-scatters"],
+    )
+    grew = RunFacts(history={"diverging": True, "metric": "loss", "growth": 1e6, "window": 5})
+    d = with_run_facts(blind, grew)
+    assert d.cause == "optimizer.divergence"
+    assert not any("drain" in f for f in d.fixes)
+
+
+def test_titan_guard_names_wrong_arguments() -> None:
+    from nanguard.integrations.torchtitan import TitanGuard
+
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="model_parts"):
+        TitanGuard([], opt)
+    with pytest.raises(ValueError, match="optimizers"):
+        TitanGuard([model], object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lr_schedulers"):
+        TitanGuard([model], opt, object())
+    guard = TitanGuard([model], opt)
+    with pytest.raises(ValueError, match="loss_fn"):
+        guard.loss(3)  # type: ignore[arg-type]
+    guard.close()
+    assert ng.CAUSES  # the public causes stay importable beside the adapter
