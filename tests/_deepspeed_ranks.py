@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 from typing import Any
 
 import torch
@@ -97,8 +98,9 @@ def weights(engine: Any) -> list[float]:
 
 
 def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
-    """One run: ``steps`` steps of a fresh engine, guarded (``policy``) or not; ``fault``:
-    (kind, rank, step) with kind "data" (a NaN in the batch), "log" or "overflow" (the module faults)."""
+    """One run: ``steps`` steps of a fresh engine, guarded (``policy``) or not; ``fault`` (or a list,
+    ``faults``): (kind, rank, step) with kind "data" (a NaN in the batch), "log", "overflow" or
+    "grad_overflow" (the module faults)."""
     from nanguard.integrations.deepspeed import DeepSpeedGuard
 
     stage, dtype, accum = case["stage"], case["dtype"], case.get("accum", 1)
@@ -108,22 +110,22 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     guard = None
     if case.get("policy"):
         guard = DeepSpeedGuard(engine, case["policy"], **case.get("options", {}))
-    fault = case.get("fault")
+    faults = case.get("faults") or ([case["fault"]] if case.get("fault") else [])
     losses, error = [], None
     try:
         for step in range(case["steps"]):
-            hit = fault is not None and fault[1] == rank and fault[2] == step
-            engine.module.act.fault = fault[0] if hit and fault[0] != "data" else None
+            kind = next((f[0] for f in faults if f[1] == rank and f[2] == step), None)
+            engine.module.act.fault = kind if kind != "data" else None
             for micro in range(accum):
                 x, y = batch(rank, step * accum + micro, dtype)
-                if hit and fault[0] == "data":
+                if kind == "data":
                     x[0, 0] = float("nan")
                 loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
             losses.append(float(loss))
     except Exception as err:
-        error = f"{type(err).__name__}: {err}"
+        error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-6)}"
     engine.module.act.fault = None
     scale = float(engine.optimizer.loss_scale) if dtype == "fp16" else None
     out: dict[str, Any] = {
@@ -139,6 +141,7 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         diag = guard.last_diagnosis
         out.update(skipped=guard.skipped, trips=guard.trips, diagnosis=diag.to_dict() if diag else None)
         out["overflows"] = guard.guard.overflows if guard.guard is not None else None
+        out["rollbacks"] = guard.guard.rollbacks if guard.guard is not None else None
         out["last_overflow"] = guard.last_overflow.to_dict() if guard.last_overflow else None
         out["last_grad_norm"] = guard.last_grad_norm
         guard.close()
@@ -148,3 +151,71 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
 def run_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     init(rank)
     return [run_case(rank, case) for case in cases]
+
+
+def run_trainer(rank: int, world: int, runs: list[dict[str, Any]], out_dir: str) -> list[dict[str, Any]]:
+    """Hugging Face Trainer runs with a DeepSpeed config (ZeRO ``stage``), guarded by the HF callback
+    (``policy``) or not; ``nan_at``: the index of a NaN sample (the Trainer deals samples to ranks)."""
+    os.environ.update({"DS_ACCELERATOR": "cpu", "LOCAL_RANK": str(rank), "RANK": str(rank)})
+    os.environ.update({"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"})
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return [_trainer_run(run, f"{out_dir}/{i}") for i, run in enumerate(runs)]
+
+
+def _trainer_run(run: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from nanguard.integrations.hf import NanGuardCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=8, resid_pdrop=0.0)
+    config.embd_pdrop = config.attn_pdrop = 0.0
+    model = GPT2LMHeadModel(config)
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": run["stage"]},
+        "steps_per_print": 10**9,
+    }
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        max_steps=4,
+        deepspeed=ds,
+    )
+    callbacks = [NanGuardCallback(policy=run["policy"])] if run.get("policy") else []
+    trainer = Trainer(model=model, args=args, train_dataset=_Samples(64, run.get("nan_at")), callbacks=callbacks)
+    trainer.train()
+    engine = trainer.model_wrapped
+    diag = callbacks[0].last_diagnosis if callbacks else None
+    return {
+        "losses": [h.get("loss") for h in trainer.state.log_history if "train_runtime" not in h],
+        "weights": weights(engine),
+        "skipped_steps": engine.skipped_steps,
+        "skipped": callbacks[0].skipped if callbacks else None,
+        "diagnosis": diag.to_dict() if diag else None,
+    }
+
+
+class _Samples(torch.utils.data.IterableDataset):
+    """Seeded (inputs_embeds, labels) samples; ``nan_at`` corrupts one."""
+
+    def __init__(self, n: int, nan_at: int | None) -> None:
+        self.n, self.nan_at = n, nan_at
+
+    def __iter__(self) -> Any:
+        gen = torch.Generator().manual_seed(0)
+        for i in range(self.n):
+            x = torch.randn(8, 32, generator=gen)
+            y = torch.randint(64, (8,), generator=gen)
+            if i == self.nan_at:
+                x[1, 3] = float("nan")
+            yield {"inputs_embeds": x, "labels": y}

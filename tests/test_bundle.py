@@ -143,6 +143,22 @@ def test_rng_round_trip_through_a_bundle(tmp_path: Path) -> None:
     assert torch.equal(expected, torch.rand(4))
 
 
+def test_python_and_numpy_global_states_round_trip_through_a_bundle_as_bytes(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    random.gauss(0.0, 1.0), np.random.standard_normal()  # a cached gaussian in each
+    path = _save(tmp_path, rng_state=get_rng_state())
+    expected = (random.random(), random.gauss(0.0, 1.0), np.random.randint(1000), np.random.standard_normal())
+    loaded = load_bundle(path).rng_state
+    assert loaded["python"].dtype == torch.uint8 and loaded["numpy"].dtype == torch.uint8  # stored as bytes
+    set_rng_state(loaded)
+    assert (random.random(), random.gauss(0.0, 1.0), np.random.randint(1000), np.random.standard_normal()) == expected
+    with pytest.raises(ValueError, match="numpy"):
+        set_rng_state({"numpy": torch.zeros(3, dtype=torch.uint8)})
+
+
 def test_fork_rng_state_puts_the_callers_stream_back() -> None:
     state = get_rng_state()
     with fork_rng_state():
@@ -177,7 +193,7 @@ def test_oversize_batch_stores_shapes_only(tmp_path: Path) -> None:
     assert "max_batch_bytes" in loaded.meta["batch_reason"]
     assert loaded.batch["x"].device.type == "meta"
     assert loaded.batch["x"].shape == (4, 8) and loaded.batch["ids"][0].dtype == torch.int64
-    assert set(load_file(path / "tensors.safetensors")) == {"rng/cpu"}
+    assert set(load_file(path / "tensors.safetensors")) == {"rng/cpu", "rng/python", "rng/numpy"}
     assert "cpu" in loaded.rng_state
     with pytest.raises(BundleError, match="batch not stored"):
         replay(loaded, torch.nn.Linear(8, 1), locate_fn=lambda fn, *a, **k: None)

@@ -3,10 +3,12 @@ same numbers, the sample behind a masked row, gradient surgery, a compiled submo
 
 import json
 
+import numpy as np
 import torch
 
 import nanguard as ng
 from nanguard.zoo.wild import get_wild
+from nanguard.zoo.wild_replays import DIFFUSION_BAD_SEED, ITEMS_BAD_SEED, diffusion_case, masked_items_case
 from nanguard.zoo.wild_samples import stopword_batch
 
 
@@ -79,3 +81,48 @@ def test_policy_auto_quarantines_the_dataset_id_of_the_empty_sample(tmp_path) ->
     (remedy,) = guard.remedies
     assert remedy["action"] == "quarantine" and remedy["cause"] == "op.masked_softmax"
     assert json.loads((tmp_path / "quarantine.json").read_text())["ids"] == [43]
+
+
+def _guarded_first_trip(case) -> ng.Diagnosis:
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.01)
+    guard = ng.Guard(case.model, optimizer, policy="skip")
+    guard.step(lambda: case.fn(*case.args))
+    assert guard.last_diagnosis is not None
+    return guard.last_diagnosis
+
+
+def test_a_replay_draws_what_the_step_drew_from_numpy_and_python_random() -> None:
+    # The first draw hits the fault; the draws after it do not: a replay must restore the global states.
+    diffusion = _guarded_first_trip(diffusion_case(DIFFUSION_BAD_SEED))
+    assert (diffusion.cause, diffusion.op, diffusion.module) == ("op.division_by_zero", "aten.div.Tensor", "")
+    items = _guarded_first_trip(masked_items_case(ITEMS_BAD_SEED))
+    assert items.cause == "data.no_valid_targets"
+
+
+def test_a_generator_of_the_step_own_is_named_instead_of_the_hardware() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    sampler = np.random.default_rng(14)  # draws 0 first, then 2, 1, 1
+
+    def step() -> torch.Tensor:
+        model.zero_grad()
+        k = int(sampler.integers(0, 3))
+        loss = model(torch.ones(2, 3)).sum() / k  # x / 0 only when k == 0
+        loss.backward()
+        return loss
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = ng.Guard(model, optimizer, policy="skip")
+    guard.step(step)
+    diag = guard.last_diagnosis
+    assert diag is not None and diag.cause == "unknown"
+    assert any("numpy Generator 'sampler'" in gap for gap in diag.evidence["unobserved"])
+    assert "hardware" not in " ".join(diag.fixes)
+
+
+def test_locate_and_the_guard_agree_on_a_compiled_submodule_that_miscompiles() -> None:
+    located = _locate("compiled_head_miscompile")
+    assert (located.cause, located.module, located.phase) == ("compile.numerics", "head", "forward")
+    assert located.evidence["compiled_module"] == "head" and located.evidence["graph_modules"] == ["head.proj"]
+    guarded = _guarded_first_trip(get_wild("compiled_head_miscompile").build())
+    assert (guarded.cause, guarded.module, guarded.phase) == ("compile.numerics", "head", "forward")

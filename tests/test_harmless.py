@@ -213,10 +213,10 @@ def tp_headroom_run(rank: int, world: int, entry: str, run_dir: str) -> dict[str
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)).to(torch.bfloat16)
     parallelize_module(model, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    guard = ng.Guard(model, optimizer, headroom_every=2, run_dir=Path(run_dir) / str(rank))
     comms, replays = [], []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
+        guard = ng.Guard(model, optimizer, "rollback", headroom_every=2, run_dir=Path(run_dir) / str(rank))
         for step in range(4):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
             counter = _CountComms()

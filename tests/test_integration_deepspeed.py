@@ -19,7 +19,7 @@ from nanguard.zoo.spawn import spawn_ranks
 
 pytest.importorskip("deepspeed")
 
-from _deepspeed_ranks import run_cases
+from _deepspeed_ranks import run_cases, run_trainer
 
 pytestmark = pytest.mark.dist
 
@@ -92,13 +92,35 @@ def test_zero2_fp16_and_zero3_fp32_healthy_identical_faults_named_on_their_rank(
     cases = [case for stage, dtype, faults in plans for case in _cases(stage, dtype, faults)]
     overflow = {"stage": 2, "dtype": "fp16", "steps": STEPS, "fault": ("grad_overflow", 0, 1)}
     cases += [overflow, {**overflow, "policy": "raise"}]  # the scaler's overflow: raise does not stop the run
+    cases += _rollback_cases(3, "fp32")
     results = spawn_ranks(run_cases, cases, world=2, timeout=400)
     start = 0
     for stage, dtype, faults in plans:
         n = 2 + len(faults)
         _check([runs[start : start + n] for runs in results], stage, dtype, faults)
         start += n
-    _check_scaler_overflow([runs[start:] for runs in results], bad_rank=0)
+    _check_scaler_overflow([runs[start : start + 2] for runs in results], bad_rank=0)
+    _check_rollback([runs[start + 2 :] for runs in results])
+
+
+def _rollback_cases(stage: int, dtype: str) -> list[dict[str, Any]]:
+    """A rollback at step 3 to the snapshot taken after step 1 (``snapshot_every=2``), beside a run that
+    skips steps 2 and 3: the engine's partitions, the optimizer's state and the module alike after both."""
+    base = {"stage": stage, "dtype": dtype, "steps": 5}
+    options = {"snapshot_every": 2, "rollback_skip_batches": 0, "module_stats": False}
+    return [
+        {**base, "policy": "skip", "faults": [("data", 0, 2), ("log", 1, 3)]},
+        {**base, "policy": "rollback", "fault": ("log", 1, 3), "options": options},
+    ]
+
+
+def _check_rollback(results: list[list[dict[str, Any]]]) -> None:
+    for rank, (skipped, rolled) in enumerate(results):
+        assert skipped["error"] is None and rolled["error"] is None, rank
+        assert rolled["rollbacks"] == 1 and rolled["skipped"] == 0 and skipped["skipped"] == 2
+        assert rolled["diagnosis"]["cause"] == "op.log_domain" and rolled["diagnosis"]["rank"] == 1
+        assert rolled["weights"] == skipped["weights"], rank  # the update of step 2 rolled back
+        assert rolled["global_steps"] == skipped["global_steps"] == 5
 
 
 @pytest.mark.slow
@@ -107,8 +129,28 @@ def test_zero2_fp16_and_zero3_fp32_healthy_identical_faults_named_on_their_rank(
 )
 def test_every_stage_and_precision(stage: int, dtype: str) -> None:
     faults = [("data", 0, 1), ("log", 1, 2)]
-    results = spawn_ranks(run_cases, _cases(stage, dtype, faults), world=2, timeout=400)
-    _check(results, stage, dtype, faults)
+    rollback = _rollback_cases(stage, dtype) if stage > 0 else []
+    results = spawn_ranks(run_cases, _cases(stage, dtype, faults) + rollback, world=2, timeout=400)
+    n = 2 + len(faults)
+    _check([runs[:n] for runs in results], stage, dtype, faults)
+    if rollback:
+        _check_rollback([runs[n:] for runs in results])
+
+
+def test_hf_trainer_with_deepspeed_zero2_through_the_callback(tmp_path) -> None:
+    """The HF callback under a DeepSpeed Trainer: healthy runs as unguarded (no second backward, which
+    ZeRO-2 refused with "has already been reduced"); a NaN sample on rank 1 is named and skipped through
+    the engine."""
+    runs = [{"stage": 2}, {"stage": 2, "policy": "skip"}, {"stage": 2, "policy": "skip", "nan_at": 6}]
+    results = spawn_ranks(run_trainer, runs, str(tmp_path), world=2, timeout=400)
+    for rank, (plain, guarded, faulted) in enumerate(results):
+        assert guarded["losses"] == plain["losses"] and guarded["weights"] == plain["weights"], rank
+        assert guarded["skipped"] == guarded["skipped_steps"] == 0
+        diag = faulted["diagnosis"]
+        assert diag is not None and (diag["cause"], diag["rank"], diag["step"]) == ("data.nonfinite", 1, 1)
+        assert faulted["skipped"] == faulted["skipped_steps"] == 1
+        assert faulted["losses"][1] is None  # the skipped step's loss is not logged as a number
+        assert all(math.isfinite(w) for w in faulted["weights"])
 
 
 class _OldWrapper(nn.Module):

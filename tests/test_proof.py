@@ -159,3 +159,37 @@ def test_the_faulty_device_fault_parses_and_stays_out_of_the_step_faults() -> No
     from nanguard.inject import FAULTS
 
     assert "faulty_device" not in FAULTS  # the drill's every-kind sets plant step faults only
+
+
+def test_the_hardware_table_ranks_a_proven_faulty_device_first() -> None:
+    from nanguard.hardware import FAULTY, device_rows
+
+    def record(device: str, cause: str, reproduced: bool) -> dict[str, Any]:
+        return {
+            "host": "node7",
+            "device": device,
+            "uuid": device,
+            "flagged": True,
+            "reproduced": reproduced,
+            "cause": cause,
+        }
+
+    rows = device_rows(
+        [
+            record("GPU-a", "distributed.transient", False),
+            record("GPU-a", "distributed.transient", False),
+            record("GPU-b", FAULTY, True),
+        ]
+    )
+    assert [(r["id"], r["faulty"], r["transient"]) for r in rows] == [("GPU-b", 1, 0), ("GPU-a", 0, 2)]
+
+
+def test_the_suspects_cuda_generators_become_the_peers_own() -> None:
+    from nanguard.guard.proof import _onto_own_devices
+
+    cpu, gpu = torch.get_rng_state(), torch.zeros(16, dtype=torch.uint8)
+    model = nn.Linear(2, 2)  # on the CPU: no device of its own draws, the suspect's CUDA states are left out
+    assert _onto_own_devices({"cpu": cpu, "cuda:3": gpu}, model) == {"cpu": cpu}
+    if torch.cuda.is_available():
+        moved = _onto_own_devices({"cpu": cpu, "cuda:3": gpu}, model.cuda())
+        assert moved is not None and set(moved) == {"cpu", f"cuda:{torch.cuda.current_device()}"}

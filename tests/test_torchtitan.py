@@ -173,6 +173,32 @@ def test_a_nan_row_of_the_sharded_embedding_is_named_as_a_row_of_the_model_on_it
     assert evidence["token_ids"] == [NAN_ROW]
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_every_fault_on_each_rank_in_both_setups() -> None:
+    """The long variant: each fault on each rank, FSDP2 and TP, skip and rollback."""
+    from nanguard.zoo.spawn import spawn_ranks
+
+    cases = [
+        [setup, fault, rank, policy, {"check_batch": fault in ("token", "label")}]
+        for setup in ("fsdp", "tp")
+        for fault in ("sqrt", "sqrt_grad", "token", "label")
+        for rank in (0, 1)
+        for policy in ("skip", "rollback")
+    ]
+    results = spawn_ranks(_cases, cases, world=2, timeout=1800)
+    for i, (setup, fault, rank, policy, _) in enumerate(cases):
+        d = _diag([results[0][i], results[1][i]])
+        want = {"token": "data.index_out_of_range", "label": "data.index_out_of_range"}.get(fault)
+        assert (d["rank"], d["ranks"], d["step"]) == (rank, [rank], 2), (setup, fault, rank, policy)
+        if want is not None:
+            assert d["cause"] == want
+        else:
+            assert (d["op"], d["module"]) == ("aten.sqrt.default", "layers.1.feed_forward.w1")
+            assert d["phase"] == ("forward" if fault == "sqrt" else "backward")
+        assert results[0][i]["skipped"] == results[1][i]["skipped"] and 2 in results[0][i]["skipped"]
+
+
 # -- one process: a replay that could not observe the step blames no hardware ------------------
 
 

@@ -9,7 +9,9 @@ trip event the ``where`` of the rank that wrote it.
 with one ``O_APPEND`` write (whole lines, never interleaved), so it survives restarts into the
 same ``run_dir``; a guard reads it back when it starts. A device whose flagged trips did not
 reproduce ``warn_after`` times (``GuardConfig.hardware_warn_after``, default 2) is named in a
-warning. Injected trips (``nanguard.inject``) are counted apart and never warned about.
+warning. Injected trips (``nanguard.inject``) are counted apart and never warned about. A device proven
+faulty (``hardware.faulty_device``: a peer re-computed its step finite) is counted as ``faulty`` and
+ranked first, and its guard warns at once.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NOT_REPRODUCED", "TRACKER", "device_key", "device_rows", "read_tracker"]
+__all__ = ["FAULTY", "NOT_REPRODUCED", "TRACKER", "device_key", "device_rows", "read_tracker"]
 
 TRACKER = "hardware.jsonl"
 NOT_REPRODUCED = frozenset({"distributed.transient", "step.not_reproduced"})
 """Causes that say the step's replay was finite: a transient fault, often the hardware."""
+FAULTY = "hardware.faulty_device"
+"""The cause of a device proven faulty: a peer computed the same step finite (``guard/proof.py``)."""
 
 
 def device_key(w: Mapping[str, Any]) -> tuple[str, str]:
@@ -90,6 +94,7 @@ def device_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "trips": 0,
             "transient": 0,
             "reproduced": 0,
+            "faulty": 0,
             "injected": 0,
             "causes": {},
             "steps": [],
@@ -102,7 +107,10 @@ def device_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             continue
         row["trips"] += 1
         row["reproduced" if r.get("reproduced") else "transient"] += 1
+        row["faulty"] += 1 if r.get("cause") == FAULTY else 0
         cause = str(r.get("cause"))
         row["causes"][cause] = row["causes"].get(cause, 0) + 1
         row["steps"].append(r.get("step"))
-    return sorted(rows.values(), key=lambda row: (-row["transient"], -row["trips"], row["host"], row["id"]))
+    return sorted(
+        rows.values(), key=lambda row: (-row["faulty"], -row["transient"], -row["trips"], row["host"], row["id"])
+    )

@@ -1,19 +1,33 @@
 """Capture and restore the random number generator states a step depends on.
 
-States are plain ``uint8`` CPU tensors keyed by device (``"cpu"``, ``"cuda:0"``, ...), so a
-bundle can store them in safetensors and a replay can put them back.
+States are plain ``uint8`` CPU tensors keyed by device (``"cpu"``, ``"cuda:0"``, ...), and by
+``"python"`` and ``"numpy"`` for the global generators of Python's ``random`` and of
+``numpy.random`` (a diffusion timestep sampler, an augmentation), packed as bytes: a bundle stores
+them in safetensors with no pickle, and a replay draws the same numbers the step drew.
+Generators the step owns (a ``numpy.random.Generator``, a ``random.Random``, a ``torch.Generator``
+of its own) are not global: ``private_generators`` names the ones a closure can reach.
 """
 
 from __future__ import annotations
 
+import array
+import random
 import re
+import struct
+import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-__all__ = ["fork_rng_state", "get_rng_state", "set_rng_state"]
+__all__ = ["fork_rng_state", "get_rng_state", "private_generators", "set_rng_state"]
+
+# Python's random: version, whether a gaussian is cached, the cached value, then 625 words.
+_PY_HEAD = struct.Struct("<iBd")
+# numpy's legacy MT19937: position, whether a gaussian is cached, the cached value, then 624 words.
+_NP_HEAD = struct.Struct("<iid")
 
 _CUDA_KEY = re.compile(r"cuda:(\d+)")
 
@@ -29,7 +43,10 @@ def get_rng_state(cuda_devices: Iterable[int] | None = None) -> dict[str, torch.
         >>> torch.equal(a, torch.rand(3))
         True
     """
-    state = {"cpu": torch.get_rng_state()}
+    state = {"cpu": torch.get_rng_state(), "python": _python_state()}
+    numpy_state = _numpy_state()
+    if numpy_state is not None:
+        state["numpy"] = numpy_state
     # Before CUDA is initialized no CUDA generator has drawn anything, and asking for its
     # state would initialize CUDA as a side effect.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -59,6 +76,11 @@ def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
         try:
             if key == "cpu":
                 torch.set_rng_state(tensor)
+            elif key == "python":
+                _set_python_state(tensor)
+            elif key == "numpy":
+                if not _set_numpy_state(tensor):
+                    skipped.append(key)
             elif match is not None:
                 index = int(match.group(1))
                 if not torch.cuda.is_available() or index >= torch.cuda.device_count():
@@ -67,11 +89,11 @@ def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
                 torch.cuda.set_rng_state(tensor, index)
             else:
                 skipped.append(key)
-        except RuntimeError as err:
+        except (RuntimeError, struct.error, TypeError, ValueError) as err:
             raise ValueError(f"RNG state {key!r} is not a valid generator state: {err}") from None
     if skipped:
         warnings.warn(
-            f"RNG states {skipped} were not restored: no such device here",
+            f"RNG states {skipped} were not restored: no such device (or numpy) here",
             UserWarning,
             stacklevel=2,
         )
@@ -92,3 +114,113 @@ def fork_rng_state() -> Iterator[dict[str, torch.Tensor]]:
         yield saved
     finally:
         set_rng_state(saved)
+
+
+def _python_state() -> torch.Tensor:
+    version, words, gauss = random.getstate()
+    head = _PY_HEAD.pack(version, gauss is not None, gauss or 0.0)
+    return torch.frombuffer(bytearray(head + array.array("I", words).tobytes()), dtype=torch.uint8)
+
+
+def _set_python_state(t: torch.Tensor) -> None:
+    raw = t.numpy().tobytes()
+    version, has_gauss, gauss = _PY_HEAD.unpack_from(raw)
+    words = array.array("I", raw[_PY_HEAD.size :])
+    random.setstate((version, tuple(words), gauss if has_gauss else None))
+
+
+def _numpy_random() -> Any:
+    """numpy.random's global RandomState, when numpy is imported (never imported here for it)."""
+    numpy = sys.modules.get("numpy")
+    return getattr(getattr(getattr(numpy, "random", None), "mtrand", None), "_rand", None)
+
+
+def _numpy_state() -> torch.Tensor | None:
+    rand = _numpy_random()
+    if rand is None:
+        return None
+    name, keys, pos, has_gauss, gauss = rand.get_state()
+    if name != "MT19937":
+        return None
+    head = _NP_HEAD.pack(int(pos), int(has_gauss), float(gauss))
+    return torch.frombuffer(bytearray(head + keys.astype("<u4").tobytes()), dtype=torch.uint8)
+
+
+def _set_numpy_state(t: torch.Tensor) -> bool:
+    rand = _numpy_random()
+    if rand is None:
+        return False
+    import numpy
+
+    raw = t.numpy().tobytes()
+    pos, has_gauss, gauss = _NP_HEAD.unpack_from(raw)
+    keys = numpy.frombuffer(raw[_NP_HEAD.size :], dtype="<u4").astype(numpy.uint32)
+    rand.set_state(("MT19937", keys, pos, has_gauss, gauss))
+    return True
+
+
+def private_generators(fn: Callable[..., Any], owner: Any = None) -> list[str]:
+    """The random generators ``fn`` (a step's closure) can reach that are not the global ones a
+    replay restores: a ``numpy.random.Generator``/``RandomState``, a ``random.Random``, a
+    ``torch.Generator`` held in its closure cells, its defaults, the globals it names, or the
+    attributes of ``owner`` (the model) and of a bound method's object, one level deep.
+
+    Example:
+        >>> rng = numpy.random.default_rng(0)
+        >>> private_generators(lambda: rng.integers(10))
+        ["numpy Generator 'rng' (closure variable)"]
+    """
+    found: list[str] = []
+    seen: set[int] = set()
+    functions = [fn]
+    for holder, label in ((getattr(fn, "__self__", None), "attribute"), (owner, "model attribute")):
+        for name, value in vars(holder).items() if hasattr(holder, "__dict__") else ():
+            _note(found, seen, name, label, value)
+    # The closure, and the functions it calls through its cells or globals (a step wrapped in a lambda).
+    for depth in range(2):
+        called: list[Callable[..., Any]] = []
+        for f in functions:
+            for name, where, value in _reachable(f):
+                _note(found, seen, name, where, value)
+                if depth == 0 and callable(value) and hasattr(value, "__code__") and id(value) not in seen:
+                    seen.add(id(value))
+                    called.append(value)
+        functions = called
+    return found
+
+
+def _reachable(fn: Callable[..., Any]) -> Iterator[tuple[str, str, Any]]:
+    """(name, where, value) of what ``fn`` holds: closure cells, defaults, the globals it names."""
+    code = getattr(fn, "__code__", None)
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or (), strict=False):
+        try:
+            yield name, "closure variable", cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    glob = getattr(fn, "__globals__", {})
+    for name in getattr(code, "co_names", ()):
+        if name in glob:
+            yield name, "global", glob[name]
+    for i, value in enumerate(getattr(fn, "__defaults__", None) or ()):
+        yield f"default {i}", "default argument", value
+
+
+def _note(found: list[str], seen: set[int], name: str, where: str, value: Any) -> None:
+    kind = _private_kind(value)
+    if kind is not None and id(value) not in seen:
+        seen.add(id(value))
+        found.append(f"{kind} {name!r} ({where})")
+
+
+def _private_kind(value: Any) -> str | None:
+    if isinstance(value, random.Random) and value is not getattr(random, "_inst", None):
+        return "random.Random"
+    if isinstance(value, torch.Generator) and value is not torch.default_generator:
+        return "torch.Generator"
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        if isinstance(value, numpy.random.Generator):
+            return "numpy Generator"
+        if isinstance(value, numpy.random.RandomState) and value is not _numpy_random():
+            return "numpy RandomState"
+    return None

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from nanguard import dist
+from nanguard.announce import Announcer
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.attempt import Attempt
@@ -69,6 +69,7 @@ class Apply:
         self.health, self.history, self.recovery, self.remedies = health, history, recovery, remedies
         self.recorder, self.injector, self.tracker, self.progress = recorder, injector, tracker, progress
         self.rank = dist.rank()
+        self.announce = Announcer()  # the run's first trip whole, later ones a line
 
     def __call__(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
         """Apply ``action``; True when the update goes ahead. On a trip while a rank has joined
@@ -112,7 +113,7 @@ class Apply:
             meta=self._bundle_meta(attempt.batch),
             **extra,
         )
-        _announce(self.rank, verdict.step, diag, kind)
+        self.announce(self.rank, verdict.step, diag, kind)
         if kind == "raise":
             self.progress.action = "raise"
             raise NonFiniteError(diag, action.message)
@@ -135,7 +136,7 @@ class Apply:
             self._track(diag, step, kind)
         self.recorder.trip(step, action=kind, ranks=ranks, diagnosis=diag)
         if verdict.kind == "replicas":
-            _announce(self.rank, step, diag, kind)
+            self.announce(self.rank, step, diag, kind)
         if kind == "raise":
             raise NonFiniteError(diag, action.message)
         if kind == "rollback":
@@ -219,9 +220,3 @@ class Apply:
 def _stop_if(action: Action, diag: Diagnosis | None) -> None:
     if action.stop is not None:
         raise NonFiniteError(diag, action.stop)
-
-
-def _announce(rank: int, step: int, diag: Diagnosis, action: str) -> None:
-    """One log line per trip: the step once, and which rank speaks under torch.distributed."""
-    who = f"rank {rank}: " if dist.is_distributed() else ""
-    log.warning("nanguard: %sstep %d: %s -> %s", who, step, replace(diag, step=None).summary(), action)

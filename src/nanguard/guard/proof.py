@@ -124,6 +124,7 @@ def _one_side(
         return {**_compute(model, closure, rng, reads=None), "own_loss": own_loss, "where": _where(model)}
     if me == peer:
         theirs, their_rng = _receive(batch, signature, suspect)
+        their_rng = _onto_own_devices(their_rng, model)
         with _holding(batch, theirs) as leaves:
             return {**_compute(model, closure, their_rng, reads=leaves), "where": _where(model)}
     return None
@@ -221,6 +222,17 @@ def _receive(
         tdist.recv(buf, src=suspect)
         states[key] = buf.cpu()
     return theirs, states or None
+
+
+def _onto_own_devices(states: dict[str, torch.Tensor] | None, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The suspect's CUDA generator states, in order, as those of this rank's own devices: the suspect
+    drew from its cuda:3, the peer draws the same numbers from its cuda:5."""
+    if not states:
+        return states
+    theirs = sorted((k for k in states if k.startswith("cuda:")), key=lambda k: int(k.partition(":")[2]))
+    mine = sorted({p.device.index or 0 for p in dist.unwrap(model).parameters() if p.device.type == "cuda"})
+    kept = {k: v for k, v in states.items() if not k.startswith("cuda:")}
+    return {**kept, **{f"cuda:{index}": states[key] for key, index in zip(theirs, mine, strict=False)}}
 
 
 @contextmanager

@@ -69,6 +69,12 @@ class Recovery:
         """The step from which snapshot refreshes are held while the run grows; None when none is."""
         self.snapshot_loss: float | None = None
         """The loss of the last step before the newest snapshot was taken (None: not known)."""
+        self.engine_tensors: Callable[[], list[torch.Tensor]] | None = None
+        """Tensors an engine keeps outside the model's and the optimizer's state dicts (DeepSpeed ZeRO's
+        fp32 partitions): copied with each snapshot and written back by a rollback."""
+        self.engine_holds_parameters = False
+        """The engine restores the parameters from ``engine_tensors`` (DeepSpeed ZeRO-3, whose module
+        holds only what it gathered): snapshots keep the model's buffers alone."""
 
     @property
     def snapshots(self) -> list[dict[str, Any]]:
@@ -161,17 +167,28 @@ class Recovery:
             raise NonFiniteError(diag, f"{diag}\n(no snapshot to roll back to)")
         self._slots = [s if s is None or s["step"] <= snap["step"] else None for s in self._slots]
         self.snapshot_loss = snap["loss"]
-        self.model.load_state_dict(snap["model"])
+        self.model.load_state_dict(snap["model"], strict=not self.engine_holds_parameters)
         # A copy: the optimizer may keep CPU tensors it is given, and the snapshot is refreshed in place.
         load_optimizer_state(self.optimizer, copy.deepcopy(snap["optimizer"]))
         if self.scaler is not None and snap["scaler"] is not None:
             self.scaler.load_state_dict(snap["scaler"])
         if self.scheduler is not None and snap["scheduler"] is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
+        if self.engine_tensors is not None and snap.get("engine") is not None:
+            with torch.no_grad():
+                for tensor, saved in zip(self.engine_tensors(), snap["engine"], strict=True):
+                    tensor.copy_(saved)
         dist.zero_grad(self.model)
         self.rollbacks += 1
         self.drop_batches = self.config.rollback_skip_batches
         return int(snap["step"])
+
+    def _model_state(self) -> dict[str, Any]:
+        state = self.model.state_dict()
+        if self.engine_holds_parameters:
+            params = {name for name, _ in self.model.named_parameters()}
+            state = {name: value for name, value in state.items() if name not in params}
+        return state
 
     def why_restored(self, onset: int | None = None) -> str:
         """Why the rollback target is the snapshot it is, for the rollback event."""
@@ -207,10 +224,11 @@ class Recovery:
         self._slots[slot] = {
             "step": step,
             "loss": loss,
-            "model": _copy_to_cpu(self.model.state_dict(), old.get("model")),
+            "model": _copy_to_cpu(self._model_state(), old.get("model")),
             "optimizer": _copy_to_cpu(optimizer_state(self.optimizer), old.get("optimizer")),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            "engine": _copy_to_cpu(self.engine_tensors(), old.get("engine")) if self.engine_tensors else None,
         }
         self.snapshot_loss = loss
 
@@ -252,7 +270,8 @@ class Recovery:
             return
         if joined:
             return  # a rank that joined (DDP join(), out of batches) cannot take part in the agreement
-        finite = _finite(self.model.state_dict()) and _finite(optimizer_state(self.optimizer))
+        engine = self.engine_tensors() if self.engine_tensors is not None else []
+        finite = _finite(self.model.state_dict()) and _finite(optimizer_state(self.optimizer)) and _finite(engine)
         if dist.agree_flag(not finite):
             return
         self.take_snapshot(step, loss)

@@ -37,7 +37,7 @@ from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.proof import prove, proven
 from nanguard.pipeline import watch_stages
-from nanguard.rng import set_rng_state
+from nanguard.rng import private_generators, set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
 from nanguard.tracer.collectives import choose
@@ -153,7 +153,7 @@ class Diagnoser:
                 located=replayed.located,
                 distributed=dist.is_distributed(),
                 attempted=self.locate and closure is not None,
-                unobserved=_agreed(gaps),
+                unobserved=_agreed(gaps + _private_draws(closure, dist.unwrap(self.model))),
             )
         diag.step = h.step
         # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
@@ -404,6 +404,17 @@ def replay_trip(
         except Exception as err:  # evidence for the report only: never worth killing training
             warnings.warn(f"nanguard: module stats failed on step {step}: {err!r}", stacklevel=5)
     return replayed
+
+
+def _private_draws(closure: Callable[[], Any] | None, model: nn.Module) -> list[str]:
+    """The step's own random generators (not the global ones a replay restores): a replay draws
+    other numbers from them, so a finite replay proves nothing about the hardware."""
+    if closure is None:
+        return []
+    return [
+        f"the draws from the {found}, whose state the replay cannot restore"
+        for found in private_generators(closure, model)
+    ]
 
 
 def _agreed(gaps: list[str]) -> list[str]:

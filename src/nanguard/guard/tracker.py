@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from nanguard import dist
-from nanguard.hardware import NOT_REPRODUCED, TRACKER, device_key, read_tracker
+from nanguard.hardware import FAULTY, NOT_REPRODUCED, TRACKER, device_key, read_tracker
 
 __all__ = ["Tracker", "where"]
 
@@ -131,6 +131,12 @@ class Tracker:
         }
         self.records.append(record)
         self._append(record)
+        if diag.cause == FAULTY and diag.rank == me and not record["injected"]:
+            log.warning(
+                "nanguard: %s: proven faulty at step %d (a peer computed the same step finite): drain it",
+                _named(self.here),
+                step,
+            )
         transient = self._transient()
         suspect = record["flagged"] and not record["reproduced"] and not record["injected"]
         if suspect and self.warn_after and transient >= self.warn_after:

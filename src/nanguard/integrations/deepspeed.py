@@ -106,9 +106,16 @@ class DeepSpeedGuard(LoopGuard):
             **options,
         )
         guard.health.read_engine(self.state.grad_norm, self.state.master_params(), sharded=self.state.stage > 0)
+        guard.recovery.engine_tensors = self.state.partitions
+        guard.recovery.engine_holds_parameters = self.state.stage >= 3
+        self.state.expose_optimizer_state()
+        if guard.recovery.snapshot is not None:  # rollback: Guard's first snapshot, again with them
+            guard.recovery.take_snapshot(guard.step_count)
         self._losses: list[torch.Tensor] = []
         self._micro: list[Micro] = []  # the step just checked, for naming an overflow the scaler skipped
         self._replay_scale: float | None = None  # the loss scale a replay scales by (None: the engine's now)
+        self.announce = True
+        """Print each diagnosis (rank 0); the Hugging Face callback, which prints its own, turns it off."""
         self.last_overflow: Diagnosis | None = None
         """The latest fp16 overflow DeepSpeed's loss scaler skipped, named by a replay (module, op, rank)."""
         self._originals: dict[str, Callable[..., Any]] = {"backward": engine.backward, "step": engine.step}
@@ -123,6 +130,8 @@ class DeepSpeedGuard(LoopGuard):
     def _unhook(self) -> None:
         for name in self._originals:
             vars(self.engine).pop(name, None)
+        for name in ("state_dict", "load_state_dict"):
+            vars(self.state.optimizer).pop(name, None)
 
     # -- what the loop calls -------------------------------------------------------------------
     def _engine_backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
@@ -135,13 +144,16 @@ class DeepSpeedGuard(LoopGuard):
         if not self.engine.is_gradient_accumulation_boundary():
             return step(*args, **kwargs)
         scale = self.state.loss_scale()
-        if self._decide():
+        self._step_skipped = not self._decide()  # step_skipped: also an fp16 overflow the engine skips
+        if not self._step_skipped:
             out = step(*args, **kwargs)
             assert self.guard is not None
             self.guard.after_step()
             return out
         guard = self.guard
         assert guard is not None
+        if guard.last_action == "rollback":
+            self.state.regather()  # ZeRO-3's persistent parameters, from the restored partitions
         if guard.last_action == "overflow":
             # DeepSpeed's scaler's own business: the guard's check let it lower the scale already.
             self._name_overflow(scale, guard.step_count - 1)
@@ -188,6 +200,9 @@ class DeepSpeedGuard(LoopGuard):
                 scale,
                 diag.summary(),
             )
+
+    def _announces(self) -> bool:
+        return self.announce and super()._announces()
 
     # -- the check and the replay --------------------------------------------------------------
     def _step_loss(self, micro: list[Micro]) -> torch.Tensor | None:
@@ -266,6 +281,47 @@ class EngineState:
             return list(self.zero.single_partition_of_fp32_groups)
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def regather(self) -> None:
+        """After a rollback under ZeRO-3: the parameters it keeps gathered between steps (the small,
+        persistent ones) gathered again from the restored partitions, as its own step does (a collective)."""
+        persistent = list(self.zero.persistent_parameters) if self.stage >= 3 else []
+        if persistent:
+            persistent[0].all_gather(persistent)
+
+    def expose_optimizer_state(self) -> None:
+        """ZeRO-3 keeps its torch optimizer's parameter groups empty between steps (it puts its fp32
+        partitions in for each step and for its own checkpoints): the guard's snapshots read and load the
+        optimizer's state with the partitions put in the same way."""
+        if self.stage < 3:
+            return
+        inner, zero = self.optimizer, self.zero
+
+        def with_partitions(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                empty = all(not group["params"] for group in inner.param_groups)  # not inside ZeRO's own
+                if empty:
+                    zero._set_fp32_optimizer_param_groups()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if empty:
+                        zero._clear_fp32_optimizer_param_groups()
+
+            return run
+
+        vars(inner).update(
+            state_dict=with_partitions(inner.state_dict), load_state_dict=with_partitions(inner.load_state_dict)
+        )
+
+    def partitions(self) -> list[torch.Tensor]:
+        """What a rollback restores besides the module's and the inner optimizer's state dicts: ZeRO's
+        fp32 partitions, and under ZeRO-3 the bit16 partitions the module's parameters are gathered from."""
+        if self.stage >= 3:
+            return [*self.zero.fp32_partitioned_groups_flat, *self.zero.fp16_partitioned_groups_flat]
+        if self.stage > 0:
+            return list(self.zero.single_partition_of_fp32_groups)
+        return []
+
     @contextlib.contextmanager
     def skipping(self, *, lower_scale: bool) -> Iterator[None]:
         """Inside the block, ``engine.step()`` takes DeepSpeed's overflow path: its gradient buffers
@@ -286,7 +342,9 @@ class EngineState:
             patches = {"step": lambda *args, **kwargs: None, "overflow": True}
         if self.stage > 0 and not lower_scale:
             patches["_update_scale"] = lambda *args, **kwargs: None
-        with _patched(zero, patches):
+        # ZeRO-0 clips the module's gradients before its step: the skipped step's were dropped already.
+        clip = {"gradient_clipping": lambda: 0.0} if self.stage == 0 else {}
+        with _patched(zero, patches), _patched(self.engine, clip):
             yield
 
     @contextlib.contextmanager

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,7 +44,6 @@ from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
-from nanguard.text import diagnosis_text
 
 _callbacks: Any = require(  # Any: its classes are bases below, known only once imported
     "transformers.trainer_callback", "hf", "Hugging Face transformers"
@@ -91,6 +91,8 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._good_since_log = 0
         self._skipped_since_log = 0  # skipped steps whose loss was taken back out of the Trainer's sum
         self._last_skipped = False
+        self._engine_guard: Any = None  # a DeepSpeedGuard, under a DeepSpeed Trainer
+        self._diag_before: Diagnosis | None = None
 
     def state(self) -> dict[str, Any]:
         guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state
@@ -110,19 +112,37 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._logs_through_trainer = trainer is not None
         default = os.path.join(args.output_dir, "nanguard") if args.output_dir else None
         run_dir = self.run_dir or environ.run_dir(None) or default
+        self._remove_hooks()
+        engine = _deepspeed_engine(trainer)
+        if engine is not None:
+            self._guard_engine(engine, run_dir)
+            return
         self.guard = Guard(model, optimizer, self.policy, run_dir=run_dir, **self.options)
         if self.guard_state:
             self.guard.load_state_dict(self.guard_state)
         self._capture.watch(model)
-        self._remove_hooks()
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
 
+    def _guard_engine(self, engine: Any, run_dir: Any) -> None:
+        """Under DeepSpeed the engine steps inside the Trainer's backward: a ``DeepSpeedGuard`` checks
+        the step there, where ZeRO keeps its gradients, and skips it through the engine."""
+        from nanguard.integrations.deepspeed import DeepSpeedGuard
+
+        if self._engine_guard is not None:
+            self._engine_guard.close()
+        self._engine_guard = DeepSpeedGuard(engine, self.policy, run_dir=run_dir, **self.options)
+        self._engine_guard.announce = False  # _record prints the diagnosis once
+        self.guard = self._engine_guard.guard
+        if self.guard_state and self.guard is not None:
+            self.guard.load_state_dict(self.guard_state)
+
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._diag_before = self.guard.last_diagnosis if self.guard is not None else None
         self._capture.take()
         self._loss_before = _loss_sum(self._trainer)
         if self._loss_before is not None:
@@ -133,6 +153,15 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     ) -> None:
         guard = self.guard
         if guard is None:
+            return
+        if self._engine_guard is not None:  # checked, and stepped or skipped, inside the backward
+            self._stepped = False
+            if self._engine_guard.step_skipped:
+                self._forget_step_loss()
+                self._record(state, self._diag_before)
+            else:
+                self._good_since_log += 1
+                self._last_skipped = False
             return
         optimizer, scheduler = kwargs["optimizer"], kwargs.get("lr_scheduler")
         micro = self._capture.take()
@@ -177,7 +206,9 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._remove_hooks()
-        if self.guard is not None:
+        if self._engine_guard is not None:
+            self._engine_guard.close()
+        elif self.guard is not None:
             self.guard.close()
 
     def on_log(
@@ -266,8 +297,6 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             self.trips += 1
             entry["nanguard/cause"] = diag.cause
             entry["nanguard/diagnosis"] = diag.summary()
-            if state.is_world_process_zero:  # every rank agreed on this diagnosis: print it once
-                log.warning("%s", diagnosis_text(diag))
         if self._logs_through_trainer and guard.last_action != "raise":
             self._pending = entry
         else:
@@ -280,6 +309,13 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _deepspeed_engine(trainer: Any) -> Any:
+    """The DeepSpeed engine a Trainer runs its model in, or None (no DeepSpeed, or not imported)."""
+    deepspeed = sys.modules.get("deepspeed")
+    wrapped = getattr(trainer, "model_wrapped", None)
+    return wrapped if deepspeed is not None and isinstance(wrapped, deepspeed.DeepSpeedEngine) else None
 
 
 def _run_first(callback: NanGuardCallback) -> Any:

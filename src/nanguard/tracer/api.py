@@ -13,9 +13,10 @@ from nanguard import compat, dist
 from nanguard.diagnose import diagnose
 from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
+from nanguard.rng import get_rng_state
 from nanguard.stats import init_ratio, local
 from nanguard.tracer.collectives import choose
-from nanguard.tracer.compiled import eager, user_name
+from nanguard.tracer.compiled import compiled_modules, compiler_fault, eager, user_name
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
 from nanguard.tracer.modules import ModuleStack, is_user_code
 from nanguard.tracer.protect import Backup
@@ -47,13 +48,34 @@ def locate(fn: Callable[..., Any], *args: Any, model: nn.Module | None = None, *
         >>> if diag:
         ...     print(diag)          # cause, op, module, source line, evidence, fixes
     """
+    compiled = compiled_modules(model) if isinstance(model, nn.Module) else []
+    state = get_rng_state() if compiled else None
     diag, collectives = _traced(fn, args, kwargs, model=model)
+    if diag is None and compiled and model is not None:
+        # Traced eagerly and finite: run the compiled code again from the same RNG state, as the guard does.
+        diag = _compiled_again(model, lambda: fn(*args, **kwargs), state)
     if collectives and dist.is_distributed():
         # Tensor or pipeline parallel: every rank ran fn together; agree on the rank whose own
         # compute created the value (a rank it only reached through a collective keeps its own).
         agreed = dist.gather_diagnosis(diag, [], choose=choose)
         return agreed if agreed is not None else diag
     return diag
+
+
+def _compiled_again(
+    model: nn.Module, step: Callable[[], Any], state: dict[str, torch.Tensor] | None
+) -> Diagnosis | None:
+    """``compile.numerics`` when ``step`` is non-finite through the compiled modules where its eager trace was
+    finite; the gradients the eager run left are put back either way."""
+    grads = [(p, p.grad.detach().clone() if p.grad is not None else None) for p in model.parameters()]
+    try:
+        found = compiler_fault(model, step, rng=state, step=0, replay=lambda f: f())
+    finally:
+        for p, g in grads:
+            p.grad = g
+    if found is not None:
+        found.step = None
+    return found
 
 
 def trace(

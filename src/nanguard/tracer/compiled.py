@@ -215,11 +215,24 @@ def compiler_fault(
     if not _nonfinite(loss) and not _nonfinite(grads):
         return None
     target = compiled[0]
+    # A submodule compiled inside an eager model (model.head = torch.compile(model.head)): its graphs
+    # name modules relative to it, so its own name in the model prefixes them.
+    prefix = next((user_name(n) for n, m in model.named_modules() if m is target), "")
     narrowed = None
     if id(target) in seen:
-        narrowed = narrow(target, *seen[id(target)])
+        narrowed = _prefixed(narrow(target, *seen[id(target)]), prefix)
     backend = narrowed.backend if narrowed else _backend_name(compat.compiled_backend(target) or "inductor")
-    return _diagnosis(step, loss, backend, narrowed, time.perf_counter() - started)
+    return _diagnosis(step, loss, backend, narrowed, time.perf_counter() - started, prefix or None)
+
+
+def _prefixed(found: Narrowed, prefix: str) -> Narrowed:
+    """``found`` with its module names made qualified in the whole model (``proj`` -> ``head.proj``)."""
+    if not prefix:
+        return found
+    join = lambda name: f"{prefix}.{name}" if name else prefix  # noqa: E731
+    found.modules = [join(m) for m in found.modules] or [prefix]
+    found.node_module = join(found.node_module) if found.node_module is not None else None
+    return found
 
 
 def _common_module(modules: list[str]) -> str | None:
@@ -245,8 +258,11 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def _diagnosis(step: int, loss: Any, backend: str, narrowed: Narrowed | None, seconds: float) -> Diagnosis:
-    module = narrowed.node_module if narrowed else None
+def _diagnosis(
+    step: int, loss: Any, backend: str, narrowed: Narrowed | None, seconds: float, compiled: str | None = None
+) -> Diagnosis:
+    """``compiled``: the qualified name of the compiled submodule, when the model itself is not the one compiled."""
+    module = (narrowed.node_module if narrowed else None) or compiled
     where = ""
     if narrowed is not None and narrowed.graph is not None:
         where = f": the forward's graph {narrowed.graph} of {narrowed.graphs} is non-finite compiled and finite eager"
@@ -294,6 +310,8 @@ def _diagnosis(step: int, loss: Any, backend: str, narrowed: Narrowed | None, se
         "compiled_replay": "non-finite",
         "diagnose_seconds": seconds,
     }
+    if compiled is not None:
+        evidence["compiled_module"] = compiled
     if narrowed is not None:
         evidence.update(
             graph=narrowed.graph,

@@ -4,23 +4,26 @@ Each scenario is one faulty step of code nobody here wrote (a loss, a model, a t
 step from the report), run through ``ng.locate``. ``expect`` is derived from the fault as
 the report describes it (which op makes the first non-finite value, in which module, and
 why), never from nanguard's output; ``basis`` says what it rests on. The cases live in
-``wild_losses`` (loss and training-step code), ``wild_models`` (model code) and
+``wild_losses`` (loss and training-step code), ``wild_models`` (model code),
 ``wild_masks`` (masks, fills and writes), ``wild_norms`` (normalizations and divisions inside
 composite ops), ``wild_raises`` (torch's own NaN results, gradient surgery, NaNs that surface
-as a raise) ``wild_domains`` (infinities meeting infinities, the log family) ``wild_surgery``
-(gradient surgery on what ``torch.autograd.grad`` returned) and ``wild_samples`` (the sample
-behind a masked row).
+as a raise), ``wild_domains`` (infinities meeting infinities, the log family), ``wild_surgery``
+(gradient surgery on what ``torch.autograd.grad`` returned), ``wild_samples`` (the sample
+behind a masked row), ``wild_replays`` (steps that draw from ``random``/``numpy.random``) and
+``wild_compiled`` (a compiled submodule that miscompiles).
 """
 
 from __future__ import annotations
 
 from nanguard.zoo import (
+    wild_compiled,
     wild_domains,
     wild_losses,
     wild_masks,
     wild_models,
     wild_norms,
     wild_raises,
+    wild_replays,
     wild_samples,
     wild_surgery,
 )
@@ -38,6 +41,8 @@ WILD: tuple[WildScenario, ...] = (
     *wild_domains.SCENARIOS,
     *wild_surgery.SCENARIOS,
     *wild_samples.SCENARIOS,
+    *wild_replays.SCENARIOS,
+    *wild_compiled.SCENARIOS,
 )
 
 
