@@ -111,6 +111,12 @@ def test_the_first_trip_is_told_whole_and_later_ones_in_a_line(entry: str, caplo
     for part in ("data.nonfinite", "your code", "phase", "try "):
         assert part in first, part
     assert later[0].startswith("nanguard: step 2: data.nonfinite") and "\n" not in later[0]
+    # The first replay says it runs and how long it took (a big model's pause is not silent); later ones do not.
+    news = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "replay" in r.getMessage()]
+    assert news[0] == "nanguard: replaying step 1 under the tracer…" and news[1].startswith(
+        "nanguard: replayed step 1 in "
+    )
+    assert not [m for m in news if "step 2" in m]
 
 
 def test_guard_options_are_keywords_of_its_own_with_docs() -> None:

@@ -17,6 +17,19 @@ DIST = [s for s in SCENARIOS if s.ranks > 1]
 
 # A wild scenario that needs the provenance of a denominator (a count of the batch's labels):
 # known to miss today, named in the closing note of issue 11.
+# Causes no zoo scenario can expect, and why: a check_batch finding rejects the batch before any
+# step runs (Guard(check_batch=True), tests/test_diagnosis_round4.py; in a traced step the same fault
+# is op.masked_softmax with data.fully_masked among diag.also); a step that does not reproduce, or a
+# faulty device, is by definition not a fault one replayed step shows; "unknown" is no expectation.
+NOT_ONE_STEP = {"data.fully_masked", "data.invalid_mask", "step.not_reproduced", "hardware.faulty_device", "unknown"}
+
+
+def test_every_cause_has_a_zoo_scenario_or_a_stated_reason() -> None:
+    covered = {s.expect.cause for s in SCENARIOS} | {s.expect.cause for s in WILD}
+    assert set(ng.CAUSES) - covered == NOT_ONE_STEP - covered
+    assert set(ng.CAUSES) >= NOT_ONE_STEP
+
+
 def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:
     assert len(SCENARIOS) >= 24
     assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)
@@ -36,6 +49,11 @@ def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:
         "precision.loss_scale",
         "optimizer.divergence",
         "optimizer.nonfinite_update",
+        "init.scale",
+        "op.trig_domain",
+        "op.mask_fill_in_loss",
+        "op.nan_write",
+        "compile.numerics",
         "distributed.transient",
         "distributed.replica_divergence",
         None,
