@@ -105,8 +105,8 @@ def section(stages: list[int], rounds: int) -> str:
 micro-batch 8, AdamW; the unguarded and the guarded engine side by side in one run, {rounds} interleaved rounds,
 median step time (forward, `engine.backward`, `engine.step`) as seen by rank 0. "guard's own" is the time
 spent inside the guard per step (its check with the one all-reduce, its recording hooks, its bookkeeping after
-the update), summed over the
-run and divided by the steps. Reproduce: `DS_ACCELERATOR=cpu .venv/bin/python benchmarks/deepspeed_overhead.py`.
+the update), summed over the run and divided by the steps (the wait at the all-reduce for the slower rank
+included). Reproduce: `DS_ACCELERATOR=cpu .venv/bin/python benchmarks/deepspeed_overhead.py`.
 
 | engine | unguarded ms/step | guarded ms/step | ratio | guard's own ms/step (share) |
 |---|---|---|---|---|

@@ -65,7 +65,7 @@ def init(rank: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
 
 
-def engine_for(stage: int, dtype: str, *, lr: float = 1e-2, accum: int = 1) -> Any:
+def engine_for(stage: int, dtype: str, *, lr: float = 1e-2, accum: int = 1, sgd: bool = False) -> Any:
     import deepspeed
 
     torch.manual_seed(0)
@@ -75,12 +75,13 @@ def engine_for(stage: int, dtype: str, *, lr: float = 1e-2, accum: int = 1) -> A
         "gradient_accumulation_steps": accum,
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": sgd,
     }
     if dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
     elif dtype == "bf16":
         config["bf16"] = {"enabled": True}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr) if sgd else torch.optim.AdamW(model.parameters(), lr=lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -104,7 +105,7 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     from nanguard.integrations.deepspeed import DeepSpeedGuard
 
     stage, dtype, accum = case["stage"], case["dtype"], case.get("accum", 1)
-    engine = engine_for(stage, dtype, lr=case.get("lr", 1e-2), accum=accum)
+    engine = engine_for(stage, dtype, lr=case.get("lr", 1e-2), accum=accum, sgd=case.get("sgd", False))
     forwards = [0]
     engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     guard = None

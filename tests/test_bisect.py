@@ -3,10 +3,11 @@ bisect names its first bad step and the cause, from the last finite checkpoint b
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -123,7 +124,20 @@ def test_names_the_first_bad_step_from_the_last_finite_checkpoint(run_dir: Path)
     run = _run_module(run_dir, "bisect_run_a")
     assert run.train(run_dir / "ckpt") == 13  # the unguarded run went NaN at step 13
     (run_dir / "ckpt" / "notes.txt").write_text("not a checkpoint")
-    found = ng.bisect(run.setup, run_dir / "ckpt")
+    shown: list[tuple[str, int, list[str]]] = []
+
+    @contextlib.contextmanager
+    def progress(total: int, label: str) -> Iterator[Callable[[str], None]]:
+        shown.append((label, total, []))
+        yield shown[-1][2].append
+
+    found = ng.bisect(run.setup, run_dir / "ckpt", progress=progress)
+    # progress: every entry checked (6 of 6), then each replayed step
+    assert [(label, total, len(lines)) for label, total, lines in shown] == [
+        ("checking checkpoints", 6, 6),
+        ("replaying from step 10", 0, 4),
+    ]
+    assert shown[0][2][2] == "ckpt-10.pt: step 10, finite" and shown[1][2][-1] == "step 13: data.nonfinite"
     assert found.first_bad_step == 13
     assert found.checkpoint_step == 10 and found.checkpoint.endswith("ckpt-10.pt")
     assert found.steps_replayed == 4  # 10, 11, 12 finite; 13 trips

@@ -126,3 +126,17 @@ def test_locate_and_the_guard_agree_on_a_compiled_submodule_that_miscompiles() -
     assert located.evidence["compiled_module"] == "head" and located.evidence["graph_modules"] == ["head.proj"]
     guarded = _guarded_first_trip(get_wild("compiled_head_miscompile").build())
     assert (guarded.cause, guarded.module, guarded.phase) == ("compile.numerics", "head", "forward")
+
+
+def test_a_guard_checking_batches_rejects_an_empty_or_a_corrupt_mask() -> None:
+    case = get_wild("stopword_empty_sample_tuple_batch").build()
+    (batch,) = case.args
+    (ids, mask), _ = batch
+    for bad, cause in (
+        (batch, "data.fully_masked"),
+        ({"input_ids": ids, "attention_mask": torch.where(mask == 1, 2, mask)}, "data.invalid_mask"),  # 0/2
+    ):
+        optimizer = torch.optim.SGD(case.model.parameters(), lr=0.01)
+        guard = ng.Guard(case.model, optimizer, policy="skip", check_batch=True)
+        guard.step(lambda: case.fn(batch), batch=bad)
+        assert guard.last_diagnosis is not None and guard.last_diagnosis.cause == cause

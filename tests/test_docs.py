@@ -185,6 +185,7 @@ def test_the_zoo_counts_on_the_zoo_page_are_the_zoos() -> None:
         r"(\d+) faulty single-process scenarios, (\d+) healthy ones, (\d+) distributed ones and (\d+) wild", text
     )
     assert said is not None
+    # A scenario added or removed: update the counts in docs/zoo.md's first sentence (and "rebuilds N NaN bugs").
     assert tuple(map(int, said.groups())) == (
         len(single) - len(healthy),
         len(healthy),

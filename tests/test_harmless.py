@@ -124,6 +124,28 @@ def test_guard_check_never_calls_replay_on_a_healthy_step_and_measures_the_next_
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks  # closed: nothing left armed
 
 
+def test_an_evaluation_forward_between_checks_is_not_measured_as_the_next_step(tmp_path: Path) -> None:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = ng.Guard(model, optimizer, headroom_every=1, run_dir=tmp_path)
+    for step in range(2):
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        assert guard.check(loss)
+        optimizer.step()
+        guard.after_step()
+        model.eval()
+        with torch.no_grad():
+            model(x.clamp(-1, 1) * 2e38, y)  # an evaluation forward, between the steps, close to overflow
+        model.train()
+    guard.close()
+    events = read_events(next(tmp_path.glob("events*.jsonl")))
+    measured = [e for e in events if e["kind"] == "headroom"]
+    assert {e["step"] for e in measured} == {1} and not any(e["close"] for e in measured)
+
+
 def test_loop_guard_runs_each_forward_once(tmp_path: Path) -> None:
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)

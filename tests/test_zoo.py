@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import nanguard as ng
 from nanguard.cli import main
@@ -16,6 +17,19 @@ DIST = [s for s in SCENARIOS if s.ranks > 1]
 
 # A wild scenario that needs the provenance of a denominator (a count of the batch's labels):
 # known to miss today, named in the closing note of issue 11.
+# Causes no zoo scenario can expect, and why: a check_batch finding rejects the batch before any
+# step runs (Guard(check_batch=True), tests/test_diagnosis_round4.py; in a traced step the same fault
+# is op.masked_softmax with data.fully_masked among diag.also); a step that does not reproduce, or a
+# faulty device, is by definition not a fault one replayed step shows; "unknown" is no expectation.
+NOT_ONE_STEP = {"data.fully_masked", "data.invalid_mask", "step.not_reproduced", "hardware.faulty_device", "unknown"}
+
+
+def test_every_cause_has_a_zoo_scenario_or_a_stated_reason() -> None:
+    covered = {s.expect.cause for s in SCENARIOS} | {s.expect.cause for s in WILD}
+    assert set(ng.CAUSES) - covered == NOT_ONE_STEP - covered
+    assert set(ng.CAUSES) >= NOT_ONE_STEP
+
+
 def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:
     assert len(SCENARIOS) >= 24
     assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)
@@ -35,6 +49,11 @@ def test_the_zoo_is_big_enough_and_covers_every_one_step_cause() -> None:
         "precision.loss_scale",
         "optimizer.divergence",
         "optimizer.nonfinite_update",
+        "init.scale",
+        "op.trig_domain",
+        "op.mask_fill_in_loss",
+        "op.nan_write",
+        "compile.numerics",
         "distributed.transient",
         "distributed.replica_divergence",
         None,
@@ -107,3 +126,24 @@ def test_zoo_rejects_an_unknown_group() -> None:
 
     with pytest.raises(ValueError, match="group must be one of"):
         run_zoo(group="tame", as_json=True)
+
+
+# A scenario's expected fields must follow from its fault, not from the CPU's rounding: weights
+# moved by a relative 1e-6 (as little as another CPU's kernels move a run that diverges for a few
+# steps) must leave every expected field as it is. The search (docs/guarantees.md) found one
+# scenario that failed so: it expected the phase and kind of the first overflow of a divergence.
+@pytest.mark.parametrize("name", ["sgd_lr_huge_finite_gradients"])
+def test_a_divergence_scenario_expects_nothing_the_cpu_rounding_decides(name, monkeypatch) -> None:
+    import nanguard.zoo.runner as runner
+
+    def perturbed(s, seed=0, **kwargs):
+        run = build(s, seed, **kwargs)
+        gen = torch.Generator().manual_seed(1234)
+        with torch.no_grad():
+            for p in run.model.parameters():
+                p.mul_(1 + 1e-6 * (2 * torch.rand(p.shape, generator=gen) - 1).to(p.dtype))
+        return run
+
+    monkeypatch.setattr(runner, "build", perturbed)
+    result = run_scenario(get(name))
+    assert result.ok and result.steps_late == 0, result.to_dict()

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from nanguard import dist
+from nanguard.announce import Announcer
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.attempt import Attempt
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck
 from nanguard.guard.history import History
-from nanguard.guard.join import telling_joined
+from nanguard.guard.join import telling_joined, tells_every_step
 from nanguard.guard.policy import STEP, Action, Verdict
 from nanguard.guard.progress import Progress
 from nanguard.guard.recorder import NullRecorder
@@ -69,17 +69,18 @@ class Apply:
         self.health, self.history, self.recovery, self.remedies = health, history, recovery, remedies
         self.recorder, self.injector, self.tracker, self.progress = recorder, injector, tracker, progress
         self.rank = dist.rank()
+        self.announce = Announcer()  # the run's first trip whole, later ones a line
 
     def __call__(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
         """Apply ``action``; True when the update goes ahead. On a trip while a rank has joined
-        (DDP join()), that rank learns whether the policy stopped the run."""
-        if action is STEP:
-            return True
+        (DDP join()), and on every step where a stop it cannot foresee may come (``tells_every_step``),
+        that rank learns whether the policy stopped the run."""
         h = verdict.health
-        if verdict.kind != "trip" or h is None or not h.joined:
-            return self._apply(attempt, verdict, action)
-        with telling_joined(h, verdict.step):
-            return self._apply(attempt, verdict, action)
+        every = tells_every_step(self.scaler is not None, self.config.skip_spikes)
+        if h is not None and h.joined and (verdict.kind == "trip" or every):
+            with telling_joined(h, verdict.step):  # the joined rank waits for this flag: see join.py
+                return action is STEP or self._apply(attempt, verdict, action)
+        return action is STEP or self._apply(attempt, verdict, action)
 
     def _apply(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
         kind = action.kind
@@ -112,7 +113,7 @@ class Apply:
             meta=self._bundle_meta(attempt.batch),
             **extra,
         )
-        _announce(self.rank, verdict.step, diag, kind)
+        self.announce(self.rank, verdict.step, diag, kind)
         if kind == "raise":
             self.progress.action = "raise"
             raise NonFiniteError(diag, action.message)
@@ -135,7 +136,7 @@ class Apply:
             self._track(diag, step, kind)
         self.recorder.trip(step, action=kind, ranks=ranks, diagnosis=diag)
         if verdict.kind == "replicas":
-            _announce(self.rank, step, diag, kind)
+            self.announce(self.rank, step, diag, kind)
         if kind == "raise":
             raise NonFiniteError(diag, action.message)
         if kind == "rollback":
@@ -219,9 +220,3 @@ class Apply:
 def _stop_if(action: Action, diag: Diagnosis | None) -> None:
     if action.stop is not None:
         raise NonFiniteError(diag, action.stop)
-
-
-def _announce(rank: int, step: int, diag: Diagnosis, action: str) -> None:
-    """One log line per trip: the step once, and which rank speaks under torch.distributed."""
-    who = f"rank {rank}: " if dist.is_distributed() else ""
-    log.warning("nanguard: %sstep %d: %s -> %s", who, step, replace(diag, step=None).summary(), action)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import torch
@@ -48,6 +48,10 @@ from nanguard.stats import local
 __all__ = ["Guard"]
 
 log = logging.getLogger("nanguard")
+
+
+_D = GuardConfig()  # the options' defaults, shown in Guard's signature
+_OPTIONS = tuple(f.name for f in fields(GuardConfig) if f.name != "policy")
 
 
 class Guard:
@@ -83,14 +87,47 @@ class Guard:
     rank's own gradients before averaging; a custom hook goes in as ``comm_hook=(state,
     hook)``. ``on_event=fn`` gets each recorded event as a dict (see ``integrations.scalars``);
     ``inject="nan_grad@step=100,rank=3;..."`` plants a fire drill's faults (``nanguard.inject``,
-    also ``NANGUARD_INJECT``); every other option is a ``GuardConfig`` field.
+    also ``NANGUARD_INJECT``).
+
+    Options (keyword only; each is also a ``GuardConfig`` field, documented there in full):
+        policy: what a trip does: "skip" the update, "rollback" to the last snapshot, "raise", or "auto" (the
+            remedy the diagnosed cause calls for). ``NANGUARD_POLICY`` overrides it.
+        max_consecutive_skips: raise ``NonFiniteError`` after this many skips or rollbacks in a row.
+        snapshot_every: take a CPU snapshot of model and optimizer every N good steps (rollback and auto).
+        snapshots: how many snapshots to keep, at doubling ages.
+        rollback_skip_batches: after a rollback, drop the batches of the next K calls to ``step``.
+        param_check_every: check the parameters for NaN/Inf after every N-th update (0: off).
+        spike_window, spike_warmup: the spike detectors' window and the steps before they judge.
+        spike_threshold: the robust z-score (median/MAD) above which a loss or grad norm is a spike.
+        skip_spikes: skip the update on a spike, instead of only warning.
+        divergence_factor, divergence_window: growth by this factor within this many steps is divergence.
+        loss_scale_floor: a GradScaler scale below this is a collapse (``precision.loss_scale``).
+        max_overflow_streak: GradScaler overflows on this many steps in a row are a collapse too.
+        fingerprint_every: compare a parameter fingerprint across ranks every N updates (0: off).
+        log_every: write a step event every N steps (trips and skips are always written).
+        locate: replay a tripped step under the op tracer to find the origin.
+        prove: under DDP, re-compute a suspect rank's step on a peer rank to tell a faulty device.
+        module_stats: on a trip, replay once more for each module's activation absmax and grad norm.
+        check_batch: run ``ng.check_batch`` on ``batch=`` before the forward.
+        history: how many recent (step, loss, grad norm) records the history rules keep.
+        max_bundle_bytes: a batch larger than this goes into a bundle as shapes only.
+        bundle_weights: store the weights in each trip's bundle (True: up to 1 GiB; an int: up to N bytes).
+        remedy_budget: under "auto", how many remedies one cause may get before the run stops.
+        lr_factor: under "auto", ``optimizer.divergence`` multiplies every group's LR by this.
+        upcast: under "auto", run a module whose float16/bfloat16 op overflowed in float32 from then on.
+        quarantine: under "auto", which rows a data cause quarantines: "rows", "batch", "previous" or "off".
+        headroom_every: every N steps, measure how close float16/bfloat16 op outputs come to overflow (0: off).
+        sync: when ``step`` reads a step's health: "immediate", "deferred" (the next call), or "auto".
+        hardware_warn_after: warn naming the device once this many of its trips did not reproduce (0: never).
+        clip_grad_norm: clip the gradients' global norm to this after the check, as ``clip_grad_norm_`` would.
+    An unknown option is a ValueError naming the accepted ones.
     """
 
-    def __init__(
+    def __init__(  # every option a keyword of its own, so help() and editors show them
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        policy: str = "skip",
+        policy: str = _D.policy,
         *,
         scaler: Any = None,
         scheduler: Any = None,
@@ -98,7 +135,54 @@ class Guard:
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         inject: str | list[Fault] | None = None,
-        **config: Any,
+        max_consecutive_skips: int = _D.max_consecutive_skips,
+        snapshot_every: int = _D.snapshot_every,
+        snapshots: int = _D.snapshots,
+        rollback_skip_batches: int = _D.rollback_skip_batches,
+        param_check_every: int = _D.param_check_every,
+        spike_window: int = _D.spike_window,
+        spike_warmup: int = _D.spike_warmup,
+        spike_threshold: float = _D.spike_threshold,
+        skip_spikes: bool = _D.skip_spikes,
+        divergence_factor: float = _D.divergence_factor,
+        divergence_window: int = _D.divergence_window,
+        loss_scale_floor: float = _D.loss_scale_floor,
+        max_overflow_streak: int = _D.max_overflow_streak,
+        fingerprint_every: int = _D.fingerprint_every,
+        log_every: int = _D.log_every,
+        locate: bool = _D.locate,
+        prove: bool = _D.prove,
+        module_stats: bool = _D.module_stats,
+        check_batch: bool = _D.check_batch,
+        history: int = _D.history,
+        max_bundle_bytes: int = _D.max_bundle_bytes,
+        bundle_weights: bool | int = _D.bundle_weights,
+        remedy_budget: int = _D.remedy_budget,
+        lr_factor: float = _D.lr_factor,
+        upcast: bool = _D.upcast,
+        quarantine: str = _D.quarantine,
+        headroom_every: int = _D.headroom_every,
+        sync: str = _D.sync,
+        hardware_warn_after: int = _D.hardware_warn_after,
+        clip_grad_norm: float | None = _D.clip_grad_norm,
+        **unknown: Any,
+    ) -> None:
+        given = locals()
+        config = {name: given[name] for name in _OPTIONS} | unknown  # an unknown name: ValueError in GuardConfig
+        self._build(model, optimizer, policy, scaler, scheduler, run_dir, comm_hook, on_event, inject, config)
+
+    def _build(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        policy: str,
+        scaler: Any,
+        scheduler: Any,
+        run_dir: str | os.PathLike[str] | None,
+        comm_hook: tuple[Any, Callable[..., Any]] | None,
+        on_event: Callable[[dict[str, Any]], None] | None,
+        inject: str | list[Fault] | None,
+        config: dict[str, Any],
     ) -> None:
         scaler = _check_parts(model, optimizer, scaler, scheduler)
         c = self.config = GuardConfig.from_options(environ.policy(policy), config)
@@ -142,9 +226,10 @@ class Guard:
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
         if self.policy.takes_snapshots:
             self.recovery.take_snapshot(self.progress.step)
-        # DDP join(): a rank out of batches shadows the guard's collectives.
-        self._shadow = Shadow(self.health, self.progress, self.scaler is not None, self.tracker, self.disabled)
-        install(model, self._shadow)
+        self._shadow = Shadow(
+            self.health, self.progress, self.scaler is not None, self.tracker, self.disabled, c.skip_spikes
+        )
+        install(model, self._shadow)  # DDP join(): a rank out of batches shadows the guard's collectives
 
     def _choose_paths(self) -> None:
         """The paths every step takes, fixed by the parts the guard was built with."""

@@ -10,10 +10,12 @@ last origin's module confirms it, and the last diagnosis is reused with ``repeat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -98,6 +100,7 @@ class Diagnoser:
         self.history = history
         self.locate = locate
         self.module_stats = module_stats
+        self._replays = 0  # the first replay of a run is news (a big model's may take a while); later ones are not
         # init.scale is about the weights the run started from, not weights grown by training.
         self.initial_scale = weight_scale(dist.unwrap(model))
         self._last: _LastTrip | None = None
@@ -123,8 +126,7 @@ class Diagnoser:
         gaps: list[str] = []
         run = RunFacts(self.history.evidence(h.step, self._lr()), self.initial_scale)
         if self.locate and closure is not None:
-            log.info("nanguard: replaying step %d under the tracer…", h.step)
-            with eager(), dist.observing() as gaps:
+            with self._told(h.step), eager(), dist.observing() as gaps:
                 replayed = replay_trip(
                     self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats, run=run
                 )
@@ -160,6 +162,17 @@ class Diagnoser:
         replayed.diagnosis = self._proven(with_run_facts(diag, run), closure, h, batch, rng)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
+
+    @contextlib.contextmanager
+    def _told(self, step: int) -> Iterator[None]:
+        """Say that a replay runs and how long it took: at WARNING for the run's first (on rank 0), when
+        a big model's pause would otherwise be silent; at INFO for the later ones."""
+        level = logging.WARNING if self._replays == 0 and dist.rank() == 0 else logging.INFO
+        self._replays += 1
+        log.log(level, "nanguard: replaying step %d under the tracer…", step)
+        start = time.perf_counter()
+        yield
+        log.log(level, "nanguard: replayed step %d in %.1fs", step, time.perf_counter() - start)
 
     def _proven(
         self, diag: Diagnosis, closure: Callable[[], Any] | None, h: StepHealth, batch: Any, rng: Any

@@ -44,7 +44,6 @@ from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
-from nanguard.text import diagnosis_text
 
 _callbacks: Any = require(  # Any: its classes are bases below, known only once imported
     "transformers.trainer_callback", "hf", "Hugging Face transformers"
@@ -298,8 +297,6 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             self.trips += 1
             entry["nanguard/cause"] = diag.cause
             entry["nanguard/diagnosis"] = diag.summary()
-            if state.is_world_process_zero:  # every rank agreed on this diagnosis: print it once
-                log.warning("%s", diagnosis_text(diag))
         if self._logs_through_trainer and guard.last_action != "raise":
             self._pending = entry
         else:

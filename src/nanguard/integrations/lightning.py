@@ -33,7 +33,6 @@ from nanguard import compat, environ
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
-from nanguard.text import diagnosis_text
 
 _pl: Any = require(  # Any: its classes are bases below, known only once imported
     "lightning.pytorch", "lightning", "PyTorch Lightning"
@@ -158,8 +157,6 @@ class NanGuard(GuardedCallback, _pl.Callback):
         if guard.last_action not in ("skip", "rollback", "raise"):
             return  # a batch dropped after a rollback is counted by the guard, not a new trip
         self.trips += 1
-        if trainer.is_global_zero and guard.last_diagnosis is not None:  # the ranks agreed on it: print once
-            log.warning("%s", diagnosis_text(guard.last_diagnosis))
         metrics = {
             "nanguard/trips": float(self.trips),
             "nanguard/skipped": float(guard.skipped),

@@ -38,7 +38,6 @@ from nanguard import dist
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options
 from nanguard.integrations.capture import Micro, StepCapture
-from nanguard.text import diagnosis_text
 
 __all__ = ["LoopGuard"]
 
@@ -283,8 +282,6 @@ class LoopGuard(GuardedCallback):
         if guard.last_action not in ("skip", "rollback", "raise") or diag is None or diag is before:
             return  # a batch dropped after a rollback was counted by the guard already
         self.trips += 1
-        if self._announces():  # every rank agreed on this diagnosis: print it once
-            log.warning("%s", diagnosis_text(diag))
 
     def _announces(self) -> bool:
         return dist.rank() == 0

@@ -135,7 +135,7 @@ def measure_headroom(model: nn.Module) -> Iterator[list[Headroom]]:
 
 
 class _Window:
-    """The next forward of ``model`` measured as it runs, once: entered in the model's own forward
+    """The next training forward of ``model`` measured as it runs, once: entered in the model's own forward
     pre-hook, left in its forward hook (which runs even when the forward raises)."""
 
     def __init__(self, model: nn.Module, step: int) -> None:
@@ -149,8 +149,8 @@ class _Window:
         ]
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        if self.ran or self._open is not None:
-            return
+        if self.ran or self._open is not None or not (module.training and torch.is_grad_enabled()):
+            return  # an evaluation or generation forward between the steps is not the next step's
         stack = ModuleStack(module).enter_within(module)
         mode = _HeadroomMode(stack, self.maxima)
         mode.__enter__()

@@ -101,7 +101,8 @@ class _ReplayNews(logging.Handler):
         self.console = console
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.console.line(record.getMessage())
+        # The first trip's whole diagnosis: the demo shows it after the steps, so here its line alone.
+        self.console.line(record.getMessage().splitlines()[0])
 
 
 @contextmanager

@@ -10,12 +10,14 @@ composite ops), ``wild_raises`` (torch's own NaN results, gradient surgery, NaNs
 as a raise), ``wild_domains`` (infinities meeting infinities, the log family), ``wild_surgery``
 (gradient surgery on what ``torch.autograd.grad`` returned), ``wild_samples`` (the sample
 behind a masked row), ``wild_replays`` (steps that draw from ``random``/``numpy.random``) and
-``wild_compiled`` (a compiled submodule that miscompiles).
+``wild_compiled`` (a compiled submodule that miscompiles), ``wild_causes`` (causes no other group
+expects).
 """
 
 from __future__ import annotations
 
 from nanguard.zoo import (
+    wild_causes,
     wild_compiled,
     wild_domains,
     wild_losses,
@@ -43,6 +45,7 @@ WILD: tuple[WildScenario, ...] = (
     *wild_samples.SCENARIOS,
     *wild_replays.SCENARIOS,
     *wild_compiled.SCENARIOS,
+    *wild_causes.SCENARIOS,
 )
 
 
