@@ -66,8 +66,8 @@ class DeepSpeedGuard(LoopGuard):
     skips (through the engine), rolls back or raises, every rank agreeing.
 
     ``engine`` is what ``deepspeed.initialize`` returned (built with an optimizer); ``policy``
-    and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); the headroom check, which
-    would run a second backward inside the engine, is off unless ``headroom_every`` is given.
+    and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); the headroom check reads the
+    engine's own forward as it runs (no second backward).
     When the loss is computed outside the model, decorate the function that computes it with
     ``@guard.micro_step`` (``LoopGuard.micro_step``) so a trip's replay runs it again.
 
@@ -94,7 +94,6 @@ class DeepSpeedGuard(LoopGuard):
             )
         self.engine = engine
         self.state = EngineState(engine)
-        options.setdefault("headroom_every", 0)  # a replay on a healthy step is a second backward
         scaler = LossScale(engine.optimizer) if self.state.fp16 and self.state.stage > 0 else None
         guard = Guard(
             engine.module,
