@@ -1,9 +1,11 @@
 """Guard overhead by parallelism at 2 and 8 gloo ranks (CPU): DDP, DDP inside join(), DDP with
 ZeroRedundancyOptimizer, FSDP2 and tensor parallel, each against the same unguarded loop, interleaved.
 
-Writes the ``overhead-parallelisms`` section of BENCHMARKS.md.
+Writes the ``overhead-parallelisms`` section of BENCHMARKS.md; with ``--setups`` naming fewer, the
+``overhead-ddp-world`` section (the cost of the flags' own all-reduce at 3 or more ranks).
 
     .venv/bin/python benchmarks/dist_overhead.py --ranks 2 8 --rounds 60
+    .venv/bin/python benchmarks/dist_overhead.py --setups DDP --ranks 2 3 4 8 --rounds 40
 """
 
 from __future__ import annotations
@@ -131,12 +133,12 @@ def _entered(contexts: list[Any]) -> Iterator[None]:
         yield
 
 
-def section(worlds: list[int], rounds: int) -> str:
+def section(worlds: list[int], rounds: int, setups: tuple[str, ...] = SETUPS) -> str:
     from nanguard.zoo.spawn import spawn_ranks
 
     load = os.getloadavg()[0]
     rows = []
-    for setup in SETUPS:
+    for setup in setups:
         cells = []
         for world in worlds:
             t = spawn_ranks(rank_times, setup, rounds, world=world, timeout=1800)[0]
@@ -144,7 +146,8 @@ def section(worlds: list[int], rounds: int) -> str:
         rows.append(f"| {setup} | " + " | ".join(cells) + " |")
     head = " | ".join(f"{w} ranks: plain ms | guarded ms | ratio" for w in worlds)
     rule = "|---|" + "---:|---:|---:|" * len(worlds)
-    return f"""## Guard overhead by parallelism (gloo, CPU, {", ".join(map(str, worlds))} ranks)
+    what = "by parallelism" if setups == SETUPS else f"of {', '.join(setups)} by world size"
+    return f"""## Guard overhead {what} (gloo, CPU, {", ".join(map(str, worlds))} ranks)
 
 Each setup runs the same unguarded loop and the guarded one (`Guard(..., module_stats=False)`, defaults
 otherwise) side by side in one run, {rounds} interleaved rounds, median step time as seen by rank 0.
@@ -159,18 +162,22 @@ with equal inputs (the steady state; a joined rank only shadows). Load average (
 {rule}
 {chr(10).join(rows)}
 
-Collectives per healthy step under `guard.step`: DDP, DDP join() and DDP + ZeRO none added (the flags,
-the loss and each rank's step index ride in the last gradient bucket's all-reduce, `2 x world_size + 2`
-float32); FSDP2 and TP one all-reduce of `2 x world_size + 2` float32."""
+Collectives per healthy step under `guard.step`: DDP, DDP join() and DDP + ZeRO on 2 ranks none added
+(the flags, the loss and each rank's step index ride in the last gradient bucket's all-reduce,
+`2 x world_size + 2` float32), on 3 or more one all-reduce of `2 x world_size + 2` floats issued right after
+the last bucket's (so the buckets are reduced bit for bit as without the guard); FSDP2 and TP one
+all-reduce of `2 x world_size + 2` float32."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     args = parser.parse_args()
-    body = section(args.ranks, args.rounds)
-    write_section("overhead-parallelisms", body)
+    setups = tuple(args.setups)
+    body = section(args.ranks, args.rounds, setups)
+    write_section("overhead-parallelisms" if setups == SETUPS else "overhead-ddp-world", body)
     print(body)
 
 

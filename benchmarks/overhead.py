@@ -195,10 +195,12 @@ Load average (1 min) when it started: {load:.2f}. Reproduce: `.venv/bin/python b
 |---|---:|---:|
 {rows}
 
-**Collectives per healthy step: 1 -> 0 under DDP.** Under `guard.step(closure)` with DDP's default
-all-reduce, the guard's flags (one slot per rank) and the loss ride as `2 x world_size + 2` extra float32
-values (with each rank's step index) in the all-reduce of the last gradient bucket, so a healthy step
-adds no collective (counted by
+**Collectives per healthy step: 1 -> 0 under DDP on 2 ranks.** Under `guard.step(closure)` with DDP's
+default all-reduce, the guard's flags (one slot per rank) and the loss ride as `2 x world_size + 2` extra
+float32 values (with each rank's step index) in the all-reduce of the last gradient bucket, so a healthy
+2-rank step adds no collective; on 3 or more ranks they go in one small all-reduce of their own, issued
+right after the last bucket's, which keeps the run bit-identical to the unguarded one
+(`tests/test_distributed_exact.py`; cost: "Guard overhead of DDP by world size"). Counted by
 `tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step`, which wraps
 `torch.distributed`). The fallback, one all-reduce of `2 x world_size + 2` float32 per step, remains for
 `guard.check(loss)` (the loss is known only after backward), steps whose backward sent no gradients

@@ -159,9 +159,9 @@ def _middle_rank(rank, world):
 
 
 def test_ddp_join_fault_on_a_middle_rank_after_the_last_joined(tmp_path) -> None:
-    # At 3 ranks the guard's riding all-reduce sums in another order than DDP's own (its buffer is
-    # longer), so the run is compared with itself: a skip leaves the state as it was before the bad
-    # step; a rollback restores the snapshot after step 1 (none is taken while rank 2 has joined).
+    # The run is compared with itself (the unguarded comparison at 3+ ranks is tests/test_distributed_exact.py):
+    # a skip leaves the state as it was before the bad step; a rollback restores the snapshot after
+    # step 1 (none is taken while rank 2 has joined).
     results = spawn_ranks(_middle_rank, world=3, timeout=240)
     for rank, r in enumerate(results[:2]):
         skip, rollback = r["skip"]["around"], r["rollback"]["around"]
@@ -210,3 +210,71 @@ def test_ranks_out_of_step_raise_on_every_rank(tmp_path) -> None:
     assert results[0]["steps"] == results[1]["steps"] == {"0": 2, "1": 3}, results
     assert results[0]["done"] == results[1]["done"] == [0, 1], results
     assert "rank 0 at call 2" in results[0]["text"] and "rank 1 at call 3" in results[0]["text"]
+
+
+def _stop_while_joined(rank, world, uneven, case):
+    """3 ranks; rank ``uneven`` runs out after 2 batches (joins), the others go on. ``collapse``: from
+    batch 2 every step's scaled gradients overflow (finite loss), and the GradScaler's scale
+    collapses at the 3rd overflow in a row (policy skip: raise). ``spikes``: from batch 5 the loss
+    spikes, skipped (``skip_spikes``) until ``max_consecutive_skips=2`` stops the run. The joined
+    rank holds neither the grad norm nor the loss history these stops are decided on."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    if case == "collapse":
+        scaler = torch.amp.GradScaler("cpu")
+        guard = ng.Guard(ddp, opt, scaler=scaler, module_stats=False, max_overflow_streak=3, fingerprint_every=0)
+        bad_from, steps = 2, 8
+    else:
+        scaler = None
+        options = {"spike_window": 8, "spike_warmup": 3, "max_consecutive_skips": 2, "fingerprint_every": 0}
+        guard = ng.Guard(ddp, opt, skip_spikes=True, module_stats=False, **options)
+        bad_from, steps = 5, 9
+    error, cause, actions = None, None, []
+    try:
+        with ddp.join():
+            for step in range(2 if rank == uneven else steps):
+                x = torch.randn(4, 2, generator=torch.Generator().manual_seed(rank * 100 + step))
+                if step >= bad_from and case == "collapse":
+                    x = torch.tensor([[1e36, -1e36]]).repeat(4, 1)  # output 0, gradient 1e36: x65536 is Inf
+                elif step >= bad_from:
+                    x = x * 1e4
+
+                def closure(x=x):
+                    opt.zero_grad(set_to_none=True)
+                    loss = ddp(x).pow(2).mean() if case == "spikes" else ddp(x).mean()
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    return loss
+
+                guard.step(closure)
+                actions.append(guard.last_action)
+    except ng.NonFiniteError as err:
+        error, cause = str(err), err.diagnosis.cause if err.diagnosis is not None else None
+    return {"error": error, "cause": cause, "actions": actions}
+
+
+def _stops(rank, world):
+    cases = [(case, uneven) for case in ("collapse", "spikes") for uneven in (0, 1)]
+    return {f"{case}@{uneven}": _stop_while_joined(rank, world, uneven, case) for case, uneven in cases}
+
+
+def test_ddp_join_stops_the_joined_rank_cannot_foresee_reach_it(tmp_path) -> None:
+    # Before: the stepping ranks raised and the joined rank waited in its join hook until the deadline.
+    results = spawn_ranks(_stops, world=3, timeout=240)
+    for key in ("collapse@0", "collapse@1", "spikes@0", "spikes@1"):
+        uneven = int(key[-1])
+        stepping = [r[key] for rank, r in enumerate(results) if rank != uneven]
+        joined = results[uneven][key]
+        for r in stepping:
+            assert r["error"] is not None and r["actions"] == stepping[0]["actions"], (key, r)
+        if key.startswith("collapse"):
+            assert stepping[0]["cause"] == "precision.loss_scale", stepping[0]
+            assert stepping[0]["actions"] == ["step", "step", "overflow", "overflow"], stepping[0]
+        else:
+            assert "max_consecutive_skips=2" in stepping[0]["error"], stepping[0]
+            assert stepping[0]["actions"][-1] == "skip", stepping[0]
+        assert joined["error"] is not None and "stopped" in joined["error"], (key, joined)
+        assert joined["actions"] == ["step", "step"], (key, joined)

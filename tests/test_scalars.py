@@ -4,6 +4,7 @@ axis loses none of them. Run against a real offline W&B run, whose records are r
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +34,30 @@ def _records(path: Path) -> list[bytes]:
 
 
 def _history(run_dir: Path) -> list[dict[str, str]]:
+    """The run's history rows, once its file holds the run's exit record: W&B's service may still be
+    writing the file when ``run.finish()`` returns."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    rows = []
-    for data in _records(path):
-        record = pb.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
-    return rows
+    deadline = time.monotonic() + 120
+    while True:
+        rows, ended = [], False
+        for path in run_dir.glob("wandb/offline-run-*/run-*.wandb"):
+            for data in _records(path):
+                record = pb.Record()
+                try:
+                    record.ParseFromString(data)
+                except Exception:  # a record still being written: read the file again
+                    continue
+                kind = record.WhichOneof("record_type")
+                ended = ended or kind == "exit"
+                if kind == "history":
+                    rows.append(
+                        {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+                    )
+        if ended or time.monotonic() > deadline:
+            assert ended, "the W&B run file never got its exit record"
+            return rows
+        time.sleep(0.2)
 
 
 def _train(on_event: Any, log: Any, steps: int = 6, bad: int = 3) -> None:

@@ -609,7 +609,8 @@ def _log_determinant(o: OriginEvidence) -> Verdict:
 def sqrt_domain(ev: Evidence) -> Verdict | None:
     o = _origin(ev)
     op, node = _short(o.op), (o.node or "")
-    forward = op in ("sqrt", "rsqrt", "pow", "sqrt_", "rsqrt_") and o.phase == "forward"
+    # The op itself, in forward or run by a backward of the user's (a custom autograd Function).
+    forward = op in ("sqrt", "rsqrt", "pow", "sqrt_", "rsqrt_") and o.phase in ("forward", "backward")
     # An Inf from pow or rsqrt of finite values with no negative base is an overflow or a
     # division by zero (rsqrt(0) = 1/sqrt(0)), not a domain error.
     if forward and (not _first_input(o).get("negative") or (op == "pow" and ev.kind != "nan")):

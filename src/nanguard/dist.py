@@ -169,8 +169,10 @@ class DDPCommWatch(CommWatch):
 
     Riding (DDP's default all-reduce only): inside ``ride``, the last bucket of the backward
     (``bucket.is_last()``: DDP sends buckets in order, so every bucket's local sum is in by
-    then) is all-reduced together with the guard's extras (one-hot flag slots, loss), so a
-    healthy step adds no collective. The gradient part is divided by the world first, as
+    then) is all-reduced together with the guard's extras (one-hot flag slots, loss): on 2
+    ranks in the bucket's own payload, so a healthy step adds no collective; on 3 or more in one
+    small all-reduce of their own issued right after the bucket's, so the buckets are reduced as
+    without the guard, bit for bit (``_ride``). The gradient part is divided by the world first, as
     DDP's own hook does, so gradients come out as without the guard. Whether a step rode
     depends only on whether DDP ran this hook, which it does on every rank or none, and on
     the bucket's dtype (the same on every rank), so all ranks take the same path. A
@@ -245,6 +247,13 @@ class DDPCommWatch(CommWatch):
         return ddp is not None and compat.ddp_join_enabled(ddp)
 
     def _ride(self, buffer: torch.Tensor, extras: torch.Tensor, *, keep: bool) -> torch.futures.Future[torch.Tensor]:
+        """The last bucket's all-reduce with the guard's extras: in one payload on 2 ranks, where every
+        element is the sum of two terms, the same bits in either order; on 3 or more, in one small
+        all-reduce of their own right after the bucket's, which is then reduced exactly as without
+        the guard (a longer payload moves gloo's ring chunks, and with them the order of each
+        element's terms: the last bit of the averaged gradients would change)."""
+        if self._size > 2:
+            return self._beside(buffer, extras, keep=keep)
         n = buffer.numel()
         payload = buffer.new_empty(n + extras.numel())
         torch.mul(buffer, 1.0 / self._size, out=payload[:n])  # averaged first, as DDP's built-in does
@@ -260,6 +269,23 @@ class DDPCommWatch(CommWatch):
             return buffer
 
         return fut.then(unpack)
+
+    def _beside(self, buffer: torch.Tensor, extras: torch.Tensor, *, keep: bool) -> torch.futures.Future[torch.Tensor]:
+        """The bucket as DDP's built-in all-reduce sends it, then the extras in their own all-reduce."""
+        buffer.mul_(1.0 / self._size)
+        sent = tdist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+        riding = extras.to(buffer.dtype).clone()
+        side = tdist.all_reduce(riding, group=self._group, async_op=True).get_future()
+
+        def unpack(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> torch.Tensor:
+            for part in done.value():
+                part.value()  # raises a failed all-reduce's error here
+            self._received.append(buffer.sum(dtype=torch.float32))
+            if keep:
+                self._carried = riding.float()
+            return buffer
+
+        return torch.futures.collect_all([sent, side]).then(unpack)
 
     def _relay(self, sent: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
         return sent.then(self._receive)

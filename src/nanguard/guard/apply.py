@@ -23,7 +23,7 @@ from nanguard.guard.attempt import Attempt
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck
 from nanguard.guard.history import History
-from nanguard.guard.join import telling_joined
+from nanguard.guard.join import telling_joined, tells_every_step
 from nanguard.guard.policy import STEP, Action, Verdict
 from nanguard.guard.progress import Progress
 from nanguard.guard.recorder import NullRecorder
@@ -74,14 +74,14 @@ class Apply:
 
     def __call__(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
         """Apply ``action``; True when the update goes ahead. On a trip while a rank has joined
-        (DDP join()), that rank learns whether the policy stopped the run."""
-        if action is STEP:
-            return True
+        (DDP join()), and on every step where a stop it cannot foresee may come (``tells_every_step``),
+        that rank learns whether the policy stopped the run."""
         h = verdict.health
-        if verdict.kind != "trip" or h is None or not h.joined:
-            return self._apply(attempt, verdict, action)
-        with telling_joined(h, verdict.step):
-            return self._apply(attempt, verdict, action)
+        every = tells_every_step(self.scaler is not None, self.config.skip_spikes)
+        if h is not None and h.joined and (verdict.kind == "trip" or every):
+            with telling_joined(h, verdict.step):  # the joined rank waits for this flag: see join.py
+                return action is STEP or self._apply(attempt, verdict, action)
+        return action is STEP or self._apply(attempt, verdict, action)
 
     def _apply(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
         kind = action.kind

@@ -227,9 +227,10 @@ class Guard:
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
         if self.policy.takes_snapshots:
             self.recovery.take_snapshot(self.progress.step)
-        # DDP join(): a rank out of batches shadows the guard's collectives.
-        self._shadow = Shadow(self.health, self.progress, self.scaler is not None, self.tracker, self.disabled)
-        install(model, self._shadow)
+        self._shadow = Shadow(
+            self.health, self.progress, self.scaler is not None, self.tracker, self.disabled, c.skip_spikes
+        )
+        install(model, self._shadow)  # DDP join(): a rank out of batches shadows the guard's collectives
 
     def _choose_paths(self) -> None:
         """The paths every step takes, fixed by the parts the guard was built with."""

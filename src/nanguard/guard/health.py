@@ -4,7 +4,8 @@ agreed across ranks in one collective, and read to the host once as a ``StepHeal
 Each rank encodes what it found as ``HealthFlag`` bits. ``dist.agree`` gives every rank
 every other rank's flags, so all ranks take the same decision. Under DDP's default hook,
 ``HealthCheck.riding`` makes the flags and the loss ride in the gradient all-reduce instead,
-so a healthy step adds no collective (``DeviceHealth.agree`` then only reads what rode).
+so a healthy step adds no collective on 2 ranks, and on 3 or more one small all-reduce beside the
+last bucket's (``DDPCommWatch._ride``; ``DeviceHealth.agree`` then only reads what rode).
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ On a trip while a rank has joined, the stepping ranks' collectives are the diagn
 (``dist.gather_diagnosis``), the hardware tracker's gather of where each rank runs (on the run's
 first trip) and one flag saying whether the policy stopped the run; the joined
 rank takes part in both and raises the same ``NonFiniteError`` when it did, so no rank is left
-waiting. The stepping ranks skip what a joined rank cannot shadow: the replica fingerprint check,
+waiting. A stop the joined rank cannot foresee (a GradScaler collapse, spike skips in a row) ends
+every step with that flag where it can happen (``tells_every_step``), and the finite divergence
+trip, which needs the stepping ranks' history, waits while a rank has joined. The stepping ranks
+skip what a joined rank cannot shadow: the replica fingerprint check,
 the repeat check of a trip and ``check_batch``'s agreement before the forward.
 """
 
@@ -36,7 +39,7 @@ from nanguard.errors import NonFiniteError, OutOfStepError
 from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, StepHealth
 from nanguard.guard.progress import Progress
 
-__all__ = ["Shadow", "in_join", "install", "telling_joined"]
+__all__ = ["Shadow", "in_join", "install", "telling_joined", "tells_every_step"]
 
 log = logging.getLogger("nanguard")
 
@@ -54,6 +57,18 @@ class Shadow:
     tracker: Any = None
     """The run's hardware tracker (its first trip gathers every rank's whereabouts)."""
     disabled: bool = False
+    skip_spikes: bool = False
+    """The guard skips spikes (``GuardConfig.skip_spikes``): skips in a row may stop the run."""
+
+
+def tells_every_step(scaled: bool, skip_spikes: bool) -> bool:
+    """While a rank has joined, does every step end with the tell (``telling_joined``), not only a
+    trip? Where a step the joined rank cannot judge may stop the run: a GradScaler's collapse (the
+    joined rank holds no grad norm) and ``max_consecutive_skips`` reached by spike skips (it holds no
+    loss history). Both sides read the same facts, the guard's configuration, so they make the same
+    collectives: one small all-reduce a step, only while a rank has joined, only with a scaler or
+    ``skip_spikes``."""
+    return scaled or skip_spikes
 
 
 def install(model: nn.Module, shadow: Shadow) -> None:
@@ -61,15 +76,19 @@ def install(model: nn.Module, shadow: Shadow) -> None:
     guard's ``shadow`` after DDP's own on a joined rank. Nothing changes outside ``join()``."""
     if not isinstance(model, nn.parallel.DistributedDataParallel) or not dist.is_distributed():
         return
-    # The bound method (Join calls joinable.join_hook(**kwargs)); a newer guard on the same model
-    # replaces the older one's shadow rather than adding a second.
-    ddp_hook = getattr(model.join_hook, "ddp_join_hook", model.join_hook)
-    ref = weakref.ref(shadow)
+    # Join calls joinable.join_hook(**kwargs); a newer guard on the same model replaces the older
+    # one's shadow rather than adding a second. The model is held weakly, as the shadow is: a hook
+    # stored on the model that held it strongly (DDP's bound method) would make a reference cycle,
+    # and the model, with the process group its reducer holds, would outlive the loop's last
+    # reference until a garbage collection, perhaps into interpreter shutdown.
+    ddp_hook = type(model).join_hook
+    model_ref, ref = weakref.ref(model), weakref.ref(shadow)
 
     def join_hook(**kwargs: Any) -> JoinHook:
-        return _GuardedJoinHook(ddp_hook(**kwargs), ref)
+        ddp = model_ref()
+        assert ddp is not None, "join_hook is called on the model that holds it"
+        return _GuardedJoinHook(ddp_hook(ddp, **kwargs), ref)
 
-    join_hook.ddp_join_hook = ddp_hook  # type: ignore[attr-defined]
     model.join_hook = join_hook  # type: ignore[method-assign]
 
 
@@ -121,7 +140,18 @@ def _shadow_step(guard: Shadow) -> None:
         raise OutOfStepError(h.out_of_step)
     kind = h.trip_kind(scaled=guard.scaled)
     if kind not in ("params", "trip"):
-        return  # a GradScaler overflow needs the grad norm, which a joined rank does not hold
+        # A GradScaler overflow, a spike or a healthy step: judged by the stepping ranks alone (the
+        # joined rank holds neither their grad norm nor their history); it learns whether they stopped.
+        if tells_every_step(guard.scaled, guard.skip_spikes):
+            raised, step = _tell(False, None)
+            if raised:
+                log.warning(
+                    "nanguard: rank %d (joined): the ranks still stepping stopped at step %d", dist.rank(), step
+                )
+                raise NonFiniteError(
+                    None, f"the ranks still stepping stopped the run at step {step} (this rank had joined)"
+                )
+        return
     diag = dist.gather_diagnosis(None, h.bad_ranks) if kind == "trip" else None
     if guard.tracker is not None:
         guard.tracker.everyone()  # the stepping ranks' trip gathers every rank's whereabouts once

@@ -111,7 +111,9 @@ class Measure:
             return self._tripped(h, attempt)
         spikes = self._watch_trends(step, h)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
-        if not updated and (runaway := self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)) is not None:
+        # Not while a rank has joined (DDP join()): it holds no history to follow the trip with.
+        runaway = None if updated or h.joined else self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)
+        if runaway is not None:
             self.recovery.abandon(attempt.owns_buffers, attempt.rng)
             diag = runaway_growth(
                 step=step,

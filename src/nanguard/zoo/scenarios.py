@@ -247,13 +247,17 @@ SCENARIOS: tuple[Scenario, ...] = (
     # One AdamW update moves every weight by about lr: the next forward's residual stream is so
     # large that a LayerNorm's variance overflows float32 (Inf, not zero). The history holds one
     # step, so the weights' growth from the run's start is the evidence of divergence.
-    # SGD's update is lr x gradient: by step 4 the gradients are finite but past 1.8e19, float32's
-    # squared range, where the loop's own clip_grad_norm_ computes an Inf norm (the runner counts that
-    # as the plain run's first bad step); the step after, they are NaN.
+    # SGD's update is lr x gradient: the grad norm grows ~1e15-fold in four steps, and by step 4 or 5
+    # the run leaves float32's range. Whether it leaves as finite gradients past 1.8e19 (whose float32
+    # norm is Inf: a clip's), as an Inf in that step's forward, or a step later, depends on the
+    # CPU's rounding (weights perturbed by 1e-6 of themselves, another seed, or another CPU's kernels
+    # move it), not on the fault: expected is only the cause, at the step a plain run first goes
+    # non-finite. The finite-gradient trip itself is pinned by construction in
+    # tests/test_loop_faults.py (a loss summed over 1e20 terms).
     Scenario(
         "sgd_lr_huge_finite_gradients",
-        "SGD at lr=200: finite gradients past 1.8e19, whose float32 norm (a clip's) is Inf, before any NaN",
-        Expect("optimizer.divergence", None, None, "backward", "inf", step=FIRST_BAD),
+        "SGD at lr=200: the grad norm grows ~1e15x in four steps, then leaves float32's range",
+        Expect("optimizer.divergence", step=FIRST_BAD),
         optimizer="sgd",
         lr=200.0,
         fault_step=0,
