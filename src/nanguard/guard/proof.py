@@ -10,7 +10,10 @@ gradient norm, within a tolerance that nondeterministic reductions stay inside):
 
 - both non-finite: the step reproduces everywhere, a software or data fault: the ordinary diagnosis;
 - the suspect's non-finite (or different) where the peer's is finite: a faulty device
-  (``hardware.faulty_device``), named, with both computations as evidence;
+  (``hardware.faulty_device``), named, with both computations as evidence, unless the suspect's
+  replay traced the value to an op doing what it does on its inputs (a log of a negative): then
+  code or state that runs only on the suspect made the difference, and the ordinary diagnosis
+  stands with the proof in its evidence (``rank_local``);
 - both finite and alike: the fault came once and went (transient).
 
 Every rank gets the same verdict (one all-gather of the two results). It costs nothing until a
@@ -53,6 +56,28 @@ reductions in another order (atomics, split-K, TF32 matmuls) stay well inside.""
 
 # Causes a device cannot have made: the value is in the user's input, or in state every replica shares.
 _NOT_A_DEVICE = ("data.", "parameters.", "distributed.replica_divergence", "precision.loss_scale")
+# Causes whose origin op did what it does on the values it got (a log of a negative is NaN on any device).
+# When the suspect's replay traces the value to one of these and a peer computes the suspect's batch finite,
+# the values reaching the op differ between the two ranks: code or state that runs only on the suspect (a
+# hook, a rank-conditional branch, rank-local buffers), or an upstream miscomputation. Either way the device
+# is not proven faulty, so it is not named.
+_VALUES_EXPLAIN = frozenset(
+    {
+        "op.log_domain",
+        "op.sqrt_domain",
+        "op.trig_domain",
+        "op.division_by_zero",
+        "op.exp_overflow",
+        "op.masked_softmax",
+        "op.mask_fill_in_loss",
+        "norm.zero_variance",
+        "precision.overflow",
+        "optimizer.divergence",
+        "optimizer.nonfinite_update",
+        "init.scale",
+        "compile.numerics",
+    }
+)
 
 
 def prove(
@@ -66,7 +91,7 @@ def prove(
     own_loss: float,
 ) -> dict[str, Any] | None:
     """Re-compute the suspect rank's step on a peer; the proof's evidence (``verdict``: "everywhere",
-    "device", "transient", "inconclusive" or "unproven", with why), the same on every rank, or
+    "device", "rank_local", "transient", "inconclusive" or "unproven", with why), the same on every rank, or
     None when no proof applies (not data parallel, no rank flagged, a cause no device makes).
 
     Every rank calls it with the agreed ``diag`` and ``flagged``; the others wait in its collectives.
@@ -94,6 +119,14 @@ def prove(
     s, p = results[suspect], results[peer]
     assert s is not None and p is not None
     verdict, why = judge(s, p, rtol=_rtol(model))
+    if verdict == "device" and diag.cause in _VALUES_EXPLAIN:
+        verdict = "rank_local"
+        why = (
+            f"a peer computes the suspect's batch finite, but the suspect's replay traces the value to "
+            f"{diag.op or 'an op'} doing what it does on the values it got ({diag.cause}): the values differ "
+            "because of code or state that runs only on the suspect rank (a hook, a rank-conditional branch, "
+            "rank-local buffers) or an upstream miscomputation; the device is not proven faulty"
+        )
     proof.update(
         verdict=verdict,
         why=why,
