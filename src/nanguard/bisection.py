@@ -29,6 +29,7 @@ from nanguard import dist
 from nanguard.cli.replay import _call, _resolve
 from nanguard.errors import NanguardError, NonFiniteError
 from nanguard.findings import Diagnosis
+from nanguard.report.load import Progress, progress_of
 from nanguard.stats import local
 
 __all__ = ["Bisection", "Checkpoint", "bisect"]
@@ -36,8 +37,6 @@ __all__ = ["Bisection", "Checkpoint", "bisect"]
 REQUIRED = ("model", "optimizer", "load", "batches", "closure")
 OPTIONAL = ("scheduler", "scaler")
 RECENT = 16  # the last steps' loss and grad norm kept for the report
-
-Progress = Callable[[int, str], contextlib.AbstractContextManager[Callable[[str], None]]]
 
 
 @dataclass
@@ -287,7 +286,7 @@ def _check_all(parts: _Parts, entries: list[Path], progress: Progress | None) ->
     """Load every entry and check it; the table agreed by every rank, in load order."""
     table: list[Checkpoint] = []
     _agree_count(len(entries))
-    with _progress(progress, len(entries), "checking checkpoints") as advance:
+    with progress_of(progress, len(entries), "checking checkpoints") as advance:
         for path in entries:
             entry = Checkpoint(str(path), None)
             try:
@@ -389,7 +388,7 @@ def _replay(
     found = Bisection(None, start.step, start.path, 0, None, None, until, table, spikes, recent)
     total = until - start.step + 1 if until is not None else 0
     try:
-        with _progress(progress, max(total, 0), f"replaying from step {start.step}") as advance:
+        with progress_of(progress, max(total, 0), f"replaying from step {start.step}") as advance:
             for step, batch in _steps(parts.batches, start.step, until):
                 found.last_step = step
                 found.steps_replayed += 1
@@ -484,15 +483,6 @@ def _gather(values: list[int | bool]) -> list[list[int]]:
 
 
 # -- small helpers -----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _progress(progress: Progress | None, total: int, label: str) -> Iterator[Callable[[str], None]]:
-    if progress is None:
-        yield lambda message: None
-        return
-    with progress(total, label) as advance:
-        yield advance
 
 
 def _one_line(err: BaseException) -> str:

@@ -274,32 +274,32 @@ def fsdp_unsharded_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     by the parameter's name; [] outside FSDP2."""
     names = {id(p): n for n, p in model.named_parameters()}
     found: list[tuple[str, torch.Tensor]] = []
+    for fsdp_param in _fsdp_params(model):
+        name = names.get(id(getattr(fsdp_param, "sharded_param", None)), "")
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        for grad in (getattr(fsdp_param, "unsharded_accumulated_grad", None), getattr(unsharded, "grad", None)):
+            if isinstance(grad, torch.Tensor):
+                found.append((name, grad))
+    return found
+
+
+def _fsdp_params(model: nn.Module) -> Iterator[Any]:
+    """Every FSDP2 parameter record (``FSDPParam``) of ``model``'s fully_shard'ed modules."""
     for module in model.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
         if not callable(get_state):
             continue
         group = getattr(get_state(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            name = names.get(id(getattr(fsdp_param, "sharded_param", None)), "")
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            for grad in (getattr(fsdp_param, "unsharded_accumulated_grad", None), getattr(unsharded, "grad", None)):
-                if isinstance(grad, torch.Tensor):
-                    found.append((name, grad))
-    return found
+        yield from getattr(group, "fsdp_params", [])
 
 
 def drop_fsdp_accumulated_grads(model: nn.Module) -> None:
     """Forget the unsharded gradients FSDP2 accumulated while gradient sync was off."""
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if not callable(get_state):
-            continue
-        group = getattr(get_state(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            fsdp_param.unsharded_accumulated_grad = None
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
+    for fsdp_param in _fsdp_params(model):
+        fsdp_param.unsharded_accumulated_grad = None
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
 
 
 # Known to work: torch 2.13.0. Model code calls ``torch.distributed.all_reduce`` and friends

@@ -20,7 +20,18 @@ from nanguard.findings import Diagnosis, jsonable
 from nanguard.hardware import TRACKER, device_rows, read_tracker
 from nanguard.report.stream import StepRecord, StepSeries, read_rank_log
 
-__all__ = ["BundleInfo", "Drill", "Marker", "RankLog", "RunReport", "StepRecord", "Trip", "load_run"]
+__all__ = [
+    "BundleInfo",
+    "Drill",
+    "Marker",
+    "Progress",
+    "RankLog",
+    "RunReport",
+    "StepRecord",
+    "Trip",
+    "load_run",
+    "progress_of",
+]
 
 _RANK_FILE = re.compile(r"^events-rank(\d+)\.jsonl$")
 _BUNDLE_DIR = re.compile(r"^step-(\d+)-rank-(\d+)$")
@@ -340,7 +351,7 @@ def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunRep
     notes: list[str] = []
     report = RunReport(run_dir=root, ranks={})
     per_rank: dict[int, list[dict[str, Any]]] = {}
-    with _progress(progress, len(files) + len(bundle_dirs), "reading run") as advance:
+    with progress_of(progress, len(files) + len(bundle_dirs), "reading run") as advance:
         for rank, path in files:
             log, events = _read_rank(rank, path, notes)
             report.ranks[rank] = log
@@ -377,7 +388,8 @@ def _no_logs_here(root: Path) -> str:
 
 
 @contextlib.contextmanager
-def _progress(progress: Progress | None, total: int, label: str) -> Iterator[Callable[[str], None]]:
+def progress_of(progress: Progress | None, total: int, label: str) -> Iterator[Callable[[str], None]]:
+    """``progress``'s advance callback for ``total`` items, or a no-op when there is no progress display."""
     if progress is None:
         yield lambda message: None
         return
