@@ -232,8 +232,9 @@ class Recovery:
 
     def _slot(self, step: int) -> int:
         """The slot a snapshot of ``step`` goes to: the one of the same step, else the next in the
-        doubling-age rotation; a slot not yet allocated only while the host's available memory holds
-        four more snapshots (else the newest snapshot's slot is refreshed)."""
+        doubling-age rotation; a slot not yet allocated only while every rank's host has available memory
+        for four more snapshots (else the newest snapshot's slot is refreshed; one small all-reduce, at most
+        ``snapshots - 1`` times a run)."""
         held = [i for i, snap in enumerate(self._slots) if snap is not None]
         for i in held:
             if self._slots[i]["step"] == step:  # type: ignore[index]
@@ -244,7 +245,9 @@ class Recovery:
         if self._slots[slot] is None and held:
             newest = max(held, key=lambda i: int(self._slots[i]["step"]))  # type: ignore[index]
             free = _available_memory()
-            if free is not None and 4 * _nbytes(self._slots[newest]) > free:
+            short = free is not None and 4 * _nbytes(self._slots[newest]) > free
+            # Every rank must keep the same slots, or a rollback would restore another step on each.
+            if dist.agree_flag(short):
                 return newest
         return slot
 
