@@ -71,7 +71,7 @@ def test_docs_cause_table_is_the_table() -> None:
 
 
 def _rule_causes() -> dict[str, set[str]]:
-    """Each function of diagnose.py and the cause ids its ``Verdict(...)`` calls name."""
+    """Each function of diagnose.py and the cause ids its ``Judgement(...)`` calls name."""
     tree = ast.parse(Path(diagnose.__file__).read_text(encoding="utf-8"))
     named: dict[str, set[str]] = {}
     for node in tree.body:
@@ -79,7 +79,7 @@ def _rule_causes() -> dict[str, set[str]]:
             ids = {
                 arg.value
                 for call in ast.walk(node)
-                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Verdict"
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Judgement"
                 for arg in call.args[:1]
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
             }
@@ -92,7 +92,7 @@ def test_rules_run_in_the_order_of_the_stages() -> None:
     stages = []
     for rule in diagnose.RULES:
         causes = named.get(rule.__name__) or set()
-        assert causes, f"{rule.__name__} names no cause of the table in a Verdict(...)"
+        assert causes, f"{rule.__name__} names no cause of the table in a Judgement(...)"
         stages.append(max(STAGES.index(TABLE[c].stage) for c in causes))
     assert stages == sorted(stages), list(zip([r.__name__ for r in diagnose.RULES], stages, strict=True))
 
