@@ -55,7 +55,6 @@ class Apply:
         scaler: Any,
         config: GuardConfig,
         params: list[torch.Tensor],
-        cuda_devices: list[int],
         health: HealthCheck,
         history: History,
         recovery: Recovery,
@@ -66,7 +65,7 @@ class Apply:
         progress: Progress,
     ) -> None:
         self.model, self.optimizer, self.scaler, self.config = model, optimizer, scaler, config
-        self.params, self.cuda_devices = params, cuda_devices
+        self.params = params
         self.health, self.history, self.recovery, self.remedies = health, history, recovery, remedies
         self.recorder, self.injector, self.tracker, self.progress = recorder, injector, tracker, progress
         self.rank = dist.rank()
@@ -201,6 +200,13 @@ class Apply:
             return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
         except Exception as err:  # evidence only: the bundle is written without it
             return {"meta_error": repr(err)}
+
+    def drop_batch(self) -> None:
+        """One of the batches after a rollback (``rollback_skip_batches``): counted, not run."""
+        step, self.progress.action = self.progress.step, "drop_batch"
+        self.progress.step += 1
+        self.recorder.skip(step, reason="rollback: dropping the batch after a bad one")
+        log.warning("nanguard: step %d: batch dropped after rollback", step)
 
     # -- the update ----------------------------------------------------------------------
     def update(self, *, device_step: bool) -> None:
