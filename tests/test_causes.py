@@ -34,13 +34,15 @@ def test_every_cause_has_every_field() -> None:
         "remedy",
         "budgeted",
         "history_overrules",
+        "computed_from_inputs",
         "fixes",
     ]
     for cause_id, cause in TABLE.items():
         assert cause.id == cause_id and cause.meaning and cause.fixes and all(cause.fixes), cause_id
         assert cause.stage in STAGES and cause.remedy in REMEDIES, cause_id
         assert cause.phase is None or cause.phase in ("data", "parameters", "optimizer", "communication", "backward")
-        assert all(isinstance(getattr(cause, f), bool) for f in ("skippable", "repeatable", "budgeted"))
+        flags = ("skippable", "repeatable", "budgeted", "history_overrules", "computed_from_inputs")
+        assert all(isinstance(getattr(cause, f), bool) for f in flags)
 
 
 def test_a_row_missing_a_field_is_an_error() -> None:
@@ -69,7 +71,7 @@ def test_docs_cause_table_is_the_table() -> None:
 
 
 def _rule_causes() -> dict[str, set[str]]:
-    """Each function of diagnose.py and the cause ids its ``Verdict(...)`` calls name."""
+    """Each function of diagnose.py and the cause ids its ``Judgement(...)`` calls name."""
     tree = ast.parse(Path(diagnose.__file__).read_text(encoding="utf-8"))
     named: dict[str, set[str]] = {}
     for node in tree.body:
@@ -77,7 +79,7 @@ def _rule_causes() -> dict[str, set[str]]:
             ids = {
                 arg.value
                 for call in ast.walk(node)
-                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Verdict"
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Judgement"
                 for arg in call.args[:1]
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
             }
@@ -90,7 +92,7 @@ def test_rules_run_in_the_order_of_the_stages() -> None:
     stages = []
     for rule in diagnose.RULES:
         causes = named.get(rule.__name__) or set()
-        assert causes, f"{rule.__name__} names no cause of the table in a Verdict(...)"
+        assert causes, f"{rule.__name__} names no cause of the table in a Judgement(...)"
         stages.append(max(STAGES.index(TABLE[c].stage) for c in causes))
     assert stages == sorted(stages), list(zip([r.__name__ for r in diagnose.RULES], stages, strict=True))
 
@@ -120,6 +122,16 @@ def test_skip_refuses_exactly_the_unskippable_causes(cause: str) -> None:
     diag = Diagnosis(cause=cause, phase=row.phase if row.phase and row.phase != "optimizer" else "forward")
     action = Policy(GuardConfig(policy="skip")).decide(Verdict("trip", 5, diagnosis=diag), _State())
     assert action.kind == ("skip" if row.skippable else "raise")
+
+
+def test_only_causes_with_an_origin_op_are_computed_from_its_inputs() -> None:
+    # A value the user passed in, state the replicas share, or a cause found without an origin op
+    # (the replay, the proof, the fallback) cannot be one an op computed from its inputs on any device.
+    computed = {c.id for c in TABLE.values() if c.computed_from_inputs}
+    assert computed and "op.log_domain" in computed and "compile.numerics" in computed
+    for cause in computed:
+        assert TABLE[cause].stage != "data" and TABLE[cause].phase not in ("data", "parameters"), cause
+        assert not cause.startswith(("distributed.", "hardware.", "step.")) and cause != "unknown", cause
 
 
 def test_the_zoo_expects_the_phase_of_the_table() -> None:

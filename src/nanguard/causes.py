@@ -48,6 +48,10 @@ class Cause:
     """Does the remedy change the run (upcast, rollback, LR), so it counts against ``remedy_budget``?"""
     history_overrules: bool
     """A diagnosis without a located origin that the run's growth history turns into divergence."""
+    computed_from_inputs: bool
+    """Does its origin op compute the non-finite value from the inputs it got, on any device (a log of a
+    negative)? Then a peer that computes the same batch finite proves the inputs differ on the suspect
+    rank (``guard/proof.py``: a rank-local verdict), not a faulty device."""
     fixes: tuple[str, ...]
     """What to try, most likely first, when the rule that found it has nothing more specific."""
 
@@ -71,6 +75,7 @@ def _cause(
     remedy: str = "skip",
     budgeted: bool = False,
     history_overrules: bool = False,
+    computed_from_inputs: bool = False,
     fixes: tuple[str, ...],
 ) -> Cause:
     return Cause(
@@ -83,6 +88,7 @@ def _cause(
         remedy=remedy,
         budgeted=budgeted,
         history_overrules=history_overrules,
+        computed_from_inputs=computed_from_inputs,
         fixes=fixes,
     )
 
@@ -143,36 +149,42 @@ _ROWS = [
         "op.log_domain",
         "log of zero or a negative value (e.g. a loss on probabilities)",
         "op",
+        computed_from_inputs=True,
         fixes=("clamp the argument of log (x.clamp_min(eps)) or use log_softmax / a *_with_logits loss",),
     ),
     _cause(
         "op.sqrt_domain",
         "sqrt/rsqrt/pow of a negative value, or the gradient of sqrt at zero",
         "op",
+        computed_from_inputs=True,
         fixes=("add eps inside the sqrt (torch.sqrt(x + eps)) or clamp the argument at 0",),
     ),
     _cause(
         "op.division_by_zero",
         "division by zero in model or loss code",
         "op",
+        computed_from_inputs=True,
         fixes=("add eps to the denominator or clamp it away from zero",),
     ),
     _cause(
         "op.exp_overflow",
         "exp (or softmax written without max subtraction) overflowing in float32",
         "op",
+        computed_from_inputs=True,
         fixes=("subtract the max before exp (torch.softmax / logsumexp do) or clamp the argument",),
     ),
     _cause(
         "op.masked_softmax",
         "softmax over a row that is entirely -inf (a fully masked row)",
         "op",
+        computed_from_inputs=True,
         fixes=("give every row at least one unmasked position, or fill masked rows with a finite value",),
     ),
     _cause(
         "norm.zero_variance",
         "a normalization layer divided by (near) zero variance: eps missing or too small",
         "op",
+        computed_from_inputs=True,
         fixes=("give the normalization an eps that suits the dtype (1e-5 or more under float16)",),
     ),
     _cause(
@@ -182,6 +194,7 @@ _ROWS = [
         repeatable=True,
         remedy="upcast",
         budgeted=True,
+        computed_from_inputs=True,
         fixes=("run the overflowing module in float32, or switch float16 autocast to bfloat16",),
     ),
     _cause(
@@ -198,6 +211,7 @@ _ROWS = [
         "divergence",
         remedy="rollback_lower_lr",
         budgeted=True,
+        computed_from_inputs=True,
         fixes=("lower the learning rate, add warmup, or clip gradients (clip_grad_norm=1.0)",),
     ),
     _cause(
@@ -209,6 +223,7 @@ _ROWS = [
         remedy="rollback",
         budgeted=True,
         history_overrules=True,
+        computed_from_inputs=True,
         fixes=("check the optimizer's eps and lr, and its state for NaN/Inf",),
     ),
     _cause(
@@ -216,6 +231,7 @@ _ROWS = [
         "parameters initialized at a scale far too large, blowing up activations early",
         "init",
         repeatable=True,
+        computed_from_inputs=True,
         fixes=("initialize weights near 1/sqrt(fan_in): ng.audit_model(model) names them",),
     ),
     _cause(
@@ -246,6 +262,7 @@ _ROWS = [
         "a -inf mask fill inside the model reaches the loss or a sum over the masked positions "
         "(label smoothing, an entropy over masked logits)",
         "op",
+        computed_from_inputs=True,
         fixes=("fill masked positions with the dtype's min (finite) instead of -inf",),
     ),
     _cause(
@@ -258,12 +275,14 @@ _ROWS = [
         "op.trig_domain",
         "acos/asin of a value outside [-1, 1] (a cosine rounded past 1)",
         "op",
+        computed_from_inputs=True,
         fixes=("clamp the argument to [-1 + eps, 1 - eps] before acos/asin",),
     ),
     _cause(
         "compile.numerics",
         "the compiled step is non-finite where the same step run eagerly is finite: the compiler's numerics",
         "fallback",
+        computed_from_inputs=True,
         fixes=("compile with backend='aot_eager' (no inductor code generation): does the run stay finite?",),
     ),
     _cause(

@@ -1,7 +1,7 @@
 """Evidence -> cause: an ordered table of small, pure rules.
 
 Each rule reads the evidence dict that ``locate`` (and the guard's history) builds and
-returns a ``Verdict`` or None. The first rule that fits wins; the order puts the more
+returns a ``Judgement`` or None. The first rule that fits wins; the order puts the more
 specific and more upstream causes first: data, parameters, init, divergence, then the
 op-level causes.
 
@@ -35,7 +35,7 @@ _V = TypeVar("_V")
 __all__ = [
     "HINTS",
     "RULES",
-    "Verdict",
+    "Judgement",
     "communication_overflow",
     "diagnose",
     "faulty_device",
@@ -62,7 +62,13 @@ def _rule(read: Callable[[Evidence], _V]) -> Callable[[Evidence | Mapping[str, A
 
 
 @dataclass
-class Verdict:
+class Judgement:
+    """What a rule makes of the evidence: the cause it names, why, and the fixes to try.
+
+    ``diagnose`` returns the first rule's; ``locate`` builds the ``Diagnosis`` from it. (The guard's
+    ``policy.Verdict`` is another record: what a measured step was, before the policy decides.)
+    """
+
     cause: str
     why: str
     fixes: list[str] = field(default_factory=list)
@@ -97,7 +103,7 @@ def _node_op(node: str) -> str:
 
 # -- data ------------------------------------------------------------------------------
 @_rule
-def index_out_of_range(ev: Evidence) -> Verdict | None:
+def index_out_of_range(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if o.category != "index":
         return None
@@ -116,11 +122,11 @@ def index_out_of_range(ev: Evidence) -> Verdict | None:
         "call ng.check_batch(batch, model=model) before the forward: on CUDA this "
         "error is a device-side assert that kills the process",
     ]
-    return Verdict("data.index_out_of_range", why, fixes)
+    return Judgement("data.index_out_of_range", why, fixes)
 
 
 @_rule
-def no_valid_targets(ev: Evidence) -> Verdict | None:
+def no_valid_targets(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if o.get("reduced_elements") == 0 and o.get("targets") == 0 and o.category == "op":
         return _empty_targets(o)
@@ -138,10 +144,10 @@ def no_valid_targets(ev: Evidence) -> Verdict | None:
         "use reduction='sum' and divide by max(number of valid targets, 1)",
         "run ng.check_batch(batch) in the data loader to drop such batches",
     ]
-    return Verdict("data.no_valid_targets", why, fixes)
+    return Judgement("data.no_valid_targets", why, fixes)
 
 
-def _zero_weight_targets(o: OriginEvidence) -> Verdict | None:
+def _zero_weight_targets(o: OriginEvidence) -> Judgement | None:
     """A class-weighted mean loss whose valid targets all have weight 0 while other classes have
     weight: the batch holds only zero-weighted classes (a crop of the void class), 0/0."""
     weights, denom = o.get("class_weights") or {}, o.get("denominator") or {}
@@ -158,7 +164,7 @@ def _zero_weight_targets(o: OriginEvidence) -> Verdict | None:
         "use reduction='sum' and divide by max(total weight, eps), or map a void class to ignore_index instead",
         "run ng.check_batch(batch) in the data loader to drop batches with no valid target",
     ]
-    return Verdict("data.no_valid_targets", why, fixes)
+    return Judgement("data.no_valid_targets", why, fixes)
 
 
 def _zero_count_from_batch(o: OriginEvidence) -> str | None:
@@ -173,7 +179,7 @@ def _zero_count_from_batch(o: OriginEvidence) -> str | None:
     return str(denom["counted_from"])
 
 
-def _empty_targets(o: OriginEvidence, counted: str | None = None) -> Verdict:
+def _empty_targets(o: OriginEvidence, counted: str | None = None) -> Judgement:
     """A mean over targets the batch selected none of: a mean-reduced loss given no targets at all
     (no positive anchor), or a division by a count of 0 computed from the batch (``mask.sum()``)."""
     if counted is None:
@@ -191,11 +197,11 @@ def _empty_targets(o: OriginEvidence, counted: str | None = None) -> Verdict:
         "use reduction='sum' and divide by max(number of selected targets, 1)",
         "check the batch: samples without any valid target should be filtered or re-packed",
     ]
-    return Verdict("data.no_valid_targets", why, fixes)
+    return Judgement("data.no_valid_targets", why, fixes)
 
 
 @_rule
-def nonfinite_data(ev: Evidence) -> Verdict | None:
+def nonfinite_data(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if o.category not in ("data", "fill"):
         return None
@@ -213,12 +219,12 @@ def nonfinite_data(ev: Evidence) -> Verdict | None:
         "validate batches with ng.check_batch(batch) and drop bad ones in the data loader",
         "use ng.Guard(..., policy='skip') so a bad batch costs one step, not the run",
     ]
-    return Verdict("data.nonfinite", why, fixes)
+    return Judgement("data.nonfinite", why, fixes)
 
 
 # -- parameters and init ---------------------------------------------------------------
 @_rule
-def nonfinite_parameters(ev: Evidence) -> Verdict | None:
+def nonfinite_parameters(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if o.category != "parameters":
         return None
@@ -234,7 +240,7 @@ def nonfinite_parameters(ev: Evidence) -> Verdict | None:
         "after every update and names the step",
         "ng.audit_model(model) lists every non-finite parameter and buffer",
     ]
-    return Verdict("parameters.nonfinite", why, fixes)
+    return Judgement("parameters.nonfinite", why, fixes)
 
 
 _PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention", "mul")
@@ -254,7 +260,7 @@ def _grown(ev: Evidence) -> bool:
 
 
 @_rule
-def init_scale(ev: Evidence) -> Verdict | None:
+def init_scale(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     # The guard passes the scale the run started from; locate alone sees the current one.
     scale = ev.scale
@@ -279,11 +285,11 @@ def init_scale(ev: Evidence) -> Verdict | None:
         "check a custom _init_weights: a std meant for a gain was passed as the std",
         "ng.audit_model(model) flags every weight far from 1/sqrt(fan_in)",
     ]
-    return Verdict("init.scale", why, fixes)
+    return Judgement("init.scale", why, fixes)
 
 
 @_rule
-def divergence(ev: Evidence) -> Verdict | None:
+def divergence(ev: Evidence) -> Judgement | None:
     history = ev.history or {}
     if not history.get("diverging"):
         return None
@@ -294,7 +300,7 @@ def divergence(ev: Evidence) -> Verdict | None:
     )
     if o.op:
         why += f"; the first non-finite value then appeared in {o.op} ({_where(o)})"
-    return Verdict("optimizer.divergence", why, _divergence_fixes(history))
+    return Judgement("optimizer.divergence", why, _divergence_fixes(history))
 
 
 def _divergence_fixes(history: Mapping[str, Any]) -> list[str]:
@@ -307,7 +313,7 @@ def _divergence_fixes(history: Mapping[str, Any]) -> list[str]:
 
 # -- op-level --------------------------------------------------------------------------
 @_rule
-def precision_overflow(ev: Evidence) -> Verdict | None:
+def precision_overflow(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     ref = o.get("fp32_recompute") or {}
     if not ref.get("finite"):
@@ -322,11 +328,11 @@ def precision_overflow(ev: Evidence) -> Verdict | None:
         "scale the operands down first: e.g. divide q by sqrt(head_dim) before q @ k^T, not after",
         "under autocast, wrap the block in torch.autocast(device_type, enabled=False) and cast to float32",
     ]
-    return Verdict("precision.overflow", why, fixes)
+    return Judgement("precision.overflow", why, fixes)
 
 
 @_rule
-def masked_softmax(ev: Evidence) -> Verdict | None:
+def masked_softmax(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     node = o.node or ""
     if _short(o.op) in ("_softmax", "_log_softmax", "_safe_softmax") and o.get("fully_masked_rows"):
@@ -351,7 +357,7 @@ def masked_softmax(ev: Evidence) -> Verdict | None:
         "use F.scaled_dot_product_attention, whose softmax returns 0 for fully masked rows",
         "drop all-padding samples: ng.check_batch flags them as data.fully_masked",
     ]
-    return Verdict("op.masked_softmax", why, fixes)
+    return Judgement("op.masked_softmax", why, fixes)
 
 
 def _masked_by(o: OriginEvidence) -> str:
@@ -365,14 +371,14 @@ def _masked_by(o: OriginEvidence) -> str:
 
 
 @_rule
-def _empty_sample_hint(ev: Evidence) -> Verdict | None:
+def _empty_sample_hint(ev: Evidence) -> Judgement | None:
     """A fully masked row whose mask the batch carried: the sample is the cause behind the op."""
     o = _origin(ev)
     found = o.get("masked_by")
     if not isinstance(found, dict):
         return None
     why = f"sample row(s) {found.get('rows')} of {found.get('path')} mask every position"
-    return Verdict("data.fully_masked", why, ["drop or re-pack samples whose mask is all zeros"])
+    return Judgement("data.fully_masked", why, ["drop or re-pack samples whose mask is all zeros"])
 
 
 def _met_sentinels(o: OriginEvidence) -> bool:
@@ -383,7 +389,7 @@ def _met_sentinels(o: OriginEvidence) -> bool:
     return "-inf" in met and bool(sources) and all(s.get("category") in ("write", "fill") for s in sources)
 
 
-def _infinities_met(o: OriginEvidence) -> Verdict:
+def _infinities_met(o: OriginEvidence) -> Judgement:
     """A softmax, logsumexp or online (blockwise) softmax written out by hand over a row or block
     that is entirely -inf: ``x - max(x)`` is ``-inf - (-inf)``."""
     written = sorted({s.get("op") or s.get("path") or "?" for s in o.get("infinity_sources") or []})
@@ -399,7 +405,7 @@ def _infinities_met(o: OriginEvidence) -> Verdict:
         "block contributes exp(-inf) = 0 and its row sum stays 0 (divide by sum.clamp_min(tiny))",
         "drop all-padding samples before the model: ng.check_batch flags them as data.fully_masked",
     ]
-    return Verdict("op.masked_softmax", why, fixes)
+    return Judgement("op.masked_softmax", why, fixes)
 
 
 def _neginf_inputs(o: OriginEvidence) -> int:
@@ -473,7 +479,7 @@ def _overflow_why(o: OriginEvidence) -> str:
 
 
 @_rule
-def grown_weights_norm_overflow(ev: Evidence) -> Verdict | None:
+def grown_weights_norm_overflow(ev: Evidence) -> Judgement | None:
     """A normalization whose statistics overflowed once the weights grew far from the scale the run
     started from: training blew them up (the guard passes that scale; ``norm_overflow`` otherwise)."""
     o = _origin(ev)
@@ -481,11 +487,11 @@ def grown_weights_norm_overflow(ev: Evidence) -> Verdict | None:
         return None
     scale = ev.weight_scale or {}
     why = _overflow_why(o) + f"; the weights of '{scale.get('module')}' are {growth:.3g}x their scale at the start"
-    return Verdict("optimizer.divergence", why + " of the run", _divergence_fixes(ev.history or {}))
+    return Judgement("optimizer.divergence", why + " of the run", _divergence_fixes(ev.history or {}))
 
 
 @_rule
-def zero_variance(ev: Evidence) -> Verdict | None:
+def zero_variance(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     mtype = o.module_type or ""
     if not _normalization(o) or _statistics_overflowed(o):
@@ -510,11 +516,11 @@ def zero_variance(ev: Evidence) -> Verdict | None:
         else f"add an eps >= {floor:g} inside the sqrt of the hand-written norm",
         "constant inputs (padding, a dead channel, a zero embedding row) have zero variance: the eps must cover them",
     ]
-    return Verdict("norm.zero_variance", why, fixes)
+    return Judgement("norm.zero_variance", why, fixes)
 
 
 @_rule
-def _normalization_hint(ev: Evidence) -> Verdict | None:
+def _normalization_hint(ev: Evidence) -> Judgement | None:
     """A division that normalizes a tensor by its own norm (F.normalize, cosine similarity, weight
     norm, spectral norm, a std over one sample): the normalization layer's failure as a second cause."""
     o = _origin(ev)
@@ -522,7 +528,7 @@ def _normalization_hint(ev: Evidence) -> Verdict | None:
         return None
     why = f"{_where(o)} divides a tensor by its own {o.get('statistic')} with no eps: a normalization whose"
     why += " statistic is 0 (a zero row, a zero weight, one element) leaves 0/0"
-    return Verdict("norm.zero_variance", why)
+    return Judgement("norm.zero_variance", why)
 
 
 _LOG_OPS = ("log", "log2", "log10", "log_", "log2_", "log10_")
@@ -536,7 +542,7 @@ _LOG_FAMILY = frozenset(
 
 
 @_rule
-def log_domain(ev: Evidence) -> Verdict | None:
+def log_domain(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     op, node = _short(o.op), (o.node or "")
     in_log = op in _LOG_OPS or _node_op(node) in _LOG_OPS
@@ -555,10 +561,10 @@ def log_domain(ev: Evidence) -> Verdict | None:
         "compute F.log_softmax(logits.float()) instead of log(softmax(...)); F.cross_entropy takes logits directly",
         "if you need log of a probability, clamp it: torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))",
     ]
-    return Verdict("op.log_domain", why, fixes)
+    return Judgement("op.log_domain", why, fixes)
 
 
-def _log_family(o: OriginEvidence) -> Verdict:
+def _log_family(o: OriginEvidence) -> Judgement:
     """xlogy, log1p, logit, lgamma/digamma and the special functions with a log inside, at or past
     the end of their domain; inside a distribution's method (``Beta.log_prob`` runs
     ``xlogy(a - 1, x)``), a value on the boundary of the distribution's support."""
@@ -580,10 +586,10 @@ def _log_family(o: OriginEvidence) -> Verdict:
         "or mask the terms that sit on it out of the sum",
         "where a log of a probability is the goal, compute it from logits (F.logsigmoid, F.log_softmax)",
     ]
-    return Verdict("op.log_domain", why, fixes)
+    return Judgement("op.log_domain", why, fixes)
 
 
-def _log_determinant(o: OriginEvidence) -> Verdict:
+def _log_determinant(o: OriginEvidence) -> Judgement:
     """logdet of a matrix whose determinant is negative is NaN by definition (torch returns NaN
     through an internal where), and of a singular one -inf: the log's domain, not a write."""
     negative, zero = o.get("negative_determinants"), o.get("zero_determinants")
@@ -602,11 +608,11 @@ def _log_determinant(o: OriginEvidence) -> Verdict:
         "parametrize W so its determinant cannot change sign: W = P L (U + diag(s)) with s = exp(log_s) "
         "(Glow's LU form)",
     ]
-    return Verdict("op.log_domain", why, fixes)
+    return Judgement("op.log_domain", why, fixes)
 
 
 @_rule
-def sqrt_domain(ev: Evidence) -> Verdict | None:
+def sqrt_domain(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     op, node = _short(o.op), (o.node or "")
     # The op itself, in forward or run by a backward of the user's (a custom autograd Function).
@@ -630,11 +636,11 @@ def sqrt_domain(ev: Evidence) -> Verdict | None:
         "add an eps inside the root: torch.sqrt(x + 1e-12), or torch.sqrt(x.clamp_min(1e-12))",
         "for distances and norms use torch.linalg.vector_norm / torch.cdist, whose gradient at 0 is defined",
     ]
-    return Verdict("op.sqrt_domain", why, fixes)
+    return Judgement("op.sqrt_domain", why, fixes)
 
 
 @_rule
-def exp_overflow(ev: Evidence) -> Verdict | None:
+def exp_overflow(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if _short(o.op) not in ("exp", "exp_", "pow") or ev.kind != "inf":
         return None
@@ -645,11 +651,11 @@ def exp_overflow(ev: Evidence) -> Verdict | None:
         "or use torch.softmax / torch.logsumexp, which do",
         "bound the argument (e.g. clamp a log-variance before exp)",
     ]
-    return Verdict("op.exp_overflow", why, fixes)
+    return Judgement("op.exp_overflow", why, fixes)
 
 
 @_rule
-def division_by_zero(ev: Evidence) -> Verdict | None:
+def division_by_zero(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     op, node = _short(o.op), (o.node or "")
     count, correction = o.get("reduced_elements"), o.get("correction")
@@ -677,7 +683,7 @@ def division_by_zero(ev: Evidence) -> Verdict | None:
         "clamp the denominator: x.sum() / mask.sum().clamp_min(1) for a masked mean",
         "or add an eps: x / (d + 1e-8)",
     ]
-    return Verdict("op.division_by_zero", why, fixes)
+    return Judgement("op.division_by_zero", why, fixes)
 
 
 def _zero_scalar_divisor(o: OriginEvidence, op: str) -> bool:
@@ -691,7 +697,7 @@ def _zero_scalar_divisor(o: OriginEvidence, op: str) -> bool:
 _DIVISIONS = {"div": 1, "div_": 1, "true_divide": 1, "reciprocal": 0, "addcdiv": 2, "addcdiv_": 2}
 
 
-def _composite_zero(o: OriginEvidence) -> Verdict | None:
+def _composite_zero(o: OriginEvidence) -> Judgement | None:
     """A composite op that divides inside (weight_norm by ||v||, a class-weighted nll_loss by the
     targets' total weight) with a denominator of 0: the tracer's ``denominator`` says which."""
     denom = o.get("denominator") or {}
@@ -715,10 +721,10 @@ def _composite_zero(o: OriginEvidence) -> Verdict | None:
             "check how the class weights were computed: a frequency of 0, or a weight tensor zeroed on its way "
             "to the device",
         ]
-    return Verdict("op.division_by_zero", why, fixes)
+    return Judgement("op.division_by_zero", why, fixes)
 
 
-def _root_of_zero(ev: Evidence, o: OriginEvidence) -> Verdict | None:
+def _root_of_zero(ev: Evidence, o: OriginEvidence) -> Judgement | None:
     """rsqrt of an exact zero is 1/sqrt(0): a division by zero, not the root of a negative value."""
     op = _short(o.op)
     x = _first_input(o)
@@ -731,10 +737,10 @@ def _root_of_zero(ev: Evidence, o: OriginEvidence) -> Verdict | None:
         "add an eps inside the root: torch.rsqrt(x + eps), with eps >= 1e-6 (the dtype's floor)",
         "a zero row (padding, a zero embedding) has a zero mean of squares: the eps must cover it",
     ]
-    return Verdict("op.division_by_zero", why, fixes)
+    return Judgement("op.division_by_zero", why, fixes)
 
 
-def _too_few(o: OriginEvidence, count: int, correction: float) -> Verdict:
+def _too_few(o: OriginEvidence, count: int, correction: float) -> Judgement:
     """A mean, std/var or mean-reduced loss over too few elements divides by n - correction <= 0."""
     op = _short(o.op)
     why = f"{o.op} in {_where(o)} reduced {count} element(s) with correction {correction:g}: "
@@ -753,11 +759,11 @@ def _too_few(o: OriginEvidence, count: int, correction: float) -> Verdict:
             "check why the selection (a mask, x[idx]) is empty for this batch",
         ]
     )
-    return Verdict("op.division_by_zero", why, fixes)
+    return Judgement("op.division_by_zero", why, fixes)
 
 
 @_rule
-def trig_domain(ev: Evidence) -> Verdict | None:
+def trig_domain(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     op = _short(o.op)
     if op not in ("acos", "asin", "acos_", "asin_") or ev.kind != "nan":
@@ -773,23 +779,23 @@ def trig_domain(ev: Evidence) -> Verdict | None:
         "clamp the argument: torch.acos(x.clamp(-1 + 1e-7, 1 - 1e-7)) (the gradient at exactly +-1 is infinite too)",
         "or use atan2(|a x b|, a . b), which needs no clamp and has a finite gradient",
     ]
-    return Verdict("op.trig_domain", why, fixes)
+    return Judgement("op.trig_domain", why, fixes)
 
 
 @_rule
-def _weight_scale_hint(ev: Evidence) -> Verdict | None:
+def _weight_scale_hint(ev: Evidence) -> Judgement | None:
     """Weights large for their fan-in, given as a secondary cause when another wins."""
     scale = ev.scale
     ratio = scale.get("max_ratio") or 0.0
     if ratio < INIT_RATIO_HIGH or _origin(ev).category != "op" or not _grown(ev):
         return None
     why = f"weights of '{scale.get('module')}' are {ratio:.3g}x the 1/sqrt(fan_in) scale"
-    return Verdict("init.scale", why)
+    return Judgement("init.scale", why)
 
 
 # -- explicit writes of NaN/Inf (origin category "write", from the tracer) -------------
 @_rule
-def mask_fill_in_loss(ev: Evidence) -> Verdict | None:
+def mask_fill_in_loss(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if o.category != "write" or o.get("written") != "-inf":
         return None
@@ -803,11 +809,11 @@ def mask_fill_in_loss(ev: Evidence) -> Verdict | None:
         "zero the masked terms of a sum: torch.where(mask, p * logp, 0) for an entropy over masked logits",
         "label smoothing averages log-probabilities over every class: apply it only over the unmasked classes",
     ]
-    return Verdict("op.mask_fill_in_loss", why, fixes)
+    return Judgement("op.mask_fill_in_loss", why, fixes)
 
 
 @_rule
-def nan_write(ev: Evidence) -> Verdict | None:
+def nan_write(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if o.category != "write" or o.get("written") not in ("nan", "inf"):
         return None
@@ -818,11 +824,11 @@ def nan_write(ev: Evidence) -> Verdict | None:
         "do not mark missing values with NaN inside the model: keep a boolean mask and write 0 (or a finite fill)",
         "if NaN marks missing values on purpose, reduce with torch.nanmean / torch.nansum and mask before the loss",
     ]
-    return Verdict("op.nan_write", why, fixes)
+    return Judgement("op.nan_write", why, fixes)
 
 
 @_rule
-def norm_overflow(ev: Evidence) -> Verdict | None:
+def norm_overflow(ev: Evidence) -> Judgement | None:
     """A normalization whose statistics overflowed, with nothing upstream to blame: the origin is
     named without a cause, and never as an eps (``zero_variance`` leaves it alone)."""
     o = _origin(ev)
@@ -832,21 +838,21 @@ def norm_overflow(ev: Evidence) -> Verdict | None:
         "find what makes the activations grow: the per-module absmax of this step, ng.audit_model(model)",
         "if the loss grew in the steps before, lower the learning rate and add gradient clipping",
     ]
-    return Verdict("unknown", _overflow_why(o), fixes)
+    return Judgement("unknown", _overflow_why(o), fixes)
 
 
 @_rule
-def unknown(ev: Evidence) -> Verdict:
+def unknown(ev: Evidence) -> Judgement:
     o = _origin(ev)
     why = f"first non-finite value created by {o.op or 'an unknown op'} in {_where(o)}"
     fixes = [
         "inspect the origin op's input statistics in the evidence",
         "run ng.check_batch(batch) and ng.audit_model(model) for upstream causes",
     ]
-    return Verdict("unknown", why, fixes)
+    return Judgement("unknown", why, fixes)
 
 
-RULES: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
+RULES: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     index_out_of_range,
     no_valid_targets,
     nonfinite_data,
@@ -868,14 +874,14 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
     norm_overflow,
 ]
 # Rules that never name the cause, only add a secondary one to ``also``.
-HINTS: list[Callable[[Evidence | Mapping[str, Any]], Verdict | None]] = [
+HINTS: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     _weight_scale_hint,
     _normalization_hint,
     _empty_sample_hint,
 ]
 
 
-def diagnose(evidence: Evidence | Mapping[str, Any]) -> Verdict:
+def diagnose(evidence: Evidence | Mapping[str, Any]) -> Judgement:
     """Apply ``RULES`` in order; the first that fits names the cause. ``evidence`` is the record
     or its written form (``diag.evidence``); it is read into the record once.
 
@@ -887,23 +893,23 @@ def diagnose(evidence: Evidence | Mapping[str, Any]) -> Verdict:
     record = Evidence.of(evidence)
     judged = [(rule, rule(record)) for rule in [*RULES, *HINTS]]
     fitting = [v for _, v in judged if v is not None]
-    verdict = fitting[0] if fitting else unknown(record)
+    judgement = fitting[0] if fitting else unknown(record)
     if "history" in record.given or "initial_weight_scale" in record.given:
         own = _op_cause(record, judged)
-        verdict.op_cause = own if own != verdict.cause else None
-    seen = {verdict.cause}
+        judgement.op_cause = own if own != judgement.cause else None
+    seen = {judgement.cause}
     for other in fitting[1:]:
         if other.cause not in seen:
             seen.add(other.cause)
-            verdict.also.append({"cause": other.cause, "why": other.why})
-    return verdict
+            judgement.also.append({"cause": other.cause, "why": other.why})
+    return judgement
 
 
 # The rules that read the run's facts; the others answer the same with or without them.
 _READ_RUN_FACTS = (init_scale, divergence, grown_weights_norm_overflow, _weight_scale_hint)
 
 
-def _op_cause(record: Evidence, judged: list[tuple[Callable[..., Verdict | None], Verdict | None]]) -> str:
+def _op_cause(record: Evidence, judged: list[tuple[Callable[..., Judgement | None], Judgement | None]]) -> str:
     """The cause without the run's facts: only the rules that read them are asked again."""
     own = replace(
         record,
@@ -911,10 +917,10 @@ def _op_cause(record: Evidence, judged: list[tuple[Callable[..., Verdict | None]
         initial_weight_scale=None,
         given=tuple(k for k in record.given if k not in ("history", "initial_weight_scale")),
     )
-    for rule, verdict in judged:
-        verdict = rule(own) if rule in _READ_RUN_FACTS else verdict
-        if verdict is not None:
-            return verdict.cause
+    for rule, judgement in judged:
+        judgement = rule(own) if rule in _READ_RUN_FACTS else judgement
+        if judgement is not None:
+            return judgement.cause
     return "unknown"
 
 
@@ -1178,10 +1184,10 @@ def nonfinite_shards(*, step: int, parameters: list[str], nan: int, inf: int, ra
     first = parameters[0]
     module = first.rpartition(".")[0]
     origin = {"category": "parameters", "path": first, "module": module, "inputs": [{"nan": nan, "posinf": inf}]}
-    verdict = nonfinite_parameters({"origin": origin})
-    assert verdict is not None
+    judgement = nonfinite_parameters({"origin": origin})
+    assert judgement is not None
     return Diagnosis(
-        cause=verdict.cause,
+        cause=judgement.cause,
         kind="nan" if nan else "inf",
         phase="parameters",
         module=module,
@@ -1192,9 +1198,9 @@ def nonfinite_shards(*, step: int, parameters: list[str], nan: int, inf: int, ra
             "origin": origin,
             "parameters": parameters[:16],
             "sharded": True,
-            "why": f"rank {rank}'s own shard of " + verdict.why,
+            "why": f"rank {rank}'s own shard of " + judgement.why,
         },
-        fixes=verdict.fixes,
+        fixes=judgement.fixes,
     )
 
 
@@ -1213,13 +1219,13 @@ def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None
     name, module, rows = first.get("name", "a parameter"), first.get("module"), first.get("rows", [])
     nan, inf = first.get("nan", 0), first.get("inf", 0)
     origin = {"category": "parameters", "path": name, "module": module, "inputs": [{"nan": nan, "posinf": inf}]}
-    verdict = nonfinite_parameters({"origin": origin})
-    assert verdict is not None
+    judgement = nonfinite_parameters({"origin": origin})
+    assert judgement is not None
     where = f" (rows {rows} of {name})" if rows else ""
     if rows and first.get("token_ids"):
         where = f" (rows {rows} of {name}: the embeddings of token ids {rows})"
     return Diagnosis(
-        cause=verdict.cause,
+        cause=judgement.cause,
         kind="nan" if nan else "inf",
         phase="parameters",
         module=module,
@@ -1232,9 +1238,9 @@ def loaded_nonfinite(*, step: int, found: list[dict[str, Any]], rank: int | None
             "rows": rows,
             **({"token_ids": first["token_ids"]} if first.get("token_ids") else {}),
             "loaded": True,
-            "why": verdict.why.replace("before the step", f"before step {step}, as built or loaded{where}"),
+            "why": judgement.why.replace("before the step", f"before step {step}, as built or loaded{where}"),
         },
-        fixes=verdict.fixes,
+        fixes=judgement.fixes,
     )
 
 
@@ -1405,11 +1411,11 @@ def with_run_facts(diag: Diagnosis, facts: RunFacts) -> Diagnosis:
         return diag
     if history:
         evidence["history"] = history
-    verdict = diagnose(evidence)
-    if verdict.cause == diag.cause:
-        return replace(diag, evidence=evidence, also=verdict.also if located else diag.also)
+    judgement = diagnose(evidence)
+    if judgement.cause == diag.cause:
+        return replace(diag, evidence=evidence, also=judgement.also if located else diag.also)
     evidence["op_cause"] = diag.cause
-    also = verdict.also if located else [{"cause": diag.cause, "why": str(diag.evidence.get("why", ""))}]
+    also = judgement.also if located else [{"cause": diag.cause, "why": str(diag.evidence.get("why", ""))}]
     if located or diag.cause != "optimizer.nonfinite_update":
-        evidence["why"] = verdict.why
-    return replace(diag, cause=verdict.cause, fixes=verdict.fixes, evidence=evidence, also=also)
+        evidence["why"] = judgement.why
+    return replace(diag, cause=judgement.cause, fixes=judgement.fixes, evidence=evidence, also=also)

@@ -11,6 +11,7 @@ of its own) are not global: ``private_generators`` names the ones a closure can 
 from __future__ import annotations
 
 import array
+import ctypes
 import random
 import re
 import struct
@@ -117,9 +118,7 @@ def fork_rng_state() -> Iterator[dict[str, torch.Tensor]]:
 
 
 def _python_state() -> torch.Tensor:
-    version, words, gauss = random.getstate()
-    head = _PY_HEAD.pack(version, gauss is not None, gauss or 0.0)
-    return torch.frombuffer(bytearray(head + array.array("I", words).tobytes()), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(_PYTHON.state()), dtype=torch.uint8)
 
 
 def _set_python_state(t: torch.Tensor) -> None:
@@ -139,11 +138,8 @@ def _numpy_state() -> torch.Tensor | None:
     rand = _numpy_random()
     if rand is None:
         return None
-    name, keys, pos, has_gauss, gauss = rand.get_state()
-    if name != "MT19937":
-        return None
-    head = _NP_HEAD.pack(int(pos), int(has_gauss), float(gauss))
-    return torch.frombuffer(bytearray(head + keys.astype("<u4").tobytes()), dtype=torch.uint8)
+    raw = _NUMPY.state(rand)
+    return None if raw is None else torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def _set_numpy_state(t: torch.Tensor) -> bool:
@@ -157,6 +153,101 @@ def _set_numpy_state(t: torch.Tensor) -> bool:
     keys = numpy.frombuffer(raw[_NP_HEAD.size :], dtype="<u4").astype(numpy.uint32)
     rand.set_state(("MT19937", keys, pos, has_gauss, gauss))
     return True
+
+
+# A guarded step captures the states of Python's random and numpy's legacy generator before its
+# forward, every step; through the public getters that costs ~50 us (numpy's builds its key array
+# one word at a time). Both generators keep their state as plain C arrays, so the readers below
+# copy those bytes in one go (~1 us). The place of each array in memory is found once per
+# generator and checked against the public getter; where the check fails (another interpreter,
+# another layout, a big-endian machine) the public getter is used, so a capture is always exact.
+_MEMORY = sys.implementation.name == "cpython" and sys.byteorder == "little"
+_MT_WORDS = 624
+_MT_BYTES = 4 * _MT_WORDS + 4  # 624 words and a position
+
+
+class _PythonReader:
+    """Python's ``random``: ``getstate()``'s position and 624 words lie in the generator's object
+    as an ``int`` and 624 ``uint32``; the version and the cached gaussian are Python attributes."""
+
+    def __init__(self) -> None:
+        self.inst: random.Random | None = None  # held, so its memory stays where it was found
+        self.address: int | None = None
+
+    def state(self) -> bytes:
+        inst: random.Random = random._inst  # what random.random() draws from
+        if inst is not self.inst:
+            self.inst, self.address = inst, None
+            self.address = self._find(inst)
+        if self.address is None:
+            return _python_bytes(inst.getstate())
+        raw = ctypes.string_at(self.address, _MT_BYTES)  # the position, then the words
+        gauss = inst.gauss_next  # type: ignore[attr-defined]
+        return _PY_HEAD.pack(inst.VERSION, gauss is not None, gauss or 0.0) + raw[4:] + raw[:4]
+
+    def _find(self, inst: random.Random) -> int | None:
+        if not _MEMORY:
+            return None
+        state = inst.getstate()
+        words = state[1]
+        needle = struct.pack(f"<i{_MT_WORDS}I", words[_MT_WORDS], *words[:_MT_WORDS])
+        memory = ctypes.string_at(id(inst), type(inst).__basicsize__)
+        at = memory.find(needle)
+        if at < 0 or memory.find(needle, at + 1) >= 0:
+            return None
+        self.address = id(inst) + at
+        return self.address if self.state() == _python_bytes(state) else None
+
+
+def _python_bytes(state: tuple[Any, ...]) -> bytes:
+    version, words, gauss = state
+    return _PY_HEAD.pack(version, gauss is not None, gauss or 0.0) + array.array("I", words).tobytes()
+
+
+class _NumpyReader:
+    """numpy's legacy ``RandomState``: the MT19937 key and position at the address its bit
+    generator publishes (``.ctypes.state_address``); the cached gaussian in the ``RandomState``
+    itself, after its copy of the bit generator's table (a state pointer, four functions) and a
+    pointer back to that copy."""
+
+    def __init__(self) -> None:
+        self.held: tuple[Any, Any] | None = None  # the RandomState and its bit generator, kept alive
+        self.addresses: tuple[int, int] | None = None  # the MT19937 state, the cached gaussian
+
+    def state(self, rand: Any) -> bytes | None:
+        generator = rand._bit_generator
+        if self.held is None or rand is not self.held[0] or generator is not self.held[1]:
+            if type(generator).__name__ != "MT19937":
+                return None
+            self.held, self.addresses = (rand, generator), None
+            self.addresses = self._find(rand, generator)
+        if self.addresses is None:
+            return _numpy_bytes(rand.get_state(legacy=False))
+        raw = ctypes.string_at(self.addresses[0], _MT_BYTES)  # 624 words, then the position
+        gauss = ctypes.string_at(self.addresses[1], 16)  # int has_gauss, padding, double gauss
+        return raw[-4:] + gauss[:4] + gauss[8:] + raw[:-4]
+
+    def _find(self, rand: Any, generator: Any) -> tuple[int, int] | None:
+        if not _MEMORY:
+            return None
+        interface = generator.ctypes
+        table = ctypes.string_at(interface.bit_generator.value, 40)
+        memory = ctypes.string_at(id(rand), type(rand).__basicsize__)
+        at = memory.find(table)
+        if at < 0 or at + 64 > len(memory) or struct.unpack_from("<Q", memory, at + 40)[0] != id(rand) + at:
+            return None
+        self.addresses = (interface.state_address, id(rand) + at + 48)
+        return self.addresses if self.state(rand) == _numpy_bytes(rand.get_state(legacy=False)) else None
+
+
+def _numpy_bytes(state: dict[str, Any]) -> bytes:
+    mt = state["state"]
+    head = _NP_HEAD.pack(int(mt["pos"]), int(state["has_gauss"]), float(state["gauss"]))
+    return head + mt["key"].astype("<u4").tobytes()
+
+
+_PYTHON = _PythonReader()
+_NUMPY = _NumpyReader()
 
 
 def private_generators(fn: Callable[..., Any], owner: Any = None) -> list[str]:

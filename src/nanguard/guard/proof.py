@@ -37,6 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from nanguard import dist
+from nanguard.causes import TABLE
 from nanguard.diagnose import faulty_device
 from nanguard.findings import Diagnosis
 from nanguard.guard.tracker import where
@@ -56,28 +57,6 @@ reductions in another order (atomics, split-K, TF32 matmuls) stay well inside.""
 
 # Causes a device cannot have made: the value is in the user's input, or in state every replica shares.
 _NOT_A_DEVICE = ("data.", "parameters.", "distributed.replica_divergence", "precision.loss_scale")
-# Causes whose origin op did what it does on the values it got (a log of a negative is NaN on any device).
-# When the suspect's replay traces the value to one of these and a peer computes the suspect's batch finite,
-# the values reaching the op differ between the two ranks: code or state that runs only on the suspect (a
-# hook, a rank-conditional branch, rank-local buffers), or an upstream miscomputation. Either way the device
-# is not proven faulty, so it is not named.
-_VALUES_EXPLAIN = frozenset(
-    {
-        "op.log_domain",
-        "op.sqrt_domain",
-        "op.trig_domain",
-        "op.division_by_zero",
-        "op.exp_overflow",
-        "op.masked_softmax",
-        "op.mask_fill_in_loss",
-        "norm.zero_variance",
-        "precision.overflow",
-        "optimizer.divergence",
-        "optimizer.nonfinite_update",
-        "init.scale",
-        "compile.numerics",
-    }
-)
 
 
 def prove(
@@ -119,7 +98,9 @@ def prove(
     s, p = results[suspect], results[peer]
     assert s is not None and p is not None
     verdict, why = judge(s, p, rtol=_rtol(model))
-    if verdict == "device" and diag.cause in _VALUES_EXPLAIN:
+    # The origin op did what it does on the values it got: the values reaching it differ between the two
+    # ranks (code or state that runs only on the suspect, or an upstream miscomputation), not the device.
+    if verdict == "device" and diag.cause in TABLE and TABLE[diag.cause].computed_from_inputs:
         verdict = "rank_local"
         why = (
             f"a peer computes the suspect's batch finite, but the suspect's replay traces the value to "

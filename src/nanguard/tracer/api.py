@@ -280,19 +280,19 @@ def _diagnosis(
         evidence["weight_scale"] = weight_scale(root)
     if facts is not None:
         evidence.update(facts.written())
-    verdict = diagnose(evidence)
-    evidence["why"] = verdict.why
-    if verdict.op_cause is not None:
-        evidence["op_cause"] = verdict.op_cause
-    phase = "data" if verdict.cause.startswith("data.") else origin.phase
+    judgement = diagnose(evidence)
+    evidence["why"] = judgement.why
+    if judgement.op_cause is not None:
+        evidence["op_cause"] = judgement.op_cause
+    phase = "data" if judgement.cause.startswith("data.") else origin.phase
     if phase == "data" and origin.category in ("op", "index"):
         # The contract's phase of a data cause is "data"; the op that met the bad input keeps its own phase here.
         evidence["created_in"] = {"op": origin.op, "phase": origin.phase}
-    if verdict.cause == "parameters.nonfinite":
+    if judgement.cause == "parameters.nonfinite":
         phase = "parameters"
     rank = dist.rank_or_none()
     return Diagnosis(
-        cause=verdict.cause,
+        cause=judgement.cause,
         kind=origin.kind,
         phase=phase,
         op=origin.op if origin.op is not None else origin.extra.get("consumer_op"),
@@ -301,8 +301,8 @@ def _diagnosis(
         ranks=[rank] if rank is not None else [],
         source=origin.source,
         evidence=evidence,
-        fixes=verdict.fixes,
-        also=verdict.also,
+        fixes=judgement.fixes,
+        also=judgement.also,
     )
 
 
