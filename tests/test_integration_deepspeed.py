@@ -103,6 +103,116 @@ def test_zero2_fp16_and_zero3_fp32_healthy_identical_faults_named_on_their_rank(
     _check_rollback([runs[start + 2 :] for runs in results])
 
 
+# -- a far too high LR: the run diverges, and is named a divergence ------------------------------
+# Least squares (tests/_deepspeed_ranks.Regression), plain SGD, DeepSpeed's gradient clipping off: at an
+# LR whose product with the smallest curvature of every step's batches is past 2, each step multiplies
+# the error in every direction (by >= 3x here), whatever the seed, until float32 overflows.
+DIVERGING = {
+    # the squared errors averaged: the loss overflows first, in the forward
+    "forward": {"model": "regression", "lr": 30.0, "steps": 17, "trip": 16},
+    # summed: the gradients' norm over the ranks passes float32's squared range first, every loss finite
+    "backward": {"model": "regression_sum", "lr": 0.3, "steps": 15, "trip": 14},
+}
+
+
+def _diverging(stage: int, dtype: str, where: str) -> dict[str, Any]:
+    plan = DIVERGING[where]
+    return {"stage": stage, "dtype": dtype, "sgd": True, "clip": 0.0, "policy": "skip", **plan}
+
+
+def _every_direction_expands(plan: dict[str, Any]) -> bool:
+    """The setup's claim, from the batches themselves: lr x the smallest eigenvalue of each step's
+    Hessian (both ranks' batches averaged, as ZeRO averages the gradients) is past 2."""
+    from _deepspeed_ranks import batch
+
+    total = plan["model"] == "regression_sum"
+    for step in range(plan["steps"]):
+        hessian = torch.zeros(9, 9, dtype=torch.float64)
+        for rank in range(2):
+            x, _ = batch(rank, step, "fp32", 32)
+            a = torch.cat([x, torch.ones(32, 1)], 1).double()
+            hessian += 2 * a.T @ a / (1 if total else a.shape[0] * 4) / 2
+        if plan["lr"] * float(torch.linalg.eigvalsh(hessian)[0]) <= 2:
+            return False
+    return True
+
+
+def _check_divergence(results: list[dict[str, Any]], where: str, label: str) -> None:
+    """Named ``optimizer.divergence`` at the step it overflowed, the same verdict on every rank, no
+    word of hardware; skipped through the engine, the weights left finite."""
+    plan = DIVERGING[where]
+    verdicts = []
+    for rank, run in enumerate(results):
+        at = f"{label} rank {rank}"
+        assert run["error"] is None, (at, run["error"])
+        assert run["trip_diagnoses"], (at, run["losses"])
+        first = run["trip_diagnoses"][0]
+        assert first["cause"] == "optimizer.divergence", (at, first["cause"], first["evidence"].get("why"))
+        assert (first["step"], first["phase"]) == (plan["trip"], where), (at, first)
+        assert all(d["cause"] == "optimizer.divergence" for d in run["trip_diagnoses"]), at
+        losses = run["losses"]
+        assert all(math.isfinite(v) for v in losses[: plan["trip"]]), at  # it grew, finite, up to the trip
+        assert losses[plan["trip"] - 1] > 1e30 * losses[0], at
+        assert math.isfinite(losses[plan["trip"]]) == (where == "backward"), at
+        assert run["skipped"] == run["skipped_steps"] == plan["steps"] - plan["trip"], at
+        assert all(math.isfinite(w) for w in run["weights"]), at
+        text = " ".join(
+            [*run["said"], *(d["evidence"].get("why", "") + " ".join(d["fixes"]) for d in run["trip_diagnoses"])]
+        )
+        assert "drain" not in text and "hardware" not in text, at
+        verdicts.append(
+            [
+                {k: d[k] for k in ("cause", "phase", "op", "module", "rank", "ranks", "step")}
+                for d in run["trip_diagnoses"]
+            ]
+        )
+    assert verdicts[0] == verdicts[1], label
+
+
+@pytest.mark.parametrize("where", list(DIVERGING))
+def test_the_diverging_setups_expand_every_direction(where: str) -> None:
+    assert _every_direction_expands(DIVERGING[where])
+
+
+def test_an_lr_far_too_high_under_zero2_is_named_a_divergence_on_every_rank() -> None:
+    """ZeRO-2: the forward overflow (loss Inf) and the backward one (every loss finite, the gradient
+    norm past float32) are both ``optimizer.divergence``; under fp16, the gradient overflows DeepSpeed's
+    scaler skips while the loss grows are named a divergence too, not a float16 range problem."""
+    fp16 = {**_diverging(2, "fp16", "forward"), "steps": 9}
+    cases = [_diverging(2, "fp32", "forward"), _diverging(2, "fp32", "backward"), fp16]
+    results = spawn_ranks(run_cases, cases, world=2, timeout=400)
+    _check_divergence([runs[0] for runs in results], "forward", "ZeRO-2 fp32")
+    _check_divergence([runs[1] for runs in results], "backward", "ZeRO-2 fp32")
+    _check_fp16_divergence([runs[2] for runs in results])
+
+
+def _check_fp16_divergence(results: list[dict[str, Any]]) -> None:
+    named = []
+    for rank, run in enumerate(results):
+        assert run["error"] is None, (rank, run["error"])
+        overflow = run["last_overflow"]  # DeepSpeed's scaler skipped the gradients' overflow: the guard named it
+        assert overflow is not None and run["overflows"] >= 1, rank
+        assert (overflow["cause"], overflow["phase"], overflow["module"]) == ("optimizer.divergence", "backward", "fc")
+        assert overflow["evidence"]["op_cause"] == "precision.overflow"  # the op's own verdict, kept
+        assert all(math.isfinite(v) for v in run["losses"][: overflow["step"] + 1])  # every loss finite
+        first = run["trip_diagnoses"][0]  # the first named: an overflow, the same verdict
+        assert first["cause"] == "optimizer.divergence" and first["phase"] == "backward", rank
+        assert all(d["cause"] == "optimizer.divergence" for d in run["trip_diagnoses"]), rank
+        text = " ".join(run["said"])
+        assert "drain" not in text and "hardware" not in text, rank
+        named.append([(d["cause"], d["phase"], d["rank"], d["step"]) for d in run["trip_diagnoses"]])
+    assert named[0] == named[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_lr_far_too_high_is_named_a_divergence_at_zero1_and_zero3(stage: int) -> None:
+    cases = [_diverging(stage, "fp32", "forward"), _diverging(stage, "fp32", "backward")]
+    results = spawn_ranks(run_cases, cases, world=2, timeout=400)
+    _check_divergence([runs[0] for runs in results], "forward", f"ZeRO-{stage} fp32")
+    _check_divergence([runs[1] for runs in results], "backward", f"ZeRO-{stage} fp32")
+
+
 def _rollback_cases(stage: int, dtype: str) -> list[dict[str, Any]]:
     """A rollback at step 3 to the snapshot taken after step 1 (``snapshot_every=2``), beside a run that
     skips steps 2 and 3: the engine's partitions, the optimizer's state and the module alike after both."""

@@ -25,9 +25,16 @@ _FIELDS = ("cause", "op", "module", "phase", "rank", "ranks", "step")
 
 
 def _cases(rank: int, world: int, cases: list[list]) -> list[dict]:
+    """Each case on this rank: ``[setup, fault, fault_rank, policy, options]``; a setup named
+    ``trainer:fsdp`` / ``trainer:tp`` runs torchtitan's own ``Trainer``."""
     from nanguard.zoo.titan import titan_rank
+    from nanguard.zoo.titan_trainer import trainer_rank
 
-    return [titan_rank(rank, world, *case[:4], **(case[4] if len(case) > 4 else {})) for case in cases]
+    out = []
+    for setup, *rest in cases:
+        run = trainer_rank if setup.startswith("trainer:") else titan_rank
+        out.append(run(rank, world, setup.removeprefix("trainer:"), *rest[:3], **(rest[3] if len(rest) > 3 else {})))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +53,12 @@ def runs() -> dict[str, list[dict]]:
         "tp_plain": ["tp", None, 0, None],
         "tp_guarded": ["tp", None, 0, "skip"],
         "tp_sqrt_rank1": ["tp", "sqrt", 1, "skip"],
+        # torchtitan's own Trainer, end to end (trainer.train()): its bf16 FSDP mixed precision,
+        # its activation checkpointing, its metrics and step loop.
+        "trainer_fsdp_plain": ["trainer:fsdp", None, 0, None],
+        "trainer_fsdp_guarded": ["trainer:fsdp", None, 0, "skip"],
+        "trainer_fsdp_sqrt_rank1": ["trainer:fsdp", "sqrt", 1, "skip"],
+        "trainer_tp_sqrt_rank1": ["trainer:tp", "sqrt", 1, "skip"],
     }
     results = spawn_ranks(_cases, list(cases.values()), world=2, timeout=420)
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(cases)}
@@ -67,6 +80,42 @@ def test_healthy_runs_are_bit_identical_to_unguarded_ones(runs: dict[str, list[d
         assert guarded["norms"] == plain["norms"]
         assert guarded["skipped"] == [] and guarded["diag"] is None
         assert guarded["forwards"] == plain["forwards"] == 4  # the trainer's forward and backward once a step
+
+
+@pytest.mark.dist
+def test_torchtitans_own_trainer_guarded_is_bit_identical_and_runs_one_backward_a_step(
+    runs: dict[str, list[dict]],
+) -> None:
+    for plain, guarded in zip(runs["trainer_fsdp_plain"], runs["trainer_fsdp_guarded"], strict=True):
+        assert guarded["steps"] == plain["steps"] == 4
+        assert guarded["digest"] == plain["digest"]
+        assert guarded["losses"] == plain["losses"] and len(plain["losses"]) == 4  # as torchtitan logs them
+        assert guarded["norms"] == plain["norms"]
+        assert guarded["forwards"] == plain["forwards"] == 4
+        # Every Tensor.backward the trainer runs (its chunked loss runs some itself), no more.
+        assert guarded["backwards"] == plain["backwards"] > 0
+        assert guarded["skipped"] == [] and guarded["diag"] is None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("setup", ["fsdp", "tp"])
+def test_torchtitans_own_trainer_names_a_fault_on_rank1_and_goes_on(runs: dict[str, list[dict]], setup: str) -> None:
+    # Under TP the trainer's bf16 w1 output is a DTensor: the tracer's float32 recompute of the
+    # faulty op reduced it into a DTensor collective on rank 1 alone; the ranks' collectives
+    # then mismatched and gloo aborted the job. The recompute now runs on this rank's shard.
+    ranks = runs[f"trainer_{setup}_sqrt_rank1"]
+    d = _diag(ranks)
+    assert d == {
+        "cause": "op.sqrt_domain",
+        "op": "aten.sqrt.default",
+        "module": "layers.1.feed_forward.w1",  # activation checkpointing's wrapper level left out
+        "phase": "forward",
+        "rank": 1,
+        "ranks": [1],
+        "step": 2,  # the guard counts optimizer steps from 0: the trainer's step 3
+    }
+    assert [r["skipped"] for r in ranks] == [[3], [3]]
+    assert all(r["steps"] == 4 and len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in ranks)
 
 
 @pytest.mark.dist

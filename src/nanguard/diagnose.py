@@ -1008,14 +1008,20 @@ def runaway_growth(*, step: int, history: Mapping[str, Any], lr: Any, rank: int 
     """
     overflow = bool(history.get("float32_overflow"))
     metric, growth = history.get("metric", "grad_norm"), history.get("growth", 0.0)
-    why = f"the gradients are finite, but their norm {history.get('grad_norm', 0.0):.3g} "
+    norm = history.get("grad_norm", 0.0)
+    why = (
+        f"the gradients are finite, but their norm {norm:.3g} "
+        if math.isfinite(norm)
+        else "the gradients are finite on every rank, but their norm over the ranks "
+    )
     why = (
         why + "is past float32's range once squared: a float32 clip_grad_norm_ computes an Inf norm"
         if overflow
         else f"{metric} grew {growth:.3g}x over the last {history.get('window', 0)} step(s)"
     )
     if overflow and growth:
-        why += f"; it grew {growth:.3g}x over the last {history.get('window', 0)} step(s)"
+        at_least = "" if math.isfinite(norm) else "over "
+        why += f"; it grew {at_least}{growth:.3g}x over the last {history.get('window', 0)} step(s)"
     return Diagnosis(
         cause="optimizer.divergence",
         kind="inf" if overflow else "invalid",  # nothing non-finite exists yet

@@ -54,16 +54,22 @@ def eager() -> Iterator[None]:
 
 
 def user_name(name: str) -> str:
-    """A qualified module or parameter name as the user wrote the model: the ``_orig_mod``
-    level that ``torch.compile`` wraps a module in is left out.
+    """A qualified module or parameter name as the user wrote the model: the levels wrappers add
+    are left out (``torch.compile``'s ``_orig_mod``, activation checkpointing's
+    ``_checkpoint_wrapped_module``, FSDP1's ``_fsdp_wrapped_module``, Fabric's).
 
     Example:
-        >>> user_name("_orig_mod.head.weight")
-        'head.weight'
+        >>> user_name("_orig_mod.layers.0._checkpoint_wrapped_module.head.weight")
+        'layers.0.head.weight'
     """
-    if "_orig_mod" not in name:
+    if "_" not in name or not any(w in name for w in _WRAPPER_LEVELS):
         return name
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_LEVELS)
+
+
+_WRAPPER_LEVELS = frozenset(
+    {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module", "_original_module"}
+)
 
 
 def compiled_modules(model: nn.Module) -> list[nn.Module]:

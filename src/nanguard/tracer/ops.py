@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from nanguard import compat
+from nanguard.stats import local
 from nanguard.tree import op_leaves
 
 __all__ = [
@@ -510,7 +511,9 @@ _register(_COUNTS, tuple(_existing(*_MEAN_LOSSES)), _loss)
 
 
 def _fp32_recompute(func: Any, args: tuple, kwargs: dict, out: Any) -> dict[str, Any]:
-    """For a low-precision creation, re-run the op in float32: is it finite there?"""
+    """For a low-precision creation, re-run the op in float32: is it finite there? A DTensor
+    argument is re-run on this rank's shard: the recompute runs on this rank alone, so it must
+    neither communicate nor reduce a sharded result into a collective."""
     outs = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
     if not outs or not any(o.dtype in _LOW for o in outs):
         return {}
@@ -518,6 +521,8 @@ def _fp32_recompute(func: Any, args: tuple, kwargs: dict, out: Any) -> dict[str,
         return {}
 
     def up(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            x = local(x)
         if isinstance(x, torch.Tensor) and x.dtype in _LOW:
             return x.detach().float()
         if isinstance(x, torch.dtype) and x in _LOW:
@@ -530,7 +535,7 @@ def _fp32_recompute(func: Any, args: tuple, kwargs: dict, out: Any) -> dict[str,
         ref = func(*up(args), **{k: up(v) for k, v in kwargs.items()})
     except (RuntimeError, TypeError, ValueError):
         return {}
-    refs = [r for r in op_leaves(ref) if isinstance(r, torch.Tensor) and r.is_floating_point()]
+    refs = [local(r) for r in op_leaves(ref) if isinstance(r, torch.Tensor) and r.is_floating_point()]
     if not refs:
         return {}
     finite = all(bool(torch.isfinite(r).all()) for r in refs)

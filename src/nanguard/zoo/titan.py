@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BAD_STEP", "VOCAB", "build", "titan_rank"]
+__all__ = ["BAD_STEP", "VOCAB", "build", "model_config", "titan_rank"]
 
 VOCAB = 256
 BAD_STEP = 2
@@ -39,39 +39,12 @@ def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64, loss:
     from torchtitan.components.optimizer.optimizer import default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import (
-        _EMBEDDING_INIT,
-        _NORM_INIT,
-        Llama3Model,
-        _build_llama3_layers,
-        _output_linear_init,
-        parallelize_llama,
-    )
+    from torchtitan.models.llama3 import parallelize_llama
 
     if setup not in ("fsdp", "tp"):
         raise ValueError(f"setup must be 'fsdp' or 'tp', got {setup!r}")
     parallel_dims.device_type = "cpu"  # torchtitan picks "cuda" when no accelerator is present
-    heads = 4
-    config = Llama3Model.Config(
-        dim=dim,
-        vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_output_linear_init(dim)),
-        layers=_build_llama3_layers(
-            fuse_qkv=True,
-            n_layers=layers,
-            dim=dim,
-            n_heads=heads,
-            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=32),
-            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=64, theta=500000, scaling="llama"),
-            attn_backend="flex",
-        ),
-    )
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = model_config(layers=layers, dim=dim)
     dims = ParallelDims(
         dp_replicate=1,
         dp_shard=2 if setup == "fsdp" else 1,
@@ -119,6 +92,42 @@ def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64, loss:
     optimizers = optimizer_config.build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=100)
     return {"model": model, "loss_fn": loss_fn, "optimizers": optimizers, "lr_schedulers": schedulers, "dims": dims}
+
+
+def model_config(*, layers: int = 2, dim: int = 64) -> Any:
+    """torchtitan's llama3 debug model config shrunk (``layers`` layers, ``dim`` wide, vocabulary
+    ``VOCAB``), its attention's inner kernel ``ScaledDotProductAttention`` (FlexAttention has no
+    CPU backward)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        Llama3Model,
+        _build_llama3_layers,
+        _output_linear_init,
+    )
+
+    heads = 4
+    config = Llama3Model.Config(
+        dim=dim,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_output_linear_init(dim)),
+        layers=_build_llama3_layers(
+            fuse_qkv=True,
+            n_layers=layers,
+            dim=dim,
+            n_heads=heads,
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=32),
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=64, theta=500000, scaling="llama"),
+            attn_backend="flex",
+        ),
+    )
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
 
 
 def _batch(setup: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,296 @@
+"""torchtitan's own ``Trainer`` end to end on CPU gloo ranks, guarded by ``TitanGuard`` or not.
+
+The trainer is built from torchtitan's ``llama3_debugmodel`` config with the model shrunk through
+that config (2 layers, dim 64, vocab 256) and run by ``Trainer.train()``: its parallelize function
+(FSDP2 ``dp_shard=2`` or ``TP=2``), its default selective activation checkpointing, bf16 FSDP
+mixed precision, chunked loss, optimizer and scheduler containers, metrics, step loop.
+
+The CPU patch, in this process only (no file of torchtitan's is edited): torchtitan picks
+``cuda`` as its device type when no accelerator is present, so its modules' ``device_type`` is
+``"cpu"`` and its ``device_module`` a stand-in answering the few calls the trainer makes (set
+the device, count devices, memory statistics); the groups keep their timeout after the first
+step (torchtitan calls ``torch.distributed.set_timeout``, absent from this torch). Through the
+config: the attention's inner kernel is ``ScaledDotProductAttention`` (FlexAttention has no CPU
+backward); FSDP reduces with ``SUM`` (gloo has no ``PREMUL_SUM``; a wrapper around the
+parallelize function); the ``partial_dtensor`` backend (the default ``spmd_types`` one leaves
+parameters plain, which FSDP2 refuses); a synthetic token loader and no tokenizer (nothing is
+downloaded).
+
+Example:
+    >>> spawn_ranks(trainer_rank, "fsdp", "sqrt", 1, "skip", world=2)
+    [{'losses': [...], 'skipped': [3], 'diag': {...}, ...}, {...}]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanguard.zoo.titan import SEQ, VOCAB, _digest, _plant, model_config
+
+__all__ = ["BAD_TRAINER_STEP", "cpu_patch", "trainer_config", "trainer_rank"]
+
+BAD_TRAINER_STEP = 3
+"""The trainer step (torchtitan counts from 1) a fault is planted at."""
+
+
+class _CpuDevice:
+    """The few ``torch.cuda`` calls torchtitan's trainer makes, answered for the CPU."""
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> Any:
+        return type("Properties", (), {"total_memory": 1 << 30})()
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+
+def _keep_timeouts(**_: Any) -> None:
+    import torch.distributed as tdist
+
+    tdist.barrier()
+
+
+def cpu_patch() -> None:
+    """Point torchtitan's device type at the CPU in this process (see the module's text)."""
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as tools
+
+    for module in (tools, dist_utils, metrics):
+        module.device_type = "cpu"
+        module.device_module = _CpuDevice
+    parallel_dims.device_type = "cpu"
+    # After the first step the trainer shortens every group's timeout with
+    # torch.distributed.set_timeout, which this torch lacks: the groups keep the launcher's.
+    dist_utils.set_pg_timeouts = _keep_timeouts
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def _classes() -> tuple[Any, Any]:
+    """The synthetic token loader and the absent tokenizer, as torchtitan configurables."""
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    class TokenLoader(BaseDataLoader):
+        """Random token ids (seeded by step and data-parallel rank) as ``({"input": x}, labels)``."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            pass
+
+        def __init__(self, config: Any, *, dp_rank: int, seq_len: int, local_batch_size: int, **_: Any) -> None:
+            self.dp_rank, self.seq_len, self.batch = dp_rank, seq_len, local_batch_size
+
+        def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+            step = 0
+            while True:
+                g = torch.Generator().manual_seed(step * 10 + self.dp_rank)
+                x = torch.randint(0, VOCAB, (self.batch, self.seq_len + 1), generator=g)
+                yield {"input": x[:, :-1].contiguous()}, x[:, 1:].contiguous()
+                step += 1
+
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            return None
+
+    class NoTokenizer(BaseTokenizer):
+        """The loader makes token ids itself."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            pass
+
+        def __init__(self, config: Any, **_: Any) -> None:
+            super().__init__()
+
+        def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+            raise NotImplementedError("the synthetic loader needs no tokenizer")
+
+        def decode(self, *args: Any, **kwargs: Any) -> str:
+            raise NotImplementedError("the synthetic loader needs no tokenizer")
+
+        def get_vocab_size(self) -> int:
+            return VOCAB
+
+    return TokenLoader, NoTokenizer
+
+
+def trainer_config(setup: str, *, steps: int = 4, lr: float = 8e-4, dump_folder: str = "") -> Any:
+    """torchtitan's ``llama3_debugmodel`` trainer config, shrunk and pointed at the CPU: ``setup``
+    "fsdp" (dp_shard=2) or "tp" (TP=2) on 2 ranks."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    if setup not in ("fsdp", "tp"):
+        raise ValueError(f"setup must be 'fsdp' or 'tp', got {setup!r}")
+    loader, tokenizer = _classes()
+    config = llama3_debugmodel()
+    spec = config.model_spec
+    spec.model = model_config()
+    parallelize = spec.parallelize_fn
+
+    def parallelize_on_gloo(model: Any, **kwargs: Any) -> Any:
+        model = parallelize(model, **kwargs)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    spec.parallelize_fn = parallelize_on_gloo
+    config.tokenizer = tokenizer.Config()
+    config.dataloader = loader.Config()
+    config.optimizer = default_adamw(lr=lr)
+    config.optimizer.implementation = "for-loop"
+    config.training.local_batch_size = 2
+    config.training.seq_len = SEQ
+    config.training.steps = steps
+    config.parallelism.data_parallel_shard_degree = 2 if setup == "fsdp" else 1
+    config.parallelism.tensor_parallel_degree = 2 if setup == "tp" else 1
+    # The default "spmd_types" backend leaves parameters plain tensors, which FSDP2 refuses here
+    # ("all parameters must be DTensors on the full SPMD mesh"): DTensor on the parallel axes only.
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.debug.seed = 0  # the same initial weights in every run: guarded and unguarded compare
+    config.validator.enable = False
+    config.checkpoint.enable = False
+    config.dump_folder = dump_folder
+    return config
+
+
+def trainer_rank(
+    rank: int,
+    world: int,
+    setup: str,
+    fault: str | None,
+    fault_rank: int,
+    policy: str | None,
+    *,
+    steps: int = 4,
+    lr: float = 8e-4,
+) -> dict[str, Any]:
+    """Run torchtitan's ``Trainer.train()`` for ``steps`` steps; ``fault`` ("sqrt", "sqrt_grad")
+    on ``fault_rank`` at ``BAD_TRAINER_STEP``; ``policy`` None trains unguarded, else with the
+    guard's lines added the way ``docs/torchtitan.md`` shows (a subclass here: no file of
+    torchtitan's is edited)."""
+    import tempfile
+
+    from torchtitan.trainer import Trainer
+
+    from nanguard.errors import NonFiniteError
+    from nanguard.integrations.torchtitan import TitanGuard
+
+    cpu_patch()
+
+    class GuardedTrainer(Trainer):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.guard = TitanGuard(self.model_parts, self.optimizers, self.lr_schedulers, policy=policy or "skip")
+            self.loss_fn: Any = self.guard.loss(self.loss_fn)
+
+        def train_step(self, data_iterator: Any) -> None:
+            try:
+                super().train_step(data_iterator)
+            except RuntimeError as err:  # torchtitan stops at the logged non-finite loss of a skipped step
+                if not (self.guard.step_skipped and "Loss is not finite" in str(err)):
+                    raise
+
+    with tempfile.TemporaryDirectory() as dump:
+        config = trainer_config(setup, steps=steps, lr=lr, dump_folder=dump)
+        trainer = (GuardedTrainer if policy is not None else Trainer)(config)
+        model = trainer.model_parts[0]
+        on = {"bad": False}
+        if rank == fault_rank:
+            _plant(model, fault, on)
+        forwards = {"n": 0}
+        model.register_forward_pre_hook(lambda *a: forwards.__setitem__("n", forwards["n"] + 1))
+        logged: dict[int, tuple[float, float]] = {}
+        log = trainer.metrics_processor.log
+
+        def record(step: int, loss: float, max_loss: float, grad_norm: float, **kwargs: Any) -> None:
+            logged[step] = (float(loss), float(grad_norm))
+            log(step, loss, max_loss, grad_norm, **kwargs)
+
+        trainer.metrics_processor.log = record
+        step_fn = trainer.train_step
+        skipped: list[int] = []
+
+        def train_step(data_iterator: Any) -> None:
+            on["bad"] = trainer.step == BAD_TRAINER_STEP
+            step_fn(data_iterator)
+            on["bad"] = False
+            if policy is not None and trainer.guard.step_skipped:
+                skipped.append(trainer.step)
+
+        trainer.train_step = train_step  # type: ignore[method-assign]
+        backwards = {"n": 0}  # the trainer's loss.backward(), and any replay's
+        backward = torch.Tensor.backward
+
+        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            backwards["n"] += 1
+            return backward(self, *args, **kwargs)
+
+        torch.Tensor.backward = counted  # type: ignore[method-assign]
+        raised = None
+        try:
+            trainer.train()
+        except NonFiniteError as err:
+            raised = err.diagnosis
+        finally:
+            torch.Tensor.backward = backward  # type: ignore[method-assign]
+        guard = getattr(trainer, "guard", None)
+        d = raised or (guard.last_diagnosis if guard is not None else None)
+        if guard is not None:
+            guard.close()
+        digest = _digest(model)
+        trainer.close()
+    return {
+        "rank": rank,
+        "losses": [logged[s][0] for s in sorted(logged) if s not in skipped],
+        "norms": [logged[s][1] for s in sorted(logged) if s not in skipped],
+        "steps": trainer.step,
+        "skipped": skipped,
+        "digest": digest,
+        "forwards": forwards["n"],
+        "backwards": backwards["n"],
+        "raised": raised is not None,
+        "diag": None
+        if d is None
+        else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step")},
+    }
