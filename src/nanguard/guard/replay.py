@@ -157,7 +157,7 @@ class Diagnoser:
                 attempted=self.locate and closure is not None,
                 unobserved=_agreed(gaps + _private_draws(closure, dist.unwrap(self.model))),
             )
-        diag.step = h.step
+        diag = replace(diag, step=h.step)
         # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
         replayed.diagnosis = self._proven(with_run_facts(diag, run), closure, h, batch, rng)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
@@ -402,8 +402,8 @@ def replay_trip(
             found = dist.replay_locally(
                 model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}, facts=run)
             )
-        if found is not None and stages:
-            found.evidence["stage"] = stages.evidence()  # pipeline parallel: this rank's stage
+        if found is not None and stages:  # pipeline parallel: this rank's stage
+            found = replace(found, evidence={**found.evidence, "stage": stages.evidence()})
         replayed = Replayed(found, located=True)
     except Exception as err:  # the guard's own failure must not kill training
         warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=5)

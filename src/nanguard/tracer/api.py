@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -73,9 +74,7 @@ def _compiled_again(
     finally:
         for p, g in grads:
             p.grad = g
-    if found is not None:
-        found.step = None
-    return found
+    return replace(found, step=None) if found is not None else None
 
 
 def trace(
