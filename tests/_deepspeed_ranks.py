@@ -125,8 +125,8 @@ def weights(engine: Any) -> list[float]:
 
 def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     """One run: ``steps`` steps of a fresh engine, guarded (``policy``) or not; ``fault`` (or a list,
-    ``faults``): (kind, rank, step) with kind "data" (a NaN in the batch), "log", "overflow" or
-    "grad_overflow" (the module faults)."""
+    ``faults``): (kind, rank, step[, micro-batch]) with kind "data" (a NaN in the batch), "log", "overflow"
+    or "grad_overflow" (the module faults); ``accum``: DeepSpeed's gradient accumulation steps."""
     from nanguard.integrations.deepspeed import DeepSpeedGuard
 
     stage, dtype, accum = case["stage"], case["dtype"], case.get("accum", 1)
@@ -136,8 +136,10 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     )
     act = getattr(engine.module, "act", None)
     rows = 32 if kind.startswith("regression") else 4  # more rows than inputs: every direction has curvature
-    forwards = [0]
+    forwards, backwards = [0], [0]  # the module's forwards, and backwards through its last layer
     engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    last = engine.module.out if kind == "mlp" else engine.module.fc
+    last.register_full_backward_pre_hook(lambda *_: backwards.__setitem__(0, backwards[0] + 1))
     guard = None
     trips: list[dict[str, Any]] = []  # every trip event's diagnosis, in order
     said = _Said()  # what nanguard logged
@@ -148,10 +150,12 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     losses, error = [], None
     try:
         for step in range(case["steps"]):
-            fault = next((f[0] for f in faults if f[1] == rank and f[2] == step), None)
-            if act is not None:
-                act.fault = fault if fault != "data" else None
+            here = next((f for f in faults if f[1] == rank and f[2] == step), None)
             for micro in range(accum):
+                # A fault's optional 4th entry: the one micro-batch it hits (else every one of the step).
+                fault = here[0] if here is not None and (len(here) < 4 or here[3] == micro) else None
+                if act is not None:
+                    act.fault = fault if fault != "data" else None
                 x, y = batch(rank, step * accum + micro, dtype, rows)
                 if fault == "data":
                     x[0, 0] = float("nan")
@@ -168,6 +172,7 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         "weights": weights(engine),
         "losses": losses,
         "forwards": forwards[0],
+        "backwards": backwards[0],
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "error": error,

@@ -45,6 +45,7 @@ def _check(results: list[list[dict[str, Any]]], stage: int, dtype: str, faults: 
         assert guarded["weights"] == plain["weights"], where
         assert guarded["losses"] == plain["losses"], where
         assert guarded["forwards"] == plain["forwards"] == STEPS, where
+        assert guarded["backwards"] == plain["backwards"] == STEPS, where  # the default options: no second backward
         assert guarded["skipped"] == guarded["skipped_steps"] == 0, where
         assert guarded["last_grad_norm"] > 0 and math.isfinite(guarded["last_grad_norm"]), where
         for fault, run in zip(faults, faulted, strict=True):
@@ -211,6 +212,53 @@ def test_an_lr_far_too_high_is_named_a_divergence_at_zero1_and_zero3(stage: int)
     results = spawn_ranks(run_cases, cases, world=2, timeout=400)
     _check_divergence([runs[0] for runs in results], "forward", f"ZeRO-{stage} fp32")
     _check_divergence([runs[1] for runs in results], "backward", f"ZeRO-{stage} fp32")
+
+
+# -- DeepSpeed's gradient accumulation (gradient_accumulation_steps > 1) ---------------------------
+ACCUM = 2
+
+
+def _accumulation_cases(stage: int, dtype: str) -> list[dict[str, Any]]:
+    """Healthy unguarded and guarded; a NaN in the second micro-batch of step 1 on rank 1; ``log`` of a
+    negative in step 2 on rank 0 (every micro-batch of it: the module's fault is a switch the replay, at
+    the step's end, must find as the step's micro-batches did)."""
+    base = {"stage": stage, "dtype": dtype, "steps": STEPS, "accum": ACCUM}
+    faults = [("data", 1, 1, 1), ("log", 0, 2)]
+    return [base, {**base, "policy": "skip"}, *({**base, "policy": "skip", "fault": f} for f in faults)]
+
+
+def _check_accumulation(results: list[list[dict[str, Any]]], label: str) -> None:
+    expected = {"data": ("data.nonfinite", "inp", "data"), "log": ("op.log_domain", "act", "forward")}
+    faults = [("data", 1, 1), ("log", 0, 2)]
+    for rank, (plain, guarded, *faulted) in enumerate(results):
+        where = f"{label} rank {rank}"
+        assert plain["error"] is None and guarded["error"] is None, (where, plain["error"], guarded["error"])
+        # Healthy: bit-identical; the user's forward and backward once per micro-batch, no more.
+        assert guarded["weights"] == plain["weights"] and guarded["losses"] == plain["losses"], where
+        assert guarded["forwards"] == guarded["backwards"] == plain["backwards"] == STEPS * ACCUM, where
+        assert guarded["global_steps"] == plain["global_steps"] == STEPS, where
+        assert guarded["skipped"] == guarded["skipped_steps"] == 0, where
+        for (kind, bad, step), run in zip(faults, faulted, strict=True):
+            diag = run["diagnosis"]
+            assert run["error"] is None and diag is not None, (where, kind, run["error"])
+            cause, module, phase = expected[kind]
+            # Named on the faulted rank alone, at the step (not the micro-batch) it happened in.
+            assert (diag["cause"], diag["module"], diag["phase"]) == (cause, module, phase), (where, diag)
+            assert (diag["rank"], diag["ranks"], diag["step"]) == (bad, [bad], step), (where, diag)
+            assert run["skipped"] == run["skipped_steps"] == 1 and run["global_steps"] == STEPS, (where, kind)
+            assert run["weights"] != plain["weights"] and all(math.isfinite(w) for w in run["weights"]), where
+
+
+def test_gradient_accumulation_under_zero2_healthy_identical_faults_named_on_their_rank() -> None:
+    results = spawn_ranks(run_cases, _accumulation_cases(2, "fp32"), world=2, timeout=400)
+    _check_accumulation(results, "ZeRO-2 fp32 accumulation 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (3, "fp32"), (3, "fp16")])
+def test_gradient_accumulation_at_every_stage(stage: int, dtype: str) -> None:
+    results = spawn_ranks(run_cases, _accumulation_cases(stage, dtype), world=2, timeout=400)
+    _check_accumulation(results, f"ZeRO-{stage} {dtype} accumulation 2")
 
 
 def _rollback_cases(stage: int, dtype: str) -> list[dict[str, Any]]:
