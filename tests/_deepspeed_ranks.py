@@ -56,6 +56,20 @@ class _Amplified(torch.autograd.Function):
         return grad * 1e4
 
 
+class Regression(nn.Module):
+    """Least squares on one linear layer: plain SGD at an LR far above 2 / (the largest curvature)
+    multiplies the error every step (geometric growth, whatever the seed) until it overflows."""
+
+    def __init__(self, total: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.total = total  # the squared errors summed, not averaged: the gradients outgrow the loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        errors = (self.fc(x).float() - y).pow(2)
+        return errors.sum() if self.total else errors.mean()
+
+
 def init(rank: int) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -65,11 +79,20 @@ def init(rank: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
 
 
-def engine_for(stage: int, dtype: str, *, lr: float = 1e-2, accum: int = 1, sgd: bool = False) -> Any:
+def engine_for(
+    stage: int,
+    dtype: str,
+    *,
+    lr: float = 1e-2,
+    accum: int = 1,
+    sgd: bool = False,
+    kind: str = "mlp",
+    clip: float | None = None,
+) -> Any:
     import deepspeed
 
     torch.manual_seed(0)
-    model = Net()
+    model: nn.Module = Regression(kind == "regression_sum") if kind.startswith("regression") else Net()
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accum,
@@ -77,6 +100,8 @@ def engine_for(stage: int, dtype: str, *, lr: float = 1e-2, accum: int = 1, sgd:
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": sgd,
     }
+    if clip is not None:  # DeepSpeed clips the gradient norm at 1.0 unless told otherwise
+        config["gradient_clipping"] = clip
     if dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
     elif dtype == "bf16":
@@ -86,9 +111,9 @@ def engine_for(stage: int, dtype: str, *, lr: float = 1e-2, accum: int = 1, sgd:
     return engine
 
 
-def batch(rank: int, index: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, index: int, dtype: str, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(rank * 1000 + index)
-    return torch.randn(4, 8, generator=g).to(DTYPES[dtype]), torch.randn(4, 4, generator=g)
+    return torch.randn(rows, 8, generator=g).to(DTYPES[dtype]), torch.randn(rows, 4, generator=g)
 
 
 def weights(engine: Any) -> list[float]:
@@ -100,26 +125,39 @@ def weights(engine: Any) -> list[float]:
 
 def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     """One run: ``steps`` steps of a fresh engine, guarded (``policy``) or not; ``fault`` (or a list,
-    ``faults``): (kind, rank, step) with kind "data" (a NaN in the batch), "log", "overflow" or
-    "grad_overflow" (the module faults)."""
+    ``faults``): (kind, rank, step[, micro-batch]) with kind "data" (a NaN in the batch), "log", "overflow"
+    or "grad_overflow" (the module faults); ``accum``: DeepSpeed's gradient accumulation steps."""
     from nanguard.integrations.deepspeed import DeepSpeedGuard
 
     stage, dtype, accum = case["stage"], case["dtype"], case.get("accum", 1)
-    engine = engine_for(stage, dtype, lr=case.get("lr", 1e-2), accum=accum, sgd=case.get("sgd", False))
-    forwards = [0]
+    kind = case.get("model", "mlp")
+    engine = engine_for(
+        stage, dtype, lr=case.get("lr", 1e-2), accum=accum, sgd=case.get("sgd", False), kind=kind, clip=case.get("clip")
+    )
+    act = getattr(engine.module, "act", None)
+    rows = 32 if kind.startswith("regression") else 4  # more rows than inputs: every direction has curvature
+    forwards, backwards = [0], [0]  # the module's forwards, and backwards through its last layer
     engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    last = engine.module.out if kind == "mlp" else engine.module.fc
+    last.register_full_backward_pre_hook(lambda *_: backwards.__setitem__(0, backwards[0] + 1))
     guard = None
+    trips: list[dict[str, Any]] = []  # every trip event's diagnosis, in order
+    said = _Said()  # what nanguard logged
     if case.get("policy"):
-        guard = DeepSpeedGuard(engine, case["policy"], **case.get("options", {}))
+        on_event = lambda event: trips.append(event["diagnosis"]) if event["kind"] == "trip" else None  # noqa: E731
+        guard = DeepSpeedGuard(engine, case["policy"], on_event=on_event, **case.get("options", {}))
     faults = case.get("faults") or ([case["fault"]] if case.get("fault") else [])
     losses, error = [], None
     try:
         for step in range(case["steps"]):
-            kind = next((f[0] for f in faults if f[1] == rank and f[2] == step), None)
-            engine.module.act.fault = kind if kind != "data" else None
+            here = next((f for f in faults if f[1] == rank and f[2] == step), None)
             for micro in range(accum):
-                x, y = batch(rank, step * accum + micro, dtype)
-                if kind == "data":
+                # A fault's optional 4th entry: the one micro-batch it hits (else every one of the step).
+                fault = here[0] if here is not None and (len(here) < 4 or here[3] == micro) else None
+                if act is not None:
+                    act.fault = fault if fault != "data" else None
+                x, y = batch(rank, step * accum + micro, dtype, rows)
+                if fault == "data":
                     x[0, 0] = float("nan")
                 loss = engine(x, y)
                 engine.backward(loss)
@@ -127,18 +165,21 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             losses.append(float(loss))
     except Exception as err:
         error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-6)}"
-    engine.module.act.fault = None
+    if act is not None:
+        act.fault = None
     scale = float(engine.optimizer.loss_scale) if dtype == "fp16" else None
     out: dict[str, Any] = {
         "weights": weights(engine),
         "losses": losses,
         "forwards": forwards[0],
+        "backwards": backwards[0],
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "error": error,
         "scale": scale,
     }
     if guard is not None:
+        out["trip_diagnoses"] = trips
         diag = guard.last_diagnosis
         out.update(skipped=guard.skipped, trips=guard.trips, diagnosis=diag.to_dict() if diag else None)
         out["overflows"] = guard.guard.overflows if guard.guard is not None else None
@@ -146,7 +187,25 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         out["last_overflow"] = guard.last_overflow.to_dict() if guard.last_overflow else None
         out["last_grad_norm"] = guard.last_grad_norm
         guard.close()
+    said.close()
+    out["said"] = said.lines
     return out
+
+
+class _Said(logging.Handler):
+    """The ``nanguard`` logger's lines while it is open."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logging.getLogger("nanguard").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def close(self) -> None:
+        logging.getLogger("nanguard").removeHandler(self)
+        super().close()
 
 
 def run_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -45,6 +45,7 @@ def _check(results: list[list[dict[str, Any]]], stage: int, dtype: str, faults: 
         assert guarded["weights"] == plain["weights"], where
         assert guarded["losses"] == plain["losses"], where
         assert guarded["forwards"] == plain["forwards"] == STEPS, where
+        assert guarded["backwards"] == plain["backwards"] == STEPS, where  # the default options: no second backward
         assert guarded["skipped"] == guarded["skipped_steps"] == 0, where
         assert guarded["last_grad_norm"] > 0 and math.isfinite(guarded["last_grad_norm"]), where
         for fault, run in zip(faults, faulted, strict=True):
@@ -101,6 +102,163 @@ def test_zero2_fp16_and_zero3_fp32_healthy_identical_faults_named_on_their_rank(
         start += n
     _check_scaler_overflow([runs[start : start + 2] for runs in results], bad_rank=0)
     _check_rollback([runs[start + 2 :] for runs in results])
+
+
+# -- a far too high LR: the run diverges, and is named a divergence ------------------------------
+# Least squares (tests/_deepspeed_ranks.Regression), plain SGD, DeepSpeed's gradient clipping off: at an
+# LR whose product with the smallest curvature of every step's batches is past 2, each step multiplies
+# the error in every direction (by >= 3x here), whatever the seed, until float32 overflows.
+DIVERGING = {
+    # the squared errors averaged: the loss overflows first, in the forward
+    "forward": {"model": "regression", "lr": 30.0, "steps": 17, "trip": 16},
+    # summed: the gradients' norm over the ranks passes float32's squared range first, every loss finite
+    "backward": {"model": "regression_sum", "lr": 0.3, "steps": 15, "trip": 14},
+}
+
+
+def _diverging(stage: int, dtype: str, where: str) -> dict[str, Any]:
+    plan = DIVERGING[where]
+    return {"stage": stage, "dtype": dtype, "sgd": True, "clip": 0.0, "policy": "skip", **plan}
+
+
+def _every_direction_expands(plan: dict[str, Any]) -> bool:
+    """The setup's claim, from the batches themselves: lr x the smallest eigenvalue of each step's
+    Hessian (both ranks' batches averaged, as ZeRO averages the gradients) is past 2."""
+    from _deepspeed_ranks import batch
+
+    total = plan["model"] == "regression_sum"
+    for step in range(plan["steps"]):
+        hessian = torch.zeros(9, 9, dtype=torch.float64)
+        for rank in range(2):
+            x, _ = batch(rank, step, "fp32", 32)
+            a = torch.cat([x, torch.ones(32, 1)], 1).double()
+            hessian += 2 * a.T @ a / (1 if total else a.shape[0] * 4) / 2
+        if plan["lr"] * float(torch.linalg.eigvalsh(hessian)[0]) <= 2:
+            return False
+    return True
+
+
+def _check_divergence(results: list[dict[str, Any]], where: str, label: str) -> None:
+    """Named ``optimizer.divergence`` at the step it overflowed, the same verdict on every rank, no
+    word of hardware; skipped through the engine, the weights left finite."""
+    plan = DIVERGING[where]
+    verdicts = []
+    for rank, run in enumerate(results):
+        at = f"{label} rank {rank}"
+        assert run["error"] is None, (at, run["error"])
+        assert run["trip_diagnoses"], (at, run["losses"])
+        first = run["trip_diagnoses"][0]
+        assert first["cause"] == "optimizer.divergence", (at, first["cause"], first["evidence"].get("why"))
+        assert (first["step"], first["phase"]) == (plan["trip"], where), (at, first)
+        assert all(d["cause"] == "optimizer.divergence" for d in run["trip_diagnoses"]), at
+        losses = run["losses"]
+        assert all(math.isfinite(v) for v in losses[: plan["trip"]]), at  # it grew, finite, up to the trip
+        assert losses[plan["trip"] - 1] > 1e30 * losses[0], at
+        assert math.isfinite(losses[plan["trip"]]) == (where == "backward"), at
+        assert run["skipped"] == run["skipped_steps"] == plan["steps"] - plan["trip"], at
+        assert all(math.isfinite(w) for w in run["weights"]), at
+        text = " ".join(
+            [*run["said"], *(d["evidence"].get("why", "") + " ".join(d["fixes"]) for d in run["trip_diagnoses"])]
+        )
+        assert "drain" not in text and "hardware" not in text, at
+        verdicts.append(
+            [
+                {k: d[k] for k in ("cause", "phase", "op", "module", "rank", "ranks", "step")}
+                for d in run["trip_diagnoses"]
+            ]
+        )
+    assert verdicts[0] == verdicts[1], label
+
+
+@pytest.mark.parametrize("where", list(DIVERGING))
+def test_the_diverging_setups_expand_every_direction(where: str) -> None:
+    assert _every_direction_expands(DIVERGING[where])
+
+
+def test_an_lr_far_too_high_under_zero2_is_named_a_divergence_on_every_rank() -> None:
+    """ZeRO-2: the forward overflow (loss Inf) and the backward one (every loss finite, the gradient
+    norm past float32) are both ``optimizer.divergence``; under fp16, the gradient overflows DeepSpeed's
+    scaler skips while the loss grows are named a divergence too, not a float16 range problem."""
+    fp16 = {**_diverging(2, "fp16", "forward"), "steps": 9}
+    cases = [_diverging(2, "fp32", "forward"), _diverging(2, "fp32", "backward"), fp16]
+    results = spawn_ranks(run_cases, cases, world=2, timeout=400)
+    _check_divergence([runs[0] for runs in results], "forward", "ZeRO-2 fp32")
+    _check_divergence([runs[1] for runs in results], "backward", "ZeRO-2 fp32")
+    _check_fp16_divergence([runs[2] for runs in results])
+
+
+def _check_fp16_divergence(results: list[dict[str, Any]]) -> None:
+    named = []
+    for rank, run in enumerate(results):
+        assert run["error"] is None, (rank, run["error"])
+        overflow = run["last_overflow"]  # DeepSpeed's scaler skipped the gradients' overflow: the guard named it
+        assert overflow is not None and run["overflows"] >= 1, rank
+        assert (overflow["cause"], overflow["phase"], overflow["module"]) == ("optimizer.divergence", "backward", "fc")
+        assert overflow["evidence"]["op_cause"] == "precision.overflow"  # the op's own verdict, kept
+        assert all(math.isfinite(v) for v in run["losses"][: overflow["step"] + 1])  # every loss finite
+        first = run["trip_diagnoses"][0]  # the first named: an overflow, the same verdict
+        assert first["cause"] == "optimizer.divergence" and first["phase"] == "backward", rank
+        assert all(d["cause"] == "optimizer.divergence" for d in run["trip_diagnoses"]), rank
+        text = " ".join(run["said"])
+        assert "drain" not in text and "hardware" not in text, rank
+        named.append([(d["cause"], d["phase"], d["rank"], d["step"]) for d in run["trip_diagnoses"]])
+    assert named[0] == named[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_lr_far_too_high_is_named_a_divergence_at_zero1_and_zero3(stage: int) -> None:
+    cases = [_diverging(stage, "fp32", "forward"), _diverging(stage, "fp32", "backward")]
+    results = spawn_ranks(run_cases, cases, world=2, timeout=400)
+    _check_divergence([runs[0] for runs in results], "forward", f"ZeRO-{stage} fp32")
+    _check_divergence([runs[1] for runs in results], "backward", f"ZeRO-{stage} fp32")
+
+
+# -- DeepSpeed's gradient accumulation (gradient_accumulation_steps > 1) ---------------------------
+ACCUM = 2
+
+
+def _accumulation_cases(stage: int, dtype: str) -> list[dict[str, Any]]:
+    """Healthy unguarded and guarded; a NaN in the second micro-batch of step 1 on rank 1; ``log`` of a
+    negative in step 2 on rank 0 (every micro-batch of it: the module's fault is a switch the replay, at
+    the step's end, must find as the step's micro-batches did)."""
+    base = {"stage": stage, "dtype": dtype, "steps": STEPS, "accum": ACCUM}
+    faults = [("data", 1, 1, 1), ("log", 0, 2)]
+    return [base, {**base, "policy": "skip"}, *({**base, "policy": "skip", "fault": f} for f in faults)]
+
+
+def _check_accumulation(results: list[list[dict[str, Any]]], label: str) -> None:
+    expected = {"data": ("data.nonfinite", "inp", "data"), "log": ("op.log_domain", "act", "forward")}
+    faults = [("data", 1, 1), ("log", 0, 2)]
+    for rank, (plain, guarded, *faulted) in enumerate(results):
+        where = f"{label} rank {rank}"
+        assert plain["error"] is None and guarded["error"] is None, (where, plain["error"], guarded["error"])
+        # Healthy: bit-identical; the user's forward and backward once per micro-batch, no more.
+        assert guarded["weights"] == plain["weights"] and guarded["losses"] == plain["losses"], where
+        assert guarded["forwards"] == guarded["backwards"] == plain["backwards"] == STEPS * ACCUM, where
+        assert guarded["global_steps"] == plain["global_steps"] == STEPS, where
+        assert guarded["skipped"] == guarded["skipped_steps"] == 0, where
+        for (kind, bad, step), run in zip(faults, faulted, strict=True):
+            diag = run["diagnosis"]
+            assert run["error"] is None and diag is not None, (where, kind, run["error"])
+            cause, module, phase = expected[kind]
+            # Named on the faulted rank alone, at the step (not the micro-batch) it happened in.
+            assert (diag["cause"], diag["module"], diag["phase"]) == (cause, module, phase), (where, diag)
+            assert (diag["rank"], diag["ranks"], diag["step"]) == (bad, [bad], step), (where, diag)
+            assert run["skipped"] == run["skipped_steps"] == 1 and run["global_steps"] == STEPS, (where, kind)
+            assert run["weights"] != plain["weights"] and all(math.isfinite(w) for w in run["weights"]), where
+
+
+def test_gradient_accumulation_under_zero2_healthy_identical_faults_named_on_their_rank() -> None:
+    results = spawn_ranks(run_cases, _accumulation_cases(2, "fp32"), world=2, timeout=400)
+    _check_accumulation(results, "ZeRO-2 fp32 accumulation 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (3, "fp32"), (3, "fp16")])
+def test_gradient_accumulation_at_every_stage(stage: int, dtype: str) -> None:
+    results = spawn_ranks(run_cases, _accumulation_cases(stage, dtype), world=2, timeout=400)
+    _check_accumulation(results, f"ZeRO-{stage} {dtype} accumulation 2")
 
 
 def _rollback_cases(stage: int, dtype: str) -> list[dict[str, Any]]:

@@ -2,6 +2,8 @@
 a learning rate far too high, huge finite gradients before the loop's own clip, a NaN row of a loaded
 checkpoint, a compiled healthy run, the guard's clip, float16 AdamW and a division by the number 0."""
 
+import math
+
 import pytest
 import torch
 
@@ -160,6 +162,9 @@ def test_growth_trips_only_with_both_metrics_on_two_spikes_in_a_row_of_warm_dete
     assert feed([(2.0 * 1.02**i, 1.02**i) for i in range(200)]) is None  # a slow climb is a trend, not a trip
     step, found = feed([(2.0, 1.0)] * 5 + [(2.0, 1e20)])  # past float32's squared range: at once
     assert step == 5 and found["float32_overflow"]
+    # An Inf norm of a step no rank flagged: the ranks' finite squared norms summed past float32's range.
+    step, found = feed([(2.0, 1.0)] * 5 + [(2.0, math.inf)])
+    assert step == 5 and found["float32_overflow"] and found["growth"] >= 1e18
 
 
 def _clean(kind, n, seed):

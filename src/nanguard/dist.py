@@ -15,7 +15,7 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -687,13 +687,14 @@ def gather_diagnosis(
             return None
         origin, reproducing = picked.rank, picked.ranks
     chosen = local[origin]
-    if picked is not None:
-        chosen.evidence["received_ranks"] = [r for r in sorted(local) if r not in picked.ranks]
-    chosen.rank = origin
-    chosen.ranks = reproducing
-    chosen.evidence["flagged_ranks"] = flagged
-    chosen.evidence["per_rank_causes"] = {str(r): d.cause for r, d in local.items()}
-    return chosen
+    received = {"received_ranks": [r for r in sorted(local) if r not in picked.ranks]} if picked is not None else {}
+    evidence = {
+        **chosen.evidence,
+        **received,
+        "flagged_ranks": flagged,
+        "per_rank_causes": {str(r): d.cause for r, d in local.items()},
+    }
+    return replace(chosen, rank=origin, ranks=reproducing, evidence=evidence)
 
 
 def fingerprint(model: nn.Module) -> list[float]:

@@ -1,9 +1,9 @@
 """Apply: carry out the policy's ``Action`` for a measured step, and record it.
 
-``Apply`` switches on the action: step (the update goes ahead), skip, rollback, raise, the
-GradScaler's own skip, a reset of a collapsed scale, a resync of replicas that differ. It
-records each one (events, the trip's bundle, the log line), applies the remedy the policy
-chose, and stops the run when the policy says so.
+``Apply`` switches on the action alone (the verdict only supplies the data): its kind (step,
+skip, rollback, raise, the GradScaler's own skip, a reset of a collapsed scale, a resync of
+replicas that differ) and how its trip is recorded (``Action.trip``: events, the trip's bundle,
+the log line). It applies the remedy the policy chose, and stops the run when the policy says so.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from nanguard.guard.progress import Progress
 from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
-from nanguard.guard.tracker import Tracker
 from nanguard.guard.trip import Trip
 from nanguard.guard.wrapped import scaler_step
+from nanguard.hardware import Tracker
 from nanguard.inject import NullInjector
 
 __all__ = ["Apply"]
@@ -55,7 +55,6 @@ class Apply:
         scaler: Any,
         config: GuardConfig,
         params: list[torch.Tensor],
-        cuda_devices: list[int],
         health: HealthCheck,
         history: History,
         recovery: Recovery,
@@ -66,7 +65,7 @@ class Apply:
         progress: Progress,
     ) -> None:
         self.model, self.optimizer, self.scaler, self.config = model, optimizer, scaler, config
-        self.params, self.cuda_devices = params, cuda_devices
+        self.params = params
         self.health, self.history, self.recovery, self.remedies = health, history, recovery, remedies
         self.recorder, self.injector, self.tracker, self.progress = recorder, injector, tracker, progress
         self.rank = dist.rank()
@@ -78,78 +77,79 @@ class Apply:
         that rank learns whether the policy stopped the run."""
         h = verdict.health
         every = tells_every_step(self.scaler is not None, self.config.skip_spikes)
-        if h is not None and h.joined and (verdict.kind == "trip" or every):
+        if h is not None and h.joined and (action.trip == "bundle" or every):
             with telling_joined(h, verdict.step):  # the joined rank waits for this flag: see join.py
                 return action is STEP or self._apply(attempt, verdict, action)
         return action is STEP or self._apply(attempt, verdict, action)
 
     def _apply(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
-        kind = action.kind
+        kind, step = action.kind, verdict.step
         if kind == "overflow":
             return False
+        if action.forget:  # a spike's skip: no trip, no diagnosis
+            self._forget(attempt, verdict, action)
+            return False
         diag = verdict.diagnosis
-        if diag is None:  # a spike skip: no diagnosis of its own
-            assert kind == "skip" and verdict.spikes and verdict.health is not None
-            # As in a run that never saw the batch: its values leave the detectors' windows too.
-            self.history.forget(verdict.step, loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
-            self.recovery.abandon(attempt.owns_buffers, attempt.rng)
-            spike = verdict.spikes[0]
-            self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
-            return False
+        assert diag is not None, f"a {kind} action of a step with a {verdict.kind} verdict"
         if action.remedy is not None:
-            self.remedies.apply(action.remedy, diag, verdict.step)
-        if verdict.kind in ("collapse", "replicas"):
-            self._repair(verdict, diag, action)
-            return False
-        trip = self._trip(diag, verdict.step, kind)
-        diag = trip.diagnosis
-        flagged = diag.evidence.get("flagged_ranks", [self.rank])
-        extra = {"where": self.tracker.here, **({"module_stats": verdict.module_stats} if verdict.module_stats else {})}
-        bundle = self.recorder.trip_and_bundle(
-            verdict.step,
-            action=kind,
-            ranks=flagged,
-            diagnosis=diag,
-            batch=attempt.batch,
-            rng=attempt.rng,
-            meta=self._bundle_meta(attempt.batch),
-            **extra,
-        )
-        diag = self.progress.diagnosis = trip.with_bundle(bundle).diagnosis
-        self.announce(self.rank, verdict.step, diag, kind)
-        if kind == "raise":
-            self.progress.action = "raise"
-            raise NonFiniteError(diag, action.message)
-        if kind == "rollback":
-            self._rollback(verdict.step, diag, action)
-        else:
-            self._skip(verdict, diag.cause, action)
-        return False
-
-    def _repair(self, verdict: Verdict, diag: Diagnosis, action: Action) -> None:
-        """A collapsed loss scale (reset it, or stop) or replicas that differ (resync, roll back, or stop)."""
-        kind, step = action.kind, verdict.step
+            self.remedies.apply(action.remedy, diag, step)
         if kind == "reset_scale":
             assert self.scaler is not None
             self.remedies.reset_scale(self.scaler)
             self.recovery.reset_overflow_streak()
-            return
-        ranks = [self.rank] if verdict.kind == "collapse" else diag.ranks
-        if verdict.kind == "replicas":  # every rank compares fingerprints: the tracker's gather is safe
-            diag = self.progress.diagnosis = self._trip(diag, step, kind).diagnosis
-        self.recorder.trip(step, action=kind, ranks=ranks, diagnosis=diag)
-        if verdict.kind == "replicas":
-            self.announce(self.rank, step, diag, kind)
+            return False
+        diag = self._record(attempt, verdict, diag, action)
         if kind == "raise":
+            if action.trip == "bundle":
+                self.progress.action = "raise"
             raise NonFiniteError(diag, action.message)
         if kind == "rollback":
-            self._rollback(step, diag, action, count=False)
-        else:
+            self._rollback(step, diag, action)
+        elif kind == "resync":
             assert verdict.source is not None  # the policy resyncs only from a finite replica
             dist.broadcast_state(self.model, src=verdict.source)
-        self.health.forget_update()  # the queued parameter check saw the replicas before the repair
+            self.health.forget_update()  # the queued parameter check saw the replicas before the repair
+        else:
+            self._skip(verdict, diag.cause, action)
+        return False
 
-    def _rollback(self, step: int, diag: Diagnosis, action: Action, *, count: bool = True) -> None:
+    def _forget(self, attempt: Attempt, verdict: Verdict, action: Action) -> None:
+        """Skip a spike: as in a run that never saw the batch, its values leave the detectors' windows too."""
+        assert action.kind == "skip" and verdict.spikes and verdict.health is not None
+        self.history.forget(verdict.step, loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
+        self.recovery.abandon(attempt.owns_buffers, attempt.rng)
+        spike = verdict.spikes[0]
+        self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
+
+    def _record(self, attempt: Attempt, verdict: Verdict, diag: Diagnosis, action: Action) -> Diagnosis:
+        """Record the trip as ``action.trip`` says; returns its diagnosis as recorded."""
+        kind, step = action.kind, verdict.step
+        if action.trip == "event":  # a collapsed loss scale: this rank's trip event alone
+            self.recorder.trip(step, action=kind, ranks=[self.rank], diagnosis=diag)
+            return diag
+        trip = self._trip(diag, step, kind)  # every rank records it: the tracker's gather is safe
+        if action.trip == "tracked":  # replicas that differ
+            diag = self.progress.diagnosis = trip.diagnosis
+            self.recorder.trip(step, action=kind, ranks=diag.ranks, diagnosis=diag)
+        else:
+            flagged = trip.diagnosis.evidence.get("flagged_ranks", [self.rank])
+            stats = verdict.module_stats
+            extra = {"where": self.tracker.here, **({"module_stats": stats} if stats else {})}
+            bundle = self.recorder.trip_and_bundle(
+                step,
+                action=kind,
+                ranks=flagged,
+                diagnosis=trip.diagnosis,
+                batch=attempt.batch,
+                rng=attempt.rng,
+                meta=self._bundle_meta(attempt.batch),
+                **extra,
+            )
+            diag = self.progress.diagnosis = trip.with_bundle(bundle).diagnosis
+        self.announce(self.rank, step, diag, kind)
+        return diag
+
+    def _rollback(self, step: int, diag: Diagnosis, action: Action) -> None:
         onset = self.history.onset()  # a steady growth under way: land before it began
         why = self.recovery.why_restored(onset)
         restored = self.recovery.rollback(diag, onset)
@@ -161,7 +161,7 @@ class Apply:
         self.recorder.rollback(
             step, restored_step=restored, skip_batches=self.recovery.drop_batches, reason=diag.cause, why=why
         )
-        if count:
+        if action.counted:
             self.progress.action = "rollback"
             self.recovery.count_in_a_row()
             _stop_if(action, diag)
@@ -183,7 +183,7 @@ class Apply:
 
     def _trip(self, diag: Diagnosis, step: int, action: str) -> Trip:
         """The trip's record: which planted faults it answers, and where it ran (the run's hardware
-        tracker, ``guard/tracker.py``, records it too)."""
+        tracker, ``nanguard.hardware``, records it too)."""
         injected = self.injector.mark(diag.cause, step, action)
         try:
             hardware = self.tracker.trip(diag, step, injected=bool(injected))
@@ -200,6 +200,13 @@ class Apply:
             return {**self.history.tail(), "fingerprint": dist.fingerprint(self.model)}
         except Exception as err:  # evidence only: the bundle is written without it
             return {"meta_error": repr(err)}
+
+    def drop_batch(self) -> None:
+        """One of the batches after a rollback (``rollback_skip_batches``): counted, not run."""
+        step, self.progress.action = self.progress.step, "drop_batch"
+        self.progress.step += 1
+        self.recorder.skip(step, reason="rollback: dropping the batch after a bad one")
+        log.warning("nanguard: step %d: batch dropped after rollback", step)
 
     # -- the update ----------------------------------------------------------------------
     def update(self, *, device_step: bool) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from nanguard.environ import POLICIES
 
-__all__ = ["POLICIES", "SYNC_MODES", "GuardConfig"]
+__all__ = ["OPTIONS_DOC", "POLICIES", "SYNC_MODES", "GuardConfig"]
 
 QUARANTINE_SCOPES = ("rows", "batch", "previous", "off")
 SYNC_MODES = ("auto", "immediate", "deferred")
@@ -163,3 +163,39 @@ class GuardConfig:
             raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip!r}")
         if self.spike_warmup > self.spike_window:
             raise ValueError(f"spike_warmup must be <= spike_window ({self.spike_window}), got {self.spike_warmup}")
+
+
+OPTIONS_DOC = """    Options (keyword only; each is also a ``GuardConfig`` field, documented there in full):
+        policy: what a trip does: "skip" the update, "rollback" to the last snapshot, "raise", or "auto" (the
+            remedy the diagnosed cause calls for). ``NANGUARD_POLICY`` overrides it.
+        max_consecutive_skips: raise ``NonFiniteError`` after this many skips or rollbacks in a row.
+        snapshot_every: take a CPU snapshot of model and optimizer every N good steps (rollback and auto).
+        snapshots: how many snapshots to keep, at doubling ages.
+        rollback_skip_batches: after a rollback, drop the batches of the next K calls to ``step``.
+        param_check_every: check the parameters for NaN/Inf after every N-th update (0: off).
+        spike_window, spike_warmup: the spike detectors' window and the steps before they judge.
+        spike_threshold: the robust z-score (median/MAD) above which a loss or grad norm is a spike.
+        skip_spikes: skip the update on a spike, instead of only warning.
+        divergence_factor, divergence_window: growth by this factor within this many steps is divergence.
+        loss_scale_floor: a GradScaler scale below this is a collapse (``precision.loss_scale``).
+        max_overflow_streak: GradScaler overflows on this many steps in a row are a collapse too.
+        fingerprint_every: compare a parameter fingerprint across ranks every N updates (0: off).
+        log_every: write a step event every N steps (trips and skips are always written).
+        locate: replay a tripped step under the op tracer to find the origin.
+        prove: under DDP, re-compute a suspect rank's step on a peer rank to tell a faulty device.
+        module_stats: on a trip, replay once more for each module's activation absmax and grad norm.
+        check_batch: run ``ng.check_batch`` on ``batch=`` before the forward.
+        history: how many recent (step, loss, grad norm) records the history rules keep.
+        max_bundle_bytes: a batch larger than this goes into a bundle as shapes only.
+        bundle_weights: store the weights in each trip's bundle (True: up to 1 GiB; an int: up to N bytes).
+        remedy_budget: under "auto", how many remedies one cause may get before the run stops.
+        lr_factor: under "auto", ``optimizer.divergence`` multiplies every group's LR by this.
+        upcast: under "auto", run a module whose float16/bfloat16 op overflowed in float32 from then on.
+        quarantine: under "auto", which rows a data cause quarantines: "rows", "batch", "previous" or "off".
+        headroom_every: every N steps, measure how close float16/bfloat16 op outputs come to overflow (0: off).
+        sync: when ``step`` reads a step's health: "immediate", "deferred" (the next call), or "auto".
+        hardware_warn_after: warn naming the device once this many of its trips did not reproduce (0: never).
+        clip_grad_norm: clip the gradients' global norm to this after the check, as ``clip_grad_norm_`` would.
+    An unknown option is a ValueError naming the accepted ones.
+"""
+"""The end of ``Guard``'s docstring, each option in one line (``help(ng.Guard)``); the fields hold them in full."""

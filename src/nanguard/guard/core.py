@@ -23,14 +23,14 @@ from torch import nn
 
 from nanguard import compat, dist, environ
 from nanguard.errors import NonFiniteError
-from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.apply import Apply
-from nanguard.guard.arguments import check_parts, check_state, listener
+from nanguard.guard.arguments import check_parts, listener
 from nanguard.guard.attempt import Attempt, Rng, Runner, check_args, unscale
-from nanguard.guard.config import GuardConfig
+from nanguard.guard.config import OPTIONS_DOC, GuardConfig
 from nanguard.guard.deferred import Waiting, deferred_mode
-from nanguard.guard.health import HealthCheck, StepHealth, check_after_loads, loop_grad_norm
+from nanguard.guard.disabled import Disabled
+from nanguard.guard.health import HealthCheck, StepHealth, check_after_loads
 from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
@@ -40,8 +40,8 @@ from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser
-from nanguard.guard.tracker import Tracker, where
-from nanguard.guard.wrapped import scaler_step
+from nanguard.guard.resume import Resume
+from nanguard.hardware import Tracker, where
 from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
@@ -90,38 +90,7 @@ class Guard:
     ``inject="nan_grad@step=100,rank=3;..."`` plants a fire drill's faults (``nanguard.inject``,
     also ``NANGUARD_INJECT``).
 
-    Options (keyword only; each is also a ``GuardConfig`` field, documented there in full):
-        policy: what a trip does: "skip" the update, "rollback" to the last snapshot, "raise", or "auto" (the
-            remedy the diagnosed cause calls for). ``NANGUARD_POLICY`` overrides it.
-        max_consecutive_skips: raise ``NonFiniteError`` after this many skips or rollbacks in a row.
-        snapshot_every: take a CPU snapshot of model and optimizer every N good steps (rollback and auto).
-        snapshots: how many snapshots to keep, at doubling ages.
-        rollback_skip_batches: after a rollback, drop the batches of the next K calls to ``step``.
-        param_check_every: check the parameters for NaN/Inf after every N-th update (0: off).
-        spike_window, spike_warmup: the spike detectors' window and the steps before they judge.
-        spike_threshold: the robust z-score (median/MAD) above which a loss or grad norm is a spike.
-        skip_spikes: skip the update on a spike, instead of only warning.
-        divergence_factor, divergence_window: growth by this factor within this many steps is divergence.
-        loss_scale_floor: a GradScaler scale below this is a collapse (``precision.loss_scale``).
-        max_overflow_streak: GradScaler overflows on this many steps in a row are a collapse too.
-        fingerprint_every: compare a parameter fingerprint across ranks every N updates (0: off).
-        log_every: write a step event every N steps (trips and skips are always written).
-        locate: replay a tripped step under the op tracer to find the origin.
-        prove: under DDP, re-compute a suspect rank's step on a peer rank to tell a faulty device.
-        module_stats: on a trip, replay once more for each module's activation absmax and grad norm.
-        check_batch: run ``ng.check_batch`` on ``batch=`` before the forward.
-        history: how many recent (step, loss, grad norm) records the history rules keep.
-        max_bundle_bytes: a batch larger than this goes into a bundle as shapes only.
-        bundle_weights: store the weights in each trip's bundle (True: up to 1 GiB; an int: up to N bytes).
-        remedy_budget: under "auto", how many remedies one cause may get before the run stops.
-        lr_factor: under "auto", ``optimizer.divergence`` multiplies every group's LR by this.
-        upcast: under "auto", run a module whose float16/bfloat16 op overflowed in float32 from then on.
-        quarantine: under "auto", which rows a data cause quarantines: "rows", "batch", "previous" or "off".
-        headroom_every: every N steps, measure how close float16/bfloat16 op outputs come to overflow (0: off).
-        sync: when ``step`` reads a step's health: "immediate", "deferred" (the next call), or "auto".
-        hardware_warn_after: warn naming the device once this many of its trips did not reproduce (0: never).
-        clip_grad_norm: clip the gradients' global norm to this after the check, as ``clip_grad_norm_`` would.
-    An unknown option is a ValueError naming the accepted ones.
+    The options follow, one line each (kept beside their fields: ``OPTIONS_DOC`` in ``guard/config.py``).
     """
 
     def __init__(  # every option a keyword of its own, so help() and editors show them
@@ -170,27 +139,21 @@ class Guard:
     ) -> None:
         given = locals()
         config = {name: given[name] for name in _OPTIONS} | unknown  # an unknown name: ValueError in GuardConfig
-        self._build(model, optimizer, policy, scaler, scheduler, run_dir, comm_hook, on_event, inject, config)
+        scaler = check_parts(model, optimizer, scaler, scheduler)
+        self.config = GuardConfig.from_options(environ.policy(policy), config)
+        self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self._build(None if self.disabled else environ.run_dir(run_dir), comm_hook, on_event, inject)
 
     def _build(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        policy: str,
-        scaler: Any,
-        scheduler: Any,
         run_dir: str | os.PathLike[str] | None,
         comm_hook: tuple[Any, Callable[..., Any]] | None,
         on_event: Callable[[dict[str, Any]], None] | None,
         inject: str | list[Fault] | None,
-        config: dict[str, Any],
     ) -> None:
-        scaler = check_parts(model, optimizer, scaler, scheduler)
-        c = self.config = GuardConfig.from_options(environ.policy(policy), config)
-        self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
-        run_dir = None if self.disabled else environ.run_dir(run_dir)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        c, model, optimizer, scheduler = self.config, self.model, self.optimizer, self.scheduler
         self.rank, self.progress = dist.rank(), Progress()
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.health = HealthCheck(
@@ -278,7 +241,6 @@ class Guard:
             scaler=self.scaler,
             config=self.config,
             params=self._params,
-            cuda_devices=self._cuda_devices,
             health=self.health,
             history=self.history,
             recovery=self.recovery,
@@ -288,6 +250,8 @@ class Guard:
             tracker=self.tracker,
             progress=self.progress,
         )
+        self._disabled = Disabled(self.optimizer, self.scaler, self.progress, self.apply)
+        self._resume = Resume(self.config, self.progress, self.recovery, self.history, self._remedies, self.policy)
 
     # Where the run stands (``Progress``), and the counters the parts own, read where users always found them.
     step_count = property(lambda self: self.progress.step, doc="Steps checked so far.")
@@ -320,7 +284,7 @@ class Guard:
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
-            return self._plain_step(closure)
+            return self._disabled.step(closure)
         self.progress.calls += 1
         if self._waiting is not None:
             self._settle()
@@ -387,7 +351,7 @@ class Guard:
         """
         value = check_args(loss, replay, rng)
         if self.disabled:
-            self._plain_check()
+            self._disabled.check()
             return True
         self.progress.calls += 1
         self._settle()
@@ -497,10 +461,7 @@ class Guard:
     def _dropped(self, batch: Any) -> bool:
         """The batch is not run: one of the batches after a rollback, or one ``check_batch`` rejected."""
         if self.recovery.drop_batches > 0 and self.recovery.take_drop():
-            step, self.progress.action = self.progress.step, "drop_batch"
-            self.progress.step += 1
-            self.recorder.skip(step, reason="rollback: dropping the batch after a bad one")
-            log.warning("nanguard: step %d: batch dropped after rollback", step)
+            self.apply.drop_batch()
             return True
         if not self.config.check_batch:
             return False
@@ -531,49 +492,20 @@ class Guard:
         p = self.progress
         self.injector.end(action=p.action, diagnosis=p.diagnosis, spiked=self.history.spikes > self._spikes_before)
 
-    def _plain_step(self, closure: Callable[[], Any]) -> Any:
-        """The step of a disabled guard (NANGUARD_DISABLE=1): what the loop would do without nanguard."""
-        self.progress.step += 1
-        self.progress.action = "step"
-        loss = closure()
-        self._plain_check()
-        if self.scaler is not None:
-            scaler_step(self.optimizer, self.scaler)
-        else:
-            self.optimizer.step()
-        return loss
-
-    def _plain_check(self) -> None:
-        """A disabled guard's share of the step, as the loop would write it without nanguard: the
-        scaler's unscale, the clip (``clip_grad_norm``) and the gradient norm the loop reads."""
-        unscale(self.scaler, self.optimizer)
-        self.progress.grad_norm = loop_grad_norm(self.apply.clip_params(), self.config.clip_grad_norm)
-
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Counters, history and detector windows, so a resumed run keeps them."""
+        """Counters, history and detector windows, so a resumed run keeps them (``guard/resume.py``)."""
         self._settle()
-        return {
-            "step_count": self.progress.step,
-            **self.recovery.state_dict(),
-            **self.history.state_dict(),
-            "last_diagnosis": self.progress.diagnosis.to_dict() if self.progress.diagnosis else None,
-            "remedies": {**self._remedies.state_dict(), **self.policy.state_dict()},
-        }
+        return self._resume.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state(state, self.config)  # a bad entry is a ValueError, and nothing is applied
-        self.progress.step = int(state.get("step_count", 0))
-        self.recovery.load_state_dict(state)
-        self.history.load_state_dict(state)
-        last = state.get("last_diagnosis")
-        self.progress.diagnosis = Diagnosis.from_dict(last) if last else None
-        remedies = state.get("remedies") or {}
-        self._remedies.load_state_dict(remedies)
-        self.policy.load_state_dict(remedies)
+        self._resume.load_state_dict(state)
 
     def close(self) -> None:
         self._settle()
         self._remedies.headroom.close()
         self.recorder.end(self.progress.step, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
+
+
+Guard.__doc__ = f"{(Guard.__doc__ or '').rstrip()}\n{OPTIONS_DOC}"  # the options, one line each, beside their fields

@@ -268,7 +268,8 @@ class History:
     def runaway(self, step: int, *, loss: float, grad_norm: float) -> dict[str, Any] | None:
         """Divergence seen in a finite step (after ``observe``), before its clip and update: the
         ``history`` evidence when the gradients' norm is past what float32 can square (a float32
-        ``clip_grad_norm_`` computes an Inf norm), or when the loss and the grad norm both grew
+        ``clip_grad_norm_`` computes an Inf norm; an Inf ``grad_norm`` of a step no rank flagged is
+        that: the ranks' finite squared norms summed past float32's range), or when the loss and the grad norm both grew
         ``divergence_factor`` over the last ``divergence_window`` updates on ``RUNAWAY_STEPS``
         steps in a row that the warm spike detectors flag. None otherwise.
 
@@ -283,8 +284,9 @@ class History:
         """
         seen, ready, spiked = self._observed
         spiked = spiked and seen == step
-        if math.isfinite(grad_norm) and grad_norm >= FLOAT32_SQUARE_MAX:
-            found = {"metric": "grad_norm", "growth": self._growth("grad_norm", grad_norm), "float32_overflow": True}
+        if grad_norm >= FLOAT32_SQUARE_MAX:  # Inf: every rank's gradients finite, their squares summed past float32
+            past = min(grad_norm, FLOAT32_SQUARE_MAX)  # an Inf norm grew at least this much
+            found = {"metric": "grad_norm", "growth": self._growth("grad_norm", past), "float32_overflow": True}
         else:
             if not (ready and spiked):  # no growth is a runaway without a spike the warm detectors flag
                 self._grown = (None, 0)

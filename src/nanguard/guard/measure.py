@@ -119,8 +119,9 @@ class Measure:
                 step=step,
                 history=runaway,
                 lr=self.optimizer.param_groups[0].get("lr"),
-                rank=dist.rank_or_none(),
-                ranks=[],
+                # Every rank's growth, read from the agreed values: the same verdict on every rank.
+                rank=0 if dist.is_distributed() else None,
+                ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
             )
             return Verdict("trip", step, h, diagnosis=diag)
         return Verdict("spike", step, h, spikes=spikes) if spikes else Verdict("healthy", step, h)

@@ -26,10 +26,10 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, get_args
 
-from nanguard.causes import Cause, facts
+from nanguard.causes import Cause, row_of
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HostCopy, StepHealth
@@ -47,6 +47,7 @@ __all__ = [
     "Remedy",
     "RemedyKind",
     "State",
+    "TripRecord",
     "Verdict",
     "VerdictKind",
     "repeats",
@@ -58,6 +59,8 @@ KINDS: tuple[VerdictKind, ...] = get_args(VerdictKind)
 ActionKind = Literal["step", "skip", "rollback", "raise", "overflow", "reset_scale", "resync", "defer"]
 """What the guard does with a step (``Action.kind``)."""
 ACTION_KINDS: tuple[ActionKind, ...] = get_args(ActionKind)
+TripRecord = Literal["bundle", "tracked", "event"]
+"""How an action's trip is recorded (``Action.trip``)."""
 RemedyKind = Literal["skip", "quarantine", "upcast", "rollback", "lower_lr", "raise"]
 """A remedy entry's action (``guard.remedies``, the ``remedy`` event)."""
 SANE_SCALE = 2.0**16  # GradScaler's own default initial scale
@@ -110,7 +113,7 @@ class Remedy:
 
 @dataclass(frozen=True)
 class Action:
-    """What the guard does with a step.
+    """What the guard does with a step: everything ``guard/apply.py`` switches on.
 
     ``kind``: "step" (update), "skip", "rollback", "raise", "overflow" (the GradScaler skipped
     the update itself), "reset_scale" (reset the collapsed GradScaler scale, then go on), or
@@ -126,6 +129,16 @@ class Action:
     """rollback: then multiply every LR by ``lr_factor``, and snapshot again."""
     stop: str | None = None
     """skip or rollback: then stop the run with this message (too many in a row)."""
+    trip: TripRecord | None = None
+    """How the step's trip is recorded before the action: "bundle" (a tripped step: the faults it
+    answers marked, its hardware tracked, its trip event and bundle written, announced; a joined rank
+    is told the outcome), "tracked" (replicas that differ: marked, tracked, a trip event over the
+    differing ranks, announced), "event" (a collapsed loss scale: this rank's trip event); None: no trip."""
+    counted: bool = False
+    """skip or rollback: one more in a row (``max_consecutive_skips``); a rollback that repairs replicas is not."""
+    forget: bool = False
+    """skip of a step with no trip (a spike): its values leave the detectors' windows and its RNG draw
+    is abandoned, as in a run that never saw the batch."""
 
 
 STEP = Action("step")
@@ -167,7 +180,7 @@ class Policy:
         if kind == "healthy":
             return STEP
         if kind == "spike":
-            return self._in_a_row(Action("skip"), state) if self.config.skip_spikes else STEP
+            return self._in_a_row(Action("skip", forget=True), state) if self.config.skip_spikes else STEP
         if kind == "overflow":
             return Action("overflow")
         if kind == "deferred":
@@ -177,7 +190,12 @@ class Policy:
         if kind == "collapse":
             return self._collapse(diag)
         if kind == "replicas":
-            return self._replicas(verdict, state)
+            return replace(self._replicas(verdict, state), trip="tracked")
+        action = replace(self._trip(diag, state), trip="bundle")
+        return self._in_a_row(action, state) if action.kind in ("skip", "rollback") else action
+
+    def _trip(self, diag: Diagnosis, state: State) -> Action:
+        """A tripped step: as the configured policy says, unless nothing in this run repairs it."""
         if diag.evidence.get("loaded"):  # non-finite as built or loaded: nothing in this run repairs them
             return _raise(
                 diag,
@@ -185,9 +203,7 @@ class Policy:
                 "state dict loaded them): no skip repairs them and no snapshot holds better ones; "
                 "fix the checkpoint",
             )
-        auto = self.config.policy == "auto"
-        action = self._auto(diag, facts(diag.cause), state) if auto else self._plain(diag, state)
-        return self._in_a_row(action, state) if action.kind in ("skip", "rollback") else action
+        return self._auto(diag, row_of(diag.cause), state) if self.config.policy == "auto" else self._plain(diag, state)
 
     def collapsed(self, scale: float, streak: int) -> bool:
         """Has the GradScaler's scale collapsed: below ``loss_scale_floor`` after an overflow, or
@@ -206,7 +222,7 @@ class Policy:
     # -- the decisions -----------------------------------------------------------------
     def _plain(self, diag: Diagnosis, state: State) -> Action:
         """policy skip, rollback or raise: as configured, unless a skip cannot repair the damage."""
-        policy, cause = self.config.policy, facts(diag.cause)
+        policy, cause = self.config.policy, row_of(diag.cause)
         if policy == "skip" and (not cause.skippable or diag.phase == "optimizer"):
             if state.has_snapshot:
                 return Action("rollback")
@@ -262,9 +278,9 @@ class Policy:
     def _collapse(self, diag: Diagnosis) -> Action:
         """The GradScaler's scale collapsed: under auto, reset it once; else stop."""
         if self.config.policy != "auto":
-            return Action("raise")
+            return Action("raise", trip="event")
         if self.used.get(diag.cause, 0) >= 1:
-            return Action("raise", Remedy("raise", None, "the loss scale collapsed again after a reset"))
+            return Action("raise", Remedy("raise", None, "the loss scale collapsed again after a reset"), trip="event")
         self.used[diag.cause] = 1
         reason = f"GradScaler scale reset to {SANE_SCALE:g}; raises if it collapses again"
         return Action("reset_scale", Remedy("skip", None, reason))
@@ -281,12 +297,12 @@ class Policy:
         """Skips and rollbacks in a row without a good step: past the limit, stop after this one."""
         count, limit = state.consecutive_skips + 1, self.config.max_consecutive_skips
         if count < limit:
-            return action
+            return replace(action, counted=True)
         last = state.last_diagnosis
         stop = f"{count} steps skipped in a row (max_consecutive_skips={limit})" + (
             f"; last: {last.summary()}" if last else ""
         )
-        return Action(action.kind, action.remedy, action.message, action.lower_lr, stop)
+        return replace(action, counted=True, stop=stop)
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -300,7 +316,7 @@ def repeats(last_step: int, last_ranks: list[int], last_cause: str, step: int, r
     """Whether a trip may reuse the last trip's diagnosis (confirmed by one forward, ``guard/replay.py``):
     it directly follows that trip, on the same ranks, and its cause is one that repeats every step
     (``Cause.repeatable``: a float16 overflow, a NaN weight), not one a batch makes."""
-    return last_step == step - 1 and bool(ranks) and last_ranks == ranks and facts(last_cause).repeatable
+    return last_step == step - 1 and bool(ranks) and last_ranks == ranks and row_of(last_cause).repeatable
 
 
 _PLAIN: dict[str, ActionKind] = {"skip": "skip", "rollback": "rollback", "raise": "raise"}

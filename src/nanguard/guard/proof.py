@@ -29,6 +29,7 @@ import json
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from nanguard import dist
 from nanguard.causes import TABLE
 from nanguard.diagnose import faulty_device
 from nanguard.findings import Diagnosis
-from nanguard.guard.tracker import where
+from nanguard.hardware import where
 from nanguard.rng import set_rng_state
 from nanguard.tree import leaves_with_path, path_str
 
@@ -150,8 +151,7 @@ def proven(diag: Diagnosis, proof: Mapping[str, Any] | None, step: int) -> Diagn
         return diag
     if proof["verdict"] == "device":
         return faulty_device(step=step, origin=diag, proof=proof)
-    diag.evidence["proof"] = dict(proof)
-    return diag
+    return replace(diag, evidence={**diag.evidence, "proof": dict(proof)})
 
 
 def judge(suspect: Mapping[str, Any], peer: Mapping[str, Any], *, rtol: float) -> tuple[str, str]:

@@ -38,7 +38,7 @@ from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.policy import repeats
 from nanguard.guard.proof import prove, proven
-from nanguard.pipeline import watch_stages
+from nanguard.pipeline_stages import watch_stages
 from nanguard.rng import private_generators, set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
@@ -157,7 +157,7 @@ class Diagnoser:
                 attempted=self.locate and closure is not None,
                 unobserved=_agreed(gaps + _private_draws(closure, dist.unwrap(self.model))),
             )
-        diag.step = h.step
+        diag = replace(diag, step=h.step)
         # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
         replayed.diagnosis = self._proven(with_run_facts(diag, run), closure, h, batch, rng)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
@@ -400,10 +400,10 @@ def replay_trip(
     try:
         with watch_stages() as stages:
             found = dist.replay_locally(
-                model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}, facts=run)
+                model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}, run=run)
             )
-        if found is not None and stages:
-            found.evidence["stage"] = stages.evidence()  # pipeline parallel: this rank's stage
+        if found is not None and stages:  # pipeline parallel: this rank's stage
+            found = replace(found, evidence={**found.evidence, "stage": stages.evidence()})
         replayed = Replayed(found, located=True)
     except Exception as err:  # the guard's own failure must not kill training
         warnings.warn(f"nanguard: locate failed on step {step}: {err!r}", stacklevel=5)

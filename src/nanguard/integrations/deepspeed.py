@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from nanguard import dist
+from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.guard.replay import replay_trip
@@ -171,6 +172,11 @@ class DeepSpeedGuard(LoopGuard):
         if not micro:
             return
         self._replay_scale = scale
+        # Judged with the run's history, as a trip is: gradients that overflow because the run is
+        # diverging (a far too high LR) are a divergence, not a float16 range problem.
+        diagnoser = self.guard.diagnoser
+        lr = self.state.optimizer.param_groups[0].get("lr")
+        run = RunFacts(self.guard.history.evidence(step, lr), diagnoser.initial_scale)
         try:
             replayed = replay_trip(
                 self.guard.model,
@@ -179,6 +185,7 @@ class DeepSpeedGuard(LoopGuard):
                 rng=micro[0].rng,
                 step=step,
                 with_module_stats=False,
+                run=run,
             )
         finally:
             self._replay_scale = None
