@@ -6,13 +6,17 @@ the guard's per-step work. Counts do not drift:
 - aten ops the guard adds per healthy step of the tiny GPT (a ``TorchDispatchMode`` counts the
   ops of a guarded step and of the plain one);
 - Python calls it adds (``sys.setprofile``, calls into Python and C functions alike);
-- its own time per step on a 4-parameter model, where reading the tensors costs nothing: the
-  median of interleaved rounds, guarded minus plain.
+- its own time per step on a 4-parameter model, where reading the tensors costs next to nothing:
+  the median of interleaved rounds, guarded minus plain; and, in the same rounds, what the floor
+  of any check (the guard's two reads alone: the gradient norm, the parameter norm after the
+  update) and the RNG capture before each step (``nanguard.rng.get_rng_state``) take of it.
 
 With ``--baseline SRC`` each count is also taken on the nanguard sources at SRC (a ``src/``
-folder: the code before a change), in a process of its own.
+folder: the code before a change), in a process of its own; ``--repeats K`` alternates K
+processes of each and keeps each measure's median (the machine's load drifts between processes).
 
-Run: ``.venv/bin/python benchmarks/guard_cost.py [--rounds N] [--baseline SRC]``; writes BENCHMARKS.md.
+Run: ``.venv/bin/python benchmarks/guard_cost.py [--rounds N] [--baseline SRC] [--repeats K]``;
+writes BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -90,8 +94,10 @@ def _tiny_loops() -> tuple[Callable[[], None], Callable[[], None]]:
     return plain, guarded
 
 
-def _micro_loops() -> tuple[Callable[[], None], Callable[[], None]]:
+def _micro_loops() -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """The plain step, the plain step with the guard's two reads alone, and the guarded step."""
     import nanguard as ng
+    from nanguard.stats import total_norm
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
         torch.manual_seed(0)
@@ -99,6 +105,8 @@ def _micro_loops() -> tuple[Callable[[], None], Callable[[], None]]:
         return model, torch.optim.SGD(model.parameters(), lr=1e-3), torch.randn(8, 4)
 
     model, opt, x = build()
+    r_model, r_opt, r_x = build()
+    r_params = list(r_model.parameters())
     g_model, g_opt, g_x = build()
     guard = ng.Guard(g_model, g_opt, policy="skip")
 
@@ -107,31 +115,53 @@ def _micro_loops() -> tuple[Callable[[], None], Callable[[], None]]:
         model(x).sum().backward()
         opt.step()
 
+    def reads() -> None:
+        r_opt.zero_grad(set_to_none=True)
+        r_model(r_x).sum().backward()
+        with torch.no_grad():
+            total_norm([[p.grad for p in r_params]])
+        r_opt.step()
+        with torch.no_grad():
+            total_norm([r_params])
+
     def closure() -> torch.Tensor:
         g_opt.zero_grad(set_to_none=True)
         loss = g_model(g_x).sum()
         loss.backward()
         return loss
 
-    return plain, lambda: guard.step(closure)
+    return plain, reads, lambda: guard.step(closure)
 
 
 def measure(rounds: int) -> dict[str, float]:
     """The three counts for the nanguard that ``import nanguard`` finds."""
     plain, guarded = _tiny_loops()
     (p_ops, p_calls), (g_ops, g_calls) = _counts(plain), _counts(guarded)
-    plain, guarded = _micro_loops()
-    times: dict[str, list[float]] = {"plain": [], "guarded": []}
+    from nanguard.rng import get_rng_state
+
+    plain, reads, guarded = _micro_loops()
+    loops = {"plain": plain, "reads": reads, "guarded": guarded, "rng": get_rng_state}
+    times: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(200):
-        plain()
-        guarded()
+        for fn in loops.values():
+            fn()
     for _ in range(rounds):
-        for name, fn in (("plain", plain), ("guarded", guarded)):
+        for name, fn in loops.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    own = statistics.median(times["guarded"]) - statistics.median(times["plain"])
-    return {"ops": g_ops - p_ops, "calls": g_calls - p_calls, "own_us": own * 1e6}
+    median = {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+    return {
+        "ops": g_ops - p_ops,
+        "calls": g_calls - p_calls,
+        "own_us": median["guarded"] - median["plain"],
+        "floor_us": median["reads"] - median["plain"],
+        "rng_us": median["rng"],
+    }
+
+
+def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def _run(src: Path | None, rounds: int) -> dict[str, float]:
@@ -147,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3000)
     parser.add_argument("--baseline", type=Path, help="nanguard sources to compare with (a src/ folder)")
+    parser.add_argument("--repeats", type=int, default=1, help="processes of each, alternated; medians kept")
     parser.add_argument("--json", action="store_true", help="print this process's counts as JSON (internal)")
     args = parser.parse_args()
     if args.json:
@@ -154,12 +185,20 @@ def main() -> None:
         return
     from _common import machine, write_section
 
-    now = _run(None, args.rounds)
-    before = _run(args.baseline.resolve(), args.rounds) if args.baseline is not None else None
+    start_load = os.getloadavg()[0]
+    nows: list[dict[str, float]] = []
+    befores: list[dict[str, float]] = []
+    for _ in range(args.repeats):
+        nows.append(_run(None, args.rounds))
+        if args.baseline is not None:
+            befores.append(_run(args.baseline.resolve(), args.rounds))
+    now, before = _medians(nows), (_medians(befores) if befores else None)
     rows = [
         ("aten ops added per healthy step (tiny GPT)", "ops", "{:.1f}"),
         ("Python calls added per healthy step (tiny GPT)", "calls", "{:.0f}"),
         ("the guard's own time per step, 4-parameter model (us)", "own_us", "{:.0f}"),
+        ("of it, the two reads alone: gradient norm, parameter norm after the update (us)", "floor_us", "{:.0f}"),
+        ("of it, the RNG capture before the step, `get_rng_state()` (us)", "rng_us", "{:.1f}"),
     ]
     head = "| measure | now |" + (" before |" if before else "")
     rule = "|---|---:|" + ("---:|" if before else "")
@@ -167,16 +206,23 @@ def main() -> None:
     for label, key, fmt in rows:
         lines.append(f"| {label} | {fmt.format(now[key])} |" + (f" {fmt.format(before[key])} |" if before else ""))
     table = "\n".join(lines)
+    runs = f"{args.repeats} processes of each, alternated, medians" if args.repeats > 1 else "one process"
     baseline = f' The "before" column ran on the sources at `{args.baseline}`.' if before else ""
     body = f"""## The guard's own work per step (counts)
 
-Counted where a step's time is too noisy to show it: the aten ops and Python calls a guarded healthy step
-of the tiny GPT makes beyond the plain one, and the guard's own time on a 4-parameter model (median of
-{args.rounds} interleaved rounds), where reading the tensors costs nothing.{baseline}
+Healthy guarded steps beyond the plain ones; times: median of {args.rounds} interleaved rounds, {runs}.
 
 {table}
 
-Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/guard_cost.py [--baseline SRC]`."""
+Counted where a step's time is too noisy to show it: the aten ops and Python calls a guarded healthy step
+of the tiny GPT makes beyond the plain one, and the guard's own time on a 4-parameter model, where reading
+the tensors costs next to nothing. The floor of any check that reads every gradient and parameter once is
+the two reads alone (the same `total_norm` calls in a plain loop); the target is the guard's work above it,
+<= 0.1 ms a step on CPU. The RNG capture lets a replay or a skip draw what the step drew from torch's,
+Python's `random` and numpy's legacy generators.{baseline}
+
+Machine: {machine()}, load average {start_load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end. Reproduce:
+`.venv/bin/python benchmarks/guard_cost.py [--baseline SRC] [--repeats K]`."""
     write_section("guard-cost", body)
     print(body)
 

@@ -77,7 +77,7 @@ def test_a_capture_holds_what_the_public_getters_return(name: str, memory: bool,
     get_rng_state()  # the readers find their places in memory on the states before
     STATES[name]()
     assert _decoded(get_rng_state()) == _public()
-    assert (rng._PYTHON.address is not None, rng._NUMPY.addresses is not None) == (memory, memory)
+    assert (rng._PYTHON.words is not None, rng._NUMPY.views is not None) == (memory, memory)
 
 
 def test_the_fast_capture_is_byte_for_byte_the_public_getters_one(monkeypatch) -> None:
@@ -88,6 +88,15 @@ def test_the_fast_capture_is_byte_for_byte_the_public_getters_one(monkeypatch) -
     monkeypatch.setattr(rng, "_NUMPY", rng._NumpyReader())
     slow = get_rng_state()
     assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)
+
+
+def test_a_capture_written_over_does_not_leak_into_the_next() -> None:
+    # An unchanged state's tensor is handed out again; one written over in place is not.
+    first = get_rng_state()
+    again = get_rng_state()
+    assert again["python"] is first["python"] and again["numpy"] is first["numpy"]
+    first["python"].zero_(), first["numpy"].zero_()
+    assert _decoded(get_rng_state()) == _public()
 
 
 def test_a_global_generator_other_than_mt19937_is_not_captured() -> None:

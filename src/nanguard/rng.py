@@ -35,7 +35,9 @@ _CUDA_KEY = re.compile(r"cuda:(\d+)")
 
 def get_rng_state(cuda_devices: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
     """The CPU generator state and that of the CUDA devices (all of them when ``cuda_devices``
-    is None), once CUDA is initialized.
+    is None), once CUDA is initialized, and those of Python's ``random`` and numpy's global
+    generator. Two captures of an unchanged ``random`` or numpy state may share its tensor:
+    read the tensors, do not write them.
 
     Example:
         >>> state = get_rng_state()
@@ -50,7 +52,7 @@ def get_rng_state(cuda_devices: Iterable[int] | None = None) -> dict[str, torch.
         state["numpy"] = numpy_state
     # Before CUDA is initialized no CUDA generator has drawn anything, and asking for its
     # state would initialize CUDA as a side effect.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
         indices = range(torch.cuda.device_count()) if cuda_devices is None else cuda_devices
         for index in indices:
             state[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
@@ -118,7 +120,7 @@ def fork_rng_state() -> Iterator[dict[str, torch.Tensor]]:
 
 
 def _python_state() -> torch.Tensor:
-    return torch.frombuffer(bytearray(_PYTHON.state()), dtype=torch.uint8)
+    return _tensor("python", _PYTHON.state())
 
 
 def _set_python_state(t: torch.Tensor) -> None:
@@ -139,7 +141,7 @@ def _numpy_state() -> torch.Tensor | None:
     if rand is None:
         return None
     raw = _NUMPY.state(rand)
-    return None if raw is None else torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return None if raw is None else _tensor("numpy", raw)
 
 
 def _set_numpy_state(t: torch.Tensor) -> bool:
@@ -172,20 +174,20 @@ class _PythonReader:
 
     def __init__(self) -> None:
         self.inst: random.Random | None = None  # held, so its memory stays where it was found
-        self.address: int | None = None
+        self.words: Any = None  # a ctypes view of that memory; None: read through getstate()
 
     def state(self) -> bytes:
         inst: random.Random = random._inst  # what random.random() draws from
         if inst is not self.inst:
-            self.inst, self.address = inst, None
-            self.address = self._find(inst)
-        if self.address is None:
+            self.inst, self.words = inst, None
+            self.words = self._find(inst)
+        if self.words is None:
             return _python_bytes(inst.getstate())
-        raw = ctypes.string_at(self.address, _MT_BYTES)  # the position, then the words
+        raw = self.words.raw  # the position, then the words
         gauss = inst.gauss_next  # type: ignore[attr-defined]
         return _PY_HEAD.pack(inst.VERSION, gauss is not None, gauss or 0.0) + raw[4:] + raw[:4]
 
-    def _find(self, inst: random.Random) -> int | None:
+    def _find(self, inst: random.Random) -> Any:
         if not _MEMORY:
             return None
         state = inst.getstate()
@@ -195,8 +197,8 @@ class _PythonReader:
         at = memory.find(needle)
         if at < 0 or memory.find(needle, at + 1) >= 0:
             return None
-        self.address = id(inst) + at
-        return self.address if self.state() == _python_bytes(state) else None
+        self.words = (ctypes.c_char * _MT_BYTES).from_address(id(inst) + at)
+        return self.words if self.state() == _python_bytes(state) else None
 
 
 def _python_bytes(state: tuple[Any, ...]) -> bytes:
@@ -212,22 +214,22 @@ class _NumpyReader:
 
     def __init__(self) -> None:
         self.held: tuple[Any, Any] | None = None  # the RandomState and its bit generator, kept alive
-        self.addresses: tuple[int, int] | None = None  # the MT19937 state, the cached gaussian
+        self.views: tuple[Any, Any] | None = None  # ctypes views of the MT19937 state, the cached gaussian
 
     def state(self, rand: Any) -> bytes | None:
         generator = rand._bit_generator
         if self.held is None or rand is not self.held[0] or generator is not self.held[1]:
             if type(generator).__name__ != "MT19937":
                 return None
-            self.held, self.addresses = (rand, generator), None
-            self.addresses = self._find(rand, generator)
-        if self.addresses is None:
+            self.held, self.views = (rand, generator), None
+            self.views = self._find(rand, generator)
+        if self.views is None:
             return _numpy_bytes(rand.get_state(legacy=False))
-        raw = ctypes.string_at(self.addresses[0], _MT_BYTES)  # 624 words, then the position
-        gauss = ctypes.string_at(self.addresses[1], 16)  # int has_gauss, padding, double gauss
+        raw = self.views[0].raw  # 624 words, then the position
+        gauss = self.views[1].raw  # int has_gauss, padding, double gauss
         return raw[-4:] + gauss[:4] + gauss[8:] + raw[:-4]
 
-    def _find(self, rand: Any, generator: Any) -> tuple[int, int] | None:
+    def _find(self, rand: Any, generator: Any) -> tuple[Any, Any] | None:
         if not _MEMORY:
             return None
         interface = generator.ctypes
@@ -236,8 +238,11 @@ class _NumpyReader:
         at = memory.find(table)
         if at < 0 or at + 64 > len(memory) or struct.unpack_from("<Q", memory, at + 40)[0] != id(rand) + at:
             return None
-        self.addresses = (interface.state_address, id(rand) + at + 48)
-        return self.addresses if self.state(rand) == _numpy_bytes(rand.get_state(legacy=False)) else None
+        self.views = (
+            (ctypes.c_char * _MT_BYTES).from_address(interface.state_address),
+            (ctypes.c_char * 16).from_address(id(rand) + at + 48),
+        )
+        return self.views if self.state(rand) == _numpy_bytes(rand.get_state(legacy=False)) else None
 
 
 def _numpy_bytes(state: dict[str, Any]) -> bytes:
@@ -248,6 +253,18 @@ def _numpy_bytes(state: dict[str, Any]) -> bytes:
 
 _PYTHON = _PythonReader()
 _NUMPY = _NumpyReader()
+_LAST: dict[str, bytearray] = {}  # the buffer under the last tensor of each key (its live bytes)
+_LAST_TENSOR: dict[str, torch.Tensor] = {}
+
+
+def _tensor(key: str, raw: bytes) -> torch.Tensor:
+    """``raw`` as a uint8 tensor; the last one of ``key`` again when it holds these bytes still (a
+    generator the steps do not draw from: its state is the same bytes step after step)."""
+    if _LAST.get(key) == raw:
+        return _LAST_TENSOR[key]
+    buffer = bytearray(raw)
+    _LAST[key], _LAST_TENSOR[key] = buffer, torch.frombuffer(buffer, dtype=torch.uint8)
+    return _LAST_TENSOR[key]
 
 
 def private_generators(fn: Callable[..., Any], owner: Any = None) -> list[str]:

@@ -41,7 +41,7 @@ from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser
 from nanguard.guard.resume import Resume
-from nanguard.guard.tracker import Tracker, where
+from nanguard.hardware import Tracker, where
 from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local

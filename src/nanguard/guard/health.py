@@ -72,7 +72,8 @@ class StepHealth:
     """Each rank's step slot (``agreement.step_slot``: its guard call index + 1, 0 when it takes no step)."""
 
     def ranks_with(self, flag: HealthFlag) -> list[int]:
-        return [r for r, f in enumerate(self.rank_flags) if f & flag]
+        bit = int(flag)  # as ints: an IntFlag's & runs in Python, several times each step
+        return [r for r, f in enumerate(self.rank_flags) if int(f) & bit]
 
     @property
     def joined(self) -> list[int]:
@@ -92,7 +93,7 @@ class StepHealth:
 
     @property
     def synced_bad(self) -> bool:
-        return any(f & HealthFlag.SYNCED for f in self.rank_flags)
+        return bool(self.ranks_with(HealthFlag.SYNCED))
 
     def trip_kind(self, *, scaled: bool) -> str | None:
         """The branch the guard's decision takes, alike on every rank: ``"params"`` (the last update

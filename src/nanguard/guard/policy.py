@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, get_args
 
-from nanguard.causes import Cause, facts
+from nanguard.causes import Cause, row_of
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HostCopy, StepHealth
@@ -203,7 +203,7 @@ class Policy:
                 "state dict loaded them): no skip repairs them and no snapshot holds better ones; "
                 "fix the checkpoint",
             )
-        return self._auto(diag, facts(diag.cause), state) if self.config.policy == "auto" else self._plain(diag, state)
+        return self._auto(diag, row_of(diag.cause), state) if self.config.policy == "auto" else self._plain(diag, state)
 
     def collapsed(self, scale: float, streak: int) -> bool:
         """Has the GradScaler's scale collapsed: below ``loss_scale_floor`` after an overflow, or
@@ -222,7 +222,7 @@ class Policy:
     # -- the decisions -----------------------------------------------------------------
     def _plain(self, diag: Diagnosis, state: State) -> Action:
         """policy skip, rollback or raise: as configured, unless a skip cannot repair the damage."""
-        policy, cause = self.config.policy, facts(diag.cause)
+        policy, cause = self.config.policy, row_of(diag.cause)
         if policy == "skip" and (not cause.skippable or diag.phase == "optimizer"):
             if state.has_snapshot:
                 return Action("rollback")
@@ -316,7 +316,7 @@ def repeats(last_step: int, last_ranks: list[int], last_cause: str, step: int, r
     """Whether a trip may reuse the last trip's diagnosis (confirmed by one forward, ``guard/replay.py``):
     it directly follows that trip, on the same ranks, and its cause is one that repeats every step
     (``Cause.repeatable``: a float16 overflow, a NaN weight), not one a batch makes."""
-    return last_step == step - 1 and bool(ranks) and last_ranks == ranks and facts(last_cause).repeatable
+    return last_step == step - 1 and bool(ranks) and last_ranks == ranks and row_of(last_cause).repeatable
 
 
 _PLAIN: dict[str, ActionKind] = {"skip": "skip", "rollback": "rollback", "raise": "raise"}
