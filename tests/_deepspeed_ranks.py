@@ -88,7 +88,11 @@ def engine_for(
     sgd: bool = False,
     kind: str = "mlp",
     clip: float | None = None,
+    ds_optimizer: dict[str, Any] | None = None,
+    offload: bool = False,
 ) -> Any:
+    """A fresh engine on a seeded model. ``ds_optimizer``: the config's "optimizer" section (DeepSpeed
+    builds it) instead of a torch optimizer; ``offload``: ZeRO's optimizer offloaded to the CPU."""
     import deepspeed
 
     torch.manual_seed(0)
@@ -96,7 +100,7 @@ def engine_for(
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accum,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": sgd,
     }
@@ -106,6 +110,10 @@ def engine_for(
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
     elif dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if ds_optimizer is not None:
+        config["optimizer"] = ds_optimizer
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        return engine
     optimizer = torch.optim.SGD(model.parameters(), lr=lr) if sgd else torch.optim.AdamW(model.parameters(), lr=lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
@@ -132,7 +140,15 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     stage, dtype, accum = case["stage"], case["dtype"], case.get("accum", 1)
     kind = case.get("model", "mlp")
     engine = engine_for(
-        stage, dtype, lr=case.get("lr", 1e-2), accum=accum, sgd=case.get("sgd", False), kind=kind, clip=case.get("clip")
+        stage,
+        dtype,
+        lr=case.get("lr", 1e-2),
+        accum=accum,
+        sgd=case.get("sgd", False),
+        kind=kind,
+        clip=case.get("clip"),
+        ds_optimizer=case.get("ds_optimizer"),
+        offload=case.get("offload", False),
     )
     act = getattr(engine.module, "act", None)
     rows = 32 if kind.startswith("regression") else 4  # more rows than inputs: every direction has curvature
@@ -214,8 +230,9 @@ def run_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[s
 
 
 def run_trainer(rank: int, world: int, runs: list[dict[str, Any]], out_dir: str) -> list[dict[str, Any]]:
-    """Hugging Face Trainer runs with a DeepSpeed config (ZeRO ``stage``), guarded by the HF callback
-    (``policy``) or not; ``nan_at``: the index of a NaN sample (the Trainer deals samples to ranks)."""
+    """Hugging Face Trainer runs with a DeepSpeed config (ZeRO ``stage``, ``dtype`` fp32/bf16/fp16, ``accum``
+    gradient accumulation steps), guarded by the HF callback (``policy``) or not; ``nan_at``: the index of a
+    NaN sample (the Trainer deals samples to ranks)."""
     os.environ.update({"DS_ACCELERATOR": "cpu", "LOCAL_RANK": str(rank), "RANK": str(rank)})
     os.environ.update({"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"})
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -238,6 +255,9 @@ def _trainer_run(run: dict[str, Any], out_dir: str) -> dict[str, Any]:
         "zero_optimization": {"stage": run["stage"]},
         "steps_per_print": 10**9,
     }
+    dtype = run.get("dtype", "fp32")
+    if dtype != "fp32":  # "auto": from TrainingArguments' fp16 / bf16
+        ds[dtype] = {"enabled": "auto", **({"initial_scale_power": 8} if dtype == "fp16" else {})}
     args = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=2,
@@ -249,6 +269,9 @@ def _trainer_run(run: dict[str, Any], out_dir: str) -> dict[str, Any]:
         disable_tqdm=True,
         seed=0,
         max_steps=4,
+        gradient_accumulation_steps=run.get("accum", 1),
+        fp16=dtype == "fp16",
+        bf16=dtype == "bf16",
         deepspeed=ds,
     )
     callbacks = [NanGuardCallback(policy=run["policy"])] if run.get("policy") else []
@@ -258,6 +281,8 @@ def _trainer_run(run: dict[str, Any], out_dir: str) -> dict[str, Any]:
     diag = callbacks[0].last_diagnosis if callbacks else None
     return {
         "losses": [h.get("loss") for h in trainer.state.log_history if "train_runtime" not in h],
+        "engine": [engine.zero_optimization_stage(), engine.fp16_enabled(), engine.bfloat16_enabled()],
+        "accum": engine.gradient_accumulation_steps(),
         "weights": weights(engine),
         "skipped_steps": engine.skipped_steps,
         "skipped": callbacks[0].skipped if callbacks else None,

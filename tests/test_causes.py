@@ -13,7 +13,7 @@ import pytest
 
 import nanguard as ng
 from nanguard import diagnose
-from nanguard.causes import REMEDIES, STAGES, TABLE, Cause, facts
+from nanguard.causes import REMEDIES, STAGES, TABLE, Cause, row_of
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.policy import Policy, Verdict
@@ -46,7 +46,7 @@ def test_every_cause_has_every_field() -> None:
 
 
 def test_a_row_missing_a_field_is_an_error() -> None:
-    row = dataclasses.asdict(facts("op.log_domain"))
+    row = dataclasses.asdict(row_of("op.log_domain"))
     for name in FIELDS:
         with pytest.raises(TypeError, match=name):
             Cause(**{k: v for k, v in row.items() if k != name})
@@ -60,7 +60,7 @@ def test_ng_causes_is_the_table() -> None:
     assert list(ng.CAUSES) == list(TABLE)
     assert all(ng.CAUSES[c] == TABLE[c].meaning for c in TABLE)
     with pytest.raises(ValueError, match="cause must be one of"):
-        facts("op.banana")
+        row_of("op.banana")
 
 
 def test_docs_cause_table_is_the_table() -> None:
@@ -99,7 +99,7 @@ def test_rules_run_in_the_order_of_the_stages() -> None:
 
 @pytest.mark.parametrize("cause", list(TABLE))
 def test_the_policy_gives_each_cause_its_remedy(cause: str) -> None:
-    row = facts(cause)
+    row = row_of(cause)
     diag = Diagnosis(cause=cause, phase=row.phase or "forward", module="block")
     state = _State(has_snapshot=True)
     action = Policy(GuardConfig(policy="auto")).decide(Verdict("trip", 5, diagnosis=diag), state)
@@ -118,7 +118,7 @@ def test_the_policy_gives_each_cause_its_remedy(cause: str) -> None:
 
 @pytest.mark.parametrize("cause", list(TABLE))
 def test_skip_refuses_exactly_the_unskippable_causes(cause: str) -> None:
-    row = facts(cause)
+    row = row_of(cause)
     diag = Diagnosis(cause=cause, phase=row.phase if row.phase and row.phase != "optimizer" else "forward")
     action = Policy(GuardConfig(policy="skip")).decide(Verdict("trip", 5, diagnosis=diag), _State())
     assert action.kind == ("skip" if row.skippable else "raise")
@@ -138,9 +138,9 @@ def test_the_zoo_expects_the_phase_of_the_table() -> None:
     checked = 0
     for scenario in SCENARIOS:
         expect = scenario.expect
-        if expect.cause is None or expect.phase is None or facts(expect.cause).phase is None:
+        if expect.cause is None or expect.phase is None or row_of(expect.cause).phase is None:
             continue
-        assert facts(expect.cause).phase == expect.phase, scenario.name
+        assert row_of(expect.cause).phase == expect.phase, scenario.name
         checked += 1
     assert checked >= 5
 

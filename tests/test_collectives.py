@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanguard.findings import Diagnosis
-from nanguard.pipeline import Boundary, StageWatch
+from nanguard.pipeline_stages import Boundary, StageWatch
 from nanguard.text import diagnosis_text
 from nanguard.tracer.collectives import Choice, choose, is_comm
 

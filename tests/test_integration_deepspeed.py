@@ -295,20 +295,42 @@ def test_every_stage_and_precision(stage: int, dtype: str) -> None:
         _check_rollback([runs[n:] for runs in results])
 
 
-def test_hf_trainer_with_deepspeed_zero2_through_the_callback(tmp_path) -> None:
-    """The HF callback under a DeepSpeed Trainer: healthy runs as unguarded (no second backward, which
-    ZeRO-2 refused with "has already been reduced"); a NaN sample on rank 1 is named and skipped through
-    the engine."""
-    runs = [{"stage": 2}, {"stage": 2, "policy": "skip"}, {"stage": 2, "policy": "skip", "nan_at": 6}]
-    results = spawn_ranks(run_trainer, runs, str(tmp_path), world=2, timeout=400)
+def _trainer_runs(stage: int, dtype: str, accum: int, nan_at: int) -> list[dict[str, Any]]:
+    base = {"stage": stage, "dtype": dtype, "accum": accum}
+    return [base, {**base, "policy": "skip"}, {**base, "policy": "skip", "nan_at": nan_at}]
+
+
+def _check_trainer(results: list[list[dict[str, Any]]], engine: list[Any], accum: int) -> None:
     for rank, (plain, guarded, faulted) in enumerate(results):
+        assert plain["engine"] == guarded["engine"] == engine and guarded["accum"] == accum, rank  # the config took
         assert guarded["losses"] == plain["losses"] and guarded["weights"] == plain["weights"], rank
-        assert guarded["skipped"] == guarded["skipped_steps"] == 0
+        assert guarded["skipped"] == guarded["skipped_steps"] == plain["skipped_steps"] == 0
         diag = faulted["diagnosis"]
-        assert diag is not None and (diag["cause"], diag["rank"], diag["step"]) == ("data.nonfinite", 1, 1)
+        assert diag is not None and (diag["cause"], diag["rank"], diag["ranks"], diag["step"]) == (
+            "data.nonfinite",
+            1,
+            [1],
+            0 if accum > 1 else 1,
+        ), (rank, diag)
         assert faulted["skipped"] == faulted["skipped_steps"] == 1
-        assert faulted["losses"][1] is None  # the skipped step's loss is not logged as a number
+        assert faulted["losses"][diag["step"]] is None  # the skipped step's loss is not logged as a number
         assert all(math.isfinite(w) for w in faulted["weights"])
+
+
+def test_hf_trainer_with_deepspeed_zero3_fp16_and_accumulation_through_the_callback(tmp_path) -> None:
+    """The HF callback under a DeepSpeed Trainer at ZeRO-3, fp16, 2 accumulation steps: healthy runs as
+    unguarded (no second backward: ZeRO-3's ranks disagreed on a collective and hung, ZeRO-2 refused with
+    "has already been reduced"); a NaN sample on rank 1 is named there and skipped through the engine."""
+    results = spawn_ranks(run_trainer, _trainer_runs(3, "fp16", 2, 6), str(tmp_path), world=2, timeout=400)
+    _check_trainer(results, [3, True, False], 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,dtype,accum", [(2, "fp32", 1), (3, "bf16", 2), (1, "fp16", 2)])
+def test_hf_trainer_with_deepspeed_at_other_stages(tmp_path, stage: int, dtype: str, accum: int) -> None:
+    runs = _trainer_runs(stage, dtype, accum, 6)
+    results = spawn_ranks(run_trainer, runs, str(tmp_path), world=2, timeout=400)
+    _check_trainer(results, [stage, dtype == "fp16", dtype == "bf16"], accum)
 
 
 class _OldWrapper(nn.Module):

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["REMEDIES", "STAGES", "TABLE", "Cause", "facts"]
+__all__ = ["REMEDIES", "STAGES", "TABLE", "Cause", "row_of"]
 
 STAGES = ("data", "parameters", "init", "divergence", "op", "fallback")
 """How far upstream a cause sits; ``diagnose.RULES`` tries the earlier stages first."""
@@ -27,7 +27,7 @@ class Cause:
     """Everything nanguard knows about one cause id, apart from the rule that finds it.
 
     Example:
-        >>> facts("parameters.nonfinite").skippable
+        >>> row_of("parameters.nonfinite").skippable
         False
     """
 
@@ -306,11 +306,11 @@ TABLE: Mapping[str, Cause] = MappingProxyType({c.id: c for c in _ROWS})
 """Every cause id, in the order of ``ng.CAUSES``."""
 
 
-def facts(cause: str) -> Cause:
+def row_of(cause: str) -> Cause:
     """The table's record of ``cause``; a ValueError names the accepted ids.
 
     Example:
-        >>> facts("optimizer.divergence").remedy
+        >>> row_of("optimizer.divergence").remedy
         'rollback_lower_lr'
     """
     try:

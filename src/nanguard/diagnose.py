@@ -9,7 +9,7 @@ The last section builds the diagnoses the guard makes from its own state rather 
 a replay (a non-finite update, a transient fault, a collapsed loss scale, replicas that
 differ, a batch rejected before the forward) and ``with_run_facts``, which judges one of
 those with the run's history: pure functions of their arguments. A traced diagnosis gets the
-run's facts before its one ``diagnose`` (``trace(..., facts=...)``).
+run's facts before its one ``diagnose`` (``trace(..., run=...)``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from nanguard.causes import facts as facts_of
+from nanguard.causes import row_of
 from nanguard.dtypes import dtype_facts
 from nanguard.evidence import Evidence, OriginEvidence, RunFacts
 from nanguard.findings import Diagnosis, Finding
@@ -499,8 +499,8 @@ def zero_variance(ev: Evidence) -> Judgement | None:
     eps = o.get("norm_eps", o.get("module_eps"))
     var = o.get("min_variance")
     dtype = _first_input(o).get("dtype", "float32")
-    facts = dtype_facts(getattr(torch, dtype, torch.float32)) or dtype_facts(torch.float32)
-    floor = max(facts.min_norm_eps, 1e-5) if facts else 1e-5
+    limits = dtype_facts(getattr(torch, dtype, torch.float32)) or dtype_facts(torch.float32)
+    floor = max(limits.min_norm_eps, 1e-5) if limits else 1e-5
     name = mtype or "the normalization layer"
     why = f"{name} in {_where(o)} divided by sqrt(variance + eps)"
     why += f" with eps = {eps}" if eps is not None else ""
@@ -511,7 +511,7 @@ def zero_variance(ev: Evidence) -> Judgement | None:
     if isinstance(o.get("group_elements"), int) and o.get("group_elements") <= 1:
         why += f"; each group holds {o.get('group_elements')} element, so its variance is 0 by construction"
     fixes = [
-        f"{name} eps is {eps}; use >= {floor:g} (PyTorch's default; {dtype} {facts.eps_reason if facts else ''})"
+        f"{name} eps is {eps}; use >= {floor:g} (PyTorch's default; {dtype} {limits.eps_reason if limits else ''})"
         if eps is not None
         else f"add an eps >= {floor:g} inside the sqrt of the hand-written norm",
         "constant inputs (padding, a dead channel, a zero embedding row) have zero variance: the eps must cover them",
@@ -1378,14 +1378,14 @@ def rejected_batch(errors: list[Finding], *, step: int, rank: int | None, ranks:
             "where": first.where,
             "why": f"check_batch before the forward: {first.message}",
         },
-        fixes=[first.fix] if first.fix else list(facts_of(first.cause).fixes),
+        fixes=[first.fix] if first.fix else list(row_of(first.cause).fixes),
     )
 
 
-def with_run_facts(diag: Diagnosis, facts: RunFacts) -> Diagnosis:
+def with_run_facts(diag: Diagnosis, run: RunFacts) -> Diagnosis:
     """``diag`` judged with what only the guard knows (``RunFacts``: the run's history, the weight
     scale it started from), for a diagnosis the guard built from its own state. A traced one is
-    judged once already (``trace(..., facts=...)`` hands the facts to its one ``diagnose``) and is
+    judged once already (``trace(..., run=...)`` hands the facts to its one ``diagnose``) and is
     returned as it is. Returns a new Diagnosis; ``diag`` is left as it was.
 
     A located diagnosis (one with an ``origin``) goes through ``RULES`` with the facts, and a cause
@@ -1400,14 +1400,14 @@ def with_run_facts(diag: Diagnosis, facts: RunFacts) -> Diagnosis:
         >>> with_run_facts(diag, grew).cause
         'optimizer.divergence'
     """
-    history = facts.history
+    history = run.history
     evidence = dict(diag.evidence)
     located = "origin" in evidence
     if located and RunFacts.judged(evidence):
         return diag
     if located:
-        evidence["initial_weight_scale"] = facts.initial_weight_scale
-    elif not facts_of(diag.cause).history_overrules or not history.get("diverging"):
+        evidence["initial_weight_scale"] = run.initial_weight_scale
+    elif not row_of(diag.cause).history_overrules or not history.get("diverging"):
         return diag
     if history:
         evidence["history"] = history

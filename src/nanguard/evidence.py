@@ -216,8 +216,8 @@ class RunFacts:
     started from (``initial_weight_scale``; None: not measured, the current scale is not judged).
 
     Example:
-        >>> facts = RunFacts(history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5})
-        >>> facts.written()
+        >>> run = RunFacts(history={"diverging": True, "metric": "loss", "growth": 40.0, "window": 5})
+        >>> run.written()
         {'initial_weight_scale': None, 'history': {'diverging': True, 'metric': 'loss', 'growth': 40.0, 'window': 5}}
     """
 

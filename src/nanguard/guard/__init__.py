@@ -17,8 +17,8 @@ A parameter check after the update is folded into the next step's read, so it ad
 host sync; it finds finite gradients turned into non-finite parameters
 (``optimizer.nonfinite_update``).
 
-``Guard.step`` (``core``) is one pipeline: measure -> ``Verdict`` -> ``Policy.decide(verdict,
-state)`` -> ``Action`` -> apply -> record, over parts that each own their state:
+``Guard.step`` (``core``) reads attempt -> measure (``Verdict``) -> decide (``Policy.decide(verdict,
+state)`` -> ``Action``) -> apply (and record), over parts that each own their state:
 
 - ``policy``: ``Policy``, every decision (skip, rollback, raise, the remedy, the budgets),
   read from the cause table (``nanguard.causes``);

@@ -29,9 +29,9 @@ from nanguard.guard.progress import Progress
 from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
-from nanguard.guard.tracker import Tracker
 from nanguard.guard.trip import Trip
 from nanguard.guard.wrapped import scaler_step
+from nanguard.hardware import Tracker
 from nanguard.inject import NullInjector
 
 __all__ = ["Apply"]
@@ -183,7 +183,7 @@ class Apply:
 
     def _trip(self, diag: Diagnosis, step: int, action: str) -> Trip:
         """The trip's record: which planted faults it answers, and where it ran (the run's hardware
-        tracker, ``guard/tracker.py``, records it too)."""
+        tracker, ``nanguard.hardware``, records it too)."""
         injected = self.injector.mark(diag.cause, step, action)
         try:
             hardware = self.tracker.trip(diag, step, injected=bool(injected))

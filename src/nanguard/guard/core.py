@@ -41,7 +41,7 @@ from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.replay import Diagnoser
 from nanguard.guard.resume import Resume
-from nanguard.guard.tracker import Tracker, where
+from nanguard.hardware import Tracker, where
 from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
 from nanguard.stats import local
@@ -388,9 +388,8 @@ class Guard:
         self.health.after_update(h.step)
         good_steps = self.recovery.good_step()
         self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
-        every = self.config.fingerprint_every
         # A rank that joined (DDP join(), out of batches) cannot shadow the fingerprint gather.
-        if every and good_steps % every == 0 and dist.is_distributed() and not h.joined:
+        if self.policy.replicas_due(good_steps) and dist.is_distributed() and not h.joined:
             self._check_replicas(h.step)
         if self.policy.snapshot_due(good_steps):
             self.recovery.refresh_snapshot(self.progress.step, h.loss, self.history.growing, joined=bool(h.joined))

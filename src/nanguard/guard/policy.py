@@ -17,7 +17,8 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
 - a GradScaler scale below ``loss_scale_floor``, or ``max_overflow_streak`` overflows in a row, has
   collapsed;
 - snapshots (rollback and auto policies) are taken as the guard starts and every ``snapshot_every``
-  good steps;
+  good steps; under torch.distributed the replicas' fingerprints are compared every
+  ``fingerprint_every`` good steps;
 - a deferred step (``sync="deferred"``) is decided with the next call, when its health is read;
 - a trip right after a trip of a repeatable cause on the same ranks reuses its diagnosis (``repeats``),
   once one forward confirms it;
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, get_args
 
-from nanguard.causes import Cause, facts
+from nanguard.causes import Cause, row_of
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HostCopy, StepHealth
@@ -203,7 +204,7 @@ class Policy:
                 "state dict loaded them): no skip repairs them and no snapshot holds better ones; "
                 "fix the checkpoint",
             )
-        return self._auto(diag, facts(diag.cause), state) if self.config.policy == "auto" else self._plain(diag, state)
+        return self._auto(diag, row_of(diag.cause), state) if self.config.policy == "auto" else self._plain(diag, state)
 
     def collapsed(self, scale: float, streak: int) -> bool:
         """Has the GradScaler's scale collapsed: below ``loss_scale_floor`` after an overflow, or
@@ -219,10 +220,16 @@ class Policy:
         """Whether a snapshot is due after this many good steps (every ``snapshot_every``)."""
         return self.config.policy in ("rollback", "auto") and good_steps % self.config.snapshot_every == 0
 
+    def replicas_due(self, good_steps: int) -> bool:
+        """Whether the replicas' fingerprints are compared after this many good steps (every
+        ``fingerprint_every``; 0: never)."""
+        every = self.config.fingerprint_every
+        return bool(every) and good_steps % every == 0
+
     # -- the decisions -----------------------------------------------------------------
     def _plain(self, diag: Diagnosis, state: State) -> Action:
         """policy skip, rollback or raise: as configured, unless a skip cannot repair the damage."""
-        policy, cause = self.config.policy, facts(diag.cause)
+        policy, cause = self.config.policy, row_of(diag.cause)
         if policy == "skip" and (not cause.skippable or diag.phase == "optimizer"):
             if state.has_snapshot:
                 return Action("rollback")
@@ -316,7 +323,7 @@ def repeats(last_step: int, last_ranks: list[int], last_cause: str, step: int, r
     """Whether a trip may reuse the last trip's diagnosis (confirmed by one forward, ``guard/replay.py``):
     it directly follows that trip, on the same ranks, and its cause is one that repeats every step
     (``Cause.repeatable``: a float16 overflow, a NaN weight), not one a batch makes."""
-    return last_step == step - 1 and bool(ranks) and last_ranks == ranks and facts(last_cause).repeatable
+    return last_step == step - 1 and bool(ranks) and last_ranks == ranks and row_of(last_cause).repeatable
 
 
 _PLAIN: dict[str, ActionKind] = {"skip": "skip", "rollback": "rollback", "raise": "raise"}

@@ -41,7 +41,7 @@ from nanguard import dist
 from nanguard.causes import TABLE
 from nanguard.diagnose import faulty_device
 from nanguard.findings import Diagnosis
-from nanguard.guard.tracker import where
+from nanguard.hardware import where
 from nanguard.rng import set_rng_state
 from nanguard.tree import leaves_with_path, path_str
 

@@ -38,7 +38,7 @@ from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.policy import repeats
 from nanguard.guard.proof import prove, proven
-from nanguard.pipeline import watch_stages
+from nanguard.pipeline_stages import watch_stages
 from nanguard.rng import private_generators, set_rng_state
 from nanguard.stats import local
 from nanguard.tracer import trace, weight_scale
@@ -400,7 +400,7 @@ def replay_trip(
     try:
         with watch_stages() as stages:
             found = dist.replay_locally(
-                model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}, facts=run)
+                model, lambda: trace(closure, (), {}, model=inner, inputs={"batch": batch}, run=run)
             )
         if found is not None and stages:  # pipeline parallel: this rank's stage
             found = replace(found, evidence={**found.evidence, "stage": stages.evidence()})

@@ -1,9 +1,9 @@
 """A trip as the guard records it: one typed record, built once from what the parts report.
 
 The measured diagnosis comes from the replay (``guard/measure.py``); the guard then learns which
-planted faults it answers (``nanguard.inject``), where it ran (``guard/tracker.py``) and where its
-bundle went (``guard/recorder.py``). Each part returns its facts; none writes into the diagnosis.
-``Trip.diagnosis`` is the measured one with those facts in its evidence, under the keys the
+planted faults it answers (``nanguard.inject``), where it ran (``nanguard.hardware``) and where its
+bundle went (``guard/recorder.py``). Each part returns what it found; none writes into the diagnosis.
+``Trip.diagnosis`` is the measured one with what they found in its evidence, under the keys the
 evidence contract documents (``injected``, ``where``, ``flagged_where``, ``suspect_device``,
 ``bundle``).
 """
@@ -38,15 +38,15 @@ class Trip:
     bundle: str | None = None
     """The repro bundle's path, once written."""
     diagnosis: Diagnosis = field(init=False, compare=False)
-    """The measured diagnosis with the trip's facts in its evidence: built once, with the record."""
+    """The measured diagnosis with what the trip adds in its evidence: built once, with the record."""
 
     def __post_init__(self) -> None:
-        facts = {
+        added = {
             **({"injected": self.injected} if self.injected else {}),
             **self.hardware,
             **({"bundle": self.bundle} if self.bundle is not None else {}),
         }
-        built = replace(self.measured, evidence={**self.measured.evidence, **facts}) if facts else self.measured
+        built = replace(self.measured, evidence={**self.measured.evidence, **added}) if added else self.measured
         object.__setattr__(self, "diagnosis", built)
 
     def with_bundle(self, path: str | None) -> Trip:

@@ -84,12 +84,12 @@ def trace(
     *,
     model: nn.Module | None = None,
     inputs: dict[str, Any] | None = None,
-    facts: RunFacts | None = None,
+    run: RunFacts | None = None,
 ) -> Diagnosis | None:
     """``locate`` with extra named ``inputs``: tensors a closure captured, such as its batch; this
-    rank's own answer (no agreement across ranks). ``facts``: what the guard knows of the run (its
+    rank's own answer (no agreement across ranks). ``run``: what the guard knows of the run (its
     history, the initial weight scale), judged in the diagnosis's one ``diagnose``."""
-    return _traced(fn, args, kwargs, model=model, inputs=inputs, facts=facts)[0]
+    return _traced(fn, args, kwargs, model=model, inputs=inputs, run=run)[0]
 
 
 def _traced(
@@ -99,7 +99,7 @@ def _traced(
     *,
     model: nn.Module | None = None,
     inputs: dict[str, Any] | None = None,
-    facts: RunFacts | None = None,
+    run: RunFacts | None = None,
 ) -> tuple[Diagnosis | None, int]:
     """``trace``, and how many communication ops the step ran."""
     if not callable(fn):
@@ -135,7 +135,7 @@ def _traced(
             raised = _raised_after_nonfinite(tracer, error)
             if raised is None:
                 raise error
-            return _diagnosis(raised, [], root, tracer.comm.ops, facts), tracer.comm.ops
+            return _diagnosis(raised, [], root, tracer.comm.ops, run), tracer.comm.ops
         origin = Origin(
             id=-1,
             category="index",
@@ -154,7 +154,7 @@ def _traced(
             },
             before=tracer.recent_ops(),
         )
-        return _diagnosis(origin, [], root, tracer.comm.ops, facts), tracer.comm.ops
+        return _diagnosis(origin, [], root, tracer.comm.ops, run), tracer.comm.ops
 
     bad = _nonfinite_results(result, root, tracer)
     if not bad:
@@ -168,7 +168,7 @@ def _traced(
         origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
     else:
         origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
-    return _diagnosis(origin, bad, root, tracer.comm.ops, facts), tracer.comm.ops
+    return _diagnosis(origin, bad, root, tracer.comm.ops, run), tracer.comm.ops
 
 
 # A raise this many ops after an op read a non-finite value is about that value: a distribution's
@@ -251,7 +251,7 @@ def _diagnosis(
     bad: list[tuple[str, torch.Tensor, str]],
     root: nn.Module | None,
     collectives: int = 0,
-    facts: RunFacts | None = None,
+    run: RunFacts | None = None,
 ) -> Diagnosis:
     evidence: dict[str, Any] = {
         "origin": origin.to_evidence(),
@@ -277,8 +277,8 @@ def _diagnosis(
         evidence["rows"] = list(masked_by["rows"])  # the empty samples: what a quarantine takes
     if root is not None:
         evidence["weight_scale"] = weight_scale(root)
-    if facts is not None:
-        evidence.update(facts.written())
+    if run is not None:
+        evidence.update(run.written())
     judgement = diagnose(evidence)
     evidence["why"] = judgement.why
     if judgement.op_cause is not None:
