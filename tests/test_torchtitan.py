@@ -53,6 +53,9 @@ def runs() -> dict[str, list[dict]]:
         "tp_plain": ["tp", None, 0, None],
         "tp_guarded": ["tp", None, 0, "skip"],
         "tp_sqrt_rank1": ["tp", "sqrt", 1, "skip"],
+        # LR 1e5x torchtitan's: the loss grows a million-fold, the outputs saturate (no gradient
+        # for a few updates while AdamW's momentum keeps pushing), then NaN.
+        "fsdp_lr_too_high": ["fsdp", None, 0, "skip", {"lr": 100.0, "steps": 9}],
         # torchtitan's own Trainer, end to end (trainer.train()): its bf16 FSDP mixed precision,
         # its activation checkpointing, its metrics and step loop.
         "trainer_fsdp_plain": ["trainer:fsdp", None, 0, None],
@@ -116,6 +119,23 @@ def test_torchtitans_own_trainer_names_a_fault_on_rank1_and_goes_on(runs: dict[s
     }
     assert [r["skipped"] for r in ranks] == [[3], [3]]
     assert all(r["steps"] == 4 and len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in ranks)
+
+
+@pytest.mark.dist
+def test_a_far_too_high_lr_under_fsdp2_is_an_optimizer_divergence_on_every_rank(runs: dict[str, list[dict]]) -> None:
+    ranks = runs["fsdp_lr_too_high"]
+    losses = ranks[0]["losses"]
+    assert max(losses) > 1e4 * losses[0]  # the scenario: the loss grew geometrically first
+    assert ranks[0]["skipped"] and ranks[0]["skipped"] == ranks[1]["skipped"]  # then NaN, skipped
+    d = _diag(ranks)
+    # Before: the updates without a gradient filled the history's window, the growth fell out
+    # of it, and the trip was "unknown" (a NaN in SDPA or RMSNorm's backward).
+    assert d["cause"] == "optimizer.divergence"
+    history = ranks[0]["diag"]["evidence"]["history"]
+    assert history["diverging"] and history["growth"] > 1e3
+    for r in ranks:
+        assert r["diag"]["cause"] not in ("distributed.transient", "step.not_reproduced")
+        assert not any("hardware" in f or "drain" in f for f in r["diag"]["fixes"])
 
 
 @pytest.mark.dist
@@ -249,6 +269,45 @@ def test_every_fault_on_each_rank_in_both_setups() -> None:
         assert results[0][i]["skipped"] == results[1][i]["skipped"] and 2 in results[0][i]["skipped"]
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torchtitans_own_trainer_in_every_setup() -> None:
+    """The long variant for the Trainer: FSDP2, TP, and TP on the full_dtensor backend (every
+    activation a DTensor, the loss a DTensor on 2 ranks: ~1 min a run here), healthy
+    bit-identical, and an op fault in the forward or the backward on each rank."""
+    from nanguard.zoo.spawn import spawn_ranks
+
+    setups = [("fsdp", {}), ("tp", {}), ("tp", {"backend": "full_dtensor"})]
+    cases: list[list] = []
+    for setup, options in setups:
+        cases += [[f"trainer:{setup}", None, 0, None, options], [f"trainer:{setup}", None, 0, "skip", options]]
+        cases += [[f"trainer:{setup}", f, r, "skip", options] for f in ("sqrt", "sqrt_grad") for r in (0, 1)]
+    results = spawn_ranks(_cases, cases, world=2, timeout=2400)
+    for i in range(0, len(cases), 6):
+        for rank in (0, 1):
+            plain, guarded = results[rank][i], results[rank][i + 1]
+            assert (guarded["digest"], guarded["losses"], guarded["norms"], guarded["backwards"]) == (
+                plain["digest"],
+                plain["losses"],
+                plain["norms"],
+                plain["backwards"],
+            ), cases[i]
+            assert guarded["diag"] is None and guarded["forwards"] == 4
+            if cases[i][4]:
+                assert guarded["loss_inputs"]["loss"].startswith("DTensor")
+        for j in range(i + 2, i + 6):
+            d = _diag([results[0][j], results[1][j]])
+            fault, rank = cases[j][1], cases[j][2]
+            assert (d["cause"], d["module"], d["rank"], d["ranks"]) == (
+                "op.sqrt_domain",
+                "layers.1.feed_forward.w1",
+                rank,
+                [rank],
+            ), cases[j]
+            assert d["phase"] == ("forward" if fault == "sqrt" else "backward"), cases[j]
+            assert results[0][j]["skipped"] == results[1][j]["skipped"] == [3], cases[j]
+
+
 # -- one process: a replay that could not observe the step blames no hardware ------------------
 
 
@@ -371,6 +430,24 @@ def test_a_blind_replay_after_a_millionfold_loss_growth_is_a_divergence() -> Non
     d = with_run_facts(blind, grew)
     assert d.cause == "optimizer.divergence"
     assert not any("drain" in f for f in d.fixes)
+
+
+def test_updates_without_a_gradient_do_not_hide_the_growth_before_them() -> None:
+    from nanguard.guard.history import History
+
+    history = History(
+        size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0, divergence_window=5, divergence_factor=10.0
+    )
+    for step, (loss, norm) in enumerate([(3.0, 1.0), (1e5, 1e6), (7e6, 1e11)] + [(2.77, 0.0)] * 5):
+        history.append(step, loss=loss, grad_norm=norm)
+    evidence = history.evidence(8, None)
+    assert evidence["diverging"] and evidence["growth"] > 1e6
+    steady = History(
+        size=64, spike_window=50, spike_warmup=10, spike_threshold=6.0, divergence_window=5, divergence_factor=10.0
+    )
+    for step in range(8):
+        steady.append(step, loss=3.0 - 0.1 * step, grad_norm=0.0 if step > 4 else 1.0)
+    assert not steady.evidence(8, None)["diverging"]
 
 
 def test_titan_guard_names_wrong_arguments() -> None:

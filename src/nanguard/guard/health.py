@@ -460,14 +460,26 @@ def _placed_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     and a plain tensor among DTensors by every rank. A ``Partial`` gradient counts as replicated.
     """
     by_copies: dict[int, list[torch.Tensor]] = {}
+    world = dist.world_size()
     for g in grads:
-        by_copies.setdefault(_copies(g), []).append(g)
+        placements = getattr(g, "placements", None)
+        if placements is None:
+            copies = _copies(g)
+        else:
+            key = (g.device_mesh, placements, world)  # type: ignore[attr-defined]
+            copies = _COPIES.get(key) or _COPIES.setdefault(key, _copies(g))
+        by_copies.setdefault(copies, []).append(g)
     parts = []
     for copies, tensors in by_copies.items():
         norm = total_norm(float_groups(tensors))
         parts.append(norm * norm / copies if copies > 1 else norm * norm)
     device = parts[0].device
     return torch.stack([p.to(device) for p in parts]).sum().sqrt()
+
+
+# ``_copies`` by (mesh, placements): a step's gradients repeat the same few layouts, and reading a
+# mesh's sizes in Python each step cost more than the norm under tensor parallelism.
+_COPIES: dict[Any, int] = {}
 
 
 def _copies(t: torch.Tensor) -> int:

@@ -242,8 +242,11 @@ class History:
 
         The window counts updates, not step numbers: skipped steps leave the parameters as the
         last updates made them, so a run that keeps skipping keeps the evidence of how it got there.
+        Nor does it count updates without a gradient (norm exactly 0): a run blown up so far that
+        its outputs saturate has none, while its optimizer's momentum goes on moving the weights,
+        and such updates say nothing of how the run grew.
         """
-        before = [p for p in self.points if p.step < step]
+        before = [p for p in self.points if p.step < step and p.grad_norm != 0.0]
         recent = before[-self.divergence_window :]
         if len(recent) < 2:
             return {}

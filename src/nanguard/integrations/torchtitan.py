@@ -53,8 +53,8 @@ class TitanGuard(LoopGuard):
     ids and labels before they are used: a bad one on any rank is named (its rank, its key) and
     the step skipped on every rank, never an ``IndexError`` that ends the job.
 
-    The headroom check (a replay on a healthy step) is off unless ``headroom_every`` is given:
-    a healthy step runs the trainer's forward and backward once.
+    A healthy step runs the trainer's forward and backward once: the headroom check (every
+    ``headroom_every`` steps, as ``ng.Guard``'s) reads the due step's own forward as it runs.
 
     ``step_skipped`` says the latest step was skipped: torchtitan's trainer logs the step's loss
     and stops at a non-finite one, so it returns early instead.
@@ -89,8 +89,6 @@ class TitanGuard(LoopGuard):
             raise ValueError(
                 f"lr_schedulers must be the trainer's LRSchedulersContainer or None, got {type(lr_schedulers).__name__}"
             )
-        # A headroom replay on a healthy step would be a second forward and backward of the trainer's.
-        options.setdefault("headroom_every", 0)
         guard_options(policy, options)
         model = parts[0]
         self.model_parts = parts

@@ -272,6 +272,6 @@ def titan_rank(
         "raised": raised is not None,
         "diag": None
         if d is None
-        else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step")}
+        else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step", "fixes")}
         | {"evidence": d.evidence},
     }

@@ -152,9 +152,12 @@ def _classes() -> tuple[Any, Any]:
     return TokenLoader, NoTokenizer
 
 
-def trainer_config(setup: str, *, steps: int = 4, lr: float = 8e-4, dump_folder: str = "") -> Any:
+def trainer_config(
+    setup: str, *, steps: int = 4, lr: float = 8e-4, dump_folder: str = "", backend: str = "partial_dtensor"
+) -> Any:
     """torchtitan's ``llama3_debugmodel`` trainer config, shrunk and pointed at the CPU: ``setup``
-    "fsdp" (dp_shard=2) or "tp" (TP=2) on 2 ranks."""
+    "fsdp" (dp_shard=2) or "tp" (TP=2) on 2 ranks; ``backend`` its SPMD backend ("full_dtensor":
+    every parameter and activation a DTensor, the loss too)."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -186,12 +189,18 @@ def trainer_config(setup: str, *, steps: int = 4, lr: float = 8e-4, dump_folder:
     config.parallelism.tensor_parallel_degree = 2 if setup == "tp" else 1
     # The default "spmd_types" backend leaves parameters plain tensors, which FSDP2 refuses here
     # ("all parameters must be DTensors on the full SPMD mesh"): DTensor on the parallel axes only.
-    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.spmd_backend = backend
     config.debug.seed = 0  # the same initial weights in every run: guarded and unguarded compare
     config.validator.enable = False
     config.checkpoint.enable = False
     config.dump_folder = dump_folder
     return config
+
+
+def _layout(t: Any) -> str:
+    """``Tensor``, or ``DTensor`` with its placements."""
+    placements = getattr(t, "placements", None)
+    return type(t).__name__ if placements is None else f"DTensor{tuple(str(p) for p in placements)}"
 
 
 def trainer_rank(
@@ -204,6 +213,7 @@ def trainer_rank(
     *,
     steps: int = 4,
     lr: float = 8e-4,
+    backend: str = "partial_dtensor",
 ) -> dict[str, Any]:
     """Run torchtitan's ``Trainer.train()`` for ``steps`` steps; ``fault`` ("sqrt", "sqrt_grad")
     on ``fault_rank`` at ``BAD_TRAINER_STEP``; ``policy`` None trains unguarded, else with the
@@ -232,9 +242,19 @@ def trainer_rank(
                     raise
 
     with tempfile.TemporaryDirectory() as dump:
-        config = trainer_config(setup, steps=steps, lr=lr, dump_folder=dump)
+        config = trainer_config(setup, steps=steps, lr=lr, dump_folder=dump, backend=backend)
         trainer = (GuardedTrainer if policy is not None else Trainer)(config)
         model = trainer.model_parts[0]
+        seen: dict[str, str] = {}  # what the trainer's loss function was given and returned
+        loss_fn = trainer.loss_fn
+
+        def observed(pred: Any, labels: Any, *args: Any, **kwargs: Any) -> Any:
+            out = loss_fn(pred, labels, *args, **kwargs)
+            seen["pred"] = _layout(pred)
+            seen["loss"] = _layout(out[0] if isinstance(out, tuple) else out)
+            return out
+
+        trainer.loss_fn = observed
         on = {"bad": False}
         if rank == fault_rank:
             _plant(model, fault, on)
@@ -289,6 +309,7 @@ def trainer_rank(
         "digest": digest,
         "forwards": forwards["n"],
         "backwards": backwards["n"],
+        "loss_inputs": seen,
         "raised": raised is not None,
         "diag": None
         if d is None
