@@ -126,14 +126,15 @@ def main() -> None:
     load = os.getloadavg()[0]
     body = f"""## Locate on a compiled model
 
-One `ng.locate` of the tiny GPT's step (the first after two compiled steps, as on a trip), seconds.
-nanguard replays a `torch.compile`d model eagerly (`torch.compiler.set_stance("force_eager")`), so the
-replay costs what it costs on the plain model; the last column lets the same replay go through dynamo,
-as nanguard did before, which then traces the tracer.
+One `ng.locate` of the tiny GPT's step (the first after two compiled steps, as on a trip), seconds:
 
 | backend | locate, plain model | locate, compiled model | same, replay through dynamo |
 |---|---:|---:|---:|
 {table}
+
+nanguard replays a `torch.compile`d model eagerly (`torch.compiler.set_stance("force_eager")`), so the
+replay costs what it costs on the plain model; the last column lets the same replay go through dynamo,
+as nanguard did before, which then traces the tracer.
 
 Machine: {machine()}, load average {load:.1f} at the end. Reproduce: `.venv/bin/python benchmarks/compile_locate.py`."""
     write_section("compile-locate", body)
@@ -162,15 +163,17 @@ def trips(backends: list[str]) -> None:
     load = os.getloadavg()[0]
     body = f"""## Diagnosing a trip only the compiled code makes (`compile.numerics`)
 
-The tiny GPT compiled with a planted miscompile on top of each backend (`nanguard.zoo.miscompile`: the graph
-holding `blocks.1` outputs NaN at step 7), guarded. Seconds: one healthy compiled step (median of steps 3-6),
-the tripped step (the eager replay under the tracer, the compiled replay, and the fresh differential compile
-of the forward that names the graph), and what the diagnosis named. The fresh compile's cost follows
-inductor's on-disk cache: cold (the first run on this machine) the tripped inductor step took 32 s.
+The tiny GPT compiled with a planted miscompile on top of each backend, guarded; seconds:
 
 | backend | healthy step | tripped step | ratio | diagnosis |
 |---|---:|---:|---:|---|
 {table}
+
+The miscompile (`nanguard.zoo.miscompile`) makes the graph holding `blocks.1` output NaN at step 7.
+Seconds: one healthy compiled step (median of steps 3-6), the tripped step (the eager replay under the
+tracer, the compiled replay, and the fresh differential compile of the forward that names the graph), and
+what the diagnosis named. The fresh compile's cost follows inductor's on-disk cache: cold (the first run on
+this machine) the tripped inductor step took 32 s.
 
 Machine: {machine()}, load average {load:.1f} at the end. Reproduce:
 `.venv/bin/python benchmarks/compile_locate.py --trip --backends aot_eager inductor`."""

@@ -101,16 +101,17 @@ def section(stages: list[int], rounds: int) -> str:
     params = sum(p.numel() for p in GPT(CONFIG).parameters())
     return f"""## DeepSpeed engine loops (DeepSpeedGuard)
 
-{machine()}; DeepSpeed's CPU accelerator, 2 gloo ranks, a {params:,}-parameter GPT, fp32,
-micro-batch 8, AdamW; the unguarded and the guarded engine side by side in one run, {rounds} interleaved rounds,
-median step time (forward, `engine.backward`, `engine.step`) as seen by rank 0. "guard's own" is the time
-spent inside the guard per step (its check with the one all-reduce, its recording hooks, its bookkeeping after
-the update), summed over the run and divided by the steps (the wait at the all-reduce for the slower rank
-included). Reproduce: `DS_ACCELERATOR=cpu .venv/bin/python benchmarks/deepspeed_overhead.py`.
+A {params:,}-parameter GPT, fp32, micro-batch 8, AdamW, 2 gloo ranks, {rounds} interleaved rounds, median step (rank 0):
 
 | engine | unguarded ms/step | guarded ms/step | ratio | guard's own ms/step (share) |
 |---|---|---|---|---|
 {chr(10).join(rows)}
+
+{machine()}; DeepSpeed's CPU accelerator; the unguarded and the guarded engine side by side in one run;
+a step is the forward, `engine.backward` and `engine.step`. "guard's own" is the time
+spent inside the guard per step (its check with the one all-reduce, its recording hooks, its bookkeeping after
+the update), summed over the run and divided by the steps (the wait at the all-reduce for the slower rank
+included). Reproduce: `DS_ACCELERATOR=cpu .venv/bin/python benchmarks/deepspeed_overhead.py`.
 """
 
 

@@ -147,20 +147,26 @@ def section(worlds: list[int], rounds: int, setups: tuple[str, ...] = SETUPS) ->
     head = " | ".join(f"{w} ranks: plain ms | guarded ms | ratio" for w in worlds)
     rule = "|---|" + "---:|---:|---:|" * len(worlds)
     what = "by parallelism" if setups == SETUPS else f"of {', '.join(setups)} by world size"
+    conditions = (
+        f"Unguarded and guarded loops side by side, {rounds} interleaved rounds, "
+        f"median step (rank 0), load average {load:.2f} at the start:"
+    )
     return f"""## Guard overhead {what} (gloo, CPU, {", ".join(map(str, worlds))} ranks)
 
-Each setup runs the same unguarded loop and the guarded one (`Guard(..., module_stats=False)`, defaults
-otherwise) side by side in one run, {rounds} interleaved rounds, median step time as seen by rank 0.
-Models: the zoo's tiny GPT (2 layers, d=32) for DDP, join(), ZeRO and FSDP2 (one FSDP2 unit per block);
-a 5-layer MLP (d=32, hidden 128) column/row-parallel over all ranks for TP. All ranks share this
-machine's {os.cpu_count()} cores (one intra-op thread each), so at 8 ranks a step is mostly waiting
-for a core: the ratios, not the times, are the result. DDP join() runs inside an enabled `ddp.join()`
-with equal inputs (the steady state; a joined rank only shadows). Load average (1 min) at the start:
-{load:.2f}. {machine()}. Reproduce: `.venv/bin/python benchmarks/dist_overhead.py --ranks 2 8`.
+{conditions}
 
 | setup | {head} |
 {rule}
 {chr(10).join(rows)}
+
+Each setup runs the same unguarded loop and the guarded one (`Guard(..., module_stats=False)`, defaults
+otherwise) side by side in one run; the times are as seen by rank 0.
+Models: the zoo's tiny GPT (2 layers, d=32) for DDP, join(), ZeRO and FSDP2 (one FSDP2 unit per block);
+a 5-layer MLP (d=32, hidden 128) column/row-parallel over all ranks for TP. All ranks share this
+machine's {os.cpu_count()} cores (one intra-op thread each), so at 8 ranks a step is mostly waiting
+for a core: the ratios, not the times, are the result. DDP join() runs inside an enabled `ddp.join()`
+with equal inputs (the steady state; a joined rank only shadows).
+{machine()}. Reproduce: `.venv/bin/python benchmarks/dist_overhead.py --ranks 2 8`.
 
 Collectives per healthy step under `guard.step`: DDP, DDP join() and DDP + ZeRO on 2 ranks none added
 (the flags, the loss and each rank's step index ride in the last gradient bucket's all-reduce,

@@ -111,16 +111,22 @@ def main() -> None:
         )
     with torch.device("meta"):
         n_params = sum(p.numel() for p in _gpt2_small().parameters())
+    conditions = (
+        f"GPT ({n_params / 1e6:.0f}M parameters), batch {args.batch}, bfloat16 "
+        f"autocast, default Guard, median of {args.rounds} interleaved rounds:"
+    )
     body = f"""## Guard overhead (GPU)
 
-GPT ({GPT2_SMALL.n_layer} layers, d={GPT2_SMALL.n_embd}, vocab {GPT2_SMALL.vocab_size}, T={GPT2_SMALL.block_size},
-{n_params / 1e6:.0f}M parameters), batch {args.batch}, bfloat16 autocast, median of {args.rounds} interleaved rounds,
-default Guard. Syncs: host syncs per step that `torch.cuda.set_sync_debug_mode("warn")` reports, guarded minus plain.
-Target: Guard <= 1.005x and no host sync added per step.
+{conditions}
 
 | optimizer | guard read | plain ms | guarded ms | ratio | syncs added per step |
 |---|---|---:|---:|---:|---:|
 {chr(10).join(rows)}
+
+The GPT has {GPT2_SMALL.n_layer} layers, d={GPT2_SMALL.n_embd}, vocab {GPT2_SMALL.vocab_size},
+T={GPT2_SMALL.block_size}.
+Syncs: host syncs per step that `torch.cuda.set_sync_debug_mode("warn")` reports, guarded minus plain.
+Target: Guard <= 1.005x and no host sync added per step.
 
 Machine: {torch.cuda.get_device_name()}, torch {torch.__version__}.
 Reproduce: `.venv/bin/python benchmarks/gpu_overhead.py`."""

@@ -188,14 +188,15 @@ def main() -> None:
     table = "\n".join([header, rule, *lines])
     body = f"""## Locate replay cost
 
-`ng.locate(step)` against the same plain step (float32 forward + backward): ratio of the medians of
-{rounds}, median over {args.processes} processes per row. A faulty step is the case users meet: the
-guard replays a tripped step, where NaN flows through every op after the fault, forward and backward,
-and each is tracked; the healthy rows are for comparison. Targets (issue 16): <= 2.5x on the faulty
-tiny GPT, <= 2x on the faulty GPT-2, peak memory <= 1.2x the plain step's. Peak memory is the
-resident-set high-water mark above the resting process while one step (or one locate) runs.
+`ng.locate(step)` against the same plain step: medians of {rounds}, median over {args.processes} processes per row.
 
 {table}
+
+The plain step is a float32 forward + backward; the ratio is of the two medians. A faulty step is the case
+users meet: the guard replays a tripped step, where NaN flows through every op after the fault, forward and
+backward, and each is tracked; the healthy rows are for comparison. Targets (issue 16): <= 2.5x on the faulty
+tiny GPT, <= 2x on the faulty GPT-2, peak memory <= 1.2x the plain step's. Peak memory is the
+resident-set high-water mark above the resting process while one step (or one locate) runs.
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/locate_cost.py {" ".join(sys.argv[1:])}`
 (`make bench` runs the defaults)."""

@@ -128,19 +128,25 @@ def main() -> None:
         plain, guarded = times[f"{name}, unguarded"], times[f"{name}, guarded"]
         share = guard_share(build)
         rows.append(f"| {name} | {plain * 1e3:.2f} | {guarded * 1e3:.2f} | {guarded / plain:.3f}x | {share:.2%} |")
+    conditions = (
+        f"Median wall time of one optimizer step (2 micro-batches of the tiny "
+        f"GPT, AdamW), four configurations, {args.rounds} interleaved rounds:"
+    )
     body = f"""## Real loop shapes: Fabric and llm.c, guarded against unguarded
 
-`benchmarks/loops.py --rounds {args.rounds}` on {machine()}: median wall time of one optimizer step
-(2 micro-batches of the zoo's tiny GPT, batch 8, T=32; gradient clipping at 1.0; AdamW), the four
-configurations interleaved round by round. The Fabric loop is guarded by `FabricGuard`, the
-llm.c-style loop by `LoopGuard` (a few added lines each, README "Plain loops" and "Lightning Fabric").
-The last column is the share of a guarded step spent in the guard's own code (its hooks, the check
-and the after-step record), by cProfile over 10 steps: an upper bound, since cProfile slows Python
-code most, and one that does not drift with the machine's load as the wall ratio does.
+{conditions}
 
 | loop | unguarded step ms | guarded step ms | ratio | guard's own share (cProfile) |
 |---|---:|---:|---:|---:|
 {chr(10).join(rows)}
+
+`benchmarks/loops.py --rounds {args.rounds}` on {machine()}. One optimizer step is 2 micro-batches of the zoo's
+tiny GPT (batch 8, T=32; gradient clipping at 1.0; AdamW), the four configurations interleaved round by
+round. The Fabric loop is guarded by `FabricGuard`, the
+llm.c-style loop by `LoopGuard` (a few added lines each, README "Plain loops" and "Lightning Fabric").
+The last column is the share of a guarded step spent in the guard's own code (its hooks, the check
+and the after-step record), by cProfile over 10 steps: an upper bound, since cProfile slows Python
+code most, and one that does not drift with the machine's load as the wall ratio does.
 """
     write_section("loops", body)
     print(body)

@@ -183,17 +183,21 @@ def ddp_section(rounds: int) -> str:
     times = spawn_ranks(ddp_rank, rounds, world=2, timeout=1800)[0]
     base = times["plain DDP"]
     rows = "\n".join(f"| {name} | {t * 1e3:.2f} | {t / base:.3f}x |" for name, t in times.items())
+    ddp_conditions = (
+        f"Same tiny GPT, DDP over gloo, 2 ranks, median of {rounds} interleaved "
+        f"rounds (rank 0), load average {load:.2f} at the start:"
+    )
     return f"""## Guard overhead under DDP (2 gloo ranks, CPU)
 
-Same tiny GPT, DistributedDataParallel over gloo, 2 ranks on this machine (intra-op threads split between them),
-median of {rounds} interleaved rounds as seen by rank 0. The third row is the guard with its flags
-agreed by their own all-reduce, as every step was before they rode in the gradient all-reduce.
-Load average (1 min) when it started: {load:.2f}. Reproduce: `.venv/bin/python benchmarks/overhead.py
---ddp-only` (`--ddp` also runs the CPU table).
+{ddp_conditions}
 
 | configuration | median step ms | ratio to plain DDP |
 |---|---:|---:|
 {rows}
+
+The 2 ranks run on this machine, the intra-op threads split between them. The third row is the guard with its
+flags agreed by their own all-reduce, as every step was before they rode in the gradient all-reduce.
+Reproduce: `.venv/bin/python benchmarks/overhead.py --ddp-only` (`--ddp` also runs the CPU table).
 
 **Collectives per healthy step: 1 -> 0 under DDP on 2 ranks.** Under `guard.step(closure)` with DDP's
 default all-reduce, the guard's flags (one slot per rank) and the loss ride as `2 x world_size + 2` extra
@@ -240,20 +244,28 @@ def main() -> None:
     times = interleaved(configs(), rounds=args.rounds)
     mid = interleaved(guard_configs(MID), rounds=args.rounds)
     cfg, n_mid = TINY, sum(p.numel() for p in GPT(MID).parameters())
+    conditions = (
+        f"Tiny GPT ({cfg.n_layer} layers, d={cfg.n_embd}, T={cfg.block_size}, "
+        f"batch 8), AdamW, median of {args.rounds} interleaved rounds:"
+    )
+    mid_conditions = (
+        f"GPT-like model with {n_mid / 1e3:.0f}k parameters ({MID.n_layer} layers, "
+        f"d={MID.n_embd}, T={MID.block_size}, batch 8), same protocol:"
+    )
     body = f"""## Guard overhead (CPU)
 
-Tiny GPT ({cfg.n_layer} layers, d={cfg.n_embd}, T={cfg.block_size}, batch 8), AdamW, one training step per
-call, median of {args.rounds} interleaved rounds (each configuration trains its own copy on the same batches).
-Target: Guard <= 1.01x on CPU. The second row is the floor of any check that reads every gradient and
-parameter once a step: the plain loop plus only the guard's two reads (`total_norm` of the gradients, and
-of the parameters after the update), nothing else. The guard's own work is what its row adds to that one.
+{conditions}
 
 {_table(times)}
 
-GPT-like model with {n_mid / 1e3:.0f}k parameters ({MID.n_layer} layers, d={MID.n_embd}, T={MID.block_size},
-batch 8), AdamW, same protocol:
+{mid_conditions}
 
 {_table(mid)}
+
+One training step per call; each configuration trains its own copy on the same batches.
+Target: Guard <= 1.01x on CPU. The second row of each table is the floor of any check that reads every gradient
+and parameter once a step: the plain loop plus only the guard's two reads (`total_norm` of the gradients, and
+of the parameters after the update), nothing else. The guard's own work is what its row adds to that one.
 
 Machine: {machine()}. Reproduce: `make bench` or `.venv/bin/python benchmarks/overhead.py`."""
     write_section("overhead-cpu", body)

@@ -13,6 +13,7 @@ of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -158,9 +159,11 @@ def main() -> None:
     table = "\n".join(f"| {what} | {sec:.4f} | {ratio:.1f} |" for what, sec, ratio in rows)
     body = (
         "### A trip's proof and a bisect, in training steps\n"
-        f"{machine()}; tiny GPT ({n.n_layer} layers, width {n.n_embd}, {n.block_size} tokens, batch {BATCH}), "
-        f"AdamW; medians of {args.rounds} rounds.\n\n"
-        "| what | seconds | in training steps |\n|---|---:|---:|\n" + table + "\n"
+        f"Tiny GPT ({n.n_layer} layers, width {n.n_embd}, {n.block_size} tokens, batch {BATCH}), "
+        f"AdamW; medians of {args.rounds} rounds:\n\n"
+        "| what | seconds | in training steps |\n|---|---:|---:|\n" + table + "\n\n"
+        f"Machine: {machine()}, load average {os.getloadavg()[0]:.1f} at the end. "
+        "Reproduce: `.venv/bin/python benchmarks/proof_bisect.py`.\n"
     )
     write_section("proof-bisect", body)
     print(body)

@@ -21,7 +21,8 @@ from nanguard.zoo.remedy_scenarios import REMEDY_SCENARIOS, score_policies
 DEFAULT_EVERY = 100  # GuardConfig.headroom_every
 
 
-def _scores() -> str:
+def _scores() -> tuple[str, str]:
+    """The scores' table, and the scenarios described."""
     rows = score_policies()
     lines = [
         "| scenario | policy | finished, finite weights | final loss | skipped | rollbacks | remedies |",
@@ -34,7 +35,7 @@ def _scores() -> str:
             f"{r['rollbacks']} | {', '.join(r['remedies']) or '-'} |"
         )
     described = "\n".join(f"- `{s.name}`: {s.description}." for s in REMEDY_SCENARIOS)
-    return described + "\n\n" + "\n".join(lines)
+    return "\n".join(lines), described
 
 
 def _headroom_cost(rounds: int) -> tuple[float, float]:
@@ -72,14 +73,18 @@ def main() -> None:
     plain_ms, measured_ms = _headroom_cost(args.rounds)
     # The step itself runs plainly; the measurement is a replay of it under the mode.
     amortized = measured_ms / (DEFAULT_EVERY * plain_ms)
+    table, described = _scores()
     body = f"""## Remedies: skip vs rollback vs auto
+
+Short loops with a repeating fault, default options (`max_consecutive_skips=10`, `remedy_budget=3`, `lr_factor=0.5`):
+
+{table}
+
+{described}
 
 Each scenario is a short training loop with a fault that repeats (`nanguard zoo --remedies` prints the same
 table). A run is scored "finished, finite weights" when the loop ran to its end and every parameter is finite;
-the final loss shows whether it also trained. Default options (`max_consecutive_skips=10`,
-`remedy_budget=3`, `lr_factor=0.5`).
-
-{_scores()}
+the final loss shows whether it also trained.
 
 **Cost of `headroom_every`** (tiny GPT under float16 autocast on CPU, median of {args.rounds} interleaved rounds):
 a plain step takes {plain_ms:.2f} ms, its replay under the headroom measurement {measured_ms:.2f} ms, so a

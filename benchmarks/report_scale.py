@@ -142,17 +142,22 @@ def main() -> None:
     print("\n".join(rows + page_rows))
     if args.no_write:
         return
+    conditions = (
+        f"`nanguard report RUN_DIR` and `nanguard report RUN_DIR --html OUT`, "
+        f"each in a fresh process, {args.rounds} interleaved rounds:"
+    )
     body = f"""## Report on a large event log
 
-`nanguard report RUN_DIR` (text) and `nanguard report RUN_DIR --html OUT` on one rank's event log written
-by the guard's `EventLog`, each in a fresh process: median wall seconds of {args.rounds} interleaved rounds
-(CPU seconds in brackets, less sensitive to a busy machine) and the process's own peak resident memory
-(`VmHWM`). The last column is what starting Python and importing `nanguard.cli` alone costs.
-Target (issue 16): text report <= 5 s and <= 300 MB on a 200 MB log, HTML bounded likewise.
+{conditions}
 
 | version | log | text s | text peak MB | html s | html peak MB | import alone |
 |---|---|---:|---:|---:|---:|---|
 {chr(10).join(rows)}
+
+The log is one rank's event log written by the guard's `EventLog`. Times are median wall seconds (CPU
+seconds in brackets, less sensitive to a busy machine); peak is the process's own resident memory
+(`VmHWM`). The last column is what starting Python and importing `nanguard.cli` alone costs.
+Target (issue 16): text report <= 5 s and <= 300 MB on a 200 MB log, HTML bounded likewise.
 
 Earlier rows (each measured by its own run, peak from the benchmark's `ru_maxrss`, which counted the
 benchmark's own memory too): issue 13's first reader (every line kept as a dict) 17.0 s / 736 MB text,

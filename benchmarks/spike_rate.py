@@ -115,14 +115,14 @@ def main() -> None:
     got = lr.got or {}
     body = f"""## Spike warnings on clean runs
 
-Default `ng.Guard` spike detectors (loss and grad norm), warnings counted over clean training runs.
-Target: <= 1 warning per 10,000 clean steps. Divergence must still be caught at the same step.
+Default `ng.Guard` spike detectors (loss and grad norm), warnings counted over clean training runs:
 
 | source | steps | warnings | per 10,000 steps |
 |---|---:|---:|---:|
 {table}
 | **all** | {total_steps} | {total} | {total / max(total_steps, 1) * 1e4:.1f} |
 
+Target: <= 1 warning per 10,000 clean steps. Divergence must still be caught at the same step.
 Divergence scenario `lr_too_high`: tripped at step {lr.detect_step} with `{got.get("cause")}` (expected step
 {lr.expected_step}, the plain run's first bad step, `optimizer.divergence`). The run took {seconds:.0f} s.
 

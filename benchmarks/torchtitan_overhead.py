@@ -86,21 +86,26 @@ def section(rounds: int) -> str:
         rows.append(
             f"| {name} | {t['plain'] * 1e3:.1f} | {t['guarded'] * 1e3:.1f} | {ratio:.3f}x | {t['share'] * 100:.1f}% |"
         )
+    conditions = (
+        f"torchtitan's shrunk llama3 unguarded and under `TitanGuard`, {rounds} "
+        f"interleaved rounds (rank 0), load average {load:.2f} at the start:"
+    )
     return f"""## Guard overhead in torchtitan's loop (2 gloo ranks, CPU)
 
-torchtitan 0.3.0's llama3 (2 layers, dim 64, vocab 256, seq 16, batch 2), `parallelize_llama`, its
-`ChunkedLossWrapper`, `OptimizersContainer` (AdamW), `LRSchedulersContainer` and `clip_grad_norm_`,
-as `train_step` runs them (`nanguard/zoo/titan.py`); unguarded and guarded by `TitanGuard(...,
-module_stats=False)` with `guard.loss(loss_fn)`, {rounds} interleaved rounds in one run, median step
-time as seen by rank 0; then {rounds} guarded steps under cProfile, the time inside `LoopGuard`'s
-hooks (the check, its all-reduce, bookkeeping) as a share of the step. One intra-op thread per rank;
-the machine is shared, so the ratio, not the time, is the result. Load average (1 min) at the
-start: {load:.2f}. {machine()}.
-Reproduce: `.venv/bin/python benchmarks/torchtitan_overhead.py --rounds {rounds}`.
+{conditions}
 
 | setup | plain ms | guarded ms | ratio | guard's own share (profile) |
 |---|---:|---:|---:|---:|
 {chr(10).join(rows)}
+
+torchtitan 0.3.0's llama3 (2 layers, dim 64, vocab 256, seq 16, batch 2), `parallelize_llama`, its
+`ChunkedLossWrapper`, `OptimizersContainer` (AdamW), `LRSchedulersContainer` and `clip_grad_norm_`,
+as `train_step` runs them (`nanguard/zoo/titan.py`); unguarded and guarded by `TitanGuard(...,
+module_stats=False)` with `guard.loss(loss_fn)` in one run, median step time as seen by rank 0;
+then {rounds} guarded steps under cProfile, the time inside `LoopGuard`'s
+hooks (the check, its all-reduce, bookkeeping) as a share of the step. One intra-op thread per rank;
+the machine is shared, so the ratio, not the time, is the result. {machine()}.
+Reproduce: `.venv/bin/python benchmarks/torchtitan_overhead.py --rounds {rounds}`.
 
 A healthy step adds one all-reduce of `2 x world_size + 2` float32 (the agreed health) and no replay
 (`headroom_every` is 0 under `TitanGuard` unless given). The profiled share includes the time rank 0

@@ -291,16 +291,7 @@ def main() -> None:
     title = "Fault zoo" + ("" if args.group == "all" else f", {args.group} group")
     body = f"""## {title}: nanguard against the reference tools
 
-{counts}. The "gpt" group is `nanguard.zoo`'s short training runs of the tiny GPT from the same seed,
-nanguard under its `Guard`; the "wild" group rebuilds NaN bugs from public issue trackers (each names its
-report) as one faulty step of foreign code, nanguard through `ng.locate`. Each cell is right/named: a field
-counts only in the scenarios whose expectation names it (a data fault names no op, a divergence names only
-its cause), for every tool alike, and "n/a" where no scenario names it. Expectations come from the fault,
-not from any tool's output. detect_anomaly names a backward node, compared by op name (`LogBackward0` ~
-`aten.log.default`); DebugUnderflowOverflow names the module whose forward saw inf/nan first (its hooks are
-removed from each tiny-GPT block and its attention module, where it crashes on the bool mask, so it can
-never name those modules; a crash elsewhere is
-scored as a miss). Distributed scenarios run for nanguard only: the reference tools have no notion of ranks.
+{counts}; each cell is right/named, over the scenarios whose expectation names the field:
 
 {chr(10).join(lines)}
 
@@ -309,6 +300,17 @@ scored as a miss). Distributed scenarios run for nanguard only: the reference to
 {chr(10).join(detail)}
 
 </details>
+
+The "gpt" group is `nanguard.zoo`'s short training runs of the tiny GPT from the same seed,
+nanguard under its `Guard`; the "wild" group rebuilds NaN bugs from public issue trackers (each names its
+report) as one faulty step of foreign code, nanguard through `ng.locate`. Each cell is right/named: a field
+counts only in the scenarios whose expectation names it (a data fault names no op, a divergence names only
+its cause), for every tool alike, and "n/a" where no scenario names it. Expectations come from the fault,
+not from any tool's output. detect_anomaly names a backward node, compared by op name (`LogBackward0` ~
+`aten.log.default`); DebugUnderflowOverflow names the module whose forward saw inf/nan first (its hooks are
+removed from each tiny-GPT block and its attention module, where it crashes on the bool mask, so it can
+never name those modules; a crash elsewhere is scored as a miss). Distributed scenarios run for nanguard
+only: the reference tools have no notion of ranks.
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/zoo_compare.py --ranks {args.ranks} --group {args.group}`
 (needs the `bench` extra)."""

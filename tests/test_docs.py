@@ -213,3 +213,15 @@ def test_the_zoo_comparison_text_is_its_recorded_run() -> None:
     glance = " ".join(text.split("<!-- locate-cost -->", 1)[0].split())
     assert f"{gpt} tiny-GPT scenarios, {healthy} of them healthy, and {wild} wild ones" in glance
     assert "hooks removed from each tiny-GPT block and its attention module" in glance
+
+
+def test_each_benchmarks_table_has_one_line_of_conditions_above_it() -> None:
+    """BENCHMARKS.md's convention (the scripts in benchmarks/ write it so): a table's conditions are one line
+    right above it; what else a section says comes after its tables."""
+    lines = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("|") and not lines[i - 1].startswith("|")]
+    assert len(starts) > 10
+    for i in starts:
+        blank, conditions, above = lines[i - 1], lines[i - 2], lines[i - 3]
+        one_line = not blank and conditions.strip() and (not above.strip() or above.startswith(("#", "<")))
+        assert one_line, f"BENCHMARKS.md line {i + 1}: not one line of conditions above the table: {lines[i - 3 : i]}"

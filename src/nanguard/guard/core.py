@@ -12,7 +12,6 @@ package docstring for the host and device paths, and docs/how-it-works.md for th
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, fields
@@ -47,8 +46,6 @@ from nanguard.rng import get_rng_state
 from nanguard.stats import local
 
 __all__ = ["Guard"]
-
-log = logging.getLogger("nanguard")
 
 
 _D = GuardConfig()  # the options' defaults, shown in Guard's signature
@@ -388,9 +385,8 @@ class Guard:
         self.health.after_update(h.step)
         good_steps = self.recovery.good_step()
         self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
-        every = self.config.fingerprint_every
         # A rank that joined (DDP join(), out of batches) cannot shadow the fingerprint gather.
-        if every and good_steps % every == 0 and dist.is_distributed() and not h.joined:
+        if self.policy.replicas_due(good_steps) and dist.is_distributed() and not h.joined:
             self._check_replicas(h.step)
         if self.policy.snapshot_due(good_steps):
             self.recovery.refresh_snapshot(self.progress.step, h.loss, self.history.growing, joined=bool(h.joined))

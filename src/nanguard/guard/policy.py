@@ -17,7 +17,8 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
 - a GradScaler scale below ``loss_scale_floor``, or ``max_overflow_streak`` overflows in a row, has
   collapsed;
 - snapshots (rollback and auto policies) are taken as the guard starts and every ``snapshot_every``
-  good steps;
+  good steps; under torch.distributed the replicas' fingerprints are compared every
+  ``fingerprint_every`` good steps;
 - a deferred step (``sync="deferred"``) is decided with the next call, when its health is read;
 - a trip right after a trip of a repeatable cause on the same ranks reuses its diagnosis (``repeats``),
   once one forward confirms it;
@@ -218,6 +219,12 @@ class Policy:
     def snapshot_due(self, good_steps: int) -> bool:
         """Whether a snapshot is due after this many good steps (every ``snapshot_every``)."""
         return self.config.policy in ("rollback", "auto") and good_steps % self.config.snapshot_every == 0
+
+    def replicas_due(self, good_steps: int) -> bool:
+        """Whether the replicas' fingerprints are compared after this many good steps (every
+        ``fingerprint_every``; 0: never)."""
+        every = self.config.fingerprint_every
+        return bool(every) and good_steps % every == 0
 
     # -- the decisions -----------------------------------------------------------------
     def _plain(self, diag: Diagnosis, state: State) -> Action:
