@@ -12,7 +12,6 @@ package docstring for the host and device paths, and docs/how-it-works.md for th
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, fields
@@ -47,8 +46,6 @@ from nanguard.rng import get_rng_state
 from nanguard.stats import local
 
 __all__ = ["Guard"]
-
-log = logging.getLogger("nanguard")
 
 
 _D = GuardConfig()  # the options' defaults, shown in Guard's signature
