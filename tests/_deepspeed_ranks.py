@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -110,6 +111,8 @@ def engine_for(
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
     elif dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if offload:  # DeepSpeedCPUAdam's C++ op, built on first use (minutes), kept in the virtualenv
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     if ds_optimizer is not None:
         config["optimizer"] = ds_optimizer
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -218,11 +218,15 @@ def test_an_lr_far_too_high_is_named_a_divergence_at_zero1_and_zero3(stage: int)
 ACCUM = 2
 
 
-def _accumulation_cases(stage: int, dtype: str) -> list[dict[str, Any]]:
+# DeepSpeed builds this one from its config (torch's AdamW: no C++ op to build).
+CONFIG_ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}
+
+
+def _accumulation_cases(stage: int, dtype: str, **extra: Any) -> list[dict[str, Any]]:
     """Healthy unguarded and guarded; a NaN in the second micro-batch of step 1 on rank 1; ``log`` of a
     negative in step 2 on rank 0 (every micro-batch of it: the module's fault is a switch the replay, at
     the step's end, must find as the step's micro-batches did)."""
-    base = {"stage": stage, "dtype": dtype, "steps": STEPS, "accum": ACCUM}
+    base = {"stage": stage, "dtype": dtype, "steps": STEPS, "accum": ACCUM, **extra}
     faults = [("data", 1, 1, 1), ("log", 0, 2)]
     return [base, {**base, "policy": "skip"}, *({**base, "policy": "skip", "fault": f} for f in faults)]
 
@@ -249,9 +253,12 @@ def _check_accumulation(results: list[list[dict[str, Any]]], label: str) -> None
             assert run["weights"] != plain["weights"] and all(math.isfinite(w) for w in run["weights"]), where
 
 
-def test_gradient_accumulation_under_zero2_healthy_identical_faults_named_on_their_rank() -> None:
-    results = spawn_ranks(run_cases, _accumulation_cases(2, "fp32"), world=2, timeout=400)
-    _check_accumulation(results, "ZeRO-2 fp32 accumulation 2")
+def test_gradient_accumulation_and_the_configs_optimizer_under_zero2() -> None:
+    """ZeRO-2, 2 accumulation steps, the optimizer DeepSpeed builds from its config's "optimizer" section:
+    healthy identical, one forward and backward per micro-batch, faults named on their rank alone."""
+    cases = _accumulation_cases(2, "fp32", ds_optimizer=CONFIG_ADAMW)
+    results = spawn_ranks(run_cases, cases, world=2, timeout=400)
+    _check_accumulation(results, "ZeRO-2 fp32 accumulation 2, config optimizer")
 
 
 @pytest.mark.slow
@@ -261,10 +268,10 @@ def test_gradient_accumulation_at_every_stage(stage: int, dtype: str) -> None:
     _check_accumulation(results, f"ZeRO-{stage} {dtype} accumulation 2")
 
 
-def _rollback_cases(stage: int, dtype: str) -> list[dict[str, Any]]:
+def _rollback_cases(stage: int, dtype: str, **extra: Any) -> list[dict[str, Any]]:
     """A rollback at step 3 to the snapshot taken after step 1 (``snapshot_every=2``), beside a run that
     skips steps 2 and 3: the engine's partitions, the optimizer's state and the module alike after both."""
-    base = {"stage": stage, "dtype": dtype, "steps": 5}
+    base = {"stage": stage, "dtype": dtype, "steps": 5, **extra}
     options = {"snapshot_every": 2, "rollback_skip_batches": 0, "module_stats": False}
     return [
         {**base, "policy": "skip", "faults": [("data", 0, 2), ("log", 1, 3)]},
@@ -315,6 +322,24 @@ def _check_trainer(results: list[list[dict[str, Any]]], engine: list[Any], accum
         assert faulted["skipped"] == faulted["skipped_steps"] == 1
         assert faulted["losses"][diag["step"]] is None  # the skipped step's loss is not logged as a number
         assert all(math.isfinite(w) for w in faulted["weights"])
+
+
+# -- ZeRO's optimizer offloaded to the CPU: DeepSpeedCPUAdam, from the config ---------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (2, "fp16"), (2, "fp32"), (3, "fp32")])
+def test_offload_optimizer_to_cpu_with_deepspeeds_cpu_adam(stage: int, dtype: str) -> None:
+    """``offload_optimizer: {device: cpu}``: ZeRO-1/2 keep the gradients in the fp32 partitions' ``.grad``
+    (persistent buffers: a skip must leave them, or the next backward fails), ZeRO-3 in its flat buffer.
+    Healthy identical, faults on rank 0 and rank 1 named there and skipped through the engine, a rollback
+    through DeepSpeedCPUAdam's state. Builds DeepSpeed's cpu_adam op on first use (minutes; cached in the
+    virtualenv's torch_extensions)."""
+    extra = {"ds_optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "offload": True}
+    faults = [("data", 1, 1), ("log", 0, 2)]
+    cases = [{**case, **extra} for case in _cases(stage, dtype, faults)] + _rollback_cases(stage, dtype, **extra)
+    results = spawn_ranks(run_cases, cases, world=2, timeout=1200)
+    n = 2 + len(faults)
+    _check([runs[:n] for runs in results], stage, dtype, faults)
+    _check_rollback([runs[n:] for runs in results])
 
 
 def test_hf_trainer_with_deepspeed_zero3_fp16_and_accumulation_through_the_callback(tmp_path) -> None:

@@ -131,13 +131,16 @@ class StepCapture:
         batch: Any,
         optimizer: torch.optim.Optimizer | None = None,
         on_raise: Callable[[], None] | None = None,
+        drop: bool = True,
     ) -> bool:
         """``guard.check`` on the step; True when the framework may step the optimizer.
 
         On a skip or rollback the gradients are dropped (the framework's ``optimizer.step()`` then
         changes neither weights nor optimizer state) and the running statistics put back, unless
         a rollback restored every buffer already. Under ``policy="raise"`` the statistics are put
-        back and ``on_raise`` runs before the ``NonFiniteError`` goes on.
+        back and ``on_raise`` runs before the ``NonFiniteError`` goes on. ``drop=False``: the
+        gradients are left to a framework that skips the step itself (a DeepSpeed engine, whose
+        optimizer's gradients are its own buffers).
         """
         try:
             ok = guard.check(loss, replay=replay, batch=batch, rng=micro[0].rng if micro else None)
@@ -146,10 +149,10 @@ class StepCapture:
             if on_raise is not None:
                 on_raise()
             raise
-        if not ok:
+        if not ok and drop:
             drop_grads(optimizer if optimizer is not None else guard.optimizer)
-            if guard.last_action != "rollback":
-                self.restore_stats()
+        if not ok and guard.last_action != "rollback":
+            self.restore_stats()
         return ok
 
 

@@ -79,6 +79,8 @@ class DeepSpeedGuard(LoopGuard):
         nanguard.errors.NonFiniteError: ... data.nonfinite ...
     """
 
+    _drops_grads = False  # the engine's own overflow path skips; offload's fp32 gradients are persistent buffers
+
     def __init__(
         self,
         engine: Any,
@@ -258,12 +260,17 @@ class EngineState:
                 f"config's 'optimizer' section), got {type(self.zero).__name__}"
             )
         self.optimizer = inner
+        # ZeRO-1/2 with the optimizer offloaded to the CPU (ZeRO-3 keeps its flat gradient buffer either way).
+        self.offload = bool(getattr(self.zero, "cpu_offload", False))
 
     def grads(self) -> list[torch.Tensor]:
         """This rank's gradients as the engine keeps them at the accumulation boundary (scaled under fp16)."""
         zero = self.zero
         if self.stage >= 3:
             return [zero.grad_partitions_flat_buffer]
+        if self.stage > 0 and self.offload:  # offloaded: the gradients wait in the fp32 partitions' .grad
+            zero._wait_for_offload_copies()
+            return [t.grad for t in zero.single_partition_of_fp32_groups if t.grad is not None]
         if self.stage > 0:
             return [t for group in zero.averaged_gradients.values() if group for t in group if t is not None]
         return [p.grad for p in self.engine.module.parameters() if p.grad is not None]

@@ -63,6 +63,10 @@ class LoopGuard(GuardedCallback):
         (0, 0.53)
     """
 
+    _drops_grads = True
+    """On a skip, drop the optimizer's gradients so the loop's ``optimizer.step()`` changes nothing; an
+    engine that skips the step itself (DeepSpeed) keeps its own gradient buffers."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -250,6 +254,7 @@ class LoopGuard(GuardedCallback):
             replay=(lambda: self._replay(micro)) if micro else None,
             batch=_batch_of(micro, self._user.forward),
             on_raise=lambda: self._record(before),
+            drop=self._drops_grads,
         )
         if not self._verdict:
             self._record(before)
