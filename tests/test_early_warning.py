@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import torch
 from torch import nn
 
 import nanguard as ng
-from nanguard.guard.history import TREND_POINTS, History
+from nanguard.guard.history import TREND_POINTS, History, Point
 from nanguard.report.html import render_html
 from nanguard.report.load import load_run
 from nanguard.zoo import get
@@ -24,6 +25,25 @@ def _history(size: int = 64) -> History:
 
 def _warnings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == "spike" and "predicted_overflow_in" in e]
+
+
+def test_the_forecasts_shortcut_agrees_with_the_full_fit() -> None:
+    # Differential: windows that grow, fall, plateau, jump or go non-finite, at random; each step's
+    # forecast with the shortcut (a look at the last step) is the full fit's.
+    rng = random.Random(7)
+    steps = {"grows": lambda v: v * rng.uniform(1.5, 300.0), "falls": lambda v: v / rng.uniform(1.01, 3.0)}
+    steps |= {"flat": lambda v: v, "jump": lambda v: v * 1e6, "nonfinite": lambda v: rng.choice([math.nan, math.inf])}
+    fired = 0
+    for trial in range(300):
+        history, loss, norm = _history(size=rng.choice([8, 64, 4096])), rng.uniform(0.1, 5.0), rng.uniform(0.1, 5.0)
+        for step in range(12):
+            loss = steps[rng.choice(list(steps))](loss) if math.isfinite(loss) else 1.0
+            norm = steps[rng.choice(["grows", "grows", *steps])](norm) if math.isfinite(norm) else 1.0
+            history._trend.append(Point(step, loss, norm))
+            expected = history._fit()
+            assert history._predict() == expected, (trial, list(history._trend))
+            fired += expected is not None
+    assert fired > 20  # the fits that forecast an overflow were among them
 
 
 def test_forecast_fires_once_per_episode_and_rearms_after_quiet_steps() -> None:

@@ -99,6 +99,14 @@ def test_a_capture_written_over_does_not_leak_into_the_next() -> None:
     assert _decoded(get_rng_state()) == _public()
 
 
+def test_a_wrapped_random_getstate_is_read_through(monkeypatch) -> None:
+    # A wrapper (a mock, a tracer) hides the generator behind random.getstate: its result is what counts.
+    inner = random.getstate
+    monkeypatch.setattr(random, "getstate", lambda: inner())
+    random.gauss(0.0, 1.0)
+    assert _decoded(get_rng_state())[0] == random.getstate()
+
+
 def test_a_global_generator_other_than_mt19937_is_not_captured() -> None:
     np.random.set_bit_generator(np.random.PCG64(0))
     assert "numpy" not in get_rng_state()

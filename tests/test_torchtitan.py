@@ -62,6 +62,10 @@ def runs() -> dict[str, list[dict]]:
         "trainer_fsdp_guarded": ["trainer:fsdp", None, 0, "skip"],
         "trainer_fsdp_sqrt_rank1": ["trainer:fsdp", "sqrt", 1, "skip"],
         "trainer_tp_sqrt_rank1": ["trainer:tp", "sqrt", 1, "skip"],
+        # PP: 2 stages on 2 ranks under torchtitan's 1F1B schedule (torch.distributed.pipelining).
+        "trainer_pp_plain": ["trainer:pp", None, 0, None],
+        "trainer_pp_guarded": ["trainer:pp", None, 0, "skip"],
+        "trainer_pp_sqrt_rank1": ["trainer:pp", "sqrt", 1, "skip"],
     }
     results = spawn_ranks(_cases, list(cases.values()), world=2, timeout=420)
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(cases)}
@@ -119,6 +123,35 @@ def test_torchtitans_own_trainer_names_a_fault_on_rank1_and_goes_on(runs: dict[s
     }
     assert [r["skipped"] for r in ranks] == [[3], [3]]
     assert all(r["steps"] == 4 and len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in ranks)
+
+
+@pytest.mark.dist
+def test_pipeline_parallel_under_torchtitans_schedule_healthy_identical_and_a_stage1_fault_named(
+    runs: dict[str, list[dict]],
+) -> None:
+    for plain, guarded in zip(runs["trainer_pp_plain"], runs["trainer_pp_guarded"], strict=True):
+        assert (guarded["digest"], guarded["losses"], guarded["norms"]) == (
+            plain["digest"],
+            plain["losses"],
+            plain["norms"],
+        )
+        assert guarded["forwards"] == plain["forwards"] and guarded["backwards"] == plain["backwards"]
+        assert guarded["skipped"] == [] and guarded["diag"] is None
+    ranks = runs["trainer_pp_sqrt_rank1"]
+    d = _diag(ranks)
+    assert (d["cause"], d["op"], d["module"], d["phase"], d["rank"], d["ranks"], d["step"]) == (
+        "op.sqrt_domain",
+        "aten.sqrt.default",
+        "layers.1.feed_forward.w1",
+        "forward",
+        1,
+        [1],
+        2,
+    )
+    # Only the faulty step: before, stage 1's shape inference (run on uninitialized inputs before
+    # the first step) was recorded as a micro-batch, and its garbage tripped step 0 as data.
+    assert [r["skipped"] for r in ranks] == [[3], [3]]
+    assert ranks[1]["losses"][:2] == runs["trainer_pp_plain"][1]["losses"][:2]
 
 
 @pytest.mark.dist
@@ -272,17 +305,27 @@ def test_every_fault_on_each_rank_in_both_setups() -> None:
 @pytest.mark.dist
 @pytest.mark.slow
 def test_torchtitans_own_trainer_in_every_setup() -> None:
-    """The long variant for the Trainer: FSDP2, TP, and TP on the full_dtensor backend (every
+    """The long variant for the Trainer: FSDP2, TP, PP (1F1B) and TP on the full_dtensor backend (every
     activation a DTensor, the loss a DTensor on 2 ranks: ~1 min a run here), healthy
     bit-identical, and an op fault in the forward or the backward on each rank."""
     from nanguard.zoo.spawn import spawn_ranks
 
-    setups = [("fsdp", {}), ("tp", {}), ("tp", {"backend": "full_dtensor"})]
+    setups = [("fsdp", {}), ("tp", {}), ("tp", {"backend": "full_dtensor"}), ("pp", {})]
     cases: list[list] = []
-    for setup, options in setups:
-        cases += [[f"trainer:{setup}", None, 0, None, options], [f"trainer:{setup}", None, 0, "skip", options]]
-        cases += [[f"trainer:{setup}", f, r, "skip", options] for f in ("sqrt", "sqrt_grad") for r in (0, 1)]
-    results = spawn_ranks(_cases, cases, world=2, timeout=2400)
+    results: list[list[dict]] = [[], []]
+    for setup, options in setups:  # one spawn each: the backends' global state stays apart
+        these = [[f"trainer:{setup}", None, 0, None, options], [f"trainer:{setup}", None, 0, "skip", options]]
+        # Under PP layers.1 lives on stage 1 (rank 1): rank 0's fault is a token id past the vocabulary.
+        these += [[f"trainer:{setup}", f, r, "skip", options] for f in ("sqrt", "sqrt_grad") for r in (0, 1)]
+        if setup == "pp":
+            these[2] = these[4] = ["trainer:pp", "token", 0, "skip", {"check_batch": True}]
+        # full_dtensor keeps its meshes in torchtitan's globals: a second trainer in the same
+        # process gets "different mesh objects" from FSDP; each of its runs gets its own spawn.
+        batches = [[case] for case in these] if options.get("backend") == "full_dtensor" else [these]
+        for batch in batches:
+            for rank, found in enumerate(spawn_ranks(_cases, batch, world=2, timeout=1200)):
+                results[rank] += found
+        cases += these
     for i in range(0, len(cases), 6):
         for rank in (0, 1):
             plain, guarded = results[rank][i], results[rank][i + 1]
@@ -292,12 +335,16 @@ def test_torchtitans_own_trainer_in_every_setup() -> None:
                 plain["norms"],
                 plain["backwards"],
             ), cases[i]
-            assert guarded["diag"] is None and guarded["forwards"] == 4
+            assert guarded["diag"] is None and guarded["forwards"] == plain["forwards"]
             if cases[i][4]:
                 assert guarded["loss_inputs"]["loss"].startswith("DTensor")
         for j in range(i + 2, i + 6):
             d = _diag([results[0][j], results[1][j]])
             fault, rank = cases[j][1], cases[j][2]
+            if fault == "token":  # stage 0 reads the tokens: named on rank 0, skipped on both
+                assert (d["cause"], d["phase"], d["rank"], d["ranks"]) == ("data.index_out_of_range", "data", 0, [0])
+                assert results[0][j]["skipped"] == results[1][j]["skipped"] == [3], cases[j]
+                continue
             assert (d["cause"], d["module"], d["rank"], d["ranks"]) == (
                 "op.sqrt_domain",
                 "layers.1.feed_forward.w1",

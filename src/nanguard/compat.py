@@ -398,6 +398,27 @@ def pipeline_stage_hooks(
         _PipelineStageBase._retrieve_recv_grads = recv_grads  # type: ignore[method-assign]
 
 
+# Known to work: torch 2.13.0 (torch.distributed.pipelining). Before a schedule's first step, each
+# stage runs its module once in ``_PipelineStageBase._forward_metadata_inference`` to learn its
+# outputs' shapes; a stage past the first feeds it uninitialized tensors of the received shapes.
+_METADATA_INFERENCE = "_forward_metadata_inference"
+
+
+def in_pipeline_metadata_inference() -> bool:
+    """Whether the current forward is a pipeline stage's shape inference (not a micro-batch of the
+    step: its inputs are uninitialized memory). False without ``torch.distributed.pipelining``."""
+    if "torch.distributed.pipelining.stage" not in sys.modules:
+        return False
+    frame = sys._getframe(1)
+    for _ in range(24):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _METADATA_INFERENCE:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 # Known to work: torch 2.13.0. An op's schema marks the arguments it writes (``Tensor(a!)``), but
 # the ``c10d`` ops declare no aliasing: those named in place (``recv_``, ``allreduce_``,
 # ``_allgather_base_``) write into their tensor arguments.

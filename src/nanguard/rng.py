@@ -177,7 +177,9 @@ class _PythonReader:
         self.words: Any = None  # a ctypes view of that memory; None: read through getstate()
 
     def state(self) -> bytes:
-        inst: random.Random = random._inst  # what random.random() draws from
+        inst = getattr(random.getstate, "__self__", None)  # the generator random.random() draws from
+        if not isinstance(inst, random.Random):
+            return _python_bytes(random.getstate())
         if inst is not self.inst:
             self.inst, self.words = inst, None
             self.words = self._find(inst)
@@ -233,6 +235,8 @@ class _NumpyReader:
         if not _MEMORY:
             return None
         interface = generator.ctypes
+        if not interface.bit_generator.value or not interface.state_address:
+            return None
         table = ctypes.string_at(interface.bit_generator.value, 40)
         memory = ctypes.string_at(id(rand), type(rand).__basicsize__)
         at = memory.find(table)

@@ -161,6 +161,16 @@ class History:
     def _predict(self) -> Forecast | None:
         if len(self._trend) < TREND_POINTS:
             return None
+        # A metric fits only when it grew at every step: most steps are ruled out by their last one.
+        before, last = self._trend[-2], self._trend[-1]
+        if not (0 < before.grad_norm < last.grad_norm < math.inf or 0 < before.loss < last.loss < math.inf):
+            return None
+        return self._fit()
+
+    def _fit(self) -> Forecast | None:
+        """The forecast of the trend's window (``_predict`` without its shortcut)."""
+        if len(self._trend) < TREND_POINTS:
+            return None
         horizon = self.points.maxlen or TREND_POINTS
         steps = [p.step for p in self._trend]
         best: Forecast | None = None

@@ -34,7 +34,7 @@ from typing import Any, TypeGuard, TypeVar
 import torch
 from torch import nn
 
-from nanguard import dist
+from nanguard import compat, dist
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options
 from nanguard.integrations.capture import Micro, StepCapture
@@ -188,6 +188,8 @@ class LoopGuard(GuardedCallback):
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         if self._in_micro_step or not module.training or not torch.is_grad_enabled():
             return  # inside a recorded micro_step, evaluation, or generation
+        if compat.in_pipeline_metadata_inference():
+            return  # a pipeline stage learning its shapes from uninitialized inputs: no micro-batch
         self._verdict = None  # a forward after the step's check starts the next step
         self._capture.record(args, kwargs)  # nothing during our own replay
         if self._capture.replaying or self.guard is None or not self.guard.config.check_batch:

@@ -9,7 +9,8 @@ The CPU patch, in this process only (no file of torchtitan's is edited): torchti
 ``cuda`` as its device type when no accelerator is present, so its modules' ``device_type`` is
 ``"cpu"`` and its ``device_module`` a stand-in answering the few calls the trainer makes (set
 the device, count devices, memory statistics); the groups keep their timeout after the first
-step (torchtitan calls ``torch.distributed.set_timeout``, absent from this torch). Through the
+step (torchtitan calls ``torch.distributed.set_timeout``, absent from this torch); under PP its
+micro-batches are joined back into the whole batch this torch's schedule splits itself. Through the
 config: the attention's inner kernel is ``ScaledDotProductAttention`` (FlexAttention has no CPU
 backward); FSDP reduces with ``SUM`` (gloo has no ``PREMUL_SUM``; a wrapper around the
 parallelize function); the ``partial_dtensor`` backend (the default ``spmd_types`` one leaves
@@ -156,14 +157,14 @@ def trainer_config(
     setup: str, *, steps: int = 4, lr: float = 8e-4, dump_folder: str = "", backend: str = "partial_dtensor"
 ) -> Any:
     """torchtitan's ``llama3_debugmodel`` trainer config, shrunk and pointed at the CPU: ``setup``
-    "fsdp" (dp_shard=2) or "tp" (TP=2) on 2 ranks; ``backend`` its SPMD backend ("full_dtensor":
-    every parameter and activation a DTensor, the loss too)."""
+    "fsdp" (dp_shard=2), "tp" (TP=2) or "pp" (2 pipeline stages, 1F1B) on 2 ranks; ``backend``
+    its SPMD backend ("full_dtensor": every parameter and activation a DTensor, the loss too)."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    if setup not in ("fsdp", "tp"):
-        raise ValueError(f"setup must be 'fsdp' or 'tp', got {setup!r}")
+    if setup not in ("fsdp", "tp", "pp"):
+        raise ValueError(f"setup must be 'fsdp', 'tp' or 'pp', got {setup!r}")
     loader, tokenizer = _classes()
     config = llama3_debugmodel()
     spec = config.model_spec
@@ -187,6 +188,12 @@ def trainer_config(
     config.training.steps = steps
     config.parallelism.data_parallel_shard_degree = 2 if setup == "fsdp" else 1
     config.parallelism.tensor_parallel_degree = 2 if setup == "tp" else 1
+    if setup == "pp":  # 2 stages on 2 ranks, torchtitan's 1F1B schedule, 2 micro-batches a step
+        config.parallelism.pipeline_parallel_degree = 2
+        config.parallelism.pipeline_parallel_schedule = "1F1B"
+        config.training.disable_cuda_graphs = True  # the trainer refuses PP otherwise (none on CPU anyway)
+        stages = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]]
+        config.parallelism.module_fqns_per_model_part = stages
     # The default "spmd_types" backend leaves parameters plain tensors, which FSDP2 refuses here
     # ("all parameters must be DTensors on the full SPMD mesh"): DTensor on the parallel axes only.
     config.parallelism.spmd_backend = backend
@@ -195,6 +202,40 @@ def trainer_config(
     config.checkpoint.enable = False
     config.dump_folder = dump_folder
     return config
+
+
+def _whole_batch_step(schedule: Any) -> None:
+    """torchtitan 0.3 hands its schedule micro-batches (``step(arg_mbs=, kwarg_mbs=, target_mbs=)``);
+    this torch's schedule takes the whole batch and splits it itself: join them back."""
+    step = schedule.step
+
+    def whole(
+        *,
+        arg_mbs: Any = None,
+        kwarg_mbs: Any = None,
+        target_mbs: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        args = () if arg_mbs is None else tuple(torch.cat(parts) for parts in zip(*arg_mbs, strict=True))
+        target = None if target_mbs is None else torch.cat(target_mbs)
+        model_kwargs = {k: torch.cat([mb[k] for mb in kwarg_mbs]) for k in (kwarg_mbs or [{}])[0]}
+        return step(*args, target=target, **kwargs, **model_kwargs)
+
+    schedule.step = whole
+
+
+class _Poisoned:
+    """The trainer's data loader; while ``on["bad"]``, its next batch holds a token id past the vocabulary."""
+
+    def __init__(self, loader: Any, on: dict[str, bool]) -> None:
+        self.loader, self.on = loader, on
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        for inputs, labels in self.loader:
+            if self.on["bad"]:
+                inputs["input"][0, 3] = VOCAB + 5
+                self.on["bad"] = False
+            yield inputs, labels
 
 
 def _layout(t: Any) -> str:
@@ -214,8 +255,10 @@ def trainer_rank(
     steps: int = 4,
     lr: float = 8e-4,
     backend: str = "partial_dtensor",
+    check_batch: bool = False,
 ) -> dict[str, Any]:
-    """Run torchtitan's ``Trainer.train()`` for ``steps`` steps; ``fault`` ("sqrt", "sqrt_grad")
+    """Run torchtitan's ``Trainer.train()`` for ``steps`` steps; ``fault`` ("sqrt", "sqrt_grad": in
+    layers.1.feed_forward.w1; "token": a token id past the vocabulary in the first micro-batch)
     on ``fault_rank`` at ``BAD_TRAINER_STEP``; ``policy`` None trains unguarded, else with the
     guard's lines added the way ``docs/torchtitan.md`` shows (a subclass here: no file of
     torchtitan's is edited)."""
@@ -231,8 +274,12 @@ def trainer_rank(
     class GuardedTrainer(Trainer):
         def __init__(self, config: Any) -> None:
             super().__init__(config)
-            self.guard = TitanGuard(self.model_parts, self.optimizers, self.lr_schedulers, policy=policy or "skip")
+            self.guard = TitanGuard(
+                self.model_parts, self.optimizers, self.lr_schedulers, policy=policy or "skip", check_batch=check_batch
+            )
             self.loss_fn: Any = self.guard.loss(self.loss_fn)
+            if self.parallel_dims.pp_enabled:  # the schedule took the loss function when it was built
+                self.pp_schedule._loss_fn = self.guard.loss(self.pp_schedule._loss_fn)
 
         def train_step(self, data_iterator: Any) -> None:
             try:
@@ -244,6 +291,8 @@ def trainer_rank(
     with tempfile.TemporaryDirectory() as dump:
         config = trainer_config(setup, steps=steps, lr=lr, dump_folder=dump, backend=backend)
         trainer = (GuardedTrainer if policy is not None else Trainer)(config)
+        if setup == "pp":
+            _whole_batch_step(trainer.pp_schedule)
         model = trainer.model_parts[0]
         seen: dict[str, str] = {}  # what the trainer's loss function was given and returned
         loss_fn = trainer.loss_fn
@@ -258,6 +307,8 @@ def trainer_rank(
         on = {"bad": False}
         if rank == fault_rank:
             _plant(model, fault, on)
+            if fault == "token":
+                trainer.dataloader = _Poisoned(trainer.dataloader, on)
         forwards = {"n": 0}
         model.register_forward_pre_hook(lambda *a: forwards.__setitem__("n", forwards["n"] + 1))
         logged: dict[int, tuple[float, float]] = {}
@@ -313,5 +364,6 @@ def trainer_rank(
         "raised": raised is not None,
         "diag": None
         if d is None
-        else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step")},
+        else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step")}
+        | {"trip": {k: d.evidence.get(k) for k in ("loss", "grad_norm", "why", "history")}},
     }
