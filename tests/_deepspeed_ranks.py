@@ -194,6 +194,7 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         "backwards": backwards[0],
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
+        "lr": engine.get_lr()[0],
         "error": error,
         "scale": scale,
     }

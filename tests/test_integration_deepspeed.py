@@ -180,11 +180,26 @@ def test_an_lr_far_too_high_under_zero2_is_named_a_divergence_on_every_rank() ->
     norm past float32) are both ``optimizer.divergence``; under fp16, the gradient overflows DeepSpeed's
     scaler skips while the loss grows are named a divergence too, not a float16 range problem."""
     fp16 = {**_diverging(2, "fp16", "forward"), "steps": 9}
-    cases = [_diverging(2, "fp32", "forward"), _diverging(2, "fp32", "backward"), fp16]
+    auto = {**_diverging(2, "fp32", "forward"), "policy": "auto", "steps": 19}
+    cases = [_diverging(2, "fp32", "forward"), _diverging(2, "fp32", "backward"), fp16, auto]
     results = spawn_ranks(run_cases, cases, world=2, timeout=400)
     _check_divergence([runs[0] for runs in results], "forward", "ZeRO-2 fp32")
     _check_divergence([runs[1] for runs in results], "backward", "ZeRO-2 fp32")
     _check_fp16_divergence([runs[2] for runs in results])
+    _check_auto_remedy([runs[3] for runs in results])
+
+
+def _check_auto_remedy(results: list[dict[str, Any]]) -> None:
+    """``policy="auto"``: the divergence's remedy runs through the engine: rolled back to a snapshot from
+    before the growth, the engine's LR halved, every rank alike."""
+    trip = DIVERGING["forward"]["trip"]
+    for rank, run in enumerate(results):
+        assert run["error"] is None, (rank, run["error"])
+        assert run["trip_diagnoses"][0]["cause"] == "optimizer.divergence" and run["rollbacks"] == 1, rank
+        assert run["lr"] == DIVERGING["forward"]["lr"] / 2, rank
+        losses = run["losses"]
+        assert losses[trip + 1] < 100 * losses[0] and all(math.isfinite(v) for v in losses[trip + 1 :]), rank
+    assert [run["rollbacks"] for run in results] == [1, 1]
 
 
 def _check_fp16_divergence(results: list[dict[str, Any]]) -> None:
