@@ -168,6 +168,9 @@ def test_a_far_too_high_lr_under_fsdp2_is_an_optimizer_divergence_on_every_rank(
     assert d["cause"] == "optimizer.divergence"
     history = ranks[0]["diag"]["evidence"]["history"]
     assert history["diverging"] and history["growth"] > 1e3
+    # The rate is the container's optimizers' (its own groups carry none): the fix names it.
+    assert history["lr"] is not None and history["lr"] > 1.0
+    assert any("lower the learning rate (now" in f for f in ranks[0]["diag"]["fixes"])
     for r in ranks:
         assert r["diag"]["cause"] not in ("distributed.transient", "step.not_reproduced")
         assert not any("hardware" in f or "drain" in f for f in r["diag"]["fixes"])

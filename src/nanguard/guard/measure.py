@@ -27,6 +27,7 @@ from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.join import in_join
+from nanguard.guard.optim_state import current_lr
 from nanguard.guard.policy import Policy, Verdict
 from nanguard.guard.progress import Progress
 from nanguard.guard.recorder import NullRecorder
@@ -118,7 +119,7 @@ class Measure:
             diag = runaway_growth(
                 step=step,
                 history=runaway,
-                lr=self.optimizer.param_groups[0].get("lr"),
+                lr=current_lr(self.optimizer),
                 # Every rank's growth, read from the agreed values: the same verdict on every rank.
                 rank=0 if dist.is_distributed() else None,
                 ranks=list(range(dist.world_size())) if dist.is_distributed() else [],

@@ -55,6 +55,20 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
         group.update(saved)
 
 
+def current_lr(optimizer: torch.optim.Optimizer) -> Any:
+    """The learning rate of ``optimizer``'s first parameter group; of a container's first optimizer
+    (its own groups carry none: a scheduler sets its optimizers' rates). None when it has none.
+
+    Example:
+        >>> current_lr(torch.optim.SGD(model.parameters(), lr=0.1))
+        0.1
+    """
+    groups = optimizer.param_groups
+    lr = groups[0].get("lr") if groups else None
+    inner = _contained(optimizer) if lr is None else None
+    return inner[0].param_groups[0].get("lr") if inner and inner[0].param_groups else lr
+
+
 def _contained(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer] | None:
     """The optimizers a container steps (``optimizer.optimizers``), or None for a plain optimizer."""
     inner = vars(optimizer).get("optimizers")

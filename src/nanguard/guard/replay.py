@@ -36,6 +36,7 @@ from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
+from nanguard.guard.optim_state import current_lr
 from nanguard.guard.policy import repeats
 from nanguard.guard.proof import prove, proven
 from nanguard.pipeline_stages import watch_stages
@@ -340,7 +341,7 @@ class Diagnoser:
         return rejected_batch(errors, step=step, rank=dist.rank_or_none(), ranks=ranks)
 
     def _lr(self) -> Any:
-        return self.optimizer.param_groups[0].get("lr")
+        return current_lr(self.optimizer)
 
 
 class _Stop(Exception):
