@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 
 from _common import interleaved, machine, write_section
 
@@ -32,15 +33,17 @@ def rank_times(rank: int, world: int, setup: str, rounds: int) -> dict[str, floa
         torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(i * 10 + rank)) for i in range(8)
     ]
     steps: dict[str, Callable[[], None]] = {}
-    for guarded in (False, True):
+    for kind in ("plain", "guarded", "agreed"):
         parts = build(setup)
         model, loss_fn, optimizers, schedulers = (parts[k] for k in ("model", "loss_fn", "optimizers", "lr_schedulers"))
-        if guarded:
+        if kind == "guarded":
             guard = TitanGuard([model], optimizers, schedulers, module_stats=False)
             loss_fn = guard.loss(loss_fn)
         count = [0]
 
-        def step(model=model, loss_fn=loss_fn, optimizers=optimizers, schedulers=schedulers, count=count) -> None:
+        def step(
+            model=model, loss_fn=loss_fn, optimizers=optimizers, schedulers=schedulers, count=count, kind=kind
+        ) -> None:
             x = batches[count[0] % len(batches)]
             count[0] += 1
             optimizers.zero_grad()
@@ -48,13 +51,38 @@ def rank_times(rank: int, world: int, setup: str, rounds: int) -> dict[str, floa
             loss, _ = loss_fn(model(tokens, positions=positions), labels, torch.tensor(labels.numel() * world))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+            if kind == "agreed":  # the bare cost of any decision all ranks take together
+                flags = torch.zeros(2 * world + 2)
+                tdist.all_reduce(flags)
+                bool(flags.sum())
             optimizers.step()
             schedulers.step()
 
-        steps["guarded" if guarded else "plain"] = step
-    times = interleaved(steps, rounds=rounds)
+        steps[kind] = step
+    pair = {k: steps[k] for k in ("plain", "guarded")}
+    times = interleaved(pair, rounds=rounds)
+    synced = _synced(steps, rounds)
+    times.update({f"synced_{k}": v for k, v in synced.items()})
     times["share"] = _own_share(steps["guarded"], rounds)
     return times
+
+
+def _synced(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Median seconds per step of each config, round-robin, every rank starting each timed step
+    together (a barrier before it, untimed): one rank's lag is not charged to the next step."""
+    import statistics
+    import time
+
+    for fn in steps.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            tdist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 _HOOKS = ("_before_forward", "_after_forward", "_before_step", "_after_step")
@@ -83,8 +111,11 @@ def section(rounds: int) -> str:
         t = spawn_ranks(rank_times, setup, rounds, world=2, timeout=1800)[0]
         name = {"fsdp": "FSDP2 dp_shard=2", "tp": "TP=2"}[setup]
         ratio = t["guarded"] / t["plain"]
+        synced = t["synced_guarded"] / t["synced_plain"]
+        agreed = t["synced_agreed"] / t["synced_plain"]
         rows.append(
-            f"| {name} | {t['plain'] * 1e3:.1f} | {t['guarded'] * 1e3:.1f} | {ratio:.3f}x | {t['share'] * 100:.1f}% |"
+            f"| {name} | {t['plain'] * 1e3:.1f} | {t['guarded'] * 1e3:.1f} | {ratio:.3f}x | {synced:.3f}x "
+            f"| {agreed:.3f}x | {t['share'] * 100:.1f}% |"
         )
     conditions = (
         f"torchtitan's shrunk llama3 unguarded and under `TitanGuard`, {rounds} "
@@ -94,8 +125,8 @@ def section(rounds: int) -> str:
 
 {conditions}
 
-| setup | plain ms | guarded ms | ratio | guard's own share (profile) |
-|---|---:|---:|---:|---:|
+| setup | plain ms | guarded ms | ratio | ratio, synced | plain + all-reduce, synced | own share (profile) |
+|---|---:|---:|---:|---:|---:|---:|
 {chr(10).join(rows)}
 
 torchtitan 0.3.0's llama3 (2 layers, dim 64, vocab 256, seq 16, batch 2), `parallelize_llama`, its
@@ -108,11 +139,15 @@ the machine is shared, so the ratio, not the time, is the result. {machine()}.
 Reproduce: `.venv/bin/python benchmarks/torchtitan_overhead.py --rounds {rounds}`.
 
 A healthy step adds one all-reduce of `2 x world_size + 2` float32 (the agreed health) and no replay
-(`headroom_every` is 0 under `TitanGuard` unless given). The profiled share includes the time rank 0
-waits in that all-reduce for the other rank: on this shared, loaded machine the ranks drift apart,
-most under TP (there, by profile, about two thirds of the hooks' time is `dist.agree`, the health
-measure ~15%). Not measured: GPUs, NCCL, a model of real size, where the check's pass over the
-gradients is a small share of a step."""
+(the headroom check, every `headroom_every` steps, reads the due step's own forward). "ratio" runs
+the steps back to back: a rank that falls behind (this machine is shared and loaded) makes the
+other wait in the guard's all-reduce, charged to the guarded step. "synced" puts an untimed barrier
+before each timed step (the ranks start it together); "plain + all-reduce" is the unguarded step
+with a bare all-reduce of the same size where the check runs: the cost of any decision every rank takes
+together, which no guard that keeps the ranks agreeing can avoid. The rest of the synced ratio is
+the guard's own Python work a step (the gradient and parameter norms over the local shards, the
+micro-batch record, the loss), a few milliseconds that weigh most on these tiny steps. Not
+measured: GPUs, NCCL, a model of real size, where that fixed cost is a small share of a step."""
 
 
 def main() -> None:

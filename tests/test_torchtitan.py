@@ -123,6 +123,8 @@ def test_torchtitans_own_trainer_names_a_fault_on_rank1_and_goes_on(runs: dict[s
     }
     assert [r["skipped"] for r in ranks] == [[3], [3]]
     assert all(r["steps"] == 4 and len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in ranks)
+    if setup == "tp":  # torchtitan's loss under TP is a DTensor, on both ranks
+        assert all(r["loss_inputs"]["loss"].startswith("DTensor") for r in ranks)
 
 
 @pytest.mark.dist
@@ -353,6 +355,24 @@ def test_torchtitans_own_trainer_in_every_setup() -> None:
             ), cases[j]
             assert d["phase"] == ("forward" if fault == "sqrt" else "backward"), cases[j]
             assert results[0][j]["skipped"] == results[1][j]["skipped"] == [3], cases[j]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_far_too_high_lr_in_torchtitans_own_trainer_is_an_optimizer_divergence() -> None:
+    """torchtitan's Trainer (bf16, activation checkpointing) at LR 100 (1e5x its debug config's),
+    FSDP2 and TP: the loss grows ~1e5-fold, saturates, then goes non-finite in a backward."""
+    from nanguard.zoo.spawn import spawn_ranks
+
+    cases = [[f"trainer:{setup}", None, 0, "skip", {"lr": 100.0, "steps": 9}] for setup in ("fsdp", "tp")]
+    results = spawn_ranks(_cases, cases, world=2, timeout=1200)
+    for i, case in enumerate(cases):
+        ranks = [results[0][i], results[1][i]]
+        d = _diag(ranks)
+        assert d["cause"] == "optimizer.divergence", case
+        assert max(ranks[0]["losses"]) > 1e4 * ranks[0]["losses"][0], case
+        assert ranks[0]["skipped"] and ranks[0]["skipped"] == ranks[1]["skipped"], case
+        assert ranks[0]["diag"]["trip"]["history"]["diverging"], case
 
 
 # -- one process: a replay that could not observe the step blames no hardware ------------------

@@ -410,7 +410,7 @@ def in_pipeline_metadata_inference() -> bool:
     if "torch.distributed.pipelining.stage" not in sys.modules:
         return False
     frame = sys._getframe(1)
-    for _ in range(24):
+    for _ in range(16):  # the hook, the module's call and its wrappers (FSDP, checkpointing), the stage
         if frame is None:
             return False
         if frame.f_code.co_name == _METADATA_INFERENCE:

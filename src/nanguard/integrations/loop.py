@@ -351,7 +351,9 @@ def _batch_of(micro: list[Micro], forward: Callable[..., Any]) -> Any:
     went to (``batch['idx']``); a list with one entry per micro-batch."""
     if not micro:
         return None
-    batches = [{**_named_arguments(m.run or forward, m), **m.extra} for m in micro]
+    # A recorded run wraps the forward it calls (``functools.wraps``): its signature is that
+    # forward's, read from the cache, and the cache never holds a step's closure (its tensors).
+    batches = [{**_named_arguments(getattr(m.run, "__wrapped__", m.run) or forward, m), **m.extra} for m in micro]
     return batches[0] if len(batches) == 1 else batches
 
 
