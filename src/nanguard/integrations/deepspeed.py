@@ -40,6 +40,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,7 @@ class DeepSpeedGuard(LoopGuard):
         diag = dist.gather_diagnosis(found, flagged) if flagged else None
         if diag is None:
             return
-        diag.step = step
+        diag = replace(diag, step=step)  # gathered diagnoses are not edited after they are made
         self.last_overflow = diag
         self.guard.recorder.trip(step, action="overflow", ranks=flagged, diagnosis=diag, scale=scale)
         if self._announces():
