@@ -6,9 +6,10 @@ layer's FSDP gradient sync back on for its last chunk, its loss may be a DTensor
 ``OptimizersContainer`` and an ``LRSchedulersContainer``. ``TitanGuard`` is ``LoopGuard`` for that
 shape: it guards the model part the trainer calls, records each micro-batch's forward inputs and
 the loss call's labels, and replays a tripped step as the trainer ran it (model forward, the loss
-with its own backward, then backward on the loss), every FSDP gradient sync held off throughout. Under pipeline parallelism each rank replays its
-own stage from what it received; the schedule took the loss function when it was built, so its
-copy is wrapped too (``self.pp_schedule._loss_fn = self.guard.loss(self.pp_schedule._loss_fn)``).
+with its own backward, then backward on the loss), every FSDP gradient sync held off throughout.
+Under pipeline parallelism each rank replays its own stage from what it received; the schedule
+took the loss function when it was built, so its copy is wrapped too
+(``self.pp_schedule._loss_fn = self.guard.loss(self.pp_schedule._loss_fn)``).
 
 The lines to add to torchtitan's ``Trainer`` (``docs/torchtitan.md``):
 
