@@ -326,7 +326,7 @@ def test_resume_from_state_dict_keeps_history_and_counters() -> None:
 
 
 def test_a_crash_inside_locate_does_not_kill_training(monkeypatch) -> None:
-    import nanguard.guard.replay as guard_mod
+    import nanguard.guard.diagnoser as guard_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("tracer bug")

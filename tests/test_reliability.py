@@ -17,7 +17,7 @@ from torch import nn
 import nanguard as ng
 from nanguard.bundle import replay
 from nanguard.events import read_events
-from nanguard.guard.replay import Diagnoser
+from nanguard.guard.diagnoser import Diagnoser
 
 
 def _model(seed: int = 0, dropout: float = 0.0) -> nn.Module:

@@ -440,11 +440,11 @@ def test_zoo_remedy_scenarios_auto_finishes_where_skip_cannot() -> None:
 
 
 def test_a_repeating_overflow_is_recognized_without_a_second_full_replay(tmp_path, monkeypatch) -> None:
-    import nanguard.guard.replay as replay
+    import nanguard.guard.diagnoser as diagnoser
 
     traced = []
-    real_trace = replay.trace
-    monkeypatch.setattr(replay, "trace", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
+    real_trace = diagnoser.trace
+    monkeypatch.setattr(diagnoser, "trace", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
     torch.manual_seed(0)
     model = Net(1e5)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -27,7 +27,7 @@ state)`` -> ``Action``) -> apply (and record), over parts that each own their st
   read (``StepHealth``);
 - ``recovery``: buffer backup, snapshots, rollback, and the skip/overflow counters;
 - ``history``: recent loss and grad norm, spike detectors, divergence evidence;
-- ``replay``: the tracer replays of a tripped step;
+- ``diagnoser``: a tripped step replayed under the tracer and diagnosed (``Diagnoser``);
 - ``remedies``: carries out and records the remedies the policy chose;
 - ``recorder``: event log and repro bundles (``NullRecorder`` without a ``run_dir``).
 

@@ -28,6 +28,7 @@ from nanguard.guard.arguments import check_parts, listener
 from nanguard.guard.attempt import Attempt, Rng, Runner, check_args, unscale
 from nanguard.guard.config import OPTIONS_DOC, GuardConfig
 from nanguard.guard.deferred import Waiting, deferred_mode
+from nanguard.guard.diagnoser import Diagnoser
 from nanguard.guard.disabled import Disabled
 from nanguard.guard.health import HealthCheck, StepHealth, check_after_loads
 from nanguard.guard.history import History
@@ -38,7 +39,6 @@ from nanguard.guard.progress import PolicyView, Progress
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
-from nanguard.guard.replay import Diagnoser
 from nanguard.guard.resume import Resume
 from nanguard.hardware import Tracker, where
 from nanguard.inject import Fault, NullInjector, injector_for

@@ -24,6 +24,7 @@ from nanguard.errors import OutOfStepError
 from nanguard.findings import Diagnosis
 from nanguard.guard.attempt import Attempt, scaler_aside
 from nanguard.guard.config import GuardConfig
+from nanguard.guard.diagnoser import Diagnoser, Replayed
 from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.join import in_join
@@ -33,7 +34,6 @@ from nanguard.guard.progress import Progress
 from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
-from nanguard.guard.replay import Diagnoser, Replayed
 from nanguard.guard.wrapped import scaler_step
 from nanguard.spikes import Spike
 

@@ -320,7 +320,7 @@ class Policy:
 
 
 def repeats(last_step: int, last_ranks: list[int], last_cause: str, step: int, ranks: list[int]) -> bool:
-    """Whether a trip may reuse the last trip's diagnosis (confirmed by one forward, ``guard/replay.py``):
+    """Whether a trip may reuse the last trip's diagnosis (confirmed by one forward, ``guard/diagnoser.py``):
     it directly follows that trip, on the same ranks, and its cause is one that repeats every step
     (``Cause.repeatable``: a float16 overflow, a NaN weight), not one a batch makes."""
     return last_step == step - 1 and bool(ranks) and last_ranks == ranks and row_of(last_cause).repeatable

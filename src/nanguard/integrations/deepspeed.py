@@ -50,7 +50,7 @@ from nanguard import dist
 from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.guard.replay import replay_trip
+from nanguard.guard.diagnoser import replay_trip
 from nanguard.integrations import guard_options, require
 from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard, _batch_of
