@@ -125,7 +125,7 @@ class Diagnoser:
             return Replayed(repeat, located=True)
         replayed = Replayed(None, located=False)
         gaps: list[str] = []
-        run = RunFacts(self.history.evidence(h.step, self._lr()), self.initial_scale)
+        run = self.run_facts(h.step)
         if self.locate and closure is not None:
             with self._told(h.step), eager(), dist.observing() as gaps:
                 replayed = replay_trip(
@@ -342,6 +342,12 @@ class Diagnoser:
 
     def _lr(self) -> Any:
         return current_lr(self.optimizer)
+
+    def run_facts(self, step: int) -> RunFacts:
+        """What the run's history says at ``step`` (growth, the LR, the initial weight scale): a
+        replay of that step is judged with it, so a value that overflows because the run is
+        diverging is named a divergence."""
+        return RunFacts(self.history.evidence(step, self._lr()), self.initial_scale)
 
 
 class _Stop(Exception):

@@ -47,7 +47,6 @@ from typing import Any
 import torch
 
 from nanguard import dist
-from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.guard.diagnoser import replay_trip
@@ -177,9 +176,7 @@ class DeepSpeedGuard(LoopGuard):
         self._replay_scale = scale
         # Judged with the run's history, as a trip is: gradients that overflow because the run is
         # diverging (a far too high LR) are a divergence, not a float16 range problem.
-        diagnoser = self.guard.diagnoser
-        lr = self.state.optimizer.param_groups[0].get("lr")
-        run = RunFacts(self.guard.history.evidence(step, lr), diagnoser.initial_scale)
+        run = self.guard.diagnoser.run_facts(step)
         try:
             replayed = replay_trip(
                 self.guard.model,
