@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from dataclasses import replace
 
 import pytest
 from rich.console import Console as RichConsole
@@ -29,8 +30,7 @@ def diag() -> Diagnosis:
     batch = run.batch(3)
     found = locate(lambda batch=batch: train_step(run.model, batch), model=run.model)
     assert found is not None
-    found.step = 3
-    return found
+    return replace(found, step=3)
 
 
 def _squash(text: str) -> str:

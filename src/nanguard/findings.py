@@ -41,9 +41,10 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Diagnosis:
-    """Where the first non-finite value was created, why, and what to try.
+    """Where the first non-finite value was created, why, and what to try. Frozen: a different
+    diagnosis is a new one (``dataclasses.replace(diag, step=3)``).
 
     Example:
         >>> diag = ng.locate(closure, model=model)

@@ -17,20 +17,32 @@ if TYPE_CHECKING:
 
 
 class DiagnosisFields(Protocol):
-    """The fields of a ``findings.Diagnosis`` this module words."""
+    """The fields of a ``findings.Diagnosis`` this module words (read only: a diagnosis is frozen)."""
 
-    cause: str
-    kind: str
-    phase: str
-    op: str | None
-    module: str | None
-    rank: int | None
-    ranks: list[int]
-    step: int | None
-    source: str | None
-    evidence: dict[str, Any]
-    fixes: list[str]
-    also: list[dict[str, str]]
+    @property
+    def cause(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def op(self) -> str | None: ...
+    @property
+    def module(self) -> str | None: ...
+    @property
+    def rank(self) -> int | None: ...
+    @property
+    def ranks(self) -> list[int]: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def source(self) -> str | None: ...
+    @property
+    def evidence(self) -> dict[str, Any]: ...
+    @property
+    def fixes(self) -> list[str]: ...
+    @property
+    def also(self) -> list[dict[str, str]]: ...
 
     @property
     def meaning(self) -> str: ...

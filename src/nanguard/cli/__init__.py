@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from nanguard import __version__
 from nanguard.errors import NanguardError
@@ -86,8 +87,7 @@ def _replay(args: argparse.Namespace) -> int:
         return 1
     if result.weights is not None:
         console.line(f"weights: {result.weights}")
-    result.diagnosis.step = result.bundle.step
-    console.diagnosis(result.diagnosis)
+    console.diagnosis(replace(result.diagnosis, step=result.bundle.step))
     return 0
 
 

@@ -1,15 +1,19 @@
-"""Apply: carry out the policy's ``Action`` for a measured step, and record it.
+"""Apply: carry out the policy's ``Action`` for a measured step, and record it: the step's only writer.
 
-``Apply`` switches on the action alone (the verdict only supplies the data): its kind (step,
-skip, rollback, raise, the GradScaler's own skip, a reset of a collapsed scale, a resync of
-replicas that differ) and how its trip is recorded (``Action.trip``: events, the trip's bundle,
-the log line). It applies the remedy the policy chose, and stops the run when the policy says so.
+``Measure`` only reads (health, history, the diagnosis); everything a step changes is done here:
+the events a measurement found (spikes, a forecast), the GradScaler's own step on an overflow,
+undoing an abandoned attempt, the action's kind (step, skip, rollback, raise, a reset of a
+collapsed scale, a resync of replicas that differ), the one ``Trip`` and its bundle
+(``Action.trip``), the remedy the policy chose, the counters. Where the run then stands comes
+back as an ``Outcome`` (frozen) that the guard folds into its ``Progress``; a stop the policy
+chose comes back in it too (``Outcome.error``), raised once the outcome is folded.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,11 +25,11 @@ from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.attempt import Attempt
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.health import HealthCheck
+from nanguard.guard.health import HealthCheck, StepHealth
 from nanguard.guard.history import History
-from nanguard.guard.join import telling_joined, tells_every_step
-from nanguard.guard.policy import STEP, Action, Verdict
-from nanguard.guard.progress import Progress
+from nanguard.guard.join import tell_joined, tells_every_step
+from nanguard.guard.policy import DEFER, STEP, Action, Verdict
+from nanguard.guard.progress import Outcome, Progress
 from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
@@ -34,16 +38,26 @@ from nanguard.guard.wrapped import scaler_step
 from nanguard.hardware import Tracker
 from nanguard.inject import NullInjector
 
-__all__ = ["Apply"]
+__all__ = ["Apply", "Outcome"]
 
 log = logging.getLogger("nanguard")
 
 
+@dataclass(frozen=True, slots=True)
+class _Done:
+    """What one action did, before it becomes the step's ``Outcome``."""
+
+    action: str | None = None
+    diagnosis: Diagnosis | None = None
+    error: NonFiniteError | None = None
+
+
 class Apply:
-    """Carries out actions over the guard's parts; ``progress`` gets the latest action.
+    """Carries out actions over the guard's parts; reads ``progress``, returns an ``Outcome``.
 
     Example:
-        >>> apply(attempt, verdict, policy.decide(verdict, state))   # True: the update goes ahead
+        >>> outcome = apply(attempt, verdict, policy.decide(verdict, state))
+        >>> outcome.update   # the update goes ahead
         True
     """
 
@@ -71,24 +85,35 @@ class Apply:
         self.rank = dist.rank()
         self.announce = Announcer()  # the run's first trip whole, later ones a line
 
-    def __call__(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
-        """Apply ``action``; True when the update goes ahead. On a trip while a rank has joined
-        (DDP join()), and on every step where a stop it cannot foresee may come (``tells_every_step``),
-        that rank learns whether the policy stopped the run."""
+    def __call__(self, attempt: Attempt, verdict: Verdict, action: Action) -> Outcome:
+        """Apply ``action``; the outcome says whether the update goes ahead. On a trip while a rank
+        has joined (DDP join()), and on every step where a stop it cannot foresee may come
+        (``tells_every_step``), that rank learns whether the policy stopped the run."""
         h = verdict.health
+        self._record_trends(verdict)
+        done = _Done() if action is STEP or action is DEFER else self._apply(attempt, verdict, action)
         every = tells_every_step(self.scaler is not None, self.config.skip_spikes)
         if h is not None and h.joined and (action.trip == "bundle" or every):
-            with telling_joined(h, verdict.step):  # the joined rank waits for this flag: see join.py
-                return action is STEP or self._apply(attempt, verdict, action)
-        return action is STEP or self._apply(attempt, verdict, action)
+            tell_joined(done.error is not None, verdict.step)  # the joined rank waits for this: see join.py
+        return Outcome(
+            step=attempt.step + 1,
+            action=done.action,
+            diagnosis=done.diagnosis or verdict.diagnosis,
+            grad_norm=h.grad_norm if h is not None else None,
+            update=action is STEP,
+            error=done.error,
+        )
 
-    def _apply(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
+    def _apply(self, attempt: Attempt, verdict: Verdict, action: Action) -> _Done:
         kind, step = action.kind, verdict.step
-        if kind == "overflow":
-            return False
+        if verdict.overflow is not None:  # the GradScaler skips the update itself and lowers its scale
+            self._overflow(verdict)
+            if kind == "overflow":
+                return _Done("overflow")
+        if verdict.kind == "trip" and verdict.health is not None:  # a measured attempt: leave none of its writes
+            self.recovery.abandon(attempt.owns_buffers, attempt.rng)
         if action.forget:  # a spike's skip: no trip, no diagnosis
-            self._forget(attempt, verdict, action)
-            return False
+            return self._forget(attempt, verdict, action)
         diag = verdict.diagnosis
         assert diag is not None, f"a {kind} action of a step with a {verdict.kind} verdict"
         if action.remedy is not None:
@@ -97,29 +122,61 @@ class Apply:
             assert self.scaler is not None
             self.remedies.reset_scale(self.scaler)
             self.recovery.reset_overflow_streak()
-            return False
+            return _Done("overflow")
         diag = self._record(attempt, verdict, diag, action)
         if kind == "raise":
-            if action.trip == "bundle":
-                self.progress.action = "raise"
-            raise NonFiniteError(diag, action.message)
+            ran = "raise" if action.trip == "bundle" else ("overflow" if verdict.overflow is not None else None)
+            return _Done(ran, diag, NonFiniteError(diag, action.message))
         if kind == "rollback":
-            self._rollback(step, diag, action)
-        elif kind == "resync":
+            return self._rollback(step, diag, action)
+        if kind == "resync":
             assert verdict.source is not None  # the policy resyncs only from a finite replica
             dist.broadcast_state(self.model, src=verdict.source)
             self.health.forget_update()  # the queued parameter check saw the replicas before the repair
-        else:
-            self._skip(verdict, diag.cause, action)
-        return False
+            return _Done(None, diag)
+        return self._skip(verdict, diag.cause, action, diag)
 
-    def _forget(self, attempt: Attempt, verdict: Verdict, action: Action) -> None:
+    def _record_trends(self, verdict: Verdict) -> None:
+        """A finite step's spikes and divergence warning, as the measure found them: logged and recorded."""
+        step = verdict.step
+        for spike in verdict.spikes or ():
+            self.recorder.spike(step, spike)
+            log.warning(
+                "nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
+                step,
+                spike.metric,
+                spike.value,
+                spike.median,
+                spike.score,
+            )
+        if (trend := verdict.forecast) is not None:
+            self.recorder.forecast(step, trend)
+            log.warning(
+                "nanguard: step %d: %s %.4g grows x%.3g per step: float32 overflow predicted in %d steps",
+                step,
+                trend.metric,
+                trend.value,
+                trend.growth,
+                trend.predicted_overflow_in,
+            )
+
+    def _overflow(self, verdict: Verdict) -> None:
+        """The GradScaler's step on an overflow: it skips the update and lowers its scale; counted and recorded."""
+        h = verdict.health
+        assert self.scaler is not None and h is not None and h.scale is not None
+        scaler_step(self.optimizer, self.scaler)
+        self.recovery.count_overflow()
+        new_scale, streak = float(self.scaler.get_scale()), self.recovery.overflow_streak
+        self.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
+        self.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
+
+    def _forget(self, attempt: Attempt, verdict: Verdict, action: Action) -> _Done:
         """Skip a spike: as in a run that never saw the batch, its values leave the detectors' windows too."""
         assert action.kind == "skip" and verdict.spikes and verdict.health is not None
         self.history.forget(verdict.step, loss=verdict.health.loss, grad_norm=verdict.health.grad_norm)
         self.recovery.abandon(attempt.owns_buffers, attempt.rng)
         spike = verdict.spikes[0]
-        self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action)
+        return self._skip(verdict, f"{spike.metric} spike (z={spike.score:.1f})", action, None)
 
     def _record(self, attempt: Attempt, verdict: Verdict, diag: Diagnosis, action: Action) -> Diagnosis:
         """Record the trip as ``action.trip`` says; returns its diagnosis as recorded."""
@@ -129,7 +186,7 @@ class Apply:
             return diag
         trip = self._trip(diag, step, kind)  # every rank records it: the tracker's gather is safe
         if action.trip == "tracked":  # replicas that differ
-            diag = self.progress.diagnosis = trip.diagnosis
+            diag = trip.diagnosis
             self.recorder.trip(step, action=kind, ranks=diag.ranks, diagnosis=diag)
         else:
             flagged = trip.diagnosis.evidence.get("flagged_ranks", [self.rank])
@@ -145,11 +202,11 @@ class Apply:
                 meta=self._bundle_meta(attempt.batch),
                 **extra,
             )
-            diag = self.progress.diagnosis = trip.with_bundle(bundle).diagnosis
+            diag = trip.with_bundle(bundle).diagnosis
         self.announce(self.rank, step, diag, kind)
         return diag
 
-    def _rollback(self, step: int, diag: Diagnosis, action: Action) -> None:
+    def _rollback(self, step: int, diag: Diagnosis, action: Action) -> _Done:
         onset = self.history.onset()  # a steady growth under way: land before it began
         why = self.recovery.why_restored(onset)
         restored = self.recovery.rollback(diag, onset)
@@ -161,15 +218,14 @@ class Apply:
         self.recorder.rollback(
             step, restored_step=restored, skip_batches=self.recovery.drop_batches, reason=diag.cause, why=why
         )
-        if action.counted:
-            self.progress.action = "rollback"
-            self.recovery.count_in_a_row()
-            _stop_if(action, diag)
+        if not action.counted:
+            return _Done(None, diag)
+        self.recovery.count_in_a_row()
+        return _Done("rollback", diag, _stop(action, diag))
 
-    def _skip(self, verdict: Verdict, reason: str, action: Action) -> None:
+    def _skip(self, verdict: Verdict, reason: str, action: Action, diag: Diagnosis | None) -> _Done:
         h = verdict.health
         self.recovery.skip()
-        self.progress.action = "skip"
         self.recorder.skip(verdict.step, reason)
         self.recorder.step(
             verdict.step,
@@ -179,7 +235,7 @@ class Apply:
             skipped=True,
         )
         self.recovery.count_in_a_row()
-        _stop_if(action, self.progress.diagnosis)
+        return _Done("skip", diag, _stop(action, diag or self.progress.diagnosis))
 
     def _trip(self, diag: Diagnosis, step: int, action: str) -> Trip:
         """The trip's record: which planted faults it answers, and where it ran (the run's hardware
@@ -201,12 +257,12 @@ class Apply:
         except Exception as err:  # evidence only: the bundle is written without it
             return {"meta_error": repr(err)}
 
-    def drop_batch(self) -> None:
+    def drop_batch(self) -> Outcome:
         """One of the batches after a rollback (``rollback_skip_batches``): counted, not run."""
-        step, self.progress.action = self.progress.step, "drop_batch"
-        self.progress.step += 1
+        step = self.progress.step
         self.recorder.skip(step, reason="rollback: dropping the batch after a bad one")
         log.warning("nanguard: step %d: batch dropped after rollback", step)
+        return Outcome(step=step + 1, action="drop_batch")
 
     # -- the update ----------------------------------------------------------------------
     def update(self, *, device_step: bool) -> None:
@@ -217,6 +273,21 @@ class Apply:
             scaler_step(self.optimizer, self.scaler)
         elif not device_step:
             self.optimizer.step()
+
+    def updated(self, h: StepHealth) -> int:
+        """A finished update, counted: the parameter check queued, the history appended. The good steps so far."""
+        self.health.after_update(h.step)
+        good_steps = self.recovery.good_step()
+        self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
+        return good_steps
+
+    def finish(self, h: StepHealth, *, snapshot: bool) -> Outcome:
+        """The end of a finished update: the snapshot when due, the step event every ``log_every``."""
+        if snapshot:
+            self.recovery.refresh_snapshot(self.progress.step, h.loss, self.history.growing, joined=bool(h.joined))
+        if h.step % self.config.log_every == 0:
+            self.recorder.step(h.step, loss=h.own_loss, grad_norm=h.grad_norm, scale=h.scale, skipped=False)
+        return Outcome(action="step")
 
     def clip(self) -> None:
         """``clip_grad_norm``, after the check that measured (and recorded) the norm before it: over
@@ -229,6 +300,5 @@ class Apply:
         return list({id(p): p for p in [*self.model.parameters(), *self.params]}.values())
 
 
-def _stop_if(action: Action, diag: Diagnosis | None) -> None:
-    if action.stop is not None:
-        raise NonFiniteError(diag, action.stop)
+def _stop(action: Action, diag: Diagnosis | None) -> NonFiniteError | None:
+    return NonFiniteError(diag, action.stop) if action.stop is not None else None

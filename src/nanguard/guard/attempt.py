@@ -120,6 +120,11 @@ class Runner:
             unscale(self.scaler, self.optimizer)
         attempt.unscaled = True
 
+    def update_on_device(self, found_inf: torch.Tensor) -> None:
+        """The device path's update: the fused optimizer steps now, skipping it on the device where
+        ``found_inf`` (agreed across ranks) says any rank's step is bad."""
+        compat.step_with_found_inf(self.optimizer, found_inf)
+
     def undo(self, attempt: Attempt, err: BaseException, *, name_origin: bool) -> None:
         """An error in the closure or a replay (even ``KeyboardInterrupt``) leaves no trace of the
         step; the policy's own ``NonFiniteError`` comes after the state was restored.

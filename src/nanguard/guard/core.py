@@ -35,7 +35,7 @@ from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
 from nanguard.guard.policy import DEFER, Action, Policy, Verdict
-from nanguard.guard.progress import PolicyView, Progress
+from nanguard.guard.progress import Outcome, PolicyView, Progress
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
@@ -182,7 +182,7 @@ class Guard:
         self._state = PolicyView(self.recovery, self._remedies, self.progress)
         self._choose_paths()
         self._wire()
-        self._pending: StepHealth | None = None  # a checked step whose update is to be recorded
+        self._pending: tuple[Attempt, StepHealth] | None = None  # a checked step whose update is to be recorded
         self._waiting: Waiting | None = None  # deferred: the last step, its verdict not read yet
         self.recorder.start(asdict(c), dist.world_size(), "device" if self._fused else "host")
         if self.policy.takes_snapshots:
@@ -226,7 +226,6 @@ class Guard:
             diagnoser=self.diagnoser,
             recovery=self.recovery,
             remedies=self._remedies,
-            recorder=self.recorder,
             policy=self.policy,
             progress=self.progress,
             sharded=self._sharded,
@@ -291,9 +290,8 @@ class Guard:
         attempt = self._attempt(closure, batch)
         try:
             self.runner.run(attempt)
-            verdict = self.measure.step(attempt, device_step=self._device_step)
-            action = self._decide(verdict)
-            return self._apply(attempt, verdict, action)
+            verdict = self._measure(attempt)
+            return self._apply(attempt, verdict, self._decide(verdict))
         except BaseException as err:
             self._undo(attempt, err, attempt.step, name_origin=True)
             raise
@@ -369,8 +367,8 @@ class Guard:
         try:
             unscale(self.scaler, self.optimizer)
             attempt.unscaled = True
-            verdict = self.measure.step(attempt, device_step=False)
-            if not self._act(attempt, verdict, self._decide(verdict)):
+            verdict = self.measure.step(attempt)
+            if not self._act(attempt, verdict, self._decide(verdict)).update:
                 return False
             self.apply.clip()
             return True
@@ -379,20 +377,18 @@ class Guard:
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""
-        h, self._pending = self._pending, None
-        if h is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        self.health.after_update(h.step)
-        good_steps = self.recovery.good_step()
-        self.history.append(h.step, loss=h.loss, grad_norm=h.grad_norm)
-        # A rank that joined (DDP join(), out of batches) cannot shadow the fingerprint gather.
+        attempt, h = pending
+        good_steps = self.apply.updated(h)
+        # The replicas' check, a stage of the same step: a rank that joined (DDP join(), out of
+        # batches) cannot shadow the fingerprint gather.
         if self.policy.replicas_due(good_steps) and dist.is_distributed() and not h.joined:
-            self._check_replicas(h.step)
-        if self.policy.snapshot_due(good_steps):
-            self.recovery.refresh_snapshot(self.progress.step, h.loss, self.history.growing, joined=bool(h.joined))
-        self.progress.action = "step"
-        if h.step % self.config.log_every == 0:
-            self.recorder.step(h.step, loss=h.own_loss, grad_norm=h.grad_norm, scale=h.scale, skipped=False)
+            verdict = self.measure.replicas(h.step)
+            if verdict is not None:
+                self._act(attempt, verdict, self._decide(verdict))
+        self.progress.fold(self.apply.finish(h, snapshot=self.policy.snapshot_due(good_steps)))
 
     # -- the stages --------------------------------------------------------------------
     def _attempt(self, closure: Callable[[], Any], batch: Any) -> Attempt:
@@ -404,30 +400,41 @@ class Guard:
         self.recovery.buffers.save()
         return attempt
 
+    def _measure(self, attempt: Attempt) -> Verdict:
+        """The step's verdict. On the device path the fused optimizer steps between the agreement and
+        the host read (the attempt's update, skipped on the device when any rank is bad)."""
+        if not self._device_step:
+            return self.measure.step(attempt)
+        reading = self.measure.agree(attempt, queue=self._deferred)
+        self.runner.update_on_device(reading.found_inf())
+        return self.measure.read(reading, attempt, updated=True)
+
     def _decide(self, verdict: Verdict) -> Action:
-        """The policy's action; the verdict's diagnosis is the latest one (the policy's message names it)."""
-        if verdict.diagnosis is not None:
-            self.progress.diagnosis = verdict.diagnosis
         return self.policy.decide(verdict, self._state)
 
     def _apply(self, attempt: Attempt, verdict: Verdict, action: Action) -> Any:
         """``step()``'s action applied; a step that goes ahead is updated and recorded. The loss, or None."""
+        outcome = self._act(attempt, verdict, action)
         if action is DEFER:  # its verdict and bookkeeping come with the next call
             assert verdict.queued is not None
             self._waiting = Waiting(attempt, verdict.queued)
             return attempt.loss
-        if not self._act(attempt, verdict, action):
+        if not outcome.update:
             return None
         self.apply.update(device_step=self._device_step)
         self.after_step()
         return attempt.loss
 
-    def _act(self, attempt: Attempt, verdict: Verdict, action: Action) -> bool:
-        """Apply ``action``; True when the update goes ahead (its record waits for ``after_step``)."""
-        if not self.apply(attempt, verdict, action):
-            return False
-        self._pending = verdict.health
-        return True
+    def _act(self, attempt: Attempt, verdict: Verdict, action: Action) -> Outcome:
+        """Apply ``action`` and fold its outcome into ``progress``; an update that goes ahead is
+        recorded by ``after_step``. A stop the policy chose is raised here."""
+        outcome = self.apply(attempt, verdict, action)
+        self.progress.fold(outcome)
+        if outcome.error is not None:
+            raise outcome.error
+        if outcome.update:
+            self._pending = (attempt, verdict.health) if verdict.health is not None else None
+        return outcome
 
     def _undo(self, attempt: Attempt, err: BaseException, count: int, *, name_origin: bool) -> None:
         """The closure, a replay or the update raised: no trace of the step is left (``Runner.undo``)."""
@@ -446,7 +453,7 @@ class Guard:
         h = w.copy.read(attempt.step, scaled=False)
         try:
             verdict = self.measure.verdict(h, attempt, updated=True)
-            if self._act(attempt, verdict, self._decide(verdict)):
+            if self._act(attempt, verdict, self._decide(verdict)).update:
                 self.after_step()
         except BaseException as err:
             self._undo(attempt, err, count, name_origin=False)
@@ -457,7 +464,7 @@ class Guard:
     def _dropped(self, batch: Any) -> bool:
         """The batch is not run: one of the batches after a rollback, or one ``check_batch`` rejected."""
         if self.recovery.drop_batches > 0 and self.recovery.take_drop():
-            self.apply.drop_batch()
+            self.progress.fold(self.apply.drop_batch())
             return True
         if not self.config.check_batch:
             return False
@@ -466,12 +473,6 @@ class Guard:
             return False
         self._act(self._no_attempt(verdict.step, batch), verdict, self._decide(verdict))
         return True
-
-    def _check_replicas(self, step: int) -> None:
-        """Compare the replicas' fingerprints; a mismatch is a verdict for the policy."""
-        verdict = self.measure.replicas(step)
-        if verdict is not None:
-            self._act(self._no_attempt(step, None), verdict, self._decide(verdict))
 
     def _no_attempt(self, step: int, batch: Any) -> Attempt:
         """What a verdict reached without running the step (a rejected batch, replicas that differ) applies to."""

@@ -21,10 +21,8 @@ the repeat check of a trip and ``check_batch``'s agreement before the forward.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,10 +34,10 @@ from torch.distributed.algorithms.join import JoinHook
 from nanguard import compat, dist
 from nanguard.agreement import Layout
 from nanguard.errors import NonFiniteError, OutOfStepError
-from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, StepHealth
+from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag
 from nanguard.guard.progress import Progress
 
-__all__ = ["Shadow", "in_join", "install", "telling_joined", "tells_every_step"]
+__all__ = ["Shadow", "in_join", "install", "tell_joined", "tells_every_step"]
 
 log = logging.getLogger("nanguard")
 
@@ -62,7 +60,7 @@ class Shadow:
 
 
 def tells_every_step(scaled: bool, skip_spikes: bool) -> bool:
-    """While a rank has joined, does every step end with the tell (``telling_joined``), not only a
+    """While a rank has joined, does every step end with the tell (``tell_joined``), not only a
     trip? Where a step the joined rank cannot judge may stop the run: a GradScaler's collapse (the
     joined rank holds no grad norm) and ``max_consecutive_skips`` reached by spike skips (it holds no
     loss history). Both sides read the same facts, the guard's configuration, so they make the same
@@ -171,15 +169,6 @@ def _tell(raised: bool, step: int | None) -> tuple[bool, int]:
     return bool(vec[0]), int(vec[1])
 
 
-@contextlib.contextmanager
-def telling_joined(h: StepHealth, step: int) -> Iterator[None]:
-    """Around the handling of a trip at ``step``: when a rank has joined, tell it whether the policy raised."""
-    if not h.joined:
-        yield
-        return
-    try:
-        yield
-    except NonFiniteError:
-        _tell(True, step)
-        raise
-    _tell(False, step)
+def tell_joined(raised: bool, step: int) -> None:
+    """After the handling of a trip at ``step`` while a rank has joined: tell it whether the policy raised."""
+    _tell(raised, step)

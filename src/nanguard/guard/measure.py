@@ -2,44 +2,56 @@
 
 The step's health is read once (agreed across ranks); a non-finite step is replayed under
 the tracer and diagnosed; a finite one feeds the spike detectors and the divergence check.
-What the GradScaler does with an overflow (its own skip, a lower scale) is part of the
-measurement: the policy then reads whether the scale collapsed.
+Measuring only reads (the history's detectors and the replay's own undone writes aside):
+the events, the GradScaler's step on an overflow, undoing the attempt and every change of
+where the run stands are ``guard/apply.py``'s. On an overflow it reads the scale the scaler's
+step will set, so the policy can say whether the scale collapsed before anything is applied.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from nanguard import compat, dist
+from nanguard import dist
 from nanguard.diagnose import loss_scale_collapse, replica_divergence, runaway_growth
 from nanguard.errors import OutOfStepError
 from nanguard.findings import Diagnosis
 from nanguard.guard.attempt import Attempt, scaler_aside
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.diagnoser import Diagnoser, Replayed
-from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
+from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.join import in_join
 from nanguard.guard.optim_state import current_lr
 from nanguard.guard.policy import Policy, Verdict
 from nanguard.guard.progress import Progress
-from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
-from nanguard.guard.wrapped import scaler_step
-from nanguard.spikes import Spike
+from nanguard.guard.wrapped import scale_after_overflow
 
-__all__ = ["Measure"]
+__all__ = ["Measure", "Reading"]
 
-log = logging.getLogger("nanguard")
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A step's health on the device, agreed across ranks, before its host read."""
+
+    step: int
+    measured: DeviceHealth
+    agreed: torch.Tensor
+    queued: HostCopy | None = None
+    """``sync="deferred"``: the health on its way to the host, queued before the update."""
+
+    def found_inf(self) -> torch.Tensor:
+        """Whether any rank's step is bad, on the device (the fused optimizer skips the update)."""
+        return self.measured.found_inf(self.agreed)
 
 
 class Measure:
@@ -64,7 +76,6 @@ class Measure:
         diagnoser: Diagnoser,
         recovery: Recovery,
         remedies: Remedies,
-        recorder: NullRecorder,
         policy: Policy,
         progress: Progress,
         sharded: bool,
@@ -72,35 +83,38 @@ class Measure:
     ) -> None:
         self.model, self.optimizer, self.scaler, self.config = model, optimizer, scaler, config
         self.health, self.history, self.diagnoser = health, history, diagnoser
-        self.recovery, self.remedies, self.recorder = recovery, remedies, recorder
+        self.recovery, self.remedies = recovery, remedies
         self.policy, self.progress = policy, progress
         self.sharded, self.deferred = sharded, deferred
 
-    def step(self, attempt: Attempt, *, device_step: bool) -> Verdict:
-        """Read the step's health (the one host read) and diagnose a trip. With ``device_step`` the
-        fused optimizer steps on the device now, skipping the update when any rank is bad; under
-        ``sync="deferred"`` the read waits for the next call (a ``"deferred"`` verdict)."""
-        step = attempt.step
-        self.progress.step = step + 1
+    def step(self, attempt: Attempt) -> Verdict:
+        """Read the step's health (the one host read) and diagnose a trip."""
         health = self.health
-        if not device_step and health.alone:
-            return self.verdict(health.read_alone(attempt.value, step), attempt, updated=False)
+        if health.alone:
+            return self.verdict(health.read_alone(attempt.value, attempt.step), attempt, updated=False)
+        return self.read(self.agree(attempt, queue=False), attempt, updated=False)
+
+    def agree(self, attempt: Attempt, *, queue: bool) -> Reading:
+        """The step's health on the device, agreed across ranks (no host read yet). With ``queue``
+        (``sync="deferred"``) its copy to the host is queued now, read with the next call."""
+        health = self.health
         measured = health.measure(attempt.value)
         agreed = measured.agree(sharded=self.sharded or health.sharded, carried=health.carried(), step=attempt.call)
-        if device_step:
-            copy = HostCopy(measured, agreed) if self.deferred else None  # queued before the update
-            compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))
-            if copy is not None:
-                return Verdict("deferred", step, queued=copy)
-        h = measured.read(step, agreed, scaled=self.scaler is not None)
-        return self.verdict(h, attempt, updated=device_step)
+        return Reading(attempt.step, measured, agreed, HostCopy(measured, agreed) if queue else None)
+
+    def read(self, reading: Reading, attempt: Attempt, *, updated: bool) -> Verdict:
+        """The host read of an agreed step (``updated``: the device path has applied its update), or,
+        queued, a ``"deferred"`` verdict: decided when the next call reads it."""
+        if reading.queued is not None:
+            return Verdict("deferred", reading.step, queued=reading.queued)
+        h = reading.measured.read(reading.step, reading.agreed, scaled=self.scaler is not None)
+        return self.verdict(h, attempt, updated=updated)
 
     def verdict(self, h: StepHealth, attempt: Attempt, *, updated: bool) -> Verdict:
         """What a read step is: bad parameters (as loaded, or after an update), a GradScaler
         overflow, a trip (replayed and diagnosed), runaway growth, a spike, or healthy.
         ``updated``: the device path has applied the step's update already."""
         step = h.step
-        self.progress.grad_norm = h.grad_norm
         if h.out_of_step:
             raise OutOfStepError(h.out_of_step)
         kind = h.trip_kind(scaled=self.scaler is not None)  # the branch a joined rank's shadow takes too
@@ -110,12 +124,12 @@ class Measure:
             return self._overflowed(h)
         if kind == "trip":
             return self._tripped(h, attempt)
-        spikes = self._watch_trends(step, h)
+        spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
+        trend = self.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
         # Not while a rank has joined (DDP join()): it holds no history to follow the trip with.
         runaway = None if updated or h.joined else self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)
         if runaway is not None:
-            self.recovery.abandon(attempt.owns_buffers, attempt.rng)
             diag = runaway_growth(
                 step=step,
                 history=runaway,
@@ -124,8 +138,10 @@ class Measure:
                 rank=0 if dist.is_distributed() else None,
                 ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
             )
-            return Verdict("trip", step, h, diagnosis=diag)
-        return Verdict("spike", step, h, spikes=spikes) if spikes else Verdict("healthy", step, h)
+            return Verdict("trip", step, h, diagnosis=diag, spikes=spikes, forecast=trend)
+        if spikes:
+            return Verdict("spike", step, h, spikes=spikes, forecast=trend)
+        return Verdict("healthy", step, h) if trend is None else Verdict("healthy", step, h, forecast=trend)
 
     def batch(self, batch: Any) -> Verdict | None:
         """check_batch before the forward: a trip verdict when any rank rejects its batch (the
@@ -138,7 +154,6 @@ class Measure:
         flagged = dist.agree_flag(diag is not None)
         if not flagged:
             return None
-        self.progress.step = step + 1
         diag = dist.gather_diagnosis(diag, flagged)
         assert diag is not None  # a flagged rank always contributes its diagnosis
         diag = with_bad_rows(replace(diag, step=step), batch, self.remedies.rows())
@@ -157,7 +172,6 @@ class Measure:
         written by the last update, whose step the verdict names."""
         step = h.step
         params_bad = h.ranks_with(HealthFlag.PARAMS)
-        self.recovery.abandon(attempt.owns_buffers, attempt.rng)
         if loaded := h.ranks_with(HealthFlag.LOADED):
             diag = _or_unknown(lambda: self.diagnoser.loaded_parameters(step, loaded), step, h)
             return Verdict("trip", step, h, diagnosis=diag)
@@ -167,64 +181,34 @@ class Measure:
     def _tripped(self, h: StepHealth, attempt: Attempt) -> Verdict:
         """Replay a tripped step under the tracer: its diagnosis, with the batch rows that hold the bad values."""
         if attempt.owns_buffers:
-            self.recovery.buffers.restore()  # the replays start from the step's own state...
+            self.recovery.buffers.restore()  # the replays start from the step's own state (apply undoes theirs)
         error, attempt.closure_error = attempt.closure_error, None
         replay = scaler_aside(self.scaler, attempt.replay)
         rng, batch = attempt.rng, attempt.batch
         replayed = _replayed_or_unknown(
             lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), h.step, h, error
         )
-        self.recovery.abandon(attempt.owns_buffers, rng)  # ...and leave none of theirs behind
         assert replayed.diagnosis is not None
         diag = with_bad_rows(replayed.diagnosis, batch, self.remedies.rows())
         return Verdict("trip", h.step, h, diagnosis=diag, module_stats=replayed.module_stats)
 
     def _overflowed(self, h: StepHealth) -> Verdict:
-        """A GradScaler overflow: the scaler skips the update itself and lowers its scale; the
-        policy says whether the scale has collapsed."""
+        """A GradScaler overflow: the scaler will skip the update itself and lower its scale (applied
+        by ``Apply``); the policy says whether that scale has collapsed."""
         assert self.scaler is not None and h.scale is not None
-        scaler_step(self.optimizer, self.scaler)
-        self.recovery.count_overflow()
-        new_scale, streak = float(self.scaler.get_scale()), self.recovery.overflow_streak
-        self.progress.action = "overflow"
-        self.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
-        self.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
+        new_scale = scale_after_overflow(self.scaler)
+        streak, overflows = self.recovery.overflow_streak + 1, self.recovery.overflows + 1
         if not self.policy.collapsed(new_scale, streak):
-            return Verdict("overflow", h.step, h)
+            return Verdict("overflow", h.step, h, overflow=new_scale)
         diag = loss_scale_collapse(
             step=h.step,
             scale=new_scale,
             floor=self.config.loss_scale_floor,
             streak=streak,
-            overflows=self.recovery.overflows,
+            overflows=overflows,
             rank=dist.rank_or_none(),
         )
-        return Verdict("collapse", h.step, h, diagnosis=diag)
-
-    def _watch_trends(self, step: int, h: StepHealth) -> list[Spike]:
-        """A finite step's spikes and divergence warning, logged and recorded; returns the spikes."""
-        spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
-        for spike in spikes:
-            self.recorder.spike(step, spike)
-            log.warning(
-                "nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
-                step,
-                spike.metric,
-                spike.value,
-                spike.median,
-                spike.score,
-            )
-        if trend := self.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm):
-            self.recorder.forecast(step, trend)
-            log.warning(
-                "nanguard: step %d: %s %.4g grows x%.3g per step: float32 overflow predicted in %d steps",
-                step,
-                trend.metric,
-                trend.value,
-                trend.growth,
-                trend.predicted_overflow_in,
-            )
-        return spikes
+        return Verdict("collapse", h.step, h, diagnosis=diag, overflow=new_scale)
 
 
 def _replayed_or_unknown(

@@ -27,13 +27,14 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any, Literal, Protocol, get_args
 
 from nanguard.causes import Cause, row_of
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HostCopy, StepHealth
+from nanguard.guard.history import Forecast
 from nanguard.spikes import Spike
 
 __all__ = [
@@ -67,39 +68,31 @@ RemedyKind = Literal["skip", "quarantine", "upcast", "rollback", "lower_lr", "ra
 SANE_SCALE = 2.0**16  # GradScaler's own default initial scale
 
 
+@dataclass(frozen=True, slots=True)
 class Verdict:
-    """What measuring one step found, before anything is decided.
+    """What measuring one step found, before anything is decided. Frozen: built once by the measure.
 
     Example:
         >>> Verdict("trip", 7, health, diagnosis=diag).kind
         'trip'
     """
 
-    __slots__ = ("diagnosis", "health", "kind", "module_stats", "queued", "source", "spikes", "step")
-
-    def __init__(
-        self,
-        kind: VerdictKind,
-        step: int,
-        health: StepHealth | None = None,
-        *,
-        diagnosis: Diagnosis | None = None,
-        spikes: list[Spike] | None = None,
-        module_stats: dict[str, Any] | None = None,
-        source: int | None = None,
-        queued: HostCopy | None = None,
-    ) -> None:
-        self.kind = kind
-        self.step = step
-        self.health = health
-        self.diagnosis = diagnosis
-        """The step's diagnosis: a trip, a collapsed loss scale, replicas that differ."""
-        self.spikes = spikes
-        self.module_stats = module_stats
-        self.source = source
-        """replicas: the finite majority rank to copy from, None when no replica is finite."""
-        self.queued = queued
-        """deferred: the step's health on its way to the host, read with the next call."""
+    kind: VerdictKind
+    step: int
+    health: StepHealth | None = None
+    _: KW_ONLY
+    diagnosis: Diagnosis | None = None
+    """The step's diagnosis: a trip, a collapsed loss scale, replicas that differ."""
+    spikes: list[Spike] | None = None
+    module_stats: dict[str, Any] | None = None
+    source: int | None = None
+    """replicas: the finite majority rank to copy from, None when no replica is finite."""
+    queued: HostCopy | None = None
+    """deferred: the step's health on its way to the host, read with the next call."""
+    forecast: Forecast | None = None
+    """A finite step's metric growing towards the float32 overflow (recorded as a warning)."""
+    overflow: float | None = None
+    """overflow, collapse: the scale the GradScaler's own step sets (it skips the update)."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +174,7 @@ class Policy:
         if kind == "healthy":
             return STEP
         if kind == "spike":
-            return self._in_a_row(Action("skip", forget=True), state) if self.config.skip_spikes else STEP
+            return self._in_a_row(Action("skip", forget=True), state, verdict) if self.config.skip_spikes else STEP
         if kind == "overflow":
             return Action("overflow")
         if kind == "deferred":
@@ -193,7 +186,7 @@ class Policy:
         if kind == "replicas":
             return replace(self._replicas(verdict, state), trip="tracked")
         action = replace(self._trip(diag, state), trip="bundle")
-        return self._in_a_row(action, state) if action.kind in ("skip", "rollback") else action
+        return self._in_a_row(action, state, verdict) if action.kind in ("skip", "rollback") else action
 
     def _trip(self, diag: Diagnosis, state: State) -> Action:
         """A tripped step: as the configured policy says, unless nothing in this run repairs it."""
@@ -300,12 +293,13 @@ class Policy:
             return Action("rollback") if state.has_snapshot else Action("raise")
         return Action("resync")
 
-    def _in_a_row(self, action: Action, state: State) -> Action:
-        """Skips and rollbacks in a row without a good step: past the limit, stop after this one."""
+    def _in_a_row(self, action: Action, state: State, verdict: Verdict) -> Action:
+        """Skips and rollbacks in a row without a good step: past the limit, stop after this one (its
+        message names the latest diagnosis: this verdict's, else the run's last)."""
         count, limit = state.consecutive_skips + 1, self.config.max_consecutive_skips
         if count < limit:
             return replace(action, counted=True)
-        last = state.last_diagnosis
+        last = verdict.diagnosis or state.last_diagnosis
         stop = f"{count} steps skipped in a row (max_consecutive_skips={limit})" + (
             f"; last: {last.summary()}" if last else ""
         )

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
 
-__all__ = ["PolicyView", "Progress"]
+__all__ = ["Outcome", "PolicyView", "Progress"]
 
 
 @dataclass
@@ -39,6 +40,37 @@ class Progress:
     grad_norm: float | torch.Tensor | None = None
     """The latest checked step's gradient norm, across ranks, before clipping (``Guard.last_grad_norm``);
     a tensor until read, where a disabled guard computed it."""
+
+    def fold(self, outcome: Outcome) -> None:
+        """Take in where an applied step left the run (its fields that are not None)."""
+        if outcome.step is not None:
+            self.step = outcome.step
+        if outcome.action is not None:
+            self.action = outcome.action
+        if outcome.diagnosis is not None:
+            self.diagnosis = outcome.diagnosis
+        if outcome.grad_norm is not None:
+            self.grad_norm = outcome.grad_norm
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """Where a step's applied action leaves the run (``guard/apply.py``); None leaves a field as it was.
+
+    Example:
+        >>> progress.fold(Outcome(step=8, action="skip"))
+        >>> progress.step, progress.action
+        (8, 'skip')
+    """
+
+    step: int | None = None
+    action: str | None = None
+    diagnosis: Diagnosis | None = None
+    grad_norm: float | None = None
+    update: bool = False
+    """The optimizer update goes ahead."""
+    error: NonFiniteError | None = None
+    """The policy stopped the run: the guard raises it once the outcome is folded in."""
 
 
 class PolicyView:
