@@ -11,7 +11,6 @@ of its own) are not global: ``private_generators`` names the ones a closure can 
 from __future__ import annotations
 
 import array
-import ctypes
 import random
 import re
 import struct
@@ -120,7 +119,7 @@ def fork_rng_state() -> Iterator[dict[str, torch.Tensor]]:
 
 
 def _python_state() -> torch.Tensor:
-    return _tensor("python", _PYTHON.state())
+    return _tensor("python", _python_bytes(random.getstate()))
 
 
 def _set_python_state(t: torch.Tensor) -> None:
@@ -138,10 +137,9 @@ def _numpy_random() -> Any:
 
 def _numpy_state() -> torch.Tensor | None:
     rand = _numpy_random()
-    if rand is None:
+    if rand is None or type(rand._bit_generator).__name__ != "MT19937":
         return None
-    raw = _NUMPY.state(rand)
-    return None if raw is None else _tensor("numpy", raw)
+    return _tensor("numpy", _numpy_bytes(rand.get_state(legacy=False)))
 
 
 def _set_numpy_state(t: torch.Tensor) -> bool:
@@ -157,96 +155,9 @@ def _set_numpy_state(t: torch.Tensor) -> bool:
     return True
 
 
-# A guarded step captures the states of Python's random and numpy's legacy generator before its
-# forward, every step; through the public getters that costs ~50 us (numpy's builds its key array
-# one word at a time). Both generators keep their state as plain C arrays, so the readers below
-# copy those bytes in one go (~1 us). The place of each array in memory is found once per
-# generator and checked against the public getter; where the check fails (another interpreter,
-# another layout, a big-endian machine) the public getter is used, so a capture is always exact.
-_MEMORY = sys.implementation.name == "cpython" and sys.byteorder == "little"
-_MT_WORDS = 624
-_MT_BYTES = 4 * _MT_WORDS + 4  # 624 words and a position
-
-
-class _PythonReader:
-    """Python's ``random``: ``getstate()``'s position and 624 words lie in the generator's object
-    as an ``int`` and 624 ``uint32``; the version and the cached gaussian are Python attributes."""
-
-    def __init__(self) -> None:
-        self.inst: random.Random | None = None  # held, so its memory stays where it was found
-        self.words: Any = None  # a ctypes view of that memory; None: read through getstate()
-
-    def state(self) -> bytes:
-        inst = getattr(random.getstate, "__self__", None)  # the generator random.random() draws from
-        if not isinstance(inst, random.Random):
-            return _python_bytes(random.getstate())
-        if inst is not self.inst:
-            self.inst, self.words = inst, None
-            self.words = self._find(inst)
-        if self.words is None:
-            return _python_bytes(inst.getstate())
-        raw = self.words.raw  # the position, then the words
-        gauss = inst.gauss_next  # type: ignore[attr-defined]
-        return _PY_HEAD.pack(inst.VERSION, gauss is not None, gauss or 0.0) + raw[4:] + raw[:4]
-
-    def _find(self, inst: random.Random) -> Any:
-        if not _MEMORY:
-            return None
-        state = inst.getstate()
-        words = state[1]
-        needle = struct.pack(f"<i{_MT_WORDS}I", words[_MT_WORDS], *words[:_MT_WORDS])
-        memory = ctypes.string_at(id(inst), type(inst).__basicsize__)
-        at = memory.find(needle)
-        if at < 0 or memory.find(needle, at + 1) >= 0:
-            return None
-        self.words = (ctypes.c_char * _MT_BYTES).from_address(id(inst) + at)
-        return self.words if self.state() == _python_bytes(state) else None
-
-
 def _python_bytes(state: tuple[Any, ...]) -> bytes:
     version, words, gauss = state
     return _PY_HEAD.pack(version, gauss is not None, gauss or 0.0) + array.array("I", words).tobytes()
-
-
-class _NumpyReader:
-    """numpy's legacy ``RandomState``: the MT19937 key and position at the address its bit
-    generator publishes (``.ctypes.state_address``); the cached gaussian in the ``RandomState``
-    itself, after its copy of the bit generator's table (a state pointer, four functions) and a
-    pointer back to that copy."""
-
-    def __init__(self) -> None:
-        self.held: tuple[Any, Any] | None = None  # the RandomState and its bit generator, kept alive
-        self.views: tuple[Any, Any] | None = None  # ctypes views of the MT19937 state, the cached gaussian
-
-    def state(self, rand: Any) -> bytes | None:
-        generator = rand._bit_generator
-        if self.held is None or rand is not self.held[0] or generator is not self.held[1]:
-            if type(generator).__name__ != "MT19937":
-                return None
-            self.held, self.views = (rand, generator), None
-            self.views = self._find(rand, generator)
-        if self.views is None:
-            return _numpy_bytes(rand.get_state(legacy=False))
-        raw = self.views[0].raw  # 624 words, then the position
-        gauss = self.views[1].raw  # int has_gauss, padding, double gauss
-        return raw[-4:] + gauss[:4] + gauss[8:] + raw[:-4]
-
-    def _find(self, rand: Any, generator: Any) -> tuple[Any, Any] | None:
-        if not _MEMORY:
-            return None
-        interface = generator.ctypes
-        if not interface.bit_generator.value or not interface.state_address:
-            return None
-        table = ctypes.string_at(interface.bit_generator.value, 40)
-        memory = ctypes.string_at(id(rand), type(rand).__basicsize__)
-        at = memory.find(table)
-        if at < 0 or at + 64 > len(memory) or struct.unpack_from("<Q", memory, at + 40)[0] != id(rand) + at:
-            return None
-        self.views = (
-            (ctypes.c_char * _MT_BYTES).from_address(interface.state_address),
-            (ctypes.c_char * 16).from_address(id(rand) + at + 48),
-        )
-        return self.views if self.state(rand) == _numpy_bytes(rand.get_state(legacy=False)) else None
 
 
 def _numpy_bytes(state: dict[str, Any]) -> bytes:
@@ -255,8 +166,6 @@ def _numpy_bytes(state: dict[str, Any]) -> bytes:
     return head + mt["key"].astype("<u4").tobytes()
 
 
-_PYTHON = _PythonReader()
-_NUMPY = _NumpyReader()
 _LAST: dict[str, bytearray] = {}  # the buffer under the last tensor of each key (its live bytes)
 _LAST_TENSOR: dict[str, torch.Tensor] = {}
 
