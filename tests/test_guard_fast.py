@@ -249,3 +249,28 @@ def test_deferred_needs_an_optimizer_that_skips_on_the_device() -> None:
         ng.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), sync="later")
     # "auto" on the CPU reads immediately, so every existing behaviour stays.
     assert not ng.Guard(model, torch.optim.AdamW(model.parameters(), fused=True))._deferred
+
+
+def test_a_rollback_restores_the_gradscaler_as_the_snapshot_held_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # growth_interval=2: the scale doubles every second good step, so each step leaves a different state.
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    guard = ng.Guard(model, opt, "rollback", scaler=scaler, snapshot_every=2, rollback_skip_batches=0, locate=False)
+    x = torch.ones(2, 4)
+
+    def closure(bad: bool = False) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).sum() * (NAN if bad else 1.0)
+        scaler.scale(loss).backward()
+        return loss
+
+    guard.step(closure)
+    guard.step(closure)  # the second good step: a snapshot, its scaler state with it
+    saved = scaler.state_dict()
+    guard.step(closure)
+    assert scaler.state_dict() != saved  # the growth tracker moved on
+    guard.step(lambda: closure(bad=True))  # abandoned: the scaler's own update would halve the scale
+    assert guard.rollbacks == 1 and guard.last_action == "rollback"
+    assert scaler.state_dict() == saved and scaler.get_scale() == 2048.0

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from nanguard import dist
-from nanguard.cli.replay import _call, _resolve
 from nanguard.errors import NanguardError, NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.report.load import Progress, progress_of
+from nanguard.specs import call, resolve
 from nanguard.stats import local
 
 __all__ = ["Bisection", "Checkpoint", "bisect"]
@@ -232,10 +232,10 @@ def _parts(setup: Any) -> _Parts:
     what = "setup"
     if isinstance(setup, str):
         what = repr(setup)
-        setup = _call(_resolve(setup, "FUNCTION", "pkg.module:function"), "FUNCTION", setup)
+        setup = call(resolve(setup, "FUNCTION", "pkg.module:function"), "FUNCTION", setup)
     elif callable(setup) and not isinstance(setup, Mapping):
         what = getattr(setup, "__qualname__", "setup")
-        setup = _call(setup, "FUNCTION", what)
+        setup = call(setup, "FUNCTION", what)
     expected = f"a dict with {', '.join(REQUIRED)} (and optionally {', '.join(OPTIONAL)})"
     if not isinstance(setup, Mapping):
         raise ValueError(f"FUNCTION: {what} returned a {type(setup).__name__}, not {expected}")

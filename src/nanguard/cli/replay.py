@@ -6,12 +6,6 @@ with ``torch.load(weights_only=True)``. Wrong options raise ValueError naming th
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import inspect
-import io
-import os
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +15,7 @@ import torch
 from nanguard.bundle import WEIGHTS_FILE, Bundle, load_bundle, replay
 from nanguard.errors import NanguardError
 from nanguard.findings import Diagnosis
+from nanguard.specs import call, parse_spec, resolve
 
 __all__ = ["Replayed", "main_replay", "version_note"]
 
@@ -72,13 +67,13 @@ def main_replay(
         >>> weights
         'the bundle (weights.safetensors)'
     """
-    _parse_spec(model_spec, "--model", "pkg.module:factory")
+    parse_spec(model_spec, "--model", "pkg.module:factory")
     if fn_spec is not None:
-        _parse_spec(fn_spec, "--fn", "pkg.module:function")
+        parse_spec(fn_spec, "--fn", "pkg.module:function")
     bundle = load_bundle(bundle_path)
 
-    factory = _resolve(model_spec, "--model", "pkg.module:factory")
-    model = _call(factory, "--model", model_spec)
+    factory = resolve(model_spec, "--model", "pkg.module:factory")
+    model = call(factory, "--model", model_spec)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model: {model_spec!r} returned a {type(model).__name__}, not a torch.nn.Module")
     source = None
@@ -90,7 +85,7 @@ def main_replay(
         source = f"the bundle ({WEIGHTS_FILE})"
     fn = None
     if fn_spec is not None:
-        fn = _call(_resolve(fn_spec, "--fn", "pkg.module:function"), "--fn", fn_spec, model)
+        fn = call(resolve(fn_spec, "--fn", "pkg.module:function"), "--fn", fn_spec, model)
         if not callable(fn):
             raise ValueError(f"--fn: {fn_spec!r} returned a {type(fn).__name__}, not a function")
     if starting is not None:
@@ -131,92 +126,6 @@ def _default_call(batch: Any) -> str:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-def _call(obj: Callable[..., Any], option: str, spec: str, *args: Any) -> Any:
-    """Call what a spec names; whatever it raises becomes one line naming the option (``os:system``
-    needs an argument, a factory may fail), not a traceback."""
-    needed = _required_after(obj, len(args))
-    if needed:
-        given = "none" if not args else "only the model"
-        raise ValueError(
-            f"{option}: {spec!r} needs argument(s) {', '.join(needed)} but is called with {given}: "
-            "name a function that builds it without them"
-        )
-    try:
-        return obj(*args)
-    except Exception as err:
-        raise ValueError(f"{option}: calling {spec!r} failed: {type(err).__name__}: {err}") from None
-
-
-def _required_after(obj: Callable[..., Any], given: int) -> list[str]:
-    """The names of the parameters ``obj`` requires beyond the first ``given`` positional ones."""
-    try:
-        params = list(inspect.signature(obj).parameters.values())
-    except (TypeError, ValueError):  # no signature to read (some builtins): calling it tells
-        return []
-    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    positional = [p for p in required if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return [p.name for p in positional[given:]] + [p.name for p in required if p.kind is p.KEYWORD_ONLY]
-
-
-def _parse_spec(spec: str, option: str, example: str) -> tuple[str, str]:
-    module, sep, attr = spec.partition(":")
-    names = [*module.split("."), *attr.split(".")]
-    if not sep or not all(name.isidentifier() for name in names):
-        hint = ""
-        if "/" in module or "\\" in module or module.endswith(".py"):
-            hint = " (a module's import name, not a file path: run from the folder it imports from)"
-        raise ValueError(f"{option} must look like {example!r}, got {spec!r}{hint}")
-    return module, attr
-
-
-def _resolve(spec: str, option: str, example: str) -> Callable[..., Any]:
-    module_name, attr = _parse_spec(spec, option, example)
-    # The CLI is run from the user's project: let its modules import as under `python -m`.
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = _import_quietly(module_name, option)
-    except ModuleNotFoundError as err:
-        missing = err.name or ""
-        if module_name == missing or module_name.startswith(missing + "."):
-            raise ValueError(f"{option}: no module named {missing!r} (in {spec!r})") from None
-        raise ValueError(f"{option}: importing {module_name!r} failed: {err}") from None
-    except Exception as err:  # a syntax error or a failing import in the user's module
-        raise ValueError(f"{option}: importing {module_name!r} failed: {type(err).__name__}: {err}") from None
-    for name in attr.split("."):
-        try:
-            obj = getattr(obj, name)
-        except AttributeError:
-            raise ValueError(f"{option}: {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise ValueError(f"{option}: {spec!r} is not callable")
-    return obj
-
-
-def _import_quietly(module_name: str, option: str) -> Any:
-    """Import the user's module; one that runs its command line on import (argparse at module level) would
-    print its usage under our name and exit: that is one line saying what to change, not its exit."""
-    out, err = io.StringIO(), io.StringIO()
-    argv = sys.argv
-    sys.argv = [module_name]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            module = importlib.import_module(module_name)
-    except SystemExit as exit_:
-        said = [line for line in (err.getvalue() + out.getvalue()).splitlines() if line.strip()]
-        why = f" ({said[-1].strip()})" if said else ""
-        raise ValueError(
-            f"{option}: importing {module_name!r} ran its command line and exited with {exit_.code}{why}: "
-            'keep its argument parsing under `if __name__ == "__main__":`, or name a module that only '
-            "defines the model"
-        ) from None
-    finally:
-        sys.argv = argv
-    sys.stdout.write(out.getvalue())  # what an import that went well printed, in its place
-    sys.stderr.write(err.getvalue())
-    return module
 
 
 def _read_weights(weights: str) -> Mapping[str, Any]:

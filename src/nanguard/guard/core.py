@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.apply import Apply
 from nanguard.guard.arguments import check_parts, listener
 from nanguard.guard.attempt import Attempt, Rng, Runner, check_args, unscale
-from nanguard.guard.config import OPTIONS_DOC, GuardConfig
+from nanguard.guard.config import OPTIONS_DOC, GuardConfig, with_options
 from nanguard.guard.deferred import Waiting, deferred_mode
 from nanguard.guard.diagnoser import Diagnoser
 from nanguard.guard.disabled import Disabled
@@ -49,7 +49,6 @@ __all__ = ["Guard"]
 
 
 _D = GuardConfig()  # the options' defaults, shown in Guard's signature
-_OPTIONS = tuple(f.name for f in fields(GuardConfig) if f.name != "policy")
 
 
 class Guard:
@@ -87,10 +86,10 @@ class Guard:
     ``inject="nan_grad@step=100,rank=3;..."`` plants a fire drill's faults (``nanguard.inject``,
     also ``NANGUARD_INJECT``).
 
-    The options follow, one line each (kept beside their fields: ``OPTIONS_DOC`` in ``guard/config.py``).
+    The options follow, one line each (declared once, as ``GuardConfig``'s fields in ``guard/config.py``).
     """
 
-    def __init__(  # every option a keyword of its own, so help() and editors show them
+    def __init__(  # every option a keyword of its own in the signature: with_options, below the class
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
@@ -102,42 +101,10 @@ class Guard:
         comm_hook: tuple[Any, Callable[..., Any]] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         inject: str | list[Fault] | None = None,
-        max_consecutive_skips: int = _D.max_consecutive_skips,
-        snapshot_every: int = _D.snapshot_every,
-        snapshots: int = _D.snapshots,
-        rollback_skip_batches: int = _D.rollback_skip_batches,
-        param_check_every: int = _D.param_check_every,
-        spike_window: int = _D.spike_window,
-        spike_warmup: int = _D.spike_warmup,
-        spike_threshold: float = _D.spike_threshold,
-        skip_spikes: bool = _D.skip_spikes,
-        divergence_factor: float = _D.divergence_factor,
-        divergence_window: int = _D.divergence_window,
-        loss_scale_floor: float = _D.loss_scale_floor,
-        max_overflow_streak: int = _D.max_overflow_streak,
-        fingerprint_every: int = _D.fingerprint_every,
-        log_every: int = _D.log_every,
-        locate: bool = _D.locate,
-        prove: bool = _D.prove,
-        module_stats: bool = _D.module_stats,
-        check_batch: bool = _D.check_batch,
-        history: int = _D.history,
-        max_bundle_bytes: int = _D.max_bundle_bytes,
-        bundle_weights: bool | int = _D.bundle_weights,
-        remedy_budget: int = _D.remedy_budget,
-        lr_factor: float = _D.lr_factor,
-        upcast: bool = _D.upcast,
-        quarantine: str = _D.quarantine,
-        headroom_every: int = _D.headroom_every,
-        sync: str = _D.sync,
-        hardware_warn_after: int = _D.hardware_warn_after,
-        clip_grad_norm: float | None = _D.clip_grad_norm,
-        **unknown: Any,
+        **options: Any,
     ) -> None:
-        given = locals()
-        config = {name: given[name] for name in _OPTIONS} | unknown  # an unknown name: ValueError in GuardConfig
         scaler = check_parts(model, optimizer, scaler, scheduler)
-        self.config = GuardConfig.from_options(environ.policy(policy), config)
+        self.config = GuardConfig.from_options(environ.policy(policy), options)  # an unknown name: ValueError
         self.disabled = environ.disabled()  # NANGUARD_DISABLE=1: a plain optimizer step, no files
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -505,4 +472,5 @@ class Guard:
         self.recorder.close()
 
 
-Guard.__doc__ = f"{(Guard.__doc__ or '').rstrip()}\n{OPTIONS_DOC}"  # the options, one line each, beside their fields
+Guard.__doc__ = f"{(Guard.__doc__ or '').rstrip()}\n{OPTIONS_DOC}"  # the options, one line each, from their fields
+Guard.__init__.__signature__ = with_options(Guard.__init__)  # type: ignore[attr-defined]
