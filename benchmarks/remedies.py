@@ -1,6 +1,8 @@
-"""Remedies: skip vs rollback vs auto on the remedy scenarios, and the cost of ``headroom_every``.
+"""Remedies: skip vs rollback vs auto on the remedy scenarios, the cost of ``headroom_every`` and of a
+repeated trip.
 
-Run: ``.venv/bin/python benchmarks/remedies.py [--rounds N]``; writes the "remedies" section of BENCHMARKS.md.
+Run: ``.venv/bin/python benchmarks/remedies.py [--rounds N] [--costs-only]``; writes the "remedies" section
+of BENCHMARKS.md (``--costs-only``: only its "remedy-costs" part, a minute's run, not the scenarios).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from collections.abc import Callable
 
 import torch
 
+import nanguard as ng
 from _common import machine, write_section
 from nanguard.tracer.headroom import measure_headroom
-from nanguard.zoo import GPT, GPTConfig, synthetic_batch, train_step
+from nanguard.zoo import GPT, GPTConfig, build, get, synthetic_batch, train_step
 from nanguard.zoo.remedy_scenarios import REMEDY_SCENARIOS, score_policies
 
 DEFAULT_EVERY = 100  # GuardConfig.headroom_every
@@ -65,14 +68,60 @@ def _headroom_cost(rounds: int) -> tuple[float, float]:
     return statistics.median(times["plain"]) * 1e3, statistics.median(times["measured"]) * 1e3
 
 
+def _trip_cost(runs: int) -> tuple[float, float]:
+    """Median ms of ``guard.step`` on the zoo's fp16_attention_overflow, which trips on every step from
+    the first (a drifted LayerNorm gain): the first trip (replayed in full), and the two after it (a
+    repeat of the same module's overflow, confirmed by one forward)."""
+    first: list[float] = []
+    repeated: list[float] = []
+    for seed in range(runs):
+        run = build(get("fp16_attention_overflow"), seed=seed)
+        guard = ng.Guard(run.model, run.optimizer, "skip", scaler=run.scaler, max_consecutive_skips=100)
+        for step in range(3):
+            batch = run.batch(step)
+            start = time.perf_counter()
+            guard.step(run.closure(batch), batch=batch)
+            (first if step == 0 else repeated).append(time.perf_counter() - start)
+            assert guard.last_action == "skip", "every step of the scenario trips"
+        assert [guard.last_diagnosis is not None, "repeat_of" in guard.last_diagnosis.evidence] == [True, True]
+        guard.close()
+    return statistics.median(first) * 1e3, statistics.median(repeated) * 1e3
+
+
+def _costs(rounds: int) -> str:
+    plain_ms, measured_ms = _headroom_cost(rounds)
+    first_ms, repeated_ms = _trip_cost(max(3, rounds // 6))
+    # The step is measured as it runs (no replay): the cost is the measured step's over the plain one.
+    amortized = (measured_ms - plain_ms) / (DEFAULT_EVERY * plain_ms)
+    return f"""**Costs** (tiny GPT, float16 autocast, CPU; medians; `headroom_every`: {rounds} interleaved rounds):
+
+| measure | ms |
+|---|---:|
+| a plain step | {plain_ms:.2f} |
+| the same step under the headroom measurement | {measured_ms:.2f} |
+| a first trip's `guard.step` (zoo `fp16_attention_overflow`, replayed in full) | {first_ms:.2f} |
+| a repeated trip's `guard.step` (the same module's overflow again: one forward confirms it) | {repeated_ms:.2f} |
+
+A measured step costs {measured_ms / plain_ms:.2f}x a plain one: at the default `headroom_every={DEFAULT_EVERY}`,
+{amortized * 100:.2f}% of the run's step time. An eager model's step is measured as it runs (so is a
+`guard.check()` loop's next due forward); a `torch.compile`d model is not measured. A run with no
+float16/bfloat16 op pays for one measurement: the first check that sees none turns the checks off. A trip that
+repeats the last one's model fault costs {repeated_ms / first_ms:.2f}x the first (no tracer replay).
+
+Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/remedies.py --costs-only`."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--costs-only", action="store_true", help="rewrite only the remedy-costs part")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    plain_ms, measured_ms = _headroom_cost(args.rounds)
-    # The step itself runs plainly; the measurement is a replay of it under the mode.
-    amortized = measured_ms / (DEFAULT_EVERY * plain_ms)
+    costs = _costs(args.rounds)
+    if args.costs_only:
+        write_section("remedy-costs", costs)
+        print(costs)
+        return
     table, described = _scores()
     body = f"""## Remedies: skip vs rollback vs auto
 
@@ -86,11 +135,9 @@ Each scenario is a short training loop with a fault that repeats (`nanguard zoo 
 table). A run is scored "finished, finite weights" when the loop ran to its end and every parameter is finite;
 the final loss shows whether it also trained.
 
-**Cost of `headroom_every`** (tiny GPT under float16 autocast on CPU, median of {args.rounds} interleaved rounds):
-a plain step takes {plain_ms:.2f} ms, its replay under the headroom measurement {measured_ms:.2f} ms, so a
-measured step (the step, then the replay) costs {(plain_ms + measured_ms) / plain_ms:.2f}x a plain one. At the
-default `headroom_every={DEFAULT_EVERY}` that is {amortized * 100:.2f}% of the run's step time. A run with no
-float16/bfloat16 op pays for one replay: the first check that sees none turns the checks off.
+<!-- remedy-costs -->
+{costs}
+<!-- /remedy-costs -->
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/remedies.py`.
 """

@@ -16,7 +16,8 @@ from nanguard import diagnose
 from nanguard.causes import REMEDIES, STAGES, TABLE, Cause, row_of
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.policy import Policy, Verdict
+from nanguard.guard.policy import Policy
+from nanguard.guard.verdict import Verdict
 from nanguard.zoo.scenarios import SCENARIOS
 
 ROOT = Path(__file__).resolve().parent.parent

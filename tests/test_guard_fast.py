@@ -28,7 +28,7 @@ def _read_both_ways(check: HealthCheck, loss: float = 1.0) -> StepHealth:
     """The step read by the device flags (``measure``, what ranks agree on and the deferred path
     copies) and by the host lookup of a process alone (``read_alone``): the two must say the same."""
     queued = check._param_norm  # each read takes the queued parameter check
-    measured = check.measure(torch.tensor(loss))
+    measured = check.on_device(torch.tensor(loss))
     device = measured.read(0, measured.agree(sharded=False), scaled=check.scaler is not None)
     check._param_norm = queued
     assert check.alone

@@ -13,9 +13,10 @@ from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag
 from nanguard.guard.history import History
-from nanguard.guard.policy import Policy, Verdict
+from nanguard.guard.policy import Policy
 from nanguard.guard.recorder import NullRecorder, Recorder, recorder_for
 from nanguard.guard.recovery import Recovery
+from nanguard.guard.verdict import Verdict
 
 
 def _check(w: nn.Parameter) -> HealthCheck:
@@ -33,7 +34,7 @@ def _check(w: nn.Parameter) -> HealthCheck:
 def test_health_flags_read_back_once(grad: float, loss: float, flags: HealthFlag) -> None:
     w = nn.Parameter(torch.zeros(3))
     w.grad = torch.full((3,), grad)
-    measured = _check(w).measure(torch.tensor(loss))
+    measured = _check(w).on_device(torch.tensor(loss))
     h = measured.read(7, measured.agree(sharded=False), scaled=False)
     assert h.rank_flags == (flags,) and h.step == 7 and h.scale is None
     assert h.bad_ranks == ([0] if flags & HealthFlag.LOCAL else [])
@@ -46,9 +47,9 @@ def test_a_bad_update_is_flagged_with_the_next_step() -> None:
         w.fill_(float("nan"))
     check.after_update(0)
     w.grad = torch.ones(3)
-    measured = check.measure(torch.tensor(1.0))
+    measured = check.on_device(torch.tensor(1.0))
     assert measured.read(1, measured.agree(sharded=False), scaled=False).ranks_with(HealthFlag.PARAMS) == [0]
-    measured = check.measure(torch.tensor(1.0))  # read once: the next step is clean again
+    measured = check.on_device(torch.tensor(1.0))  # read once: the next step is clean again
     assert measured.read(2, measured.agree(sharded=False), scaled=False).ranks_with(HealthFlag.PARAMS) == []
 
 
@@ -145,7 +146,7 @@ def test_fused_check_flags_what_the_slow_path_flags(dtype: torch.dtype, bad: flo
     params = _params(dtype, bad, where)
     check = HealthCheck(params, scaler=None, comm=CommWatch(), param_check_every=1)
     check.after_update(0)
-    measured = check.measure(torch.tensor(1.0))
+    measured = check.on_device(torch.tensor(1.0))
     h = measured.read(1, measured.agree(sharded=False), scaled=False)
     norm, grads_finite = _reference([p.grad for p in params if p.grad is not None])
     _, params_finite = _reference(params)
@@ -161,17 +162,17 @@ def test_sparse_and_missing_gradients_are_measured_like_dense_ones() -> None:
     check = HealthCheck(params, scaler=None, comm=CommWatch(), param_check_every=1)
     for ids in ([1, 1, 4], [2, 9, 9]):  # repeated ids: an uncoalesced sparse gradient
         lin(emb(torch.tensor(ids))).sum().backward()
-        measured = check.measure(torch.tensor(1.0))
+        measured = check.on_device(torch.tensor(1.0))
         h = measured.read(0, measured.agree(sharded=False), scaled=False)
         assert emb.weight.grad.is_sparse and h.rank_flags == (HealthFlag.OK,)
         assert h.grad_norm == pytest.approx(_reference([p.grad for p in params if p.grad is not None])[0], rel=1e-5)
     check.after_update(0)  # the parameter check works on the slow path too
-    assert check.measure(torch.tensor(1.0)).flags.item() == 0
+    assert check.on_device(torch.tensor(1.0)).flags.item() == 0
 
 
 def test_no_gradients_at_all() -> None:
     check = HealthCheck([nn.Parameter(torch.ones(2))], scaler=None, comm=CommWatch(), param_check_every=1)
-    measured = check.measure(torch.tensor(float("nan")))
+    measured = check.on_device(torch.tensor(float("nan")))
     h = measured.read(0, measured.agree(sharded=False), scaled=False)
     assert h.grad_norm == 0.0 and h.bad_ranks == [0]
 
@@ -182,7 +183,7 @@ def test_finite_huge_gradients_do_not_overflow_the_norm(scale: float) -> None:
     w.grad = torch.full((1000,), scale)  # the float32 sum of squares would be >= 1e43
     check = _check(w)
     check.after_update(0)
-    measured = check.measure(torch.tensor(1.0))
+    measured = check.on_device(torch.tensor(1.0))
     h = measured.read(0, measured.agree(sharded=False), scaled=False)
     assert h.rank_flags == (HealthFlag.OK,)
     assert h.grad_norm == pytest.approx(scale * 1000**0.5, rel=1e-5)

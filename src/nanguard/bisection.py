@@ -28,7 +28,7 @@ from torch import nn
 from nanguard import dist
 from nanguard.errors import NanguardError, NonFiniteError
 from nanguard.findings import Diagnosis
-from nanguard.report.load import Progress, progress_of
+from nanguard.report.load import ShowProgress, progress_of
 from nanguard.specs import call, resolve
 from nanguard.stats import local
 
@@ -153,7 +153,7 @@ def bisect(
     *,
     until: int | None = None,
     run_dir: str | os.PathLike[str] | None = None,
-    progress: Progress | None = None,
+    progress: ShowProgress | None = None,
 ) -> Bisection:
     """Find the first bad step of a run from its checkpoints, and diagnose it.
 
@@ -282,7 +282,7 @@ def _checked_step(step: Any, path: str) -> int:
     return step
 
 
-def _check_all(parts: _Parts, entries: list[Path], progress: Progress | None) -> list[Checkpoint]:
+def _check_all(parts: _Parts, entries: list[Path], progress: ShowProgress | None) -> list[Checkpoint]:
     """Load every entry and check it; the table agreed by every rank, in load order."""
     table: list[Checkpoint] = []
     _agree_count(len(entries))
@@ -359,7 +359,7 @@ def _replay(
     *,
     until: int | None,
     run_dir: str | os.PathLike[str] | None,
-    progress: Progress | None,
+    progress: ShowProgress | None,
 ) -> Bisection:
     from nanguard.guard import Guard
 

@@ -17,10 +17,10 @@ from nanguard.errors import NanguardError
 from nanguard.findings import Diagnosis
 from nanguard.specs import call, parse_spec, resolve
 
-__all__ = ["Replayed", "main_replay", "version_note"]
+__all__ = ["ReplayResult", "main_replay", "version_note"]
 
 
-class Replayed(NamedTuple):
+class ReplayResult(NamedTuple):
     """What ``main_replay`` did: the bundle, the diagnosis (None: the replay is finite), and
     where the weights came from (None: as the factory built them)."""
 
@@ -51,7 +51,7 @@ def main_replay(
     fn_spec: str | None,
     *,
     starting: Callable[[], None] | None = None,
-) -> Replayed:
+) -> ReplayResult:
     """``nanguard replay``: load a bundle, build the model, replay the step under ``locate``.
 
     ``model_spec`` is ``"pkg.module:factory"``; the factory is called with no arguments.
@@ -91,7 +91,7 @@ def main_replay(
     if starting is not None:
         starting()
     try:
-        return Replayed(bundle, replay(bundle, model, fn), source)
+        return ReplayResult(bundle, replay(bundle, model, fn), source)
     except NanguardError:
         raise
     except Exception as err:

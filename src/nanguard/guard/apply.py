@@ -28,12 +28,13 @@ from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.join import tell_joined, tells_every_step
-from nanguard.guard.policy import DEFER, STEP, Action, Verdict
+from nanguard.guard.policy import DEFER, STEP, Action
 from nanguard.guard.progress import Outcome, Progress
 from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.trip import Trip
+from nanguard.guard.verdict import Verdict
 from nanguard.guard.wrapped import scaler_step
 from nanguard.hardware import Tracker
 from nanguard.inject import NullInjector

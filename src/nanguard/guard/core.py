@@ -34,12 +34,13 @@ from nanguard.guard.health import HealthCheck, StepHealth, check_after_loads
 from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
-from nanguard.guard.policy import DEFER, Action, Policy, Verdict
+from nanguard.guard.policy import DEFER, Action, Policy
 from nanguard.guard.progress import Outcome, PolicyView, Progress
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies
 from nanguard.guard.resume import Resume
+from nanguard.guard.verdict import Verdict
 from nanguard.hardware import Tracker, where
 from nanguard.inject import Fault, NullInjector, injector_for
 from nanguard.rng import get_rng_state
@@ -194,9 +195,7 @@ class Guard:
             recovery=self.recovery,
             remedies=self._remedies,
             policy=self.policy,
-            progress=self.progress,
             sharded=self._sharded,
-            deferred=self._deferred,
         )
         self.apply = Apply(
             model=self.model,
@@ -213,7 +212,7 @@ class Guard:
             tracker=self.tracker,
             progress=self.progress,
         )
-        self._disabled = Disabled(self.optimizer, self.scaler, self.progress, self.apply)
+        self._plain = Disabled(self.optimizer, self.scaler, self.progress, self.apply)
         self._resume = Resume(self.config, self.progress, self.recovery, self.history, self._remedies, self.policy)
 
     # Where the run stands (``Progress``), and the counters the parts own, read where users always found them.
@@ -247,7 +246,7 @@ class Guard:
         if not callable(closure):
             raise ValueError(f"closure must be callable, got {type(closure).__name__}")
         if self.disabled:
-            return self._disabled.step(closure)
+            return self._plain.step(closure)
         self.progress.calls += 1
         if self._waiting is not None:
             self._settle()
@@ -313,7 +312,7 @@ class Guard:
         """
         value = check_args(loss, replay, rng)
         if self.disabled:
-            self._disabled.check()
+            self._plain.check()
             return True
         self.progress.calls += 1
         self._settle()
@@ -435,7 +434,7 @@ class Guard:
             return True
         if not self.config.check_batch:
             return False
-        verdict = self.measure.batch(batch)
+        verdict = self.measure.batch(batch, self.progress.step)
         if verdict is None:
             return False
         self._act(self._no_attempt(verdict.step, batch), verdict, self._decide(verdict))

@@ -195,7 +195,7 @@ class HealthCheck:
 
     Example:
         >>> check = HealthCheck(params, scaler=None, comm=dist.CommWatch(), param_check_every=1)
-        >>> health = check.measure(loss)        # device scalars, no host read
+        >>> health = check.on_device(loss)        # device scalars, no host read
     """
 
     def __init__(
@@ -246,7 +246,7 @@ class HealthCheck:
         self.params = list(params)
         self._groups = float_groups(self.params)
 
-    def measure(self, loss: Any) -> DeviceHealth:
+    def on_device(self, loss: Any) -> DeviceHealth:
         gn = self._grad_norm()
         device = gn.device if gn is not None else _device_of(loss)
         gn = gn if gn is not None else torch.zeros((), device=device)
@@ -280,7 +280,7 @@ class HealthCheck:
 
     def read_alone(self, loss: Any, step: int) -> StepHealth:
         """The step of a process that decides alone, read at once: the loss, the two norms and the
-        scale in one host read, the flags looked up on the host (``measure`` makes them device
+        scale in one host read, the flags looked up on the host (``on_device`` makes them device
         tensors for the paths that must not read, at a dozen small kernels a step).
 
         Example:
@@ -399,7 +399,7 @@ class HealthCheck:
         if self.scaler is not None:
             loss = loss / compat.scaler_scale(self.scaler).to(device).float().reshape(())
         loss_bad = ~torch.isfinite(loss)
-        local = loss_bad if self.scaler is not None else loss_bad | pre_comm  # as measure() decides
+        local = loss_bad if self.scaler is not None else loss_bad | pre_comm  # as on_device() decides
         code = local.to(torch.int32) * HealthFlag.LOCAL
         if self._param_norm is not None:
             params = HealthFlag.PARAMS + (HealthFlag.LOADED if self._queued == "loaded" else 0)

@@ -30,10 +30,10 @@ from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, HostCop
 from nanguard.guard.history import History
 from nanguard.guard.join import in_join
 from nanguard.guard.optim_state import current_lr
-from nanguard.guard.policy import Policy, Verdict
-from nanguard.guard.progress import Progress
+from nanguard.guard.policy import Policy
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
+from nanguard.guard.verdict import Verdict
 from nanguard.guard.wrapped import scale_after_overflow
 
 __all__ = ["Measure", "Reading"]
@@ -77,15 +77,12 @@ class Measure:
         recovery: Recovery,
         remedies: Remedies,
         policy: Policy,
-        progress: Progress,
         sharded: bool,
-        deferred: bool,
     ) -> None:
         self.model, self.optimizer, self.scaler, self.config = model, optimizer, scaler, config
         self.health, self.history, self.diagnoser = health, history, diagnoser
         self.recovery, self.remedies = recovery, remedies
-        self.policy, self.progress = policy, progress
-        self.sharded, self.deferred = sharded, deferred
+        self.policy, self.sharded = policy, sharded
 
     def step(self, attempt: Attempt) -> Verdict:
         """Read the step's health (the one host read) and diagnose a trip."""
@@ -98,7 +95,7 @@ class Measure:
         """The step's health on the device, agreed across ranks (no host read yet). With ``queue``
         (``sync="deferred"``) its copy to the host is queued now, read with the next call."""
         health = self.health
-        measured = health.measure(attempt.value)
+        measured = health.on_device(attempt.value)
         agreed = measured.agree(sharded=self.sharded or health.sharded, carried=health.carried(), step=attempt.call)
         return Reading(attempt.step, measured, agreed, HostCopy(measured, agreed) if queue else None)
 
@@ -143,13 +140,12 @@ class Measure:
             return Verdict("spike", step, h, spikes=spikes, forecast=trend)
         return Verdict("healthy", step, h) if trend is None else Verdict("healthy", step, h, forecast=trend)
 
-    def batch(self, batch: Any) -> Verdict | None:
+    def batch(self, batch: Any, step: int) -> Verdict | None:
         """check_batch before the forward: a trip verdict when any rank rejects its batch (the
         step is counted). Ranks agree first: under DDP one rank cannot skip its forward and
         backward while the others all-reduce gradients."""
         if not self.config.check_batch or in_join(self.model):
             return None  # under DDP join() a rank out of batches could not take part in the agreement
-        step = self.progress.step
         diag = self.diagnoser.rejected_batch(batch, step) if batch is not None else None
         flagged = dist.agree_flag(diag is not None)
         if not flagged:

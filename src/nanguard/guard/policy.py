@@ -27,20 +27,17 @@ nothing but its own remedy budgets, so every decision is here and nowhere else:
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, get_args
 
 from nanguard.causes import Cause, row_of
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.health import HostCopy, StepHealth
-from nanguard.guard.history import Forecast
-from nanguard.spikes import Spike
+from nanguard.guard.verdict import Verdict
 
 __all__ = [
     "ACTION_KINDS",
     "DEFER",
-    "KINDS",
     "SANE_SCALE",
     "STEP",
     "Action",
@@ -50,14 +47,9 @@ __all__ = [
     "RemedyKind",
     "State",
     "TripRecord",
-    "Verdict",
-    "VerdictKind",
     "repeats",
 ]
 
-VerdictKind = Literal["healthy", "spike", "trip", "overflow", "collapse", "replicas", "deferred"]
-"""What a ``Verdict`` can say about a step."""
-KINDS: tuple[VerdictKind, ...] = get_args(VerdictKind)
 ActionKind = Literal["step", "skip", "rollback", "raise", "overflow", "reset_scale", "resync", "defer"]
 """What the guard does with a step (``Action.kind``)."""
 ACTION_KINDS: tuple[ActionKind, ...] = get_args(ActionKind)
@@ -66,33 +58,6 @@ TripRecord = Literal["bundle", "tracked", "event"]
 RemedyKind = Literal["skip", "quarantine", "upcast", "rollback", "lower_lr", "raise"]
 """A remedy entry's action (``guard.remedies``, the ``remedy`` event)."""
 SANE_SCALE = 2.0**16  # GradScaler's own default initial scale
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """What measuring one step found, before anything is decided. Frozen: built once by the measure.
-
-    Example:
-        >>> Verdict("trip", 7, health, diagnosis=diag).kind
-        'trip'
-    """
-
-    kind: VerdictKind
-    step: int
-    health: StepHealth | None = None
-    _: KW_ONLY
-    diagnosis: Diagnosis | None = None
-    """The step's diagnosis: a trip, a collapsed loss scale, replicas that differ."""
-    spikes: list[Spike] | None = None
-    module_stats: dict[str, Any] | None = None
-    source: int | None = None
-    """replicas: the finite majority rank to copy from, None when no replica is finite."""
-    queued: HostCopy | None = None
-    """deferred: the step's health on its way to the host, read with the next call."""
-    forecast: Forecast | None = None
-    """A finite step's metric growing towards the float32 overflow (recorded as a warning)."""
-    overflow: float | None = None
-    """overflow, collapse: the scale the GradScaler's own step sets (it skips the update)."""
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ __all__ = [
     "BundleInfo",
     "Drill",
     "Marker",
-    "Progress",
     "RankLog",
     "RunReport",
+    "ShowProgress",
     "StepRecord",
     "Trip",
     "load_run",
@@ -318,10 +318,10 @@ def _bundle_dict(bundle: BundleInfo) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- loading
 
-Progress = Callable[[int, str], contextlib.AbstractContextManager[Callable[[str], None]]]
+ShowProgress = Callable[[int, str], contextlib.AbstractContextManager[Callable[[str], None]]]
 
 
-def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunReport:
+def load_run(run_dir: str | Path, *, progress: ShowProgress | None = None) -> RunReport:
     """Read every ``events-rank*.jsonl`` and bundle under ``run_dir`` into one ``RunReport``.
 
     Ranks are merged on the guard's step number: a trip, skip or rollback every rank
@@ -388,7 +388,7 @@ def _no_logs_here(root: Path) -> str:
 
 
 @contextlib.contextmanager
-def progress_of(progress: Progress | None, total: int, label: str) -> Iterator[Callable[[str], None]]:
+def progress_of(progress: ShowProgress | None, total: int, label: str) -> Iterator[Callable[[str], None]]:
     """``progress``'s advance callback for ``total`` items, or a no-op when there is no progress display."""
     if progress is None:
         yield lambda message: None
