@@ -257,3 +257,32 @@ def test_a_spike_stays_evidence_while_steps_are_skipped() -> None:
     for step in range(31, 37):
         history.append(step, loss=2.0, grad_norm=1.0)
     assert not history.evidence(37, lr=0.1)["spike"]  # six updates since: out of the window
+
+
+def test_an_engines_own_verdict_is_replayed_judged_and_recorded_through_the_seam(tmp_path) -> None:
+    import math
+
+    import nanguard as ng
+    from nanguard.events import read_events
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = ng.Guard(model, opt, run_dir=tmp_path)
+    x = torch.ones(2, 3)
+
+    def rerun(bad: bool) -> torch.Tensor:
+        model.zero_grad()
+        loss = model(x).sum()
+        (loss * (math.inf if bad else 1.0)).backward()
+        return loss
+
+    assert guard.engine_verdict(4, lambda: rerun(False), action="overflow", batch=x, scale=2.0) is None
+    diag = guard.engine_verdict(4, lambda: rerun(True), action="overflow", batch=x, scale=2.0)
+    guard.close()
+    assert diag is not None and diag.step == 4 and diag.phase == "backward"
+    trips = [e for e in read_events(tmp_path / "events-rank0.jsonl") if e["kind"] == "trip"]
+    assert [(t["step"], t["action"], t["scale"], t["diagnosis"]["cause"]) for t in trips] == [
+        (4, "overflow", 2.0, diag.cause)
+    ]
+    assert guard.last_diagnosis is None and guard.skipped == 0  # the engine's verdict changes nothing else

@@ -258,6 +258,10 @@ class Apply:
         except Exception as err:  # evidence only: the bundle is written without it
             return {"meta_error": repr(err)}
 
+    def engine_trip(self, step: int, diag: Diagnosis, *, action: str, ranks: list[int], **extra: Any) -> None:
+        """Record an engine's own verdict (``Guard.engine_verdict``): a trip event; nothing else changes."""
+        self.recorder.trip(step, action=action, ranks=ranks, diagnosis=diag, **extra)
+
     def drop_batch(self) -> Outcome:
         """One of the batches after a rollback (``rollback_skip_batches``): counted, not run."""
         step = self.progress.step

@@ -22,6 +22,7 @@ from torch import nn
 
 from nanguard import compat, dist, environ
 from nanguard.errors import NonFiniteError
+from nanguard.findings import Diagnosis
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.apply import Apply
 from nanguard.guard.arguments import check_parts, listener
@@ -30,7 +31,7 @@ from nanguard.guard.config import OPTIONS_DOC, GuardConfig, with_options
 from nanguard.guard.deferred import Waiting, deferred_mode
 from nanguard.guard.diagnoser import Diagnoser
 from nanguard.guard.disabled import Disabled
-from nanguard.guard.health import HealthCheck, StepHealth, check_after_loads
+from nanguard.guard.health import Engine, HealthCheck, StepHealth, check_after_loads
 from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
@@ -443,6 +444,42 @@ class Guard:
     def _no_attempt(self, step: int, batch: Any) -> Attempt:
         """What a verdict reached without running the step (a rejected batch, replicas that differ) applies to."""
         return Attempt(step, self.progress.calls - 1, batch, None, None, owns_buffers=False)
+
+    def attach_engine(self, engine: Engine) -> None:
+        """The seam for an engine that keeps the step's tensors itself (DeepSpeed ZeRO): the health is read
+        where it keeps them, a snapshot keeps them too (the first one is taken again, with them).
+
+        Example:
+            >>> guard.attach_engine(Engine(grad_norm=partition_norm, params=masters, sharded=True, tensors=parts))
+        """
+        self.health.read_engine(engine.grad_norm, engine.params, sharded=engine.sharded)
+        self.recovery.engine_tensors, self.recovery.engine_holds_parameters = engine.tensors, engine.holds_parameters
+        if self.recovery.snapshot is not None:
+            self.recovery.take_snapshot(self.progress.step)
+
+    def engine_verdict(
+        self,
+        step: int,
+        replay: Callable[[], Any],
+        *,
+        action: str,
+        batch: Any = None,
+        rng: Rng | None = None,
+        **extra: Any,
+    ) -> Diagnosis | None:
+        """The seam for an engine's own verdicts on a step the guard let through (DeepSpeed's loss
+        scaler skipping an fp16 overflow): ``replay`` re-runs that step; it is traced and judged with the
+        run's history as a trip is, the ranks agree, and a trip event with ``action`` (and ``extra``
+        fields) records it. Returns the agreed diagnosis, None when no rank's replay found one. Every
+        rank calls it together.
+
+        Example:
+            >>> diag = guard.engine_verdict(7, lambda: rerun(micro), action="overflow", batch=micro, scale=scale)
+        """
+        diag, flagged = self.measure.engine(step, replay, batch=batch, rng=rng)
+        if diag is not None:
+            self.apply.engine_trip(step, diag, action=action, ranks=flagged, **extra)
+        return diag
 
     # -- around the step -----------------------------------------------------------------
     def _begin_drill(self) -> NullInjector:

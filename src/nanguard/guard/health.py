@@ -25,7 +25,16 @@ from nanguard.agreement import Layout
 from nanguard.dist import CommWatch
 from nanguard.stats import float_groups, local, total_norm
 
-__all__ = ["DeviceHealth", "HealthCheck", "HealthFlag", "HostCopy", "StepHealth", "check_after_loads", "loop_grad_norm"]
+__all__ = [
+    "DeviceHealth",
+    "Engine",
+    "HealthCheck",
+    "HealthFlag",
+    "HostCopy",
+    "StepHealth",
+    "check_after_loads",
+    "loop_grad_norm",
+]
 
 
 class HealthFlag(IntFlag):
@@ -185,6 +194,27 @@ class HostCopy:
         v, at = self.values, self.layout
         host = DeviceHealth(grad_norm=v[at.own_norm], loss=v[at.own_loss], scale=v[at.own_scale], flags=v[:0])
         return host.read(step, v[: at.size], scaled=scaled)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What an engine that keeps the step's tensors itself (DeepSpeed ZeRO's partitions) tells the guard
+    (``Guard.attach_engine``): where the gradients' norm and the updated weights are read, and what a
+    snapshot keeps and a rollback restores.
+
+    Example:
+        >>> guard.attach_engine(Engine(grad_norm=partition_norm, params=masters, sharded=True, tensors=parts))
+    """
+
+    grad_norm: Callable[[], torch.Tensor | None]
+    """This rank's gradient norm as a device scalar."""
+    params: Sequence[torch.Tensor]
+    """The weights the engine updates on this rank (its fp32 partitions), for the parameter check."""
+    sharded: bool
+    tensors: Callable[[], list[torch.Tensor]] | None = None
+    """The engine's own tensors a snapshot keeps and a rollback restores."""
+    holds_parameters: bool = False
+    """The engine restores the parameters from ``tensors`` (the module's own are views of them)."""
 
 
 class HealthCheck:

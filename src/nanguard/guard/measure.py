@@ -23,9 +23,9 @@ from nanguard import dist
 from nanguard.diagnose import loss_scale_collapse, replica_divergence, runaway_growth
 from nanguard.errors import OutOfStepError
 from nanguard.findings import Diagnosis
-from nanguard.guard.attempt import Attempt, scaler_aside
+from nanguard.guard.attempt import Attempt, Rng, scaler_aside
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.diagnoser import Diagnoser, Replayed
+from nanguard.guard.diagnoser import Diagnoser, Replayed, replay_trip
 from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, HostCopy, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.join import in_join
@@ -154,6 +154,18 @@ class Measure:
         assert diag is not None  # a flagged rank always contributes its diagnosis
         diag = with_bad_rows(replace(diag, step=step), batch, self.remedies.rows())
         return Verdict("trip", step, diagnosis=diag)
+
+    def engine(
+        self, step: int, replay: Callable[[], Any], *, batch: Any, rng: Rng | None
+    ) -> tuple[Diagnosis | None, list[int]]:
+        """An engine's own verdict on ``step`` (``Guard.engine_verdict``): ``replay`` run under the tracer,
+        judged with the run's history as a trip is; every rank then agrees on one diagnosis (or None),
+        returned with the ranks whose replay found it."""
+        run = self.diagnoser.run_facts(step)
+        replayed = replay_trip(self.model, replay, batch=batch, rng=rng, step=step, with_module_stats=False, run=run)
+        flagged = dist.agree_flag(replayed.diagnosis is not None)
+        diag = dist.gather_diagnosis(replayed.diagnosis, flagged) if flagged else None
+        return (None if diag is None else replace(diag, step=step)), flagged
 
     def replicas(self, step: int) -> Verdict | None:
         """Compare the replicas' fingerprints: a verdict when they differ."""
