@@ -53,6 +53,10 @@ class _Done:
     error: NonFiniteError | None = None
 
 
+_NOTHING = _Done()
+_STEPPED = Outcome(action="step")
+
+
 class Apply:
     """Carries out actions over the guard's parts; reads ``progress``, returns an ``Outcome``.
 
@@ -84,6 +88,7 @@ class Apply:
         self.health, self.history, self.recovery, self.remedies = health, history, recovery, remedies
         self.recorder, self.injector, self.tracker, self.progress = recorder, injector, tracker, progress
         self.rank = dist.rank()
+        self.tells_every_step = tells_every_step(scaler is not None, config.skip_spikes)
         self.announce = Announcer()  # the run's first trip whole, later ones a line
 
     def __call__(self, attempt: Attempt, verdict: Verdict, action: Action) -> Outcome:
@@ -91,10 +96,10 @@ class Apply:
         has joined (DDP join()), and on every step where a stop it cannot foresee may come
         (``tells_every_step``), that rank learns whether the policy stopped the run."""
         h = verdict.health
-        self._record_trends(verdict)
-        done = _Done() if action is STEP or action is DEFER else self._apply(attempt, verdict, action)
-        every = tells_every_step(self.scaler is not None, self.config.skip_spikes)
-        if h is not None and h.joined and (action.trip == "bundle" or every):
+        if verdict.spikes or verdict.forecast is not None:
+            self._record_trends(verdict)
+        done = _NOTHING if action is STEP or action is DEFER else self._apply(attempt, verdict, action)
+        if h is not None and h.joined and (action.trip == "bundle" or self.tells_every_step):
             tell_joined(done.error is not None, verdict.step)  # the joined rank waits for this: see join.py
         return Outcome(
             step=attempt.step + 1,
@@ -292,7 +297,7 @@ class Apply:
             self.recovery.refresh_snapshot(self.progress.step, h.loss, self.history.growing, joined=bool(h.joined))
         if h.step % self.config.log_every == 0:
             self.recorder.step(h.step, loss=h.own_loss, grad_norm=h.grad_norm, scale=h.scale, skipped=False)
-        return Outcome(action="step")
+        return _STEPPED
 
     def clip(self) -> None:
         """``clip_grad_norm``, after the check that measured (and recorded) the norm before it: over

@@ -257,7 +257,7 @@ class Guard:
         attempt = self._attempt(closure, batch)
         try:
             self.runner.run(attempt)
-            verdict = self._measure(attempt)
+            verdict = self._on_device(attempt) if self._device_step else self.measure.step(attempt)
             return self._apply(attempt, verdict, self._decide(verdict))
         except BaseException as err:
             self._undo(attempt, err, attempt.step, name_origin=True)
@@ -367,11 +367,9 @@ class Guard:
         self.recovery.buffers.save()
         return attempt
 
-    def _measure(self, attempt: Attempt) -> Verdict:
-        """The step's verdict. On the device path the fused optimizer steps between the agreement and
-        the host read (the attempt's update, skipped on the device when any rank is bad)."""
-        if not self._device_step:
-            return self.measure.step(attempt)
+    def _on_device(self, attempt: Attempt) -> Verdict:
+        """The device path's verdict: the fused optimizer steps between the agreement and the host read
+        (the attempt's update, skipped on the device when any rank is bad)."""
         reading = self.measure.agree(attempt, queue=self._deferred)
         self.runner.update_on_device(reading.found_inf())
         return self.measure.read(reading, attempt, updated=True)
