@@ -1,0 +1,188 @@
+"""A divergence the clip keeps finite: AdamW at 10,000x its learning rate under ``max_grad_norm=1.0``.
+
+The clip holds every gradient finite and the loss climbs by orders of magnitude without a NaN.
+The guard records the gradient norm the loop's clip computed (what ``clip_grad_norm_`` returns and
+the HF Trainer logs, not the clipped gradients' norm, which stays at 1.0), and warns, naming the LR,
+once the loss (or that norm) has stood an order of magnitude above its recent level. Each run has a
+healthy twin at the normal LR that must stay silent. Through a plain loop (``LoopGuard``), the HF
+Trainer and an accelerate loop; thresholds come from the class (a loss grown tenfold), not from
+values a CPU rounds its own way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from nanguard.guard.history import DEPARTED_STEPS
+from nanguard.integrations.loop import LoopGuard
+from nanguard.report.load import load_run
+
+LR = 5e-4
+TOO_HIGH = LR * 10_000
+STEPS, VOCAB, SEQ, BATCH = 8, 64, 16, 4
+HARDWARE = {"step.not_reproduced", "distributed.transient", "hardware.faulty_device"}
+WARNING_FIELDS = {"signal", "module", "value", "trend", "steps_left", "fix", "lr"}
+
+
+def _gpt2() -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+
+
+def _first_grown(losses: list[float]) -> int | None:
+    """The first step whose loss is ten times or more the median of the losses before it."""
+    return next((i for i in range(1, len(losses)) if losses[i] >= 10 * statistics.median(losses[:i])), None)
+
+
+def _assert_warned(events: list[dict[str, Any]], losses: list[float], lr: float) -> dict[str, Any]:
+    """One warning, within the first steps where the loss has grown tenfold, the LR named; no hardware blame."""
+    first = _first_grown(losses)
+    assert first is not None, losses  # the run did diverge, every value finite
+    assert all(math.isfinite(v) for v in losses), losses
+    warnings = [e for e in events if e["kind"] == "warning"]
+    assert len(warnings) == 1, warnings
+    warning = warnings[0]
+    assert first <= warning["step"] <= first + DEPARTED_STEPS - 1, (warning, losses)
+    assert WARNING_FIELDS <= set(warning), warning
+    assert warning["signal"] in ("loss", "grad_norm") and warning["module"] is None
+    assert warning["lr"] == lr and f"lr={lr}" in warning["fix"]
+    assert warning["trend"] > 1 and warning["value"] >= 10 * warning["level"]
+    trips = [e["diagnosis"]["cause"] for e in events if e["kind"] == "trip"]
+    assert not HARDWARE & set(trips), trips
+    return warning
+
+
+def _assert_silent(events: list[dict[str, Any]]) -> None:
+    assert [e for e in events if e["kind"] in ("warning", "spike", "trip")] == []
+
+
+def _plain_loop(lr: float, run_dir: Path) -> tuple[list[dict[str, Any]], list[float], list[tuple[float, Any]]]:
+    """nanoGPT's step under ``LoopGuard``: backward, ``clip_grad_norm_(..., 1.0)``, ``optimizer.step()``."""
+    model = _gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    events: list[dict[str, Any]] = []
+    losses, norms = [], []
+    with LoopGuard(model, optimizer, run_dir=run_dir, on_event=events.append) as guard:
+        for ids in _batches():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            norms.append((float(norm), guard.last_grad_norm))
+    return events, losses, norms
+
+
+def test_a_clipped_10000x_lr_in_a_plain_loop_is_warned_with_the_lr_named(tmp_path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="nanguard"):
+        events, losses, norms = _plain_loop(TOO_HIGH, tmp_path / "bad")
+    warning = _assert_warned(events, losses, TOO_HIGH)
+    said = [r.getMessage() for r in caplog.records if "diverging" in r.getMessage()]
+    assert len(said) == 1 and f"lr={TOO_HIGH}" in said[0]  # printed once
+    # The recorded norm is the clip's own return, far past the clip: not the clipped 1.0.
+    assert all(recorded == returned for returned, recorded in norms), norms
+    assert max(n for n, _ in norms) > 10
+    # The report shows it.
+    assert [m.step for m in load_run(tmp_path / "bad").early_warnings] == [warning["step"]]
+
+    events, losses, norms = _plain_loop(LR, tmp_path / "good")
+    _assert_silent(events)
+    assert _first_grown(losses) is None
+    assert all(recorded == returned for returned, recorded in norms), norms
+
+
+class _Tokens(IterableDataset):
+    def __iter__(self):
+        for ids in _batches():
+            yield from ({"input_ids": row, "labels": row} for row in ids)
+
+
+def _hf_run(lr: float, tmp_path: Path) -> tuple[list[dict[str, Any]], list[float], list[float], Any]:
+    from transformers import Trainer, TrainingArguments
+
+    from nanguard.integrations.hf import NanGuardCallback
+
+    events: list[dict[str, Any]] = []
+    callback = NanGuardCallback(on_event=events.append)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=BATCH,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        max_steps=STEPS,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(model=_gpt2(), args=args, train_dataset=_Tokens(), callbacks=[callback])
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "grad_norm" in e]
+    return events, [e["loss"] for e in logged], [e["grad_norm"] for e in logged], callback
+
+
+def test_a_clipped_10000x_lr_under_the_hf_trainer_is_warned_and_its_twin_silent(tmp_path) -> None:
+    events, losses, logged_norms, callback = _hf_run(TOO_HIGH, tmp_path / "bad")
+    _assert_warned(events, losses, TOO_HIGH)
+    # The norm the guard judged is the one the Trainer logged (its clip's return), step by step.
+    assert [p.grad_norm for p in callback.guard.history] == logged_norms
+    assert max(logged_norms) > 10
+
+    events, losses, logged_norms, callback = _hf_run(LR, tmp_path / "good")
+    _assert_silent(events)
+    assert [p.grad_norm for p in callback.guard.history] == logged_norms
+
+
+def _accelerate_run(lr: float) -> tuple[list[dict[str, Any]], list[float], list[tuple[float, Any]]]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    model = _gpt2()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=lr))
+    events: list[dict[str, Any]] = []
+    losses, norms = [], []
+    with LoopGuard(model, optimizer.optimizer, on_event=events.append) as guard:
+        for ids in _batches():
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            norms.append((float(norm), guard.last_grad_norm))
+    return events, losses, norms
+
+
+def test_a_clipped_10000x_lr_in_an_accelerate_loop_is_warned_and_its_twin_silent() -> None:
+    events, losses, norms = _accelerate_run(TOO_HIGH)
+    _assert_warned(events, losses, TOO_HIGH)
+    assert all(recorded == returned for returned, recorded in norms), norms
+
+    events, losses, norms = _accelerate_run(LR)
+    _assert_silent(events)
+    assert all(recorded == returned for returned, recorded in norms), norms
