@@ -421,7 +421,8 @@ def event_words(kind: str, fields: Mapping[str, Any]) -> str:
         return f"{f.get('metric')} {fmt(f.get('value'))} (median {fmt(f.get('median'))}, z={fmt(f.get('score'), 3)})"
     if kind == "warning":
         where = f" in {f.get('module')}" if f.get("module") else ""
-        return f"{f.get('signal')}{where} {fmt(f.get('value'))} (level {fmt(f.get('level'))}, lr {f.get('lr')}): {f.get('fix')}"
+        level = f"level {fmt(f.get('level'))}, lr {f.get('lr')}"
+        return f"{f.get('signal')}{where} {fmt(f.get('value'))} ({level}): {f.get('fix')}"
     if kind == "overflow":
         return f"GradScaler scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}"
     return ""

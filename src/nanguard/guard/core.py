@@ -363,9 +363,7 @@ class Guard:
         finally:
             self._remedies.headroom.arm(self.progress.step)  # the next due step's forward, as it runs
 
-    def _check(
-        self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, grad_norm: Any
-    ) -> bool:
+    def _check(self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, grad_norm: Any) -> bool:
         if self._dropped(batch):
             self.health.comm.reset()
             return False

@@ -220,7 +220,7 @@ class History:
         return best
 
     def departed(self, step: int, *, loss: float, grad_norm: float) -> Departure | None:
-        """A warning, once per episode, when the loss (or the grad norm, while the loss is not falling)
+        """A warning, once per episode, when the loss (or the grad norm, while the loss makes no new low)
         has stood at least ``divergence_factor`` times its recent level, and twice the recent window's
         peak, on ``DEPARTED_STEPS`` checked steps in a row: a run leaving its level by an order of
         magnitude, whatever the clip keeps finite. The level is the median of the last ``spike_window``
@@ -236,11 +236,11 @@ class History:
             'loss'
         """
         recent = list(self.points)[-self._level_window :]
-        loss_level = _median([p.loss for p in recent])
+        losses = [p.loss for p in recent if math.isfinite(p.loss)]
         found = None
         for metric, value in (("loss", loss), ("grad_norm", grad_norm)):
-            if metric == "grad_norm" and loss_level is not None and loss < loss_level:
-                self._episodes.pop(metric, None)  # a grad norm growing while the loss falls: learning
+            if metric == "grad_norm" and losses and loss < min(losses):
+                self._episodes.pop(metric, None)  # a grad norm growing while the loss reaches new lows: learning
                 continue
             departure = self._depart(metric, value, recent, step)
             found = found or departure
