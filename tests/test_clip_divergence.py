@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import IterableDataset
 
@@ -211,12 +212,15 @@ def test_one_bad_batch_is_no_departure_and_a_level_that_moved_is_warned_once() -
     assert history.growing()  # a rollback's snapshot is not refreshed with a run on its way out
 
 
-def test_a_grad_norm_that_grows_while_the_loss_falls_is_learning_and_one_that_grows_with_it_is_not() -> None:
-    # A zero-initialized head: the gradients reach the body after the first updates while the loss falls.
+def test_a_grad_norm_that_jumps_while_the_loss_holds_is_no_divergence_and_one_that_climbs_with_it_is() -> None:
+    # A zero-initialized head reached after the first updates, or a layer's gain grown (the zoo's
+    # healthy_bf16_large_activations): the grad norm jumps a thousandfold while the loss falls or holds.
     learning = [(4.0 - 0.1 * i, 0.05 if i < 3 else 2.0) for i in range(10)]
     assert _feed(_history(), learning) == []
-    stuck = [(4.0 + 0.01 * (i % 2), 0.05 if i < 3 else 2.0) for i in range(10)]
-    assert _feed(_history(), stuck) == [4]
+    holding = [(4.0 + 0.01 * (i % 2), 0.05 if i < 3 else 50.0) for i in range(10)]
+    assert _feed(_history(), holding) == []
+    climbing = [(4.0 + 0.01 * i, 0.05 if i < 3 else 2.0) for i in range(10)]
+    assert _feed(_history(), climbing) == [4]
 
 
 def test_heavy_tailed_clean_series_stay_silent() -> None:
@@ -312,3 +316,60 @@ def test_guard_step_accumulated_judges_the_norm_before_its_own_clip() -> None:
     assert max(norms) > 10  # before the clip to 1.0
     events, _, norms = run(LR)
     _assert_silent(events)
+
+
+def test_fabric_and_lightning_check_before_their_clip_so_the_norm_is_the_unclipped_one(tmp_path) -> None:
+    import lightning as L
+    from torch import nn
+
+    from nanguard.integrations.fabric import FabricGuard
+    from nanguard.integrations.lightning import NanGuard
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self(*batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    gen = torch.Generator().manual_seed(0)
+    data = [(x, 10 * x.sum(1, keepdim=True)) for x in torch.randn(4, 8, 8, generator=gen)]
+    clip = 1e-3
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    net = Net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=1e-2))
+    returned, recorded = [], []
+    with FabricGuard(fabric, model, optimizer) as guard:
+        for x, y in data:
+            fabric.backward(model(x, y))
+            returned.append(float(fabric.clip_gradients(model, optimizer, max_norm=clip)))
+            optimizer.step()
+            optimizer.zero_grad()
+            recorded.append(guard.last_grad_norm)
+    assert recorded == pytest.approx(returned, rel=1e-5) and min(returned) > 10 * clip
+
+    callback = NanGuard()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=len(data),
+        gradient_clip_val=clip,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=None))
+    assert callback.guard is not None
+    norms = [p.grad_norm for p in callback.guard.history]
+    assert len(norms) == len(data) and min(norms) > 10 * clip

@@ -220,7 +220,7 @@ class History:
         return best
 
     def departed(self, step: int, *, loss: float, grad_norm: float) -> Departure | None:
-        """A warning, once per episode, when the loss (or the grad norm, while the loss makes no new low)
+        """A warning, once per episode, when the loss (or the grad norm, while the loss climbs to new highs)
         has stood at least ``divergence_factor`` times its recent level, and twice the recent window's
         peak, on ``DEPARTED_STEPS`` checked steps in a row: a run leaving its level by an order of
         magnitude, whatever the clip keeps finite. The level is the median of the last ``spike_window``
@@ -239,8 +239,10 @@ class History:
         losses = [p.loss for p in recent if math.isfinite(p.loss)]
         found = None
         for metric, value in (("loss", loss), ("grad_norm", grad_norm)):
-            if metric == "grad_norm" and losses and loss < min(losses):
-                self._episodes.pop(metric, None)  # a grad norm growing while the loss reaches new lows: learning
+            if metric == "grad_norm" and losses and loss < max(losses):
+                # A grad norm jumping while the loss holds or falls (a layer's gain grown, a zero-initialized
+                # head reached): the run is not leaving its level; a diverging one climbs to new highs.
+                self._episodes.pop(metric, None)
                 continue
             departure = self._depart(metric, value, recent, step)
             found = found or departure

@@ -63,8 +63,9 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
 
     ``policy`` and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); ``run_dir``
     receives the per-rank event log and a bundle for each tripped step. With
-    ``max_grad_norm > 0`` the guard sees the clipped gradients: non-finite values stay
-    non-finite under clipping, and divergence shows in the loss history.
+    ``max_grad_norm > 0`` the guard checks the clipped gradients (non-finite values stay
+    non-finite under clipping) and records the norm the Trainer's clip returned, before it
+    clipped (the ``grad_norm`` it logs): a divergence the clip keeps finite is warned about.
 
     Example:
         >>> cb = NanGuardCallback(policy="raise")
