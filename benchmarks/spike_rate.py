@@ -157,8 +157,7 @@ def main() -> None:
     got = lr.got or {}
     body = f"""## Spike warnings on clean runs
 
-Default `ng.Guard` spike detectors (loss and grad norm) and the warning of a loss or grad norm leaving its
-recent level tenfold, warnings counted over clean training runs:
+Default `ng.Guard` spike detectors and departure warning (loss, grad norm), warnings over clean training runs:
 
 | source | steps | warnings | per 10,000 steps |
 |---|---:|---:|---:|
