@@ -297,18 +297,23 @@ def test_reading_the_clips_norm_adds_no_host_read(monkeypatch) -> None:
 
 def test_guard_step_accumulated_judges_the_norm_before_its_own_clip() -> None:
     import nanguard as ng
+    from nanguard.integrations.clipnorm import ClipNorm
 
     def run(lr: float) -> tuple[list[dict[str, Any]], list[float], list[float]]:
         model = _gpt2()
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         events: list[dict[str, Any]] = []
         guard = ng.Guard(model, optimizer, clip_grad_norm=1.0, on_event=events.append)
+        clip = ClipNorm(model.parameters())  # what the guard's own clip_grad_norm_ returns, after the check
         losses, norms = [], []
         for ids in _batches():
             halves = [ids[: BATCH // 2], ids[BATCH // 2 :]]
             loss = guard.step_accumulated(halves, lambda b: model(input_ids=b, labels=b).loss)
             losses.append(float(loss))
             norms.append(guard.last_grad_norm)
+            returned = clip.take()
+            assert returned is not None and norms[-1] == pytest.approx(float(returned), rel=1e-5)
+        clip.close()
         return events, losses, norms
 
     events, losses, norms = run(TOO_HIGH)
