@@ -26,8 +26,9 @@ from nanguard.findings import Diagnosis
 from nanguard.guard.attempt import Attempt
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, StepHealth
-from nanguard.guard.history import History
+from nanguard.guard.history import Departure, History
 from nanguard.guard.join import tell_joined, tells_every_step
+from nanguard.guard.optim_state import current_lr
 from nanguard.guard.policy import DEFER, STEP, Action
 from nanguard.guard.progress import Outcome, Progress
 from nanguard.guard.recorder import NullRecorder
@@ -96,7 +97,7 @@ class Apply:
         has joined (DDP join()), and on every step where a stop it cannot foresee may come
         (``tells_every_step``), that rank learns whether the policy stopped the run."""
         h = verdict.health
-        if verdict.spikes or verdict.forecast is not None:
+        if verdict.spikes or verdict.forecast is not None or verdict.departure is not None:
             self._record_trends(verdict)
         done = _NOTHING if action is STEP or action is DEFER else self._apply(attempt, verdict, action)
         if h is not None and h.joined and (action.trip == "bundle" or self.tells_every_step):
@@ -165,6 +166,38 @@ class Apply:
                 trend.growth,
                 trend.predicted_overflow_in,
             )
+        if verdict.departure is not None:
+            self._warn(step, verdict.departure)
+
+    def _warn(self, step: int, d: Departure) -> None:
+        """A run leaving its level by an order of magnitude: a ``warning`` event naming the LR, logged once."""
+        lr = current_lr(self.optimizer)
+        what = "the loss" if d.signal == "loss" else "the gradient norm (before any clip)"
+        fix = (
+            f"lower the learning rate (lr={lr}), e.g. tenfold, or add warmup: {what} grew x{d.growth:.3g} "
+            "from its recent level; a gradient clip keeps the values finite, not the run"
+        )
+        self.recorder.warning(
+            step,
+            signal=d.signal,
+            module=None,
+            value=d.value,
+            trend=d.trend,
+            steps_left=d.steps_left,
+            fix=fix,
+            lr=lr,
+            level=d.level,
+        )
+        log.warning(
+            "nanguard: step %d: %s %.4g is x%.3g its recent level %.4g (lr=%s): the run is diverging; %s",
+            step,
+            d.signal,
+            d.value,
+            d.growth,
+            d.level,
+            lr,
+            fix,
+        )
 
     def _overflow(self, verdict: Verdict) -> None:
         """The GradScaler's step on an overflow: it skips the update and lowers its scale; counted and recorded."""

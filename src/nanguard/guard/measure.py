@@ -33,7 +33,7 @@ from nanguard.guard.optim_state import current_lr
 from nanguard.guard.policy import Policy
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
-from nanguard.guard.verdict import Verdict
+from nanguard.guard.verdict import Verdict, VerdictKind
 from nanguard.guard.wrapped import scale_after_overflow
 
 __all__ = ["Measure", "Reading"]
@@ -88,15 +88,19 @@ class Measure:
         """Read the step's health (the one host read) and diagnose a trip."""
         health = self.health
         if health.alone:
-            return self.verdict(health.read_alone(attempt.value, attempt.step), attempt, updated=False)
+            loop_norm = None if self.sharded or health.sharded else attempt.loop_norm
+            h = health.read_alone(attempt.value, attempt.step, loop_norm)
+            return self.verdict(h, attempt, updated=False)
         return self.read(self.agree(attempt, queue=False), attempt, updated=False)
 
     def agree(self, attempt: Attempt, *, queue: bool) -> Reading:
         """The step's health on the device, agreed across ranks (no host read yet). With ``queue``
         (``sync="deferred"``) its copy to the host is queued now, read with the next call."""
         health = self.health
-        measured = health.on_device(attempt.value)
-        agreed = measured.agree(sharded=self.sharded or health.sharded, carried=health.carried(), step=attempt.call)
+        sharded = self.sharded or health.sharded
+        # A sharded run's agreement adds up the ranks' own norms: a whole norm from the loop has no place in it.
+        measured = health.on_device(attempt.value, None if sharded else attempt.loop_norm)
+        agreed = measured.agree(sharded=sharded, carried=health.carried(), step=attempt.call)
         return Reading(attempt.step, measured, agreed, HostCopy(measured, agreed) if queue else None)
 
     def read(self, reading: Reading, attempt: Attempt, *, updated: bool) -> Verdict:
@@ -123,6 +127,7 @@ class Measure:
             return self._tripped(h, attempt)
         spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
         trend = self.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm)
+        departed = self.history.departed(step, loss=h.loss, grad_norm=h.grad_norm)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
         # Not while a rank has joined (DDP join()): it holds no history to follow the trip with.
         runaway = None if updated or h.joined else self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)
@@ -135,10 +140,11 @@ class Measure:
                 rank=0 if dist.is_distributed() else None,
                 ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
             )
-            return Verdict("trip", step, h, diagnosis=diag, spikes=spikes, forecast=trend)
-        if spikes:
-            return Verdict("spike", step, h, spikes=spikes, forecast=trend)
-        return Verdict("healthy", step, h) if trend is None else Verdict("healthy", step, h, forecast=trend)
+            return Verdict("trip", step, h, diagnosis=diag, spikes=spikes, forecast=trend, departure=departed)
+        if spikes or trend is not None or departed is not None:  # signs the apply stage records
+            signs: VerdictKind = "spike" if spikes else "healthy"
+            return Verdict(signs, step, h, spikes=spikes or None, forecast=trend, departure=departed)
+        return Verdict("healthy", step, h)
 
     def batch(self, batch: Any, step: int) -> Verdict | None:
         """check_batch before the forward: a trip verdict when any rank rejects its batch (the

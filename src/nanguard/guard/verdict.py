@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from nanguard.findings import Diagnosis
 from nanguard.guard.health import HostCopy, StepHealth
-from nanguard.guard.history import Forecast
+from nanguard.guard.history import Departure, Forecast
 from nanguard.spikes import Spike
 
 __all__ = ["KINDS", "Verdict", "VerdictKind"]
@@ -41,5 +41,7 @@ class Verdict:
     """deferred: the step's health on its way to the host, read with the next call."""
     forecast: Forecast | None = None
     """A finite step's metric growing towards the float32 overflow (recorded as a warning)."""
+    departure: Departure | None = None
+    """A finite step's loss or grad norm leaving its recent level tenfold (recorded as a warning)."""
     overflow: float | None = None
     """overflow, collapse: the scale the GradScaler's own step sets (it skips the update)."""
