@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -90,7 +89,6 @@ def _trip_cost(runs: int) -> tuple[float, float]:
 
 
 def _costs(rounds: int) -> str:
-    load = os.getloadavg()
     plain_ms, measured_ms = _headroom_cost(rounds)
     first_ms, repeated_ms = _trip_cost(max(3, rounds // 6))
     # The step is measured as it runs (no replay): the cost is the measured step's over the plain one.
@@ -110,8 +108,7 @@ A measured step costs {measured_ms / plain_ms:.2f}x a plain one: at the default 
 float16/bfloat16 op pays for one measurement: the first check that sees none turns the checks off. A trip that
 repeats the last one's model fault costs {repeated_ms / first_ms:.2f}x the first (no tracer replay).
 
-Machine: {machine()}, load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end. Reproduce:
-`.venv/bin/python benchmarks/remedies.py --costs-only`."""
+Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/remedies.py --costs-only`."""
 
 
 def main() -> None:
