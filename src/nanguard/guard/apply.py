@@ -200,13 +200,11 @@ class Apply:
         )
 
     def _overflow(self, verdict: Verdict) -> None:
-        """The GradScaler's step on an overflow: it skips the update and lowers its scale; counted and recorded."""
-        h = verdict.health
-        assert self.scaler is not None and h is not None and h.scale is not None
-        scaler_step(self.optimizer, self.scaler)
+        """A GradScaler overflow (the scaler skipped the update and lowered its scale): counted and recorded."""
+        h, new_scale = verdict.health, verdict.overflow
+        assert h is not None and h.scale is not None and new_scale is not None
         self.recovery.count_overflow()
-        new_scale, streak = float(self.scaler.get_scale()), self.recovery.overflow_streak
-        self.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=streak)
+        self.recorder.overflow(h.step, scale=h.scale, new_scale=new_scale, streak=self.recovery.overflow_streak)
         self.recorder.step(h.step, loss=h.loss, grad_norm=None, scale=h.scale, skipped=True)
 
     def _forget(self, attempt: Attempt, verdict: Verdict, action: Action) -> _Done:

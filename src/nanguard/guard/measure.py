@@ -2,10 +2,10 @@
 
 The step's health is read once (agreed across ranks); a non-finite step is replayed under
 the tracer and diagnosed; a finite one feeds the spike detectors and the divergence check.
-Measuring only reads (the history's detectors and the replay's own undone writes aside):
-the events, the GradScaler's step on an overflow, undoing the attempt and every change of
-where the run stands are ``guard/apply.py``'s. On an overflow it reads the scale the scaler's
-step will set, so the policy can say whether the scale collapsed before anything is applied.
+Measuring only reads (the history's detectors, the replay's own undone writes and, on an
+overflow, the GradScaler's own step aside: only the scaler knows the scale it sets, which the
+policy reads): the events, the overflow's count, undoing the attempt and every change of where
+the run stands are ``guard/apply.py``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from nanguard.guard.policy import Policy
 from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
 from nanguard.guard.verdict import Verdict, VerdictKind
-from nanguard.guard.wrapped import scale_after_overflow
+from nanguard.guard.wrapped import scaler_step
 
 __all__ = ["Measure", "Reading"]
 
@@ -207,10 +207,12 @@ class Measure:
         return Verdict("trip", h.step, h, diagnosis=diag, module_stats=replayed.module_stats)
 
     def _overflowed(self, h: StepHealth) -> Verdict:
-        """A GradScaler overflow: the scaler will skip the update itself and lower its scale (applied
-        by ``Apply``); the policy says whether that scale has collapsed."""
+        """A GradScaler overflow: the scaler skips the update itself and lowers its scale (its own
+        step, taken here because only it knows its next scale: DeepSpeed's keeps a hysteresis); the
+        policy says whether that scale has collapsed. Counting and recording it are ``Apply``'s."""
         assert self.scaler is not None and h.scale is not None
-        new_scale = scale_after_overflow(self.scaler)
+        scaler_step(self.optimizer, self.scaler)
+        new_scale = float(self.scaler.get_scale())
         streak, overflows = self.recovery.overflow_streak + 1, self.recovery.overflows + 1
         if not self.policy.collapsed(new_scale, streak):
             return Verdict("overflow", h.step, h, overflow=new_scale)

@@ -44,4 +44,4 @@ class Verdict:
     departure: Departure | None = None
     """A finite step's loss or grad norm leaving its recent level tenfold (recorded as a warning)."""
     overflow: float | None = None
-    """overflow, collapse: the scale the GradScaler's own step sets (it skips the update)."""
+    """overflow, collapse: the scale the GradScaler's own step set (it skipped the update)."""

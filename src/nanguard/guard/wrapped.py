@@ -7,12 +7,11 @@ Nothing here imports accelerate: a wrapper is recognized by its ``optimizer`` an
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import torch
 
-__all__ = ["guard_scaler", "scale_after_overflow", "scaled_optimizer", "scaler_step"]
+__all__ = ["guard_scaler", "scaled_optimizer", "scaler_step"]
 
 
 def _carries_scaler(optimizer: Any) -> bool:
@@ -52,16 +51,3 @@ def scaler_step(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
     else:
         scaler.step(optimizer)
         scaler.update()
-
-
-def scale_after_overflow(scaler: Any) -> float:
-    """The scale ``scaler.update()`` sets after this step's overflow, read before it runs: the scale
-    times the backoff factor, rounded to float32 as the scaler's own update does (a float32 scale
-    times a double factor, stored as float32).
-
-    Example:
-        >>> scale_after_overflow(torch.amp.GradScaler("cuda", init_scale=2.0**16))
-        32768.0
-    """
-    product = float(scaler.get_scale()) * float(scaler.get_backoff_factor())
-    return float(struct.unpack("<f", struct.pack("<f", product))[0])
