@@ -40,6 +40,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ import torch
 from nanguard import dist
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.guard.health import Engine
+from nanguard.guard.diagnoser import replay_trip
 from nanguard.integrations import guard_options, require
 from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard, _batch_of
@@ -106,16 +107,12 @@ class DeepSpeedGuard(LoopGuard):
             run_dir=run_dir,
             **options,
         )
+        guard.health.read_engine(self.state.grad_norm, self.state.master_params(), sharded=self.state.stage > 0)
+        guard.recovery.engine_tensors = self.state.partitions
+        guard.recovery.engine_holds_parameters = self.state.stage >= 3
         self.state.expose_optimizer_state()
-        guard.attach_engine(
-            Engine(
-                grad_norm=self.state.grad_norm,
-                params=self.state.master_params(),
-                sharded=self.state.stage > 0,
-                tensors=self.state.partitions,
-                holds_parameters=self.state.stage >= 3,
-            )
-        )
+        if guard.recovery.snapshot is not None:  # rollback: Guard's first snapshot, again with them
+            guard.recovery.take_snapshot(guard.step_count)
         self._losses: list[torch.Tensor] = []
         self._micro: list[Micro] = []  # the step just checked, for naming an overflow the scaler skipped
         self._replay_scale: float | None = None  # the loss scale a replay scales by (None: the engine's now)
@@ -177,22 +174,31 @@ class DeepSpeedGuard(LoopGuard):
         if not micro:
             return
         self._replay_scale = scale
-        try:  # judged with the run's history, as a trip is: gradients that overflow because the run diverges
-            diag = self.guard.engine_verdict(
-                step,
+        # Judged with the run's history, as a trip is: gradients that overflow because the run is
+        # diverging (a far too high LR) are a divergence, not a float16 range problem.
+        run = self.guard.diagnoser.run_facts(step)
+        try:
+            replayed = replay_trip(
+                self.guard.model,
                 lambda: self._replay(micro),
-                action="overflow",
                 batch=_batch_of(micro, self._user.forward),
                 rng=micro[0].rng,
-                scale=scale,
+                step=step,
+                with_module_stats=False,
+                run=run,
             )
         finally:
             self._replay_scale = None
             dist.zero_grad(self.engine.module)
             self._capture.restore_stats()
+        found = replayed.diagnosis
+        flagged = dist.agree_flag(found is not None)
+        diag = dist.gather_diagnosis(found, flagged) if flagged else None
         if diag is None:
             return
+        diag = replace(diag, step=step)  # gathered diagnoses are not edited after they are made
         self.last_overflow = diag
+        self.guard.recorder.trip(step, action="overflow", ranks=flagged, diagnosis=diag, scale=scale)
         if self._announces():
             log.warning(
                 "nanguard: step %d: DeepSpeed's loss scaler skipped an fp16 overflow (scale %g): %s",
