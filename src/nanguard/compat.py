@@ -75,7 +75,11 @@ __all__ = [
     "lightning_logging_off",
     "lightning_step_context",
     "lookup_backend",
+    "olmo_drop_metrics",
+    "olmo_skip_step_history",
     "pipeline_stage_hooks",
+    "replicate_sync_off",
+    "replicated",
     "scaler_scale",
     "scaler_steps_aside",
     "step_with_found_inf",
@@ -246,6 +250,26 @@ def fsdp_sync_pinned_off(model: nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             module.__dict__.pop("set_requires_gradient_sync", None)
+
+
+# Known to work: torch 2.13.0. ``torch.distributed._composable.replicate`` (OLMo-core's DDP) makes the
+# module's class a subclass of its own ``DDP`` class; ``set_requires_gradient_sync`` (it takes no
+# ``recurse``) is handed to the inner DistributedDataParallel by the next forward's pre-hook.
+def replicated(model: nn.Module) -> bool:
+    """Is ``model`` data parallel by ``torch.distributed._composable.replicate``?"""
+    from torch.distributed._composable.replicate import DDP
+
+    return isinstance(model, DDP)
+
+
+@contextlib.contextmanager
+def replicate_sync_off(model: nn.Module) -> Iterator[None]:
+    """Inside the block a ``replicate``d ``model`` reduces no gradients."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 def _sync_off(
@@ -523,6 +547,25 @@ def hf_trainer_of(callback: Any) -> Any:
 
 def hf_callbacks(trainer: Any) -> list[Any]:
     return trainer.callback_handler.callbacks
+
+
+# Known to work: ai2-olmo-core 3.0.x. ``Trainer._metrics`` holds each step's recorded metrics
+# ({step: {name: tensor}}) until the next ``_log_metrics`` reduces and logs them; there is no
+# public way to take one back.
+def olmo_drop_metrics(trainer: Any, names: tuple[str, ...]) -> None:
+    """Take the current step's metrics ``names`` out of what the OLMo-core trainer will log."""
+    recorded = trainer._metrics.get(trainer.global_step)
+    if recorded is not None:
+        for name in names:
+            recorded.pop(name, None)
+
+
+# Known to work: ai2-olmo-core 3.0.x. ``SkipStepOptimizer`` keeps its rolling window of losses and
+# grad norms in ``_losses`` and ``_grad_norms`` (appended to by its ``latest_loss``/``latest_grad_norm``
+# setters, with no way to take one back).
+def olmo_skip_step_history(optimizer: Any) -> tuple[list[Any], list[Any]]:
+    """``(losses, grad norms)``: the lists an OLMo-core ``SkipStepOptimizer`` judges a step against."""
+    return optimizer._losses, optimizer._grad_norms
 
 
 def compiled_backend(module: nn.Module) -> Any:

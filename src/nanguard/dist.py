@@ -511,6 +511,10 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
                 watch.local = False
                 watch.reset()  # nothing the replay did may reach the next step's check
         return
+    if compat.replicated(model):  # composable replicate (OLMo-core's DDP): its own switch
+        with compat.replicate_sync_off(model), _local_collectives():
+            yield
+        return
     setter = getattr(model, "set_requires_gradient_sync", None)  # FSDP2 fully_shard
     if callable(setter):
         setter(False)
