@@ -23,10 +23,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -79,8 +81,36 @@ def olmo_rank(
     _environment(rank, world)
     prepare_training_environment(backend="gloo" if world > 1 else None, seed=0)
     logging.getLogger("olmo_core").setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory() as tmp:
+    with _shared_dir(world) as tmp, _one_run():
         return _train(rank, world, tmp, setup, fault, fault_rank, policy, steps, lr, optim, options or {})
+
+
+@contextlib.contextmanager
+def _shared_dir(world: int) -> Iterator[str]:
+    """One temporary directory for every rank (OLMo-core's data loader expects a shared file system)."""
+    import torch.distributed as tdist
+
+    path = [tempfile.mkdtemp(prefix="nanguard-olmo-")]
+    if world > 1:
+        tdist.broadcast_object_list(path, src=0)  # a str: nothing but a path crosses
+    try:
+        yield path[0]
+    finally:
+        if world > 1:
+            tdist.barrier()
+        if world == 1 or tdist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _one_run() -> Iterator[None]:
+    """OLMo-core builds its world mesh once a process: forget it after each run, so one spawn runs many."""
+    from olmo_core.distributed import parallel
+
+    try:
+        yield
+    finally:
+        parallel._WORLD_MESH = None
 
 
 def _environment(rank: int, world: int) -> None:
@@ -272,10 +302,12 @@ def _counting() -> Iterator[dict[str, int]]:
     counts = {"forward": 0, "backward": 0}
     forward, backward = Transformer.forward, torch.Tensor.backward
 
+    @functools.wraps(forward)  # the signature stays the model's: the guard names inputs by it
     def counted_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         counts["forward"] += 1
         return forward(self, *args, **kwargs)
 
+    @functools.wraps(backward)
     def counted_backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         counts["backward"] += 1
         return backward(self, *args, **kwargs)
