@@ -30,13 +30,14 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["BAD_STEP", "FAULTS", "SEQ", "VOCAB", "olmo_rank", "single"]
+__all__ = ["BAD_STEP", "FAULTS", "SEQ", "VOCAB", "olmo_rank", "ranks_cases", "single"]
 
 BAD_STEP = 3
 """The trainer step (OLMo-core counts from 1) a fault is planted at."""
@@ -48,16 +49,19 @@ _MODULE = "blocks.1.feed_forward.w1"
 _METRICS = ("train/CE loss", "optim/total grad norm", "optim/step skipped", "nanguard/skipped", "nanguard/trips")
 
 
-def single(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """``olmo_rank(0, 1, *args, **kwargs)`` in a fresh spawned process: OLMo-core's environment setup
-    (logging, exception hooks, the start method) stays out of the caller's process."""
+def single(cases: list[list[Any]]) -> list[dict[str, Any]]:
+    """Each case ``[setup, fault, fault_rank, policy, keywords]`` run as ``olmo_rank(0, 1, ...)``, one
+    after the other in one fresh spawned process: OLMo-core's environment setup (logging, exception
+    hooks, the start method) stays out of the caller's process."""
     ctx = mp.get_context("spawn")
     with ctx.Pool(1) as pool:
-        return pool.apply(_single, (args, kwargs))  # type: ignore[no-any-return]
+        return pool.apply(ranks_cases, (0, 1, cases))
 
 
-def _single(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    return olmo_rank(0, 1, *args, **kwargs)
+def ranks_cases(rank: int, world: int, cases: list[list[Any]]) -> list[dict[str, Any]]:
+    """Each case ``[setup, fault, fault_rank, policy, keywords]`` on this rank, in order (for
+    ``spawn_ranks``: one spawn, one import of OLMo-core, many runs)."""
+    return [olmo_rank(rank, world, *case[:4], **(case[4] if len(case) > 4 else {})) for case in cases]
 
 
 def olmo_rank(
@@ -146,6 +150,8 @@ def _train(
 
     torch.manual_seed(0)
     model = _model()
+    if fault == "embeds":  # the features come in precomputed: the token table is not trained (DDP wants
+        model.embeddings.weight.requires_grad_(False)  # every trained parameter used)
     if rank == fault_rank:
         _plant(model, fault)
     train_module = _train_module(model, setup, lr, optim)
@@ -159,12 +165,10 @@ def _train(
         no_checkpoints=True,
         no_evals=True,
     )
-    guard = None
     if policy is not None:
         from nanguard.integrations.olmo_core import NanGuardCallback
 
-        guard = NanGuardCallback(policy=policy, module_stats=False, **options)
-        config = config.with_callback("nanguard", guard)
+        config = config.with_callback("nanguard", NanGuardCallback(policy=policy, module_stats=False, **options))
     config = config.with_callback("recorder", recorder)
     trainer = config.build(train_module, data_loader)
     error = None
@@ -172,10 +176,10 @@ def _train(
         try:
             trainer.fit()
         except NonFiniteError as err:
-            error = f"NonFiniteError: {err.diagnosis.cause}"
+            error = f"NonFiniteError: {err.diagnosis.cause if err.diagnosis is not None else None}"
         except Exception as err:  # OLMo-core's own reaction to the fault, reported as it was
             error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    guard = trainer.callbacks.get("nanguard")  # the trainer's (TrainerConfig.with_callback deep-copies)
+    guard: Any = trainer.callbacks.get("nanguard")  # the trainer's (TrainerConfig.with_callback deep-copies)
     diag = guard.last_diagnosis if guard is not None else None
     params = list(train_module.model.parameters())
     return {
@@ -191,6 +195,8 @@ def _train(
         "backwards": counts["backward"],
         "diag": diag.to_dict() if diag is not None else None,
         "trips": guard.trips if guard is not None else 0,
+        "times": recorder.times,
+        "collectives": recorder.collectives,
     }
 
 
@@ -262,19 +268,23 @@ def _recorder(faulty: bool, fault: str | None) -> Any:
     the faulty rank, and keeps what the trainer logged (``metrics``) and which steps were skipped."""
     from olmo_core.train.callbacks import Callback
 
-    class Recorder(Callback):  # type: ignore[misc]
+    class Recorder(Callback):
         priority = 1000  # before every other callback: the batch is changed before anyone reads it
 
         def __init__(self) -> None:
             self.metrics: dict[str, dict[str, float]] = {}
             self.skipped: list[int] = []
+            self.times: list[float] = []  # seconds from pre_step to post_train_batch, each step
+            self.collectives: list[int] = []  # torch.distributed calls in that window, each step
 
         def pre_step(self, batch: dict[str, Any]) -> None:
+            _STEP.update(start=time.perf_counter(), collectives=0)
             bad = faulty and self.step == BAD_STEP
             _BAD["now"] = bad
             if fault == "embeds":
                 # Precomputed input embeddings (an encoder's, spliced into the sequence): the table's rows.
-                weight = _local(self.trainer.train_module.model.embeddings.weight).detach()
+                module: Any = self.trainer.train_module
+                weight = _local(module.model.embeddings.weight).detach()
                 embeds = weight[batch["input_ids"] % weight.shape[0]].clone()
                 if bad:
                     embeds[1, 5, :] = float("nan")
@@ -283,7 +293,10 @@ def _recorder(faulty: bool, fault: str | None) -> Any:
                 batch["input_ids"][1, 5] = VOCAB + 9
 
         def post_train_batch(self) -> None:
-            callback = self.trainer.callbacks.get("nanguard")
+            self.times.append(time.perf_counter() - _STEP["start"])
+            self.collectives.append(int(_STEP["collectives"]))
+            _STEP["start"] = None
+            callback: Any = self.trainer.callbacks.get("nanguard")
             if callback is not None and callback.step_skipped:
                 self.skipped.append(self.step)
             _BAD["now"] = False
@@ -294,13 +307,22 @@ def _recorder(faulty: bool, fault: str | None) -> Any:
     return Recorder()
 
 
+_STEP: dict[str, Any] = {"start": None, "collectives": 0}
+"""The step being timed: when it started (None between steps), the collectives it called."""
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+
+
 @contextlib.contextmanager
 def _counting() -> Iterator[dict[str, int]]:
-    """Count the model forwards (``Transformer.forward``) and ``Tensor.backward`` calls inside."""
+    """Count the model forwards (``Transformer.forward``) and ``Tensor.backward`` calls inside, and
+    each step's ``torch.distributed`` collectives (Python calls: DDP's own gradient all-reduce runs
+    in C++ and is not among them)."""
+    import torch.distributed as tdist
     from olmo_core.nn.transformer import Transformer
 
     counts = {"forward": 0, "backward": 0}
     forward, backward = Transformer.forward, torch.Tensor.backward
+    collectives = {name: getattr(tdist, name) for name in _COLLECTIVES}
 
     @functools.wraps(forward)  # the signature stays the model's: the guard names inputs by it
     def counted_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -312,11 +334,24 @@ def _counting() -> Iterator[dict[str, int]]:
         counts["backward"] += 1
         return backward(self, *args, **kwargs)
 
+    def counted(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if _STEP["start"] is not None:
+                _STEP["collectives"] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
     Transformer.forward, torch.Tensor.backward = counted_forward, counted_backward  # type: ignore[method-assign]
+    for name, fn in collectives.items():
+        setattr(tdist, name, counted(fn))
     try:
         yield counts
     finally:
         Transformer.forward, torch.Tensor.backward = forward, backward  # type: ignore[method-assign]
+        for name, fn in collectives.items():
+            setattr(tdist, name, fn)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
