@@ -28,46 +28,65 @@ FAULTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 _TIMEOUT = 120.0
 
 
-def run(fault: str, policy: str | None) -> list[dict[str, Any]] | str:
-    """Both ranks' results, or what the spawn reported when a rank crashed or hung."""
+def compare_rank(rank: int, world: int, case: list[Any], out: str) -> dict[str, Any]:
+    """``olmo_rank`` on this rank, its result written to ``out`` at once: a rank whose peer stopped may
+    then hang in a collective, and what it did is kept all the same."""
+    import json
+
+    from nanguard._io import atomic_write_text
     from nanguard.zoo.olmo import ranks_cases
+
+    result = ranks_cases(rank, world, [case])[0]
+    atomic_write_text(Path(out, f"rank{rank}.json"), json.dumps(result))
+    return result
+
+
+def run(fault: str, policy: str | None) -> list[dict[str, Any] | None]:
+    """Each rank's result (None for a rank that did not finish: stuck in a collective its stopped peer never joined)."""
+    import json
+    import tempfile
+
     from nanguard.zoo.spawn import RanksFailed, spawn_ranks
 
     _, keywords, options = FAULTS[fault]
     case = ["ddp", None if fault == "lr" else fault, 1, policy, {**keywords, "options": options}]
-    try:
-        return [r[0] for r in spawn_ranks(ranks_cases, [case], world=2, timeout=_TIMEOUT)]
-    except RanksFailed as err:
-        return str(err)
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            return list(spawn_ranks(compare_rank, case, out, world=2, timeout=_TIMEOUT))
+        except RanksFailed:
+            files = [Path(out, f"rank{r}.json") for r in range(2)]
+            return [json.loads(f.read_text(encoding="utf-8")) if f.exists() else None for f in files]
 
 
-def olmo_alone(result: list[dict[str, Any]] | str) -> str:
-    if isinstance(result, str):
-        errors = re.findall(r"^(\w+Error: [^\n]{0,80})", result, flags=re.M)
-        hung = "no result before the deadline" in result
-        said = f"`{errors[-1]}` on rank 1" if errors else "a rank crashed"
-        waits = "; rank 0 waits in the gradient all-reduce until the job is killed" if hung else ""
-        return said + waits
-    r0 = result[0]
-    finite = "finite" if all(r["finite"] for r in result) else f"NaN ({r0['params']} of {r0['params']} parameters)"
-    if r0["error"]:
-        return f"`{r0['error'][:70]}` after step {r0['steps']}; weights {finite}"
-    norms = [m.get("optim/total grad norm") for m in r0["metrics"].values()]
+def olmo_alone(result: list[dict[str, Any] | None]) -> str:
+    done = [r for r in result if r is not None]
+    stuck = [rank for rank, r in enumerate(result) if r is None]
+    if not done:
+        return "no rank finished"
+    r = next((r for r in done if r["error"]), done[0])
+    finite = "finite" if all(x["finite"] for x in done) else f"NaN ({r['params']} of {r['params']} parameters)"
+    if stuck:
+        waits = ", ".join(f"rank {k}" for k in stuck)
+        return f"`{r['error'][:70]}` on rank {r['rank']} at step {r['steps']}; {waits} hung until the job was killed"
+    if r["error"]:
+        return f"`{r['error'][:70]}` after step {r['steps']}; weights {finite}"
+    norms = [m.get("optim/total grad norm") for m in r["metrics"].values()]
     shown = ", ".join(f"{n:.3g}" for n in norms if n is not None)
-    return f"runs on: {r0['steps']} steps, none skipped, grad norm logged {shown}; weights {finite}"
+    return f"runs on: {r['steps']} steps, none skipped, grad norm logged {shown}; weights {finite}"
 
 
-def nanguard(result: list[dict[str, Any]] | str) -> str:
-    if isinstance(result, str):
-        return f"failed: {result.splitlines()[0][:80]}"
+def nanguard(result: list[dict[str, Any] | None]) -> str:
+    if any(r is None for r in result):
+        return "a rank did not finish"
     r0 = result[0]
+    assert r0 is not None
     d = r0["diag"]
     if d is None:
         return "no trip"
     where = ", ".join(f"`{d[k]}`" for k in ("op", "module") if d.get(k))
     ranks = "every rank" if d["ranks"] == [0, 1] else f"rank {d['rank']}"
     steps = ", ".join(map(str, r0["skipped"]))
-    finite = "finite" if all(r["finite"] for r in result) else "NOT finite"
+    finite = "finite" if all(r is not None and r["finite"] for r in result) else "NOT finite"
     named = f"`{d['cause']}` ({d['phase']}{', ' + where if where else ''}) on {ranks}"
     return f"{named}; step(s) {steps} skipped on both ranks, weights {finite}"
 

@@ -33,7 +33,6 @@ _CASES: dict[str, list] = {
     "ddp_log_r1": ["ddp", "log", 1, "skip"],
     "ddp_nan_grad_r0": ["ddp", "nan_grad", 0, "skip"],
     "ddp_nan_grad_r1": ["ddp", "nan_grad", 1, "skip"],
-    "ddp_nan_grad_r1_unguarded": ["ddp", "nan_grad", 1, None],
     "ddp_token_r0": ["ddp", "token", 0, "skip", {"options": {"check_batch": True}}],
     "ddp_token_r1": ["ddp", "token", 1, "skip", {"options": {"check_batch": True}}],
     "ddp_embeds_r0": ["ddp", "embeds", 0, "skip"],
@@ -42,7 +41,6 @@ _CASES: dict[str, list] = {
     # LR 1e5x OLMo-core's usual: the loss grows 20,000-fold in one step and the gradients' squared
     # norm overflows float32 (OLMo-core's clip then zeroes them; its run goes on, its grad norm inf).
     "ddp_lr": ["ddp", None, 0, "skip", {"lr": 100.0, "steps": 3}],
-    "ddp_log_r1_raise": ["ddp", "log", 1, "raise"],
     "fsdp_plain": ["fsdp", None, 0, None],
     "fsdp_guarded": ["fsdp", None, 0, "skip"],
     "fsdp_log_r0": ["fsdp", "log", 0, "skip"],
@@ -56,6 +54,10 @@ _CASES: dict[str, list] = {
     "fsdp_embeds_r1": ["fsdp", "embeds", 1, "skip"],
     "ddp_rollback": ["ddp", None, 0, "rollback"],
     "ddp_adamw_nan_grad_r1": ["ddp", "nan_grad", 1, "skip", {"optim": "adamw"}],
+    # Last: a run that stops on an error leaves OLMo-core's bookkeeping collectives where they were (an
+    # unguarded run's NaN loss stops the ranks at different points, so it runs alone in the one-process test
+    # and in benchmarks/olmo_core_compare.py).
+    "ddp_log_r1_raise": ["ddp", "log", 1, "raise"],
 }
 
 
@@ -178,13 +180,6 @@ def test_a_nan_gradient_made_in_one_ranks_backward_is_skipped_and_the_weights_st
     other = runs[name.replace("nan_grad", "log").replace(f"_r{rank}", f"_r{1 - rank}")]
     if name.startswith("ddp"):  # DDP ranks hold the same weights; FSDP shards differ per rank
         assert ranks[0]["digest"] == ranks[1]["digest"] == other[0]["digest"]
-
-
-@pytest.mark.dist
-def test_skipstepadamw_alone_turns_every_parameter_nan_on_that_gradient(runs: dict[str, list[dict]]) -> None:
-    ranks = runs["ddp_nan_grad_r1_unguarded"]
-    assert all(not r["finite"] for r in ranks)  # all 21 parameters, on both ranks
-    assert all(r["error"] is not None and "nan loss" in r["error"] for r in ranks)
 
 
 @pytest.mark.dist

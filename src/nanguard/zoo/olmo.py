@@ -85,22 +85,27 @@ def olmo_rank(
     _environment(rank, world)
     prepare_training_environment(backend="gloo" if world > 1 else None, seed=0)
     logging.getLogger("olmo_core").setLevel(logging.WARNING)
-    with _shared_dir(world) as tmp, _one_run():
-        return _train(rank, world, tmp, setup, fault, fault_rank, policy, steps, lr, optim, options or {})
+    with _shared_dir(world) as (tmp, run), _one_run():
+        result = _train(rank, world, tmp, setup, fault, fault_rank, policy, steps, lr, optim, options or {})
+        run["stopped"] = result["error"] is not None
+        return result
 
 
 @contextlib.contextmanager
-def _shared_dir(world: int) -> Iterator[str]:
-    """One temporary directory for every rank (OLMo-core's data loader expects a shared file system)."""
+def _shared_dir(world: int) -> Iterator[tuple[str, dict[str, bool]]]:
+    """One temporary directory for every rank (OLMo-core's data loader expects a shared file system),
+    removed by rank 0 once every rank is done with it; a run that stopped on an error waits for no peer
+    (a peer may be stuck in a collective the stopped rank never joins)."""
     import torch.distributed as tdist
 
     path = [tempfile.mkdtemp(prefix="nanguard-olmo-")]
     if world > 1:
         tdist.broadcast_object_list(path, src=0)  # a str: nothing but a path crosses
+    run = {"stopped": False}
     try:
-        yield path[0]
+        yield path[0], run
     finally:
-        if world > 1:
+        if world > 1 and not run["stopped"]:
             tdist.barrier()
         if world == 1 or tdist.get_rank() == 0:
             shutil.rmtree(path[0], ignore_errors=True)
