@@ -97,10 +97,10 @@ def section() -> str:
     rows = []
     for fault, (what, _, _) in FAULTS.items():
         rows.append(f"| {what} | {olmo_alone(run(fault, None))} | {nanguard(run(fault, 'skip'))} |")
-    import olmo_core
+    from importlib.metadata import version
 
     conditions = (
-        f"ai2-olmo-core {olmo_core.__version__} `Trainer`, DDP on 2 gloo ranks (CPU), `SkipStepAdamW`, clip 1.0, "
+        f"ai2-olmo-core {version('ai2-olmo-core')} `Trainer`, DDP on 2 gloo ranks (CPU), `SkipStepAdamW`, clip 1.0, "
         f"each fault on rank 1 at step 3 (torch {torch.__version__}):"
     )
     return f"""## OLMo-core on its own, and with `NanGuardCallback`
