@@ -67,9 +67,9 @@ def olmo_alone(result: list[dict[str, Any] | None]) -> str:
     finite = "finite" if all(x["finite"] for x in done) else f"NaN ({r['params']} of {r['params']} parameters)"
     if stuck:
         waits = ", ".join(f"rank {k}" for k in stuck)
-        return f"`{r['error'][:70]}` on rank {r['rank']} at step {r['steps']}; {waits} hung until the job was killed"
+        return f"`{r['error'][:120]}` on rank {r['rank']} at step {r['steps']}; {waits} hung until the job was killed"
     if r["error"]:
-        return f"`{r['error'][:70]}` after step {r['steps']}; weights {finite}"
+        return f"`{r['error'][:120]}` after step {r['steps']}; weights {finite}"
     norms = [m.get("optim/total grad norm") for m in r["metrics"].values()]
     shown = ", ".join(f"{n:.3g}" for n in norms if n is not None)
     return f"runs on: {r['steps']} steps, none skipped, grad norm logged {shown}; weights {finite}"

@@ -26,8 +26,11 @@ _WARM = 2  # the first steps of each run (allocation, the first optimizer step) 
 
 def rounds_on_rank(rank: int, world: int, setup: str, rounds: int, steps: int) -> dict[str, Any]:
     """Plain and guarded runs alternately, ``rounds`` of each: their step times and collectives."""
+    import torch
+
     from nanguard.zoo.olmo import olmo_rank
 
+    torch.set_num_threads(1)  # one intra-op thread per process: the ranks share this machine's cores
     times: dict[str, list[float]] = {"plain": [], "guarded": []}
     collectives: dict[str, list[int]] = {"plain": [], "guarded": []}
     for _ in range(rounds):
@@ -83,7 +86,9 @@ clip 1.0); a run unguarded, then one with `NanGuardCallback(policy="skip", modul
 step timed from the trainer's `pre_step` to its `post_train_batch` (forward, backward, the callbacks'
 `pre_optim_step`, clip, optimizer step), the first {_WARM} of each run left out, the median over all runs.
 "collectives added" counts `torch.distributed` calls a step (guarded minus unguarded; DDP's and FSDP's own gradient
-collectives run in C++ and are the same in both). The machine is shared, so the ratio, not the time, is the result.
+collectives run in C++ and are the same in both). One intra-op thread per process. The machine is shared and was
+loaded (see the load average above): the ratio, not the time, is the result, and at this load it moves by tens of
+percent from run to run.
 {machine()}. Reproduce: `.venv/bin/python benchmarks/olmo_core_overhead.py --rounds {rounds} --steps {steps}`.
 
 A healthy step adds one all-reduce of `2 x world_size + 2` float32 (the ranks' agreed health; none in one

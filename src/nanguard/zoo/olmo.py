@@ -183,7 +183,8 @@ def _train(
         except NonFiniteError as err:
             error = f"NonFiniteError: {err.diagnosis.cause if err.diagnosis is not None else None}"
         except Exception as err:  # OLMo-core's own reaction to the fault, reported as it was
-            error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            cause = err.__cause__ or err.__context__  # its bookkeeping thread's error comes wrapped
+            error = _said(err) + (f" ({_said(cause)})" if cause is not None else "")
     guard: Any = trainer.callbacks.get("nanguard")  # the trainer's (TrainerConfig.with_callback deep-copies)
     diag = guard.last_diagnosis if guard is not None else None
     params = list(train_module.model.parameters())
@@ -203,6 +204,10 @@ def _train(
         "times": recorder.times,
         "collectives": recorder.collectives,
     }
+
+
+def _said(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 def _model() -> Any:
