@@ -88,6 +88,7 @@ def one_process() -> dict[str, dict]:
 
 def _diag(ranks: list[dict]) -> dict:
     """The diagnosis, the same on both ranks."""
+    assert all(r["diag"] is not None for r in ranks), [(r["error"], r["skipped"], r["trips"]) for r in ranks]
     a, b = ({k: r["diag"][k] for k in _FIELDS} for r in ranks)
     assert a == b
     return a
