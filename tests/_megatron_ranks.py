@@ -179,6 +179,9 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
 
         guard = MegatronGuard(chunks, optimizer, policy=run["policy"], **run.get("options", {}))
         step_func = guard.forward_step(forward_step)
+    counts = [0, 0]  # the chunk's training forwards, and the backwards through its output
+    chunks[0].register_forward_pre_hook(lambda *a: counts.__setitem__(0, counts[0] + 1))
+    step_func = _counted(step_func, counts)
     forward_backward = get_forward_backward_func()
     micro = run.get("micro", 1)
     bad_kind, bad_rank, bad_step = run.get("fault") or (None, -1, -1)
@@ -211,15 +214,28 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
         "results": [[bool(r[0]), None if r[1] is None else float(r[1])] for r in results],
         "losses": losses,
         "weights": weights(chunks),
+        "forwards": counts[0],
+        "backwards": counts[1],
         "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters()),
     }
     if guard is not None:
         diag = guard.last_diagnosis
         out["skipped"] = guard.skipped
         out["diagnosis"] = diag.to_dict() if diag is not None else None
-        out["forwards"], out["backwards"] = guard.calls
         guard.close()
     return out
+
+
+def _counted(step_func: Any, counts: list[int]) -> Any:
+    """``step_func`` whose output counts the backwards through it (the user's forward runs inside)."""
+
+    def counted(data_iterator: Any, model: nn.Module) -> Any:
+        output, loss = step_func(data_iterator, model)
+        if output.requires_grad:
+            output.register_hook(lambda grad: counts.__setitem__(1, counts[1] + 1))
+        return output, loss
+
+    return counted
 
 
 def weights(chunks: list[nn.Module]) -> list[float]:
