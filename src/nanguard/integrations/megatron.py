@@ -325,21 +325,24 @@ class MegatronGuard(GuardedCallback):
         params = [p for model in self.models for p in model.parameters() if p.requires_grad]
 
         def run(m: Micro) -> Any:
-            received = m.extra.get("received")
+            received, grad = m.extra.get("received"), m.extra.get("grad")
+            # A pipeline stage that received non-finite activations (or gradients) did not create
+            # them: the stage before it (after it) did, and replays them from finite inputs.
+            if received is not None and not _finite(received):
+                return None
             if received is not None:
                 _set_received(m.run, received)
             assert m.run is not None
             with self._capture.precision(m):
                 out = m.run(*m.args, **m.kwargs)
-            grad = m.extra.get("grad")
             loss_func = m.extra.get("loss_func")
             if loss_func is not None:
                 loss = _scaled_loss(loss_func(out), n)
                 self._backward(loss, params, None)
                 return loss
-            if grad is not None and isinstance(out, torch.Tensor):
+            if grad is not None and isinstance(out, torch.Tensor) and _finite(grad):
                 self._backward(out, params, grad)
-            else:
+            elif grad is None:
                 dist.unobserved("the backward of this pipeline stage (no gradient came back to it)")
             return out
 
@@ -362,6 +365,13 @@ def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside a Megatron optimizer (a ChainedOptimizer's, in order)."""
     parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [p.optimizer for p in parts if isinstance(getattr(p, "optimizer", None), torch.optim.Optimizer)]
+
+
+def _finite(value: Any) -> bool:
+    """Are the floating tensors of ``value`` (a tensor or a list of them) all finite? (A trip only.)"""
+    tensors = value if isinstance(value, list) else [value]
+    with torch.no_grad():
+        return all(bool(torch.isfinite(t).all()) for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _as_tensor(norm: Any) -> torch.Tensor:
