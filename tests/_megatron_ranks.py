@@ -124,7 +124,7 @@ def build(run: dict[str, Any]) -> tuple[list[nn.Module], Any, Fault]:
     )
     ddp = DistributedDataParallel(config, ddp_config, inner)
     opt_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=run.get("optimizer", "adam"),
         lr=run.get("lr", 1e-2),
         bf16=dtype == "bf16",
         params_dtype=DTYPES[dtype],
@@ -165,6 +165,20 @@ def forward_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor, An
     return output, partial(loss_func, b["loss_mask"])
 
 
+def regression_loss(target: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A squared error on the logits: plain SGD at an LR far above 2 / (its curvature) multiplies the
+    error every step (geometric growth, whatever the seed) until it overflows."""
+    loss = (output.float() - target).pow(2).mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def regression_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor, Any]:
+    """A ``forward_step_func`` regressing the logits (the model without labels returns them)."""
+    b = next(data_iterator)
+    output = model(b["tokens"], b["position_ids"], None)
+    return output, partial(regression_loss, b["loss_mask"][..., None] * 0.1)
+
+
 def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     """``steps`` steps of Megatron's loop, guarded (``policy``) or not; what each rank saw."""
     from megatron.core import parallel_state
@@ -173,12 +187,12 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     chunks, optimizer, fault = build(run)
     dp_rank = parallel_state.get_data_parallel_rank()
     guard = None
-    step_func = forward_step
+    step_func = regression_step if run.get("regression") else forward_step
     if run.get("policy") is not None:
         from nanguard.integrations.megatron import MegatronGuard
 
         guard = MegatronGuard(chunks, optimizer, policy=run["policy"], **run.get("options", {}))
-        step_func = guard.forward_step(forward_step)
+        step_func = guard.forward_step(step_func)
     counts = [0, 0]  # the chunk's training forwards, and the backwards through its output
     chunks[0].register_forward_pre_hook(lambda *a: counts.__setitem__(0, counts[0] + 1))
     step_func = _counted(step_func, counts)
@@ -187,6 +201,8 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     bad_kind, bad_rank, bad_step = run.get("fault") or (None, -1, -1)
     results: list[Any] = []
     losses: list[float] = []
+    trips: list[dict[str, Any]] = []  # each skipped step's diagnosis, in order
+    said: list[str] = []
     for step in range(run.get("steps", 3)):
         batches = [batch(dp_rank, step, m) for m in range(micro)]
         here = rank == bad_rank and step == bad_step
@@ -210,6 +226,9 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
         )
         results.append(list(optimizer.step()))
         losses.extend(float(s["lm loss"]) for s in stored)
+        if guard is not None and guard.step_skipped and guard.last_diagnosis is not None:
+            trips.append(guard.last_diagnosis.to_dict())
+            said.append(str(guard.last_diagnosis))
     out: dict[str, Any] = {
         "results": [[bool(r[0]), None if r[1] is None else float(r[1])] for r in results],
         "losses": losses,
@@ -222,6 +241,7 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
         diag = guard.last_diagnosis
         out["skipped"] = guard.skipped
         out["diagnosis"] = diag.to_dict() if diag is not None else None
+        out["trips"], out["said"] = trips, said
         guard.close()
     return out
 

@@ -1,0 +1,141 @@
+"""Megatron-core guarded by MegatronGuard, with the real package on CPU (gloo, 2 spawned ranks; the CUDA
+shim lives in ``_megatron_cpu``, in the test processes only): a tiny GPT from a ``TransformerConfig``,
+Megatron's DistributedDataParallel, its optimizer (the DistributedOptimizer too), its schedules
+(``get_forward_backward_func``), data, tensor and pipeline parallel. Healthy runs are bit-identical
+to unguarded ones with the same forwards and backwards; a fault on one rank is named (cause, module,
+rank and its TP/PP/DP coordinates) on every rank and the step skipped there (``update_successful``
+False on every rank); the weights stay finite where Megatron's own fp32 step applies the NaN.
+Each spawned group runs several runs in sequence."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from _megatron_ranks import FAULT_MODULE, run_cases
+
+from nanguard.zoo.spawn import spawn_ranks
+
+pytestmark = pytest.mark.dist
+
+STEPS, BAD_STEP = 3, 1
+
+EXPECTED = {
+    "data": ("data.nonfinite", None, "data"),
+    "ids": ("data.index_out_of_range", None, "data"),
+    "log": ("op.log_domain", FAULT_MODULE, "forward"),
+    "grad": ("op.nan_write", FAULT_MODULE, "backward"),
+}
+"""Each fault's diagnosis: a NaN in the batch's loss mask, a token id past the vocabulary (named by the
+batch check: no IndexError ends the job), ``log`` of a negative in one module, a NaN written into one
+module's gradient in its backward."""
+
+
+def _cases(base: dict[str, Any], faults: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    base = {**base, "steps": STEPS}
+    runs = [base, {**base, "policy": "skip"}]
+    for kind, rank in faults:
+        options = {"check_batch": True} if kind == "ids" else {}
+        runs.append({**base, "policy": "skip", "fault": (kind, rank, BAD_STEP), "options": options})
+    return runs
+
+
+def _coordinates(base: dict[str, Any], rank: int) -> dict[str, int]:
+    """Where ``rank`` sits in a 2-rank world: TP 2, PP 2, or data parallel 2."""
+    if base.get("tp", 1) == 2:
+        return {"tp": rank, "pp": 0, "dp": 0}
+    if base.get("pp", 1) == 2:
+        return {"tp": 0, "pp": rank, "dp": 0}
+    return {"tp": 0, "pp": 0, "dp": rank}
+
+
+def _check(results: list[list[dict[str, Any]]], base: dict[str, Any], faults: list[tuple[str, int]]) -> None:
+    micro = base.get("micro", 1)
+    for rank, runs in enumerate(results):
+        plain, guarded, *faulted = runs
+        where = f"{base} rank {rank}"
+        assert "error" not in plain and "error" not in guarded, (where, plain.get("error"), guarded.get("error"))
+        # Healthy: bit-identical (weights, losses, Megatron's grad norms), the same forwards and backwards.
+        assert guarded["weights"] == plain["weights"], where
+        assert guarded["losses"] == plain["losses"], where
+        assert guarded["results"] == plain["results"], where
+        assert guarded["forwards"] == plain["forwards"] == STEPS * micro, where
+        assert guarded["backwards"] == plain["backwards"] == STEPS * micro, where
+        assert guarded["skipped"] == 0 and guarded["diagnosis"] is None, where
+        for (kind, bad_rank), run in zip(faults, faulted, strict=True):
+            assert "error" not in run, (where, kind, run.get("error"))
+            diag = run["diagnosis"]
+            assert diag is not None, (where, kind)
+            cause, module, phase = EXPECTED[kind]
+            got = (diag["cause"], diag["module"], diag["phase"], diag["rank"])
+            assert got == (cause, module, phase, bad_rank), (where, kind, bad_rank, diag)
+            assert diag["step"] == BAD_STEP, (where, kind)
+            assert diag["evidence"]["parallel"] == _coordinates(base, bad_rank), (where, kind)
+            # Skipped on every rank as Megatron's own fp16 skip: (False, None, None); the run went on.
+            assert [r[0] for r in run["results"]] == [s != BAD_STEP for s in range(STEPS)], (where, kind)
+            assert run["results"][BAD_STEP][1] is None
+            assert run["skipped"] == 1 and run["finite"], (where, kind)
+            assert all(math.isfinite(v) for v in run["weights"]), (where, kind)
+            assert run["weights"] != plain["weights"], (where, kind)  # the skipped batch left no update
+            assert "hardware" not in " ".join(run["said"]), (where, kind)
+
+
+def test_data_parallel_with_the_distributed_optimizer_faults_on_rank_0_and_1() -> None:
+    """DP 2, Megatron's DDP and DistributedOptimizer, fp32: healthy identical; a NaN in rank 1's batch,
+    a token id past the vocabulary on rank 0, ``log`` of a negative on rank 0, a NaN gradient on rank 1."""
+    base = {"dist_opt": True}
+    faults = [("data", 1), ("ids", 0), ("log", 0), ("grad", 1)]
+    results = spawn_ranks(run_cases, _cases(base, faults), world=2, timeout=600)
+    _check(results, base, faults)
+
+
+def test_tensor_and_pipeline_parallel_faults_on_rank_0_and_1() -> None:
+    """TP 2 (the tracer follows the values through Megatron's TP all-reduces to the rank that made
+    them) and PP 2 with 2 micro-batches through Megatron's 1F1B schedule (each stage replays from what
+    it received; the stage that received a non-finite value did not create it)."""
+    tp, pp = {"tp": 2}, {"pp": 2, "micro": 2}
+    tp_faults, pp_faults = [("log", 1), ("grad", 0)], [("log", 0), ("grad", 1)]
+    cases = [*_cases(tp, tp_faults), *_cases(pp, pp_faults)]
+    results = spawn_ranks(run_cases, cases, world=2, timeout=600)
+    n = 2 + len(tp_faults)
+    _check([runs[:n] for runs in results], tp, tp_faults)
+    _check([runs[n:] for runs in results], pp, pp_faults)
+
+
+def test_a_far_too_high_lr_is_a_divergence_on_every_rank_where_megatron_applies_nan() -> None:
+    """Megatron's SGD at an LR far above 2 / curvature, no clipping: unguarded, Megatron's fp32 step
+    returns ``(True, nan, ...)`` and applies the NaN update; guarded, the first non-finite step is
+    ``optimizer.divergence`` on every rank (never hardware), skipped, and the weights stay finite."""
+    base = {"steps": 7, "lr": 50.0, "optimizer": "sgd", "clip_grad": 0.0, "regression": True}
+    results = spawn_ranks(run_cases, [base, {**base, "policy": "skip"}], world=2, timeout=600)
+    for rank, (plain, guarded) in enumerate(results):
+        assert "error" not in plain and "error" not in guarded, rank
+        first_nan = next(i for i, r in enumerate(plain["results"]) if not math.isfinite(r[1]))
+        assert plain["results"][first_nan][0] is True and not plain["finite"], rank  # Megatron stepped on NaN
+        first = guarded["trips"][0]
+        assert first["cause"] == "optimizer.divergence" and first["step"] == first_nan, (rank, first)
+        assert all(t["cause"] == "optimizer.divergence" for t in guarded["trips"]), rank
+        assert guarded["results"][:first_nan] == plain["results"][:first_nan], rank
+        assert guarded["results"][first_nan][0] is False and guarded["finite"], rank
+        text = " ".join(guarded["said"])
+        assert "hardware" not in text and "drain" not in text, rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "base",
+    [{"dtype": "bf16"}, {"dtype": "bf16", "dist_opt": True}, {"dist_opt": True, "dtype": "bf16", "micro": 2},
+     {"tp": 2, "dtype": "bf16"}, {"pp": 2, "micro": 2, "dtype": "bf16"}, {}],
+    ids=["dp-bf16", "distopt-bf16", "distopt-bf16-accum", "tp-bf16", "pp-bf16", "dp-fp32"],
+)
+def test_every_fault_on_both_ranks(base: dict[str, Any]) -> None:
+    """Every fault on rank 0 and on rank 1, in each parallel layout and precision."""
+    faults = [(kind, rank) for kind in ("data", "ids", "log", "grad") for rank in (0, 1)]
+    if base.get("pp", 1) == 2:  # the token ids enter the first stage, the loss mask the last
+        faults = [(k, r) for k, r in faults if (k, r) not in (("data", 0), ("ids", 1))]
+    results = spawn_ranks(run_cases, _cases(base, faults), world=2, timeout=1200)
+    _check(results, base, faults)
