@@ -84,35 +84,51 @@ def _check(results: list[list[dict[str, Any]]], base: dict[str, Any], faults: li
             assert "hardware" not in " ".join(run["said"]), (where, kind)
 
 
-def test_data_parallel_with_the_distributed_optimizer_faults_on_rank_0_and_1() -> None:
+DP_FAULTS = [("data", 1), ("ids", 0), ("log", 0), ("grad", 1)]
+TP, TP_FAULTS = {"tp": 2}, [("log", 1), ("grad", 0)]
+PP, PP_FAULTS = {"pp": 2, "micro": 2}, [("log", 0), ("grad", 1)]
+DIVERGE = {"steps": 6, "lr": 50.0, "optimizer": "sgd", "clip_grad": 0.0, "regression": True}
+NAN_CHECK = {"dist_opt": True, "check_for_nan_in_grad": True, "steps": STEPS, "policy": "skip"}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[list[dict[str, Any]]]]:
+    """Every always-run case in one spawned group of 2 ranks (starting one costs seconds), by layout."""
+    groups = {
+        "dp": _cases({"dist_opt": True}, DP_FAULTS),
+        "tp": _cases(TP, TP_FAULTS),
+        "pp": _cases(PP, PP_FAULTS),
+        "diverge": [DIVERGE, {**DIVERGE, "policy": "skip"}],
+        "nan_check": [{**NAN_CHECK, "fault": ("grad", 0, BAD_STEP)}],
+    }
+    flat = [case for cases in groups.values() for case in cases]
+    results = spawn_ranks(run_cases, flat, world=2, timeout=900)
+    out, at = {}, 0
+    for name, cases in groups.items():
+        out[name] = [rank_runs[at : at + len(cases)] for rank_runs in results]
+        at += len(cases)
+    return out
+
+
+def test_data_parallel_with_the_distributed_optimizer_faults_on_rank_0_and_1(runs: dict[str, Any]) -> None:
     """DP 2, Megatron's DDP and DistributedOptimizer, fp32: healthy identical; a NaN in rank 1's batch,
     a token id past the vocabulary on rank 0, ``log`` of a negative on rank 0, a NaN gradient on rank 1."""
-    base = {"dist_opt": True}
-    faults = [("data", 1), ("ids", 0), ("log", 0), ("grad", 1)]
-    results = spawn_ranks(run_cases, _cases(base, faults), world=2, timeout=600)
-    _check(results, base, faults)
+    _check(runs["dp"], {"dist_opt": True}, DP_FAULTS)
 
 
-def test_tensor_and_pipeline_parallel_faults_on_rank_0_and_1() -> None:
+def test_tensor_and_pipeline_parallel_faults_on_rank_0_and_1(runs: dict[str, Any]) -> None:
     """TP 2 (the tracer follows the values through Megatron's TP all-reduces to the rank that made
     them) and PP 2 with 2 micro-batches through Megatron's 1F1B schedule (each stage replays from what
     it received; the stage that received a non-finite value did not create it)."""
-    tp, pp = {"tp": 2}, {"pp": 2, "micro": 2}
-    tp_faults, pp_faults = [("log", 1), ("grad", 0)], [("log", 0), ("grad", 1)]
-    cases = [*_cases(tp, tp_faults), *_cases(pp, pp_faults)]
-    results = spawn_ranks(run_cases, cases, world=2, timeout=600)
-    n = 2 + len(tp_faults)
-    _check([runs[:n] for runs in results], tp, tp_faults)
-    _check([runs[n:] for runs in results], pp, pp_faults)
+    _check(runs["tp"], TP, TP_FAULTS)
+    _check(runs["pp"], PP, PP_FAULTS)
 
 
-def test_a_far_too_high_lr_is_a_divergence_on_every_rank_where_megatron_applies_nan() -> None:
+def test_a_far_too_high_lr_is_a_divergence_on_every_rank_where_megatron_applies_nan(runs: dict[str, Any]) -> None:
     """Megatron's SGD at an LR far above 2 / curvature, no clipping: unguarded, Megatron's fp32 step
     returns ``(True, nan, ...)`` and applies the NaN update; guarded, the first non-finite step is
     ``optimizer.divergence`` on every rank (never hardware), skipped, and the weights stay finite."""
-    base = {"steps": 7, "lr": 50.0, "optimizer": "sgd", "clip_grad": 0.0, "regression": True}
-    results = spawn_ranks(run_cases, [base, {**base, "policy": "skip"}], world=2, timeout=600)
-    for rank, (plain, guarded) in enumerate(results):
+    for rank, (plain, guarded) in enumerate(runs["diverge"]):
         assert "error" not in plain and "error" not in guarded, rank
         first_nan = next(i for i, r in enumerate(plain["results"]) if not math.isfinite(r[1]))
         assert plain["results"][first_nan][0] is True and not plain["finite"], rank  # Megatron stepped on NaN
@@ -123,6 +139,19 @@ def test_a_far_too_high_lr_is_a_divergence_on_every_rank_where_megatron_applies_
         assert guarded["results"][first_nan][0] is False and guarded["finite"], rank
         text = " ".join(guarded["said"])
         assert "hardware" not in text and "drain" not in text, rank
+
+
+def test_megatrons_check_for_nan_in_grad_is_taken_over(runs: dict[str, Any]) -> None:
+    """With ``check_for_nan_in_grad`` on, Megatron raises "found NaN in local grad norm" on the rank whose
+    own gradients hold the NaN (in the backward: the other rank waits in its all-reduce). Guarded, its
+    local bucket norm is the guard's flag: the step is named on that rank and skipped on both."""
+    for rank, (run,) in enumerate(runs["nan_check"]):
+        assert "error" not in run, (rank, run.get("error"))
+        diag = run["diagnosis"]
+        assert (diag["cause"], diag["rank"], diag["phase"]) == ("op.nan_write", 0, "backward"), rank
+        assert diag["evidence"]["flagged_ranks"] == [0], rank  # only rank 0's own gradients were non-finite
+        assert [r[0] for r in run["results"]] == [s != BAD_STEP for s in range(STEPS)], rank
+        assert run["finite"], rank
 
 
 @pytest.mark.slow
