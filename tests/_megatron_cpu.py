@@ -50,9 +50,7 @@ class _OnCpu(TorchFunctionMode):
             pass
         if func in _TO and args:
             args = (args[0], *(_cpu(a) for a in args[1:]))
-        elif func in _CUDA:
-            return args[0]
-        elif func is torch.Tensor.pin_memory:
+        elif func in _CUDA or func is torch.Tensor.pin_memory:
             return args[0]
         return func(*args, **kwargs)
 

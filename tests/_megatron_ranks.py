@@ -24,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from _megatron_cpu import install  # noqa: E402
+from _megatron_cpu import install
 
 VOCAB, SEQ, HIDDEN, ROWS = 64, 8, 16, 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from _megatron_ranks import FAULT_MODULE, run_cases
-
 from nanguard.zoo.spawn import spawn_ranks
 
 pytestmark = pytest.mark.dist
@@ -157,8 +156,14 @@ def test_megatrons_check_for_nan_in_grad_is_taken_over(runs: dict[str, Any]) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "base",
-    [{"dtype": "bf16"}, {"dtype": "bf16", "dist_opt": True}, {"dist_opt": True, "dtype": "bf16", "micro": 2},
-     {"tp": 2, "dtype": "bf16"}, {"pp": 2, "micro": 2, "dtype": "bf16"}, {}],
+    [
+        {"dtype": "bf16"},
+        {"dtype": "bf16", "dist_opt": True},
+        {"dist_opt": True, "dtype": "bf16", "micro": 2},
+        {"tp": 2, "dtype": "bf16"},
+        {"pp": 2, "micro": 2, "dtype": "bf16"},
+        {},
+    ],
     ids=["dp-bf16", "distopt-bf16", "distopt-bf16-accum", "tp-bf16", "pp-bf16", "dp-fp32"],
 )
 def test_every_fault_on_both_ranks(base: dict[str, Any]) -> None:

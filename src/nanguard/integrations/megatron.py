@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -66,8 +65,6 @@ from nanguard.integrations.loop import _named_arguments, _valid_ids
 _core: Any = require("megatron.core", "engines", "megatron-core")
 
 __all__ = ["MegatronGuard"]
-
-log = logging.getLogger("nanguard")
 
 POLICIES = ("skip", "raise")
 
@@ -135,7 +132,8 @@ class MegatronGuard(GuardedCallback):
         self._hooks = [c.register_forward_pre_hook(self._before_forward, with_kwargs=True) for c in chunks]
         self._patch(optimizer, "prepare_grads", self._prepare_grads)
         self._patch(optimizer, "step", self._step)
-        self._patch(optimizer, _NORM_METHOD[len(inner) > 1], self._clip_norm(optimizer, len(inner) > 1))
+        chained = hasattr(optimizer, "chained_optimizers")  # its step reduces the norm by get_grad_norm
+        self._patch(optimizer, _NORM_METHOD[chained], self._clip_norm(optimizer, chained))
         for m in self.models:
             self._patch(m, "set_input_tensor", self._set_input_tensor(m.set_input_tensor))
         self._nan_check = _LocalGradCheck(chunks)
@@ -246,7 +244,7 @@ class MegatronGuard(GuardedCallback):
         self._originals.append((obj, name))
 
     def _original(self, obj: Any, name: str) -> Callable[..., Any]:
-        return getattr(type(obj), name).__get__(obj)  # type: ignore[no-any-return]
+        return getattr(type(obj), name).__get__(obj)
 
     def _step(self) -> Any:
         self._checked = False
@@ -371,7 +369,9 @@ def _finite(value: Any) -> bool:
     """Are the floating tensors of ``value`` (a tensor or a list of them) all finite? (A trip only.)"""
     tensors = value if isinstance(value, list) else [value]
     with torch.no_grad():
-        return all(bool(torch.isfinite(t).all()) for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
+        return all(
+            bool(torch.isfinite(t).all()) for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()
+        )
 
 
 def _as_tensor(norm: Any) -> torch.Tensor:
@@ -443,7 +443,11 @@ class _LocalGradCheck(dist.CommWatch):
     "this rank's own gradients were non-finite" flag (no host read, no raise)."""
 
     def __init__(self, chunks: Sequence[nn.Module]) -> None:
-        groups = [g for c in chunks for g in [*getattr(c, "bucket_groups", []), *getattr(c, "expert_parallel_bucket_groups", [])]]
+        groups = [
+            g
+            for c in chunks
+            for g in [*getattr(c, "bucket_groups", []), *getattr(c, "expert_parallel_bucket_groups", [])]
+        ]
         self.groups = [g for g in groups if g.ddp_config.check_for_nan_in_grad]
         self._bad: torch.Tensor | None = None
         for group in self.groups:
