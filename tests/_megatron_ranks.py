@@ -151,18 +151,31 @@ def batch(rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
     }
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron's GPT loss: the per-token losses averaged over the mask."""
+def loss_func(
+    loss_mask: torch.Tensor, output: torch.Tensor, validate: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's GPT loss: the per-token losses averaged over the mask; ``validate``: checked by
+    Megatron's RerunStateMachine as ``pretrain_gpt.py``'s loss function does."""
     losses = output.float().view(-1)
     loss = (losses * loss_mask.view(-1)).sum() / loss_mask.sum()
+    if validate:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        get_rerun_state_machine().validate_result(
+            result=loss,
+            rejection_func=torch.isnan,
+            message="found NaN in local forward loss calculation",
+            tolerance=0.0,
+            fatal=True,
+        )
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor, Any]:
+def forward_step(data_iterator: Any, model: nn.Module, validate: bool = False) -> tuple[torch.Tensor, Any]:
     """Megatron's ``forward_step_func``: the batch from the iterator, the model, and the loss function."""
     b = next(data_iterator)
     output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-    return output, partial(loss_func, b["loss_mask"])
+    return output, partial(loss_func, b["loss_mask"], validate=validate)
 
 
 def regression_loss(target: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -187,7 +200,9 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     chunks, optimizer, fault = build(run)
     dp_rank = parallel_state.get_data_parallel_rank()
     guard = None
-    step_func = regression_step if run.get("regression") else forward_step
+    step_func: Any = regression_step if run.get("regression") else forward_step
+    if run.get("validate"):
+        step_func = partial(forward_step, validate=True)
     if run.get("policy") is not None:
         from nanguard.integrations.megatron import MegatronGuard
 

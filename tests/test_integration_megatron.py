@@ -99,6 +99,7 @@ def runs() -> dict[str, list[list[dict[str, Any]]]]:
         "pp": _cases(PP, PP_FAULTS),
         "diverge": [DIVERGE, {**DIVERGE, "policy": "skip"}],
         "nan_check": [{**NAN_CHECK, "fault": ("grad", 0, BAD_STEP)}],
+        "validate": [{"validate": True, "steps": STEPS, "policy": "skip", "fault": ("data", 1, BAD_STEP)}],
     }
     flat = [case for cases in groups.values() for case in cases]
     results = spawn_ranks(run_cases, flat, world=2, timeout=900)
@@ -173,3 +174,13 @@ def test_every_fault_on_both_ranks(base: dict[str, Any]) -> None:
         faults = [(k, r) for k, r in faults if (k, r) not in (("data", 0), ("ids", 1))]
     results = spawn_ranks(run_cases, _cases(base, faults), world=2, timeout=1200)
     _check(results, base, faults)
+
+
+def test_a_rerun_state_machine_validation_leaves_a_nan_loss_to_the_guard(runs: dict[str, Any]) -> None:
+    """``pretrain_gpt.py``'s loss function validates the loss with Megatron's RerunStateMachine, which
+    raises on a NaN (its default mode) on that rank alone. Inside the guarded loss function the guard
+    decides first: the NaN in rank 1's batch is named and the step skipped on both ranks."""
+    for rank, (run,) in enumerate(runs["validate"]):
+        assert "error" not in run, (rank, run.get("error"))
+        assert (run["diagnosis"]["cause"], run["diagnosis"]["rank"]) == ("data.nonfinite", 1), rank
+        assert [r[0] for r in run["results"]] == [s != BAD_STEP for s in range(STEPS)], rank
