@@ -43,7 +43,7 @@ def rank_case(rank: int, world: int, case: dict[str, Any], out: str) -> dict[str
     try:
         result = train(case, rank)
     except Exception as err:  # what Megatron does on this fault: the job's error
-        result = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+        result = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
     Path(out, f"{rank}.json").write_text(json.dumps(result))
     if "error" in result:
         sys.stdout.flush()
@@ -70,9 +70,15 @@ def run(case: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _megatron(ranks: list[dict[str, Any]], bad_step: int) -> str:
-    errors = [f"rank {r}: {d['error']}" for r, d in enumerate(ranks) if "error" in d]
-    if errors:
-        return "; ".join(errors)
+    if any("error" in d for d in ranks):
+        raised = [r for r, d in enumerate(ranks) if "error" in d and "gloo" not in d["error"]]
+        said = [f"rank {r} raises `{ranks[r]['error']}`" for r in raised]
+        waiting = [r for r in range(len(ranks)) if r not in raised]
+        if waiting:
+            said.append(
+                f"rank {', '.join(map(str, waiting))} waits in its collective until the raising rank's process is gone"
+            )
+        return "; ".join(said)
     results = ranks[0]["results"]
     step = bad_step if bad_step >= 0 else next(i for i, r in enumerate(results) if not math.isfinite(r[1] or 0.0))
     ok, norm = results[step]
@@ -88,10 +94,12 @@ def _guarded(ranks: list[dict[str, Any]]) -> str:
     where = f" in `{diag['module']}`" if diag["module"] else ""
     coords = diag["evidence"].get("parallel", {})
     place = ", ".join(f"{k} {v}" for k, v in coords.items())
+    ranks_named = diag.get("ranks") or [diag["rank"]]
+    who = f"rank {diag['rank']}" if len(ranks_named) == 1 else f"ranks {', '.join(map(str, ranks_named))}"
     agree = all(d["trips"][0]["cause"] == diag["cause"] for d in ranks)
     finite = all(d["finite"] for d in ranks)
     return (
-        f"step {diag['step']}: `{diag['cause']}`{where} ({diag['phase']}), rank {diag['rank']} ({place}); "
+        f"step {diag['step']}: `{diag['cause']}`{where} ({diag['phase']}), {who} ({place}); "
         f"`(False, None, None)` on {'every rank' if agree else 'some ranks'}; weights {'finite' if finite else 'NaN'}"
     )
 

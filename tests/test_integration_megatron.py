@@ -184,3 +184,18 @@ def test_a_rerun_state_machine_validation_leaves_a_nan_loss_to_the_guard(runs: d
         assert "error" not in run, (rank, run.get("error"))
         assert (run["diagnosis"]["cause"], run["diagnosis"]["rank"]) == ("data.nonfinite", 1), rank
         assert [r[0] for r in run["results"]] == [s != BAD_STEP for s in range(STEPS)], rank
+
+
+def test_wrong_arguments_name_what_is_accepted() -> None:
+    """The model must be Megatron's model chunks and the optimizer Megatron's (a torch optimizer is not)."""
+    import torch
+
+    from nanguard.integrations.megatron import MegatronGuard
+
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"policy must be one of \['skip', 'raise'\]"):
+        MegatronGuard([layer], None, policy="rollback")
+    with pytest.raises(ValueError, match="model must be Megatron's list of model chunks"):
+        MegatronGuard([], torch.optim.SGD(layer.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="get_megatron_optimizer"):
+        MegatronGuard([layer], torch.optim.SGD(layer.parameters(), lr=0.1))

@@ -95,6 +95,11 @@ class MegatronGuard(GuardedCallback):
         run_dir: str | Path | None = None,
         **options: Any,
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(
+                f"policy must be one of {list(POLICIES)} under Megatron (a rollback would have to restore "
+                f"Megatron's main parameters and optimizer shards), got {policy!r}"
+            )
         chunks = [model] if isinstance(model, nn.Module) else list(model)
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
             raise ValueError(f"model must be Megatron's list of model chunks (nn.Module), got {model!r}")
@@ -102,11 +107,6 @@ class MegatronGuard(GuardedCallback):
             raise ValueError(
                 "optimizer must be the optimizer get_megatron_optimizer returned (a MegatronOptimizer), "
                 f"got {type(optimizer).__name__}"
-            )
-        if policy not in POLICIES:
-            raise ValueError(
-                f"policy must be one of {list(POLICIES)} under Megatron (a rollback would have to restore "
-                f"Megatron's main parameters and optimizer shards), got {policy!r}"
             )
         guard_options(policy, options)
         self.chunks, self.optimizer = chunks, optimizer
