@@ -28,10 +28,10 @@ SETUPS = {"dp": ("DP=2, DistributedOptimizer", {"dist_opt": True}), "tp": ("TP=2
 
 def rank_times(rank: int, world: int, setup: str, rounds: int) -> dict[str, float]:
     """One rank: Megatron's step unguarded and guarded, interleaved; collectives counted per step."""
-    from _megatron_ranks import SEQ, ROWS, batch, build, forward_step, init
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from _megatron_ranks import ROWS, SEQ, batch, build, forward_step, init
     from nanguard.integrations.megatron import MegatronGuard
 
     torch.set_num_threads(1)
