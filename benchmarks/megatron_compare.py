@@ -95,11 +95,11 @@ def _guarded(ranks: list[dict[str, Any]]) -> str:
     coords = diag["evidence"].get("parallel", {})
     place = ", ".join(f"{k} {v}" for k, v in coords.items())
     ranks_named = diag.get("ranks") or [diag["rank"]]
-    who = f"rank {diag['rank']}" if len(ranks_named) == 1 else f"ranks {', '.join(map(str, ranks_named))}"
+    who = f"rank {diag['rank']} ({place})" if len(ranks_named) == 1 else f"ranks {', '.join(map(str, ranks_named))}"
     agree = all(d["trips"][0]["cause"] == diag["cause"] for d in ranks)
     finite = all(d["finite"] for d in ranks)
     return (
-        f"step {diag['step']}: `{diag['cause']}`{where} ({diag['phase']}), {who} ({place}); "
+        f"step {diag['step']}: `{diag['cause']}`{where} ({diag['phase']}), {who}; "
         f"`(False, None, None)` on {'every rank' if agree else 'some ranks'}; weights {'finite' if finite else 'NaN'}"
     )
 
@@ -112,26 +112,14 @@ def section() -> str:
             base["fault"] = (kind, rank, step)
         guarded = {**base, "policy": "skip", "options": {"check_batch": True} if kind == "ids" else {}}
         rows.append((name, "as shipped", _megatron(run(base), step), _guarded(run(guarded))))
-        if kind == "grad":
-            own = run({**base, "check_for_nan_in_grad": True})
-            rows.append(
-                (
-                    name,
-                    "`check_for_nan_in_grad=True`",
-                    _megatron(own, step),
-                    "(the same as above: the check is taken over)",
-                )
-            )
-        if kind == "data":
-            own = run({**base, "validate": True})
-            rows.append(
-                (
-                    name,
-                    "RerunStateMachine loss check",
-                    _megatron(own, step),
-                    "(the same as above: the validation is deferred)",
-                )
-            )
+        extra = {
+            "grad": ("`check_for_nan_in_grad=True`", "check_for_nan_in_grad"),
+            "data": ("RerunStateMachine loss check", "validate"),
+        }
+        if kind in extra:
+            how, option = extra[kind]
+            own, ours = run({**base, option: True}), run({**guarded, option: True})
+            rows.append((name, how, _megatron(own, step), _guarded(ours)))
     table = "\n".join(f"| {n} | {how} | {m} | {g} |" for n, how, m, g in rows)
     conditions = (
         "megatron-core 0.16.1 on 2 gloo ranks (CPU, the tests' CUDA shim), data parallel 2 with its DDP and "

@@ -98,6 +98,7 @@ def runs() -> dict[str, list[list[dict[str, Any]]]]:
         "tp": _cases(TP, TP_FAULTS),
         "pp": _cases(PP, PP_FAULTS),
         "diverge": [DIVERGE, {**DIVERGE, "policy": "skip"}],
+        "alone": [{"dist_opt": True, "steps": STEPS, "fault": ("grad", 1, BAD_STEP)}],
         "nan_check": [{**NAN_CHECK, "fault": ("grad", 0, BAD_STEP)}],
         "validate": [{"validate": True, "steps": STEPS, "policy": "skip", "fault": ("data", 1, BAD_STEP)}],
     }
@@ -114,6 +115,9 @@ def test_data_parallel_with_the_distributed_optimizer_faults_on_rank_0_and_1(run
     """DP 2, Megatron's DDP and DistributedOptimizer, fp32: healthy identical; a NaN in rank 1's batch,
     a token id past the vocabulary on rank 0, ``log`` of a negative on rank 0, a NaN gradient on rank 1."""
     _check(runs["dp"], {"dist_opt": True}, DP_FAULTS)
+    for rank, (alone,) in enumerate(runs["alone"]):  # Megatron on its own: the NaN gradient is applied
+        ok, norm = alone["results"][BAD_STEP]
+        assert ok is True and math.isnan(norm) and not alone["finite"], rank
 
 
 def test_tensor_and_pipeline_parallel_faults_on_rank_0_and_1(runs: dict[str, Any]) -> None:
