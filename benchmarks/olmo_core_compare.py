@@ -115,7 +115,9 @@ The runs are `nanguard.zoo.olmo`'s: a 2-layer llama-like `TransformerConfig` (d_
 its `NumpyFSLDataset` over a token file the run writes, 2 micro-batches of 2 sequences per rank and step. "OLMo-core
 alone" is what its trainer did: `SkipStepAdamW` judges a step against 64 steps of history (half its 128-step window),
 so in a run this short it steps every update, and its skip multiplies the update by 0, which keeps a NaN gradient's
-NaN. The trainer's "nan loss" check runs when the metrics of a step are logged, after that step's update. A token
+NaN. The trainer's "nan loss" check runs in its bookkeeping thread when a step's metrics are logged, after that
+step's update; whether the peer rank then stops too or waits in a collective varies from run to run (both were
+seen on this machine: "hung until the job was killed" is the spawn's deadline, 120 s). A token
 id past the vocabulary raises inside the embedding on its rank only. The guarded runs skip before the clip and the
 update, on every rank, and take the step's loss and grad norm out of the trainer's metrics and out of
 `SkipStepAdamW`'s window. Reproduce: `.venv/bin/python benchmarks/olmo_core_compare.py`.
