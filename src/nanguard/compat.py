@@ -486,6 +486,33 @@ def fabric_inner_optimizer(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(inner, property) else optimizer
 
 
+# Known to work: accelerate 1.15 - 1.16. ``accelerator.prepare`` returns an ``AcceleratedOptimizer``: a
+# torch Optimizer subclass that never ran ``Optimizer.__init__`` (no step hooks of its own), holding the
+# user's optimizer as ``optimizer``. Its ``step()`` steps that optimizer only when
+# ``gradient_state.sync_gradients`` (the last micro-batch of an accumulation) and its GradScaler did not
+# skip; ``step_was_skipped`` (read by ``AcceleratedScheduler.step`` and
+# ``accelerator.optimizer_step_was_skipped``) is its ``_is_overflow``, which only its scaler's step sets.
+def accelerate_optimizer(optimizer: Any) -> bool:
+    """True for an Accelerate-prepared optimizer (a wrapper whose ``step()`` decides whether to step)."""
+    gradient_state = getattr(optimizer, "gradient_state", None)
+    return (
+        isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+        and hasattr(gradient_state, "sync_gradients")
+        and "_optimizer_step_pre_hooks" not in vars(optimizer)
+    )
+
+
+def accelerate_syncing(optimizer: Any) -> bool:
+    """True when the wrapper's next ``step()`` is a real one (the accumulation's last micro-batch)."""
+    return bool(optimizer.gradient_state.sync_gradients)
+
+
+def accelerate_set_skipped(optimizer: Any, skipped: bool) -> None:
+    """Say through the wrapper whether this step happened, as its GradScaler says for an overflow
+    (without a scaler the wrapper never sets it: a skip's True would otherwise stay)."""
+    optimizer._is_overflow = skipped
+
+
 # Known to work: transformers 5.24.0. ``Trainer._tr_loss`` is the running sum of step losses
 # since the last log (a one-element tensor added to in place); ``_initial_global_step`` is the
 # step count ``train_loss`` and the throughput metrics leave out.

@@ -103,9 +103,19 @@ class LoopGuard(GuardedCallback):
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
-            guard.optimizer.register_step_pre_hook(self._before_step),
-            guard.optimizer.register_step_post_hook(self._after_step),
         ]
+        self._wrapper_step: Callable[..., Any] | None = None
+        if compat.accelerate_optimizer(guard.optimizer):
+            # Accelerate's optimizer decides whether to step (accumulation, its GradScaler): the guard
+            # checks at the step the loop calls, and a skip is said through it (``step_was_skipped``).
+            self._wrapper_step = guard.optimizer.step
+            self._in_check = False
+            guard.optimizer.step = self._step_through_wrapper  # type: ignore[method-assign]
+        else:
+            self._hooks += [
+                guard.optimizer.register_step_pre_hook(self._before_step),
+                guard.optimizer.register_step_post_hook(self._after_step),
+            ]
         if scheduler is not None:
             self._scheduler_step = scheduler.step
             scheduler.step = self._scheduler_step_unless_skipped
@@ -162,6 +172,8 @@ class LoopGuard(GuardedCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._wrapper_step is not None:
+            vars(self.guard.optimizer).pop("step", None)
         self._unhook()
         if self.scheduler is not None:
             vars(self.scheduler).pop("step", None)
@@ -225,6 +237,28 @@ class LoopGuard(GuardedCallback):
             return
         assert self.guard is not None
         self.guard.after_step()
+
+    def _step_through_wrapper(self, *args: Any, **kwargs: Any) -> Any:
+        """Accelerate's ``optimizer.step()``: checked where it really steps (not on an accumulating
+        micro-batch), then stepped through the wrapper or skipped, the skip said as its scaler says one."""
+        guard, step = self.guard, self._wrapper_step
+        assert guard is not None and step is not None
+        if self._in_check or not compat.accelerate_syncing(guard.optimizer):
+            return step(*args, **kwargs)  # accumulating (the wrapper steps nothing), or the guard's own step
+        self._in_check = True  # a GradScaler overflow: the guard steps the wrapper (its scaler) itself
+        try:
+            self._before_step(guard.optimizer, (guard.optimizer, *args), kwargs)
+        finally:
+            self._in_check = False
+        if self._skipping:
+            self._skipping = False
+            compat.accelerate_set_skipped(guard.optimizer, True)
+            return None
+        compat.accelerate_set_skipped(guard.optimizer, False)
+        out = step(*args, **kwargs)
+        if not guard.optimizer.step_was_skipped:  # type: ignore[attr-defined]
+            guard.after_step()
+        return out
 
     def _scheduler_step_unless_skipped(self, *args: Any, **kwargs: Any) -> Any:
         if self._hold_scheduler:
