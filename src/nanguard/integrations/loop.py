@@ -9,6 +9,12 @@ own RNG state with gradient communication off (whatever the loop sets
 own micro-batch fetching, ``no_sync``/``require_backward_grad_sync`` toggle, loss all-reduce,
 ``clip_grad_norm_`` and LR schedule run as written, on every rank, skipped step or not.
 
+What ``accelerator.prepare`` returns is taken as it is: the wrapped model, and an
+``AcceleratedOptimizer`` whose ``step()`` decides whether to step (only on the last micro-batch of
+``accelerator.accumulate``, through its GradScaler). The check runs at that real step; a skip is
+said through the wrapper (``accelerator.optimizer_step_was_skipped``), so accelerate's scheduler
+holds the LR as it does for its scaler's skip (docs/frameworks.md, "Accelerate").
+
 Example:
     >>> from nanguard.integrations.loop import LoopGuard
     >>> guard = LoopGuard(model, optimizer, policy="skip", run_dir="runs/exp1")
@@ -105,11 +111,11 @@ class LoopGuard(GuardedCallback):
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
         self._wrapper_step: Callable[..., Any] | None = None
+        self._in_check = False
         if compat.accelerate_optimizer(guard.optimizer):
             # Accelerate's optimizer decides whether to step (accumulation, its GradScaler): the guard
             # checks at the step the loop calls, and a skip is said through it (``step_was_skipped``).
             self._wrapper_step = guard.optimizer.step
-            self._in_check = False
             guard.optimizer.step = self._step_through_wrapper  # type: ignore[method-assign]
         else:
             self._hooks += [
