@@ -78,9 +78,9 @@ def _train(
     that optimizer step's micro-batches (a run that never saw them)."""
     model, optimizer, loader, lr_scheduler = _parts(accelerator, rows, kw.pop("dropout", 0.0))
     guard = LoopGuard(model, optimizer, scheduler=lr_scheduler, **kw) if guarded else None  # +1 line
-    loss_of = _weighted_loss
+    loss_of = custom_loss if callable(custom_loss) else _weighted_loss
     if custom_loss and guard is not None:
-        loss_of = guard.micro_step(_weighted_loss)  # a loss computed outside the model: +1 line
+        loss_of = guard.micro_step(loss_of)  # a loss computed outside the model: +1 line
     skipped, lrs = [], []
     model.train()
     for step, batch in enumerate(loader):
@@ -157,24 +157,36 @@ def test_raise_and_rollback_through_accelerates_objects() -> None:
     assert skipped == [False, False, True, True]
 
 
-def test_accelerates_grad_scaler_healthy_identical_and_a_fault_skipped_once() -> None:
+def _scaled(rows, init_scale=2.0**8, **kw):
     """accelerate builds its float16 GradScaler on CUDA only; a CPU GradScaler stands in, stepped by
     the wrapper as accelerate's own is (its ``step()`` steps and updates the scaler)."""
+    accelerator = _accelerator()
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, backoff_factor=1e-6)
+    return _train(accelerator, rows, **kw), accelerator.scaler
 
-    def run(rows, **kw):
-        accelerator = _accelerator()
-        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-        return _train(accelerator, rows, **kw), accelerator.scaler
 
-    (plain, *_), plain_scaler = run(_rows(1), guarded=False)
-    (guarded, guard, skipped, _), scaler = run(_rows(1), guarded=True)
+def _big(model, batch) -> torch.Tensor:
+    return 1e3 * _weighted_loss(model, batch)
+
+
+def test_accelerates_grad_scaler_skips_its_overflows_itself_guarded_as_unguarded() -> None:
+    # A scale far too large for a loss 1000x: step 0's gradients overflow (x100 past float32's max),
+    # and the scaler skips it itself; its scale x1e-6 then leaves a wide margin.
+    (plain, _, plain_skipped, _), plain_scaler = _scaled(_rows(1), 3e38, guarded=False, custom_loss=_big)
+    (guarded, guard, skipped, _), scaler = _scaled(_rows(1), 3e38, guarded=True, custom_loss=_big)
+    assert plain_skipped == skipped == [True, False, False, False]
     assert torch.equal(plain, guarded) and plain_scaler.get_scale() == scaler.get_scale()
-    assert guard.guard.scaler is scaler and not any(skipped)
+    assert guard.skipped == 0 and guard.guard.overflows == 1 and guard.last_diagnosis is None
+    assert guard.guard.scaler is scaler
+
+
+def test_accelerates_grad_scaler_a_fault_skipped_keeps_the_scale() -> None:
     bad = _rows(1, nan_at=(BAD_STEP, 0))
-    (reference, *_), _ = run(bad, guarded=False, leave_out=BAD_STEP)
-    (weights, guard, skipped, _), scaler = run(bad, guarded=True)
+    (reference, *_), ref_scaler = _scaled(bad, guarded=False, leave_out=BAD_STEP)
+    (weights, guard, skipped, _), scaler = _scaled(bad, guarded=True)
     assert _diag(guard)[0::4] == ["data.nonfinite", BAD_STEP] and guard.skipped == 1
     assert skipped == [i == BAD_STEP for i in range(STEPS)] and torch.equal(weights, reference)
+    assert scaler.get_scale() == ref_scaler.get_scale()  # a bad batch is no overflow: the scale stays
 
 
 def test_guard_check_takes_accelerates_optimizer_and_scheduler() -> None:
