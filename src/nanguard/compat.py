@@ -442,6 +442,13 @@ def written_tensors(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[t
     return written
 
 
+# Known to work: torch 2.4 - 2.13.0. The key-value store the default process group was initialized
+# with (TCPStore under torchrun, FileStore for file://): ranks can share a value through it without
+# a collective, so a rank that never asks holds no one up.
+def default_store() -> Any:
+    return tdist.distributed_c10d._get_default_store()
+
+
 # -- framework internals (the integrations only; no framework is imported here) ------------
 
 

@@ -10,7 +10,9 @@ trip event the ``where`` of the rank that wrote it.
 with one ``O_APPEND`` write (whole lines, never interleaved), so it survives restarts into the
 same ``run_dir``; a guard reads it back when it starts. A device whose flagged trips did not
 reproduce ``warn_after`` times (``GuardConfig.hardware_warn_after``, default 2) is named in a
-warning. Injected trips (``nanguard.inject``) are counted apart and never warned about. A device proven
+warning. Each record carries its run's id (``run``): the warning while a run trains counts that run's
+own trips, once each (one per step and device), and names earlier runs' trips apart, never as this
+run's evidence. Injected trips (``nanguard.inject``) are counted apart and never warned about. A device proven
 faulty (``hardware.faulty_device``: a peer re-computed its step finite) is counted as ``faulty`` and
 ranked first, and its guard warns at once.
 
@@ -26,7 +28,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +94,25 @@ def read_tracker(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def _trip_key(r: Mapping[str, Any]) -> tuple[Any, ...]:
+    """One trip on one device: a record written twice for it (a retried step, two guards) counts once."""
+    return (r.get("run"), r.get("step"), *device_key(r))
+
+
 def device_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Trips per host and device, most transient first: the table ``nanguard report`` shows.
+    """Trips per host and device, most transient first: the table ``nanguard report`` shows. A trip
+    recorded twice (the same run, step and device) counts once.
 
     Example:
         >>> device_rows(read_tracker("runs/job7/hardware.jsonl"))[0]
         {'host': 'node7', 'device': 'cuda:3', 'id': 'GPU-8f..', 'trips': 3, 'transient': 2, 'reproduced': 1, ...}
     """
     rows: dict[tuple[str, str], dict[str, Any]] = {}
+    seen: set[tuple[Any, ...]] = set()
     for r in records:
+        if _trip_key(r) in seen:
+            continue
+        seen.add(_trip_key(r))
         key = device_key(r)
         empty: dict[str, Any] = {
             "host": key[0],
@@ -177,27 +189,43 @@ class Tracker:
         ...                                                           # non-reproducing trip here
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str] | None, *, here: Mapping[str, Any], warn_after: int) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None,
+        *,
+        here: Mapping[str, Any],
+        warn_after: int,
+        run: str | None = None,
+    ) -> None:
         self.path = Path(run_dir) / TRACKER if run_dir is not None else None
         self.here = dict(here)
         self.warn_after = warn_after
+        self.run = run
         self._everyone: list[dict[str, Any]] | None = None
         self.records = read_tracker(self.path) if self.path is not None and self.path.exists() else []
-        transient = self._transient()
-        if warn_after and transient >= warn_after:
+        self.earlier = self._transient(lambda r: r.get("run") != run or run is None)
+        if warn_after and self.earlier >= warn_after:
             log.warning(
-                "nanguard: %s had %d trips that did not reproduce in this run_dir before this start: "
-                "suspect its hardware",
+                "nanguard: %s had %d trips that did not reproduce in earlier runs in this run_dir (before this "
+                "start; not this run's): suspect its hardware",
                 _named(self.here),
-                transient,
+                self.earlier,
             )
 
-    def _transient(self) -> int:
+    def _transient(self, of_run: Callable[[Mapping[str, Any]], bool] | None = None) -> int:
+        """This device's flagged trips that did not reproduce, each once: this run's, or those ``of_run`` picks."""
         mine = device_key(self.here)
-        return sum(
-            1
-            for r in self.records
-            if device_key(r) == mine and r.get("flagged") and not r.get("reproduced") and not r.get("injected")
+        pick = of_run if of_run is not None else (lambda r: self.run is not None and r.get("run") == self.run)
+        return len(
+            {
+                _trip_key(r)
+                for r in self.records
+                if device_key(r) == mine
+                and pick(r)
+                and r.get("flagged")
+                and not r.get("reproduced")
+                and not r.get("injected")
+            }
         )
 
     def everyone(self) -> list[dict[str, Any]]:
@@ -225,6 +253,7 @@ class Tracker:
         me = dist.rank()
         record = {
             **self.here,
+            "run": self.run,
             "time": time.time(),
             "step": step,
             "cause": diag.cause,
@@ -240,15 +269,17 @@ class Tracker:
                 _named(self.here),
                 step,
             )
-        transient = self._transient()
+        # Without a run id (no run_dir) the records are this run's alone: the ones in memory.
+        transient = self._transient(None if self.run is not None else (lambda r: True))
         suspect = record["flagged"] and not record["reproduced"] and not record["injected"]
         if suspect and self.warn_after and transient >= self.warn_after:
             log.warning(
-                "nanguard: %s: %d trips flagged here did not reproduce on replay (the latest at step %d): "
-                "suspect the hardware; drain this node or run its diagnostics",
+                "nanguard: %s: %d trips flagged here in this run did not reproduce on replay "
+                "(the latest at step %d)%s: suspect the hardware; drain this node or run its diagnostics",
                 _named(self.here),
                 transient,
                 step,
+                f", besides {self.earlier} in earlier runs in this run_dir" if self.earlier else "",
             )
             found["suspect_device"] = {**self.here, "transient_trips": transient}
         return found
