@@ -10,9 +10,9 @@ trip event the ``where`` of the rank that wrote it.
 with one ``O_APPEND`` write (whole lines, never interleaved), so it survives restarts into the
 same ``run_dir``; a guard reads it back when it starts. A device whose flagged trips did not
 reproduce ``warn_after`` times (``GuardConfig.hardware_warn_after``, default 2) is named in a
-warning. Each record carries its run's id (``run``): the warning while a run trains counts that run's
-own trips, once each (one per step and device), and names earlier runs' trips apart, never as this
-run's evidence. Injected trips (``nanguard.inject``) are counted apart and never warned about. A device proven
+warning. Each record carries its run's id (``run``), and each trip is counted once (one per run, step
+and device); a warning and the evidence say how many of the trips are this run's and how many earlier
+runs' in the same ``run_dir`` left. Injected trips (``nanguard.inject``) are counted apart and never warned about. A device proven
 faulty (``hardware.faulty_device``: a peer re-computed its step finite) is counted as ``faulty`` and
 ranked first, and its guard warns at once.
 
@@ -28,7 +28,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -203,30 +203,23 @@ class Tracker:
         self.run = run
         self._everyone: list[dict[str, Any]] | None = None
         self.records = read_tracker(self.path) if self.path is not None and self.path.exists() else []
-        self.earlier = self._transient(lambda r: r.get("run") != run or run is None)
+        self.earlier = len(self._transient())  # every record read back is an earlier run's
         if warn_after and self.earlier >= warn_after:
             log.warning(
-                "nanguard: %s had %d trips that did not reproduce in earlier runs in this run_dir (before this "
-                "start; not this run's): suspect its hardware",
+                "nanguard: %s had %d trips that did not reproduce in this run_dir before this start "
+                "(earlier runs' trips, none of this run's yet): suspect its hardware",
                 _named(self.here),
                 self.earlier,
             )
 
-    def _transient(self, of_run: Callable[[Mapping[str, Any]], bool] | None = None) -> int:
-        """This device's flagged trips that did not reproduce, each once: this run's, or those ``of_run`` picks."""
+    def _transient(self) -> set[tuple[Any, ...]]:
+        """This device's flagged trips that did not reproduce, each once (by run, step and device)."""
         mine = device_key(self.here)
-        pick = of_run if of_run is not None else (lambda r: self.run is not None and r.get("run") == self.run)
-        return len(
-            {
-                _trip_key(r)
-                for r in self.records
-                if device_key(r) == mine
-                and pick(r)
-                and r.get("flagged")
-                and not r.get("reproduced")
-                and not r.get("injected")
-            }
-        )
+        return {
+            _trip_key(r)
+            for r in self.records
+            if device_key(r) == mine and r.get("flagged") and not r.get("reproduced") and not r.get("injected")
+        }
 
     def everyone(self) -> list[dict[str, Any]]:
         """Every rank's ``where``, by rank: gathered once, on the first trip (every rank trips together)."""
@@ -269,19 +262,27 @@ class Tracker:
                 _named(self.here),
                 step,
             )
-        # Without a run id (no run_dir) the records are this run's alone: the ones in memory.
-        transient = self._transient(None if self.run is not None else (lambda r: True))
+        keys = self._transient()
+        transient = len(keys)
+        this_run = sum(1 for key in keys if key[0] == self.run)
         suspect = record["flagged"] and not record["reproduced"] and not record["injected"]
         if suspect and self.warn_after and transient >= self.warn_after:
             log.warning(
-                "nanguard: %s: %d trips flagged here in this run did not reproduce on replay "
-                "(the latest at step %d)%s: suspect the hardware; drain this node or run its diagnostics",
+                "nanguard: %s: %d trips flagged here did not reproduce on replay (%d in this run, %d in earlier "
+                "runs in this run_dir; the latest at step %d): suspect the hardware; drain this node or run its "
+                "diagnostics",
                 _named(self.here),
                 transient,
+                this_run,
+                transient - this_run,
                 step,
-                f", besides {self.earlier} in earlier runs in this run_dir" if self.earlier else "",
             )
-            found["suspect_device"] = {**self.here, "transient_trips": transient}
+            found["suspect_device"] = {
+                **self.here,
+                "transient_trips": transient,
+                "this_run": this_run,
+                "earlier_runs": transient - this_run,
+            }
         return found
 
     def _append(self, record: Mapping[str, Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from nanguard import dist
 from nanguard.bundle import MAX_WEIGHTS_BYTES, clean_stale_bundles, save_bundle
-from nanguard.events import EventLog
+from nanguard.events import EventLog, new_run_id
 from nanguard.findings import Diagnosis
 from nanguard.guard.history import Forecast
 from nanguard.rng import get_rng_state
@@ -173,12 +173,12 @@ class Recorder(NullRecorder):
         run: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
-        self.run = run
+        self.run = run if run is not None else new_run_id()  # every event carries a run id
         self.rank = rank
         self.max_bundle_bytes = max_bundle_bytes
         self.model = model if max_weights_bytes else None
         self.max_weights_bytes = max_weights_bytes
-        self.events = EventLog(self.run_dir, rank, run=run)
+        self.events = EventLog(self.run_dir, rank, run=self.run)
         self._bundle_warned = False
         clean_stale_bundles(self.run_dir, rank)  # half-written bundles of a killed run of this rank
 
