@@ -105,6 +105,8 @@ def test_a_log_from_before_run_ids_reads_as_one_run_and_a_new_run_after_it_apart
     report = load_run(tmp_path)
     assert report.run == new.run_id and report.steps_run == 2 and not report.trips
     assert [r.run for r in report.runs] == [None, new.run_id]
+    spans = run_spans(tmp_path / "events-rank0.jsonl")  # the old runs' two starts: one run, from line 1
+    assert [(s.run, s.lineno) for s in spans] == [(None, 1), (new.run_id, len(old) + 1)]
     assert load_run(tmp_path, run="-").trips[0].step == 1
 
 
