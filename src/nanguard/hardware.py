@@ -13,8 +13,8 @@ reproduce ``warn_after`` times (``GuardConfig.hardware_warn_after``, default 2) 
 warning. Each record carries its run's id (``run``), and each trip is counted once (one per run, step
 and device); a warning and the evidence say how many of the trips are this run's and how many earlier
 runs' in the same ``run_dir`` left. Injected trips (``nanguard.inject``) are counted apart and never warned
-about. A device proven faulty (``hardware.faulty_device``: a peer re-computed its step finite) is counted as ``faulty`` and
-ranked first, and its guard warns at once.
+about. A device proven faulty (``hardware.faulty_device``: a peer re-computed its step finite) is counted
+as ``faulty`` and ranked first, and its guard warns at once.
 
 The guard's side is ``Tracker`` (one rank's trips, appended and counted, the warnings) and ``where``;
 the report's side, offline, is ``read_tracker`` and ``device_rows``.
