@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import time
 from pathlib import Path
 
 import pytest
@@ -51,12 +50,12 @@ def _lines(run_dir: Path) -> list[dict]:
 
 def test_every_event_carries_its_runs_id_and_a_reused_run_dir_reports_the_latest_run(tmp_path: Path) -> None:
     first = _train(tmp_path, 6, bad=2)
-    time.sleep(1.1)  # ids sort by their start second
     second = _train(tmp_path, 4)
     assert first.run_id != second.run_id
     events = _lines(tmp_path)
     assert {e["run"] for e in events} == {first.run_id, second.run_id}
-    assert [e["run"] for e in events] == sorted(e["run"] for e in events)  # appended run after run
+    ids = [e["run"] for e in events]
+    assert ids == [first.run_id] * ids.count(first.run_id) + [second.run_id] * ids.count(second.run_id)
     assert {e["kind"] for e in events} >= {"start", "step", "trip", "skip", "end"}
 
     latest = load_run(tmp_path)
@@ -70,7 +69,6 @@ def test_every_event_carries_its_runs_id_and_a_reused_run_dir_reports_the_latest
 
 def test_the_cli_shows_one_run_lists_them_and_names_a_missing_one(tmp_path: Path) -> None:
     first = _train(tmp_path, 5, bad=1)
-    time.sleep(1.1)
     second = _train(tmp_path, 3)
     out, err = io.StringIO(), io.StringIO()
     assert run_report([str(tmp_path)], out=out, err=err) == 0
@@ -177,7 +175,6 @@ def test_the_hardware_warning_counts_each_trip_once_and_says_which_runs_they_cam
 
 def test_the_report_counts_the_shown_runs_hardware_and_says_what_it_left_out(tmp_path: Path) -> None:
     first = _train(tmp_path, 4, bad=1)
-    time.sleep(1.1)
     _train(tmp_path, 4, bad=2)
     report = load_run(tmp_path)
     assert [r["step"] for r in report.hardware] == [2] and report.hardware_elsewhere == 1
@@ -185,3 +182,26 @@ def test_the_report_counts_the_shown_runs_hardware_and_says_what_it_left_out(tmp
     assert run_report([str(tmp_path)], out=out, err=io.StringIO()) == 0
     assert "1 more trip record(s) from other runs" in out.getvalue()
     assert [r["step"] for r in load_run(tmp_path, run=first.run_id).hardware] == [1]
+
+
+def _ranks_run_ids(rank: int, world: int, run_dir: str) -> list:
+    ids = []
+    for only_rank_0 in (False, True):  # a run_dir on every rank, then on rank 0 alone: no rank waits
+        model = nn.Linear(2, 1)
+        on_me = run_dir if not only_rank_0 or rank == 0 else None
+        guard = ng.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=on_me)
+        ids.append(guard.run_id)
+        guard.close()
+    return ids
+
+
+@pytest.mark.dist
+def test_every_rank_of_a_run_writes_the_same_run_id(tmp_path: Path) -> None:
+    from nanguard.zoo.spawn import spawn_ranks
+
+    (zero, one) = spawn_ranks(_ranks_run_ids, str(tmp_path), world=2, timeout=120)
+    assert zero[0] == one[0] is not None and one[1] is None and zero[1] not in (None, zero[0])
+    report = load_run(tmp_path, run=zero[0])
+    assert sorted(report.ranks) == [0, 1] and [r.run for r in report.runs] == [zero[0], zero[1]]
+    with pytest.warns(UserWarning, match=r"world_size is 2 but there is no event log for rank\(s\) 1"):
+        assert sorted(load_run(tmp_path).ranks) == [0]  # the latest run: rank 0's alone

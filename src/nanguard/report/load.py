@@ -412,12 +412,15 @@ def load_run(run_dir: str | Path, *, run: str | None = None, progress: Progress 
 
 
 def _runs(spans: Mapping[int, list[Span]]) -> list[RunInfo]:
-    """The runs the rank logs hold, oldest first (ids sort by start time; logs before run ids first)."""
+    """The runs the rank logs hold, oldest first: logs before run ids, then by the second each started (an
+    id's head) and, within one second, by the order a log appended them."""
     lines: dict[str | None, dict[int, int]] = defaultdict(dict)
+    order: dict[str | None, int] = {}
     for rank, found in spans.items():
-        for span in found:
+        for i, span in enumerate(found):
             lines[span.run][rank] = lines[span.run].get(rank, 0) + span.lines
-    return [RunInfo(r, lines[r]) for r in sorted(lines, key=lambda r: (r is not None, r or ""))]
+            order[span.run] = min(order.get(span.run, i), i)
+    return [RunInfo(r, lines[r]) for r in sorted(lines, key=lambda r: (r is not None, (r or "")[:15], order[r]))]
 
 
 def _chosen(root: Path, runs: list[RunInfo], run: str | None) -> str | None:
