@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and summarize the run: steps, trips with their diagnoses, skips, rollbacks, spikes, remedies, fire "
         "drills and trips per host and device. A run_dir written to more than once shows its latest run (--run "
         "ID another, --runs lists them). --html writes one self-contained page with plots (needs the "
-        "report extra: matplotlib). Exit 0: reported; 1: nothing readable there.",
+        "report extra: matplotlib). Exit 0: reported; 1: nothing readable there (or no such run); 2: --run or "
+        "--runs with several RUN_DIRs.",
     )
     report.add_argument(
         "run_dir",
