@@ -5,7 +5,7 @@ share of the guarded step, timed inside its hooks and its check.
 
 Writes the ``overhead-accelerate`` section of BENCHMARKS.md.
 
-    .venv/bin/python benchmarks/accelerate_overhead.py --rounds 60 --repeats 3
+    .venv/bin/python benchmarks/accelerate_overhead.py --rounds 60 --repeats 3 --threads 1
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from _common import interleaved, machine, write_section
 
 GA, BATCH, T = 2, 8, 32
+SCRIPT = ".venv/bin/python benchmarks/accelerate_overhead.py"
 SIZE = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": T}
 
 
@@ -121,6 +122,7 @@ def section(precisions: list[str], rounds: int, repeats: int) -> str:
         f"clip 1.0, one process, {rounds} interleaved rounds x {repeats} runs, 1-minute load average "
         f"{min(loads):.1f}-{max(loads):.1f}:"
     )
+    reproduce = f"{SCRIPT} --rounds {rounds} --repeats {repeats} --threads {torch.get_num_threads()}"
     return f"""## Accelerate loops (LoopGuard on `run_clm_no_trainer.py`'s loop)
 
 {conditions}
@@ -135,7 +137,7 @@ a step is `accelerator.accumulate`, the forward, `accelerator.backward`, the cli
 ratio is the median over the runs (the run it comes from gives the ms columns), with the range over the runs.
 "guard's own" is the time spent inside the guard per step: recording each forward's inputs and RNG state, the
 check at the real `optimizer.step()`, and the bookkeeping after the update.
-Reproduce: `.venv/bin/python benchmarks/accelerate_overhead.py --rounds {rounds} --repeats {repeats}`.
+Reproduce: `{reproduce}`.
 
 The guard's cost is per step, not per parameter beyond the one fused read of the gradients: on this tiny
 model a step takes milliseconds, so the same cost is a larger share than it would be on a model of real size.
@@ -147,7 +149,11 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["no", "bf16"], choices=["no", "bf16"])
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3, help="runs per precision, the precisions alternating")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (1: on a shared machine more threads oversubscribe it)"
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     os.environ["HF_HUB_OFFLINE"] = "1"
     warnings.filterwarnings("ignore")
     body = section(args.precisions, args.rounds, args.repeats)
