@@ -44,6 +44,7 @@ from nanguard import compat, dist
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options
 from nanguard.integrations.capture import Micro, StepCapture
+from nanguard.integrations.clipnorm import ClipNorm
 
 __all__ = ["LoopGuard"]
 
@@ -125,6 +126,7 @@ class LoopGuard(GuardedCallback):
         if scheduler is not None:
             self._scheduler_step = scheduler.step
             scheduler.step = self._scheduler_step_unless_skipped
+        self._clip = ClipNorm(guard.health.params)  # the loop's clip_grad_norm_: the norm before it clipped
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -180,6 +182,7 @@ class LoopGuard(GuardedCallback):
         self._hooks = []
         if self._wrapper_step is not None:
             vars(self.guard.optimizer).pop("step", None)
+        self._clip.close()
         self._unhook()
         if self.scheduler is not None:
             vars(self.scheduler).pop("step", None)
@@ -238,6 +241,7 @@ class LoopGuard(GuardedCallback):
             self._hold_scheduler = self.scheduler is not None
 
     def _after_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        self._clip.clear()  # a clip after the check (Fabric's) was not the next step's
         if self._skipping:
             self._skipping = False
             return
@@ -297,6 +301,7 @@ class LoopGuard(GuardedCallback):
             batch=_batch_of(micro, self._user.forward),
             on_raise=lambda: self._record(before),
             drop=self._drops_grads,
+            grad_norm=self._clip.take(),
         )
         if not self._verdict:
             self._record(before)
