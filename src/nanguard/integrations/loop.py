@@ -367,13 +367,14 @@ def _valid_ids(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[t
     """The forward's arguments with out-of-range integer ids (``check_batch``'s
     ``data.index_out_of_range``) replaced by 0; None when every id is in range."""
     from nanguard.audit import check_batch
+    from nanguard.audit.data import vocab_of
 
     named = _named_arguments(model.forward, Micro(args, kwargs, rng={}))
     findings = check_batch(named, model=model)
     keys = {f.where.split("'")[1] for f in findings if f.cause == "data.index_out_of_range" and "'" in f.where}
     if not keys:
         return None
-    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    vocab = vocab_of(model)
     if vocab is None:
         return None
 
