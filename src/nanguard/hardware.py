@@ -95,8 +95,10 @@ def read_tracker(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _trip_key(r: Mapping[str, Any]) -> tuple[Any, ...]:
-    """One trip on one device: a record written twice for it (a retried step, two guards) counts once."""
-    return (r.get("run"), r.get("step"), *device_key(r))
+    """One trip on one device: a record written twice for it (a retried step, two guards) counts once.
+    A record without a step (not a guard's) is a trip of its own."""
+    step = r.get("step")
+    return (r.get("run"), step, *device_key(r)) if isinstance(step, int) else (id(r),)
 
 
 def device_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
