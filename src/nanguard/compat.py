@@ -467,6 +467,13 @@ def written_tensors(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[t
     return written
 
 
+# Known to work: torch 2.4 - 2.13.0. The key-value store the default process group was initialized
+# with (TCPStore under torchrun, FileStore for file://): ranks can share a value through it without
+# a collective, so a rank that never asks holds no one up.
+def default_store() -> Any:
+    return tdist.distributed_c10d._get_default_store()
+
+
 # -- framework internals (the integrations only; no framework is imported here) ------------
 
 
@@ -509,6 +516,33 @@ def fabric_modules(module: nn.Module) -> tuple[nn.Module, nn.Module]:
 def fabric_inner_optimizer(optimizer: Any) -> Any:
     inner = getattr(type(optimizer), "optimizer", None)
     return optimizer.optimizer if isinstance(inner, property) else optimizer
+
+
+# Known to work: accelerate 1.15 - 1.16. ``accelerator.prepare`` returns an ``AcceleratedOptimizer``: a
+# torch Optimizer subclass that never ran ``Optimizer.__init__`` (no step hooks of its own), holding the
+# user's optimizer as ``optimizer``. Its ``step()`` steps that optimizer only when
+# ``gradient_state.sync_gradients`` (the last micro-batch of an accumulation) and its GradScaler did not
+# skip; ``step_was_skipped`` (read by ``AcceleratedScheduler.step`` and
+# ``accelerator.optimizer_step_was_skipped``) is its ``_is_overflow``, which only its scaler's step sets.
+def accelerate_optimizer(optimizer: Any) -> bool:
+    """True for an Accelerate-prepared optimizer (a wrapper whose ``step()`` decides whether to step)."""
+    gradient_state = getattr(optimizer, "gradient_state", None)
+    return (
+        isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+        and hasattr(gradient_state, "sync_gradients")
+        and "_optimizer_step_pre_hooks" not in vars(optimizer)
+    )
+
+
+def accelerate_syncing(optimizer: Any) -> bool:
+    """True when the wrapper's next ``step()`` is a real one (the accumulation's last micro-batch)."""
+    return bool(optimizer.gradient_state.sync_gradients)
+
+
+def accelerate_set_skipped(optimizer: Any, skipped: bool) -> None:
+    """Say through the wrapper whether this step happened, as its GradScaler says for an overflow
+    (without a scaler the wrapper never sets it: a skip's True would otherwise stay)."""
+    optimizer._is_overflow = skipped
 
 
 # Known to work: transformers 5.24.0. ``Trainer._tr_loss`` is the running sum of step losses
