@@ -26,6 +26,8 @@ VOCAB = 256
 BAD_STEP = 2
 NAN_ROW = 200  # held by rank 1 under FSDP2 and TP (rows 128..255)
 SEQ = 16
+ATTENTION = "layers.1.attention"
+"""Where the ``attn_sqrt`` fault takes a square root of negatives: the second block's attention."""
 
 
 def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64, loss: str = "chunked") -> dict[str, Any]:
@@ -152,16 +154,16 @@ class _SqrtGrad(torch.autograd.Function):
 def _plant(model: nn.Module, fault: str | None, on: dict[str, bool]) -> None:
     """While ``on``, layers.1.feed_forward.w1 takes the square root of negative values: in its
     forward (``sqrt``) or in its backward (``sqrt_grad``: the loss stays finite)."""
-    if fault not in ("sqrt", "sqrt_grad"):
+    if fault not in ("sqrt", "sqrt_grad", "attn_sqrt"):
         return
-    w1: Any = model.get_submodule("layers.1.feed_forward.w1")
+    w1: Any = model.get_submodule(ATTENTION if fault == "attn_sqrt" else "layers.1.feed_forward.w1")
     forward = w1.forward
 
-    def faulty(x: torch.Tensor) -> torch.Tensor:
-        out = forward(x)
+    def faulty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = forward(*args, **kwargs)
         if not on["bad"]:
             return out
-        return torch.sqrt(out - 1.0) if fault == "sqrt" else _SqrtGrad.apply(out)
+        return _SqrtGrad.apply(out) if fault == "sqrt_grad" else torch.sqrt(out - 1.0)
 
     w1.forward = faulty
 
