@@ -25,8 +25,11 @@ class Net(nn.Module):
         self.act = Act()
         self.out = nn.Linear(16, 4)
 
+        self.outside = False  # return the outputs: the loop computes the loss outside the model
+
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return (self.out(self.act(self.inp(x))).float() - y).pow(2).mean()
+        out = self.out(self.act(self.inp(x)))
+        return out if self.outside else (out.float() - y).pow(2).mean()
 
 
 class Act(nn.Module):
@@ -41,6 +44,8 @@ class Act(nn.Module):
             return h * 1e5  # past float16's max: Inf in float16, finite in float32
         if self.fault == "grad_overflow":
             return torch.tanh(_Amplified.apply(h))  # the backward alone overflows float16
+        if self.fault == "grad_nan":
+            return torch.tanh(_NanGrad.apply(h))  # the backward alone makes NaN
         return torch.tanh(h)
 
 
@@ -55,6 +60,18 @@ class _Amplified(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad * 1e4
+
+
+class _NanGrad(torch.autograd.Function):
+    """The identity forward; a NaN gradient in the backward (a fault only a backward can show)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
 
 
 class Regression(nn.Module):
@@ -161,6 +178,8 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     )
     refused = _refused(engine) if case.get("refuse") else None
     act = getattr(engine.module, "act", None)
+    if case.get("outside"):
+        engine.module.outside = True
     rows = 32 if kind.startswith("regression") else 4  # more rows than inputs: every direction has curvature
     forwards, backwards = [0], [0]  # the module's forwards, and backwards through its last layer
     engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -207,6 +226,8 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
                     loss = guard.step(_closure(engine, x, y))
                 else:
                     loss = engine(x, y)
+                    if case.get("outside"):  # the loss outside the model, no micro_step: the replay sees the forward
+                        loss = (loss.float() - y).pow(2).mean()
                     engine.backward(loss)
                     engine.step()
             losses.append(float(loss))

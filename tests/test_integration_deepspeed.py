@@ -125,6 +125,18 @@ def zero_runs() -> dict[str, list[list[dict[str, Any]]]]:
             {"stage": 2, "dtype": ZERO2, "steps": STEPS, "policy": "skip", "closure": True, "refuse": True},
             {"stage": 2, "dtype": ZERO2, "steps": STEPS, "policy": "skip", "closure": True, "fault": ("log", 0, 1)},
         ],
+        # The loss computed outside the model without micro_step, a NaN made by a backward alone, on each rank.
+        "outside": [
+            {
+                "stage": 2,
+                "dtype": "fp32",
+                "steps": STEPS,
+                "policy": "skip",
+                "outside": True,
+                "fault": ("grad_nan", r, 1),
+            }
+            for r in (0, 1)
+        ],
         # NANGUARD_DISABLE=1: nothing wrapped, the run as the plain one.
         "disabled": [{"stage": 3, "dtype": "fp32", "steps": STEPS, "policy": "skip", "disabled": True}],
         # A checkpoint's NaN row loaded before deepspeed.initialize: row 3 of inp.weight is in rank 0's ZeRO-3
@@ -218,6 +230,22 @@ def test_nanguard_disable_leaves_the_engine_untouched(zero_runs: dict[str, list[
         assert disabled["has_guard"] is False and disabled["recorded_norms"] == [], rank
         assert (disabled["weights"], disabled["losses"]) == (plain["weights"], plain["losses"]), rank
         assert disabled["forwards"] == disabled["backwards"] == STEPS, rank
+
+
+def test_a_replay_that_could_not_run_the_loss_says_what_it_could_not_see(
+    zero_runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    """The replay runs the engine's forward alone (the loss is the loop's, no ``micro_step``): a NaN only the
+    backward makes is not seen there, and the diagnosis says so instead of blaming the hardware."""
+    for runs in zero_runs["outside"]:
+        for rank, run in enumerate(runs):
+            diag = run["diagnosis"]
+            assert run["error"] is None and diag is not None, (rank, run["error"])
+            assert diag["cause"] not in ("step.not_reproduced", "distributed.transient"), (rank, diag)
+            assert diag["evidence"].get("unobserved"), (rank, diag["evidence"])
+            assert not any("hardware" in f or "drain" in f for f in diag["fixes"]), (rank, diag["fixes"])
+            assert not any("drain" in line for line in run["said"]), rank
+            assert run["skipped"] == run["skipped_steps"] == 1, rank
 
 
 def test_a_nan_row_loaded_before_initialize_at_zero3_is_named_on_every_rank(
