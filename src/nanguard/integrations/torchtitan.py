@@ -35,6 +35,7 @@ from torch import nn
 from nanguard import dist, environ
 from nanguard.guard import Guard
 from nanguard.integrations import guard_options
+from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard, _local, _scalar
 
 __all__ = ["IGNORE_INDEX", "TitanGuard"]
@@ -118,13 +119,18 @@ class TitanGuard(LoopGuard):
             return fixed  # check_batch's own fix, no embedding here (a later pipeline stage), or not a training forward
         if not self._computes_loss or self.guard is None or self.guard.config.check_batch:
             return None
-        tokens = args[0] if args else kwargs.get("tokens")
-        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point():
-            return None
-        bad = (tokens < 0) | (tokens >= self._vocab)
-        self._ids_bad = bad.any()
-        valid = torch.where(bad, torch.zeros_like(tokens), tokens)
-        return ((valid, *args[1:]), kwargs) if args else (args, {**kwargs, "tokens": valid})
+        args, kwargs, self._ids_bad = _valid_tokens(args, kwargs, self._vocab)
+        return (args, kwargs) if self._ids_bad is not None else None
+
+    def _replay(self, micro: list[Micro]) -> list[Any]:
+        """The step's micro-batches as the trainer ran them; then, once every rank has run the same
+        forwards and collectives, the recorded ids met as a lookup in the whole vocabulary would meet them."""
+        results = super()._replay(micro)
+        if self._vocab is not None:
+            for m in micro:
+                _look_up(m.args[0] if m.args else m.kwargs.get("tokens"), self._vocab)
+                _look_up(m.extra.get("labels"), self._vocab)
+        return results
 
     def loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn`` (the trainer's ``self.loss_fn``: ``(pred, labels, global_valid_tokens,
@@ -151,9 +157,8 @@ class TitanGuard(LoopGuard):
 
             @functools.wraps(model.forward)
             def run(*a: Any, **k: Any) -> Any:
-                if vocab is not None:  # the replay meets the recorded ids as the whole vocabulary's lookup would
-                    _look_up(a[0] if a else k.get("tokens"), vocab)
-                    _look_up(labels, vocab)
+                if vocab is not None:  # the ids the trainer's forward got: every rank runs the same collectives
+                    a, k = _valid_tokens(a, k, vocab)[:2]
                 return _loss_value(loss_fn(model(*a, **k), used, *args, **kwargs))
 
             m.run = run
@@ -171,6 +176,18 @@ class TitanGuard(LoopGuard):
 def _loss_value(out: Any) -> Any:
     """The loss of what a torchtitan loss returns: ``(loss, metrics)``, or the loss alone."""
     return out[0] if isinstance(out, tuple) else out
+
+
+def _valid_tokens(args: tuple, kwargs: dict[str, Any], vocab: int) -> tuple[tuple, dict[str, Any], torch.Tensor | None]:
+    """The forward's arguments with its token ids (``tokens``, the first) past the vocabulary made 0, and
+    whether there were any, on the device (no host read); None when there are no integer ids."""
+    tokens = args[0] if args else kwargs.get("tokens")
+    if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point():
+        return args, kwargs, None
+    bad = (tokens < 0) | (tokens >= vocab)
+    valid = torch.where(bad, torch.zeros_like(tokens), tokens)
+    fixed = ((valid, *args[1:]), kwargs) if args else (args, {**kwargs, "tokens": valid})
+    return fixed[0], fixed[1], bad.any()
 
 
 def _vocab(model: nn.Module) -> int | None:
@@ -191,5 +208,6 @@ def _look_up(ids: Any, vocab: int) -> None:
     batch key); on the CPU, never a device-side assert. Ignored labels are left out."""
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
         return
-    kept = torch.where(ids == IGNORE_INDEX, torch.zeros_like(ids), ids)
-    torch.nn.functional.embedding(kept.cpu(), torch.empty(vocab, 0))
+    if bool((ids == IGNORE_INDEX).any()):  # a host read, on a trip only
+        ids = ids[ids != IGNORE_INDEX]
+    torch.nn.functional.embedding(ids.cpu(), torch.empty(vocab, 0))
