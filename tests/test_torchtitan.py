@@ -616,3 +616,19 @@ def test_titan_guard_names_wrong_arguments() -> None:
         guard.loss(3)  # type: ignore[arg-type]
     guard.close()
     assert ng.CAUSES  # the public causes stay importable beside the adapter
+
+
+def test_titan_guard_under_nanguard_disable_hooks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanguard.integrations.torchtitan import TitanGuard
+
+    monkeypatch.setenv("NANGUARD_DISABLE", "1")
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = TitanGuard([model], opt)
+    loss_fn = nn.functional.mse_loss
+    assert guard.loss(loss_fn) is loss_fn and guard.guard is None
+    assert not (model._forward_pre_hooks or model._forward_hooks or opt._optimizer_step_pre_hooks)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert not guard.step_skipped and guard.skipped == 0 and guard.last_diagnosis is None
+    guard.close()
