@@ -44,6 +44,7 @@ from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
+from nanguard.integrations.clipnorm import ClipNorm
 
 _callbacks: Any = require(  # Any: its classes are bases below, known only once imported
     "transformers.trainer_callback", "hf", "Hugging Face transformers"
@@ -62,8 +63,9 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
 
     ``policy`` and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); ``run_dir``
     receives the per-rank event log and a bundle for each tripped step. With
-    ``max_grad_norm > 0`` the guard sees the clipped gradients: non-finite values stay
-    non-finite under clipping, and divergence shows in the loss history.
+    ``max_grad_norm > 0`` the guard checks the clipped gradients (non-finite values stay
+    non-finite under clipping) and records the norm the Trainer's clip returned, before it
+    clipped (the ``grad_norm`` it logs): a divergence the clip keeps finite is warned about.
 
     Example:
         >>> cb = NanGuardCallback(policy="raise")
@@ -93,6 +95,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._last_skipped = False
         self._engine_guard: Any = None  # a DeepSpeedGuard, under a DeepSpeed Trainer
         self._diag_before: Diagnosis | None = None
+        self._clip: ClipNorm | None = None  # the Trainer's clip: the grad norm before it clipped
 
     def state(self) -> dict[str, Any]:
         guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state
@@ -121,6 +124,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         if self.guard_state:
             self.guard.load_state_dict(self.guard_state)
         self._capture.watch(model)
+        self._watch_clip(optimizer)
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -144,6 +148,8 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     ) -> None:
         self._diag_before = self.guard.last_diagnosis if self.guard is not None else None
         self._capture.take()
+        if self._clip is not None:
+            self._clip.clear()
         self._loss_before = _loss_sum(self._trainer)
         if self._loss_before is not None:
             self._loss_before = self._loss_before.clone()  # the Trainer adds to its sum in place
@@ -180,6 +186,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             batch=_batch_of(micro),
             optimizer=optimizer,
             on_raise=on_raise,
+            grad_norm=self._clip.take() if self._clip is not None else None,
         )
         if self._stepped:
             return
@@ -309,6 +316,14 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._clip is not None:
+            self._clip.close()
+            self._clip = None
+
+    def _watch_clip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Read the norm the Trainer's clip (``accelerator.clip_grad_norm_`` with ``max_grad_norm``,
+        before ``on_pre_optimizer_step``) computed: the step's grad norm as the Trainer logs it."""
+        self._clip = ClipNorm(p for group in optimizer.param_groups for p in group["params"])
 
 
 def _deepspeed_engine(trainer: Any) -> Any:
