@@ -119,3 +119,25 @@ def test_hf_trainer_internals_are_where_the_callback_reads_them(tmp_path: Path) 
     compat.hf_set_initial_step(trainer, 3)
     assert compat.hf_initial_step(trainer) == 3
     assert compat.hf_trainer_of(probe) is None  # outside the Trainer's loop
+
+
+def test_accelerates_optimizer_is_recognized_and_says_a_skip_through_step_was_skipped() -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    net = nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(net, opt)
+    assert compat.accelerate_optimizer(optimizer) and not compat.accelerate_optimizer(opt)
+    assert optimizer.optimizer is opt
+    with accelerator.accumulate(model):  # the first of 2 micro-batches: accelerate steps nothing
+        assert not compat.accelerate_syncing(optimizer)
+    with accelerator.accumulate(model):
+        assert compat.accelerate_syncing(optimizer)
+    compat.accelerate_set_skipped(optimizer, True)
+    assert optimizer.step_was_skipped and accelerator.optimizer_step_was_skipped
+    compat.accelerate_set_skipped(optimizer, False)
+    assert not accelerator.optimizer_step_was_skipped

@@ -1,6 +1,7 @@
 """``tensor_stats`` gives the numbers a straightforward, element-by-element count gives."""
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -75,3 +76,118 @@ def test_a_non_contiguous_view_is_counted_as_it_reads() -> None:
     t[0, 0] = NAN
     view = t.t()[::2]
     assert tensor_stats(view) == _reference(view)
+
+
+_EVERY_DTYPE = sorted(
+    {v for v in vars(torch).values() if isinstance(v, torch.dtype)} - set(FLOATS), key=lambda d: str(d)
+)
+
+
+def _made(dtype: torch.dtype, values: list[float]) -> torch.Tensor | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32: "experimental"
+        try:
+            return torch.tensor(values, dtype=torch.float64).to(dtype)
+        except (RuntimeError, TypeError):  # quantized and sub-byte dtypes: not made by a cast
+            return None
+
+
+@pytest.mark.parametrize("dtype", _EVERY_DTYPE, ids=str)
+def test_stats_work_on_every_dtype_torch_has(dtype: torch.dtype) -> None:
+    t = _made(dtype, [0.0, 3.0, 2.0, 1.0])
+    if t is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # quantized dtypes: "deprecated"
+                raw = torch.empty(4, dtype=dtype)
+        except (RuntimeError, TypeError):
+            pytest.skip(f"torch makes no {dtype} tensor here")
+        found = tensor_stats(raw)  # whatever its bytes hold: described or the reason why not, never raised
+        assert found["dtype"] == str(dtype).removeprefix("torch.") and found["shape"] == [4]
+        return
+    found = tensor_stats(t)
+    assert "stats_error" not in found, found
+    assert found["dtype"] == str(dtype).removeprefix("torch.") and found["shape"] == [4]
+    if t.is_complex():
+        assert (found["absmax"], found["zeros"], found["nan"], found["inf"]) == (3.0, 1, 0, 0)
+    elif t.is_floating_point():
+        top = float(t.float().max())  # 3.0 where the dtype holds it (float8_e8m0fnu holds powers of 2)
+        assert found["max"] == found["absmax"] == top and found["nan"] == 0
+    else:
+        top = 1 if dtype == torch.bool else 3
+        assert (found["min"], found["max"], found["zeros"], found["negative"]) == (0, top, 1, 0)
+
+
+def test_unsigned_extremes_are_exact_and_complex_non_finite_values_are_counted() -> None:
+    top = tensor_stats(torch.tensor([2**64 - 1, 5], dtype=torch.uint64))
+    assert (top["min"], top["max"], top["zeros"]) == (5, 2**64 - 1, 0)
+    assert tensor_stats(torch.tensor([65531, 7], dtype=torch.uint16))["max"] == 65531
+    assert tensor_stats(torch.tensor([2**32 - 1], dtype=torch.uint32))["min"] == 2**32 - 1
+    z = tensor_stats(torch.tensor([3 + 4j, complex(NAN, 0), complex(INF, 1), 0j]))
+    assert (z["absmax"], z["zeros"], z["nan"], z["inf"]) == (5.0, 1, 1, 1)
+
+
+def test_a_statistic_that_fails_is_named_and_never_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanguard import stats
+
+    def broken(x: torch.Tensor) -> dict[str, Any]:
+        raise NotImplementedError('"min_all" not implemented for this dtype')
+
+    monkeypatch.setattr(stats, "_float_stats", broken)
+    found = tensor_stats(torch.ones(3))
+    assert found["dtype"] == "float32" and "min_all" in found["stats_error"] and "min" not in found
+
+
+class _Terrain(torch.nn.Module):
+    """A height map stored as uint16 (a DEM tile) cast to float16 for a half-precision model: an
+    elevation past float16's max (65504) becomes inf in the cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 8).half()
+
+    def forward(self, heights: torch.Tensor) -> torch.Tensor:
+        h = heights.to(torch.float16)
+        h = (h - h.mean()) / 1000.0
+        return self.proj(h).float().pow(2).mean()
+
+
+def _heights() -> torch.Tensor:
+    heights = torch.randint(0, 3000, (4, 16), generator=torch.Generator().manual_seed(0)).to(torch.uint16)
+    heights[1, 5] = 65531
+    return heights
+
+
+def test_a_uint16_cast_overflowing_float16_is_named_with_its_inputs_statistics() -> None:
+    import nanguard as ng
+
+    model = _Terrain()
+    diag = ng.locate(model, _heights(), model=model)
+    assert (diag.cause, diag.op, diag.phase, diag.kind) == (
+        "precision.overflow",
+        "aten._to_copy.default",
+        "forward",
+        "inf",
+    )
+    (given,) = diag.evidence["origin"]["inputs"]
+    assert (given["dtype"], given["max"], given["negative"]) == ("uint16", 65531, 0)
+
+
+def test_under_the_guard_the_cast_is_diagnosed_not_unknown() -> None:
+    import nanguard as ng
+
+    model = _Terrain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = ng.Guard(model, opt)
+    heights = _heights()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(heights)
+        loss.backward()
+        return loss
+
+    assert guard.step(closure, batch={"heights": heights}) is None
+    diag = guard.last_diagnosis
+    assert (diag.cause, diag.op, diag.phase) == ("precision.overflow", "aten._to_copy.default", "forward")
+    guard.close()

@@ -76,7 +76,11 @@ __all__ = [
     "lightning_logging_off",
     "lightning_step_context",
     "lookup_backend",
+    "olmo_drop_metrics",
+    "olmo_skip_step_history",
     "pipeline_stage_hooks",
+    "replicate_sync_off",
+    "replicated",
     "scaler_scale",
     "scaler_steps_aside",
     "step_with_found_inf",
@@ -248,6 +252,26 @@ def fsdp_sync_pinned_off(model: nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             module.__dict__.pop("set_requires_gradient_sync", None)
+
+
+# Known to work: torch 2.13.0. ``torch.distributed._composable.replicate`` (OLMo-core's DDP) makes the
+# module's class a subclass of its own ``DDP`` class; ``set_requires_gradient_sync`` (it takes no
+# ``recurse``) is handed to the inner DistributedDataParallel by the next forward's pre-hook.
+def replicated(model: nn.Module) -> bool:
+    """Is ``model`` data parallel by ``torch.distributed._composable.replicate``?"""
+    from torch.distributed._composable.replicate import DDP
+
+    return isinstance(model, DDP)
+
+
+@contextlib.contextmanager
+def replicate_sync_off(model: nn.Module) -> Iterator[None]:
+    """Inside the block a ``replicate``d ``model`` reduces no gradients."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 def _sync_off(
@@ -458,6 +482,13 @@ def written_tensors(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[t
     return written
 
 
+# Known to work: torch 2.4 - 2.13.0. The key-value store the default process group was initialized
+# with (TCPStore under torchrun, FileStore for file://): ranks can share a value through it without
+# a collective, so a rank that never asks holds no one up.
+def default_store() -> Any:
+    return tdist.distributed_c10d._get_default_store()
+
+
 # -- framework internals (the integrations only; no framework is imported here) ------------
 
 
@@ -502,6 +533,33 @@ def fabric_inner_optimizer(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(inner, property) else optimizer
 
 
+# Known to work: accelerate 1.15 - 1.16. ``accelerator.prepare`` returns an ``AcceleratedOptimizer``: a
+# torch Optimizer subclass that never ran ``Optimizer.__init__`` (no step hooks of its own), holding the
+# user's optimizer as ``optimizer``. Its ``step()`` steps that optimizer only when
+# ``gradient_state.sync_gradients`` (the last micro-batch of an accumulation) and its GradScaler did not
+# skip; ``step_was_skipped`` (read by ``AcceleratedScheduler.step`` and
+# ``accelerator.optimizer_step_was_skipped``) is its ``_is_overflow``, which only its scaler's step sets.
+def accelerate_optimizer(optimizer: Any) -> bool:
+    """True for an Accelerate-prepared optimizer (a wrapper whose ``step()`` decides whether to step)."""
+    gradient_state = getattr(optimizer, "gradient_state", None)
+    return (
+        isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+        and hasattr(gradient_state, "sync_gradients")
+        and "_optimizer_step_pre_hooks" not in vars(optimizer)
+    )
+
+
+def accelerate_syncing(optimizer: Any) -> bool:
+    """True when the wrapper's next ``step()`` is a real one (the accumulation's last micro-batch)."""
+    return bool(optimizer.gradient_state.sync_gradients)
+
+
+def accelerate_set_skipped(optimizer: Any, skipped: bool) -> None:
+    """Say through the wrapper whether this step happened, as its GradScaler says for an overflow
+    (without a scaler the wrapper never sets it: a skip's True would otherwise stay)."""
+    optimizer._is_overflow = skipped
+
+
 # Known to work: transformers 5.24.0. ``Trainer._tr_loss`` is the running sum of step losses
 # since the last log (a one-element tensor added to in place); ``_initial_global_step`` is the
 # step count ``train_loss`` and the throughput metrics leave out.
@@ -539,6 +597,25 @@ def hf_trainer_of(callback: Any) -> Any:
 
 def hf_callbacks(trainer: Any) -> list[Any]:
     return trainer.callback_handler.callbacks
+
+
+# Known to work: ai2-olmo-core 3.0.x. ``Trainer._metrics`` holds each step's recorded metrics
+# ({step: {name: tensor}}) until the next ``_log_metrics`` reduces and logs them; there is no
+# public way to take one back.
+def olmo_drop_metrics(trainer: Any, names: tuple[str, ...]) -> None:
+    """Take the current step's metrics ``names`` out of what the OLMo-core trainer will log."""
+    recorded = trainer._metrics.get(trainer.global_step)
+    if recorded is not None:
+        for name in names:
+            recorded.pop(name, None)
+
+
+# Known to work: ai2-olmo-core 3.0.x. ``SkipStepOptimizer`` keeps its rolling window of losses and
+# grad norms in ``_losses`` and ``_grad_norms`` (appended to by its ``latest_loss``/``latest_grad_norm``
+# setters, with no way to take one back).
+def olmo_skip_step_history(optimizer: Any) -> tuple[list[Any], list[Any]]:
+    """``(losses, grad norms)``: the lists an OLMo-core ``SkipStepOptimizer`` judges a step against."""
+    return optimizer._losses, optimizer._grad_norms
 
 
 def compiled_backend(module: nn.Module) -> Any:

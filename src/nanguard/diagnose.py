@@ -1091,13 +1091,14 @@ def transient_fault(
             "a value at the edge of its range (a borderline overflow) can round either way: "
             "if it repeats, lower the learning rate or run ng.locate on the saved bundle"
         )
-    # No rank reproduces it: the rank is unknown, but every rank reports the same.
+    # No rank reproduces it: ``ranks`` (where it originated) lists none; ``rank`` is where it was seen
+    # first, every rank reporting the same, and the flagged ranks stay in the evidence.
     return Diagnosis(
         cause=cause,
         kind="nan" if math.isnan(loss) or math.isnan(grad_norm) else "inf",
         phase="communication" if distributed else "backward",
         rank=flagged_ranks[0] if flagged_ranks and distributed else None,
-        ranks=list(flagged_ranks) if distributed else [],
+        ranks=[],
         step=step,
         evidence={"loss": loss, "grad_norm": grad_norm, "flagged_ranks": flagged_ranks, "why": why},
         fixes=fixes,

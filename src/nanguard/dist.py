@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import json
+import logging
 import math
 import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,6 +29,8 @@ from nanguard import compat
 from nanguard.agreement import STEP_PERIOD, Layout, step_slot
 from nanguard.findings import Diagnosis
 from nanguard.stats import local
+
+log = logging.getLogger("nanguard")
 
 __all__ = [
     "STEP_PERIOD",
@@ -42,6 +47,7 @@ __all__ = [
     "observing",
     "rank",
     "rank_or_none",
+    "rank_zeros",
     "replay_locally",
     "replica_mismatch",
     "step_slot",
@@ -511,6 +517,10 @@ def _no_grad_sync(model: nn.Module) -> Iterator[None]:
                 watch.local = False
                 watch.reset()  # nothing the replay did may reach the next step's check
         return
+    if compat.replicated(model):  # composable replicate (OLMo-core's DDP): its own switch
+        with compat.replicate_sync_off(model), _local_collectives():
+            yield
+        return
     setter = getattr(model, "set_requires_gradient_sync", None)  # FSDP2 fully_shard
     if callable(setter):
         setter(False)
@@ -634,6 +644,34 @@ def replay_locally(model: nn.Module, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` with gradient communication off, so a rank sees only its own data and compute."""
     with _no_grad_sync(model):
         return fn()
+
+
+_SHARED = itertools.count()  # the n-th value shared in this process: ranks ask in the same order
+
+
+def rank_zeros(make: Callable[[], str], *, timeout: float = 60.0) -> str:
+    """``make()`` as rank 0 made it, on every rank that asks: through the process group's store, not a
+    collective, so a rank that does not ask (no ``run_dir`` there) holds no one up. Without a process
+    group, or when rank 0's value has not come within ``timeout`` seconds, this rank's own ``make()``.
+
+    Example:
+        >>> run_id = dist.rank_zeros(new_run_id)   # the same id on every rank
+    """
+    n = next(_SHARED)
+    if not is_distributed():
+        return make()
+    key = f"nanguard/shared/{n}"
+    try:
+        store = compat.default_store()
+        if rank() == 0:
+            value = make()
+            store.set(key, value)
+            return value
+        store.wait([key], timedelta(seconds=timeout))
+        return bytes(store.get(key)).decode()
+    except Exception as err:  # the value is a label: never worth a hang or a crash
+        log.warning("nanguard: rank %d could not read rank 0's value %s (%r); using its own", rank(), key, err)
+        return make()
 
 
 def _all_gather_bytes(payload: bytes, device: torch.device) -> list[bytes]:

@@ -1,6 +1,8 @@
 """Per-rank JSONL event log: ``run_dir/events-rank{R}.jsonl``, and the one owner of its schema.
 
-Each line is one JSON object with at least ``kind``, ``step`` and ``rank``. ``SCHEMA`` names each
+Each line is one JSON object with at least ``kind``, ``step`` and ``rank``, and ``run``: the id of the
+run that wrote it (``new_run_id``; one id for every rank of a run), so runs that reuse a ``run_dir``
+stay apart (a log written before run ids existed reads as one run). ``SCHEMA`` names each
 kind's fields and what each must be; the writer (``guard/recorder.py``) writes those fields, the
 report's reader (``report/stream.py``) checks them with ``field_error``, and a test holds the three
 together. Kinds:
@@ -40,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -49,7 +53,7 @@ from typing import Any, TextIO, TypeGuard
 from nanguard.errors import EventLogError
 from nanguard.findings import jsonable
 
-__all__ = ["KNOWN_KINDS", "SCHEMA", "EventLog", "Field", "event_path", "field_error", "read_events"]
+__all__ = ["KNOWN_KINDS", "SCHEMA", "EventLog", "Field", "event_path", "field_error", "new_run_id", "read_events"]
 
 
 def is_int(value: Any) -> TypeGuard[int]:
@@ -165,6 +169,16 @@ def field_error(kind: str, event: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def new_run_id() -> str:
+    """A new run's id: the UTC time it started, then 4 random hex digits; ids sort by start time.
+
+    Example:
+        >>> new_run_id()
+        '20261202-143501-9f3a'
+    """
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
+
+
 def event_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / f"events-rank{rank}.jsonl"
 
@@ -175,13 +189,16 @@ class EventLog:
     A full or unwritable disk (or a field that cannot be written) costs the log, not the
     run: the first failure warns once and the log stops.
 
+    ``run`` (the run's id) is written into every line after ``rank``; None writes none.
+
     Example:
-        >>> log = EventLog("runs/a", rank=0)
+        >>> log = EventLog("runs/a", rank=0, run=new_run_id())
         >>> log.write("step", 3, loss=2.1, grad_norm=0.5)
     """
 
-    def __init__(self, run_dir: str | Path, rank: int = 0) -> None:
+    def __init__(self, run_dir: str | Path, rank: int = 0, run: str | None = None) -> None:
         self.rank = rank
+        self._head = {"rank": rank} if run is None else {"rank": rank, "run": run}
         self.path = event_path(run_dir, rank)
         self._file: TextIO | None = None
         try:
@@ -198,7 +215,7 @@ class EventLog:
     def write(self, kind: str, step: int, **fields: Any) -> None:
         if self._file is None:
             return
-        record = {"kind": kind, "step": step, "rank": self.rank, **fields}
+        record = {"kind": kind, "step": step, **self._head, **fields}
         try:
             line = json.dumps(jsonable(record), separators=(",", ":"), allow_nan=False)
             self._file.write(line + "\n")

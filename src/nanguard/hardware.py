@@ -10,9 +10,11 @@ trip event the ``where`` of the rank that wrote it.
 with one ``O_APPEND`` write (whole lines, never interleaved), so it survives restarts into the
 same ``run_dir``; a guard reads it back when it starts. A device whose flagged trips did not
 reproduce ``warn_after`` times (``GuardConfig.hardware_warn_after``, default 2) is named in a
-warning. Injected trips (``nanguard.inject``) are counted apart and never warned about. A device proven
-faulty (``hardware.faulty_device``: a peer re-computed its step finite) is counted as ``faulty`` and
-ranked first, and its guard warns at once.
+warning. Each record carries its run's id (``run``), and each trip is counted once (one per run, step
+and device); a warning and the evidence say how many of the trips are this run's and how many earlier
+runs' in the same ``run_dir`` left. Injected trips (``nanguard.inject``) are counted apart and never warned
+about. A device proven faulty (``hardware.faulty_device``: a peer re-computed its step finite) is counted
+as ``faulty`` and ranked first, and its guard warns at once.
 
 The guard's side is ``Tracker`` (one rank's trips, appended and counted, the warnings) and ``where``;
 the report's side, offline, is ``read_tracker`` and ``device_rows``.
@@ -92,15 +94,27 @@ def read_tracker(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def _trip_key(r: Mapping[str, Any]) -> tuple[Any, ...]:
+    """One trip on one device: a record written twice for it (a retried step, two guards) counts once.
+    A record without a step (not a guard's) is a trip of its own."""
+    step = r.get("step")
+    return (r.get("run"), step, *device_key(r)) if isinstance(step, int) else (id(r),)
+
+
 def device_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Trips per host and device, most transient first: the table ``nanguard report`` shows.
+    """Trips per host and device, most transient first: the table ``nanguard report`` shows. A trip
+    recorded twice (the same run, step and device) counts once.
 
     Example:
         >>> device_rows(read_tracker("runs/job7/hardware.jsonl"))[0]
         {'host': 'node7', 'device': 'cuda:3', 'id': 'GPU-8f..', 'trips': 3, 'transient': 2, 'reproduced': 1, ...}
     """
     rows: dict[tuple[str, str], dict[str, Any]] = {}
+    seen: set[tuple[Any, ...]] = set()
     for r in records:
+        if _trip_key(r) in seen:
+            continue
+        seen.add(_trip_key(r))
         key = device_key(r)
         empty: dict[str, Any] = {
             "host": key[0],
@@ -177,28 +191,37 @@ class Tracker:
         ...                                                           # non-reproducing trip here
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str] | None, *, here: Mapping[str, Any], warn_after: int) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None,
+        *,
+        here: Mapping[str, Any],
+        warn_after: int,
+        run: str | None = None,
+    ) -> None:
         self.path = Path(run_dir) / TRACKER if run_dir is not None else None
         self.here = dict(here)
         self.warn_after = warn_after
+        self.run = run
         self._everyone: list[dict[str, Any]] | None = None
         self.records = read_tracker(self.path) if self.path is not None and self.path.exists() else []
-        transient = self._transient()
-        if warn_after and transient >= warn_after:
+        self.earlier = len(self._transient())  # every record read back is an earlier run's
+        if warn_after and self.earlier >= warn_after:
             log.warning(
-                "nanguard: %s had %d trips that did not reproduce in this run_dir before this start: "
-                "suspect its hardware",
+                "nanguard: %s had %d trips that did not reproduce in this run_dir before this start "
+                "(earlier runs' trips, none of this run's yet): suspect its hardware",
                 _named(self.here),
-                transient,
+                self.earlier,
             )
 
-    def _transient(self) -> int:
+    def _transient(self) -> set[tuple[Any, ...]]:
+        """This device's flagged trips that did not reproduce, each once (by run, step and device)."""
         mine = device_key(self.here)
-        return sum(
-            1
+        return {
+            _trip_key(r)
             for r in self.records
             if device_key(r) == mine and r.get("flagged") and not r.get("reproduced") and not r.get("injected")
-        )
+        }
 
     def everyone(self) -> list[dict[str, Any]]:
         """Every rank's ``where``, by rank: gathered once, on the first trip (every rank trips together)."""
@@ -225,6 +248,7 @@ class Tracker:
         me = dist.rank()
         record = {
             **self.here,
+            "run": self.run,
             "time": time.time(),
             "step": step,
             "cause": diag.cause,
@@ -240,17 +264,27 @@ class Tracker:
                 _named(self.here),
                 step,
             )
-        transient = self._transient()
+        keys = self._transient()
+        transient = len(keys)
+        this_run = sum(1 for key in keys if key[0] == self.run)
         suspect = record["flagged"] and not record["reproduced"] and not record["injected"]
         if suspect and self.warn_after and transient >= self.warn_after:
             log.warning(
-                "nanguard: %s: %d trips flagged here did not reproduce on replay (the latest at step %d): "
-                "suspect the hardware; drain this node or run its diagnostics",
+                "nanguard: %s: %d trips flagged here did not reproduce on replay (%d in this run, %d in earlier "
+                "runs in this run_dir; the latest at step %d): suspect the hardware; drain this node or run its "
+                "diagnostics",
                 _named(self.here),
                 transient,
+                this_run,
+                transient - this_run,
                 step,
             )
-            found["suspect_device"] = {**self.here, "transient_trips": transient}
+            found["suspect_device"] = {
+                **self.here,
+                "transient_trips": transient,
+                "this_run": this_run,
+                "earlier_runs": transient - this_run,
+            }
         return found
 
     def _append(self, record: Mapping[str, Any]) -> None:

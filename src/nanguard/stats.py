@@ -35,25 +35,65 @@ def is_float(t: object) -> bool:
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Summary statistics of one tensor: three passes over a finite tensor, eight over one that is not.
+    """Summary statistics of one tensor, of any dtype torch has: three passes over a finite tensor,
+    eight over one that is not. It never raises: statistics it could not take are left out, and
+    ``stats_error`` says why (describing evidence must never cost a diagnosis).
 
     min/max/absmax are taken over the finite values, so a NaN does not hide the scale. 16- and
-    8-bit floats are counted in float32; float64 keeps its range.
+    8-bit floats are counted in float32; float64 keeps its range. Integers and bools give min, max,
+    zeros and negative; complex tensors absmax (of the modulus), zeros and the non-finite counts.
 
     Example:
         >>> tensor_stats(torch.tensor([0.0, 1.0, float("nan")]))["nan"]
         1
+        >>> tensor_stats(torch.tensor([7, 65531], dtype=torch.uint16))["max"]
+        65531
     """
     out: dict[str, Any] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-    if t.numel() == 0 or t.is_complex():
+    if t.numel() == 0:
         return out
-    x = local(t).detach()
-    if not x.is_floating_point():
-        if x.dtype == torch.bool:
-            x = x.to(torch.int64)
-        vals = torch.stack([x.min(), x.max(), (x == 0).sum(), (x < 0).sum()]).tolist()
-        out.update(min=vals[0], max=vals[1], zeros=vals[2], negative=vals[3])
-        return out
+    try:
+        x = local(t).detach()
+        if x.is_complex():
+            out.update(_complex_stats(x))
+        elif not x.is_floating_point():
+            out.update(_integer_stats(x))
+        else:
+            out.update(_float_stats(x))
+    except Exception as err:  # evidence only: the diagnosis goes on without these numbers
+        out["stats_error"] = f"{type(err).__name__}: {err}"[:200]
+    return out
+
+
+# Integer dtypes torch's reductions do not cover on every device (min/max of uint16-uint64 on CPU),
+# counted in int64, which holds every value; uint64 is read as int64 with its top bit flipped, which
+# orders the values as unsigned, then shifted back.
+_WIDER = {torch.bool: torch.int64, torch.uint16: torch.int64, torch.uint32: torch.int64}
+_TOP_BIT = -(2**63)
+
+
+def _integer_stats(x: torch.Tensor) -> dict[str, Any]:
+    if x.dtype == torch.uint64:
+        y = x.view(torch.int64) ^ _TOP_BIT
+        lo, hi, zeros = torch.stack([y.min(), y.max(), (y == _TOP_BIT).sum()]).tolist()
+        return {"min": lo + 2**63, "max": hi + 2**63, "zeros": zeros, "negative": 0}
+    x = x.to(_WIDER[x.dtype]) if x.dtype in _WIDER else x
+    lo, hi, zeros, negative = torch.stack([x.min(), x.max(), (x == 0).sum(), (x < 0).sum()]).tolist()
+    return {"min": lo, "max": hi, "zeros": zeros, "negative": negative}
+
+
+def _complex_stats(x: torch.Tensor) -> dict[str, Any]:
+    parts = torch.view_as_real(x).float()  # complex32's halves too
+    nan = torch.isnan(parts).any(-1)
+    modulus = parts.pow(2).sum(-1).sqrt().nan_to_num(0.0, 0.0, 0.0)
+    zeros, nans, infs, absmax = torch.stack(
+        [(x == 0).sum(), nan.sum(), (torch.isinf(parts).any(-1) & ~nan).sum(), modulus.amax()]
+    ).tolist()
+    return {"absmax": absmax, "zeros": int(zeros), "nan": int(nans), "inf": int(infs)}
+
+
+def _float_stats(x: torch.Tensor) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     if x.element_size() < 4:
         x = x.float()
     lo, hi = torch.stack(torch.aminmax(x)).tolist()

@@ -3,9 +3,10 @@
 A healthy run writes one step line per logged step, so the report reads millions of them; it
 reads the lines exactly as ``EventLog`` writes them by columns, not as JSON. The layout:
 
-    {"kind":"step","step":S,"rank":R,"loss":L,"grad_norm":G,"skipped":B,"scale":C}
+    {"kind":"step","step":S,"rank":R,"run":"ID","loss":L,"grad_norm":G,"skipped":B,"scale":C}
 
-``EventLog.write`` puts ``kind``, ``step`` and ``rank`` first and ``Recorder.step`` the rest in
+(a log written before run ids has no ``run`` cell; it is read as well). ``EventLog.write`` puts
+``kind``, ``step``, ``rank`` and ``run`` first and ``Recorder.step`` the rest in
 ``KEYS`` order (a test reads a written line back against ``KEYS``; the writer adds no call per
 step for it). ``split_run`` cuts a run of such lines into one column of cells per key, and ``LINE``
 matches one line in any other layout (the reader's checked path).
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 
 __all__ = ["KEYS", "LINE", "NOT_STEP", "PREFIX", "Columns", "cell", "split_run"]
 
-KEYS = ("kind", "step", "rank", "loss", "grad_norm", "skipped", "scale")
+KEYS = ("kind", "step", "rank", "run", "loss", "grad_norm", "skipped", "scale")
 """The keys of a step line, in the order they are written."""
-_COMMAS = len(KEYS) - 1  # no value of a step line holds a comma
+_COMMAS = len(KEYS) - 1  # no value of a step line holds a comma (a run id neither)
 
 
 def cell(key: str) -> bytes:
@@ -30,6 +31,7 @@ def cell(key: str) -> bytes:
 
 KIND = b'{"kind":"step"'
 _RANK = cell("rank")
+_RUN = cell("run")
 _NULL_SCALE = cell("scale") + b"null"
 """The first cell of every step line."""
 PREFIX = KIND + b"," + cell("step")
@@ -41,7 +43,9 @@ LINE = re.compile(
     + PREFIX
     + rb"(\d{1,18}),"
     + cell("rank")
-    + rb"-?\d{1,9},"
+    + rb"-?\d{1,9},(?:"
+    + cell("run")
+    + rb'"[^",]*",)?'
     + cell("loss")
     + rb"([^,]*),"
     + cell("grad_norm")
@@ -79,8 +83,11 @@ def split_run(run: bytes, lines: int, rank: int) -> Columns | None:
         [b'"loss":2.1', b'"loss":2.1']
     """
     parts = run.split(b",")
-    n = _COMMAS
+    with_run = len(parts) > 3 and parts[3].startswith(_RUN)  # a log from before run ids has no run cell
+    n = _COMMAS if with_run else _COMMAS - 1
     if len(parts) != n * lines + 1 or parts[0] != KIND or b"".join(parts[2::n]) != (_RANK + b"%d" % rank) * lines:
+        return None
+    if with_run and b"".join(parts[3::n]) != parts[3] * lines:  # one run's lines: the same run cell
         return None
     tails = b"".join(parts[n::n])  # '"scale":S}\n{"kind":"step"' per line, the last one '"scale":S}\n'
     if not tails.endswith(b"}\n") or tails.count(_NEXT_LINE) != lines - 1:
@@ -90,4 +97,7 @@ def split_run(run: bytes, lines: int, rank: int) -> Columns | None:
         if tails == (_NULL_SCALE + _NEXT_LINE) * (lines - 1) + _NULL_SCALE + b"}\n"
         else tails[:-2].split(_NEXT_LINE)
     )
-    return Columns(step=parts[1::n], loss=parts[3::n], grad_norm=parts[4::n], skipped=parts[5::n], scale=scale)
+    o = 3 + with_run  # where the loss cell is
+    return Columns(
+        step=parts[1::n], loss=parts[o::n], grad_norm=parts[o + 1 :: n], skipped=parts[o + 2 :: n], scale=scale
+    )

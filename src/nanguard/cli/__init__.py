@@ -48,7 +48,7 @@ def _drill(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from nanguard.report.main import run_report
 
-    return run_report(args.run_dir, html=args.html, as_json=args.json)
+    return run_report(args.run_dir, html=args.html, as_json=args.json, run=args.run, list_runs=args.runs)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -228,8 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarize a run directory; --html writes a self-contained page",
         description="Read the event logs (events-rank*.jsonl) and repro bundles a guard wrote to its run_dir, "
         "and summarize the run: steps, trips with their diagnoses, skips, rollbacks, spikes, remedies, fire "
-        "drills and trips per host and device. --html writes one self-contained page with plots (needs the "
-        "report extra: matplotlib). Exit 0: reported; 1: nothing readable there.",
+        "drills and trips per host and device. A run_dir written to more than once shows its latest run (--run "
+        "ID another, --runs lists them). --html writes one self-contained page with plots (needs the "
+        "report extra: matplotlib). Exit 0: reported; 1: nothing readable there (or no such run); 2: --run or "
+        "--runs with several RUN_DIRs.",
     )
     report.add_argument(
         "run_dir",
@@ -240,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--html", default=None, metavar="OUT", help="write one self-contained HTML file")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
+    report.add_argument(
+        "--run",
+        default=None,
+        metavar="ID",
+        help="the run to show when the directory holds several (a run_dir reused): its id from --runs; "
+        "default: the latest; '-': the logs written before run ids",
+    )
+    report.add_argument("--runs", action="store_true", help="list the runs in RUN_DIR, oldest first, and stop")
     report.set_defaults(func=_report)
 
     replay = sub.add_parser(

@@ -22,6 +22,7 @@ from torch import nn
 
 from nanguard import compat, dist, environ
 from nanguard.errors import NonFiniteError
+from nanguard.events import new_run_id
 from nanguard.guard.accumulate import accumulation_closure, micro_batch_list
 from nanguard.guard.apply import Apply
 from nanguard.guard.arguments import check_parts, listener
@@ -167,14 +168,21 @@ class Guard:
             model, optimizer, self.history, locate=c.locate, module_stats=c.module_stats, comm=self.health.comm
         )
         self.diagnoser.prove = c.prove
+        # One id for this run on every rank, in every event: runs that reuse a run_dir stay apart.
+        self.run_id = dist.rank_zeros(new_run_id) if run_dir is not None else None
         self.recorder = recorder_for(
-            run_dir, rank=self.rank, max_bundle_bytes=c.max_bundle_bytes, model=model, bundle_weights=c.bundle_weights
+            run_dir,
+            rank=self.rank,
+            max_bundle_bytes=c.max_bundle_bytes,
+            model=model,
+            bundle_weights=c.bundle_weights,
+            run=self.run_id,
         )
         self.recorder.listener = listener(on_event, self.disabled)
         inject = None if self.disabled else environ.inject(inject)
         self.injector = injector_for(inject, model, write=self.recorder.drill, steps=self.progress)
         here = where(self._params[0].device if self._params else None)
-        self.tracker = Tracker(run_dir, here=here, warn_after=c.hardware_warn_after)
+        self.tracker = Tracker(run_dir, here=here, warn_after=c.hardware_warn_after, run=self.run_id)
         self._drilling = bool(self.injector.faults)  # a fire drill planted faults (none: its calls are skipped)
         self._spikes_before = 0  # the spikes seen before a drilled step
         self.policy = Policy(c)

@@ -5,7 +5,9 @@ own data and compute make.
 
 A trip right after a trip of the same batch-independent fault (a float16 overflow every step
 under ``policy="skip"``, a NaN weight) is not replayed in full again: one forward up to the
-last origin's module confirms it, and the last diagnosis is reused with ``repeat_of``.
+last origin's module confirms it, and the last diagnosis is reused with ``repeat_of``. A proven
+diagnosis (a peer re-computed the step) is reused only for the same fault (rank, phase, op, module):
+the step is replayed in full, and anything else is proven again.
 """
 
 from __future__ import annotations
@@ -161,7 +163,9 @@ class Diagnoser:
             )
         diag = replace(diag, step=h.step)
         # A traced diagnosis was judged with the facts in its one diagnose; the others are judged here.
-        replayed.diagnosis = self._proven(with_run_facts(diag, run), closure, h, batch, rng)
+        diag = with_run_facts(diag, run)
+        reused = self._proof_of_last(diag, h)
+        replayed.diagnosis = reused if reused is not None else self._proven(diag, closure, h, batch, rng)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
 
@@ -185,6 +189,28 @@ class Diagnoser:
         flagged, own = h.bad_ranks, h.own_loss
         proof = prove(self.model, closure, diag=diag, flagged=flagged, batch=batch, rng=rng, own_loss=own)
         return proven(diag, proof, h.step)
+
+    def _proof_of_last(self, diag: Diagnosis, h: StepHealth) -> Diagnosis | None:
+        """The last trip's proven diagnosis for this step when this is the same fault again: the next step,
+        the same ranks, a repeatable cause, and the same rank, phase, op, module, kind and cause of the
+        origin; None otherwise (a different fault is proven again)."""
+        last = self._last
+        if last is None or not isinstance(last.diagnosis.evidence.get("proof"), dict):
+            return None
+        before = last.diagnosis
+        if not repeats(last.step, last.ranks, before.cause, h.step, h.bad_ranks):
+            return None
+        origin = before.evidence.get("origin_cause", before.cause)
+        if (diag.rank, diag.phase, diag.op, diag.module, diag.kind, diag.cause) != (
+            before.rank,
+            before.phase,
+            before.op,
+            before.module,
+            before.kind,
+            origin,
+        ):
+            return None
+        return replace(before, step=h.step, evidence={**copy.deepcopy(before.evidence), "repeat_of": last.step})
 
     def _compiled_again(self, closure: Callable[[], Any], rng: dict[str, torch.Tensor] | None, step: int) -> Any:
         """A compiled model whose eager replay was finite: ``compile.numerics`` when the step is non-finite
@@ -214,6 +240,8 @@ class Diagnoser:
             return None
         if diag.evidence.get("communication"):
             return None  # ranks that replay together (TP, PP) cannot each stop their forward early
+        if diag.evidence.get("proof"):
+            return None  # a proven fault repeats only as the same op too: replayed in full (_proof_of_last)
         module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
         if module is None:
             return None

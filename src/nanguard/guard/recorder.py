@@ -17,7 +17,7 @@ import torch
 
 from nanguard import dist
 from nanguard.bundle import MAX_WEIGHTS_BYTES, clean_stale_bundles, save_bundle
-from nanguard.events import EventLog
+from nanguard.events import EventLog, new_run_id
 from nanguard.findings import Diagnosis
 from nanguard.guard.history import Forecast
 from nanguard.rng import get_rng_state
@@ -198,13 +198,15 @@ class Recorder(NullRecorder):
         max_bundle_bytes: int,
         model: torch.nn.Module | None = None,
         max_weights_bytes: int = 0,
+        run: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.run = run if run is not None else new_run_id()  # every event carries a run id
         self.rank = rank
         self.max_bundle_bytes = max_bundle_bytes
         self.model = model if max_weights_bytes else None
         self.max_weights_bytes = max_weights_bytes
-        self.events = EventLog(self.run_dir, rank)
+        self.events = EventLog(self.run_dir, rank, run=self.run)
         self._bundle_warned = False
         clean_stale_bundles(self.run_dir, rank)  # half-written bundles of a killed run of this rank
 
@@ -226,7 +228,7 @@ class Recorder(NullRecorder):
                 rank=self.rank,
                 batch=batch,
                 rng_state=rng or get_rng_state(),
-                meta={"diagnosis": diag.to_dict(), **meta},
+                meta={"diagnosis": diag.to_dict(), "run": self.run, **meta},
                 max_batch_bytes=self.max_bundle_bytes,
                 weights=weights,
                 max_weights_bytes=self.max_weights_bytes,
@@ -274,11 +276,13 @@ def recorder_for(
     max_bundle_bytes: int,
     model: torch.nn.Module | None = None,
     bundle_weights: bool | int = False,
+    run: str | None = None,
 ) -> NullRecorder:
     """A ``Recorder`` under ``run_dir``, or a ``NullRecorder`` when it is None.
 
     ``bundle_weights`` (``GuardConfig.bundle_weights``): True stores ``model``'s weights in
-    each bundle up to ``MAX_WEIGHTS_BYTES``, an int up to that many bytes, False/0 never.
+    each bundle up to ``MAX_WEIGHTS_BYTES``, an int up to that many bytes, False/0 never. ``run``: the
+    run's id, written into every event and bundle.
     A ``run_dir`` that is not a path, or names an existing file, is a ValueError.
     """
     if run_dir is None:
@@ -289,4 +293,4 @@ def recorder_for(
     if path.exists() and not path.is_dir():
         raise ValueError(f"run_dir must be a directory, but {str(path)!r} is a file")
     limit = MAX_WEIGHTS_BYTES if bundle_weights is True else int(bundle_weights)
-    return Recorder(path, rank=rank, max_bundle_bytes=max_bundle_bytes, model=model, max_weights_bytes=limit)
+    return Recorder(path, rank=rank, max_bundle_bytes=max_bundle_bytes, model=model, max_weights_bytes=limit, run=run)

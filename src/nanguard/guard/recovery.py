@@ -102,8 +102,11 @@ class Recovery:
                 set_rng_state(rng)
         dist.zero_grad(self.model)
         if self.scaler is not None:
-            # unscale_ already ran for this step: update() closes it, or the next unscale_ raises.
+            # unscale_ already ran for this step: update() closes it, or the next unscale_ raises. The
+            # scale is put back: an abandoned batch is no overflow, the run goes on as if it never came.
+            scale = self.scaler.state_dict()
             self.scaler.update()
+            self.scaler.load_state_dict(scale)
 
     def undo(self, rng: dict[str, torch.Tensor], *, unscaled: bool) -> None:
         """The closure or a replay raised: put back buffers and RNG, drop the step's gradients,

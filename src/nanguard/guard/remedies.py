@@ -165,11 +165,13 @@ class Remedies:
             group["lr"] = group["lr"] * factor
             if "initial_lr" in group:
                 group["initial_lr"] = group["initial_lr"] * factor
-        base_lrs = getattr(self.scheduler, "base_lrs", None)
+        # A wrapper (accelerate's AcceleratedScheduler) holds the scheduler that owns base_lrs.
+        scheduler = getattr(self.scheduler, "scheduler", self.scheduler)
+        base_lrs = getattr(scheduler, "base_lrs", None)
         if isinstance(base_lrs, list):
             # Schedulers recompute the LR from base_lrs: scale them too, or the next
             # scheduler.step() undoes the remedy.
-            self.scheduler.base_lrs = [lr * factor for lr in base_lrs]
+            scheduler.base_lrs = [lr * factor for lr in base_lrs]
 
     def _reset_moments(self) -> int:
         # The moments of a diverging run stay contaminated long after the spike: start them again.

@@ -9,6 +9,12 @@ own RNG state with gradient communication off (whatever the loop sets
 own micro-batch fetching, ``no_sync``/``require_backward_grad_sync`` toggle, loss all-reduce,
 ``clip_grad_norm_`` and LR schedule run as written, on every rank, skipped step or not.
 
+What ``accelerator.prepare`` returns is taken as it is: the wrapped model, and an
+``AcceleratedOptimizer`` whose ``step()`` decides whether to step (only on the last micro-batch of
+``accelerator.accumulate``, through its GradScaler). The check runs at that real step; a skip is
+said through the wrapper (``accelerator.optimizer_step_was_skipped``), so accelerate's scheduler
+holds the LR as it does for its scaler's skip (docs/frameworks.md, "Accelerate").
+
 Example:
     >>> from nanguard.integrations.loop import LoopGuard
     >>> guard = LoopGuard(model, optimizer, policy="skip", run_dir="runs/exp1")
@@ -113,9 +119,19 @@ class LoopGuard(GuardedCallback):
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
-            guard.optimizer.register_step_pre_hook(self._before_step),
-            guard.optimizer.register_step_post_hook(self._after_step),
         ]
+        self._wrapper_step: Callable[..., Any] | None = None
+        self._in_check = False
+        if compat.accelerate_optimizer(guard.optimizer):
+            # Accelerate's optimizer decides whether to step (accumulation, its GradScaler): the guard
+            # checks at the step the loop calls, and a skip is said through it (``step_was_skipped``).
+            self._wrapper_step = guard.optimizer.step
+            guard.optimizer.step = self._step_through_wrapper  # type: ignore[method-assign]
+        else:
+            self._hooks += [
+                guard.optimizer.register_step_pre_hook(self._before_step),
+                guard.optimizer.register_step_post_hook(self._after_step),
+            ]
         if scheduler is not None:
             self._scheduler_step = scheduler.step
             scheduler.step = self._scheduler_step_unless_skipped
@@ -175,6 +191,8 @@ class LoopGuard(GuardedCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._wrapper_step is not None:
+            vars(self.guard.optimizer).pop("step", None)
         self._clip.close()
         self._unhook()
         if self.scheduler is not None:
@@ -240,6 +258,28 @@ class LoopGuard(GuardedCallback):
             return
         assert self.guard is not None
         self.guard.after_step()
+
+    def _step_through_wrapper(self, *args: Any, **kwargs: Any) -> Any:
+        """Accelerate's ``optimizer.step()``: checked where it really steps (not on an accumulating
+        micro-batch), then stepped through the wrapper or skipped, the skip said as its scaler says one."""
+        guard, step = self.guard, self._wrapper_step
+        assert guard is not None and step is not None
+        if self._in_check or not compat.accelerate_syncing(guard.optimizer):
+            return step(*args, **kwargs)  # accumulating (the wrapper steps nothing), or the guard's own step
+        self._in_check = True  # a GradScaler overflow: the guard steps the wrapper (its scaler) itself
+        try:
+            self._before_step(guard.optimizer, (guard.optimizer, *args), kwargs)
+        finally:
+            self._in_check = False
+        if self._skipping:
+            self._skipping = False
+            compat.accelerate_set_skipped(guard.optimizer, True)
+            return None
+        compat.accelerate_set_skipped(guard.optimizer, False)
+        out = step(*args, **kwargs)
+        if not guard.optimizer.step_was_skipped:  # type: ignore[attr-defined]
+            guard.after_step()
+        return out
 
     def _scheduler_step_unless_skipped(self, *args: Any, **kwargs: Any) -> Any:
         if self._hold_scheduler:

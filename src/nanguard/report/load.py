@@ -18,7 +18,7 @@ import numpy as np
 from nanguard.errors import BundleError, EventLogError
 from nanguard.findings import Diagnosis, jsonable
 from nanguard.hardware import TRACKER, device_rows, read_tracker
-from nanguard.report.stream import StepRecord, StepSeries, read_rank_log
+from nanguard.report.stream import Span, StepRecord, StepSeries, read_rank_log, run_spans
 
 __all__ = [
     "BundleInfo",
@@ -26,6 +26,7 @@ __all__ = [
     "Marker",
     "Progress",
     "RankLog",
+    "RunInfo",
     "RunReport",
     "StepRecord",
     "Trip",
@@ -66,6 +67,19 @@ class RankLog:
         return self.series.latest.step if self.series.latest is not None else None
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """One run in a run directory: its id (None: logs written before run ids, read as one run), the
+    ranks that logged it and how many lines each wrote."""
+
+    run: str | None
+    lines: dict[int, int]
+
+    @property
+    def name(self) -> str:
+        return self.run if self.run is not None else "(before run ids)"
+
+
 @dataclass
 class BundleInfo:
     """A repro bundle found under ``run_dir/bundles``; ``error`` says why it could not be read."""
@@ -76,6 +90,7 @@ class BundleInfo:
     cause: str | None = None
     batch_stored: bool | None = None
     error: str | None = None
+    run: str | None = None
     diagnosis: Diagnosis | None = field(default=None, repr=False, compare=False)
 
 
@@ -185,6 +200,12 @@ class RunReport:
     bundles: list[BundleInfo] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     world_size: int | None = None
+    run: str | None = None
+    """The run shown: its id, None for logs written before run ids."""
+    runs: list[RunInfo] = field(default_factory=list)
+    """Every run in the directory, oldest first."""
+    hardware_elsewhere: int = 0
+    """Trips ``hardware.jsonl`` holds from the directory's other runs (not counted in ``hardware``)."""
     _steps: array[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -215,6 +236,8 @@ class RunReport:
         return jsonable(
             {
                 "run_dir": str(self.run_dir),
+                "run": self.run,
+                "runs": [r.run for r in self.runs],
                 "world_size": self.world_size,
                 "ranks": sorted(self.ranks),
                 "steps_run": len(steps),
@@ -324,8 +347,10 @@ def _bundle_dict(bundle: BundleInfo) -> dict[str, Any]:
 Progress = Callable[[int, str], contextlib.AbstractContextManager[Callable[[str], None]]]
 
 
-def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunReport:
-    """Read every ``events-rank*.jsonl`` and bundle under ``run_dir`` into one ``RunReport``.
+def load_run(run_dir: str | Path, *, run: str | None = None, progress: Progress | None = None) -> RunReport:
+    """Read one run of ``run_dir``: every rank's ``events-rank*.jsonl`` lines and bundles of that run,
+    into one ``RunReport``. ``run``: its id (``report.runs`` lists them); by default the latest. Logs
+    written before run ids are one run; its id is None, and ``run="-"`` picks it.
 
     Ranks are merged on the guard's step number: a trip, skip or rollback every rank
     logged at the same step is one entry listing those ranks. Unreadable lines, unknown
@@ -350,18 +375,26 @@ def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunRep
     )
     if not files:
         raise EventLogError(root, _no_logs_here(root))
+    spans = {rank: run_spans(path) for rank, path in files}
+    runs = _runs(spans)
+    chosen = _chosen(root, runs, run)
+    # A rank that did not log this run is left out; one that cannot be read stays, to be named.
+    files = [(rank, path) for rank, path in files if not spans[rank] or any(s.run == chosen for s in spans[rank])]
     bundle_dirs = _bundle_dirs(root)
     notes: list[str] = []
-    report = RunReport(run_dir=root, ranks={})
+    report = RunReport(run_dir=root, ranks={}, run=chosen, runs=runs)
     per_rank: dict[int, list[dict[str, Any]]] = {}
     with progress_of(progress, len(files) + len(bundle_dirs), "reading run") as advance:
         for rank, path in files:
-            log, events = _read_rank(rank, path, notes)
+            mine = [s for s in spans[rank] if s.run == chosen] if spans[rank] else None
+            log, events = _read_rank(rank, path, notes, mine)
             report.ranks[rank] = log
             per_rank[rank] = events
             advance(f"{path.name}: {log.events} events")
         for step, rank, path in bundle_dirs:
-            report.bundles.append(_read_bundle(path, step, rank, notes))
+            bundle = _read_bundle(path, step, rank, notes)
+            if bundle.error is not None or bundle.run == chosen:
+                report.bundles.append(bundle)
             advance(f"bundle {path.name}")
     if not any(log.events for log in report.ranks.values()):
         names = ", ".join(p.name for _, p in files)
@@ -371,12 +404,37 @@ def load_run(run_dir: str | Path, *, progress: Progress | None = None) -> RunRep
     if (root / TRACKER).is_file():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report.hardware = read_tracker(root / TRACKER)
+            records = read_tracker(root / TRACKER)
         notes.extend(str(w.message) for w in caught)
+        report.hardware = [r for r in records if r.get("run") == chosen]
+        report.hardware_elsewhere = len(records) - len(report.hardware)
     _check_alignment(report, notes)
     report.warnings = notes
     _flush(notes)
     return report
+
+
+def _runs(spans: Mapping[int, list[Span]]) -> list[RunInfo]:
+    """The runs the rank logs hold, oldest first: logs before run ids, then by the second each started (an
+    id's head) and, within one second, by the order a log appended them."""
+    lines: dict[str | None, dict[int, int]] = defaultdict(dict)
+    order: dict[str | None, int] = {}
+    for rank, found in spans.items():
+        for i, span in enumerate(found):
+            lines[span.run][rank] = lines[span.run].get(rank, 0) + span.lines
+            order[span.run] = min(order.get(span.run, i), i)
+    return [RunInfo(r, lines[r]) for r in sorted(lines, key=lambda r: (r is not None, (r or "")[:15], order[r]))]
+
+
+def _chosen(root: Path, runs: list[RunInfo], run: str | None) -> str | None:
+    """The run to show: ``run`` ("-": the one before run ids), else the latest."""
+    if run is None:
+        return runs[-1].run if runs else None
+    wanted = None if run == "-" else run
+    if not any(r.run == wanted for r in runs):
+        known = ", ".join(r.run if r.run is not None else "- (before run ids)" for r in runs) or "none"
+        raise EventLogError(root, f"no run {run!r} in this run directory; its runs: {known}")
+    return wanted
 
 
 def _no_logs_here(root: Path) -> str:
@@ -413,8 +471,10 @@ def _bundle_dirs(root: Path) -> list[tuple[int, int, Path]]:
     return sorted(found, key=lambda item: (item[0], item[1]))
 
 
-def _read_rank(rank: int, path: Path, notes: list[str]) -> tuple[RankLog, list[dict[str, Any]]]:
-    found = read_rank_log(path, rank, notes)
+def _read_rank(
+    rank: int, path: Path, notes: list[str], spans: list[Span] | None
+) -> tuple[RankLog, list[dict[str, Any]]]:
+    found = read_rank_log(path, rank, notes, spans)
     log = RankLog(
         rank=rank,
         path=path,
@@ -441,6 +501,8 @@ def _read_bundle(path: Path, step: int, rank: int, notes: list[str]) -> BundleIn
             return info
     notes.extend(str(w.message) for w in caught)
     info.batch_stored = bundle.batch_stored
+    run = bundle.meta.get("run")
+    info.run = run if isinstance(run, str) else None
     if bundle.diagnosis is not None:
         info.cause = bundle.diagnosis.cause
         info.diagnosis = bundle.diagnosis

@@ -39,6 +39,8 @@ def run_report(
     html: str | Path | None = None,
     as_json: bool = False,
     *,
+    run: str | None = None,
+    list_runs: bool = False,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -52,6 +54,9 @@ def run_report(
     one table of trips per host and device over all of them (``--json``: ``{"runs": [...],
     "hardware": [...]}``); ``html`` is for one run directory.
 
+    A run directory a guard wrote to more than once holds several runs: the latest is shown, ``run``
+    picks one by id ("-": the logs from before run ids), ``list_runs`` lists them instead.
+
     Example:
         >>> run_report("runs/exp1", html="runs/exp1/report.html")
         0
@@ -59,18 +64,25 @@ def run_report(
     out = out or sys.stdout
     err = err or sys.stderr
     if not isinstance(run_dir, (str, os.PathLike)):
-        return _several(list(run_dir), html, as_json, out, err)
+        if len(run_dir) > 1 and (run is not None or list_runs):
+            print("nanguard report: error: --run and --runs take one RUN_DIR", file=err, flush=True)
+            return 2
+        if len(run_dir) != 1:
+            return _several(list(run_dir), html, as_json, out, err)
+        run_dir = run_dir[0]
     status = Console(err)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report = load_run(run_dir, progress=lambda total, label: status.progress(total, label, echo=False))
+            report = load_run(run_dir, run=run, progress=lambda total, label: status.progress(total, label, echo=False))
     except NanguardError as error:
         _print_warnings(caught, err)
         print(f"nanguard report: error: {error}", file=err, flush=True)
         return 1
     _print_warnings(caught, err)
 
+    if list_runs:
+        return _list_runs(report, as_json, out)
     written: Path | None = None
     if html is not None:
         try:
@@ -106,6 +118,19 @@ def run_report(
         # The reader went away (`| head`): stop quietly, and keep Python's exit flush from failing again.
         if out is sys.stdout:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _list_runs(report: RunReport, as_json: bool, out: TextIO) -> int:
+    runs = [{"run": r.run, "ranks": sorted(r.lines), "lines": sum(r.lines.values())} for r in report.runs]
+    if as_json:
+        print(json.dumps({"run_dir": str(report.run_dir), "runs": runs}, indent=2), file=out, flush=True)
+        return 0
+    console = Console(out)
+    console.title(f"nanguard report: {report.run_dir}: {len(runs)} run(s), oldest first")
+    rows = [[info.name, ",".join(map(str, sorted(info.lines))), str(sum(info.lines.values()))] for info in report.runs]
+    console.table(["run", "ranks", "lines"], rows)
+    console.line("show one: nanguard report RUN_DIR --run ID (the latest by default)")
     return 0
 
 
@@ -154,6 +179,9 @@ def print_summary(report: RunReport, console: Console) -> None:
     world = f" (world size {report.world_size})" if report.world_size else ""
     steps = f"steps {data['first_step']}-{data['last_step']}" if data["steps_run"] else "no steps logged"
     console.title(f"nanguard report: {report.run_dir}")
+    if len(report.runs) > 1:
+        name = report.run if report.run is not None else "(before run ids)"
+        console.line(f"run {name}, one of {len(report.runs)} in this directory (--runs lists them, --run ID shows one)")
     console.group(
         f"{len(report.ranks)} rank(s){world}, {steps}: {data['steps_run']} steps run",
         f"trips {counts['trips']}, skips {counts['skips']}, rollbacks {counts['rollbacks']}, "
@@ -200,7 +228,14 @@ def print_summary(report: RunReport, console: Console) -> None:
         console.table(list(DRILL_COLUMNS), drill_rows([d.to_dict() for d in report.drills]), title="Fire drill")
     if report.hardware:
         console.table(
-            list(HARDWARE_COLUMNS), hardware_rows(device_rows(report.hardware)), title="Trips per host and device"
+            list(HARDWARE_COLUMNS),
+            hardware_rows(device_rows(report.hardware)),
+            title="Trips per host and device (this run)",
+        )
+    if report.hardware_elsewhere:
+        console.line(
+            f"hardware.jsonl holds {report.hardware_elsewhere} more trip record(s) from other runs in this "
+            "directory, not counted here (--run ID shows another run)"
         )
 
 

@@ -31,7 +31,7 @@ from nanguard.events import KNOWN_KINDS, field_error, is_int, is_int_list
 from nanguard.findings import Diagnosis, jsonable
 from nanguard.text import diagnosis_text, op_path, summary
 
-__all__ = ["MAX_LINE_BYTES", "MAX_POINTS", "MAX_STEP", "StepRecord", "StepSeries", "read_rank_log"]
+__all__ = ["MAX_LINE_BYTES", "MAX_POINTS", "MAX_STEP", "Span", "StepRecord", "StepSeries", "read_rank_log", "run_spans"]
 
 MAX_POINTS = 10_000
 MAX_LINE_BYTES = 16 * 2**20
@@ -241,8 +241,98 @@ class RankEvents:
     end: dict[str, Any] | None = None
 
 
-def read_rank_log(path: Path, rank: int, notes: list[str]) -> RankEvents:
-    """Read ``rank``'s ``events-rank{R}.jsonl``; each bad line adds a note ``path:line: why``.
+@dataclass(frozen=True)
+class Span:
+    """One run's lines in one rank's log: bytes ``begin`` to ``end`` (None: the end of the file), the
+    first of them line ``lineno``, ``lines`` of them; ``run`` its id, None for a log written before run ids."""
+
+    run: str | None
+    begin: int
+    end: int | None
+    lineno: int
+    lines: int
+
+
+_START = b'{"kind":"start"'
+
+
+def run_spans(path: Path) -> list[Span]:
+    """The runs in one rank's log, in the order they were appended: each begins at its ``start`` line.
+
+    Lines before the first ``start`` belong to the first run; the runs written before run ids are one
+    run (``run`` None); a ``start`` line that cannot be read starts no run. An unreadable file has none.
+
+    Example:
+        >>> [s.run for s in run_spans(Path("runs/exp1/events-rank0.jsonl"))]
+        ['20261202-101500-3f2a', '20261202-143501-9f3a']
+    """
+    starts: list[tuple[str | None, int, int]] = []  # (run, byte offset, line number)
+    try:
+        handle = path.open("rb")
+    except OSError:
+        return []
+    offset, lines, carry = 0, 0, b""
+    with handle:
+        while chunk := handle.read(_BLOCK_BYTES):
+            data = carry + chunk
+            cut = data.rfind(b"\n") + 1
+            block, carry = data[:cut], data[cut:]
+            at = 0 if block.startswith(_START) else block.find(b"\n" + _START) + 1
+            while at > 0 or (at == 0 and block.startswith(_START)):
+                end = block.index(b"\n", at)
+                read = _run_of(block[at:end])
+                if read is not None:
+                    starts.append((read[0], offset + at, lines + 1 + block.count(b"\n", 0, at)))
+                at = block.find(b"\n" + _START, end) + 1
+                if at == 0:
+                    break
+            offset += len(block)
+            lines += block.count(b"\n")
+    lines += 1 if carry else 0
+    spans: list[tuple[str | None, int, int]] = []
+    for run, begin, first in starts:
+        if spans and spans[-1][0] is None and run is None:
+            continue  # the runs before run ids: one run
+        spans.append((run, begin, first) if spans else (run, 0, 1))
+    if not spans and lines:
+        spans.append((None, 0, 1))
+    bounds = [*(begin for _, begin, _ in spans[1:]), None]
+    lasts = [*(first - 1 for _, _, first in spans[1:]), lines]
+    return [
+        Span(run, begin, end, first, last - first + 1)
+        for (run, begin, first), end, last in zip(spans, bounds, lasts, strict=True)
+    ]
+
+
+def _run_of(line: bytes) -> tuple[str | None] | None:
+    """(the run id of a ``start`` line,), the id None when written before run ids; None when it cannot be read."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(event, dict):
+        return None
+    run = event.get("run")
+    return (run if isinstance(run, str) else None,)
+
+
+class _Bounded:
+    """Reads ``handle`` from where it stands up to byte ``end`` (None: to its end)."""
+
+    def __init__(self, handle: BinaryIO, end: int | None) -> None:
+        self.handle, self.left = handle, None if end is None else end - handle.tell()
+
+    def read(self, n: int) -> bytes:
+        if self.left is None:
+            return self.handle.read(n)
+        data = self.handle.read(min(n, self.left))
+        self.left -= len(data)
+        return data
+
+
+def read_rank_log(path: Path, rank: int, notes: list[str], spans: list[Span] | None = None) -> RankEvents:
+    """Read ``rank``'s ``events-rank{R}.jsonl`` (only ``spans``, one run's, when given); each bad line
+    adds a note ``path:line: why``.
 
     A file that cannot be opened adds one note and reads as empty. Every kept non-step event
     gets ``_line`` (its line number) and, for a trip, ``_diagnosis`` (a checked ``Diagnosis`` or None).
@@ -269,11 +359,15 @@ def read_rank_log(path: Path, rank: int, notes: list[str]) -> RankEvents:
         return found
     tail: dict[str, int] = {}  # the line the file ends in without a newline, and its length
     with handle:
-        for first, block in _blocks(handle, lambda lineno: note(lineno, "skipping a line over 16 MB"), tail):
-            for lineno, raw in _fold_block(block, first, rank, found):
-                why = _read_other(raw, lineno, found)
-                if why is not None:
-                    note(lineno, _cut_short(why) if lineno == tail.get("lineno") else why)
+        for span in spans if spans is not None else [Span(None, 0, None, 1, 0)]:
+            handle.seek(span.begin)
+            reader: Any = _Bounded(handle, span.end)
+            blocks = _blocks(reader, lambda lineno: note(lineno, "skipping a line over 16 MB"), tail, span.lineno)
+            for first, block in blocks:
+                for lineno, raw in _fold_block(block, first, rank, found):
+                    why = _read_other(raw, lineno, found)
+                    if why is not None:
+                        note(lineno, _cut_short(why) if lineno == tail.get("lineno") else why)
     if bad > _MAX_NOTES:
         notes.append(f"{path}: {bad - _MAX_NOTES} more unreadable lines not listed")
     found.steps.finish()
@@ -288,11 +382,11 @@ def _cut_short(why: str) -> str:
 
 
 def _blocks(
-    handle: BinaryIO, too_long: Callable[[int], None], tail: dict[str, int] | None = None
+    handle: BinaryIO, too_long: Callable[[int], None], tail: dict[str, int] | None = None, lineno: int = 1
 ) -> Iterator[tuple[int, bytes]]:
-    """(number of its first line, whole lines ending in a newline) for the file, a block at a time.
-    A last line without its newline is yielded too, and its number put in ``tail["lineno"]``."""
-    lineno = 1
+    """(number of its first line, whole lines ending in a newline) for the file, a block at a time, the
+    first line numbered ``lineno``. A last line without its newline is yielded too, and its number put
+    in ``tail["lineno"]``."""
     carry = b""
     while chunk := handle.read(_BLOCK_BYTES):
         data = carry + chunk
