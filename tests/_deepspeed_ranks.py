@@ -25,8 +25,11 @@ class Net(nn.Module):
         self.act = Act()
         self.out = nn.Linear(16, 4)
 
+        self.outside = False  # return the outputs: the loop computes the loss outside the model
+
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return (self.out(self.act(self.inp(x))).float() - y).pow(2).mean()
+        out = self.out(self.act(self.inp(x)))
+        return out if self.outside else (out.float() - y).pow(2).mean()
 
 
 class Act(nn.Module):
@@ -41,6 +44,8 @@ class Act(nn.Module):
             return h * 1e5  # past float16's max: Inf in float16, finite in float32
         if self.fault == "grad_overflow":
             return torch.tanh(_Amplified.apply(h))  # the backward alone overflows float16
+        if self.fault == "grad_nan":
+            return torch.tanh(_NanGrad.apply(h))  # the backward alone makes NaN
         return torch.tanh(h)
 
 
@@ -55,6 +60,18 @@ class _Amplified(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad * 1e4
+
+
+class _NanGrad(torch.autograd.Function):
+    """The identity forward; a NaN gradient in the backward (a fault only a backward can show)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
 
 
 class Regression(nn.Module):
@@ -91,13 +108,18 @@ def engine_for(
     clip: float | None = None,
     ds_optimizer: dict[str, Any] | None = None,
     offload: bool = False,
+    nan_row: tuple[str, int] | None = None,
 ) -> Any:
     """A fresh engine on a seeded model. ``ds_optimizer``: the config's "optimizer" section (DeepSpeed
-    builds it) instead of a torch optimizer; ``offload``: ZeRO's optimizer offloaded to the CPU."""
+    builds it) instead of a torch optimizer; ``offload``: ZeRO's optimizer offloaded to the CPU;
+    ``nan_row``: (module, row) of a weight NaN before ``deepspeed.initialize``, as a bad checkpoint loads it."""
     import deepspeed
 
     torch.manual_seed(0)
     model: nn.Module = Regression(kind == "regression_sum") if kind.startswith("regression") else Net()
+    if nan_row is not None:
+        with torch.no_grad():
+            model.get_submodule(nan_row[0]).weight[nan_row[1]] = float("nan")
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accum,
@@ -152,8 +174,12 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         clip=case.get("clip"),
         ds_optimizer=case.get("ds_optimizer"),
         offload=case.get("offload", False),
+        nan_row=case.get("nan_row"),
     )
+    refused = _refused(engine) if case.get("refuse") else None
     act = getattr(engine.module, "act", None)
+    if case.get("outside"):
+        engine.module.outside = True
     rows = 32 if kind.startswith("regression") else 4  # more rows than inputs: every direction has curvature
     forwards, backwards = [0], [0]  # the module's forwards, and backwards through its last layer
     engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -162,13 +188,31 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     guard = None
     trips: list[dict[str, Any]] = []  # every trip event's diagnosis, in order
     said = _Said()  # what nanguard logged
+    recorded: list[Any] = []  # the grad norm of every step event, and the engine's own after each step
+    engine_norms: list[Any] = []
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event["kind"] == "trip":
+            trips.append(event["diagnosis"])
+        if event["kind"] == "step":
+            recorded.append(event.get("grad_norm"))
+
     if case.get("policy"):
-        on_event = lambda event: trips.append(event["diagnosis"]) if event["kind"] == "trip" else None  # noqa: E731
-        guard = DeepSpeedGuard(engine, case["policy"], on_event=on_event, **case.get("options", {}))
+        if case.get("disabled"):
+            os.environ["NANGUARD_DISABLE"] = "1"
+        try:
+            guard = DeepSpeedGuard(engine, case["policy"], on_event=on_event, **case.get("options", {}))
+        finally:
+            os.environ.pop("NANGUARD_DISABLE", None)
+    untouched = not any(name in vars(engine) for name in ("backward", "step", "forward")) and not (
+        engine._forward_pre_hooks or engine._forward_hooks
+    )
     faults = case.get("faults") or ([case["fault"]] if case.get("fault") else [])
     losses, error = [], None
     try:
         for step in range(case["steps"]):
+            if step == case.get("drop"):
+                continue  # the batch this run never sees
             here = next((f for f in faults if f[1] == rank and f[2] == step), None)
             for micro in range(accum):
                 # A fault's optional 4th entry: the one micro-batch it hits (else every one of the step).
@@ -178,10 +222,17 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
                 x, y = batch(rank, step * accum + micro, dtype, rows)
                 if fault == "data":
                     x[0, 0] = float("nan")
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
+                if case.get("closure") and guard is not None:
+                    loss = guard.step(_closure(engine, x, y))
+                else:
+                    loss = engine(x, y)
+                    if case.get("outside"):  # the loss outside the model, no micro_step: the replay sees the forward
+                        loss = (loss.float() - y).pow(2).mean()
+                    engine.backward(loss)
+                    engine.step()
             losses.append(float(loss))
+            norm = engine.get_global_grad_norm()
+            engine_norms.append(None if norm is None else float(norm))
     except Exception as err:
         error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-6)}"
     if act is not None:
@@ -197,6 +248,10 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         "lr": engine.get_lr()[0],
         "error": error,
         "scale": scale,
+        "refused": refused,
+        "untouched": untouched,
+        "recorded_norms": recorded,
+        "engine_norms": engine_norms,
     }
     if guard is not None:
         out["trip_diagnoses"] = trips
@@ -206,10 +261,33 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         out["rollbacks"] = guard.guard.rollbacks if guard.guard is not None else None
         out["last_overflow"] = guard.last_overflow.to_dict() if guard.last_overflow else None
         out["last_grad_norm"] = guard.last_grad_norm
+        out["has_guard"] = guard.guard is not None
         guard.close()
     said.close()
     out["said"] = said.lines
     return out
+
+
+def _closure(engine: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """``ng.Guard.step``'s closure for an engine: forward and ``engine.backward``, the loss returned."""
+
+    def closure() -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        return loss
+
+    return closure
+
+
+def _refused(engine: Any) -> str | None:
+    """What ``ng.Guard(engine, optimizer)`` says (it must refuse: ZeRO's gradients are not ``.grad``)."""
+    import nanguard as ng
+
+    try:
+        ng.Guard(engine, engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 class _Said(logging.Handler):

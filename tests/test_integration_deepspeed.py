@@ -26,6 +26,32 @@ pytestmark = pytest.mark.dist
 STEPS = 3
 
 
+def _fp16_supported() -> bool:
+    """Asked from DeepSpeed's accelerator, as the ranks run it (its CPU accelerator decides from the CPU)."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+FP16 = _fp16_supported()
+NO_FP16 = "DeepSpeed's accelerator says fp16 is not supported here (is_fp16_supported() is False)"
+needs_fp16 = pytest.mark.skipif(not FP16, reason=NO_FP16)
+
+
+def _skip_unless_runnable(dtype: str) -> None:
+    if dtype == "fp16" and not FP16:
+        pytest.skip(NO_FP16)
+
+
+# Where fp16 cannot run, ZeRO-2's faults are covered in bf16 in the same spawn.
+ZERO2 = "fp16" if FP16 else "bf16"
+ZERO2_FAULTS = [("data", 1, 1), ("log", 0, 1), *([("overflow", 1, 2)] if FP16 else [])]
+ZERO3_FAULTS = [("log", 1, 1), ("data", 0, 2)]
+
+
 def _cases(stage: int, dtype: str, faults: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
     base = {"stage": stage, "dtype": dtype, "steps": STEPS}
     return [base, {**base, "policy": "skip"}, *({**base, "policy": "skip", "fault": f} for f in faults)]
@@ -85,23 +111,159 @@ def _check_scaler_overflow(results: list[list[dict[str, Any]]], bad_rank: int) -
         )
 
 
-def test_zero2_fp16_and_zero3_fp32_healthy_identical_faults_named_on_their_rank() -> None:
-    plans = [
-        (2, "fp16", [("data", 1, 1), ("log", 0, 1), ("overflow", 1, 2)]),
-        (3, "fp32", [("log", 1, 1)]),
-    ]
-    cases = [case for stage, dtype, faults in plans for case in _cases(stage, dtype, faults)]
-    overflow = {"stage": 2, "dtype": "fp16", "steps": STEPS, "fault": ("grad_overflow", 0, 1)}
-    cases += [overflow, {**overflow, "policy": "raise"}]  # the scaler's overflow: raise does not stop the run
-    cases += _rollback_cases(3, "fp32")
-    results = spawn_ranks(run_cases, cases, world=2, timeout=400)
-    start = 0
-    for stage, dtype, faults in plans:
-        n = 2 + len(faults)
-        _check([runs[start : start + n] for runs in results], stage, dtype, faults)
-        start += n
-    _check_scaler_overflow([runs[start : start + 2] for runs in results], bad_rank=0)
-    _check_rollback([runs[start + 2 :] for runs in results])
+@pytest.fixture(scope="module")
+def zero_runs() -> dict[str, list[list[dict[str, Any]]]]:
+    """One spawn for the always-run ZeRO cases, each group of runs by name, per rank."""
+    groups: dict[str, list[dict[str, Any]]] = {
+        "zero2": _cases(2, ZERO2, ZERO2_FAULTS),
+        "zero3": _cases(3, "fp32", ZERO3_FAULTS),
+        "rollback": _rollback_cases(3, "fp32"),
+        # Runs that never see the batch a skip dropped (step 1 for ZeRO-3's first fault, step 2 for its second).
+        "never_saw": [{"stage": 3, "dtype": "fp32", "steps": STEPS, "drop": step} for step in (1, 2)],
+        # ng.Guard refuses the engine; DeepSpeedGuard.step(closure) is the loop's form, healthy and faulted.
+        "closure": [
+            {"stage": 2, "dtype": ZERO2, "steps": STEPS, "policy": "skip", "closure": True, "refuse": True},
+            {"stage": 2, "dtype": ZERO2, "steps": STEPS, "policy": "skip", "closure": True, "fault": ("log", 0, 1)},
+        ],
+        # The loss computed outside the model without micro_step, a NaN made by a backward alone, on each rank.
+        "outside": [
+            {
+                "stage": 2,
+                "dtype": "fp32",
+                "steps": STEPS,
+                "policy": "skip",
+                "outside": True,
+                "fault": ("grad_nan", r, 1),
+            }
+            for r in (0, 1)
+        ],
+        # NANGUARD_DISABLE=1: nothing wrapped, the run as the plain one.
+        "disabled": [{"stage": 3, "dtype": "fp32", "steps": STEPS, "policy": "skip", "disabled": True}],
+        # A checkpoint's NaN row loaded before deepspeed.initialize: row 3 of inp.weight is in rank 0's ZeRO-3
+        # partition, row 3 of out.weight in rank 1's.
+        "nan_row": [
+            {"stage": 3, "dtype": "fp32", "steps": 2, "policy": "skip", "nan_row": (module, 3)}
+            for module in ("inp", "out")
+        ],
+    }
+    if FP16:
+        overflow = {"stage": 2, "dtype": "fp16", "steps": STEPS, "fault": ("grad_overflow", 0, 1)}
+        groups["scaler"] = [overflow, {**overflow, "policy": "raise"}]  # raise does not stop the run on it
+    cases = [case for group in groups.values() for case in group]
+    results = spawn_ranks(run_cases, cases, world=2, timeout=600)
+    out, start = {}, 0
+    for name, group in groups.items():
+        out[name] = [runs[start : start + len(group)] for runs in results]
+        start += len(group)
+    return out
+
+
+@needs_fp16
+def test_zero2_fp16_and_zero3_fp32_healthy_identical_faults_named_on_their_rank(
+    zero_runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    _check(zero_runs["zero2"], 2, "fp16", ZERO2_FAULTS)
+    _check(zero_runs["zero3"], 3, "fp32", ZERO3_FAULTS)
+    _check_scaler_overflow(zero_runs["scaler"], bad_rank=0)
+    _check_rollback(zero_runs["rollback"])
+
+
+@pytest.mark.skipif(FP16, reason="fp16 runs here: test_zero2_fp16_and_zero3_fp32_... covers ZeRO-2 in fp16")
+def test_zero2_bf16_and_zero3_fp32_where_the_accelerator_has_no_fp16(
+    zero_runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    _check(zero_runs["zero2"], 2, "bf16", ZERO2_FAULTS)
+    _check(zero_runs["zero3"], 3, "fp32", ZERO3_FAULTS)
+    _check_rollback(zero_runs["rollback"])
+
+
+def test_every_grad_norm_the_guard_records_is_the_norm_the_engine_steps_with(
+    zero_runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    """ZeRO-2 and ZeRO-3: each step event's grad norm is DeepSpeed's own global norm of that step (before
+    its clip), never 0.0, on both ranks alike."""
+    for name in ("zero2", "zero3"):
+        for rank, runs in enumerate(zero_runs[name]):
+            guarded = runs[1]
+            recorded, engines = guarded["recorded_norms"], guarded["engine_norms"]
+            assert len(recorded) == len(engines) == STEPS, (name, rank, recorded, engines)
+            for mine, theirs in zip(recorded, engines, strict=True):
+                assert theirs is not None and theirs > 0, (name, rank, engines)
+                assert math.isclose(mine, theirs, rel_tol=1e-4), (name, rank, recorded, engines)
+        assert zero_runs[name][0][1]["recorded_norms"] == zero_runs[name][1][1]["recorded_norms"], name
+
+
+def test_a_skip_at_zero3_leaves_the_run_as_if_the_batch_was_never_seen(
+    zero_runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    """The engine's partitions, the optimizer's state and its step count: the faulted run's final weights
+    are those of a run that never saw the step's batches, on every rank, for a fault on rank 1 and on rank 0."""
+    for rank in (0, 1):
+        faulted = zero_runs["zero3"][rank][2:]
+        never = zero_runs["never_saw"][rank]
+        for (kind, bad_rank, step), run, without in zip(ZERO3_FAULTS, faulted, never, strict=True):
+            assert run["skipped"] == 1 and run["diagnosis"]["step"] == step, (rank, kind)
+            assert run["weights"] == without["weights"], (rank, kind, bad_rank)
+
+
+def test_ng_guard_refuses_an_engine_and_deepspeed_guard_steps_a_closure(
+    zero_runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    """``ng.Guard(engine, ...)`` read ``param.grad`` (None under ZeRO: a grad norm of 0.0), named modules
+    ``module.act`` and stepped the torch optimizer behind the engine: it refuses, naming DeepSpeedGuard,
+    whose ``step(closure)`` runs the same closure through the engine."""
+    for rank in (0, 1):
+        plain = zero_runs["zero2"][rank][0]
+        healthy, faulted = zero_runs["closure"][rank]
+        assert healthy["refused"] is not None and "DeepSpeedGuard" in healthy["refused"], rank
+        assert healthy["error"] is None and healthy["weights"] == plain["weights"], rank
+        assert healthy["losses"] == plain["losses"] and healthy["skipped"] == 0, rank
+        diag = faulted["diagnosis"]
+        assert (diag["cause"], diag["module"], diag["phase"], diag["rank"]) == ("op.log_domain", "act", "forward", 0)
+        assert faulted["skipped"] == faulted["skipped_steps"] == 1, rank
+
+
+def test_nanguard_disable_leaves_the_engine_untouched(zero_runs: dict[str, list[list[dict[str, Any]]]]) -> None:
+    for rank in (0, 1):
+        plain, disabled = zero_runs["zero3"][rank][0], zero_runs["disabled"][rank][0]
+        assert plain["untouched"] and disabled["untouched"], rank  # no wrapped method, no hook on the engine
+        assert disabled["has_guard"] is False and disabled["recorded_norms"] == [], rank
+        assert (disabled["weights"], disabled["losses"]) == (plain["weights"], plain["losses"]), rank
+        assert disabled["forwards"] == disabled["backwards"] == STEPS, rank
+
+
+def test_a_replay_that_could_not_run_the_loss_says_what_it_could_not_see(
+    zero_runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    """The replay runs the engine's forward alone (the loss is the loop's, no ``micro_step``): a NaN only the
+    backward makes is not seen there, and the diagnosis says so instead of blaming the hardware."""
+    for runs in zero_runs["outside"]:
+        for rank, run in enumerate(runs):
+            diag = run["diagnosis"]
+            assert run["error"] is None and diag is not None, (rank, run["error"])
+            assert diag["cause"] not in ("step.not_reproduced", "distributed.transient"), (rank, diag)
+            assert diag["evidence"].get("unobserved"), (rank, diag["evidence"])
+            assert not any("hardware" in f or "drain" in f for f in diag["fixes"]), (rank, diag["fixes"])
+            assert not any("drain" in line for line in run["said"]), rank
+            assert run["skipped"] == run["skipped_steps"] == 1, rank
+
+
+def test_a_nan_row_loaded_before_initialize_at_zero3_is_named_on_every_rank(
+    zero_runs: dict[str, list[list[dict[str, Any]]]],
+) -> None:
+    """No skip repairs loaded weights: every rank stops together, naming the row, its module and the rank
+    whose ZeRO-3 partition holds it (rank 0 for inp's row 3, rank 1 for out's)."""
+    for (module, owner), runs in zip([("inp", 0), ("out", 1)], zip(*zero_runs["nan_row"], strict=True), strict=True):
+        for rank, run in enumerate(runs):
+            assert run["error"] is not None and run["error"].startswith("NonFiniteError"), (module, rank, run["error"])
+            diag = run["diagnosis"]
+            assert (diag["cause"], diag["phase"], diag["module"], diag["rank"]) == (
+                "parameters.nonfinite",
+                "parameters",
+                module,
+                owner,
+            ), (module, rank, diag)
+            assert diag["evidence"]["rows"] == [3], (module, rank, diag["evidence"])
 
 
 # -- a far too high LR: the run diverges, and is named a divergence ------------------------------
@@ -175,18 +337,37 @@ def test_the_diverging_setups_expand_every_direction(where: str) -> None:
     assert _every_direction_expands(DIVERGING[where])
 
 
-def test_an_lr_far_too_high_under_zero2_is_named_a_divergence_on_every_rank() -> None:
+@pytest.fixture(scope="module")
+def diverging_runs() -> list[list[dict[str, Any]]]:
+    """ZeRO-2 runs at a far too high LR, in one spawn: fp32 forward and backward, auto, and fp16 where it runs."""
+    auto = {**_diverging(2, "fp32", "forward"), "policy": "auto", "steps": 19}
+    fp16 = [{**_diverging(2, "fp16", "forward"), "steps": 9}] if FP16 else []
+    cases = [_diverging(2, "fp32", "forward"), _diverging(2, "fp32", "backward"), *fp16, auto]
+    results = spawn_ranks(run_cases, cases, world=2, timeout=400)
+    runs = [[ranks[i] for ranks in results] for i in range(len(cases))]
+    return [*runs[:2], runs[-1], *runs[2:-1]]  # forward, backward, auto, then fp16 where it ran
+
+
+@needs_fp16
+def test_an_lr_far_too_high_under_zero2_is_named_a_divergence_on_every_rank(
+    diverging_runs: list[list[dict[str, Any]]],
+) -> None:
     """ZeRO-2: the forward overflow (loss Inf) and the backward one (every loss finite, the gradient
     norm past float32) are both ``optimizer.divergence``; under fp16, the gradient overflows DeepSpeed's
     scaler skips while the loss grows are named a divergence too, not a float16 range problem."""
-    fp16 = {**_diverging(2, "fp16", "forward"), "steps": 9}
-    auto = {**_diverging(2, "fp32", "forward"), "policy": "auto", "steps": 19}
-    cases = [_diverging(2, "fp32", "forward"), _diverging(2, "fp32", "backward"), fp16, auto]
-    results = spawn_ranks(run_cases, cases, world=2, timeout=400)
-    _check_divergence([runs[0] for runs in results], "forward", "ZeRO-2 fp32")
-    _check_divergence([runs[1] for runs in results], "backward", "ZeRO-2 fp32")
-    _check_fp16_divergence([runs[2] for runs in results])
-    _check_auto_remedy([runs[3] for runs in results])
+    _check_divergence(diverging_runs[0], "forward", "ZeRO-2 fp32")
+    _check_divergence(diverging_runs[1], "backward", "ZeRO-2 fp32")
+    _check_fp16_divergence(diverging_runs[3])
+    _check_auto_remedy(diverging_runs[2])
+
+
+@pytest.mark.skipif(FP16, reason="fp16 runs here: test_an_lr_far_too_high_under_zero2_... covers fp32 with it")
+def test_an_lr_far_too_high_under_zero2_in_fp32_where_the_accelerator_has_no_fp16(
+    diverging_runs: list[list[dict[str, Any]]],
+) -> None:
+    _check_divergence(diverging_runs[0], "forward", "ZeRO-2 fp32")
+    _check_divergence(diverging_runs[1], "backward", "ZeRO-2 fp32")
+    _check_auto_remedy(diverging_runs[2])
 
 
 def _check_auto_remedy(results: list[dict[str, Any]]) -> None:
@@ -279,6 +460,7 @@ def test_gradient_accumulation_and_the_configs_optimizer_under_zero2() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (3, "fp32"), (3, "fp16")])
 def test_gradient_accumulation_at_every_stage(stage: int, dtype: str) -> None:
+    _skip_unless_runnable(dtype)
     results = spawn_ranks(run_cases, _accumulation_cases(stage, dtype), world=2, timeout=400)
     _check_accumulation(results, f"ZeRO-{stage} {dtype} accumulation 2")
 
@@ -308,6 +490,7 @@ def _check_rollback(results: list[list[dict[str, Any]]]) -> None:
     "stage,dtype", [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"), (3, "bf16"), (3, "fp16"), (0, "fp32")]
 )
 def test_every_stage_and_precision(stage: int, dtype: str) -> None:
+    _skip_unless_runnable(dtype)
     faults = [("data", 0, 1), ("log", 1, 2)]
     rollback = _rollback_cases(stage, dtype) if stage > 0 else []
     results = spawn_ranks(run_cases, _cases(stage, dtype, faults) + rollback, world=2, timeout=400)
@@ -348,6 +531,7 @@ def test_offload_optimizer_to_cpu_with_deepspeeds_cpu_adam(stage: int, dtype: st
     Healthy identical, faults on rank 0 and rank 1 named there and skipped through the engine, a rollback
     through DeepSpeedCPUAdam's state. Builds DeepSpeed's cpu_adam op on first use (minutes; cached in the
     virtualenv's torch_extensions)."""
+    _skip_unless_runnable(dtype)
     extra = {"ds_optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "offload": True}
     faults = [("data", 1, 1), ("log", 0, 2)]
     cases = [{**case, **extra} for case in _cases(stage, dtype, faults)] + _rollback_cases(stage, dtype, **extra)
@@ -357,6 +541,7 @@ def test_offload_optimizer_to_cpu_with_deepspeeds_cpu_adam(stage: int, dtype: st
     _check_rollback([runs[n:] for runs in results])
 
 
+@needs_fp16
 def test_hf_trainer_with_deepspeed_zero3_fp16_and_accumulation_through_the_callback(tmp_path) -> None:
     """The HF callback under a DeepSpeed Trainer at ZeRO-3, fp16, 2 accumulation steps: healthy runs as
     unguarded (no second backward: ZeRO-3's ranks disagreed on a collective and hung, ZeRO-2 refused with
@@ -365,9 +550,16 @@ def test_hf_trainer_with_deepspeed_zero3_fp16_and_accumulation_through_the_callb
     _check_trainer(results, [3, True, False], 2)
 
 
+@pytest.mark.skipif(FP16, reason="fp16 runs here: test_hf_trainer_with_deepspeed_zero3_fp16_... covers it")
+def test_hf_trainer_with_deepspeed_zero3_bf16_where_the_accelerator_has_no_fp16(tmp_path) -> None:
+    results = spawn_ranks(run_trainer, _trainer_runs(3, "bf16", 2, 6), str(tmp_path), world=2, timeout=400)
+    _check_trainer(results, [3, False, True], 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,dtype,accum", [(2, "fp32", 1), (3, "bf16", 2), (1, "fp16", 2)])
 def test_hf_trainer_with_deepspeed_at_other_stages(tmp_path, stage: int, dtype: str, accum: int) -> None:
+    _skip_unless_runnable(dtype)
     runs = _trainer_runs(stage, dtype, accum, 6)
     results = spawn_ranks(run_trainer, runs, str(tmp_path), world=2, timeout=400)
     _check_trainer(results, [stage, dtype == "fp16", dtype == "bf16"], accum)

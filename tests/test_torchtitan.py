@@ -66,6 +66,14 @@ def runs() -> dict[str, list[dict]]:
         "trainer_pp_plain": ["trainer:pp", None, 0, None],
         "trainer_pp_guarded": ["trainer:pp", None, 0, "skip"],
         "trainer_pp_sqrt_rank1": ["trainer:pp", "sqrt", 1, "skip"],
+        # The integration as documented, no option: a token id past the vocabulary is named and skipped.
+        "trainer_fsdp_token_rank1": ["trainer:fsdp", "token", 1, "skip"],
+        "tp_token_rank0": ["tp", "token", 0, "skip"],  # TP's vocab-parallel embedding would read a zero row
+        # The plain cross-entropy loss under TP, a sqrt of negatives in rank 1's attention.
+        "trainer_tp_ce_attention_rank1": ["trainer:tp", "attn_sqrt", 1, "skip", {"loss": "ce"}],
+        # guard.loss left out: the replay cannot run the loss and its backward; a backward fault on rank 0.
+        "fsdp_sqrt_grad_unwrapped_rank0": ["fsdp", "sqrt_grad", 0, "skip", {"wrap_loss": False}],
+        "fsdp_disabled": ["fsdp", None, 0, "skip", {"disabled": True}],
     }
     results = spawn_ranks(_cases, list(cases.values()), world=2, timeout=420)
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(cases)}
@@ -278,6 +286,78 @@ def test_a_nan_row_of_the_sharded_embedding_is_named_as_a_row_of_the_model_on_it
     evidence = ranks[0]["diag"]["evidence"]
     assert evidence["rows"] == [NAN_ROW]  # not 200 - 128, the row in rank 1's shard
     assert evidence["token_ids"] == [NAN_ROW]
+
+
+@pytest.mark.dist
+def test_a_bad_token_id_never_ends_the_run_with_the_integration_as_documented(runs: dict[str, list[dict]]) -> None:
+    """No check_batch: the ids are made valid on the device before the embedding (no host read), the
+    step's checked loss carries the finding, and the replay names it: on rank 1 under FSDP2 in
+    torchtitan's Trainer (before: an IndexError ended the job), on rank 0 under TP (before: a zero row)."""
+    for name, rank, step, at in (("trainer_fsdp_token_rank1", 1, 2, 3), ("tp_token_rank0", 0, 2, 2)):
+        ranks = runs[name]
+        d = _diag(ranks)
+        assert (d["cause"], d["phase"], d["rank"], d["ranks"], d["step"]) == (
+            "data.index_out_of_range",
+            "data",
+            rank,
+            [rank],
+            step,
+        ), name
+        assert [r["skipped"] for r in ranks] == [[at], [at]], name
+        assert all(len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in ranks), name
+
+
+@pytest.mark.dist
+def test_tp_with_the_plain_cross_entropy_names_a_fault_in_rank1s_attention(runs: dict[str, list[dict]]) -> None:
+    ranks = runs["trainer_tp_ce_attention_rank1"]
+    d = _diag(ranks)
+    assert (d["cause"], d["op"], d["module"], d["phase"], d["rank"], d["ranks"], d["step"]) == (
+        "op.sqrt_domain",
+        "aten.sqrt.default",
+        "layers.1.attention",
+        "forward",
+        1,
+        [1],
+        2,
+    )
+    assert [r["skipped"] for r in ranks] == [[3], [3]]
+
+
+@pytest.mark.dist
+def test_a_replay_without_the_loss_says_what_it_could_not_see_under_fsdp2(runs: dict[str, list[dict]]) -> None:
+    for r in runs["fsdp_sqrt_grad_unwrapped_rank0"]:
+        d = r["diag"]
+        assert d is not None and d["cause"] not in ("step.not_reproduced", "distributed.transient"), d
+        assert d["evidence"].get("unobserved"), d["evidence"]
+        assert not any("hardware" in f or "drain" in f for f in d["fixes"]), d["fixes"]
+        assert r["skipped"] == [2]
+
+
+@pytest.mark.dist
+def test_nanguard_disable_leaves_torchtitans_step_untouched(runs: dict[str, list[dict]]) -> None:
+    for plain, off in zip(runs["fsdp_plain"], runs["fsdp_disabled"], strict=True):
+        assert off["hooked"] == plain["hooked"]  # no hook on the model or the optimizers
+        assert (off["digest"], off["losses"], off["norms"]) == (plain["digest"], plain["losses"], plain["norms"])
+        assert off["skipped"] == [] and off["diag"] is None
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_documented_integration_on_each_rank_without_options() -> None:
+    """The long variant: a bad token id (torchtitan's Trainer, FSDP2 and TP) and the plain cross-entropy
+    loss under TP with a fault in the attention, on rank 0 and rank 1."""
+    from nanguard.zoo.spawn import spawn_ranks
+
+    cases = [["trainer:" + s, "token", r, "skip"] for s in ("fsdp", "tp") for r in (0, 1)]
+    cases += [["trainer:tp", "attn_sqrt", r, "skip", {"loss": "ce"}] for r in (0, 1)]
+    results = spawn_ranks(_cases, cases, world=2, timeout=1800)
+    for i, (_, fault, rank, *_) in enumerate(cases):
+        d = _diag([results[0][i], results[1][i]])
+        want = ("data.index_out_of_range", "data") if fault == "token" else ("op.sqrt_domain", "forward")
+        assert (d["cause"], d["phase"], d["rank"], d["ranks"], d["step"]) == (*want, rank, [rank], 2), cases[i]
+        if fault == "attn_sqrt":
+            assert d["module"] == "layers.1.attention", cases[i]
+        assert results[0][i]["skipped"] == results[1][i]["skipped"] == [3], cases[i]
 
 
 @pytest.mark.dist
@@ -536,3 +616,19 @@ def test_titan_guard_names_wrong_arguments() -> None:
         guard.loss(3)  # type: ignore[arg-type]
     guard.close()
     assert ng.CAUSES  # the public causes stay importable beside the adapter
+
+
+def test_titan_guard_under_nanguard_disable_hooks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanguard.integrations.torchtitan import TitanGuard
+
+    monkeypatch.setenv("NANGUARD_DISABLE", "1")
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = TitanGuard([model], opt)
+    loss_fn = nn.functional.mse_loss
+    assert guard.loss(loss_fn) is loss_fn and guard.guard is None
+    assert not (model._forward_pre_hooks or model._forward_hooks or opt._optimizer_step_pre_hooks)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert not guard.step_skipped and guard.skipped == 0 and guard.last_diagnosis is None
+    guard.close()

@@ -87,6 +87,7 @@ __all__ = [
     "supports_found_inf",
     "swap_collectives",
     "written_tensors",
+    "zero3_partition",
     "zero_local_optimizer",
     "zero_owners",
 ]
@@ -292,6 +293,20 @@ def row_offset(t: torch.Tensor) -> int:
 
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)  # type: ignore[attr-defined]
     return int(offset[0]) if offset else 0
+
+
+def zero3_partition(p: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A DeepSpeed ZeRO-3 parameter's partition on this rank (``p.ds_tensor``, flat) and where it starts
+    in the flattened full parameter; None for any other tensor. Known to work: deepspeed 0.19.8, whose
+    ``_partition_param`` gives each rank ``ds_tensor.ds_numel`` elements from ``ds_numel * rank``."""
+    part = p.__dict__.get("ds_tensor")
+    if not isinstance(part, torch.Tensor):
+        return None
+    import torch.distributed as tdist
+
+    group = p.__dict__.get("ds_process_group")
+    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    return part, int(part.__dict__.get("ds_numel", part.numel())) * rank
 
 
 def fsdp_unsharded_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -21,6 +21,13 @@ def check_parts(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> Any:
     """The Guard's parts checked (a ValueError names the wrong one); returns the scaler to use."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if _is_deepspeed_engine(model):
+        # The engine owns the step: ZeRO keeps the gradients in its own partitions (param.grad is None)
+        # and only engine.step() updates the weights; a guard stepping the torch optimizer does neither.
+        raise ValueError(
+            "model is a DeepSpeed engine: guard it with nanguard.integrations.deepspeed.DeepSpeedGuard(engine, ...) "
+            "(its step(closure) takes the same closure): it reads ZeRO's gradients, steps or skips through the engine"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     scaler = guard_scaler(optimizer, scaler)  # an Accelerate optimizer brings its own
@@ -31,6 +38,11 @@ def check_parts(model: Any, optimizer: Any, scaler: Any, scheduler: Any) -> Any:
         if obj is not None and not all(callable(getattr(obj, m, None)) for m in methods):
             raise ValueError(f"{name} must be None or have the methods {', '.join(methods)}, got {type(obj).__name__}")
     return scaler
+
+
+def _is_deepspeed_engine(model: nn.Module) -> bool:
+    """``deepspeed.initialize``'s engine, told by its class without importing DeepSpeed."""
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed.") for c in type(model).__mro__)
 
 
 def check_state(state: Any, config: GuardConfig) -> None:

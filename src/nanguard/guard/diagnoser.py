@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -342,13 +343,10 @@ class Diagnoser:
         counts = []
         with torch.no_grad():  # host reads: on a trip only
             for name, module, p in named:
-                t = local(p).detach()
-                bad = ~torch.isfinite(t)
-                if bool(bad.any()):
-                    rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten()[:16].tolist() if t.dim() else []
-                    start = compat.row_offset(p)  # a shard's rows, as rows of the full parameter
-                    rows = [start + r for r in rows]
+                t, rows = _nonfinite_rows(p)
+                if rows is not None:
                     nan = int(t.isnan().sum())
+                    bad = ~torch.isfinite(t)
                     found = {"name": name, "module": module, "nan": nan, "inf": int(bad.sum()) - nan, "rows": rows}
                     if module in embeddings and name.endswith(".weight"):
                         found["token_ids"] = rows  # an embedding's rows are the ids that read them
@@ -376,6 +374,24 @@ class Diagnoser:
         replay of that step is judged with it, so a value that overflows because the run is
         diverging is named a divergence."""
         return RunFacts(self.history.evidence(step, self._lr()), self.initial_scale)
+
+
+def _nonfinite_rows(p: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """This rank's own values of ``p`` (an FSDP2 or TP shard, a ZeRO-3 partition, else ``p``) and the rows
+    of the full parameter among them that hold NaN/Inf (up to 16); None when they are all finite."""
+    zero3 = compat.zero3_partition(p)
+    t = (zero3[0] if zero3 is not None else local(p)).detach()
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return t, None
+    if zero3 is not None:  # a flat partition: its elements, as rows of the full parameter
+        shape = tuple(p.__dict__.get("ds_shape", ()))
+        row = math.prod(shape[1:]) if shape else 1
+        flat = bad.nonzero().flatten()[:4096].tolist()
+        return t, sorted({(zero3[1] + i) // row for i in flat})[:16]
+    rows = bad.reshape(t.shape[0], -1).any(1).nonzero().flatten()[:16].tolist() if t.dim() else []
+    start = compat.row_offset(p)  # a shard's rows, as rows of the full parameter
+    return t, [start + r for r in rows]
 
 
 class _Stop(Exception):

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from nanguard import dist
+from nanguard import dist, environ
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.guard.diagnoser import replay_trip
@@ -96,6 +96,13 @@ class DeepSpeedGuard(LoopGuard):
                 f"engine must be the DeepSpeedEngine deepspeed.initialize returned, got {type(engine).__name__}"
             )
         self.engine = engine
+        self.announce = True
+        """Print each diagnosis (rank 0); the Hugging Face callback, which prints its own, turns it off."""
+        self.last_overflow: Diagnosis | None = None
+        """The latest fp16 overflow DeepSpeed's loss scaler skipped, named by a replay (module, op, rank)."""
+        if environ.disabled():  # NANGUARD_DISABLE=1: the engine as it is, nothing wrapped
+            self._stay_off(engine)
+            return
         self.state = EngineState(engine)
         scaler = LossScale(engine.optimizer) if self.state.fp16 and self.state.stage > 0 else None
         guard = Guard(
@@ -116,10 +123,6 @@ class DeepSpeedGuard(LoopGuard):
         self._losses: list[torch.Tensor] = []
         self._micro: list[Micro] = []  # the step just checked, for naming an overflow the scaler skipped
         self._replay_scale: float | None = None  # the loss scale a replay scales by (None: the engine's now)
-        self.announce = True
-        """Print each diagnosis (rank 0); the Hugging Face callback, which prints its own, turns it off."""
-        self.last_overflow: Diagnosis | None = None
-        """The latest fp16 overflow DeepSpeed's loss scaler skipped, named by a replay (module, op, rank)."""
         self._originals: dict[str, Callable[..., Any]] = {"backward": engine.backward, "step": engine.step}
         # The engine steps its own LR scheduler, and not on a skip: nothing to hold.
         self._watch(engine, engine.optimizer, guard, scheduler=None, mean=mean, user=engine.module)
@@ -136,6 +139,25 @@ class DeepSpeedGuard(LoopGuard):
             vars(self.state.optimizer).pop(name, None)
 
     # -- what the loop calls -------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any]) -> Any:
+        """``ng.Guard.step``'s form for an engine: ``closure`` runs the engine's forward and
+        ``engine.backward(loss)`` and returns the loss; then ``engine.step()``, checked first and
+        skipped through the engine when the step tripped. ``ng.Guard`` itself refuses an engine: it
+        would step the torch optimizer behind ZeRO's back and read gradients ZeRO keeps elsewhere.
+
+        Example:
+            >>> def closure():
+            ...     loss = engine(x, y)
+            ...     engine.backward(loss)
+            ...     return loss
+            >>> loss = guard.step(closure)
+        """
+        if not callable(closure):
+            raise ValueError(f"closure must run the forward and engine.backward and return the loss, got {closure!r}")
+        loss = closure()
+        self.engine.step()
+        return loss
+
     def _engine_backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
         if not self._capture.replaying and isinstance(loss, torch.Tensor):
             self._losses.append(loss.detach().float().reshape(-1).mean())

@@ -90,6 +90,15 @@ class LoopGuard(GuardedCallback):
         guard = Guard(model, optimizer, policy, scheduler=scheduler, run_dir=run_dir, **options)
         self._watch(model, optimizer, guard, scheduler=scheduler, mean=mean, user=dist.unwrap(model))
 
+    def _stay_off(self, model: nn.Module) -> None:
+        """``NANGUARD_DISABLE=1``: no guard built, nothing hooked or wrapped; the loop runs as it would
+        without nanguard (``skipped`` 0, ``last_diagnosis`` None, ``close()`` does nothing)."""
+        self.model, self.optimizer, self.scheduler, self.mean = model, None, None, True
+        self.guard = None
+        self.trips = 0
+        self._hooks: list[Any] = []
+        self._step_skipped = False
+
     def _watch(
         self, model: nn.Module, optimizer: Any, guard: Guard, *, scheduler: Any, mean: Any, user: nn.Module
     ) -> None:
@@ -154,6 +163,8 @@ class LoopGuard(GuardedCallback):
         """
         if not callable(fn):
             raise ValueError(f"micro_step takes the function computing a micro-batch's loss, got {type(fn).__name__}")
+        if self.guard is None:
+            return fn  # NANGUARD_DISABLE=1: nothing recorded
 
         @functools.wraps(fn)
         def recorded(*args: Any, **kwargs: Any) -> Any:

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import dist
+from nanguard import dist, environ
 from nanguard.guard import Guard
 from nanguard.integrations import guard_options
+from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard, _local, _scalar
 
 __all__ = ["IGNORE_INDEX", "TitanGuard"]
@@ -95,8 +96,41 @@ class TitanGuard(LoopGuard):
         guard_options(policy, options)
         model = parts[0]
         self.model_parts = parts
+        self._ids_bad: torch.Tensor | None = None  # this micro-batch's token ids past the vocabulary, on the device
+        if environ.disabled():  # NANGUARD_DISABLE=1: the trainer as it is, nothing hooked
+            self._stay_off(model)
+            return
         guard = Guard(model, optimizers, policy, scheduler=lr_schedulers, run_dir=run_dir, **options)
         self._watch(model, optimizers, guard, scheduler=lr_schedulers, mean=False, user=dist.unwrap(model))
+        self._vocab = _vocab(self._user)
+        # A first pipeline stage computes no loss to carry the flag: check_batch=True covers it there.
+        self._computes_loss = getattr(self._user, "lm_head", None) is not None
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The forward's token ids made valid before the embedding reads them, without a host read: an id
+        past the vocabulary would end the job (an ``IndexError`` on one rank, the others hung in FSDP's
+        all-gather) or, under tensor parallel, read a zero row silently. The recorded batch keeps the
+        original ids; the step's checked loss is made NaN on this rank, so every rank trips and the
+        replay names the ids (``data.index_out_of_range``). ``check_batch=True`` checks on the host instead."""
+        recorded = len(self._capture.micro)
+        fixed = super()._before_forward(module, args, kwargs)
+        self._ids_bad = None
+        if fixed is not None or self._vocab is None or len(self._capture.micro) == recorded:
+            return fixed  # check_batch's own fix, no embedding here (a later pipeline stage), or not a training forward
+        if not self._computes_loss or self.guard is None or self.guard.config.check_batch:
+            return None
+        args, kwargs, self._ids_bad = _valid_tokens(args, kwargs, self._vocab)
+        return (args, kwargs) if self._ids_bad is not None else None
+
+    def _replay(self, micro: list[Micro]) -> list[Any]:
+        """The step's micro-batches as the trainer ran them; then, once every rank has run the same
+        forwards and collectives, the recorded ids met as a lookup in the whole vocabulary would meet them."""
+        results = super()._replay(micro)
+        if self._vocab is not None:
+            for m in micro:
+                _look_up(m.args[0] if m.args else m.kwargs.get("tokens"), self._vocab)
+                _look_up(m.extra.get("labels"), self._vocab)
+        return results
 
     def loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn`` (the trainer's ``self.loss_fn``: ``(pred, labels, global_valid_tokens,
@@ -105,6 +139,8 @@ class TitanGuard(LoopGuard):
         and ``loss_fn`` again, then backward on the loss, as the trainer does."""
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be the trainer's loss function, got {type(loss_fn).__name__}")
+        if self.guard is None:
+            return loss_fn  # NANGUARD_DISABLE=1
         model = self.model
 
         def recorded(pred: Any, labels: Any, *args: Any, **kwargs: Any) -> Any:
@@ -113,12 +149,16 @@ class TitanGuard(LoopGuard):
                 return loss_fn(pred, labels, *args, **kwargs)
             m = micro[-1]
             m.extra["labels"] = labels
-            used = labels
-            if self.guard is not None and self.guard.config.check_batch and isinstance(labels, torch.Tensor):
-                used = _valid_labels(self._user, labels)
+            used, bad = labels, self._ids_bad
+            if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and self._vocab is not None:
+                used, bad_labels = _valid_labels(labels, self._vocab)
+                bad = bad_labels if bad is None else bad | bad_labels
+            vocab = self._vocab
 
             @functools.wraps(model.forward)
             def run(*a: Any, **k: Any) -> Any:
+                if vocab is not None:  # the ids the trainer's forward got: every rank runs the same collectives
+                    a, k = _valid_tokens(a, k, vocab)[:2]
                 return _loss_value(loss_fn(model(*a, **k), used, *args, **kwargs))
 
             m.run = run
@@ -126,6 +166,8 @@ class TitanGuard(LoopGuard):
             value = _loss_value(out)
             if _scalar(value):
                 m.loss = _local(value.detach())
+                if bad is not None:  # the check's one read carries it: NaN where an id was past the vocabulary
+                    m.loss = m.loss + torch.where(bad, torch.nan, 0.0).to(m.loss.dtype)
             return out
 
         return recorded
@@ -136,11 +178,36 @@ def _loss_value(out: Any) -> Any:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _valid_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    """``labels`` with ids outside the vocabulary made ignored: the loss runs on every rank (its
-    collectives match) and the step's check rejects the recorded, original labels."""
-    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if vocab is None or labels.is_floating_point():
-        return labels
+def _valid_tokens(args: tuple, kwargs: dict[str, Any], vocab: int) -> tuple[tuple, dict[str, Any], torch.Tensor | None]:
+    """The forward's arguments with its token ids (``tokens``, the first) past the vocabulary made 0, and
+    whether there were any, on the device (no host read); None when there are no integer ids."""
+    tokens = args[0] if args else kwargs.get("tokens")
+    if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point():
+        return args, kwargs, None
+    bad = (tokens < 0) | (tokens >= vocab)
+    valid = torch.where(bad, torch.zeros_like(tokens), tokens)
+    fixed = ((valid, *args[1:]), kwargs) if args else (args, {**kwargs, "tokens": valid})
+    return fixed[0], fixed[1], bad.any()
+
+
+def _vocab(model: nn.Module) -> int | None:
+    """The vocabulary size: the first embedding's rows (None on a pipeline stage without one)."""
+    return next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _valid_labels(labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``labels`` with ids outside the vocabulary made ignored (the loss runs on every rank, its
+    collectives match), and whether there were any, on the device (no host read)."""
     bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab)
-    return torch.where(bad, torch.full_like(labels, IGNORE_INDEX), labels)
+    return torch.where(bad, torch.full_like(labels, IGNORE_INDEX), labels), bad.any()
+
+
+def _look_up(ids: Any, vocab: int) -> None:
+    """On a replay: look ``ids`` up in a table of ``vocab`` empty rows on the CPU, which raises the
+    ``IndexError`` an embedding raises for an id past the vocabulary (the tracer names it, with its
+    batch key); on the CPU, never a device-side assert. Ignored labels are left out."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+        return
+    if bool((ids == IGNORE_INDEX).any()):  # a host read, on a trip only
+        ids = ids[ids != IGNORE_INDEX]
+    torch.nn.functional.embedding(ids.cpu(), torch.empty(vocab, 0))

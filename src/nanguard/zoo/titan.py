@@ -26,6 +26,8 @@ VOCAB = 256
 BAD_STEP = 2
 NAN_ROW = 200  # held by rank 1 under FSDP2 and TP (rows 128..255)
 SEQ = 16
+ATTENTION = "layers.1.attention"
+"""Where the ``attn_sqrt`` fault takes a square root of negatives: the second block's attention."""
 
 
 def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64, loss: str = "chunked") -> dict[str, Any]:
@@ -152,16 +154,16 @@ class _SqrtGrad(torch.autograd.Function):
 def _plant(model: nn.Module, fault: str | None, on: dict[str, bool]) -> None:
     """While ``on``, layers.1.feed_forward.w1 takes the square root of negative values: in its
     forward (``sqrt``) or in its backward (``sqrt_grad``: the loss stays finite)."""
-    if fault not in ("sqrt", "sqrt_grad"):
+    if fault not in ("sqrt", "sqrt_grad", "attn_sqrt"):
         return
-    w1: Any = model.get_submodule("layers.1.feed_forward.w1")
+    w1: Any = model.get_submodule(ATTENTION if fault == "attn_sqrt" else "layers.1.feed_forward.w1")
     forward = w1.forward
 
-    def faulty(x: torch.Tensor) -> torch.Tensor:
-        out = forward(x)
+    def faulty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = forward(*args, **kwargs)
         if not on["bad"]:
             return out
-        return torch.sqrt(out - 1.0) if fault == "sqrt" else _SqrtGrad.apply(out)
+        return _SqrtGrad.apply(out) if fault == "sqrt_grad" else torch.sqrt(out - 1.0)
 
     w1.forward = faulty
 
@@ -201,11 +203,17 @@ def titan_rank(
     lr: float = 1e-3,
     check_batch: bool = False,
     loss: str = "chunked",
+    wrap_loss: bool = True,
+    disabled: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` steps as torchtitan's ``train_step`` does; ``fault`` on ``fault_rank`` at
-    ``BAD_STEP``: "sqrt" (an op fault in the forward), "sqrt_grad" (one in the backward), "token"
-    (a token id past the vocabulary), "label" (a label past it), "nan_row" (row ``NAN_ROW`` of the
-    embedding NaN from the start, on the rank that holds it), or None; ``policy`` None trains unguarded."""
+    ``BAD_STEP``: "sqrt" (an op fault in the forward), "sqrt_grad" (one in the backward), "attn_sqrt"
+    (one in ``ATTENTION``'s forward), "token" (a token id past the vocabulary), "label" (a label past
+    it), "nan_row" (row ``NAN_ROW`` of the embedding NaN from the start, on the rank that holds it), or
+    None; ``policy`` None trains unguarded; ``wrap_loss=False`` leaves out ``guard.loss`` (the replay
+    cannot see the loss); ``disabled``: the guard built under ``NANGUARD_DISABLE=1``."""
+    import os
+
     from nanguard.errors import NonFiniteError
     from nanguard.integrations.torchtitan import TitanGuard
 
@@ -223,8 +231,14 @@ def titan_rank(
         _nan_row(model, NAN_ROW)
     guard = None
     if policy is not None:
-        guard = TitanGuard([model], optimizers, schedulers, policy, check_batch=check_batch, module_stats=False)
-        loss_fn = guard.loss(loss_fn)
+        if disabled:
+            os.environ["NANGUARD_DISABLE"] = "1"
+        try:
+            guard = TitanGuard([model], optimizers, schedulers, policy, check_batch=check_batch, module_stats=False)
+        finally:
+            os.environ.pop("NANGUARD_DISABLE", None)
+        loss_fn = guard.loss(loss_fn) if wrap_loss else loss_fn
+    hooked = len(model._forward_pre_hooks) + len(model._forward_hooks) + len(optimizers._optimizer_step_pre_hooks)
     forwards = {"n": 0}  # the guard runs none of its own on a healthy step
     model.register_forward_pre_hook(lambda *a: forwards.__setitem__("n", forwards["n"] + 1))
     losses, norms, skipped = [], [], []
@@ -270,6 +284,7 @@ def titan_rank(
         "digest": _digest(model),
         "forwards": forwards["n"],
         "raised": raised is not None,
+        "hooked": hooked,
         "diag": None
         if d is None
         else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step", "fixes")}

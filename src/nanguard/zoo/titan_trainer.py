@@ -154,17 +154,28 @@ def _classes() -> tuple[Any, Any]:
 
 
 def trainer_config(
-    setup: str, *, steps: int = 4, lr: float = 8e-4, dump_folder: str = "", backend: str = "partial_dtensor"
+    setup: str,
+    *,
+    steps: int = 4,
+    lr: float = 8e-4,
+    dump_folder: str = "",
+    backend: str = "partial_dtensor",
+    loss: str = "chunked",
 ) -> Any:
     """torchtitan's ``llama3_debugmodel`` trainer config, shrunk and pointed at the CPU: ``setup``
     "fsdp" (dp_shard=2), "tp" (TP=2) or "pp" (2 pipeline stages, 1F1B) on 2 ranks; ``backend``
-    its SPMD backend ("full_dtensor": every parameter and activation a DTensor, the loss too)."""
+    its SPMD backend ("full_dtensor": every parameter and activation a DTensor, the loss too);
+    ``loss`` "chunked" (its default ``ChunkedLossWrapper``) or "ce" (its plain ``CrossEntropyLoss``,
+    ``llama3_debugmodel_ce_loss``)."""
     from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     if setup not in ("fsdp", "tp", "pp"):
         raise ValueError(f"setup must be 'fsdp', 'tp' or 'pp', got {setup!r}")
+    if loss not in ("chunked", "ce"):
+        raise ValueError(f"loss must be 'chunked' or 'ce', got {loss!r}")
     loader, tokenizer = _classes()
     config = llama3_debugmodel()
     spec = config.model_spec
@@ -181,6 +192,8 @@ def trainer_config(
     spec.parallelize_fn = parallelize_on_gloo
     config.tokenizer = tokenizer.Config()
     config.dataloader = loader.Config()
+    if loss == "ce":
+        config.loss = CrossEntropyLoss.Config(global_vocab_size=VOCAB)
     config.optimizer = default_adamw(lr=lr)
     config.optimizer.implementation = "for-loop"
     config.training.local_batch_size = 2
@@ -256,6 +269,7 @@ def trainer_rank(
     lr: float = 8e-4,
     backend: str = "partial_dtensor",
     check_batch: bool = False,
+    loss: str = "chunked",
 ) -> dict[str, Any]:
     """Run torchtitan's ``Trainer.train()`` for ``steps`` steps; ``fault`` ("sqrt", "sqrt_grad": in
     layers.1.feed_forward.w1; "token": a token id past the vocabulary in the first micro-batch)
@@ -289,7 +303,7 @@ def trainer_rank(
                     raise
 
     with tempfile.TemporaryDirectory() as dump:
-        config = trainer_config(setup, steps=steps, lr=lr, dump_folder=dump, backend=backend)
+        config = trainer_config(setup, steps=steps, lr=lr, dump_folder=dump, backend=backend, loss=loss)
         trainer = (GuardedTrainer if policy is not None else Trainer)(config)
         if setup == "pp":
             _whole_batch_step(trainer.pp_schedule)
