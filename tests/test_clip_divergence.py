@@ -437,3 +437,24 @@ def test_reading_the_clips_norm_adds_no_collective_under_ddp(tmp_path) -> None:
         assert r["plain"] >= steps, r  # the count sees DDP's gradient all-reduce
         assert (r["guarded"] - r["plain"]) / steps <= 1, r
         assert all(recorded == returned > 1e-2 for returned, recorded in r["norms"]), r
+
+
+def test_the_healthy_steps_shortcut_warns_exactly_where_the_full_rule_does(monkeypatch) -> None:
+    # Jumpy series (log-normal noise, tenfold level shifts, runs growing 2.5x a step, NaN/Inf/zero
+    # values): the rule with its shortcut (skip the window unless a value doubled its last) against
+    # the rule without it.
+    from nanguard.guard import history as history_module
+
+    gen = torch.Generator().manual_seed(1)
+    noise = (torch.randn(3000, 2, generator=gen) * 0.3).exp().tolist()
+    shifts = torch.randint(0, 60, (3000,), generator=gen).tolist()
+    level, climbing, series = 1.0, 0, []
+    for (a, b), shift in zip(noise, shifts, strict=True):
+        climbing = 4 if shift == 5 else max(climbing - 1, 0)
+        level *= 12.0 if shift == 0 else 1 / 12.0 if shift == 1 else 2.5 if climbing else 1.0
+        value = {2: math.nan, 3: math.inf, 4: 0.0}.get(shift, level * a)
+        series.append((value, level * b))
+    fast = _feed(_history(), series)
+    monkeypatch.setattr(history_module, "_may_depart", lambda *_: True)
+    assert fast == _feed(_history(), series)
+    assert fast  # the series does leave its level: the comparison covers warnings, not only silence

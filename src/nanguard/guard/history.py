@@ -235,6 +235,8 @@ class History:
             >>> history.departed(4, loss=900.0, grad_norm=1.0).signal
             'loss'
         """
+        if not self._episodes and not (self.points and _may_depart(self.points[-1], loss, grad_norm)):
+            return None
         recent = list(self.points)[-self._level_window :]
         losses = [p.loss for p in recent if math.isfinite(p.loss)]
         found = None
@@ -436,6 +438,16 @@ def _median(values: list[float]) -> float | None:
         return None
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _may_depart(last: Point, loss: float, grad_norm: float) -> bool:
+    """Can a departure begin at this step? Not while each value is under ``PEAK_RATIO`` times the last
+    update's (that update is in the window whose peak a departure must clear): the healthy step's
+    shortcut, exact, before the window is copied and sorted."""
+    return any(
+        not 0 < before < math.inf or value >= PEAK_RATIO * before
+        for before, value in ((last.loss, loss), (last.grad_norm, grad_norm))
+    )
 
 
 def _above(value: float, *bars: float) -> bool:
