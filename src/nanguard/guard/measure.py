@@ -172,7 +172,12 @@ class Measure:
         replay = scaler_aside(self.scaler, attempt.replay)
         rng, batch = attempt.rng, attempt.batch
         replayed = _replayed_or_unknown(
-            lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), h.step, h, error
+            lambda: self.diagnoser.tripped(
+                replay, h, rng=rng, batch=batch, closure_error=error, trained=attempt.value
+            ),
+            h.step,
+            h,
+            error,
         )
         self.recovery.abandon(attempt.owns_buffers, rng)  # ...and leave none of theirs behind
         assert replayed.diagnosis is not None

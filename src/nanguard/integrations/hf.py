@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nanguard import compat, environ
+from nanguard import compat, dist, environ
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
+from nanguard.integrations.hf_loss import EngineLoss, TrainerLoss, batch_of, step_loss
 
 _callbacks: Any = require(  # Any: its classes are bases below, known only once imported
     "transformers.trainer_callback", "hf", "Hugging Face transformers"
@@ -93,6 +94,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._last_skipped = False
         self._engine_guard: Any = None  # a DeepSpeedGuard, under a DeepSpeed Trainer
         self._diag_before: Diagnosis | None = None
+        self._loss: TrainerLoss | None = None  # the Trainer's compute_loss and training_step, recorded
 
     def state(self) -> dict[str, Any]:
         guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state
@@ -116,11 +118,17 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         engine = _deepspeed_engine(trainer)
         if engine is not None:
             self._guard_engine(engine, run_dir)
+            if trainer is not None:
+                self._hooks = [EngineLoss(trainer, self._engine_guard.micro_step)]
             return
         self.guard = Guard(model, optimizer, self.policy, run_dir=run_dir, **self.options)
         if self.guard_state:
             self.guard.load_state_dict(self.guard_state)
         self._capture.watch(model)
+        if trainer is not None:  # the loss the Trainer back-propagates, whatever computes it
+            self._loss = TrainerLoss(trainer, self._capture)
+            self._hooks = [self._loss]
+            return
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -172,12 +180,13 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             self._remove_hooks()
             guard.close()
 
+        trained = self._loss
         self._stepped = self._capture.check(
             guard,
-            _step_loss(micro),
+            step_loss(micro) if trained is not None else _step_loss(micro),
             micro,
             replay=(lambda: self._replay(micro)) if micro else None,
-            batch=_batch_of(micro),
+            batch=batch_of(micro) if trained is not None else _batch_of(micro),
             optimizer=optimizer,
             on_raise=on_raise,
         )
@@ -252,9 +261,14 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             micro[-1].loss = loss.detach()
 
     def _replay(self, micro: list[Micro]) -> list[Any]:
-        """Forward and backward of each micro-batch of the step, scaled as the Trainer scales them."""
+        """Each micro-batch of the step as the Trainer ran it: its ``compute_loss``, scaled and
+        back-propagated as ``training_step`` did (``hf_loss.py``); without the Trainer at hand, the
+        model's forward and its own loss."""
         model = self.guard.model if self.guard is not None else None
         assert model is not None
+        if self._loss is not None:
+            return self._loss.replay(model, micro)
+        dist.unobserved("the loss the Trainer back-propagated (no Trainer found: the model's own loss was replayed)")
 
         def run(m: Micro) -> Any:
             out = model(*m.args, **m.kwargs)
@@ -308,7 +322,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     def _remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
-        self._hooks = []
+        self._hooks, self._loss = [], None
 
 
 def _deepspeed_engine(trainer: Any) -> Any:
