@@ -93,21 +93,10 @@ def test_grpo_healthy_is_bit_identical_and_a_nan_statistic_in_its_loss_is_skippe
     )
 
 
-@pytest.mark.dist
-def test_each_fault_on_two_gloo_ranks_is_named_on_its_rank(tmp_path: Path) -> None:
-    """DDP over gloo, the sequential sampler dealing global batch b to rank b % 2 at step b // 2: each
-    fault named on the rank that holds the bad batch (rank 0 and rank 1), every rank skipping; a healthy
-    guarded run bit-identical to the unguarded one."""
-    runs = [
-        {"trainer": "sft", "fault": "log_func", "guard": True, "bad": 0},  # rank 0, step 0
-        {"trainer": "sft", "fault": "log_override", "guard": True, "bad": 3},  # rank 1, step 1
-        {"trainer": "sft", "fault": "nan_loss", "guard": True, "bad": 2},  # rank 0, step 1
-        {"trainer": "dpo", "fault": "dpo_log", "guard": True, "bad": 1, "steps": 3},  # rank 1, step 0
-        {"trainer": "sft", "guard": True, "steps": 3},
-        {"trainer": "sft", "steps": 3},
-    ]
+def _check_ranks(runs: list[dict[str, Any]], expected: list[tuple[str, int, int]], tmp_path: Path) -> None:
+    """Every fault named on the rank that holds the bad batch, every rank skipping the step; a healthy
+    guarded run (the pair after the faults) bit-identical to the unguarded one."""
     results = spawn_ranks(run_ranks, runs, str(tmp_path), world=2, timeout=600)
-    expected = [("op.log_domain", 0, 0), ("op.log_domain", 1, 1), ("op.division_by_zero", 0, 1), ("op.log_domain", 1, 0)]
     for i, (cause, rank, step) in enumerate(expected):
         for r in range(2):
             diag = results[r][i]["diagnosis"]
@@ -116,5 +105,32 @@ def test_each_fault_on_two_gloo_ranks_is_named_on_its_rank(tmp_path: Path) -> No
             assert diag["phase"] == "forward" and diag["cause"] not in HARDWARE
         assert results[0][i]["weights"] == results[1][i]["weights"]  # the ranks stepped together
     for r in range(2):
-        assert results[r][4]["weights"] == results[r][5]["weights"]
-        assert results[r][4]["logged"] == results[r][5]["logged"]
+        healthy, plain = results[r][len(expected)], results[r][len(expected) + 1]
+        assert healthy["weights"] == plain["weights"] and healthy["logged"] == plain["logged"]
+
+
+@pytest.mark.dist
+def test_a_custom_loss_bug_and_a_nan_loss_on_two_gloo_ranks_are_named_on_their_rank(tmp_path: Path) -> None:
+    """DDP over gloo, the sequential sampler dealing global batch b to rank b % 2 at step b // 2."""
+    runs = [
+        {"trainer": "sft", "fault": "log_func", "guard": True, "bad": 1, "steps": 2},  # rank 1, step 0
+        {"trainer": "sft", "fault": "nan_loss", "guard": True, "bad": 2, "steps": 2},  # rank 0, step 1
+        {"trainer": "sft", "guard": True, "steps": 2},
+        {"trainer": "sft", "steps": 2},
+    ]
+    _check_ranks(runs, [("op.log_domain", 1, 0), ("op.division_by_zero", 0, 1)], tmp_path)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_every_fault_on_two_gloo_ranks_is_named_on_its_rank(tmp_path: Path) -> None:
+    runs = [
+        {"trainer": "sft", "fault": "log_func", "guard": True, "bad": 0},  # rank 0, step 0
+        {"trainer": "sft", "fault": "log_override", "guard": True, "bad": 3},  # rank 1, step 1
+        {"trainer": "sft", "fault": "nan_loss", "guard": True, "bad": 1},  # rank 1, step 0
+        {"trainer": "dpo", "fault": "dpo_log", "guard": True, "bad": 2, "steps": 3},  # rank 0, step 1
+        {"trainer": "dpo", "guard": True, "steps": 3},
+        {"trainer": "dpo", "steps": 3},
+    ]
+    expected = [("op.log_domain", 0, 0), ("op.log_domain", 1, 1), ("op.division_by_zero", 1, 0), ("op.log_domain", 0, 1)]
+    _check_ranks(runs, expected, tmp_path)
