@@ -60,7 +60,7 @@ def _run(run: dict[str, Any], out_dir: str) -> dict[str, Any]:
     from nanguard.integrations.hf import NanGuardCallback
 
     class FlooredTrainer(Trainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             labels = inputs.pop("labels")
             outputs = model(**inputs)
             loss = floored_nll(outputs.logits, labels)
@@ -95,8 +95,13 @@ def _run(run: dict[str, Any], out_dir: str) -> dict[str, Any]:
     callbacks = [NanGuardCallback(policy="skip")] if run.get("guard", True) else []
     data = Marked(64, run.get("mark"))
     if run["how"] == "compute_loss_func":
-        trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=callbacks,
-                          compute_loss_func=loss_func)
+        trainer = Trainer(
+            model=GPT2LMHeadModel(config),
+            args=args,
+            train_dataset=data,
+            callbacks=callbacks,
+            compute_loss_func=loss_func,
+        )
     else:
         trainer = FlooredTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()

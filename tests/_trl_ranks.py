@@ -112,7 +112,7 @@ def sft_class(fault: str | None) -> Any:
         return SFTTrainer
 
     class CustomLossSFT(SFTTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             ids, labels = inputs["input_ids"], inputs["labels"]
             outputs = model(input_ids=ids, attention_mask=inputs.get("attention_mask"))
             if fault == "log_override":
@@ -135,7 +135,7 @@ def dpo_class(fault: str | None) -> Any:
         return DPOTrainer
 
     class FlooredDPO(DPOTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             ids, attn, mask = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
             logps = _seq_logps(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
             with torch.no_grad():
@@ -191,7 +191,12 @@ def build(run: dict[str, Any], out_dir: str) -> Any:
         prompts, answers = texts(n, None, 4), texts(2 * n, run.get("bad"))
         data = Dataset.from_dict({"prompt": prompts, "chosen": answers[:n], "rejected": answers[n:]})
         return dpo_class(fault)(
-            model=model(), ref_model=model(seed=1), args=args, train_dataset=data, processing_class=tok, callbacks=callbacks
+            model=model(),
+            ref_model=model(seed=1),
+            args=args,
+            train_dataset=data,
+            processing_class=tok,
+            callbacks=callbacks,
         )
     assert kind == "grpo"
     args = GRPOConfig(**common, num_generations=BATCH, max_completion_length=4)
@@ -212,7 +217,7 @@ def grpo_class(fault: str | None) -> Any:
         return GRPOTrainer
 
     class StatGRPO(GRPOTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             ids = inputs["prompt_ids"]
             words = (ids >= len(SPECIAL)) & (ids != bad_id())
@@ -228,7 +233,7 @@ class _StopAfter:
         from transformers import TrainerCallback
 
         class StopAfter(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+            def on_step_end(self, args, state, control, **kwargs):
                 control.should_training_stop = state.global_step >= updates
 
         return StopAfter()

@@ -289,7 +289,9 @@ class NanTermTrainer(Trainer):
 
 @pytest.mark.parametrize("how", ["compute_loss_func", "compute_loss"])
 @pytest.mark.parametrize("accum", [1, 2])
-def test_a_custom_loss_bug_is_named_in_the_loss_not_blamed_on_the_hardware(tmp_path: Path, how: str, accum: int) -> None:
+def test_a_custom_loss_bug_is_named_in_the_loss_not_blamed_on_the_hardware(
+    tmp_path: Path, how: str, accum: int
+) -> None:
     guard_cb = NanGuardCallback(policy="skip")
     cls, extra = (Trainer, {"compute_loss_func": _loss_func}) if how == "compute_loss_func" else (FlooredTrainer, {})
     args = _args(tmp_path, max_steps=3, gradient_accumulation_steps=accum)
@@ -364,7 +366,6 @@ def test_a_custom_loss_bug_on_two_gloo_ranks_is_named_on_its_rank_under_ddp_and_
     under DeepSpeed ZeRO-2 (the callback hands the Trainer's compute_loss to the engine's guard)."""
     pytest.importorskip("deepspeed")
     from _hf_ranks import run_trainer
-
     from nanguard.zoo.spawn import spawn_ranks
 
     runs = [

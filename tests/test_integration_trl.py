@@ -13,7 +13,6 @@ import pytest
 pytest.importorskip("trl")
 
 from _trl_ranks import run_one, run_ranks
-
 from nanguard.zoo.spawn import spawn_ranks
 
 HARDWARE = {"step.not_reproduced", "distributed.transient", "hardware.faulty_device"}
@@ -25,7 +24,13 @@ def _step_losses(out_dir: Path) -> list[float]:
 
 
 def _named_in_the_loss(diag: dict[str, Any], cause: str, op: str, step: int) -> None:
-    assert (diag["cause"], diag["op"], diag["module"], diag["phase"], diag["step"]) == (cause, op, None, "forward", step)
+    assert (diag["cause"], diag["op"], diag["module"], diag["phase"], diag["step"]) == (
+        cause,
+        op,
+        None,
+        "forward",
+        step,
+    )
     assert "unobserved" not in diag["evidence"]
     assert not any("hardware" in fix or "drain" in fix for fix in diag["fixes"])
 
@@ -64,7 +69,9 @@ def test_a_nan_trained_loss_with_finite_gradients_is_tripped_and_skipped_without
     _named_in_the_loss(result["diagnosis"], "op.division_by_zero", "aten.mean.default", bad)
 
     # The same run without the bad batch, one update fewer, on the same LR schedule: the same weights.
-    reference = run_one({"trainer": "sft", "fault": "nan_loss", "drop": bad, "stop_after": steps - 1}, str(tmp_path / "r"))
+    reference = run_one(
+        {"trainer": "sft", "fault": "nan_loss", "drop": bad, "stop_after": steps - 1}, str(tmp_path / "r")
+    )
     assert result["weights"] == reference["weights"]
     assert result["logged"] == reference["logged"]
 
@@ -132,5 +139,10 @@ def test_every_fault_on_two_gloo_ranks_is_named_on_its_rank(tmp_path: Path) -> N
         {"trainer": "dpo", "guard": True, "steps": 3},
         {"trainer": "dpo", "steps": 3},
     ]
-    expected = [("op.log_domain", 0, 0), ("op.log_domain", 1, 1), ("op.division_by_zero", 1, 0), ("op.log_domain", 0, 1)]
+    expected = [
+        ("op.log_domain", 0, 0),
+        ("op.log_domain", 1, 1),
+        ("op.division_by_zero", 1, 0),
+        ("op.log_domain", 0, 1),
+    ]
     _check_ranks(runs, expected, tmp_path)

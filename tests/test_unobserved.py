@@ -147,7 +147,7 @@ def test_lightning_with_a_callback_writing_into_the_gradients(tmp_path: Path) ->
             self.model = Adapted()
             self.own_hook = own_hook
 
-        def training_step(self, batch, batch_idx):  # noqa: ANN001
+        def training_step(self, batch, batch_idx):
             x, y = batch
             return nn.functional.mse_loss(self.model(x), y)
 
@@ -159,7 +159,7 @@ def test_lightning_with_a_callback_writing_into_the_gradients(tmp_path: Path) ->
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class GradNoise(L.Callback):
-        def on_after_backward(self, trainer, pl_module):  # noqa: ANN001
+        def on_after_backward(self, trainer, pl_module):
             if trainer.global_step == 1:
                 pl_module.model.adapter.grad.fill_(float("nan"))
 
@@ -169,8 +169,15 @@ def test_lightning_with_a_callback_writing_into_the_gradients(tmp_path: Path) ->
     def fit(own_hook: bool, callbacks: list) -> NanGuard:
         guard_cb = NanGuard(policy="skip")
         trainer = L.Trainer(
-            default_root_dir=tmp_path, max_epochs=1, callbacks=[guard_cb, *callbacks], accelerator="cpu", devices=1,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path,
+            max_epochs=1,
+            callbacks=[guard_cb, *callbacks],
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(Net(own_hook), loader)
         return guard_cb

@@ -172,9 +172,7 @@ class Measure:
         replay = scaler_aside(self.scaler, attempt.replay)
         rng, batch = attempt.rng, attempt.batch
         replayed = _replayed_or_unknown(
-            lambda: self.diagnoser.tripped(
-                replay, h, rng=rng, batch=batch, closure_error=error, trained=attempt.value
-            ),
+            lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error, trained=attempt.value),
             h.step,
             h,
             error,

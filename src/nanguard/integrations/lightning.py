@@ -202,8 +202,9 @@ def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, capture: StepCap
 def _touching_gradients(trainer: pl.Trainer) -> list[str]:
     """The trainer's callbacks (nanguard's aside) with an ``on_after_backward`` of their own."""
     base = _pl.Callback.on_after_backward
+    callbacks: list[Any] = getattr(trainer, "callbacks", [])
     return [
         type(c).__name__
-        for c in trainer.callbacks
+        for c in callbacks
         if not isinstance(c, NanGuard) and getattr(type(c), "on_after_backward", base) is not base
     ]
