@@ -2,10 +2,12 @@
 
 In ``on_pre_optimizer_step`` (after backward and gradient clipping, before
 ``optimizer.step()``) the callback runs ``Guard.check`` on the step's loss and gradients.
-Callbacks see neither the batch nor the loss, so forward hooks on the model record each
-micro-batch's inputs, RNG state and loss. A tripped step is replayed (forward and backward
-on the same inputs and RNG state) under ``ng.locate`` to name its cause, and the policy
-applies. A skipped step leaves the weights, the optimizer state, normalization running
+Callbacks see neither the batch nor the loss, so the running Trainer's ``compute_loss`` and
+``training_step`` record each micro-batch's inputs, RNG state and the loss it back-propagated,
+whatever computes it (``hf_loss.py``); that loss is the one checked, and the one the events
+log (the Trainer's own). A tripped step is replayed (the same ``compute_loss`` on the same
+inputs and RNG state, scaled and back-propagated as ``training_step`` did) under ``ng.locate``
+to name its cause, and the policy applies. A skipped step leaves the weights, the optimizer state, normalization running
 statistics and the LR scheduler exactly as if it had not happened; ``state.global_step``
 still counts it, and its loss and grad norm are left out of the logs (no fake ``loss 0.0``): the
 logged ``loss`` averages the window's trained steps only, and ``train_loss`` (and the final
