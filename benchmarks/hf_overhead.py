@@ -27,7 +27,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -51,10 +50,10 @@ class _Timer:
                 self.times: list[float] = []
                 self._last: float | None = None
 
-            def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+            def on_train_begin(self, args, state, control, **kwargs):
                 self._last, self._seen = None, 0
 
-            def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+            def on_step_end(self, args, state, control, **kwargs):
                 now = time.perf_counter()
                 if self._last is not None and self._seen >= SKIP:
                     self.times.append(now - self._last)
@@ -92,7 +91,10 @@ def hf_trainer(guarded: bool, steps: int, out: str) -> tuple[Any, Any]:
     timer = _Timer()
     callbacks = [timer, *([NanGuardCallback()] if guarded else [])]
     trainer = Trainer(
-        model=GPT2LMHeadModel(config), args=_args(out, steps, TrainingArguments), train_dataset=data, callbacks=callbacks
+        model=GPT2LMHeadModel(config),
+        args=_args(out, steps, TrainingArguments),
+        train_dataset=data,
+        callbacks=callbacks,
     )
     return trainer, timer
 

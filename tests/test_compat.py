@@ -292,3 +292,17 @@ def test_written_tensors_of_in_place_and_communication_ops() -> None:
     out = compat.written_tensors(torch.ops.c10d.recv_.default, ([a, b], None, 0, 0), {})
     assert len(out) == 2 and out[0] is a and out[1] is b  # c10d declares no aliasing: named in place
     assert compat.written_tensors(torch.ops.c10d.send.default, ([a], None, 1, 0), {}) == []
+
+
+def test_clip_grad_norm_hands_the_norm_it_computed_to_the_watched_clip() -> None:
+    # compat.watch_clips relies on clip_grad_norm_ looking up clip_grad._clip_grads_with_norm_ at each call.
+    model = torch.nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    seen: list[tuple[int, float]] = []
+    stop = compat.watch_clips(lambda params, norm: seen.append((len(params), float(norm))))
+    try:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    finally:
+        stop()
+    assert seen == [(2, float(norm))]
+    assert torch.nn.utils.clip_grad._clip_grads_with_norm_ is torch.nn.utils.clip_grads_with_norm_

@@ -93,6 +93,8 @@ def test_the_schema_is_what_the_recorder_writes_and_the_docstring_names() -> Non
     rec.rollback(1, restored_step=0, skip_batches=2, reason="unknown", why="the last snapshot")
     rec.spike(1, Spike(metric="loss", value=9.0, median=1.0, score=7.0))
     rec.forecast(1, Forecast("loss", 9.0, 2.0, 40))
+    warned = {"signal": "loss", "module": None, "value": 90.0, "trend": 9.0, "steps_left": 36, "fix": "lower the LR"}
+    rec.warning(1, **warned, lr=1.0, level=4.0)
     rec.overflow(1, scale=2.0**16, new_scale=2.0**15, streak=1)
     rec.remedy(step=1, cause="unknown", action="skip", target=None, reason="")
     rec.headroom(1, Headroom(module="m", dtype="torch.float16", absmax=6e4, limit=65504.0))

@@ -386,3 +386,22 @@ def test_infinities_met_names_the_two_infinities_an_op_combined(func, a, b, met)
     x, y = torch.tensor([1.0, a]), torch.tensor([2.0, b])
     out = func(x, y)
     assert ops.infinities_met(func, [x, y], out) == met
+
+
+def test_baddbmm_with_beta_zero_does_not_read_its_buffer() -> None:
+    """torch's contract: ``beta=0`` ignores the input, NaN included (Megatron's attention passes an
+    uninitialized buffer there); with ``beta=1`` the same NaN buffer is read, and is the origin."""
+    import nanguard as ng
+
+    buffer = torch.full((2, 3, 3), math.nan)  # captured from outside: what torch.empty may hold
+    q, k = torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 4, 3)
+
+    def scores(beta: float) -> torch.Tensor:
+        return torch.baddbmm(buffer, q, k, beta=beta, alpha=0.5).softmax(-1).sum()
+
+    assert ops.ignores_first(aten.baddbmm.default, (buffer, q, k), {"beta": 0.0})
+    assert not ops.ignores_first(aten.baddbmm.default, (buffer, q, k), {"beta": 1.0})
+    assert not ops.ignores_first(aten.bmm.default, (q, k), {})
+    assert ng.locate(scores, 0.0) is None
+    diag = ng.locate(scores, 1.0)
+    assert diag is not None and diag.cause == "data.nonfinite"

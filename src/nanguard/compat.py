@@ -13,6 +13,7 @@ import contextlib
 import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -560,3 +561,55 @@ def lookup_backend(name: Any) -> Callable[..., Any]:
     import torch._dynamo
 
     return torch._dynamo.lookup_backend(name)
+
+
+# Known to work: torch 2.4 - 2.13.0. ``clip_grad_norm_`` computes the total norm, then hands it to the
+# module-level ``_clip_grads_with_norm_`` (looked up at each call), also exported as
+# ``torch.nn.utils.clip_grads_with_norm_``: every clip, whatever name the loop imported it by, passes
+# the norm it computed there before scaling the gradients.
+_CLIP_WATCHERS: list[Callable[[Any, torch.Tensor], None]] = []
+_CLIP_ORIGINAL: list[Callable[..., Any]] = []
+
+
+def watch_clips(watcher: Callable[[Any, torch.Tensor], None]) -> Callable[[], None]:
+    """Call ``watcher(parameters, total_norm)`` before each ``clip_grad_norm_`` (or
+    ``clip_grads_with_norm_``) scales the gradients, with the norm it computed; returns the function
+    that stops watching. The clip itself runs unchanged, and a watcher that raises only warns.
+
+    Example:
+        >>> stop = watch_clips(lambda params, norm: print(float(norm)))
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> stop()
+    """
+    from torch.nn.utils import clip_grad
+
+    if not _CLIP_ORIGINAL:
+        original = clip_grad._clip_grads_with_norm_
+
+        @functools.wraps(original)
+        def watched(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
+            if isinstance(parameters, torch.Tensor):
+                parameters = [parameters]
+            elif not isinstance(parameters, (list, tuple)):
+                parameters = list(parameters)  # a generator is read once: the clip gets the same list
+            for seen in list(_CLIP_WATCHERS):
+                try:
+                    seen(parameters, total_norm)
+                except Exception as err:  # watching a clip must never break it
+                    warnings.warn(f"nanguard: reading the clip's norm failed: {err!r}", stacklevel=2)
+            return original(parameters, max_norm, total_norm, foreach)
+
+        _CLIP_ORIGINAL.append(original)
+        clip_grad._clip_grads_with_norm_ = watched
+        torch.nn.utils.clip_grads_with_norm_ = watched
+    _CLIP_WATCHERS.append(watcher)
+
+    def stop() -> None:
+        if watcher in _CLIP_WATCHERS:
+            _CLIP_WATCHERS.remove(watcher)
+        if not _CLIP_WATCHERS and _CLIP_ORIGINAL:
+            original = _CLIP_ORIGINAL.pop()
+            clip_grad._clip_grads_with_norm_ = original
+            torch.nn.utils.clip_grads_with_norm_ = original
+
+    return stop

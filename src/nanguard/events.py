@@ -17,6 +17,9 @@ together. Kinds:
   (why that snapshot: the last one, or the last before the run began to grow).
 - ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``; or the
   divergence warning: ``metric``, ``value``, ``growth`` and ``predicted_overflow_in``.
+- ``warning``: an early warning: ``signal`` ("loss", "grad_norm"), ``module`` (null: the whole run),
+  ``value``, ``trend`` (growth per step), ``steps_left`` (to float32's overflow at that trend, or null),
+  ``fix``, and for a run leaving its level, ``lr`` and ``level`` (the recent level it left).
 - ``overflow``: a GradScaler overflow step it skipped on purpose (normal, not a trip): ``scale``,
   ``new_scale``, ``streak``.
 - ``remedy``: a remedy applied (``policy="auto"``): ``cause``, ``action``, ``target``, ``reason``.
@@ -118,6 +121,16 @@ SCHEMA: dict[str, tuple[Field, ...]] = {
         Field("score", *_NUMBER),
         Field("growth"),
         Field("predicted_overflow_in"),
+    ),
+    "warning": (
+        Field("signal", *_STRING),
+        Field("module", lambda v: v is None or isinstance(v, str), "a string or null"),
+        Field("value", *_NUMBER),
+        Field("trend", *_NUMBER),
+        Field("steps_left", *_INT),
+        Field("fix", *_STRING),
+        Field("lr"),
+        Field("level", *_NUMBER),
     ),
     "overflow": (Field("scale", *_NUMBER), Field("new_scale", *_NUMBER), Field("streak", *_INT)),
     "remedy": (

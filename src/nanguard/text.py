@@ -406,7 +406,7 @@ def _row(role: str, item: Mapping[str, Any], carries: str) -> dict[str, Any]:
 
 
 def event_words(kind: str, fields: Mapping[str, Any]) -> str:
-    """A skip, rollback, spike or overflow event's fields as a short phrase.
+    """A skip, rollback, spike, warning or overflow event's fields as a short phrase.
 
     Example:
         >>> event_words("rollback", {"restored_step": 40, "skip_batches": 1, "reason": "op.log_domain"})
@@ -419,6 +419,10 @@ def event_words(kind: str, fields: Mapping[str, Any]) -> str:
         return f"back to step {f.get('restored_step')}, dropping {f.get('skip_batches')} batch(es): {f.get('reason')}"
     if kind == "spike":
         return f"{f.get('metric')} {fmt(f.get('value'))} (median {fmt(f.get('median'))}, z={fmt(f.get('score'), 3)})"
+    if kind == "warning":
+        where = f" in {f.get('module')}" if f.get("module") else ""
+        level = f"level {fmt(f.get('level'))}, lr {f.get('lr')}"
+        return f"{f.get('signal')}{where} {fmt(f.get('value'))} ({level}): {f.get('fix')}"
     if kind == "overflow":
         return f"GradScaler scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}"
     return ""

@@ -17,7 +17,7 @@ from torch import nn
 from nanguard import tree
 from nanguard.findings import Finding
 
-__all__ = ["CHUNK_ELEMENTS", "ID_KEYS", "LABEL_KEYS", "MAX_DEPTH", "MAX_LISTED", "check_batch"]
+__all__ = ["CHUNK_ELEMENTS", "ID_KEYS", "LABEL_KEYS", "MAX_DEPTH", "MAX_LISTED", "check_batch", "vocab_of"]
 
 ID_KEYS = frozenset({"input_ids", "token_ids", "ids", "tokens", "idx", "decoder_input_ids"})
 LABEL_KEYS = frozenset({"labels", "targets", "target", "label"})
@@ -192,9 +192,29 @@ def _resolve_vocab(model: nn.Module | None, vocab_size: int | None) -> tuple[int
         if isinstance(size, int) and not isinstance(size, bool):
             return size, "model.get_input_embeddings()"
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        if _is_embedding(module):
             return module.num_embeddings, f"embedding {name!r}"
     return None
+
+
+def _is_embedding(module: nn.Module) -> bool:
+    """An input embedding: torch's, or one of its own kind that says its full vocabulary
+    (``num_embeddings``) beside a 2-D table (Megatron's ``VocabParallelEmbedding``, a shard of it)."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return True
+    size, weight = getattr(module, "num_embeddings", None), getattr(module, "weight", None)
+    return type(size) is int and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def vocab_of(model: nn.Module) -> int | None:
+    """The vocabulary size of ``model``'s input embedding, or None when it has none.
+
+    Example:
+        >>> vocab_of(nn.Embedding(100, 8))
+        100
+    """
+    found = _resolve_vocab(model, None)
+    return found[0] if found is not None else None
 
 
 # --------------------------------------------------------------------------- one host read

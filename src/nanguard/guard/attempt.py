@@ -60,6 +60,9 @@ class Attempt:
     """The out-of-range index error a CPU forward raised; the replay decides whether it was the data's."""
     unscaled: bool = False
     """The scaler's ``unscale_`` ran for this step (an undo closes it)."""
+    loop_norm: Any = None
+    """The gradients' norm the loop's own clip computed before scaling them (``check(grad_norm=)``):
+    the step's recorded grad norm, where the norm of the clipped gradients would stay at the clip."""
 
 
 class Runner:
@@ -143,8 +146,16 @@ class Runner:
                 err.add_note(note)
 
 
-def check_args(loss: Any, replay: Any, rng: Any) -> Any:
+def check_args(loss: Any, replay: Any, rng: Any, grad_norm: Any = None) -> Any:
     """``check()``'s arguments; returns the loss as the health check reads it."""
+    if grad_norm is not None and not (
+        (isinstance(grad_norm, torch.Tensor) and grad_norm.numel() == 1)
+        or (isinstance(grad_norm, numbers.Real) and not isinstance(grad_norm, bool))
+    ):
+        raise ValueError(
+            "grad_norm must be None or the norm clip_grad_norm_ returned (a one-element tensor or a number), "
+            f"got {type(grad_norm).__name__}"
+        )
     if replay is not None and not callable(replay):
         raise ValueError(f"replay must be callable or None, got {type(replay).__name__}")
     if rng is not None and not isinstance(rng, Mapping):

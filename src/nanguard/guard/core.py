@@ -332,6 +332,7 @@ class Guard:
         replay: Callable[[], Any] | None = None,
         batch: Any = None,
         rng: Rng | None = None,
+        grad_norm: Any = None,
     ) -> bool:
         """The closure-free form, for loops that own backward and ``optimizer.step()``.
 
@@ -339,6 +340,9 @@ class Guard:
         True, then call ``after_step()``. ``replay`` re-runs the forward and backward (it
         is traced by ``ng.locate`` on a trip); ``rng`` is the RNG state captured before the
         forward (``nanguard.rng.get_rng_state()``), so the replay draws the same numbers.
+        ``grad_norm``: when the loop clipped before the check, what its ``clip_grad_norm_``
+        returned (the norm before the clip), recorded and judged as the step's grad norm; it is
+        read with the check's one host read (the non-finite check still reads the gradients).
 
         Example:
             >>> loss = model(batch).mean(); loss.backward()
@@ -346,7 +350,7 @@ class Guard:
             ...     optimizer.step()
             ...     guard.after_step()
         """
-        value = check_args(loss, replay, rng)
+        value = check_args(loss, replay, rng, grad_norm)
         if self.disabled:
             self._disabled.check()
             return True
@@ -355,17 +359,18 @@ class Guard:
         # The forward this call checks ran before it: headroom was measured as it ran (armed by the last call).
         self._remedies.headroom.collect(self.progress.step)
         try:
-            return self._check(value, replay, batch, rng)
+            return self._check(value, replay, batch, rng, grad_norm)
         finally:
             self._remedies.headroom.arm(self.progress.step)  # the next due step's forward, as it runs
 
-    def _check(self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None) -> bool:
+    def _check(self, value: Any, replay: Callable[[], Any] | None, batch: Any, rng: Rng | None, grad_norm: Any) -> bool:
         if self._dropped(batch):
             self.health.comm.reset()
             return False
         # The loop ran its own forward and backward: no buffer backup was taken before them.
         attempt = Attempt(self.progress.step, self.progress.calls - 1, batch, rng, replay, owns_buffers=False)
         attempt.value = self._begin_drill().loss(value)
+        attempt.loop_norm = grad_norm
         try:
             unscale(self.scaler, self.optimizer)
             attempt.unscaled = True

@@ -246,7 +246,9 @@ class HealthCheck:
         self.params = list(params)
         self._groups = float_groups(self.params)
 
-    def measure(self, loss: Any) -> DeviceHealth:
+    def measure(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
+        """This rank's step as device scalars. ``loop_norm``: the norm the loop's clip computed before
+        clipping, recorded as the step's grad norm; the flags still come from the gradients as they are."""
         gn = self._grad_norm()
         device = gn.device if gn is not None else _device_of(loss)
         gn = gn if gn is not None else torch.zeros((), device=device)
@@ -271,14 +273,15 @@ class HealthCheck:
             scale = compat.scaler_scale(self.scaler).to(device).float().reshape(())
         else:
             scale = self._one[device]
-        return DeviceHealth(grad_norm=gn, loss=lv, scale=scale, flags=flags)
+        norm = gn if loop_norm is None else _loss_scalar(loop_norm, device)
+        return DeviceHealth(grad_norm=norm, loss=lv, scale=scale, flags=flags)
 
     @property
     def alone(self) -> bool:
         """Does this process decide alone (no other rank, no comm watch)? Then ``read_alone`` serves."""
         return type(self.comm) is CommWatch and not dist.is_distributed()
 
-    def read_alone(self, loss: Any, step: int) -> StepHealth:
+    def read_alone(self, loss: Any, step: int, loop_norm: Any = None) -> StepHealth:
         """The step of a process that decides alone, read at once: the loss, the two norms and the
         scale in one host read, the flags looked up on the host (``measure`` makes them device
         tensors for the paths that must not read, at a dozen small kernels a step).
@@ -290,14 +293,15 @@ class HealthCheck:
         pn = self._take_param_norm()
         lv = _loss_scalar(loss, gn.device if gn is not None else _device_of(loss))
         scale = compat.scaler_scale(self.scaler) if self.scaler is not None else None
-        own_loss, grad_norm, param_norm, scale_value = _host_floats([lv, gn, pn, scale])
+        clip = None if loop_norm is None else _loss_scalar(loop_norm, lv.device)
+        own_loss, grad_norm, param_norm, scale_value, clip_norm = _host_floats([lv, gn, pn, scale, clip])
         bad = [v is not None and not math.isfinite(v) for v in (own_loss, grad_norm, param_norm)]
         flags = _FLAGS[(self.scaler is not None, True)][bad[0] + 2 * bad[1] + 4 * bad[2]]
         flags |= HealthFlag.LOADED if bad[2] and self.checked == "loaded" else 0
         return StepHealth(
             step=step,
             loss=own_loss or 0.0,
-            grad_norm=grad_norm or 0.0,
+            grad_norm=(grad_norm if clip_norm is None else clip_norm) or 0.0,
             scale=scale_value,
             own_loss=own_loss or 0.0,
             rank_flags=(HealthFlag(flags),),

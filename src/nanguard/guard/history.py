@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from nanguard.guard.config import GuardConfig
 from nanguard.spikes import Spike, SpikeDetector
 
-__all__ = ["FLOAT32_SQUARE_MAX", "Forecast", "History", "Point"]
+__all__ = ["FLOAT32_SQUARE_MAX", "Departure", "Forecast", "History", "Point"]
 
 TREND_POINTS = 4
 """How many recent steps the divergence forecast fits."""
@@ -27,6 +27,11 @@ ONSET_RISES = 3
 """Updates in a row whose loss (or grad norm) rose that make a steady growth (with ``ONSET_GROWTH``)."""
 ONSET_GROWTH = 2.0
 """How much such a run of rises must have grown in all to be a growth, not noise."""
+DEPARTED_STEPS = 2
+"""Checked steps in a row that must stand ``divergence_factor`` above the recent level: one bad batch
+comes back at the next step, a diverging run does not."""
+PEAK_RATIO = 2.0
+"""A departure must also clear the recent window's own peak this many times (heavy-tailed clean series)."""
 _LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)
 FLOAT32_SQUARE_MAX = math.sqrt(3.4028234663852886e38)
 """A norm past this squares past float32's range: a float32 norm of such gradients is Inf."""
@@ -47,6 +52,30 @@ class Forecast(NamedTuple):
     """The fitted growth factor per step."""
     predicted_overflow_in: int
     """Steps until the extrapolated metric passes float32's largest finite value."""
+
+
+class Departure(NamedTuple):
+    """A loss or grad norm that left its recent level by an order of magnitude, and stayed there."""
+
+    signal: str
+    """``"loss"`` or ``"grad_norm"`` (before any clip)."""
+    value: float
+    level: float
+    """The recent level it left: the median of the updates before the departure."""
+    growth: float
+    """``value / level``."""
+    trend: float
+    """The growth per step since the last update at the level."""
+    steps_left: int | None
+    """Steps until the value passes float32's largest at that growth; None when it does not grow."""
+
+
+class _Episode:
+    """One metric's departure under way: the level and peak it left (frozen), its steps in a row."""
+
+    def __init__(self, level: float, peak: float, since: int) -> None:
+        self.level, self.peak, self.since = level, peak, since
+        self.streak, self.quiet, self.warned = 0, 0, False
 
 
 class History:
@@ -85,6 +114,8 @@ class History:
         self._quiet = 0
         self._observed: tuple[int | None, bool, bool] = (None, False, False)  # step, detectors warm, spiked
         self._grown: tuple[int | None, int] = (None, 0)  # the last step grown on a spike, how many in a row
+        self._episodes: dict[str, _Episode] = {}  # a departure under way, by metric
+        self._level_window = spike_window
 
     @classmethod
     def from_config(cls, config: GuardConfig) -> History:
@@ -188,6 +219,61 @@ class History:
                 best = Forecast(metric, vals[-1], math.exp(rate), max(1, math.ceil(left)))
         return best
 
+    def departed(self, step: int, *, loss: float, grad_norm: float) -> Departure | None:
+        """A warning, once per episode, when the loss (or the grad norm, while the loss climbs to new highs)
+        has stood at least ``divergence_factor`` times its recent level, and twice the recent window's
+        peak, on ``DEPARTED_STEPS`` checked steps in a row: a run leaving its level by an order of
+        magnitude, whatever the clip keeps finite. The level is the median of the last ``spike_window``
+        updates (one is enough: a tenfold jump in the first steps is no noise), frozen when the
+        departure begins; the episode ends after ``TREND_POINTS`` steps back under it.
+
+        Example:
+            >>> for s, v in enumerate([4.0, 3.9, 3.8]):
+            ...     history.append(s, loss=v, grad_norm=1.0)
+            >>> history.departed(3, loss=60.0, grad_norm=1.0) is None   # one step up: maybe one bad batch
+            True
+            >>> history.departed(4, loss=900.0, grad_norm=1.0).signal
+            'loss'
+        """
+        recent = list(self.points)[-self._level_window :]
+        losses = [p.loss for p in recent if math.isfinite(p.loss)]
+        found = None
+        for metric, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if metric == "grad_norm" and losses and loss < max(losses):
+                # A grad norm jumping while the loss holds or falls (a layer's gain grown, a zero-initialized
+                # head reached): the run is not leaving its level; a diverging one climbs to new highs.
+                self._episodes.pop(metric, None)
+                continue
+            departure = self._depart(metric, value, recent, step)
+            found = found or departure
+        return found
+
+    def _depart(self, metric: str, value: float, recent: list[Point], step: int) -> Departure | None:
+        episode = self._episodes.get(metric)
+        if episode is None:
+            vals = [v for v in (getattr(p, metric) for p in recent) if 0 < v < math.inf]
+            level = _median(vals)
+            if level is None or not _above(value, self.divergence_factor * level, PEAK_RATIO * max(vals)):
+                return None
+            episode = self._episodes[metric] = _Episode(level, max(vals), recent[-1].step)
+        if _above(value, self.divergence_factor * episode.level, PEAK_RATIO * episode.peak):
+            episode.streak, episode.quiet = episode.streak + 1, 0
+        elif not episode.warned:
+            del self._episodes[metric]  # came back: one bad batch, not a run leaving its level
+            return None
+        else:
+            episode.quiet += 1
+            if episode.quiet >= TREND_POINTS:
+                del self._episodes[metric]
+            return None
+        if episode.warned or episode.streak < DEPARTED_STEPS:
+            return None
+        episode.warned = True
+        growth = value / episode.level
+        trend = growth ** (1 / max(step - episode.since, 1))
+        left = math.ceil((_LOG_FLOAT32_MAX - math.log(value)) / math.log(trend)) if trend > 1 else None
+        return Departure(metric, value, episode.level, growth, trend, max(left, 1) if left is not None else None)
+
     def growing(self, baseline: float | None = None) -> bool:
         """Is the run growing now: a steady growth is under way (``onset``), the forecast's episode
         is open, a spike came within the last
@@ -203,7 +289,7 @@ class History:
             >>> history.growing()
             True
         """
-        if self._warned or self.onset() is not None:
+        if self._warned or self.onset() is not None or any(e.warned for e in self._episodes.values()):
             return True
         if not self.points:
             return False
@@ -341,3 +427,17 @@ class History:
         self.points.extend(Point(int(s), float(lv), float(g)) for s, lv, g in state.get("history", []))
         self.loss_spikes.load_state_dict(state.get("loss_spikes", {}))
         self.grad_spikes.load_state_dict(state.get("grad_spikes", {}))
+
+
+def _median(values: list[float]) -> float | None:
+    """The median of the finite, positive ``values``; None when there are none."""
+    ordered = sorted(v for v in values if 0 < v < math.inf)
+    if not ordered:
+        return None
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _above(value: float, *bars: float) -> bool:
+    """``value`` finite and at or past every bar."""
+    return math.isfinite(value) and all(value >= bar for bar in bars)

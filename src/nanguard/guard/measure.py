@@ -26,7 +26,7 @@ from nanguard.guard.attempt import Attempt, scaler_aside
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.diagnoser import Diagnoser, Replayed
 from nanguard.guard.health import HealthCheck, HealthFlag, HostCopy, StepHealth
-from nanguard.guard.history import History
+from nanguard.guard.history import Departure, History
 from nanguard.guard.join import in_join
 from nanguard.guard.optim_state import current_lr
 from nanguard.guard.policy import Policy, Verdict
@@ -83,10 +83,13 @@ class Measure:
         step = attempt.step
         self.progress.step = step + 1
         health = self.health
+        sharded = self.sharded or health.sharded
+        # A sharded run's agreement adds up the ranks' own norms: a whole norm from the loop has no place in it.
+        loop_norm = None if sharded else attempt.loop_norm
         if not device_step and health.alone:
-            return self.verdict(health.read_alone(attempt.value, step), attempt, updated=False)
-        measured = health.measure(attempt.value)
-        agreed = measured.agree(sharded=self.sharded or health.sharded, carried=health.carried(), step=attempt.call)
+            return self.verdict(health.read_alone(attempt.value, step, loop_norm), attempt, updated=False)
+        measured = health.measure(attempt.value, loop_norm)
+        agreed = measured.agree(sharded=sharded, carried=health.carried(), step=attempt.call)
         if device_step:
             copy = HostCopy(measured, agreed) if self.deferred else None  # queued before the update
             compat.step_with_found_inf(self.optimizer, measured.found_inf(agreed))
@@ -227,7 +230,39 @@ class Measure:
                 trend.growth,
                 trend.predicted_overflow_in,
             )
+        if departed := self.history.departed(step, loss=h.loss, grad_norm=h.grad_norm):
+            self._warn(step, departed)
         return spikes
+
+    def _warn(self, step: int, d: Departure) -> None:
+        """A run leaving its level by an order of magnitude: a ``warning`` event naming the LR, logged once."""
+        lr = current_lr(self.optimizer)
+        what = "the loss" if d.signal == "loss" else "the gradient norm (before any clip)"
+        fix = (
+            f"lower the learning rate (lr={lr}), e.g. tenfold, or add warmup: {what} grew x{d.growth:.3g} "
+            "from its recent level; a gradient clip keeps the values finite, not the run"
+        )
+        self.recorder.warning(
+            step,
+            signal=d.signal,
+            module=None,
+            value=d.value,
+            trend=d.trend,
+            steps_left=d.steps_left,
+            fix=fix,
+            lr=lr,
+            level=d.level,
+        )
+        log.warning(
+            "nanguard: step %d: %s %.4g is x%.3g its recent level %.4g (lr=%s): the run is diverging; %s",
+            step,
+            d.signal,
+            d.value,
+            d.growth,
+            d.level,
+            lr,
+            fix,
+        )
 
 
 def _replayed_or_unknown(

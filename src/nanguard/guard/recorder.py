@@ -70,6 +70,34 @@ class NullRecorder:
             predicted_overflow_in=forecast.predicted_overflow_in,
         )
 
+    def warning(
+        self,
+        step: int,
+        *,
+        signal: str,
+        module: str | None,
+        value: float,
+        trend: float,
+        steps_left: int | None,
+        fix: str,
+        lr: Any,
+        level: float,
+    ) -> None:
+        """An early warning: ``signal`` (of ``module``, None for the whole run) at ``value``, growing
+        ``trend``-fold a step, ``steps_left`` to a blow-up at that rate; ``fix``, the LR, the level it left."""
+        self._write(
+            "warning",
+            step,
+            signal=signal,
+            module=module,
+            value=value,
+            trend=trend,
+            steps_left=steps_left,
+            fix=fix,
+            lr=lr,
+            level=level,
+        )
+
     def overflow(self, step: int, *, scale: float, new_scale: float, streak: int) -> None:
         self._write("overflow", step, scale=scale, new_scale=new_scale, streak=streak)
 

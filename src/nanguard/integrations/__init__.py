@@ -7,6 +7,8 @@
 - ``nanguard.integrations.fabric.FabricGuard``: watches a hand-written Lightning Fabric loop
   (``pip install nanguard[lightning]``).
 - ``nanguard.integrations.loop.LoopGuard``: watches a hand-written loop (nanoGPT, llm.c); no extra.
+- ``nanguard.integrations.megatron.MegatronGuard``: Megatron-core's own loop, its optimizer's ``step()``
+  checked (``pip install nanguard[engines]``).
 
 All of them use ``nanguard.integrations.capture`` to record, check and replay a step.
 

@@ -135,6 +135,7 @@ class StepCapture:
         optimizer: torch.optim.Optimizer | None = None,
         on_raise: Callable[[], None] | None = None,
         drop: bool = True,
+        grad_norm: torch.Tensor | None = None,
     ) -> bool:
         """``guard.check`` on the step; True when the framework may step the optimizer.
 
@@ -143,10 +144,12 @@ class StepCapture:
         a rollback restored every buffer already. Under ``policy="raise"`` the statistics are put
         back and ``on_raise`` runs before the ``NonFiniteError`` goes on. ``drop=False``: the
         gradients are left to a framework that skips the step itself (a DeepSpeed engine, whose
-        optimizer's gradients are its own buffers).
+        optimizer's gradients are its own buffers). ``grad_norm``: what the framework's clip returned
+        before the check (``integrations.clipnorm``), the step's recorded grad norm.
         """
         try:
-            ok = guard.check(loss, replay=replay, batch=batch, rng=micro[0].rng if micro else None)
+            rng = micro[0].rng if micro else None
+            ok = guard.check(loss, replay=replay, batch=batch, rng=rng, grad_norm=grad_norm)
         except NonFiniteError:
             self.restore_stats()
             if on_raise is not None:

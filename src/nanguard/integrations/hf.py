@@ -46,6 +46,7 @@ from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
+from nanguard.integrations.clipnorm import ClipNorm
 from nanguard.integrations.hf_loss import EngineLoss, TrainerLoss, batch_of, step_loss
 
 _callbacks: Any = require(  # Any: its classes are bases below, known only once imported
@@ -65,8 +66,9 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
 
     ``policy`` and ``**options`` are those of ``ng.Guard`` (see ``GuardConfig``); ``run_dir``
     receives the per-rank event log and a bundle for each tripped step. With
-    ``max_grad_norm > 0`` the guard sees the clipped gradients: non-finite values stay
-    non-finite under clipping, and divergence shows in the loss history.
+    ``max_grad_norm > 0`` the guard checks the clipped gradients (non-finite values stay
+    non-finite under clipping) and records the norm the Trainer's clip returned, before it
+    clipped (the ``grad_norm`` it logs): a divergence the clip keeps finite is warned about.
 
     Example:
         >>> cb = NanGuardCallback(policy="raise")
@@ -97,6 +99,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._engine_guard: Any = None  # a DeepSpeedGuard, under a DeepSpeed Trainer
         self._diag_before: Diagnosis | None = None
         self._loss: TrainerLoss | None = None  # the Trainer's compute_loss and training_step, recorded
+        self._clip: ClipNorm | None = None  # the Trainer's clip: the grad norm before it clipped
 
     def state(self) -> dict[str, Any]:
         guard_state = self.guard.state_dict() if self.guard is not None else self.guard_state
@@ -127,6 +130,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         if self.guard_state:
             self.guard.load_state_dict(self.guard_state)
         self._capture.watch(model)
+        self._watch_clip(optimizer)
         if trainer is not None:  # the loss the Trainer back-propagates, whatever computes it
             self._loss = TrainerLoss(trainer, self._capture)
             self._hooks = [self._loss]
@@ -154,6 +158,8 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     ) -> None:
         self._diag_before = self.guard.last_diagnosis if self.guard is not None else None
         self._capture.take()
+        if self._clip is not None:
+            self._clip.clear()
         self._loss_before = _loss_sum(self._trainer)
         if self._loss_before is not None:
             self._loss_before = self._loss_before.clone()  # the Trainer adds to its sum in place
@@ -191,6 +197,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             batch=batch_of(micro) if trained is not None else _batch_of(micro),
             optimizer=optimizer,
             on_raise=on_raise,
+            grad_norm=self._clip.take() if self._clip is not None else None,
         )
         if self._stepped:
             return
@@ -325,6 +332,14 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         for hook in self._hooks:
             hook.remove()
         self._hooks, self._loss = [], None
+        if self._clip is not None:
+            self._clip.close()
+            self._clip = None
+
+    def _watch_clip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Read the norm the Trainer's clip (``accelerator.clip_grad_norm_`` with ``max_grad_norm``,
+        before ``on_pre_optimizer_step``) computed: the step's grad norm as the Trainer logs it."""
+        self._clip = ClipNorm(p for group in optimizer.param_groups for p in group["params"])
 
 
 def _deepspeed_engine(trainer: Any) -> Any:

@@ -38,6 +38,7 @@ from nanguard import compat, dist
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options
 from nanguard.integrations.capture import Micro, StepCapture
+from nanguard.integrations.clipnorm import ClipNorm
 
 __all__ = ["LoopGuard"]
 
@@ -109,6 +110,7 @@ class LoopGuard(GuardedCallback):
         if scheduler is not None:
             self._scheduler_step = scheduler.step
             scheduler.step = self._scheduler_step_unless_skipped
+        self._clip = ClipNorm(guard.health.params)  # the loop's clip_grad_norm_: the norm before it clipped
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -162,6 +164,7 @@ class LoopGuard(GuardedCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._clip.close()
         self._unhook()
         if self.scheduler is not None:
             vars(self.scheduler).pop("step", None)
@@ -220,6 +223,7 @@ class LoopGuard(GuardedCallback):
             self._hold_scheduler = self.scheduler is not None
 
     def _after_step(self, optimizer: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        self._clip.clear()  # a clip after the check (Fabric's) was not the next step's
         if self._skipping:
             self._skipping = False
             return
@@ -257,6 +261,7 @@ class LoopGuard(GuardedCallback):
             batch=_batch_of(micro, self._user.forward),
             on_raise=lambda: self._record(before),
             drop=self._drops_grads,
+            grad_norm=self._clip.take(),
         )
         if not self._verdict:
             self._record(before)
@@ -322,13 +327,14 @@ def _valid_ids(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[t
     """The forward's arguments with out-of-range integer ids (``check_batch``'s
     ``data.index_out_of_range``) replaced by 0; None when every id is in range."""
     from nanguard.audit import check_batch
+    from nanguard.audit.data import vocab_of
 
     named = _named_arguments(model.forward, Micro(args, kwargs, rng={}))
     findings = check_batch(named, model=model)
     keys = {f.where.split("'")[1] for f in findings if f.cause == "data.index_out_of_range" and "'" in f.where}
     if not keys:
         return None
-    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    vocab = vocab_of(model)
     if vocab is None:
         return None
 

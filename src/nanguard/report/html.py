@@ -242,7 +242,8 @@ def _bundles_html(trip: Trip) -> list[str]:
 
 def _events_html(report: RunReport) -> str:
     markers = sorted(
-        [*report.skips, *report.rollbacks, *report.spikes, *report.overflows], key=lambda m: (m.step, m.kind)
+        [*report.skips, *report.rollbacks, *report.spikes, *report.early_warnings, *report.overflows],
+        key=lambda m: (m.step, m.kind),
     )
     if not markers:
         return '<p class="muted">No skips, rollbacks, spikes or overflows.</p>'

@@ -174,6 +174,8 @@ class RunReport:
     skips: list[Marker] = field(default_factory=list)
     rollbacks: list[Marker] = field(default_factory=list)
     spikes: list[Marker] = field(default_factory=list)
+    early_warnings: list[Marker] = field(default_factory=list)
+    """``warning`` events: a run leaving its level, a precursor growing (signal, value, trend, fix)."""
     overflows: list[Marker] = field(default_factory=list)
     remedies: list[Marker] = field(default_factory=list)
     headroom: list[Marker] = field(default_factory=list)
@@ -231,6 +233,7 @@ class RunReport:
                 "skips": [_marker_dict(m) for m in self.skips],
                 "rollbacks": [_marker_dict(m) for m in self.rollbacks],
                 "spikes": [_marker_dict(m) for m in self.spikes],
+                "early_warnings": [_marker_dict(m) for m in self.early_warnings],
                 "overflows": [_marker_dict(m) for m in self.overflows],
                 "remedies": [_marker_dict(m) for m in self.remedies],
                 "drills": [d.to_dict() for d in self.drills],
@@ -451,6 +454,7 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> N
         "skip": lambda e: (str(e.get("reason")),),
         "rollback": lambda e: (e.get("restored_step"),),
         "spike": lambda e: (str(e.get("metric")),),
+        "warning": lambda e: (str(e.get("signal")), str(e.get("module"))),
         "overflow": lambda e: (),
         "remedy": lambda e: (str(e.get("cause")), str(e.get("action"))),
         "headroom": lambda e: (str(e.get("module")), str(e.get("dtype"))),
@@ -476,6 +480,7 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> N
         ("skip", report.skips),
         ("rollback", report.rollbacks),
         ("spike", report.spikes),
+        ("warning", report.early_warnings),
         ("overflow", report.overflows),
         ("remedy", report.remedies),
         ("headroom", report.headroom),

@@ -171,7 +171,7 @@ def print_summary(report: RunReport, console: Console) -> None:
         )
         for t in report.trips
     ]
-    for marker in [*report.skips, *report.rollbacks, *report.spikes, *report.overflows]:
+    for marker in [*report.skips, *report.rollbacks, *report.spikes, *report.early_warnings, *report.overflows]:
         detail = event_words(marker.kind, marker.fields)
         events.append((marker.step, marker.kind, marker.ranks, detail))
     events.sort(key=lambda e: (e[0], e[1] != "trip"))

@@ -207,6 +207,8 @@ class Tracer:
         flat_in = list(args) if facts.flat else op_leaves(args)
         if kwargs:
             op_leaves(kwargs, flat_in)
+        if flat_in and ops.ignores_first(func, args, kwargs):
+            flat_in = flat_in[1:]  # not read: whatever it holds does not reach the output
         if facts.writes:
             self.protected.before(facts.writes, args, kwargs)
         if facts.literal:

@@ -37,6 +37,7 @@ __all__ = [
     "OpInfo",
     "creation_facts",
     "ignore_index",
+    "ignores_first",
     "index_op",
     "index_size",
     "infinities_met",
@@ -172,6 +173,23 @@ BLANK = {
     aten.set_,
 }
 _NAMES: dict[Any, str] = {}
+# ``beta * input + alpha * (a @ b)``: with ``beta`` 0 the input is not read, and NaN/Inf in it are
+# not propagated (torch's documented contract). Attention kernels pass an uninitialized buffer there
+# (Megatron's ``baddbmm`` into its global memory buffer).
+_BETA = {aten.addmm, aten.baddbmm, aten.addbmm, aten.addmv, aten.addr}
+
+
+def ignores_first(func: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Does ``func`` leave its first argument unread on this call (an addmm-family op with ``beta=0``)?
+
+    Example:
+        >>> ignores_first(aten.baddbmm.default, (buf, q, k), {"beta": 0.0})
+        True
+    """
+    if getattr(func, "overloadpacket", None) not in _BETA:
+        return False
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    return isinstance(beta, (int, float)) and beta == 0
 
 
 def _register(table: dict[Any, Any], targets: tuple[Any, ...], fn: Any) -> None:
