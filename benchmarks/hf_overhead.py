@@ -202,7 +202,8 @@ each per round, and a callback times each step from one `on_step_end` to the nex
 does is in it (nanguard's `compute_loss` and `training_step` wrappers, its check before the optimizer step,
 its `on_log`). The last column is the share of a guarded run spent in nanguard's callback and wrappers,
 by cProfile over one run of {args.steps} steps: an upper bound, since cProfile slows Python code most, and
-one that does not drift with the machine's load as the wall ratio does.
+one that does not drift with the machine's load as the wall ratio does. Where the load average is above
+the machine's core count, the wall ratio measures the neighbours, not the callback: read the last column.
 """
     write_section("hf-overhead", body)
     print(body)
