@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import sys
@@ -240,3 +241,148 @@ def test_a_skipped_step_counts_neither_in_train_loss_nor_in_the_logged_loss(tmp_
     # Steps 1-2 hold the first good step and the skipped one; steps 3-4 the next two good steps.
     assert logged[2] == pytest.approx(good[0], rel=1e-5)
     assert logged[4] == pytest.approx((good[1] + good[2]) / 2, rel=1e-5)
+
+
+class Marked(IterableDataset):
+    """Seeded samples; the ``mark``-th one's first label is ``VOCAB - 1`` (the rest start at 0), so
+    a loss can go wrong on that sample alone, as a data-dependent bug does."""
+
+    def __init__(self, n: int, mark: int | None = None) -> None:
+        self.n, self.mark = n, mark
+
+    def __iter__(self):
+        for i, sample in enumerate(Samples(self.n)):
+            sample["labels"][0] = VOCAB - 1 if i == self.mark else 0
+            yield sample
+
+
+def _floored_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``-log(p - floor)``: the floor (0.5) is past p on the marked sample's row."""
+    p = logits[:, :-1].softmax(-1).gather(-1, labels[:, 1:, None]).squeeze(-1)
+    floor = 0.5 * (labels[:, :1] == VOCAB - 1).float()
+    return -torch.log(p - floor).mean()
+
+
+def _loss_func(outputs, labels, num_items_in_batch=None) -> torch.Tensor:
+    return _floored_nll(outputs.logits, labels)
+
+
+class FlooredTrainer(Trainer):
+    """TRL's recommended way: the loss in a ``compute_loss`` override."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = _floored_nll(outputs.logits, labels)
+        return (loss, outputs) if return_outputs else loss
+
+
+class NanTermTrainer(Trainer):
+    """The model's loss plus a NaN term on the marked sample: NaN loss, every gradient finite."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        marked = (inputs["labels"][:, :1] == VOCAB - 1).any()
+        loss = loss + torch.where(marked, torch.tensor(float("nan")), torch.tensor(0.0))
+        return (loss, outputs) if return_outputs else loss
+
+
+@pytest.mark.parametrize("how", ["compute_loss_func", "compute_loss"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_custom_loss_bug_is_named_in_the_loss_not_blamed_on_the_hardware(
+    tmp_path: Path, how: str, accum: int
+) -> None:
+    guard_cb = NanGuardCallback(policy="skip")
+    cls, extra = (Trainer, {"compute_loss_func": _loss_func}) if how == "compute_loss_func" else (FlooredTrainer, {})
+    args = _args(tmp_path, max_steps=3, gradient_accumulation_steps=accum)
+    mark = BATCH * accum + BATCH * (accum - 1)  # step 1, its last micro-batch
+    trainer = cls(model=_gpt2(), args=args, train_dataset=Marked(BATCH * 8, mark), callbacks=[guard_cb], **extra)
+    trainer.train()
+    assert guard_cb.skipped == 1
+    diag = guard_cb.last_diagnosis
+    assert (diag.cause, diag.op, diag.module, diag.phase, diag.step) == (
+        "op.log_domain",
+        "aten.log.default",
+        None,
+        "forward",
+        1,
+    )
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+
+
+def test_a_nan_trained_loss_with_finite_gradients_is_tripped(tmp_path: Path) -> None:
+    guard_cb = NanGuardCallback(policy="skip")
+    args = _args(tmp_path, max_steps=3)
+    trainer = NanTermTrainer(model=_gpt2(), args=args, train_dataset=Marked(BATCH * 6, BATCH + 1), callbacks=[guard_cb])
+    trainer.train()
+    assert guard_cb.skipped == 1
+    diag = guard_cb.last_diagnosis
+    assert (diag.cause, diag.phase, diag.step, diag.module) == ("op.nan_write", "forward", 1, None)
+
+
+class GradNoiseTrainer(Trainer):
+    """A ``training_step`` of the user's own that writes into the gradients after the backward (NaN on
+    the marked sample): code the replay of ``compute_loss`` does not run."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        marked = bool((inputs["labels"][:, :1] == VOCAB - 1).any())
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if marked:
+            next(model.parameters()).grad.fill_(float("nan"))
+        return loss
+
+
+def test_a_training_step_the_replay_cannot_run_is_unknown_with_what_it_could_not_see(tmp_path: Path) -> None:
+    guard_cb = NanGuardCallback(policy="skip", run_dir=tmp_path / "run")
+    args = _args(tmp_path, max_steps=4)
+    trainer = GradNoiseTrainer(model=_gpt2(), args=args, train_dataset=Marked(BATCH * 8, 1), callbacks=[guard_cb])
+    trainer.train()
+    assert guard_cb.skipped == 1
+    diag = guard_cb.last_diagnosis
+    assert diag.cause == "unknown" and diag.step == 0
+    assert any("GradNoiseTrainer.training_step" in gap for gap in diag.evidence["unobserved"])
+    assert not any("hardware" in fix or "drain" in fix for fix in diag.fixes)
+    records = [json.loads(line) for line in (tmp_path / "run" / "hardware.jsonl").read_text().splitlines()]
+    assert records and all(r["reproduced"] for r in records)  # never counted against the device
+
+
+def test_nanguard_logs_the_loss_the_trainer_logs_with_accumulation(tmp_path: Path) -> None:
+    # GPT-2 takes loss kwargs: the Trainer hands it num_items_in_batch and leaves the accumulation to its loss.
+    run_dir = tmp_path / "run"
+    guard_cb = NanGuardCallback(policy="skip", run_dir=run_dir)
+    args = _args(tmp_path, max_steps=3, gradient_accumulation_steps=3)
+    trainer = Trainer(model=_gpt2(), args=args, train_dataset=Samples(BATCH * 9), callbacks=[guard_cb])
+    trainer.train()
+    logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    lines = (run_dir / "events-rank0.jsonl").read_text().splitlines()
+    steps = [e["loss"] for e in map(json.loads, lines) if e.get("kind") == "step"]
+    assert len(logged) == 3 and steps == pytest.approx(logged, rel=1e-6)
+
+
+@pytest.mark.dist
+def test_a_custom_loss_bug_on_two_gloo_ranks_is_named_on_its_rank_under_ddp_and_deepspeed(tmp_path: Path) -> None:
+    """2 gloo ranks, the sequential sampler dealing sample i to rank (i // 2) % 2 at step i // 4: the loss
+    bug named in the loss on the rank that holds the marked sample, every rank skipping, under DDP and
+    under DeepSpeed ZeRO-2 (the callback hands the Trainer's compute_loss to the engine's guard)."""
+    pytest.importorskip("deepspeed")
+    from _hf_ranks import run_trainer
+    from nanguard.zoo.spawn import spawn_ranks
+
+    runs = [
+        {"how": "compute_loss", "mark": 0},  # rank 0, step 0
+        {"how": "compute_loss_func", "mark": 6},  # rank 1, step 1
+        {"how": "compute_loss_func", "mark": 2, "zero": 2},  # rank 1, step 0
+    ]
+    results = spawn_ranks(run_trainer, runs, str(tmp_path), world=2, timeout=600)
+    for i, (rank, step) in enumerate([(0, 0), (1, 1), (1, 0)]):
+        for r in range(2):
+            diag = results[r][i]["diagnosis"]
+            assert results[r][i]["skipped"] == 1, (i, r)
+            assert (diag["cause"], diag["op"], diag["module"], diag["phase"]) == (
+                "op.log_domain",
+                "aten.log.default",
+                None,
+                "forward",
+            ), (i, r)
+            assert (diag["rank"], diag["ranks"], diag["step"]) == (rank, [rank], step), (i, r)
+        assert results[0][i]["weights"] == results[1][i]["weights"]

@@ -67,6 +67,7 @@ __all__ = [
     "has_forward_hooks",
     "hf_callbacks",
     "hf_initial_step",
+    "hf_loss_scaling",
     "hf_loss_sum",
     "hf_set_initial_step",
     "hf_trainer_of",
@@ -616,6 +617,20 @@ def olmo_drop_metrics(trainer: Any, names: tuple[str, ...]) -> None:
 def olmo_skip_step_history(optimizer: Any) -> tuple[list[Any], list[Any]]:
     """``(losses, grad norms)``: the lists an OLMo-core ``SkipStepOptimizer`` judges a step against."""
     return optimizer._losses, optimizer._grad_norms
+
+
+# Known to work: transformers 5.24.0 (``Trainer.training_step``): the loss ``compute_loss`` returns is
+# averaged over ``n_gpu`` replicas, then divided by the step's micro-batch count unless it is already
+# normalized over the accumulated step (``loss_is_scaled_for_ga``, else a model taking loss kwargs
+# given ``num_items_in_batch``, or a ``compute_loss_func``), then handed to ``accelerator.backward``.
+def hf_loss_scaling(trainer: Any, num_items_in_batch: Any) -> tuple[bool, int]:
+    """(average over GPUs, the divisor) ``training_step`` applies to ``compute_loss``'s loss."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        scaled = (accepts and num_items_in_batch is not None) or getattr(trainer, "compute_loss_func", None) is not None
+    divisor = 1 if scaled else int(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1)
+    return int(getattr(trainer.args, "n_gpu", 1)) > 1, divisor
 
 
 def compiled_backend(module: nn.Module) -> Any:

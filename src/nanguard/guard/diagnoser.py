@@ -37,6 +37,7 @@ from nanguard.diagnose import (
 )
 from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
+from nanguard.guard.fidelity import watched
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.optim_state import current_lr
@@ -117,11 +118,13 @@ class Diagnoser:
         rng: dict[str, torch.Tensor] | None,
         batch: Any,
         closure_error: BaseException | None = None,
+        trained: Any = None,
     ) -> Replayed:
         """Replay the step on every rank with the run's facts (history, initial weight scale); agree on one diagnosis.
 
         ``closure_error`` is the out-of-range index error the forward raised, if any: raised
-        again unless the replay shows it was the data's fault.
+        again unless the replay shows it was the data's fault. ``trained``: the step's loss as checked,
+        which the replay is held to (``guard/fidelity.py``).
         """
         if closure_error is None and (repeat := self._repeat(closure, h, rng)) is not None:
             self._last = _LastTrip(h.step, h.bad_ranks, repeat)
@@ -130,9 +133,10 @@ class Diagnoser:
         gaps: list[str] = []
         run = self.run_facts(h.step)
         if self.locate and closure is not None:
+            replay, stats = watched(closure, self.model, trained), self.module_stats
             with self._told(h.step), eager(), dist.observing() as gaps:
                 replayed = replay_trip(
-                    self.model, closure, batch=batch, rng=rng, step=h.step, with_module_stats=self.module_stats, run=run
+                    self.model, replay, batch=batch, rng=rng, step=h.step, with_module_stats=stats, run=run
                 )
         found = replayed.diagnosis
         if found is None and replayed.located and closure is not None:

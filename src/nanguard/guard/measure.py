@@ -200,7 +200,10 @@ class Measure:
         replay = scaler_aside(self.scaler, attempt.replay)
         rng, batch = attempt.rng, attempt.batch
         replayed = _replayed_or_unknown(
-            lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error), h.step, h, error
+            lambda: self.diagnoser.tripped(replay, h, rng=rng, batch=batch, closure_error=error, trained=attempt.value),
+            h.step,
+            h,
+            error,
         )
         assert replayed.diagnosis is not None
         diag = with_bad_rows(replayed.diagnosis, batch, self.remedies.rows())

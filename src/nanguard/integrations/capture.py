@@ -31,6 +31,7 @@ from torch import nn
 from nanguard import dist
 from nanguard.errors import NonFiniteError
 from nanguard.guard import Guard
+from nanguard.guard.fidelity import loss_differs
 from nanguard.integrations import drop_grads, running_stats
 from nanguard.rng import get_rng_state, set_rng_state
 
@@ -101,14 +102,16 @@ class StepCapture:
 
     def replay(self, model: nn.Module, micro: Sequence[Micro], run: Callable[[Micro], Any]) -> list[Any]:
         """Zero ``model``'s gradients, then ``run`` each micro-batch from its own RNG state; the
-        results, for the tracer to follow to the loss."""
+        results, for the tracer to follow to the loss. A micro-batch whose recorded loss the replay
+        computes otherwise says so (``guard/fidelity.py``): the replay did not run what was trained."""
         dist.zero_grad(model)  # a wrapper's zero_grad may take no set_to_none (DeepSpeed's engine)
         results = []
         with self.replay_mode():
-            for m in micro:
+            for i, m in enumerate(micro):
                 set_rng_state(m.rng)
                 out = run(m)
                 if out is not None:
+                    loss_differs(m.loss, out, f" (micro-batch {i})" if len(micro) > 1 else "")
                     results.append(out)
         return results
 

@@ -44,6 +44,7 @@ from torch import nn
 
 from nanguard import compat
 from nanguard.guard import Guard
+from nanguard.guard.fidelity import loss_differs
 from nanguard.integrations import guard_options, require
 from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard
@@ -106,6 +107,7 @@ class FabricGuard(LoopGuard):
             )
         self.fabric = fabric
         self._loss: torch.Tensor | None = None
+        self._trained: torch.Tensor | None = None  # the step's, once checked
         self._originals = {"backward": fabric.backward, "clip_gradients": fabric.clip_gradients}
         # The guard sees the strategy's module (DDP: its comm hook and no_sync), names from the user's.
         guard = Guard(forward, inner, policy, scheduler=scheduler, run_dir=run_dir, **options)
@@ -131,7 +133,20 @@ class FabricGuard(LoopGuard):
     def _step_loss(self, micro: list[Micro]) -> torch.Tensor | None:
         """What the loop gave ``fabric.backward`` over the step, summed (its own scaling kept)."""
         loss, self._loss = self._loss, None
+        self._trained = loss
         return loss if loss is not None else super()._step_loss(micro)
+
+    def _replay(self, micro: list[Micro]) -> list[Any]:
+        """``LoopGuard``'s replay; a step whose ``fabric.backward`` was given more than the recorded
+        losses (a term added outside the model and ``micro_step``) says the replay did not see it."""
+        results = super()._replay(micro)
+        n = len(micro) if self.mean else 1
+        losses = [r for r in results if isinstance(r, torch.Tensor) and r.numel() == 1 and r.is_floating_point()]
+        if self._trained is not None and len(losses) == len(micro):
+            with torch.no_grad():
+                replayed = torch.stack([r.detach().float().reshape(()) for r in losses]).sum() / n
+            loss_differs(self._trained, replayed, " (what fabric.backward was given)")
+        return results
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._originals["backward"](loss, model=self.model)

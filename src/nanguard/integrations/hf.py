@@ -2,10 +2,12 @@
 
 In ``on_pre_optimizer_step`` (after backward and gradient clipping, before
 ``optimizer.step()``) the callback runs ``Guard.check`` on the step's loss and gradients.
-Callbacks see neither the batch nor the loss, so forward hooks on the model record each
-micro-batch's inputs, RNG state and loss. A tripped step is replayed (forward and backward
-on the same inputs and RNG state) under ``ng.locate`` to name its cause, and the policy
-applies. A skipped step leaves the weights, the optimizer state, normalization running
+Callbacks see neither the batch nor the loss, so the running Trainer's ``compute_loss`` and
+``training_step`` record each micro-batch's inputs, RNG state and the loss it back-propagated,
+whatever computes it (``hf_loss.py``); that loss is the one checked, and the one the events
+log (the Trainer's own). A tripped step is replayed (the same ``compute_loss`` on the same
+inputs and RNG state, scaled and back-propagated as ``training_step`` did) under ``ng.locate``
+to name its cause, and the policy applies. A skipped step leaves the weights, the optimizer state, normalization running
 statistics and the LR scheduler exactly as if it had not happened; ``state.global_step``
 still counts it, and its loss and grad norm are left out of the logs (no fake ``loss 0.0``): the
 logged ``loss`` averages the window's trained steps only, and ``train_loss`` (and the final
@@ -39,12 +41,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nanguard import compat, environ
+from nanguard import compat, dist, environ
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
 from nanguard.integrations.clipnorm import ClipNorm
+from nanguard.integrations.hf_loss import EngineLoss, TrainerLoss, batch_of, step_loss
 
 _callbacks: Any = require(  # Any: its classes are bases below, known only once imported
     "transformers.trainer_callback", "hf", "Hugging Face transformers"
@@ -95,6 +98,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         self._last_skipped = False
         self._engine_guard: Any = None  # a DeepSpeedGuard, under a DeepSpeed Trainer
         self._diag_before: Diagnosis | None = None
+        self._loss: TrainerLoss | None = None  # the Trainer's compute_loss and training_step, recorded
         self._clip: ClipNorm | None = None  # the Trainer's clip: the grad norm before it clipped
 
     def state(self) -> dict[str, Any]:
@@ -119,12 +123,18 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         engine = _deepspeed_engine(trainer)
         if engine is not None:
             self._guard_engine(engine, run_dir)
+            if trainer is not None:
+                self._hooks = [EngineLoss(trainer, self._engine_guard.micro_step)]
             return
         self.guard = Guard(model, optimizer, self.policy, run_dir=run_dir, **self.options)
         if self.guard_state:
             self.guard.load_state_dict(self.guard_state)
         self._capture.watch(model)
         self._watch_clip(optimizer)
+        if trainer is not None:  # the loss the Trainer back-propagates, whatever computes it
+            self._loss = TrainerLoss(trainer, self._capture)
+            self._hooks = [self._loss]
+            return
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -178,12 +188,13 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             self._remove_hooks()
             guard.close()
 
+        trained = self._loss
         self._stepped = self._capture.check(
             guard,
-            _step_loss(micro),
+            step_loss(micro) if trained is not None else _step_loss(micro),
             micro,
             replay=(lambda: self._replay(micro)) if micro else None,
-            batch=_batch_of(micro),
+            batch=batch_of(micro) if trained is not None else _batch_of(micro),
             optimizer=optimizer,
             on_raise=on_raise,
             grad_norm=self._clip.take() if self._clip is not None else None,
@@ -259,9 +270,14 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
             micro[-1].loss = loss.detach()
 
     def _replay(self, micro: list[Micro]) -> list[Any]:
-        """Forward and backward of each micro-batch of the step, scaled as the Trainer scales them."""
+        """Each micro-batch of the step as the Trainer ran it: its ``compute_loss``, scaled and
+        back-propagated as ``training_step`` did (``hf_loss.py``); without the Trainer at hand, the
+        model's forward and its own loss."""
         model = self.guard.model if self.guard is not None else None
         assert model is not None
+        if self._loss is not None:
+            return self._loss.replay(model, micro)
+        dist.unobserved("the loss the Trainer back-propagated (no Trainer found: the model's own loss was replayed)")
 
         def run(m: Micro) -> Any:
             out = model(*m.args, **m.kwargs)
@@ -315,7 +331,7 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
     def _remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
-        self._hooks = []
+        self._hooks, self._loss = [], None
         if self._clip is not None:
             self._clip.close()
             self._clip = None

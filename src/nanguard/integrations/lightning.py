@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanguard import compat, environ
+from nanguard import compat, dist, environ
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
@@ -100,6 +100,9 @@ class NanGuard(GuardedCallback, _pl.Callback):
         # Lightning already divided each micro-batch loss by accumulate_grad_batches: the sum is the step's loss.
         loss = loss.detach()
         self._loss = loss if self._loss is None else self._loss + loss
+        micro = self._capture.micro
+        if micro and micro[-1].loss is None:
+            micro[-1].loss = loss  # what this micro-batch back-propagated, for the replay to match
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -172,10 +175,14 @@ class NanGuard(GuardedCallback, _pl.Callback):
 
 
 def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, capture: StepCapture, micro: list[Micro]) -> list[Any]:
-    """Re-run training_step and backward for each micro-batch of the step, as Lightning ran them.
+    """Re-run each micro-batch of the step as Lightning ran it: ``training_step``, the module's
+    ``backward`` on the loss divided by ``accumulate_grad_batches``, and its ``on_after_backward``.
+    Callbacks that touch the gradients after the backward are not re-run: the replay says it did not see them.
 
     Calling the module directly skips the DDP wrapper, so the replay's gradients stay local to this rank.
     """
+    for name in _touching_gradients(trainer):
+        dist.unobserved(f"the callback {name}'s on_after_backward, which the replay does not run")
 
     def run(m: Micro) -> Any:
         with compat.lightning_step_context(trainer):
@@ -183,8 +190,21 @@ def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, capture: StepCap
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if loss is None:
             return None
-        (loss / trainer.accumulate_grad_batches).backward()
+        loss = loss / trainer.accumulate_grad_batches
+        pl_module.backward(loss)
+        pl_module.on_after_backward()
         return loss
 
     with compat.lightning_logging_off(pl_module):  # a replay must not log the step a second time
         return capture.replay(pl_module, micro, run)
+
+
+def _touching_gradients(trainer: pl.Trainer) -> list[str]:
+    """The trainer's callbacks (nanguard's aside) with an ``on_after_backward`` of their own."""
+    base = _pl.Callback.on_after_backward
+    callbacks: list[Any] = getattr(trainer, "callbacks", [])
+    return [
+        type(c).__name__
+        for c in callbacks
+        if not isinstance(c, NanGuard) and getattr(type(c), "on_after_backward", base) is not base
+    ]
