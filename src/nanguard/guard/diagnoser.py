@@ -143,16 +143,7 @@ class Diagnoser:
             found = self._compiled_again(closure, rng, h.step)
         if closure_error is not None and (found is None or not found.cause.startswith("data.")):
             raise closure_error  # not an id out of range: the user's own bug, theirs to see
-        flagged = h.bad_ranks
-        if self.sharded:
-            # Under FSDP2 every rank all-gathers a bad shard and reproduces its NaN: the rank
-            # that holds the shard is the origin.
-            shard = self._nonfinite_shards(h.step)
-            if shard_ranks := dist.agree_flag(shard is not None):
-                found, flagged = shard, shard_ranks
-        if found is None and (wire_ranks := h.ranks_with(HealthFlag.WIRE)):
-            # Not reproduced without communication: the comm hook's cast made it, on these ranks.
-            found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
+        found, flagged = self._origin_beyond_the_replay(found, h)
         diag = dist.gather_diagnosis(found, flagged, choose=choose)
         if diag is None:
             diag = transient_fault(
@@ -172,6 +163,21 @@ class Diagnoser:
         replayed.diagnosis = reused if reused is not None else self._proven(diag, closure, h, batch, rng)
         self._last = _LastTrip(h.step, h.bad_ranks, replayed.diagnosis)
         return replayed
+
+    def _origin_beyond_the_replay(self, found: Diagnosis | None, h: StepHealth) -> tuple[Diagnosis | None, list[int]]:
+        """The diagnosis and the ranks it names, where the origin is not in one rank's own replay: a
+        bad shard (FSDP2) or the comm hook's cast (the wire)."""
+        flagged = h.bad_ranks
+        if self.sharded:
+            # Under FSDP2 every rank all-gathers a bad shard and reproduces its NaN: the rank
+            # that holds the shard is the origin.
+            shard = self._nonfinite_shards(h.step)
+            if shard_ranks := dist.agree_flag(shard is not None):
+                found, flagged = shard, shard_ranks
+        if found is None and (wire_ranks := h.ranks_with(HealthFlag.WIRE)):
+            # Not reproduced without communication: the comm hook's cast made it, on these ranks.
+            found, flagged = self._wire_overflow(h.step), flagged or wire_ranks
+        return found, flagged
 
     @contextlib.contextmanager
     def _told(self, step: int) -> Iterator[None]:

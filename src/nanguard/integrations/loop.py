@@ -170,6 +170,8 @@ class LoopGuard(GuardedCallback):
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if self._in_micro_step or not torch.is_grad_enabled() or not self.model.training:
                 return fn(*args, **kwargs)
+            if not self._capture.replaying:
+                self._verdict = None  # as a forward does: a micro-step after the step's check starts the next step
             m = self._capture.record(args, kwargs)
             if m is not None:
                 m.run = fn
