@@ -127,7 +127,7 @@ def test_on_event_dicts_start_as_the_log_lines_do(tmp_path) -> None:
         model = nn.Linear(2, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         guard = ng.Guard(model, opt, run_dir=run_dir, on_event=heard.append)
-        guard.step(lambda: model(torch.ones(1, 2)).sum())
+        guard.step(lambda model=model: model(torch.ones(1, 2)).sum())
         guard.close()
         assert heard and all(e["rank"] == 0 for e in heard)
         if run_dir is None:
