@@ -457,16 +457,42 @@ class Guard:
         return Attempt(step, self.progress.calls - 1, batch, None, None, owns_buffers=False)
 
     def attach_engine(self, engine: Engine) -> None:
-        """The seam for an engine that keeps the step's tensors itself (DeepSpeed ZeRO): the health is read
-        where it keeps them, a snapshot keeps them too (the first one is taken again, with them).
+        """The seam for an engine that keeps the step's tensors itself (DeepSpeed ZeRO) or reduces the step's
+        gradient norm itself (``Engine``): the health is read where it keeps them, a snapshot keeps them too
+        (the first one is taken again, with them); a healthy step is read from the engine's reduced norm.
 
         Example:
             >>> guard.attach_engine(Engine(grad_norm=partition_norm, params=masters, sharded=True, tensors=parts))
         """
-        self.health.read_engine(engine.grad_norm, engine.params, sharded=engine.sharded)
+        health = self.health
+        if engine.grad_norm is not None:
+            params = engine.params if engine.params is not None else health.params
+            health.read_engine(engine.grad_norm, params, sharded=engine.sharded)
+        if engine.watch is not None:
+            health.comm = engine.watch
+        # A spike skip decides on the loss, which only an agreement makes the same on every rank.
+        health.reduces_norm = engine.reduces_norm and not self.config.skip_spikes
         self.recovery.engine_tensors, self.recovery.engine_holds_parameters = engine.tensors, engine.holds_parameters
-        if self.recovery.snapshot is not None:
+        if self.recovery.snapshot is not None and engine.tensors is not None:
             self.recovery.take_snapshot(self.progress.step)
+
+    def carry_flags(self, loss: torch.Tensor, *, checked: torch.Tensor | None = None) -> None:
+        """Under ``Engine.reduces_norm``: ``loss``'s backward seeds its gradients with NaN when this rank's loss
+        (or its parameter check) is non-finite, so the engine's reduced norm carries it to every rank (a loss
+        that is NaN while its gradients are finite, say in a term only logged); otherwise times 1.0, exactly.
+        Call it on the tensor the loop back-propagates, before its backward; ``checked``: the loss the check
+        will see, when it is not ``loss``'s value. No host read.
+
+        Example:
+            >>> loss = model(x).mean(); guard.carry_flags(loss); engine.backward(loss)
+        """
+        if self.disabled or not self.health.reduces_norm or not loss.requires_grad:
+            return
+        if checked is None:
+            local = compat.inner_tensor(loss)  # a DTensor loss: this rank's value
+            checked = loss if local is None else local
+        seed = torch.where(self.health.local_bad(checked), torch.nan, 1.0)
+        loss.register_hook(lambda grad: grad * seed.to(grad.dtype))  # a 0-dim factor: a DTensor grad takes it too
 
     def engine_verdict(
         self,

@@ -198,23 +198,32 @@ class HostCopy:
 
 @dataclass(frozen=True)
 class Engine:
-    """What an engine that keeps the step's tensors itself (DeepSpeed ZeRO's partitions) tells the guard
-    (``Guard.attach_engine``): where the gradients' norm and the updated weights are read, and what a
-    snapshot keeps and a rollback restores.
+    """What an engine that keeps the step's tensors itself (DeepSpeed ZeRO's partitions) or reduces the
+    step's gradient norm itself tells the guard (``Guard.attach_engine``): where the gradients' norm and the
+    updated weights are read, what a snapshot keeps and a rollback restores, and whether the norm the loop
+    passes to ``check(grad_norm=)`` already stands for every rank.
 
     Example:
         >>> guard.attach_engine(Engine(grad_norm=partition_norm, params=masters, sharded=True, tensors=parts))
+        >>> guard.attach_engine(Engine(reduces_norm=True))   # torchtitan: its clip reduced the norm over the mesh
     """
 
-    grad_norm: Callable[[], torch.Tensor | None]
-    """This rank's gradient norm as a device scalar."""
-    params: Sequence[torch.Tensor]
-    """The weights the engine updates on this rank (its fp32 partitions), for the parameter check."""
-    sharded: bool
+    grad_norm: Callable[[], torch.Tensor | None] | None = None
+    """This rank's gradient norm as a device scalar (None: the parameters' ``.grad``)."""
+    params: Sequence[torch.Tensor] | None = None
+    """The weights the engine updates on this rank (its fp32 partitions), for the parameter check (None: the
+    optimizer's)."""
+    sharded: bool = False
     tensors: Callable[[], list[torch.Tensor]] | None = None
     """The engine's own tensors a snapshot keeps and a rollback restores."""
     holds_parameters: bool = False
     """The engine restores the parameters from ``tensors`` (the module's own are views of them)."""
+    reduces_norm: bool = False
+    """The ``grad_norm`` given to ``check`` is the engine's total norm, reduced over every rank: the same
+    value on each, non-finite on each when any rank's gradients are (its loss and parameter check ride in
+    too: ``Guard.carry_flags``). A step with a finite one is read from it alone, without a collective."""
+    watch: CommWatch | None = None
+    """What sees this rank's own gradients before the engine reduces them (None: nothing)."""
 
 
 class HealthCheck:
@@ -261,6 +270,8 @@ class HealthCheck:
         """Where an engine keeps this rank's gradients (``read_engine``); None: the parameters' ``.grad``."""
         self.sharded = False
         """Each rank's gradients are its own partition: the squared norms add up across ranks."""
+        self.reduces_norm = False
+        """The loop's ``grad_norm`` is reduced over every rank by the engine (``Engine.reduces_norm``)."""
 
     def read_engine(
         self, grad_norm: Callable[[], torch.Tensor | None], params: Sequence[torch.Tensor], *, sharded: bool
@@ -275,6 +286,15 @@ class HealthCheck:
         self.grad_source, self.sharded = grad_norm, sharded
         self.params = list(params)
         self._groups = float_groups(self.params)
+
+    def local_bad(self, loss: torch.Tensor) -> torch.Tensor:
+        """Device bool, no host read: is this rank's ``loss`` non-finite, or the parameter check queued for
+        its step (``Engine.reduces_norm``: what its gradients must carry into the engine's reduction)?"""
+        self.check_loaded()
+        bad = torch.isfinite(loss.detach().float()).logical_not().any()
+        if self._param_norm is not None:
+            bad = bad | torch.isfinite(self._param_norm.to(bad.device)).logical_not()
+        return bad
 
     def on_device(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
         """This rank's step as device scalars. ``loop_norm``: the norm the loop's clip computed before

@@ -409,6 +409,11 @@ class History:
             "grad_norm": grad_norm,
         }
 
+    def may_run_away(self, grad_norm: float) -> bool:
+        """Could ``runaway`` find divergence in a step of this grad norm, whatever its loss? (Its grad norm
+        past float32's square, or grown ``divergence_factor``: a test on agreed values only.)"""
+        return grad_norm >= FLOAT32_SQUARE_MAX or self._growth("grad_norm", grad_norm) >= self.divergence_factor
+
     def _growth(self, metric: str, value: float) -> float:
         """``value`` over the smallest finite, positive ``metric`` of the last ``divergence_window`` updates."""
         recent = [getattr(p, metric) for p in list(self.points)[-self.divergence_window :]]

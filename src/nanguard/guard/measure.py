@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nanguard import dist
+from nanguard.agreement import Layout
 from nanguard.diagnose import loss_scale_collapse, replica_divergence, runaway_growth
 from nanguard.errors import OutOfStepError
 from nanguard.findings import Diagnosis
@@ -48,6 +49,8 @@ class Reading:
     agreed: torch.Tensor
     queued: HostCopy | None = None
     """``sync="deferred"``: the health on its way to the host, queued before the update."""
+    alone: bool = False
+    """Read from the engine's reduced norm alone (``Engine.reduces_norm``): no rank has agreed yet."""
 
     def found_inf(self) -> torch.Tensor:
         """Whether any rank's step is bad, on the device (the fused optimizer skips the update)."""
@@ -100,6 +103,8 @@ class Measure:
         sharded = self.sharded or health.sharded
         # A sharded run's agreement adds up the ranks' own norms: a whole norm from the loop has no place in it.
         measured = health.on_device(attempt.value, None if sharded else attempt.loop_norm)
+        if health.reduces_norm and attempt.loop_norm is not None and not queue:
+            return Reading(attempt.step, measured, _from_norm(measured, attempt.loop_norm, attempt.call), alone=True)
         agreed = measured.agree(sharded=sharded, carried=health.carried(), step=attempt.call)
         return Reading(attempt.step, measured, agreed, HostCopy(measured, agreed) if queue else None)
 
@@ -109,6 +114,10 @@ class Measure:
         if reading.queued is not None:
             return Verdict("deferred", reading.step, queued=reading.queued)
         h = reading.measured.read(reading.step, reading.agreed, scaled=self.scaler is not None)
+        if reading.alone and not math.isfinite(h.grad_norm):
+            # Every rank holds the same non-finite norm: they agree on who flagged what now (a trip's collective).
+            agreed = reading.measured.agree(sharded=self.sharded or self.health.sharded, step=attempt.call)
+            h = reading.measured.read(reading.step, agreed, scaled=self.scaler is not None)
         return self.verdict(h, attempt, updated=updated)
 
     def verdict(self, h: StepHealth, attempt: Attempt, *, updated: bool) -> Verdict:
@@ -130,21 +139,32 @@ class Measure:
         departed = self.history.departed(step, loss=h.loss, grad_norm=h.grad_norm)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
         # Not while a rank has joined (DDP join()): it holds no history to follow the trip with.
-        runaway = None if updated or h.joined else self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)
-        if runaway is not None:
-            diag = runaway_growth(
-                step=step,
-                history=runaway,
-                lr=current_lr(self.optimizer),
-                # Every rank's growth, read from the agreed values: the same verdict on every rank.
-                rank=0 if dist.is_distributed() else None,
-                ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
-            )
+        diag = None if updated or h.joined else self._runaway(h)
+        if diag is not None:
             return Verdict("trip", step, h, diagnosis=diag, spikes=spikes, forecast=trend, departure=departed)
         if spikes or trend is not None or departed is not None:  # signs the apply stage records
             signs: VerdictKind = "spike" if spikes else "healthy"
             return Verdict(signs, step, h, spikes=spikes or None, forecast=trend, departure=departed)
         return Verdict("healthy", step, h)
+
+    def _runaway(self, h: StepHealth) -> Diagnosis | None:
+        """A finite step's divergence, the same verdict on every rank: judged on the agreed values, or, read
+        from the engine's reduced norm with each rank's own loss, voted on wherever the agreed norm grew enough."""
+        step = h.step
+        runaway = self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)
+        diag = None
+        if runaway is not None:
+            diag = runaway_growth(
+                step=step,
+                history=runaway,
+                lr=current_lr(self.optimizer),
+                rank=0 if dist.is_distributed() else None,
+                ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
+            )
+        if self.health.reduces_norm and dist.is_distributed() and self.history.may_run_away(h.grad_norm):
+            flagged = dist.agree_flag(diag is not None)  # the ranks' own losses differ: one vote, on such steps only
+            diag = dist.gather_diagnosis(diag, flagged) if flagged else None
+        return diag
 
     def batch(self, batch: Any, step: int) -> Verdict | None:
         """check_batch before the forward: a trip verdict when any rank rejects its batch (the
@@ -228,6 +248,17 @@ class Measure:
             rank=dist.rank_or_none(),
         )
         return Verdict("collapse", h.step, h, diagnosis=diag, overflow=new_scale)
+
+
+def _from_norm(measured: DeviceHealth, norm: Any, step: int) -> torch.Tensor:
+    """The agreement's layout filled from this rank alone and the engine's reduced norm: a finite norm speaks
+    for every rank (each rank's flags ride in it), so this rank's own codes count only beside a non-finite one."""
+    device = measured.loss.device
+    n = torch.as_tensor(norm, device=device).detach().float().reshape(())
+    code = torch.where(torch.isfinite(n), torch.zeros_like(measured.flags), measured.flags)
+    return Layout(dist.world_size()).vector(
+        rank=dist.rank(), code=code, loss=measured.loss, norm=n, step=step, device=device
+    )
 
 
 def _replayed_or_unknown(

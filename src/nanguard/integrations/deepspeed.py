@@ -40,7 +40,6 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ import torch
 from nanguard import dist, environ
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
-from nanguard.guard.diagnoser import replay_trip
+from nanguard.guard.health import Engine
 from nanguard.integrations import guard_options, require
 from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard, _batch_of
@@ -114,15 +113,21 @@ class DeepSpeedGuard(LoopGuard):
             run_dir=run_dir,
             **options,
         )
-        guard.health.read_engine(self.state.grad_norm, self.state.master_params(), sharded=self.state.stage > 0)
-        guard.recovery.engine_tensors = self.state.partitions
-        guard.recovery.engine_holds_parameters = self.state.stage >= 3
         self.state.expose_optimizer_state()
-        if guard.recovery.snapshot is not None:  # rollback: Guard's first snapshot, again with them
-            guard.recovery.take_snapshot(guard.step_count)
+        guard.attach_engine(
+            Engine(
+                grad_norm=self.state.grad_norm,
+                params=self.state.master_params(),
+                sharded=self.state.stage > 0,
+                tensors=self.state.partitions,
+                holds_parameters=self.state.stage >= 3,
+                reduces_norm=self.state.reduces_norm,
+            )
+        )
         self._losses: list[torch.Tensor] = []
         self._micro: list[Micro] = []  # the step just checked, for naming an overflow the scaler skipped
         self._replay_scale: float | None = None  # the loss scale a replay scales by (None: the engine's now)
+        self._norm: torch.Tensor | None = None  # the step's norm as ZeRO reduced it, for the check
         self._originals: dict[str, Callable[..., Any]] = {"backward": engine.backward, "step": engine.step}
         # The engine steps its own LR scheduler, and not on a skip: nothing to hold.
         self._watch(engine, engine.optimizer, guard, scheduler=None, mean=mean, user=engine.module)
@@ -161,6 +166,8 @@ class DeepSpeedGuard(LoopGuard):
     def _engine_backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
         if not self._capture.replaying and isinstance(loss, torch.Tensor):
             self._losses.append(loss.detach().float().reshape(-1).mean())
+            if self.guard is not None:
+                self.guard.carry_flags(loss)  # into ZeRO's reduced norm: every rank sees this rank's NaN loss
         return self._originals["backward"](loss, *args, **kwargs)
 
     def _engine_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -168,9 +175,11 @@ class DeepSpeedGuard(LoopGuard):
         if not self.engine.is_gradient_accumulation_boundary():
             return step(*args, **kwargs)
         scale = self.state.loss_scale()
+        self._norm = self.state.reduced_norm()  # ZeRO's own reduction of the step, taken before its step
         self._step_skipped = not self._decide()  # step_skipped: also an fp16 overflow the engine skips
         if not self._step_skipped:
-            out = step(*args, **kwargs)
+            with self.state.norm_taken():
+                out = step(*args, **kwargs)
             assert self.guard is not None
             self.guard.after_step()
             return out
@@ -196,31 +205,22 @@ class DeepSpeedGuard(LoopGuard):
         if not micro:
             return
         self._replay_scale = scale
-        # Judged with the run's history, as a trip is: gradients that overflow because the run is
-        # diverging (a far too high LR) are a divergence, not a float16 range problem.
-        run = self.guard.diagnoser.run_facts(step)
-        try:
-            replayed = replay_trip(
-                self.guard.model,
+        try:  # judged with the run's history, as a trip is: gradients that overflow because the run diverges
+            diag = self.guard.engine_verdict(
+                step,
                 lambda: self._replay(micro),
+                action="overflow",
                 batch=_batch_of(micro, self._user.forward),
                 rng=micro[0].rng,
-                step=step,
-                with_module_stats=False,
-                run=run,
+                scale=scale,
             )
         finally:
             self._replay_scale = None
             dist.zero_grad(self.engine.module)
             self._capture.restore_stats()
-        found = replayed.diagnosis
-        flagged = dist.agree_flag(found is not None)
-        diag = dist.gather_diagnosis(found, flagged) if flagged else None
         if diag is None:
             return
-        diag = replace(diag, step=step)  # gathered diagnoses are not edited after they are made
         self.last_overflow = diag
-        self.guard.recorder.trip(step, action="overflow", ranks=flagged, diagnosis=diag, scale=scale)
         if self._announces():
             log.warning(
                 "nanguard: step %d: DeepSpeed's loss scaler skipped an fp16 overflow (scale %g): %s",
@@ -231,6 +231,11 @@ class DeepSpeedGuard(LoopGuard):
 
     def _announces(self) -> bool:
         return self.announce and super()._announces()
+
+    def _loop_norm(self) -> torch.Tensor | None:
+        """ZeRO-1/2's global grad norm of the step, reduced over the ranks by the engine (unscaled); else the clip's."""
+        taken, norm, self._norm = super()._loop_norm(), self._norm, None
+        return taken if norm is None else norm
 
     # -- the check and the replay --------------------------------------------------------------
     def _step_loss(self, micro: list[Micro]) -> torch.Tensor | None:
@@ -282,6 +287,13 @@ class EngineState:
         self.optimizer = inner
         # ZeRO-1/2 with the optimizer offloaded to the CPU (ZeRO-3 keeps its flat gradient buffer either way).
         self.offload = bool(getattr(self.zero, "cpu_offload", False))
+        # ZeRO-1/2 reduce the step's global grad norm in their step (``scaled_global_norm``, one all-reduce per
+        # parameter group): taken before the step, it is the check's, and the step reuses it. Not offloaded
+        # (the norm waits for the copies there) and not without ``compute_grad_norm``.
+        self.reduces_norm = (
+            self.stage in (1, 2) and not self.offload and bool(getattr(self.zero, "compute_grad_norm", False))
+        )
+        self._scaled_norm: torch.Tensor | None = None
 
     def grads(self) -> list[torch.Tensor]:
         """This rank's gradients as the engine keeps them at the accumulation boundary (scaled under fp16)."""
@@ -301,6 +313,24 @@ class EngineState:
             return None
         norm = total_norm(float_groups(grads))
         return norm / self.loss_scale() if self.fp16 else norm
+
+    def reduced_norm(self) -> torch.Tensor | None:
+        """ZeRO-1/2's global grad norm of the step, by the engine's own reduction (Inf when any rank's partition,
+        which its loss and parameter check ride in, is non-finite), unscaled; None where it reduces none."""
+        if not self.reduces_norm:
+            return None
+        self._scaled_norm = self.zero.scaled_global_norm()
+        return self._scaled_norm / self.loss_scale() if self.fp16 else self._scaled_norm
+
+    @contextlib.contextmanager
+    def norm_taken(self) -> Iterator[None]:
+        """Inside the block, the engine's step reads the norm ``reduced_norm`` took instead of reducing it again."""
+        scaled, self._scaled_norm = self._scaled_norm, None
+        if scaled is None:
+            yield
+            return
+        with _patched(self.zero, {"scaled_global_norm": lambda *args, **kwargs: scaled}):
+            yield
 
     def loss_scale(self) -> float:
         """DeepSpeed's loss scale now (1 without fp16)."""

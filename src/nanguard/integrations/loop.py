@@ -314,11 +314,15 @@ class LoopGuard(GuardedCallback):
             batch=_batch_of(micro, self._user.forward),
             on_raise=lambda: self._record(before),
             drop=self._drops_grads,
-            grad_norm=self._clip.take(),
+            grad_norm=self._loop_norm(),
         )
         if not self._verdict:
             self._record(before)
         return self._verdict
+
+    def _loop_norm(self) -> torch.Tensor | None:
+        """The step's grad norm as the loop computed it before the check (its clip's), or None."""
+        return self._clip.take()
 
     def _replay(self, micro: list[Micro]) -> list[Any]:
         """Each micro-batch's forward (and loss), then backward on it scaled as the loop scaled it."""

@@ -58,6 +58,7 @@ from nanguard import dist
 from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
+from nanguard.guard.health import Engine
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import Micro, StepCapture
 from nanguard.integrations.loop import _named_arguments, _valid_ids
@@ -117,7 +118,6 @@ class MegatronGuard(GuardedCallback):
         user = self.models[0] if len(self.models) == 1 else nn.ModuleList(self.models)
         self.guard: Guard | None = Guard(user, inner[0], policy, run_dir=run_dir, **options)
         params = [p for opt in inner for group in opt.param_groups for p in group["params"]]
-        self.guard.health.read_engine(lambda: self._norm, params, sharded=False)
         self.coordinates = _coordinates()
         self.trips = 0
         self._user = user
@@ -137,8 +137,18 @@ class MegatronGuard(GuardedCallback):
         for m in self.models:
             self._patch(m, "set_input_tensor", self._set_input_tensor(m.set_input_tensor))
         self._nan_check = _LocalGradCheck(chunks)
-        if self._nan_check.groups:
-            self.guard.health.comm = self._nan_check
+        # Megatron's clip reduces the norm over the model-parallel ranks after the data-parallel gradient
+        # reduction (the DistributedOptimizer's over all): read from it, a healthy step adds no collective. Each
+        # rank's loss rides in its gradients (``carry_flags``); a pipeline stage before the last has no loss to
+        # carry its parameter check, so under pipeline parallelism (alike on every rank) the ranks agree instead.
+        self.guard.attach_engine(
+            Engine(
+                grad_norm=lambda: self._norm,
+                params=params,
+                reduces_norm=_core.parallel_state.get_pipeline_model_parallel_world_size() == 1,
+                watch=self._nan_check if self._nan_check.groups else None,
+            )
+        )
 
     # -- what the user wraps ------------------------------------------------------------------
     def forward_step(self, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
@@ -234,6 +244,8 @@ class MegatronGuard(GuardedCallback):
             m.extra["loss_func"] = loss_func
             if isinstance(outputs, tuple) and isinstance(outputs[0], torch.Tensor):
                 m.loss = outputs[0].detach().float().reshape(-1).sum()
+                if self.guard is not None:
+                    self.guard.carry_flags(outputs[0], checked=m.loss)  # into the reduced norm, on every rank
             return outputs
 
         return recorded
@@ -279,6 +291,7 @@ class MegatronGuard(GuardedCallback):
                 replay=(lambda: self._replay(micro)) if micro else None,
                 batch=_batch(micro),
                 drop=False,
+                grad_norm=self._norm,
             )
         except NonFiniteError:
             self.trips += 1

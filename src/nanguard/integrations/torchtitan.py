@@ -34,6 +34,7 @@ from torch import nn
 
 from nanguard import dist, environ
 from nanguard.guard import Guard
+from nanguard.guard.health import Engine
 from nanguard.integrations import guard_options
 from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard, _local, _scalar
@@ -105,6 +106,11 @@ class TitanGuard(LoopGuard):
         self._vocab = _vocab(self._user)
         # A first pipeline stage computes no loss to carry the flag: check_batch=True covers it there.
         self._computes_loss = getattr(self._user, "lm_head", None) is not None
+        # The trainer's clip reduces the grad norm over the whole mesh each step (``dist_utils.clip_grad_norm_``):
+        # a healthy step is read from it. Not under pipeline parallelism (alike on every rank: no rank then holds
+        # both the embedding and the output layer), where a stage without the loss has nothing to carry its flags.
+        if self._vocab is not None and self._computes_loss:
+            guard.attach_engine(Engine(reduces_norm=True))
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The forward's token ids made valid before the embedding reads them, without a host read: an id
@@ -168,6 +174,8 @@ class TitanGuard(LoopGuard):
                 m.loss = _local(value.detach())
                 if bad is not None:  # the check's one read carries it: NaN where an id was past the vocabulary
                     m.loss = m.loss + torch.where(bad, torch.nan, 0.0).to(m.loss.dtype)
+                if self.guard is not None and isinstance(value, torch.Tensor):
+                    self.guard.carry_flags(value, checked=m.loss)  # into the clip's reduced norm, on every rank
             return out
 
         return recorded
