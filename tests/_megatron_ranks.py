@@ -12,6 +12,7 @@ too high on every rank).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import traceback
@@ -152,12 +153,15 @@ def batch(rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
 
 
 def loss_func(
-    loss_mask: torch.Tensor, output: torch.Tensor, validate: bool = False
+    loss_mask: torch.Tensor, output: torch.Tensor, validate: bool = False, logged: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron's GPT loss: the per-token losses averaged over the mask; ``validate``: checked by
-    Megatron's RerunStateMachine as ``pretrain_gpt.py``'s loss function does."""
+    Megatron's RerunStateMachine as ``pretrain_gpt.py``'s loss function does; ``logged``: plus a term
+    only logged (detached), NaN: the loss is NaN, its gradients finite."""
     losses = output.float().view(-1)
     loss = (losses * loss_mask.view(-1)).sum() / loss_mask.sum()
+    if logged:
+        loss = loss + torch.log(losses.detach().min() - 1e6)
     if validate:
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
@@ -175,7 +179,7 @@ def forward_step(data_iterator: Any, model: nn.Module, validate: bool = False) -
     """Megatron's ``forward_step_func``: the batch from the iterator, the model, and the loss function."""
     b = next(data_iterator)
     output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-    return output, partial(loss_func, b["loss_mask"], validate=validate)
+    return output, partial(loss_func, b["loss_mask"], validate=validate, logged="logged" in b)
 
 
 def regression_loss(target: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -194,11 +198,7 @@ def regression_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor,
 
 def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     """``steps`` steps of Megatron's loop, guarded (``policy``) or not; what each rank saw."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     chunks, optimizer, fault = build(run)
-    dp_rank = parallel_state.get_data_parallel_rank()
     guard = None
     step_func: Any = regression_step if run.get("regression") else forward_step
     if run.get("validate"):
@@ -211,13 +211,52 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     counts = [0, 0]  # the chunk's training forwards, and the backwards through its output
     chunks[0].register_forward_pre_hook(lambda *a: counts.__setitem__(0, counts[0] + 1))
     step_func = _counted(step_func, counts)
-    forward_backward = get_forward_backward_func()
-    micro = run.get("micro", 1)
-    bad_kind, bad_rank, bad_step = run.get("fault") or (None, -1, -1)
     results: list[Any] = []
     losses: list[float] = []
     trips: list[dict[str, Any]] = []  # each skipped step's diagnosis, in order
     said: list[str] = []
+    counted: list[str] = []  # the torch.distributed collectives called, by name
+    with _counting(counted) if run.get("count") else contextlib.nullcontext():
+        _steps(run, rank, chunks, optimizer, fault, guard, step_func, results, losses, trips, said)
+    out: dict[str, Any] = {
+        "results": [[bool(r[0]), None if r[1] is None else float(r[1])] for r in results],
+        "losses": losses,
+        "weights": weights(chunks),
+        "forwards": counts[0],
+        "backwards": counts[1],
+        "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters()),
+        "collectives": counted,
+    }
+    if guard is not None:
+        diag = guard.last_diagnosis
+        out["skipped"] = guard.skipped
+        out["diagnosis"] = diag.to_dict() if diag is not None else None
+        out["trips"], out["said"] = trips, said
+        guard.close()
+    return out
+
+
+def _steps(
+    run: dict[str, Any],
+    rank: int,
+    chunks: list[nn.Module],
+    optimizer: Any,
+    fault: Any,
+    guard: Any,
+    step_func: Any,
+    results: list[Any],
+    losses: list[float],
+    trips: list[dict[str, Any]],
+    said: list[str],
+) -> None:
+    """The loop itself: each step's batches (a fault planted), Megatron's forward-backward and optimizer step."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    forward_backward = get_forward_backward_func()
+    micro = run.get("micro", 1)
+    bad_kind, bad_rank, bad_step = run.get("fault") or (None, -1, -1)
     for step in range(run.get("steps", 3)):
         batches = [batch(dp_rank, step, m) for m in range(micro)]
         here = rank == bad_rank and step == bad_step
@@ -225,6 +264,8 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
             batches[0]["loss_mask"][0, 1] = float("nan")
         if here and bad_kind == "ids":
             batches[0]["tokens"][0, 2] = VOCAB + 5
+        if here and bad_kind == "logged":
+            batches[0]["logged"] = torch.ones(())
         fault.kind = bad_kind if here and bad_kind in ("log", "grad") else None
         for chunk in chunks:
             chunk.zero_grad_buffer()
@@ -244,21 +285,23 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
         if guard is not None and guard.step_skipped and guard.last_diagnosis is not None:
             trips.append(guard.last_diagnosis.to_dict())
             said.append(str(guard.last_diagnosis))
-    out: dict[str, Any] = {
-        "results": [[bool(r[0]), None if r[1] is None else float(r[1])] for r in results],
-        "losses": losses,
-        "weights": weights(chunks),
-        "forwards": counts[0],
-        "backwards": counts[1],
-        "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters()),
-    }
-    if guard is not None:
-        diag = guard.last_diagnosis
-        out["skipped"] = guard.skipped
-        out["diagnosis"] = diag.to_dict() if diag is not None else None
-        out["trips"], out["said"] = trips, said
-        guard.close()
-    return out
+
+
+def _counting(counted: list[str]) -> Any:
+    """Inside the block, every call of a torch.distributed collective through the module is named in ``counted``
+    (nanguard's and Megatron's norm reduction; a reduction bound at import counts in neither run)."""
+    from nanguard import compat
+
+    def counter(name: str, original: Any) -> Any:
+        def counted_call(*args: Any, **kwargs: Any) -> Any:
+            counted.append(name)
+            return original(*args, **kwargs)
+
+        return counted_call
+
+    names = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce"]
+    names += ["all_gather_object", "barrier"]
+    return compat.swap_collectives({n: counter(n, getattr(torch.distributed, n)) for n in names})
 
 
 def _counted(step_func: Any, counts: list[int]) -> Any:

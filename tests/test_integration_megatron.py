@@ -203,3 +203,29 @@ def test_wrong_arguments_name_what_is_accepted() -> None:
         MegatronGuard([], torch.optim.SGD(layer.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="get_megatron_optimizer"):
         MegatronGuard([layer], torch.optim.SGD(layer.parameters(), lr=0.1))
+
+
+def test_a_healthy_step_adds_no_collective_and_a_nan_only_in_a_logged_loss_term_reaches_every_rank() -> None:
+    """Data parallel over 3 ranks (Megatron's plain optimizer: its norm reduced over the model-parallel group
+    only, after the gradient all-reduce): a healthy guarded step calls no collective the unguarded one does
+    not, and stays bit-identical; a loss NaN only in a term it logs (its gradients finite) on rank 0, then on
+    rank 1 (the middle one), rides in the gradients to every rank: skipped everywhere, named on its rank."""
+    base = {"steps": STEPS, "count": True}
+    cases = [
+        base,
+        {**base, "policy": "skip"},
+        *({**base, "policy": "skip", "fault": ("logged", r, BAD_STEP)} for r in (0, 1)),
+    ]
+    results = spawn_ranks(run_cases, cases, world=3, timeout=900)
+    for rank, (plain, guarded, *faulted) in enumerate(results):
+        assert "error" not in plain and "error" not in guarded, (rank, plain.get("error"), guarded.get("error"))
+        assert guarded["weights"] == plain["weights"] and guarded["results"] == plain["results"], rank
+        assert "all_reduce" in plain["collectives"], plain["collectives"]  # Megatron's own norm reduction is seen
+        assert sorted(guarded["collectives"]) == sorted(plain["collectives"]), rank
+        for bad_rank, run in zip((0, 1), faulted, strict=True):
+            assert "error" not in run, run.get("error")
+            diag = run["diagnosis"]
+            assert diag is not None and diag["step"] == BAD_STEP, (rank, bad_rank)
+            assert (diag["cause"], diag["rank"]) == ("op.log_domain", bad_rank), diag
+            assert [r[0] for r in run["results"]] == [s != BAD_STEP for s in range(STEPS)], (rank, bad_rank)
+            assert run["skipped"] == 1 and run["finite"]

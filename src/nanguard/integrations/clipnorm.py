@@ -40,6 +40,7 @@ class ClipNorm:
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self._ids = frozenset(id(p) for p in params)
         self._norm: torch.Tensor | None = None
+        self._split = False  # the clip's norm was a DTensor (its value may be this rank's alone)
         ref = weakref.ref(self)
 
         def seen(parameters: Any, total_norm: torch.Tensor) -> None:
@@ -55,12 +56,14 @@ class ClipNorm:
             return  # the step's first clip saw the gradients as the backward left them
         if any(id(p) in self._ids for p in parameters):
             self._norm = _whole(total_norm)
+            self._split = getattr(total_norm, "placements", None) is not None
 
-    def take(self) -> torch.Tensor | None:
+    def take(self, *, reduced: bool = False) -> torch.Tensor | None:
         """The norm the step's clip computed (None when nothing clipped the parameters); the next
-        clip starts a new step."""
+        clip starts a new step. ``reduced``: only a norm the clip was given as a plain tensor (torchtitan's
+        clip reduces it over the mesh first); a DTensor one may hold what only this rank saw."""
         norm, self._norm = self._norm, None
-        return norm
+        return None if reduced and self._split else norm
 
     def clear(self) -> None:
         """A new step begins: a clip that ran after the last check is not this step's."""

@@ -128,6 +128,12 @@ class TitanGuard(LoopGuard):
         args, kwargs, self._ids_bad = _valid_tokens(args, kwargs, self._vocab)
         return (args, kwargs) if self._ids_bad is not None else None
 
+    def _loop_norm(self) -> torch.Tensor | None:
+        """The norm torchtitan's clip reduced over the mesh (a plain tensor, the same on every rank), read as
+        the step's; a DTensor norm (``torch.nn.utils.clip_grad_norm_`` on DTensor gradients) is not: the
+        ranks agree instead."""
+        return self._clip.take(reduced=True)
+
     def _replay(self, micro: list[Micro]) -> list[Any]:
         """The step's micro-batches as the trainer ran them; then, once every rank has run the same
         forwards and collectives, the recorded ids met as a lookup in the whole vocabulary would meet them."""
