@@ -87,19 +87,40 @@ def rank_times(rank: int, world: int, stage: int, rounds: int) -> dict[str, floa
     times["own"] = sum(spent) / steps
     times["own_median"] = statistics.median(spent)
     times["agree"] = sum(agreeing) / steps
+    times["added"] = _added_collectives(
+        {"plain": lambda: step(plain, "plain"), "guarded": lambda: step(guarded, "guarded")}
+    )
     guard.close()
-    vec = torch.zeros(2 * world + 2)  # the agreement's size
-    torch.distributed.barrier()
-    start = time.perf_counter()
-    for _ in range(200):
-        torch.distributed.all_reduce(vec)
-    times["all_reduce"] = (time.perf_counter() - start) / 200
     return times
+
+
+def _added_collectives(steps: dict[str, Callable[[], None]], n: int = 4) -> float:
+    """The ``torch.distributed`` calls a guarded step makes beyond an unguarded one, per step, over ``n`` steps
+    each (DeepSpeed's comm layer calls them through the module, as nanguard does)."""
+    from nanguard import compat
+
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+    counted: dict[str, int] = {}
+    for kind, fn in steps.items():
+        calls = [0]
+
+        def counter(original: Callable[..., Any], calls: list[int] = calls) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                return original(*args, **kwargs)
+
+            return call
+
+        with compat.swap_collectives({name: counter(getattr(torch.distributed, name)) for name in names}):
+            for _ in range(n):
+                fn()
+        counted[kind] = calls[0]
+    return (counted["guarded"] - counted["plain"]) / n
 
 
 HEADER = (
     "| engine | unguarded ms/step | guarded ms/step | ratio (median) | range | guard's own ms/step (share) "
-    "| its compute | its all-reduce | all-reduce alone |\n|---|---|---|---|---|---|---|---|---|"
+    "| of it, its all-reduce | collectives added a step |\n|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -121,19 +142,15 @@ def section(stages: list[int], rounds: int, repeats: int) -> str:
             f"| ZeRO-{stage} | {mid['plain'] * 1e3:.2f} | {mid['guarded'] * 1e3:.2f} "
             f"| {statistics.median(ratios):.3f}x "
             f"| {ratios[0]:.3f}-{ratios[-1]:.3f}x | {mid['own'] * 1e3:.2f} ({share:.1%}) "
-            f"| {(mid['own'] - mid['agree']) * 1e3:.2f} | {mid['agree'] * 1e3:.2f} | {mid['all_reduce'] * 1e3:.2f} |"
+            f"| {mid['agree'] * 1e3:.2f} | {mid['added']:+g} |"
         )
-    met = [f"ZeRO-{s}" for s in stages if statistics.median(r["guarded"] / r["plain"] for r in runs[s]) <= 1.05]
+    met = [f"ZeRO-{s}" for s in stages if statistics.median(r["guarded"] / r["plain"] for r in runs[s]) <= 1.02]
     missed = [f"ZeRO-{s}" for s in stages if f"ZeRO-{s}" not in met]
     verdict = "; ".join(
         [*([f"met at {', '.join(met)}"] if met else []), *([f"not met at {', '.join(missed)}"] if missed else [])]
     )
     mids = {s: sorted(runs[s], key=lambda t: t["guarded"] / t["plain"])[len(runs[s]) // 2] for s in stages}
-    cost = {s: t["own"] - t["agree"] + t["all_reduce"] for s, t in mids.items()}
-    added = ", ".join(
-        f"{cost[s] * 1e3:.1f} ms ({cost[s] / t['plain']:.1%} of the unguarded step) at ZeRO-{s}"
-        for s, t in mids.items()
-    )
+    own = ", ".join(f"{t['own'] / t['plain']:.1%} at ZeRO-{s}" for s, t in mids.items())
     params = sum(p.numel() for p in GPT(CONFIG).parameters())
     conditions = (
         f"A {params:,}-parameter GPT, fp32, micro-batch 8, AdamW, 2 gloo ranks, {rounds} interleaved rounds x "
@@ -146,20 +163,23 @@ def section(stages: list[int], rounds: int, repeats: int) -> str:
 {HEADER}
 {chr(10).join(rows)}
 
-{machine()}; DeepSpeed's CPU accelerator; a shared machine. The unguarded and the
-guarded engine run side by side, step by step; a step is the forward, `engine.backward` and `engine.step`; the
-stages alternate between runs, so a load swing hits each alike. The ratio is the median over the runs (the run it
-comes from gives the ms columns), with the range over the runs. "guard's own" is the time spent inside the guard
-per step (its check with the one all-reduce, its recording hooks, its bookkeeping after the update), split into its
-compute and its all-reduce (the wait there for the slower rank included); "all-reduce alone" is the same
-all-reduce timed by itself after the run (200 in a row).
+{machine()}; DeepSpeed's CPU accelerator; a shared machine, loaded while this ran (the load average above): the
+ratios, not the times, are the result, and they move by several percent from run to run at this load. The
+unguarded and the guarded engine run side by side, step by step; a step is the forward, `engine.backward` and
+`engine.step`; the stages alternate between runs, so a load swing hits each alike. The ratio is the median over
+the runs (the run it comes from gives the ms columns), with the range over the runs. "guard's own" is the time
+spent inside the guard per step (its check, its recording hooks, its bookkeeping after the update), and of it the
+time in the ranks' agreement, if any; "collectives added" counts the `torch.distributed` calls of 4 guarded steps
+against 4 unguarded ones, per step.
 Reproduce: `DS_ACCELERATOR=cpu .venv/bin/python benchmarks/deepspeed_overhead.py --repeats {repeats}`.
 
-Against the 1.05x target, in this run: {verdict}. What the guard adds to a step is its compute (its
-measurement of this rank's gradient partition, its bookkeeping and recording hooks) and one small all-reduce;
-the rest of the time at its all-reduce is the slower rank's lag, which the unguarded loop pays at DeepSpeed's
-next collective instead. Compute and all-reduce alone come to {added}; a real model's steps are longer, and
-these milliseconds are the same per step.
+Against the 1.02x target, in this run: {verdict}. At ZeRO-1 and ZeRO-2 a healthy step adds no collective: the
+guard takes the global grad norm ZeRO reduces for its own step (`scaled_global_norm`, taken just before the
+step, which then reuses it), non-finite on every rank when any rank's partition is; a rank's non-finite loss
+seeds its own gradients with NaN in their backward, so it reaches that norm too. At ZeRO-3 the guard still adds
+its one small all-reduce. The guard's own time a step, against the unguarded step: {own}; its compute (the norm
+over this rank's gradient partition, the records, the loss, the one host read) is the same milliseconds on a
+real model's far longer steps.
 """
 
 

@@ -107,9 +107,11 @@ class TitanGuard(LoopGuard):
         # A first pipeline stage computes no loss to carry the flag: check_batch=True covers it there.
         self._computes_loss = getattr(self._user, "lm_head", None) is not None
         # The trainer's clip reduces the grad norm over the whole mesh each step (``dist_utils.clip_grad_norm_``):
-        # a healthy step is read from it. Not under pipeline parallelism (alike on every rank: no rank then holds
-        # both the embedding and the output layer), where a stage without the loss has nothing to carry its flags.
-        if self._vocab is not None and self._computes_loss:
+        # a healthy step is read from it where that norm sums every rank's own gradients (FSDP2, DDP). Not under
+        # pipeline parallelism (alike on every rank: no rank then holds both the embedding and the output layer),
+        # where a stage without the loss has nothing to carry its flags; not under tensor parallelism or HSDP,
+        # where the norm of a replicated parameter's gradient is each rank's own.
+        if self._vocab is not None and self._computes_loss and _summed_over_ranks(guard.health.params):
             guard.attach_engine(Engine(reduces_norm=True))
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -180,11 +182,27 @@ class TitanGuard(LoopGuard):
                 m.loss = _local(value.detach())
                 if bad is not None:  # the check's one read carries it: NaN where an id was past the vocabulary
                     m.loss = m.loss + torch.where(bad, torch.nan, 0.0).to(m.loss.dtype)
-                if self.guard is not None and isinstance(value, torch.Tensor):
-                    self.guard.carry_flags(value, checked=m.loss)  # into the clip's reduced norm, on every rank
+                if self.guard is not None and isinstance(pred, torch.Tensor):
+                    # On the model's output, not the loss: the chunked loss hands the model its own gradient
+                    # whatever its loss's is. Into the clip's reduced norm, on every rank.
+                    self.guard.carry_flags(pred, checked=m.loss)
             return out
 
         return recorded
+
+
+def _summed_over_ranks(params: Sequence[torch.Tensor]) -> bool:
+    """Does a clip's total norm of these parameters' gradients, made whole, add up every rank's own gradients?
+    Plain parameters (replicated by DDP, which averages their gradients first) or DTensors sharded on every
+    dimension of a mesh of the whole world (FSDP2); a ``Replicate`` placement (TP, HSDP) keeps a rank's own."""
+    world = dist.world_size()
+    placed = [p for p in params if getattr(p, "placements", None) is not None]
+    if not placed:
+        return True
+    return len(placed) == len(params) and all(
+        p.device_mesh.size() == world and all(pl.is_shard() for pl in p.placements)  # type: ignore[attr-defined]
+        for p in placed
+    )
 
 
 def _loss_value(out: Any) -> Any:

@@ -214,6 +214,8 @@ def titan_rank(
     cannot see the loss); ``disabled``: the guard built under ``NANGUARD_DISABLE=1``."""
     import os
 
+    from torchtitan.distributed import utils as dist_utils
+
     from nanguard.errors import NonFiniteError
     from nanguard.integrations.torchtitan import TitanGuard
 
@@ -257,8 +259,7 @@ def titan_rank(
         pred = model(tokens, positions=positions)
         value, _ = loss_fn(pred, labels, global_tokens)
         value.backward()
-        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)  # train_step's clip
         try:
             optimizers.step()
         except NonFiniteError as err:  # policy "raise", or parameters no skip can repair
