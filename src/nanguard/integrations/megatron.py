@@ -137,15 +137,11 @@ class MegatronGuard(GuardedCallback):
         for m in self.models:
             self._patch(m, "set_input_tensor", self._set_input_tensor(m.set_input_tensor))
         self._nan_check = _LocalGradCheck(chunks)
-        # Megatron's clip reduces the norm over the model-parallel ranks after the data-parallel gradient
-        # reduction (the DistributedOptimizer's over all): read from it, a healthy step adds no collective. Each
-        # rank's loss rides in its gradients (``carry_flags``); a pipeline stage before the last has no loss to
-        # carry its parameter check, so under pipeline parallelism (alike on every rank) the ranks agree instead.
         self.guard.attach_engine(
             Engine(
                 grad_norm=lambda: self._norm,
                 params=params,
-                reduces_norm=_core.parallel_state.get_pipeline_model_parallel_world_size() == 1,
+                reduces_norm=_data_parallel_only(),
                 watch=self._nan_check if self._nan_check.groups else None,
             )
         )
@@ -370,6 +366,24 @@ class MegatronGuard(GuardedCallback):
 
 
 _NORM_METHOD = {False: "clip_grad_norm", True: "get_grad_norm"}
+
+
+def _data_parallel_only() -> bool:
+    """Does Megatron's clip norm stand for every rank's own gradients? Under data (and context) parallelism
+    alone: it is reduced after the data-parallel gradient reduction (the DistributedOptimizer's over every
+    rank), so a rank's NaN, its loss's riding in its gradients (``Guard.carry_flags``), reaches it. Not under
+    tensor parallelism (the norm leaves out a rank's duplicates of the replicated parameters), pipeline
+    parallelism (a stage before the last has no loss to carry its flags) or expert parallelism: there the
+    ranks agree by the guard's one small all-reduce. The same on every rank."""
+    ps = _core.parallel_state
+    return all(
+        size() == 1
+        for size in (
+            ps.get_tensor_model_parallel_world_size,
+            ps.get_pipeline_model_parallel_world_size,
+            ps.get_expert_model_parallel_world_size,
+        )
+    )
 
 
 def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

@@ -111,7 +111,11 @@ class TitanGuard(LoopGuard):
         # pipeline parallelism (alike on every rank: no rank then holds both the embedding and the output layer),
         # where a stage without the loss has nothing to carry its flags; not under tensor parallelism or HSDP,
         # where the norm of a replicated parameter's gradient is each rank's own.
-        if self._vocab is not None and self._computes_loss and _summed_over_ranks(guard.health.params):
+        if (
+            self._vocab is not None
+            and self._computes_loss
+            and _summed_over_ranks([p for g in optimizers.param_groups for p in g["params"]])
+        ):
             guard.attach_engine(Engine(reduces_norm=True))
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
