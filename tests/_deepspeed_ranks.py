@@ -3,7 +3,6 @@ cases in sequence in one spawned group (each engine is built fresh; building one
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -217,35 +216,32 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     )
     faults = case.get("faults") or ([case["fault"]] if case.get("fault") else [])
     losses, error = [], None
-    counted: list[str] = []  # the torch.distributed collectives called, by name
-    counting = _counting(counted) if case.get("count") else contextlib.nullcontext()
-    with counting:
-        try:
-            for step in range(case["steps"]):
-                if step == case.get("drop"):
-                    continue  # the batch this run never sees
-                here = next((f for f in faults if f[1] == rank and f[2] == step), None)
-                for micro in range(accum):
-                    # A fault's optional 4th entry: the one micro-batch it hits (else every one of the step).
-                    fault = here[0] if here is not None and (len(here) < 4 or here[3] == micro) else None
-                    if act is not None:
-                        act.fault = fault if fault != "data" else None
-                    x, y = batch(rank, step * accum + micro, dtype, rows)
-                    if fault == "data":
-                        x[0, 0] = float("nan")
-                    if case.get("closure") and guard is not None:
-                        loss = guard.step(_closure(engine, x, y))
-                    else:
-                        loss = engine(x, y)
-                        if case.get("outside"):  # the loss outside the model, no micro_step: a replay sees the forward
-                            loss = (loss.float() - y).pow(2).mean()
-                        engine.backward(loss)
-                        engine.step()
-                losses.append(float(loss))
-                norm = engine.get_global_grad_norm()
-                engine_norms.append(None if norm is None else float(norm))
-        except Exception as err:
-            error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-6)}"
+    try:
+        for step in range(case["steps"]):
+            if step == case.get("drop"):
+                continue  # the batch this run never sees
+            here = next((f for f in faults if f[1] == rank and f[2] == step), None)
+            for micro in range(accum):
+                # A fault's optional 4th entry: the one micro-batch it hits (else every one of the step).
+                fault = here[0] if here is not None and (len(here) < 4 or here[3] == micro) else None
+                if act is not None:
+                    act.fault = fault if fault != "data" else None
+                x, y = batch(rank, step * accum + micro, dtype, rows)
+                if fault == "data":
+                    x[0, 0] = float("nan")
+                if case.get("closure") and guard is not None:
+                    loss = guard.step(_closure(engine, x, y))
+                else:
+                    loss = engine(x, y)
+                    if case.get("outside"):  # the loss outside the model, no micro_step: the replay sees the forward
+                        loss = (loss.float() - y).pow(2).mean()
+                    engine.backward(loss)
+                    engine.step()
+            losses.append(float(loss))
+            norm = engine.get_global_grad_norm()
+            engine_norms.append(None if norm is None else float(norm))
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-6)}"
     if act is not None:
         act.fault = None
     scale = float(engine.optimizer.loss_scale) if dtype == "fp16" else None
@@ -263,7 +259,6 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         "untouched": untouched,
         "recorded_norms": recorded,
         "engine_norms": engine_norms,
-        "collectives": counted,
     }
     if guard is not None:
         out["trip_diagnoses"] = trips
@@ -278,23 +273,6 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     said.close()
     out["said"] = said.lines
     return out
-
-
-def _counting(counted: list[str]) -> Any:
-    """Inside the block, every call of a torch.distributed collective is named in ``counted`` (DeepSpeed's comm
-    layer and nanguard call them through the module, as the engine's gradient reduction does)."""
-    from nanguard import compat
-
-    def counter(name: str, original: Any) -> Any:
-        def counted_call(*args: Any, **kwargs: Any) -> Any:
-            counted.append(name)
-            return original(*args, **kwargs)
-
-        return counted_call
-
-    names = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce"]
-    names += ["all_gather_object", "barrier"]
-    return compat.swap_collectives({n: counter(n, getattr(torch.distributed, n)) for n in names})
 
 
 def _closure(engine: Any, x: torch.Tensor, y: torch.Tensor) -> Any:

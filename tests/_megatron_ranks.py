@@ -6,13 +6,12 @@ A run is a dict: ``tp``/``pp`` (model parallel sizes; data parallel is what is l
 ``dist_opt`` (Megatron's DistributedOptimizer), ``dtype`` ("fp32" or "bf16"), ``steps``, ``micro``
 (micro-batches per step), ``lr``, ``policy`` (None: unguarded), ``fault``: (kind, rank, step) with
 kind "data" (a NaN in the batch's float input), "ids" (a token id past the vocabulary), "log" (log of a
-negative in one module), "grad" (a NaN planted in one module's backward), or ``diverge`` (an LR far
-too high on every rank).
+negative in one module), "grad" (a NaN planted in one module's backward), "logged" (a NaN loss term
+that is only logged: the gradients finite), or ``diverge`` (an LR far too high on every rank).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import traceback
@@ -198,7 +197,11 @@ def regression_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor,
 
 def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     """``steps`` steps of Megatron's loop, guarded (``policy``) or not; what each rank saw."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     chunks, optimizer, fault = build(run)
+    dp_rank = parallel_state.get_data_parallel_rank()
     guard = None
     step_func: Any = regression_step if run.get("regression") else forward_step
     if run.get("validate"):
@@ -211,52 +214,13 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     counts = [0, 0]  # the chunk's training forwards, and the backwards through its output
     chunks[0].register_forward_pre_hook(lambda *a: counts.__setitem__(0, counts[0] + 1))
     step_func = _counted(step_func, counts)
+    forward_backward = get_forward_backward_func()
+    micro = run.get("micro", 1)
+    bad_kind, bad_rank, bad_step = run.get("fault") or (None, -1, -1)
     results: list[Any] = []
     losses: list[float] = []
     trips: list[dict[str, Any]] = []  # each skipped step's diagnosis, in order
     said: list[str] = []
-    counted: list[str] = []  # the torch.distributed collectives called, by name
-    with _counting(counted) if run.get("count") else contextlib.nullcontext():
-        _steps(run, rank, chunks, optimizer, fault, guard, step_func, results, losses, trips, said)
-    out: dict[str, Any] = {
-        "results": [[bool(r[0]), None if r[1] is None else float(r[1])] for r in results],
-        "losses": losses,
-        "weights": weights(chunks),
-        "forwards": counts[0],
-        "backwards": counts[1],
-        "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters()),
-        "collectives": counted,
-    }
-    if guard is not None:
-        diag = guard.last_diagnosis
-        out["skipped"] = guard.skipped
-        out["diagnosis"] = diag.to_dict() if diag is not None else None
-        out["trips"], out["said"] = trips, said
-        guard.close()
-    return out
-
-
-def _steps(
-    run: dict[str, Any],
-    rank: int,
-    chunks: list[nn.Module],
-    optimizer: Any,
-    fault: Any,
-    guard: Any,
-    step_func: Any,
-    results: list[Any],
-    losses: list[float],
-    trips: list[dict[str, Any]],
-    said: list[str],
-) -> None:
-    """The loop itself: each step's batches (a fault planted), Megatron's forward-backward and optimizer step."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    dp_rank = parallel_state.get_data_parallel_rank()
-    forward_backward = get_forward_backward_func()
-    micro = run.get("micro", 1)
-    bad_kind, bad_rank, bad_step = run.get("fault") or (None, -1, -1)
     for step in range(run.get("steps", 3)):
         batches = [batch(dp_rank, step, m) for m in range(micro)]
         here = rank == bad_rank and step == bad_step
@@ -285,23 +249,21 @@ def _steps(
         if guard is not None and guard.step_skipped and guard.last_diagnosis is not None:
             trips.append(guard.last_diagnosis.to_dict())
             said.append(str(guard.last_diagnosis))
-
-
-def _counting(counted: list[str]) -> Any:
-    """Inside the block, every call of a torch.distributed collective through the module is named in ``counted``
-    (nanguard's and Megatron's norm reduction; a reduction bound at import counts in neither run)."""
-    from nanguard import compat
-
-    def counter(name: str, original: Any) -> Any:
-        def counted_call(*args: Any, **kwargs: Any) -> Any:
-            counted.append(name)
-            return original(*args, **kwargs)
-
-        return counted_call
-
-    names = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce"]
-    names += ["all_gather_object", "barrier"]
-    return compat.swap_collectives({n: counter(n, getattr(torch.distributed, n)) for n in names})
+    out: dict[str, Any] = {
+        "results": [[bool(r[0]), None if r[1] is None else float(r[1])] for r in results],
+        "losses": losses,
+        "weights": weights(chunks),
+        "forwards": counts[0],
+        "backwards": counts[1],
+        "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters()),
+    }
+    if guard is not None:
+        diag = guard.last_diagnosis
+        out["skipped"] = guard.skipped
+        out["diagnosis"] = diag.to_dict() if diag is not None else None
+        out["trips"], out["said"] = trips, said
+        guard.close()
+    return out
 
 
 def _counted(step_func: Any, counts: list[int]) -> Any:

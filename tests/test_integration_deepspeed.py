@@ -599,12 +599,13 @@ def test_a_wrapper_whose_zero_grad_takes_no_set_to_none_survives_a_trip() -> Non
     assert model.cleared >= 2
 
 
-def test_zero2_rides_its_own_norm_reduction_and_a_rank_whose_loss_alone_is_nan_is_seen_by_all() -> None:
-    """ZeRO-2 (fp32, DeepSpeed's default clip at 1.0) on 3 ranks: a healthy guarded step calls no collective the
-    unguarded one does not (the check reads the global grad norm ZeRO reduces for its own step), and stays
-    bit-identical; a loss that is NaN only in a term it logs (its gradients finite) on rank 0, then on rank 1 (the
-    middle one), still reaches every rank through that reduction: skipped everywhere, named on its rank."""
-    base = {"stage": 2, "dtype": "fp32", "steps": STEPS, "count": True}
+def test_zero2_a_loss_nan_only_in_a_logged_term_on_rank_0_or_the_middle_rank_reaches_every_rank() -> None:
+    """ZeRO-2 (fp32, DeepSpeed's default clip at 1.0) on 3 ranks, the guard reading the global grad norm ZeRO
+    reduces for its own step (``tests/test_sync_count.py`` counts a healthy step's collectives): a healthy guarded
+    run is bit-identical to the unguarded one, and a loss that is NaN only in a term it logs (its gradients
+    finite) on rank 0, then on rank 1 (the middle one), still reaches every rank through that reduction: skipped
+    everywhere, named on its rank."""
+    base = {"stage": 2, "dtype": "fp32", "steps": STEPS}
     cases = [
         base,
         {**base, "policy": "skip"},
@@ -614,8 +615,6 @@ def test_zero2_rides_its_own_norm_reduction_and_a_rank_whose_loss_alone_is_nan_i
     for rank, (plain, guarded, *faulted) in enumerate(results):
         assert plain["error"] is None and guarded["error"] is None, (rank, plain["error"], guarded["error"])
         assert guarded["weights"] == plain["weights"] and guarded["losses"] == plain["losses"], rank
-        assert "all_reduce" in plain["collectives"]  # the count sees the engine's own norm reduction
-        assert sorted(guarded["collectives"]) == sorted(plain["collectives"]), rank
         assert guarded["skipped"] == 0
         for bad_rank, run in zip((0, 1), faulted, strict=True):
             diag = run["diagnosis"]

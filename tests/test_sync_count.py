@@ -29,6 +29,10 @@ ADDED: dict[tuple[str, int], tuple[float, float]] = {
     ("ddp", 3): (1, 1),  # at 3+ ranks: one small all-reduce of the flags
     ("ddp", 4): (1, 1),
     ("ddp_clip", 2): (1, 1),  # LoopGuard checks after the loop's backward: its one small all-reduce
+    ("deepspeed_zero2", 2): (0, 1),  # the check reads the global grad norm ZeRO reduces for its own step
+    ("deepspeed_zero3", 2): (1, 1),  # ZeRO-3: the guard's one small all-reduce
+    ("titan_fsdp", 2): (0, 1),  # the check reads the norm torchtitan's clip reduced over the mesh
+    ("megatron_dp", 2): (0, 2),  # the check reads the norm Megatron's clip reduces (and reuses)
 }
 
 # One spawn per world size runs every configuration of that size.

@@ -42,16 +42,16 @@ def runs() -> dict[str, list[dict]]:
     from nanguard.zoo.spawn import spawn_ranks
 
     cases = {
-        "fsdp_plain": ["fsdp", None, 0, None, {"count": True}],
-        "fsdp_guarded": ["fsdp", None, 0, "skip", {"count": True}],
+        "fsdp_plain": ["fsdp", None, 0, None],
+        "fsdp_guarded": ["fsdp", None, 0, "skip"],
         "fsdp_sqrt_rank0": ["fsdp", "sqrt", 0, "skip"],
         "fsdp_token_rank1": ["fsdp", "token", 1, "skip", {"check_batch": True}],
         "fsdp_nan_row": ["fsdp", "nan_row", 1, "skip", {"steps": 1}],
         "fsdp_sqrt_grad_rank1": ["fsdp", "sqrt_grad", 1, "skip"],
         "fsdp_rollback": ["fsdp", None, 0, "rollback"],
         "tp_sqrt_rank0_raise": ["tp", "sqrt", 0, "raise"],
-        "tp_plain": ["tp", None, 0, None, {"count": True}],
-        "tp_guarded": ["tp", None, 0, "skip", {"count": True}],
+        "tp_plain": ["tp", None, 0, None],
+        "tp_guarded": ["tp", None, 0, "skip"],
         "tp_sqrt_rank1": ["tp", "sqrt", 1, "skip"],
         # LR 1e5x torchtitan's: the loss grows a million-fold, the outputs saturate (no gradient
         # for a few updates while AdamW's momentum keeps pushing), then NaN.
@@ -307,22 +307,6 @@ def test_a_bad_token_id_never_ends_the_run_with_the_integration_as_documented(ru
         ), name
         assert [r["skipped"] for r in ranks] == [[at], [at]], name
         assert all(len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in ranks), name
-
-
-@pytest.mark.dist
-def test_fsdp2_reads_the_clips_norm_and_adds_no_collective_while_tp_agrees_once_a_step(
-    runs: dict[str, list[dict]],
-) -> None:
-    """Counted per healthy step, guarded against unguarded (``torch.distributed`` calls): under FSDP2 the guard
-    reads the norm torchtitan's clip reduced over the mesh and calls none; under TP (a replicated parameter's
-    gradient norm is each rank's own there) it agrees by its one all-reduce a step. Both bit-identical."""
-    for setup, added in (("fsdp", []), ("tp", ["all_reduce"] * 4)):
-        for plain, guarded in zip(runs[f"{setup}_plain"], runs[f"{setup}_guarded"], strict=True):
-            assert guarded["digest"] == plain["digest"] and guarded["losses"] == plain["losses"], setup
-            extra = list(guarded["collectives"])
-            for name in plain["collectives"]:
-                extra.remove(name)
-            assert extra == added, (setup, plain["collectives"], guarded["collectives"])
 
 
 @pytest.mark.dist

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from typing import Any
 
@@ -192,22 +191,6 @@ def _digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _counting(calls: list[str]) -> Any:
-    """Inside the block, each call of a ``torch.distributed`` collective (nanguard's own, a clip's PP reduction)
-    is named in ``calls``; DTensor's functional collectives are not seen, alike guarded or not."""
-    from nanguard import compat
-
-    def counted(name: str, original: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return original(*args, **kwargs)
-
-        return call
-
-    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
-    return compat.swap_collectives({n: counted(n, getattr(torch.distributed, n)) for n in names})
-
-
 def titan_rank(
     rank: int,
     world: int,
@@ -222,15 +205,13 @@ def titan_rank(
     loss: str = "chunked",
     wrap_loss: bool = True,
     disabled: bool = False,
-    count: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` steps as torchtitan's ``train_step`` does; ``fault`` on ``fault_rank`` at
     ``BAD_STEP``: "sqrt" (an op fault in the forward), "sqrt_grad" (one in the backward), "attn_sqrt"
     (one in ``ATTENTION``'s forward), "token" (a token id past the vocabulary), "label" (a label past
     it), "nan_row" (row ``NAN_ROW`` of the embedding NaN from the start, on the rank that holds it), or
     None; ``policy`` None trains unguarded; ``wrap_loss=False`` leaves out ``guard.loss`` (the replay
-    cannot see the loss); ``disabled``: the guard built under ``NANGUARD_DISABLE=1``; ``count``: the
-    ``torch.distributed`` collectives the loop calls, by name (``collectives``)."""
+    cannot see the loss); ``disabled``: the guard built under ``NANGUARD_DISABLE=1``."""
     import os
 
     from torchtitan.distributed import utils as dist_utils
@@ -265,35 +246,33 @@ def titan_rank(
     losses, norms, skipped = [], [], []
     positions = torch.arange(SEQ).expand(2, SEQ)
     raised = None
-    calls: list[str] = []  # the torch.distributed collectives the loop called (``count``)
-    with _counting(calls) if count else contextlib.nullcontext():
-        for step in range(steps):
-            optimizers.zero_grad()
-            tokens, labels = _batch(setup, rank, step)
-            bad = step == BAD_STEP and rank == fault_rank
-            on["bad"] = bad
-            if bad and fault == "token":
-                tokens[0, 3] = VOCAB + 5
-            if bad and fault == "label":
-                labels[1, 2] = VOCAB + 7
-            global_tokens = torch.tensor(labels.numel() * (2 if setup == "fsdp" else 1))
-            pred = model(tokens, positions=positions)
-            value, _ = loss_fn(pred, labels, global_tokens)
-            value.backward()
-            norm = dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)  # train_step's clip
-            try:
-                optimizers.step()
-            except NonFiniteError as err:  # policy "raise", or parameters no skip can repair
-                raised = err.diagnosis
-                break
-            schedulers.step()
-            on["bad"] = False
-            if guard is not None and guard.step_skipped:
-                skipped.append(step)
-                continue
-            value = value.detach()
-            losses.append(float((value.to_local() if hasattr(value, "to_local") else value).item()))
-            norms.append(float(norm.item()))
+    for step in range(steps):
+        optimizers.zero_grad()
+        tokens, labels = _batch(setup, rank, step)
+        bad = step == BAD_STEP and rank == fault_rank
+        on["bad"] = bad
+        if bad and fault == "token":
+            tokens[0, 3] = VOCAB + 5
+        if bad and fault == "label":
+            labels[1, 2] = VOCAB + 7
+        global_tokens = torch.tensor(labels.numel() * (2 if setup == "fsdp" else 1))
+        pred = model(tokens, positions=positions)
+        value, _ = loss_fn(pred, labels, global_tokens)
+        value.backward()
+        norm = dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)  # train_step's clip
+        try:
+            optimizers.step()
+        except NonFiniteError as err:  # policy "raise", or parameters no skip can repair
+            raised = err.diagnosis
+            break
+        schedulers.step()
+        on["bad"] = False
+        if guard is not None and guard.step_skipped:
+            skipped.append(step)
+            continue
+        value = value.detach()
+        losses.append(float((value.to_local() if hasattr(value, "to_local") else value).item()))
+        norms.append(float(norm.item()))
     d = raised or (guard.last_diagnosis if guard is not None else None)
     if guard is not None:
         guard.close()
@@ -307,7 +286,6 @@ def titan_rank(
         "forwards": forwards["n"],
         "raised": raised is not None,
         "hooked": hooked,
-        "collectives": calls,
         "diag": None
         if d is None
         else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step", "fixes")}
