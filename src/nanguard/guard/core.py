@@ -486,13 +486,8 @@ class Guard:
         Example:
             >>> loss = model(x).mean(); guard.carry_flags(loss); engine.backward(loss)
         """
-        if self.disabled or not self.health.reduces_norm or not loss.requires_grad:
-            return
-        if checked is None:
-            local = compat.inner_tensor(loss)  # a DTensor loss: this rank's value
-            checked = loss if local is None else local
-        seed = torch.where(self.health.local_bad(checked), torch.nan, 1.0)
-        loss.register_hook(lambda grad: grad * seed.to(grad.dtype))  # a 0-dim factor: a DTensor grad takes it too
+        if not self.disabled:
+            self.health.carry(loss, checked)
 
     def engine_verdict(
         self,

@@ -287,14 +287,21 @@ class HealthCheck:
         self.params = list(params)
         self._groups = float_groups(self.params)
 
-    def local_bad(self, loss: torch.Tensor) -> torch.Tensor:
-        """Device bool, no host read: is this rank's ``loss`` non-finite, or the parameter check queued for
-        its step (``Engine.reduces_norm``: what its gradients must carry into the engine's reduction)?"""
+    def carry(self, loss: torch.Tensor, checked: torch.Tensor | None = None) -> None:
+        """Under ``reduces_norm`` (``Guard.carry_flags``): the gradient flowing into ``loss`` in its backward
+        times NaN when this rank's ``checked`` loss (``loss``'s own value by default) or its queued parameter
+        check is non-finite, else times 1.0 (the same bits). No host read."""
+        if not self.reduces_norm or not loss.requires_grad:
+            return
+        if checked is None:
+            local = compat.inner_tensor(loss)  # a DTensor loss: this rank's value
+            checked = loss if local is None else local
         self.check_loaded()
-        bad = torch.isfinite(loss.detach().float()).logical_not().any()
+        bad = torch.isfinite(checked.detach().float()).logical_not().any()
         if self._param_norm is not None:
             bad = bad | torch.isfinite(self._param_norm.to(bad.device)).logical_not()
-        return bad
+        seed = torch.where(bad, torch.nan, 1.0)
+        loss.register_hook(lambda grad: grad * seed.to(grad.dtype))  # a 0-dim factor: a DTensor grad takes it too
 
     def on_device(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
         """This rank's step as device scalars. ``loop_norm``: the norm the loop's clip computed before
