@@ -171,7 +171,7 @@ the runs (the run it comes from gives the ms columns), with the range over the r
 spent inside the guard per step (its check, its recording hooks, its bookkeeping after the update), and of it the
 time in the ranks' agreement, if any; "collectives added" counts the `torch.distributed` calls of 4 guarded steps
 against 4 unguarded ones, per step.
-Reproduce: `DS_ACCELERATOR=cpu .venv/bin/python benchmarks/deepspeed_overhead.py --repeats {repeats}`.
+Reproduce: `DS_ACCELERATOR=cpu .venv/bin/python benchmarks/deepspeed_overhead.py --repeats {repeats} --rounds {rounds}`.
 
 Against the 1.02x target, in this run: {verdict}. At ZeRO-1 and ZeRO-2 a healthy step adds no collective: the
 guard takes the global grad norm ZeRO reduces for its own step (`scaled_global_norm`, taken just before the
