@@ -51,6 +51,7 @@ __all__ = [
     "replay_locally",
     "replica_mismatch",
     "step_slot",
+    "sum_across",
     "unobserved",
     "unwrap",
     "watch_communication",
@@ -106,6 +107,18 @@ def agree(
     return vec
 
 
+def sum_across(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over every rank in place (one all-reduce; a world of one needs none).
+
+    Example:
+        >>> dist.sum_across(torch.ones(2))   # on 3 ranks
+        tensor([3., 3.])
+    """
+    if is_distributed():
+        tdist.all_reduce(values)
+    return values
+
+
 def agree_flag(flag: bool) -> list[int]:
     """The ranks whose ``flag`` is set, agreed by one small all-reduce (a world of one needs none)."""
     if not is_distributed():
@@ -146,10 +159,14 @@ class CommWatch:
         yield
 
     def carried(self) -> torch.Tensor | None:
-        """The extras summed over ranks by the step's gradient all-reduce, then 1.0 when an averaged
-        gradient bucket was non-finite (else 0.0); once. None when they did not ride (then the
-        caller agrees by its own collective)."""
+        """The extras summed over ranks by the step's gradient all-reduce (``summed``; else this rank's
+        own, which only poisoned the bucket), then 1.0 when an averaged gradient bucket was non-finite
+        (else 0.0); once. None when they did not ride (then the caller agrees by its own collective)."""
         return None
+
+    summed = True
+    """Were the extras ``carried`` returned last summed over ranks? False when they were this rank's own
+    and reached the others only as a NaN poisoning its bucket (``DDPCommWatch._poison``)."""
 
 
 @dataclass(frozen=True)
@@ -225,9 +242,12 @@ class DDPCommWatch(CommWatch):
             if self.wire is not None:
                 names = [self._names.get(id(p), "?") for p in bucket.parameters()]
                 self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
-            last = self.rides and bucket.is_last() and _exact(buffer)
+            is_last = self.rides and bucket.is_last()
+            last = is_last and _exact(buffer)
             if self.shadowing is not None:  # a joined rank's zero buckets, shadowing the others' backward
                 return self._ride(buffer, self.shadowing(), keep=True) if last else self._relay(inner(state, bucket))
+            if self._extras is not None and is_last and self._poisons(buffer):
+                return self._poison(buffer, self._extras(~torch.isfinite(self._acc)))
             if self._extras is None or not self.rides:
                 if last and self._join_enabled():
                     # Under join() the last bucket always has the extras' room: a joined rank's shadow
@@ -247,6 +267,32 @@ class DDPCommWatch(CommWatch):
         buffer.mul_(1.0 / self._size)
         fut = tdist.all_reduce(buffer, group=self._group, async_op=True).get_future()
         return fut.then(lambda done: done.value()[0])
+
+    def _poisons(self, buffer: torch.Tensor) -> bool:
+        """Does the last bucket carry the flags by poisoning (``_poison``) rather than in its payload?
+        Where the payload cannot ride exactly: 3 or more ranks, or a bucket whose dtype would round the
+        loss. Not under ``join()``, whose joined rank's shadow must match the payload it cannot foresee."""
+        return (self._size > 2 or not _exact(buffer)) and buffer.numel() > 0 and not self._join_enabled()
+
+    def _poison(self, buffer: torch.Tensor, extras: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The last bucket as DDP's built-in all-reduce sends it, except that a rank whose own flags are
+        set (its loss or its own gradients non-finite, its parameters as updated or loaded) writes a NaN
+        into the bucket's first element first: the averaged bucket is then non-finite on every rank exactly
+        when some rank flagged, with no value added to the wire. A healthy rank's bucket is left as it is
+        (``masked_fill_`` with a false mask writes nothing), so a healthy run is the unguarded one bit for
+        bit. The extras stay this rank's own (``summed`` False): gathered only on a step that tripped."""
+        own_flagged = extras[Layout(world_size()).codes].amax() > 0
+        buffer.mul_(1.0 / self._size)
+        buffer[:1].masked_fill_(own_flagged, math.nan)
+        fut = tdist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+
+        def unpack(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            done.value()  # raises a failed all-reduce's error here
+            self._received.append(buffer.sum(dtype=torch.float32))
+            self._carried, self.summed = extras.float(), False
+            return buffer
+
+        return fut.then(unpack)
 
     def _join_enabled(self) -> bool:
         ddp = self._ddp()
@@ -271,7 +317,7 @@ class DDPCommWatch(CommWatch):
             buffer.copy_(out[:n])
             self._received.append(buffer.sum(dtype=torch.float32))
             if keep:
-                self._carried = out[n:].float()
+                self._carried, self.summed = out[n:].float(), True
             return buffer
 
         return fut.then(unpack)
@@ -288,7 +334,7 @@ class DDPCommWatch(CommWatch):
                 part.value()  # raises a failed all-reduce's error here
             self._received.append(buffer.sum(dtype=torch.float32))
             if keep:
-                self._carried = riding.float()
+                self._carried, self.summed = riding.float(), True
             return buffer
 
         return torch.futures.collect_all([sent, side]).then(unpack)

@@ -69,7 +69,9 @@ class StepHealth:
 
     step: int
     loss: float
-    """The loss averaged over ranks: decisions and history use it."""
+    """The loss averaged over ranks: decisions and history use it. NaN on a healthy step whose flags
+    reached the ranks by poisoning DDP's gradient all-reduce (3 or more ranks): no collective agreed a
+    mean loss, and each rank's own differs, so the history's rules go by the grad norm alone."""
     grad_norm: float
     """The global gradient norm (over shards under FSDP2)."""
     scale: float | None
@@ -126,6 +128,9 @@ class DeviceHealth:
     scale: torch.Tensor
     flags: torch.Tensor
     """int32 ``HealthFlag`` bits of this rank."""
+    pending: torch.Tensor | None = None
+    """This rank's own agreement vector when the step's flags reached the other ranks only by poisoning
+    the gradient all-reduce (``HealthCheck.carried``): summed across ranks on a step that tripped only."""
 
     def agree(self, *, sharded: bool, carried: torch.Tensor | None = None, step: int | None = 0) -> torch.Tensor:
         """Every rank's flags, the mean loss, the global grad norm: from ``carried`` (what rode in
@@ -154,6 +159,11 @@ class DeviceHealth:
         extra = torch.stack([self.scale.float(), self.loss.float(), self.grad_norm.float()]).to(agreed.device)
         values: list[float] = torch.cat([agreed, extra]).tolist()  # the one host read of this step
         read = at.read(values)
+        if self.pending is not None and any(c & HealthFlag.SYNCED for c in read.codes):
+            # Poisoned: some rank flagged (alike on every rank). Who, and the mean loss: one all-reduce.
+            gathered = self.agree(sharded=False, carried=_summed(self.pending, scaled=scaled))
+            values = torch.cat([gathered, extra]).tolist()
+            read = at.read(values)
         return StepHealth(
             step=step,
             loss=read.loss,
@@ -180,6 +190,7 @@ class HostCopy:
         extra = torch.stack([measured.scale.float(), measured.loss.float(), measured.grad_norm.float()])
         packed = torch.cat([agreed, extra.to(agreed.device)])
         self.event: Any = None
+        self.pending = measured.pending
         if packed.device.type == "cuda":
             self.values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self.values.copy_(packed, non_blocking=True)
@@ -192,7 +203,9 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()  # the copy only, not the work queued after it
         v, at = self.values, self.layout
-        host = DeviceHealth(grad_norm=v[at.own_norm], loss=v[at.own_loss], scale=v[at.own_scale], flags=v[:0])
+        host = DeviceHealth(
+            grad_norm=v[at.own_norm], loss=v[at.own_loss], scale=v[at.own_scale], flags=v[:0], pending=self.pending
+        )
         return host.read(step, v[: at.size], scaled=scaled)
 
 
@@ -261,6 +274,8 @@ class HealthCheck:
         """Where an engine keeps this rank's gradients (``read_engine``); None: the parameters' ``.grad``."""
         self.sharded = False
         """Each rank's gradients are its own partition: the squared norms add up across ranks."""
+        self.pending: torch.Tensor | None = None
+        """Set by ``carried`` when the step's flags poisoned the gradient all-reduce (``take_pending``)."""
 
     def read_engine(
         self, grad_norm: Callable[[], torch.Tensor | None], params: Sequence[torch.Tensor], *, sharded: bool
@@ -418,13 +433,36 @@ class HealthCheck:
         known loss, step slot x world]``, SYNCED set on every rank's code when an averaged bucket was non-finite
         (without a GradScaler, whose business overflowing gradients are); None when nothing rode."""
         raw = self.comm.carried()
+        self.pending = None
         if raw is None:
             return None
         at = Layout(dist.world_size())
+        if not self.comm.summed:
+            return self._poisoned(raw, at)
         codes = raw[at.codes].to(torch.int32)
         if self.scaler is None:
             codes = codes | (raw[-1] > 0).to(torch.int32) * HealthFlag.SYNCED
         return torch.cat([codes.float(), raw[at.loss : at.size]])  # raw[-1]: the bucket's own flag
+
+    def _poisoned(self, raw: torch.Tensor, at: Layout) -> torch.Tensor:
+        """The agreement of a step whose flags poisoned the gradient all-reduce (``DDPCommWatch._poison``):
+        what every rank knows alike without a collective. SYNCED on every rank's code when an averaged
+        bucket was non-finite (some rank flagged, or the values went bad on the wire): the host read then
+        sums this rank's own vector (``pending``) with the others' (``DeviceHealth.read``). No mean loss:
+        NaN, which the history's rules leave out; every step slot this rank's own."""
+        self.pending = raw[: at.size]
+        bad = raw[-1] > 0
+        vec = at.zeros(raw.device)
+        vec[at.codes] = bad.float() * float(HealthFlag.SYNCED)
+        vec[at.loss] = math.nan
+        vec[at.norm] = 1.0
+        vec[at.steps] = raw[at.step(dist.rank())]
+        return vec
+
+    def take_pending(self) -> torch.Tensor | None:
+        """This rank's own agreement vector of the step just carried by poisoning (else None); once."""
+        pending, self.pending = self.pending, None
+        return pending
 
     def _extras(self, pre_comm: torch.Tensor, roots: list[torch.Tensor], step: int) -> torch.Tensor:
         device = pre_comm.device
@@ -447,6 +485,17 @@ class HealthCheck:
         own snapshot or a finite replica, so the load that restored them needs no check either)."""
         self._param_norm, self._queued = None, None
         self.unchecked = False
+
+
+def _summed(pending: torch.Tensor, *, scaled: bool) -> torch.Tensor:
+    """Every rank's own agreement vector summed (one all-reduce, on a poisoned step only), as it
+    would have ridden in the payload: SYNCED on every code without a GradScaler (an averaged bucket
+    was non-finite; with one, overflowing gradients are the scaler's business)."""
+    summed = dist.sum_across(pending.clone())
+    at = Layout(dist.world_size())
+    if not scaled:
+        summed[at.codes] = (summed[at.codes].to(torch.int32) | HealthFlag.SYNCED).float()
+    return summed
 
 
 def check_after_loads(model: nn.Module, check: HealthCheck) -> Any:

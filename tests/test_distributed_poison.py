@@ -1,0 +1,148 @@
+"""DDP at any world size: the guard's flags reach every rank through the gradient all-reduce itself
+(issue 41, item 1). On 3 or more ranks a rank that flags writes a NaN into its last bucket before
+the all-reduce, so the averaged gradients are non-finite on every rank exactly when some rank
+flagged; a healthy step adds no collective and sends the unguarded run's bits. Who flagged is
+summed across ranks only on such a step (one all-reduce). On 2 ranks the flags ride in the
+bucket's payload (exact there), as before. One spawn per world size holds every assertion.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nanguard as ng
+from nanguard import compat
+from nanguard.zoo.spawn import spawn_ranks
+
+pytestmark = pytest.mark.dist
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+_STEPS = 6
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+def _x(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _loop(rank: int, mode: str, faults: dict[int, tuple[int, str]], sync: str = "immediate") -> dict:
+    """``_STEPS`` steps of a small DDP model under ``mode`` ("plain": DDP's built-in all-reduce, no guard;
+    "counted": the Python all-reduce hook, no guard; "guarded"), with ``faults`` {step: (rank, kind)}.
+    Returns the collectives called, each step's action and diagnosis, and the final weights."""
+    model = _Net()
+    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets: the last is not the only one
+    fused = sync == "deferred"  # the deferred path skips on the device: a fused optimizer's found_inf
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, **({"fused": True} if fused else {"foreach": False}))
+    guard = ng.Guard(ddp, opt, fingerprint_every=0, module_stats=False, sync=sync) if mode == "guarded" else None
+    if mode == "counted":
+        ddp.register_comm_hook(None, allreduce_hook)
+    calls = {"n": 0}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    actions, trips, before = [], {}, None
+    with compat.swap_collectives({name: counting(getattr(tdist, name)) for name in _COLLECTIVES}):
+        for step in range(_STEPS):
+            bad_rank, kind = faults.get(step, (-1, ""))
+            if kind == "param":
+                before = _weights(model)  # the replicas as the faults before this one left them
+            if rank == bad_rank and kind == "param":
+                with torch.no_grad():
+                    model.b.weight[0, 0] = float("nan")
+
+            def closure(step=step, bad=rank == bad_rank, kind=kind):
+                opt.zero_grad(set_to_none=True)
+                x = _x(rank, step)
+                if bad and kind == "grad":
+                    x[0, 0] = float("nan")
+                loss = ddp(x)
+                if bad and kind == "loss":  # NaN, but no gradient flows through it: finite gradients
+                    loss = loss + torch.log(torch.tensor(-1.0))
+                loss.backward()
+                return loss
+
+            if guard is None:
+                closure()
+                opt.step()
+                continue
+            try:
+                guard.step(closure)
+            except ng.NonFiniteError as err:
+                d = err.diagnosis
+                actions.append(["raised", d.cause, d.rank, d.ranks] if d is not None else ["raised"])
+                break
+            actions.append(guard.last_action)
+            d = guard.last_diagnosis
+            if guard.last_action != "step" and d is not None and d.step not in [int(s) for s in trips]:
+                trips[str(d.step)] = [d.cause, d.rank, d.ranks, d.evidence.get("flagged_ranks")]
+        if guard is not None and sync == "deferred":
+            guard.close()  # the last step's verdict
+    weights = _weights(model)
+    return {"calls": calls["n"], "actions": actions, "trips": trips, "weights": weights, "before": before or weights}
+
+
+def _weights(model: torch.nn.Module) -> list[float]:
+    return [v for p in model.parameters() for v in p.detach().double().reshape(-1).tolist()]
+
+
+def _ranks(rank: int, world: int) -> dict:
+    middle = world // 2
+    faults = {2: (0, "loss"), 3: (middle, "grad"), 5: (0, "param")}
+    plain, counted = _loop(rank, "plain", {}), _loop(rank, "counted", {})
+    healthy = _loop(rank, "guarded", {})
+    faulty = _loop(rank, "guarded", faults)
+    deferred = [_loop(rank, "guarded", f, sync="deferred") for f in ({}, {3: (middle, "grad")})]
+    gathered: list = [None] * world
+    tdist.all_gather_object(gathered, faulty["before"])
+    return {
+        "added": healthy["calls"] - counted["calls"],
+        "differ": sum(a != b for a, b in zip(plain["weights"], healthy["weights"], strict=True)),
+        "healthy_actions": healthy["actions"],
+        "actions": faulty["actions"],
+        "trips": faulty["trips"],
+        "fault_calls": faulty["calls"] - counted["calls"],
+        "replicas_equal": all(g == gathered[0] for g in gathered),
+        "finite": all(v == v and abs(v) != float("inf") for v in faulty["before"]),
+        "deferred_added": deferred[0]["calls"] - counted["calls"],
+        "deferred_differ": sum(a != b for a, b in zip(plain["weights"], deferred[0]["weights"], strict=True)),
+        "deferred": [deferred[1]["actions"], deferred[1]["trips"]],
+    }
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_flags_poison_the_gradient_all_reduce_at_three_and_four_ranks(world: int) -> None:
+    results = spawn_ranks(_ranks, world=world, timeout=300)
+    middle = world // 2
+    for rank, r in enumerate(results):
+        assert r["added"] == 0, (world, rank, r)  # a healthy step adds no collective
+        assert r["differ"] == 0, (world, rank, r)  # and sends the unguarded run's bits
+        assert r["healthy_actions"] == ["step"] * _STEPS, (world, rank, r)
+        assert r["replicas_equal"] and r["finite"], (world, rank, r)
+    first = results[0]
+    assert all(r["actions"] == first["actions"] and r["trips"] == first["trips"] for r in results), results
+    assert first["actions"] == ["step", "step", "skip", "skip", "skip", "step"], first
+    # rank 0's NaN loss with finite gradients, the middle rank's NaN input, rank 0's NaN weight
+    # (found by the parameter check before step 4's update: the last update is named, step 3).
+    trips = first["trips"]
+    assert trips["2"][1:] == [0, [0], [0]], trips
+    assert trips["3"][1:] == [middle, [middle], [middle]], trips
+    assert trips["4"][0] == "parameters.nonfinite" and trips["4"][1] == 0, trips
