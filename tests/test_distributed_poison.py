@@ -39,7 +39,9 @@ def _x(rank: int, step: int) -> torch.Tensor:
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def _loop(rank: int, mode: str, faults: dict[int, tuple[int, str]], sync: str = "immediate") -> dict:
+def _loop(
+    rank: int, mode: str, faults: dict[int, tuple[int, str]], sync: str = "immediate", skip_spikes: bool = False
+) -> dict:
     """``_STEPS`` steps of a small DDP model under ``mode`` ("plain": DDP's built-in all-reduce, no guard;
     "counted": the Python all-reduce hook, no guard; "guarded"), with ``faults`` {step: (rank, kind)}.
     Returns the collectives called, each step's action and diagnosis, and the final weights."""
@@ -47,7 +49,8 @@ def _loop(rank: int, mode: str, faults: dict[int, tuple[int, str]], sync: str = 
     ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets: the last is not the only one
     fused = sync == "deferred"  # the deferred path skips on the device: a fused optimizer's found_inf
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, **({"fused": True} if fused else {"foreach": False}))
-    guard = ng.Guard(ddp, opt, fingerprint_every=0, module_stats=False, sync=sync) if mode == "guarded" else None
+    config = {"fingerprint_every": 0, "module_stats": False, "sync": sync, "skip_spikes": skip_spikes}
+    guard = ng.Guard(ddp, opt, **config) if mode == "guarded" else None
     if mode == "counted":
         ddp.register_comm_hook(None, allreduce_hook)
     calls = {"n": 0}
@@ -97,7 +100,15 @@ def _loop(rank: int, mode: str, faults: dict[int, tuple[int, str]], sync: str = 
         if guard is not None and sync == "deferred":
             guard.close()  # the last step's verdict
     weights = _weights(model)
-    return {"calls": calls["n"], "actions": actions, "trips": trips, "weights": weights, "before": before or weights}
+    losses = [p.loss for p in guard.history] if guard is not None else []
+    return {
+        "calls": calls["n"],
+        "actions": actions,
+        "trips": trips,
+        "weights": weights,
+        "before": before or weights,
+        "losses": losses,
+    }
 
 
 def _weights(model: torch.nn.Module) -> list[float]:
@@ -112,6 +123,7 @@ def _ranks(rank: int, world: int) -> dict:
     faulty = _loop(rank, "guarded", faults)
     fused = _loop(rank, "plain", {}, sync="deferred")  # the fused AdamW the deferred path needs
     deferred = [_loop(rank, "guarded", f, sync="deferred") for f in ({}, {3: (middle, "grad")})]
+    spikes = _loop(rank, "guarded", {}, skip_spikes=True)  # a policy that acts on the mean loss
     gathered: list = [None] * world
     tdist.all_gather_object(gathered, faulty["before"])
     return {
@@ -126,6 +138,8 @@ def _ranks(rank: int, world: int) -> dict:
         "deferred_added": deferred[0]["calls"] - counted["calls"],
         "deferred_differ": sum(a != b for a, b in zip(fused["weights"], deferred[0]["weights"], strict=True)),
         "deferred": [deferred[1]["actions"], deferred[1]["trips"]],
+        "losses": healthy["losses"],
+        "spikes": [spikes["calls"] - counted["calls"], spikes["losses"], spikes["weights"] == plain["weights"]],
     }
 
 
@@ -139,6 +153,16 @@ def test_flags_reach_every_rank_through_the_gradient_all_reduce(world: int) -> N
         assert r["healthy_actions"] == ["step"] * _STEPS, (world, rank, r)
         assert r["replicas_equal"] and r["finite"], (world, rank, r)
     first = results[0]
+    # No mean loss without a collective on 3 or more ranks: the history holds NaN (its rules go by the
+    # grad norm, alike on every rank); on 2 the loss rides in the payload. skip_spikes acts on the mean
+    # loss: on 3 or more it takes one small all-reduce a step (beside the last bucket's), as before.
+    spikes = first["spikes"]
+    assert all(r["spikes"] == spikes for r in results) and spikes[2], results
+    assert all(loss == loss for loss in spikes[1]) and len(spikes[1]) == _STEPS, spikes
+    if world > 2:
+        assert all(loss != loss for loss in first["losses"]) and spikes[0] == _STEPS, first
+    else:
+        assert first["losses"] == spikes[1] and spikes[0] == 0, first
     assert all(r["actions"] == first["actions"] and r["trips"] == first["trips"] for r in results), results
     # rank 0's NaN loss with finite gradients and the middle rank's NaN input skipped on every rank;
     # rank 0's NaN weight raises on every rank at the same step (a skip cannot repair it).

@@ -191,16 +191,22 @@ class DDPCommWatch(CommWatch):
     whatever the loop does to ``require_backward_grad_sync``.
 
     Riding (DDP's default all-reduce only): inside ``ride``, the last bucket of the backward
-    (``bucket.is_last()``: DDP sends buckets in order, so every bucket's local sum is in by
-    then) is all-reduced together with the guard's extras (one-hot flag slots, loss): on 2
-    ranks in the bucket's own payload, so a healthy step adds no collective; on 3 or more in one
-    small all-reduce of their own issued right after the bucket's, so the buckets are reduced as
-    without the guard, bit for bit (``_ride``). The gradient part is divided by the world first, as
-    DDP's own hook does, so gradients come out as without the guard. Whether a step rode
-    depends only on whether DDP ran this hook, which it does on every rank or none, and on
-    the bucket's dtype (the same on every rank), so all ranks take the same path. A
-    float16/bfloat16 bucket or a user hook (whose wire format is its own) does not ride.
-    While riding, each bucket's averaged result is summed too: it is the same on every rank,
+    (``bucket.is_last()``: DDP sends buckets in order, so every bucket's local sum is in by then)
+    carries the guard's extras (one-hot flag slots, loss, step slots; ``agreement.Layout``) with no
+    added collective. On 2 ranks they ride in the bucket's own payload, where every element sums two
+    terms, the same bits in either order (``_ride``). On 3 or more (or a float16/bfloat16 bucket) a
+    longer payload would move gloo's ring chunks and with them the last bit of the averaged
+    gradients, so the extras poison instead (``_poison``): a rank whose own flags are set writes a NaN
+    into its bucket, and the averaged bucket is non-finite on every rank exactly when some rank
+    flagged; the extras stay this rank's own (``summed`` False), summed only on such a step. The
+    gradient part is divided by the world first, as DDP's built-in all-reduce does, so gradients
+    come out as without the guard. Two cases keep the summed extras every step, in one small
+    all-reduce beside the bucket's on 3 or more ranks: a policy that acts on the mean loss
+    (``agree_loss``: ``skip_spikes``) and DDP's ``join()`` (a joined rank's shadow must match a
+    payload it cannot foresee). Which path a step takes depends only on whether DDP ran this hook
+    (on every rank or none), the world, the bucket's dtype and the guard's configuration (the same
+    on every rank), so all ranks take the same path. A user hook (whose wire format is its own)
+    does not ride. Each bucket's averaged result is summed too: it is the same on every rank,
     so a non-finite average (say, corrupted in transit) is known alike everywhere.
     """
 
@@ -216,6 +222,9 @@ class DDPCommWatch(CommWatch):
         self._carried: torch.Tensor | None = None
         self._received: list[torch.Tensor] = []  # appended by the futures' callbacks
         self._ddp = weakref.ref(ddp)
+        self.agree_loss = False
+        """Does the guard's policy act on the mean loss (``skip_spikes``)? Then, on 3 or more ranks, the
+        extras keep their own all-reduce beside the last bucket's, which sums the loss."""
         self.shadowing: Callable[[], torch.Tensor] | None = None
         """Set while a joined rank's DDP join hook shadows a backward: the extras its last bucket sends."""
         group = (state if state is not None else tdist.group.WORLD) if hook is _default_hook() else None
@@ -272,6 +281,8 @@ class DDPCommWatch(CommWatch):
         """Does the last bucket carry the flags by poisoning (``_poison``) rather than in its payload?
         Where the payload cannot ride exactly: 3 or more ranks, or a bucket whose dtype would round the
         loss. Not under ``join()``, whose joined rank's shadow must match the payload it cannot foresee."""
+        if self.agree_loss:
+            return False  # the policy acts on the mean loss: it rides (2 ranks), goes beside, or agrees apart
         return (self._size > 2 or not _exact(buffer)) and buffer.numel() > 0 and not self._join_enabled()
 
     def _poison(self, buffer: torch.Tensor, extras: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -299,11 +310,11 @@ class DDPCommWatch(CommWatch):
         return ddp is not None and compat.ddp_join_enabled(ddp)
 
     def _ride(self, buffer: torch.Tensor, extras: torch.Tensor, *, keep: bool) -> torch.futures.Future[torch.Tensor]:
-        """The last bucket's all-reduce with the guard's extras: in one payload on 2 ranks, where every
-        element is the sum of two terms, the same bits in either order; on 3 or more, in one small
-        all-reduce of their own right after the bucket's, which is then reduced exactly as without
-        the guard (a longer payload moves gloo's ring chunks, and with them the order of each
-        element's terms: the last bit of the averaged gradients would change)."""
+        """The last bucket's all-reduce with the guard's extras summed: in one payload on 2 ranks, where
+        every element is the sum of two terms, the same bits in either order; on 3 or more (``agree_loss``,
+        ``join()``), in one small all-reduce of their own right after the bucket's, which is then reduced
+        exactly as without the guard (a longer payload moves gloo's ring chunks, and with them the order
+        of each element's terms: the last bit of the averaged gradients would change)."""
         if self._size > 2:
             return self._beside(buffer, extras, keep=keep)
         n = buffer.numel()

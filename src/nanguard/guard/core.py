@@ -129,6 +129,7 @@ class Guard:
             comm=dist.watch_communication(model, comm_hook),
             param_check_every=c.param_check_every,
             check_loaded=True,
+            agree_loss=c.skip_spikes,
         )
         self._load_hook = check_after_loads(model, self.health)  # a later load_state_dict is checked too
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)

@@ -3,9 +3,11 @@ agreed across ranks in one collective, and read to the host once as a ``StepHeal
 
 Each rank encodes what it found as ``HealthFlag`` bits. ``dist.agree`` gives every rank
 every other rank's flags, so all ranks take the same decision. Under DDP's default hook,
-``HealthCheck.riding`` makes the flags and the loss ride in the gradient all-reduce instead,
-so a healthy step adds no collective on 2 ranks, and on 3 or more one small all-reduce beside the
-last bucket's (``DDPCommWatch._ride``; ``DeviceHealth.agree`` then only reads what rode).
+``HealthCheck.riding`` makes the flags ride in the gradient all-reduce instead, so a healthy step
+adds no collective at any world size: on 2 ranks with the loss in the last bucket's payload
+(``DDPCommWatch._ride``; ``DeviceHealth.agree`` then only reads what rode); on 3 or more as a NaN a
+flagging rank writes into its bucket (``DDPCommWatch._poison``), every rank's flags and the mean
+loss then summed by one all-reduce on that step only (``DeviceHealth.read``).
 """
 
 from __future__ import annotations
@@ -249,8 +251,11 @@ class HealthCheck:
         comm: CommWatch,
         param_check_every: int,
         check_loaded: bool = False,
+        agree_loss: bool = False,
     ) -> None:
         self.params = list(params)
+        if isinstance(comm, dist.DDPCommWatch):
+            comm.agree_loss = agree_loss  # a policy that acts on the mean loss needs it summed every step
         # The parameters the guard was built with (or a state dict loaded later) are checked once,
         # with the first step: a NaN row no batch uses would otherwise pass as the first update's fault.
         self.watch_loads = check_loaded and param_check_every > 0
@@ -412,7 +417,8 @@ class HealthCheck:
 
     @contextlib.contextmanager
     def riding(self, step: int = 0) -> Iterator[None]:
-        """Around ``Guard.step``'s closure: the flags and the loss ride in DDP's gradient all-reduce.
+        """Around ``Guard.step``'s closure: the flags (and on 2 ranks the loss) ride in DDP's gradient
+        all-reduce (``dist.DDPCommWatch``).
 
         The loss is the sum of the tensors ``backward`` was called on (micro-batches summed,
         divided by the GradScaler's scale, a power of two, so exactly), known before the last
