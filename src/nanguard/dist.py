@@ -645,9 +645,10 @@ def _local_collectives() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def backward_roots() -> Iterator[list[torch.Tensor]]:
+def backward_roots(through: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[list[torch.Tensor]]:
     """Record the tensors ``backward`` is called on (``Tensor.backward`` goes through
-    ``torch.autograd.backward``) while open: the loss, before any comm hook runs.
+    ``torch.autograd.backward``) while open: the loss, before any comm hook runs. ``through``: the
+    backward runs from ``through(root)`` instead of each root (the roots recorded are the loop's own).
 
     Example:
         >>> with backward_roots() as roots:
@@ -659,7 +660,10 @@ def backward_roots() -> Iterator[list[torch.Tensor]]:
     original = torch.autograd.backward
 
     def recording(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        roots.extend([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
+        mine = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        roots.extend(mine)
+        if through is not None:
+            tensors = [through(t) for t in mine] if not isinstance(tensors, torch.Tensor) else through(tensors)
         return original(tensors, *args, **kwargs)
 
     torch.autograd.backward = recording

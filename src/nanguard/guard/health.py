@@ -254,8 +254,10 @@ class HealthCheck:
         agree_loss: bool = False,
     ) -> None:
         self.params = list(params)
+        self.agree_loss = agree_loss
+        """The policy acts on the mean loss (``skip_spikes``): it is summed across ranks every step."""
         if isinstance(comm, dist.DDPCommWatch):
-            comm.agree_loss = agree_loss  # a policy that acts on the mean loss needs it summed every step
+            comm.agree_loss = agree_loss
         # The parameters the guard was built with (or a state dict loaded later) are checked once,
         # with the first step: a NaN row no batch uses would otherwise pass as the first update's fault.
         self.watch_loads = check_loaded and param_check_every > 0
@@ -281,6 +283,7 @@ class HealthCheck:
         """Each rank's gradients are its own partition: the squared norms add up across ranks."""
         self.pending: torch.Tensor | None = None
         """Set by ``carried`` when the step's flags poisoned the gradient all-reduce (``take_pending``)."""
+        self._clip_norm: torch.Tensor | None = None
 
     def read_engine(
         self, grad_norm: Callable[[], torch.Tensor | None], params: Sequence[torch.Tensor], *, sharded: bool
@@ -428,11 +431,84 @@ class HealthCheck:
         update; the step slot holds ``agreement.step_slot(step)`` (the layout: ``agreement.Layout``).
         """
         self.check_loaded()  # before the backward: the check's flag rides in its all-reduce
+        if self.clip_rides:
+            self._clip_norm = None
+            stop = compat.watch_clips(self._seen_clip)
+            try:
+                with dist.backward_roots(self._poisoned_root):
+                    yield
+            finally:
+                stop()
+            return
         if not self.comm.rides:
             yield
             return
         with dist.backward_roots() as roots, self.comm.ride(lambda pre_comm: self._extras(pre_comm, roots, step)):
             yield
+
+    @property
+    def rides(self) -> bool:
+        """Does ``riding`` carry the flags in a reduction the loop makes (DDP's gradient all-reduce, or
+        the loop's own ``clip_grad_norm_`` over DTensor gradients)?"""
+        return self.comm.rides or self.clip_rides
+
+    @property
+    def clip_rides(self) -> bool:
+        """Can the flags ride in the loop's ``clip_grad_norm_`` (``_seen_clip``)? Under torch.distributed
+        with DTensor parameters (FSDP2, tensor parallel, 2D), no DDP comm watch, no engine, and a policy
+        that needs no mean loss. The same on every rank (the model and the configuration are)."""
+        return (
+            self._groups is None
+            and self.grad_source is None
+            and not self.agree_loss
+            and type(self.comm) is CommWatch
+            and dist.is_distributed()
+        )
+
+    def _poisoned_root(self, root: torch.Tensor) -> torch.Tensor:
+        """The backward's root times 1.0, or times NaN when this rank's own signal is bad (the root
+        non-finite, the queued parameter check non-finite): then every gradient this rank contributes
+        is NaN, and so is the norm the loop's clip reduces over the mesh, on every rank. Healthy, the
+        gradient flowing into the root is multiplied by 1.0: the same bits."""
+        if compat.inner_tensor(root) is not None or not root.is_floating_point():
+            return root  # a DTensor root: its own ops would have to redistribute a plain factor
+        with torch.no_grad():
+            bad = torch.isfinite(root).all().logical_not()
+            if self._param_norm is not None:
+                bad = bad | torch.isfinite(self._param_norm.to(root.device)).logical_not()
+            factor = torch.where(bad, math.nan, 1.0).to(root.dtype)
+        return root * factor
+
+    def _seen_clip(self, params: Any, norm: torch.Tensor) -> None:
+        """Keep the norm a clip computed when every rank holds it whole (the loop reduced it)."""
+        if _whole_on_every_rank(norm, params):
+            inner = compat.inner_tensor(norm)
+            self._clip_norm = (inner if inner is not None else norm).detach()
+
+    def take_clip_norm(self) -> torch.Tensor | None:
+        """The global grad norm the loop's clip reduced during the step's closure (else None); once."""
+        norm, self._clip_norm = self._clip_norm, None
+        return norm
+
+    def by_clip(self, measured: DeviceHealth, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The agreement of a step whose flags rode in the loop's clip norm (``measured.grad_norm``):
+        what every rank knows alike, no collective (as ``_poisoned``), and this rank's own vector,
+        summed only on a step whose clip norm is non-finite."""
+        at = Layout(dist.world_size())
+        device = measured.grad_norm.device
+        own = at.vector(
+            rank=dist.rank(),
+            code=measured.flags.to(device),
+            loss=measured.loss.to(device),
+            norm=1.0,
+            step=step,
+            device=device,
+        )
+        bad = torch.isfinite(measured.grad_norm.float()).logical_not().float().reshape(1)
+        agreed = self._poisoned(torch.cat([own, bad]), at)
+        pending = self.take_pending()
+        assert pending is not None
+        return agreed, pending
 
     def carried(self) -> torch.Tensor | None:
         """What rode in this step's gradient all-reduce as ``[code x world, loss sum, ranks with a
@@ -491,6 +567,21 @@ class HealthCheck:
         own snapshot or a finite replica, so the load that restored them needs no check either)."""
         self._param_norm, self._queued = None, None
         self.unchecked = False
+
+
+def _whole_on_every_rank(norm: torch.Tensor, params: Any) -> bool:
+    """Does every rank hold ``norm`` whole: a DTensor replicated over a mesh of every rank, or a plain
+    tensor the loop made whole from DTensor gradients on such a mesh (torchtitan's ``full_tensor``)?"""
+    world = dist.world_size()
+    placements = getattr(norm, "placements", None)
+    if placements is not None:
+        mesh = norm.device_mesh  # type: ignore[attr-defined]  # a DTensor
+        return mesh.size() == world and all(p.is_replicate() for p in placements)
+    for p in params:
+        grad = getattr(p, "grad", None)
+        if grad is not None and getattr(grad, "placements", None) is not None:
+            return bool(grad.device_mesh.size() == world)
+    return False
 
 
 def _summed(pending: torch.Tensor, *, scaled: bool) -> torch.Tensor:
