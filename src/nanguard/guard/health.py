@@ -269,7 +269,8 @@ class HealthCheck:
         # Grouped by device and dtype once. DTensor shards are taken anew each step, and a
         # sparse gradient (found on the first step that has one) needs its values coalesced.
         self._groups: list[list[torch.Tensor]] | None = None
-        if not any(local(p) is not p for p in self.params):
+        self._placed = any(local(p) is not p for p in self.params)  # DTensor parameters (FSDP2, TP, 2D)
+        if not self._placed:
             self._groups = float_groups(self.params)
         self.scaler = scaler
         self.comm = comm
@@ -458,7 +459,7 @@ class HealthCheck:
         with DTensor parameters (FSDP2, tensor parallel, 2D), no DDP comm watch, no engine, and a policy
         that needs no mean loss. The same on every rank (the model and the configuration are)."""
         return (
-            self._groups is None
+            self._placed
             and self.grad_source is None
             and not self.agree_loss
             and type(self.comm) is CommWatch

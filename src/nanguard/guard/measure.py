@@ -101,9 +101,9 @@ class Measure:
         clipped = health.take_clip_norm()
         if clipped is not None:  # the loop's clip reduced the norm over every rank: the flags rode in it
             measured = health.on_device(attempt.value, clipped)
-            carried, own = health.by_clip(measured, attempt.call)
+            rode, own = health.by_clip(measured, attempt.call)
             measured = replace(measured, pending=own)
-            agreed = measured.agree(sharded=False, carried=carried)
+            agreed = measured.agree(sharded=False, carried=rode)
             return Reading(attempt.step, measured, agreed, HostCopy(measured, agreed) if queue else None)
         # A sharded run's agreement adds up the ranks' own norms: a whole norm from the loop has no place in it.
         measured = health.on_device(attempt.value, None if sharded else attempt.loop_norm)
