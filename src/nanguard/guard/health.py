@@ -7,7 +7,9 @@ every other rank's flags, so all ranks take the same decision. Under DDP's defau
 adds no collective at any world size: on 2 ranks with the loss in the last bucket's payload
 (``DDPCommWatch._ride``; ``DeviceHealth.agree`` then only reads what rode); on 3 or more as a NaN a
 flagging rank writes into its bucket (``DDPCommWatch._poison``), every rank's flags and the mean
-loss then summed by one all-reduce on that step only (``DeviceHealth.read``).
+loss then summed by one all-reduce on that step only (``DeviceHealth.read``). Under FSDP2, tensor
+parallel and 2D whose closure clips, the flags ride in the norm the loop's ``clip_grad_norm_`` reduced
+over every rank, a flagging rank's backward root multiplied by NaN (``HealthCheck.clip_rides``).
 """
 
 from __future__ import annotations
