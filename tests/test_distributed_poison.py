@@ -8,6 +8,10 @@ bucket's payload (exact there), as before. One spawn per world size holds every 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as tdist
@@ -15,13 +19,42 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nanguard as ng
-from nanguard import compat
+from nanguard import compat, stats
 from nanguard.zoo.spawn import spawn_ranks
 
 pytestmark = pytest.mark.dist
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 _STEPS = 6
+
+
+@contextlib.contextmanager
+def counting(calls: dict[str, int]) -> Iterator[None]:
+    """Count into ``calls`` the torch.distributed collectives (``"collectives"``) and the host reads
+    (``"reads"``: what would make a GPU host wait) made inside the block."""
+
+    def counted(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[key] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    originals = {name: getattr(torch.Tensor, name) for name in _READS}
+    # The CPU grad norm re-sums a float32 overflow after a read a GPU never makes (tests/test_host_reads.py).
+    accumulate = dict(stats._ACCUMULATE)
+    stats._ACCUMULATE["cpu"] = torch.float64
+    try:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, counted("reads", fn))
+        with compat.swap_collectives({name: counted("collectives", getattr(tdist, name)) for name in _COLLECTIVES}):
+            yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+        stats._ACCUMULATE.clear()
+        stats._ACCUMULATE.update(accumulate)
 
 
 class _Net(torch.nn.Module):
@@ -40,12 +73,17 @@ def _x(rank: int, step: int) -> torch.Tensor:
 
 
 def _loop(
-    rank: int, mode: str, faults: dict[int, tuple[int, str]], sync: str = "immediate", skip_spikes: bool = False
+    rank: int,
+    mode: str,
+    faults: dict[int, tuple[int, str]],
+    sync: str = "immediate",
+    skip_spikes: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """``_STEPS`` steps of a small DDP model under ``mode`` ("plain": DDP's built-in all-reduce, no guard;
     "counted": the Python all-reduce hook, no guard; "guarded"), with ``faults`` {step: (rank, kind)}.
     Returns the collectives called, each step's action and diagnosis, and the final weights."""
-    model = _Net()
+    model = _Net().to(dtype)
     ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets: the last is not the only one
     fused = sync == "deferred"  # the deferred path skips on the device: a fused optimizer's found_inf
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, **({"fused": True} if fused else {"foreach": False}))
@@ -53,17 +91,9 @@ def _loop(
     guard = ng.Guard(ddp, opt, **config) if mode == "guarded" else None
     if mode == "counted":
         ddp.register_comm_hook(None, allreduce_hook)
-    calls = {"n": 0}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
+    calls = {"collectives": 0, "reads": 0}
     actions, trips, before = [], {}, None
-    with compat.swap_collectives({name: counting(getattr(tdist, name)) for name in _COLLECTIVES}):
+    with counting(calls):
         for step in range(_STEPS):
             bad_rank, kind = faults.get(step, (-1, ""))
             if kind == "param":
@@ -74,7 +104,7 @@ def _loop(
 
             def closure(step=step, bad=rank == bad_rank, kind=kind):
                 opt.zero_grad(set_to_none=True)
-                x = _x(rank, step)
+                x = _x(rank, step).to(dtype)
                 if bad and kind == "grad":
                     x[0, 0] = float("nan")
                 loss = ddp(x)
@@ -102,7 +132,8 @@ def _loop(
     weights = _weights(model)
     losses = [p.loss for p in guard.history] if guard is not None else []
     return {
-        "calls": calls["n"],
+        "calls": calls["collectives"],
+        "reads": calls["reads"],
         "actions": actions,
         "trips": trips,
         "weights": weights,
@@ -124,10 +155,13 @@ def _ranks(rank: int, world: int) -> dict:
     fused = _loop(rank, "plain", {}, sync="deferred")  # the fused AdamW the deferred path needs
     deferred = [_loop(rank, "guarded", f, sync="deferred") for f in ({}, {3: (middle, "grad")})]
     spikes = _loop(rank, "guarded", {}, skip_spikes=True)  # a policy that acts on the mean loss
+    # bfloat16 buckets would round the loss: they carry the flags by the NaN at any world size.
+    bf16 = [_loop(rank, mode, {}, dtype=torch.bfloat16) for mode in ("plain", "counted", "guarded")]
     gathered: list = [None] * world
     tdist.all_gather_object(gathered, faulty["before"])
     return {
         "added": healthy["calls"] - counted["calls"],
+        "reads": healthy["reads"] - counted["reads"],
         "differ": sum(a != b for a, b in zip(plain["weights"], healthy["weights"], strict=True)),
         "healthy_actions": healthy["actions"],
         "actions": faulty["actions"],
@@ -135,6 +169,7 @@ def _ranks(rank: int, world: int) -> dict:
         "fault_calls": faulty["calls"] - counted["calls"],
         "replicas_equal": all(g == gathered[0] for g in gathered),
         "finite": all(v == v and abs(v) != float("inf") for v in faulty["before"]),
+        "bf16": [bf16[2]["calls"] - bf16[1]["calls"], bf16[2]["weights"] == bf16[0]["weights"], bf16[2]["actions"]],
         "deferred_added": deferred[0]["calls"] - counted["calls"],
         "deferred_differ": sum(a != b for a, b in zip(fused["weights"], deferred[0]["weights"], strict=True)),
         "deferred": [deferred[1]["actions"], deferred[1]["trips"]],
@@ -149,9 +184,11 @@ def test_flags_reach_every_rank_through_the_gradient_all_reduce(world: int) -> N
     middle = world // 2
     for rank, r in enumerate(results):
         assert r["added"] == 0, (world, rank, r)  # a healthy step adds no collective
+        assert r["reads"] <= _STEPS, (world, rank, r)  # and at most one host read
         assert r["differ"] == 0, (world, rank, r)  # and sends the unguarded run's bits
         assert r["healthy_actions"] == ["step"] * _STEPS, (world, rank, r)
         assert r["replicas_equal"] and r["finite"], (world, rank, r)
+        assert r["bf16"] == [0, True, ["step"] * _STEPS], (world, rank, r)
     first = results[0]
     # No mean loss without a collective on 3 or more ranks: the history holds NaN (its rules go by the
     # grad norm, alike on every rank); on 2 the loss rides in the payload. skip_spikes acts on the mean

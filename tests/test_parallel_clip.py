@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as tdist
 
 import nanguard as ng
 from nanguard import compat
 from nanguard.stats import local
 from nanguard.zoo import parallel
 from nanguard.zoo.spawn import spawn_ranks
+from test_distributed_poison import counting
 
 pytestmark = pytest.mark.dist
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 _STEPS = 4
 
 
@@ -46,17 +45,9 @@ def _loop(rank: int, world: int, setup: str, guarded: bool, fault: tuple[int, in
     model, replica = _model(setup, rank, world)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     guard = ng.Guard(model, opt, fingerprint_every=0, module_stats=False) if guarded else None
-    calls = {"n": 0}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
+    calls = {"collectives": 0, "reads": 0}
     actions, trip, clipped = [], None, []
-    with compat.swap_collectives({name: counting(getattr(tdist, name)) for name in _COLLECTIVES}):
+    with counting(calls):
         for step in range(_STEPS):
             gen = torch.Generator().manual_seed(1000 * replica + step)
             x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
@@ -83,7 +74,8 @@ def _loop(rank: int, world: int, setup: str, guarded: bool, fault: tuple[int, in
     weights = [v for p in model.parameters() for v in local(p).detach().double().reshape(-1).tolist()]
     norms = [p.grad_norm for p in guard.history] if guard is not None else []
     return {
-        "calls": calls["n"],
+        "calls": calls["collectives"],
+        "reads": calls["reads"],
         "actions": actions,
         "trip": trip,
         "weights": weights,
@@ -98,6 +90,7 @@ def _ranks(rank: int, world: int, setup: str, bad_rank: int) -> dict:
     faulty = _loop(rank, world, setup, True, (1, bad_rank))
     return {
         "added": healthy["calls"] - plain["calls"],
+        "reads": healthy["reads"] - plain["reads"],
         "differ": sum(a != b for a, b in zip(plain["weights"], healthy["weights"], strict=True)),
         "actions": [healthy["actions"], faulty["actions"]],
         "trip": faulty["trip"],
@@ -116,6 +109,7 @@ def test_the_flags_ride_in_the_loops_clip_norm(setup: str, world: int, bad_rank:
     first = results[0]
     for rank, r in enumerate(results):
         assert r["added"] == 0, (setup, rank, r)  # no collective of the guard's on a healthy step
+        assert r["reads"] <= _STEPS, (setup, rank, r)  # and at most one host read
         assert r["differ"] == 0, (setup, rank, r)  # the root times 1.0: the unguarded run's bits
         # The grad norm the history keeps is the clip's, whole and alike on every rank.
         assert r["norms"] == first["norms"] == r["clipped"] and len(r["norms"]) == _STEPS, (setup, rank, r)
