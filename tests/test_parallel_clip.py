@@ -39,7 +39,7 @@ def _model(setup: str, rank: int, world: int) -> tuple[torch.nn.Module, int]:
     return model, rank
 
 
-def _loop(rank: int, world: int, setup: str, guarded: bool, fault: tuple[int, int] | None) -> dict:
+def _loop(rank: int, world: int, setup: str, guarded: bool, fault: tuple[int, int] | None, part: bool = False) -> dict:
     """``_STEPS`` steps that clip inside the closure; ``fault`` (step, rank): that rank's loss is NaN
     through a term no gradient flows through (its gradients stay finite)."""
     model, replica = _model(setup, rank, world)
@@ -58,7 +58,7 @@ def _loop(rank: int, world: int, setup: str, guarded: bool, fault: tuple[int, in
                 if bad:
                     loss = loss + torch.log(torch.tensor(-1.0))
                 loss.backward()
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                norm = torch.nn.utils.clip_grad_norm_((model.down if part else model).parameters(), 1.0)
                 clipped.append(float(compat.full_tensor(norm) if compat.full_tensor(norm) is not None else norm))
                 return loss
 
@@ -88,6 +88,8 @@ def _ranks(rank: int, world: int, setup: str, bad_rank: int) -> dict:
     plain = _loop(rank, world, setup, False, None)
     healthy = _loop(rank, world, setup, True, None)
     faulty = _loop(rank, world, setup, True, (1, bad_rank))
+    part = _loop(rank, world, setup, True, None, part=True)  # a clip of some parameters carries no flags
+    part_plain = _loop(rank, world, setup, False, None, part=True)
     return {
         "added": healthy["calls"] - plain["calls"],
         "reads": healthy["reads"] - plain["reads"],
@@ -97,6 +99,7 @@ def _ranks(rank: int, world: int, setup: str, bad_rank: int) -> dict:
         "norms": healthy["norms"],
         "clipped": healthy["clipped"],
         "fault_added": faulty["calls"] - plain["calls"],
+        "part_added": part["calls"] - part_plain["calls"],
     }
 
 
@@ -110,6 +113,7 @@ def test_the_flags_ride_in_the_loops_clip_norm(setup: str, world: int, bad_rank:
     for rank, r in enumerate(results):
         assert r["added"] == 0, (setup, rank, r)  # no collective of the guard's on a healthy step
         assert r["reads"] <= _STEPS, (setup, rank, r)  # and at most one host read
+        assert r["part_added"] == _STEPS, (setup, rank, r)  # the guard's own all-reduce, each step
         assert r["differ"] == 0, (setup, rank, r)  # the root times 1.0: the unguarded run's bits
         # The grad norm the history keeps is the clip's, whole and alike on every rank.
         assert r["norms"] == first["norms"] == r["clipped"] and len(r["norms"]) == _STEPS, (setup, rank, r)

@@ -287,6 +287,7 @@ class HealthCheck:
         self.pending: torch.Tensor | None = None
         """Set by ``carried`` when the step's flags poisoned the gradient all-reduce (``take_pending``)."""
         self._clip_norm: torch.Tensor | None = None
+        self._param_ids: frozenset[int] | None = None
 
     def read_engine(
         self, grad_norm: Callable[[], torch.Tensor | None], params: Sequence[torch.Tensor], *, sharded: bool
@@ -299,7 +300,7 @@ class HealthCheck:
             >>> guard.health.read_engine(lambda: partition_norm(), master_partitions, sharded=True)
         """
         self.grad_source, self.sharded = grad_norm, sharded
-        self.params = list(params)
+        self.params, self._param_ids = list(params), None
         self._groups = float_groups(self.params)
 
     def on_device(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
@@ -483,8 +484,11 @@ class HealthCheck:
         return root * factor
 
     def _seen_clip(self, params: Any, norm: torch.Tensor) -> None:
-        """Keep the norm a clip computed when every rank holds it whole (the loop reduced it)."""
-        if _whole_on_every_rank(norm, params):
+        """Keep the norm a clip computed over every guarded parameter when every rank holds it whole
+        (the loop reduced it); a clip of a part would miss a non-finite gradient elsewhere."""
+        if self._param_ids is None:
+            self._param_ids = frozenset(id(p) for p in self.params)
+        if self._param_ids <= {id(p) for p in params} and _whole_on_every_rank(norm, params):
             inner = compat.inner_tensor(norm)
             self._clip_norm = (inner if inner is not None else norm).detach()
 
