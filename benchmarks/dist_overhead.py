@@ -137,6 +137,8 @@ def section(worlds: list[int], rounds: int, setups: tuple[str, ...] = SETUPS) ->
     from nanguard.zoo.spawn import spawn_ranks
 
     load = os.getloadavg()[0]
+    picked = "" if setups == SETUPS else f"--setups {' '.join(setups)} "
+    command = f"{picked}--ranks {' '.join(map(str, worlds))} --rounds {rounds}"
     rows = []
     for setup in setups:
         cells = []
@@ -166,7 +168,7 @@ a 5-layer MLP (d=32, hidden 128) column/row-parallel over all ranks for TP. All 
 machine's {os.cpu_count()} cores (one intra-op thread each), so at 8 ranks a step is mostly waiting
 for a core: the ratios, not the times, are the result. DDP join() runs inside an enabled `ddp.join()`
 with equal inputs (the steady state; a joined rank only shadows).
-{machine()}. Reproduce: `.venv/bin/python benchmarks/dist_overhead.py --ranks 2 8`.
+{machine()}. Reproduce: `.venv/bin/python benchmarks/dist_overhead.py {command}`.
 
 Collectives per healthy step under `guard.step`: DDP and DDP + ZeRO none added at any world size (on 2
 ranks the flags, the loss and each rank's step index ride in the last gradient bucket's all-reduce,
