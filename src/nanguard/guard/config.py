@@ -124,6 +124,9 @@ class GuardConfig:
         _positive,
     )
     skip_spikes: bool = option(False, "skip the update on a spike, instead of only warning.")
+    """Skip the update on a loss or grad-norm spike. The skip acts on the loss averaged over ranks, so under
+    DDP on 3 or more ranks, and under FSDP2/TP whose closure clips, it keeps the guard's one small
+    all-reduce a step that a healthy step otherwise does without (docs/distributed.md)."""
     divergence_factor: float = option(
         10.0,
         "growth by this factor within ``divergence_window`` steps is divergence.",
