@@ -142,6 +142,31 @@ def _loop(
     }
 
 
+def _scaled(rank: int, world: int) -> list:
+    """A GradScaler: step 1 the middle rank's loss alone is NaN (a trip); step 3 rank 0's finite loss
+    scaled past float32 (the scaler's overflow, not a trip). Each step's action, named rank and scale."""
+    model = _Net()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    guard = ng.Guard(ddp, opt, scaler=scaler, fingerprint_every=0, module_stats=False)
+    out = []
+    for step in range(5):
+
+        def closure(step=step):
+            opt.zero_grad(set_to_none=True)
+            loss = ddp(_x(rank, step))
+            if (step, rank) == (1, world // 2):
+                loss = loss + torch.log(torch.tensor(-1.0))
+            scaler.scale(loss * 1e36 if (step, rank) == (3, 0) else loss).backward()
+            return loss
+
+        guard.step(closure)
+        d = guard.last_diagnosis
+        out.append([guard.last_action, d.rank if d is not None and d.step == step else None, scaler.get_scale()])
+    return out
+
+
 def _weights(model: torch.nn.Module) -> list[float]:
     return [v for p in model.parameters() for v in p.detach().double().reshape(-1).tolist()]
 
@@ -157,6 +182,7 @@ def _ranks(rank: int, world: int) -> dict:
     spikes = _loop(rank, "guarded", {}, skip_spikes=True)  # a policy that acts on the mean loss
     # bfloat16 buckets would round the loss: they carry the flags by the NaN at any world size.
     bf16 = [_loop(rank, mode, {}, dtype=torch.bfloat16) for mode in ("plain", "counted", "guarded")]
+    scaled = _scaled(rank, world)
     gathered: list = [None] * world
     tdist.all_gather_object(gathered, faulty["before"])
     return {
@@ -170,6 +196,7 @@ def _ranks(rank: int, world: int) -> dict:
         "replicas_equal": all(g == gathered[0] for g in gathered),
         "finite": all(v == v and abs(v) != float("inf") for v in faulty["before"]),
         "bf16": [bf16[2]["calls"] - bf16[1]["calls"], bf16[2]["weights"] == bf16[0]["weights"], bf16[2]["actions"]],
+        "scaled": scaled,
         "deferred_added": deferred[0]["calls"] - counted["calls"],
         "deferred_differ": sum(a != b for a, b in zip(fused["weights"], deferred[0]["weights"], strict=True)),
         "deferred": [deferred[1]["actions"], deferred[1]["trips"]],
@@ -204,6 +231,15 @@ def test_flags_reach_every_rank_through_the_gradient_all_reduce(world: int) -> N
     # rank 0's NaN loss with finite gradients and the middle rank's NaN input skipped on every rank;
     # rank 0's NaN weight raises on every rank at the same step (a skip cannot repair it).
     assert first["actions"] == ["step", "step", "skip", "skip", "step", ["raised", "parameters.nonfinite", 0, [0]]]
+    # Under a GradScaler the NaN loss trips and the overflow is the scaler's, alike on every rank.
+    assert all(r["scaled"] == first["scaled"] for r in results), results
+    assert [a[:2] for a in first["scaled"]] == [
+        ["step", None],
+        ["skip", middle],
+        ["step", None],
+        ["overflow", None],
+        ["step", None],
+    ], first
     trips = first["trips"]
     assert trips == {"2": ["op.log_domain", 0, [0], [0]], "3": ["op.nan_write", middle, [middle], [middle]]}, trips
     # The deferred path: no collective and no bit added; the middle rank's NaN input skipped on the device
