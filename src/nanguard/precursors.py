@@ -9,7 +9,8 @@ and the fix; adding a signal is one row and one measurement.
 The rule (``Trend``), per (module, signal): the last ``POINTS`` samples rose at every sample and
 grew ``MIN_GROWTH``-fold in all; the value stands within 8x of the signal's limit
 (``dtypes.OVERFLOW_FRACTION``, the margin the headroom check calls close; a signal's own ``floor``
-where healthy runs sit closer); growing at the slowest
+where healthy runs sit closer), and still below it (a value past the limit with no blow-up says the
+limit is not this model's: a softmax that subtracts its max); growing at the slowest
 of those samples' rates (per step), it reaches the limit within ``HORIZON`` steps. Warned once
 per (module, signal).
 """
@@ -89,7 +90,9 @@ SIGNALS: dict[str, Signal] = {
             "decayed and Adam turned into sign descent (Molybog et al. 2023)",
             "lower the learning rate, or a smaller Adam eps / a larger beta2 so v does not decay away "
             "(Molybog et al. 2023)",
-            floor=0.75,  # healthy layers sit at 0.2-0.5 (consistent gradients: LayerNorm gains near 0.5)
+            # Never a warning alone: a healthy layer whose gradients keep their sign sits near 1 too (a LayerNorm
+            # under a warmup's small LR: 1.24, benchmarks/early_warning.py); it goes with its module's warnings.
+            floor=math.inf,
         ),
         Signal(
             "output_rms",
@@ -128,6 +131,8 @@ class Precursor(NamedTuple):
     level: float
     """The first of the fitted samples: where the growth stood ``POINTS`` samples ago."""
     series: tuple[tuple[int, float], ...]
+    context: dict[str, float]
+    """The module's other signals at the same sample (Adam's update per unit of LR, its output RMS, ...)."""
 
 
 class Trend:
@@ -155,7 +160,8 @@ class Trend:
             series.append((step, value))
             if key not in self.warned and (warning := self._fit(key, series)) is not None:
                 self.warned.add(key)
-                found.append(warning)
+                context = {sig: v for (m, sig), v in values.items() if m == key[0] and sig != key[1]}
+                found.append(warning._replace(context=context))
         found.sort(key=lambda w: w.steps_left)
         return found
 
@@ -169,13 +175,13 @@ class Trend:
         rate = min(math.log(b / a) / max(sb - sa, 1) for (sa, a), (sb, b) in pairs)
         signal = SIGNALS[key[1]]
         limit = signal.limit
-        if last < signal.warns_from:
-            return None
-        left = math.log(limit / last) / rate if last < limit else 0.0
+        if not signal.warns_from <= last < limit:
+            return None  # past the limit and no blow-up: the limit is not this model's (a softmax that subtracts its max)
+        left = math.log(limit / last) / rate
         if left > self.horizon:
             return None
-        module, signal = key
-        return Precursor(signal, module, last, math.exp(rate), max(0, math.ceil(left)), first, tuple(series))
+        module, name = key
+        return Precursor(name, module, last, math.exp(rate), max(0, math.ceil(left)), first, tuple(series), {})
 
     def state_dict(self) -> dict[str, list[list[str]]]:
         return {"warned": [list(k) for k in sorted(self.warned)]}

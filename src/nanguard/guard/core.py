@@ -158,7 +158,7 @@ class Guard:
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = PolicyView(self.recovery, self._remedies, self.progress)
-        every = 0 if self.disabled else c.precursor_every  # sampled in the step, read without a sync: guard/precursors.py
+        every = 0 if self.disabled else c.precursor_every  # sampled in the step, read without a sync
         self.precursors = PrecursorCheck(model, optimizer, c, self.progress, self.recorder, self._remedies, every=every)
         self._remedies.headroom.emit = self.precursors.watch_headroom(self._remedies.headroom.emit)
         self._choose_paths()

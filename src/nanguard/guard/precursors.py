@@ -19,7 +19,7 @@ must never move alone.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -142,7 +142,7 @@ class PrecursorCheck:
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._measured is not None and self._measured[1]:
             with torch.no_grad():
-                self._before = torch._foreach_mul([local(p).detach() for p in self._params], 1.0)
+                self._before = list(torch._foreach_mul([local(p).detach() for p in self._params], 1.0))
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -194,7 +194,8 @@ class PrecursorCheck:
             return {}
         device = sums[0].device
         total = torch.stack([s.to(device) for s in sums])
-        return _per_module(names, total, torch.tensor(counts, device=device), lambda s, n: (s / n).sqrt(), "adam_update")
+        sizes = torch.tensor(counts, device=device)
+        return _per_module(names, total, sizes, lambda s, n: (s / n).sqrt(), "adam_update")
 
     # -- the read and the warnings -----------------------------------------------------------
     def watch_headroom(self, emit: Callable[[int, Headroom], None]) -> Callable[[int, Headroom], None]:
@@ -219,6 +220,9 @@ class PrecursorCheck:
             lr = current_lr(self.optimizer)
             where = f" of '{w.module}'" if w.module else ""
             fix = f"{signal.fix} (lr={lr})"
+            adam = w.context.get("adam_update")
+            if w.signal == "update_ratio" and adam is not None and adam >= SIGNALS["adam_update"].limit * 0.9:
+                fix += f"; Adam's update per unit of LR is {adam:.3g} here: {SIGNALS['adam_update'].fix}"
             self.recorder.warning(
                 w.series[-1][0],
                 signal=w.signal,
@@ -231,6 +235,7 @@ class PrecursorCheck:
                 level=w.level,
                 limit=signal.limit,
                 series=[list(p) for p in w.series],
+                context=w.context,
             )
             log.warning(
                 "nanguard: step %d: %s%s is %.4g, growing x%.4g a step: %s in about %d steps; fix: %s",
@@ -255,7 +260,7 @@ class PrecursorCheck:
         return c.precursor_lower_lr and c.policy == "auto" and not self._acted and not dist.is_distributed()
 
 
-def _stacked(norms: list[torch.Tensor]) -> torch.Tensor:
+def _stacked(norms: Sequence[torch.Tensor]) -> torch.Tensor:
     device = norms[0].device
     return torch.stack([n.float().to(device) for n in norms])
 

@@ -5,9 +5,9 @@ Neither package is imported here: the writer or run you pass in is the only link
 What is logged: ``nanguard/trips`` and ``nanguard/skips``, the run's totals so far, at every step (a step
 function from a zero baseline: a trip is a rise, not a lone dot), ``nanguard/rollbacks``,
 ``nanguard/overflows`` and ``nanguard/warnings`` from their first one on, ``nanguard/cause`` at a trip,
-``nanguard/precursor/<signal>`` (the precursor's value) and ``nanguard/steps_left`` at an early warning, and
-``nanguard/scale`` (a GradScaler's scale). The loss and the gradient norm are your loop's own curves: ``curves=True`` adds the
-guard's (``nanguard/loss``, ``nanguard/grad_norm``: across ranks, before clipping).
+``nanguard/precursor/<signal>`` (the precursor's value) and ``nanguard/steps_left`` at an early
+warning, and ``nanguard/scale`` (a GradScaler's scale). The loss and the gradient norm are your loop's own
+curves: ``curves=True`` adds the guard's (``nanguard/loss``, ``nanguard/grad_norm``: across ranks, before clipping).
 
 Example:
     >>> from torch.utils.tensorboard import SummaryWriter

@@ -6,13 +6,15 @@ q.k^T) and each one a matmul with a parameter made (a linear output, with the mo
 it), and keeps the tag through the ops that take the tagged tensor first (scaling, a mask fill,
 a split, a view). Then
 
-- a softmax over a score (or its ``exp``, a softmax written by hand) is attention: ``attn_logit`` is the largest finite |logit| it saw (a
-  ``-inf`` mask fill is not a logit), for the module the softmax ran in;
+- a softmax over a score (or its ``exp``, a softmax written by hand) is attention: ``attn_logit``
+  is the largest logit it saw (a ``-inf`` mask fill is below every logit), for the module the
+  softmax ran in;
   ``F.scaled_dot_product_attention`` computes the same scores from q and k (in chunks, its
   mask and ``is_causal`` applied), the one extra matmul of a sampled step;
 - a softmax or top-k over a linear output inside a submodule is an MoE router: ``router_logit``;
 - a linear output reaching ``cross_entropy``, ``log_softmax`` or ``logsumexp`` outside any submodule
-  (or the model's returned logits) is the output layer: ``logit_z``, the RMS over positions of its logsumexp;
+  (or the model's returned logits) is the output layer: ``logit_z``, the RMS over positions of
+  its logsumexp;
 - each repeated layer (a child of a ``ModuleList``/``ModuleDict``) gives ``output_rms``.
 
 Every value is reduced on the device; nothing is read here. The mode only reads what the ops
@@ -88,7 +90,7 @@ class Capture(TorchFunctionMode):
     def __enter__(self) -> Capture:
         self._stack.__enter__()
         self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in layers(self.model)]
-        return super().__enter__()  # type: ignore[no-any-return]
+        return super().__enter__()
 
     def enter_within(self, module: nn.Module) -> Capture:
         """Install from inside ``module``'s own forward pre-hook (the stack enters it here)."""
@@ -138,30 +140,36 @@ class Capture(TorchFunctionMode):
 
     # -- what each kind of call measures -------------------------------------------------
     def _softmax(self, func: Any, args: tuple, kwargs: dict) -> None:
-        x = args[0] if args else kwargs.get("input")
-        tag = self._tag(x) if isinstance(x, torch.Tensor) else None
-        if tag is None:
+        found = self._tagged_input(args, kwargs)
+        if found is None:
             return
+        x, (kind, owner) = found
         here = self._stack.current_name()
-        if tag[0] == _SCORE:
-            self._put(here or tag[1], "attn_logit", _max_logit(x))
+        if kind == _SCORE:
+            self._put(here or owner, "attn_logit", _max_logit(x))
         elif here:  # a linear output's softmax inside a submodule: a router (a loss's softmax runs at the root)
-            self._put(tag[1], "router_logit", _finite_absmax(x))
+            self._put(owner, "router_logit", _finite_absmax(x))
 
     def _topk(self, func: Any, args: tuple, kwargs: dict) -> None:
-        x = args[0] if args else kwargs.get("input")
-        tag = self._tag(x) if isinstance(x, torch.Tensor) else None
-        if tag is not None and tag[0] == _LINEAR and self._stack.current_name():
-            self._put(tag[1], "router_logit", _finite_absmax(x))
+        found = self._tagged_input(args, kwargs)
+        if found is not None and found[1][0] == _LINEAR and self._stack.current_name():
+            self._put(found[1][1], "router_logit", _finite_absmax(found[0]))
 
     def _logz(self, func: Any, args: tuple, kwargs: dict) -> None:
-        x = args[0] if args else kwargs.get("input")
-        tag = self._tag(x) if isinstance(x, torch.Tensor) else None
-        if tag is None or tag[0] != _LINEAR or x.dim() == 0 or self._stack.current_name():
+        found = self._tagged_input(args, kwargs)
+        if found is None or found[1][0] != _LINEAR or found[0].dim() == 0 or self._stack.current_name():
             return  # the output layer's loss runs at the model's root or outside it; a submodule's is a router's
+        x, (_, owner) = found
         dim = 1 if func in _LOGZ_DIM1 and x.dim() > 1 else kwargs.get("dim", args[1] if len(args) > 1 else -1)
         if isinstance(dim, int):
-            self._put(tag[1], "logit_z", _logz_rms(x, dim))
+            self._put(owner, "logit_z", _logz_rms(x, dim))
+
+    def _tagged_input(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple[str, str]] | None:
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor):
+            return None
+        tag = self._tag(x)
+        return None if tag is None else (x, tag)
 
     def _sdpa(self, func: Any, args: tuple, kwargs: dict) -> None:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
