@@ -16,6 +16,8 @@ from torch import nn
 
 import nanguard as ng
 from nanguard.integrations.scalars import scalars_of
+from nanguard.report.html import render_html
+from nanguard.report.load import load_run
 from nanguard.precursors import HORIZON, POINTS, SIGNALS, Trend
 from nanguard.tracer.precursors import Capture, layers
 from nanguard.zoo.gpt import GPT, GPTConfig, synthetic_batch
@@ -69,6 +71,18 @@ def test_attention_logits_grown_each_step_are_warned_once_with_the_layer_the_gro
     assert w["limit"] == SIGNALS["attn_logit"].limit and w["level"] == w["series"][0][1]
 
 
+def test_the_warning_is_in_the_event_log_and_plotted_in_the_html_report(tmp_path) -> None:
+    model = _gpt()
+    _scale_q(model, 60.0)
+    warnings, _ = _driven(model, lambda m: _scale_q(m, 1.2), steps=18, run_dir=tmp_path)
+    report = load_run(tmp_path)
+    (marker,) = report.early_warnings
+    assert (marker.fields["signal"], marker.fields["module"]) == ("attn_logit", "blocks.1.attn")
+    assert marker.fields["series"] == warnings[0]["series"]
+    html = render_html(report)
+    assert 'id="plot-precursors"' in html and "steps left" in html
+
+
 def test_output_logits_grown_each_step_are_warned_as_log_z_of_the_head() -> None:
     model = _gpt()
     with torch.no_grad():
@@ -104,7 +118,7 @@ def test_router_logits_are_found_by_what_the_router_computes_and_warned() -> Non
     torch.manual_seed(0)
     model = _Moe()
     with torch.no_grad():
-        model.layers[0].gate.weight.mul_(10.0)
+        model.layers[0].gate.weight.mul_(2.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     events: list[dict[str, Any]] = []
     guard = ng.Guard(model, opt, on_event=events.append, precursor_every=EVERY)
