@@ -243,3 +243,14 @@ def test_a_warning_reaches_tensorboard_and_wandb_through_the_scalars() -> None:
     out = scalars_of({**event, "steps_left": 12}, counts)
     assert out["nanguard/warnings"] == 1.0 and out["nanguard/precursor/attn_logit"] == 30.0
     assert scalars_of({"kind": "step", "step": 27, "loss": 1.0}, counts)["nanguard/warnings"] == 1.0
+
+
+def test_a_failure_of_the_precursor_check_never_stops_the_run(monkeypatch, caplog) -> None:
+    def broken(self: Capture, model: nn.Module) -> None:
+        raise RuntimeError("a capture that cannot start")
+
+    monkeypatch.setattr(Capture, "__init__", broken)
+    model = _gpt()
+    warnings, guard = _driven(model, lambda m: _scale_q(m, 1.2), steps=6)
+    assert warnings == [] and guard.step_count == 6 and guard.skipped == 0
+    assert "precursor check failed and stops" in caplog.text and guard.precursors.every == 0

@@ -85,6 +85,8 @@ class PrecursorCheck:
         *,
         every: int | None = None,
     ) -> None:
+        inner = getattr(optimizer, "optimizer", None)  # a wrapper's (accelerate's) optimizer steps the weights
+        optimizer = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
         self.model, self.optimizer, self.config = dist.unwrap(model), optimizer, config
         self.progress, self.recorder, self.remedies = progress, recorder, remedies
         self.every = config.precursor_every if every is None else every
@@ -100,12 +102,13 @@ class PrecursorCheck:
             self._params = [p for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()]
             self._modules = [names.get(id(p), "") for p in self._params]
             self._module_of = {id(p): m for p, m in zip(self._params, self._modules, strict=True)}
-            self._handles = [
-                self.model.register_forward_pre_hook(self._enter),
-                self.model.register_forward_hook(self._leave, always_call=True),
-                optimizer.register_step_pre_hook(self._pre_step),
-                optimizer.register_step_post_hook(self._post_step),
-            ]
+            try:
+                self._handles.append(self.model.register_forward_pre_hook(self._enter))
+                self._handles.append(self.model.register_forward_hook(self._leave, always_call=True))
+                self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+                self._handles.append(optimizer.register_step_post_hook(self._post_step))
+            except (AttributeError, RuntimeError, TypeError) as err:  # an optimizer without step hooks
+                self._stop(err)
 
     def due(self, step: int) -> bool:
         """Every ``every``-th step from step ``every`` on (step 0's values are the initialization's)."""
@@ -126,23 +129,39 @@ class PrecursorCheck:
             return
         if self._measured is not None and self._measured[0] == step:
             return  # one forward a sampled step (the first micro-batch's)
-        self._capture = Capture(self.model).enter_within(module)
-        self._measured = (step, {})
+        try:
+            self._capture = Capture(self.model).enter_within(module)
+            self._measured = (step, {})
+        except Exception as err:
+            self._stop(err)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         capture, self._capture = self._capture, None
         if capture is None:
             return
-        capture.model_output(output)
-        capture.__exit__(None, None, None)
-        assert self._measured is not None
-        self._measured = (self._measured[0], capture.values)
+        try:
+            capture.model_output(output)
+        except Exception as err:
+            self._stop(err)
+        finally:
+            capture.__exit__(None, None, None)
+        if self._measured is not None:
+            self._measured = (self._measured[0], capture.values)
+
+    def _stop(self, err: BaseException) -> None:
+        """nanguard's own failure never stops the run: the check says so once and turns off."""
+        log.warning("nanguard: the precursor check failed and stops: %r", err)
+        self.every = 0
+        self.close()
 
     # -- the sampled update ----------------------------------------------------------------
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._measured is not None and self._measured[1]:
-            with torch.no_grad():
-                self._before = list(torch._foreach_mul([local(p).detach() for p in self._params], 1.0))
+            try:
+                with torch.no_grad():
+                    self._before = list(torch._foreach_mul([local(p).detach() for p in self._params], 1.0))
+            except Exception as err:
+                self._stop(err)
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -157,9 +176,8 @@ class PrecursorCheck:
                     values |= self._update_ratios(before)
                 values |= self._adam_updates()
             self._pending.append(_Queued(step, values))
-        except Exception as err:  # nanguard's own failure never stops the run
-            log.warning("nanguard: the precursor check failed and stops: %r", err)
-            self.close()
+        except Exception as err:
+            self._stop(err)
 
     def _update_ratios(self, before: list[torch.Tensor]) -> Values:
         after = [local(p).detach() for p in self._params]
