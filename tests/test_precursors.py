@@ -16,9 +16,9 @@ from torch import nn
 
 import nanguard as ng
 from nanguard.integrations.scalars import scalars_of
+from nanguard.precursors import HORIZON, POINTS, SIGNALS, Trend
 from nanguard.report.html import render_html
 from nanguard.report.load import load_run
-from nanguard.precursors import HORIZON, POINTS, SIGNALS, Trend
 from nanguard.tracer.precursors import Capture, layers
 from nanguard.zoo.gpt import GPT, GPTConfig, synthetic_batch
 
@@ -222,6 +222,10 @@ def test_the_trend_rule(series: list[float], warns: bool) -> None:
     if warns:
         assert found[-1][0].steps_left <= HORIZON
         assert trend.add(40, {("blocks.0.attn", "attn_logit"): series[-1] * 2}) == []  # once per (layer, signal)
+        again = Trend()
+        for i, v in enumerate(series):
+            found = again.add(10 * i, {("blocks.0.attn", "attn_logit"): v, ("blocks.0.attn", "output_rms"): 2.0})
+        assert found[0].context == {"output_rms": 2.0}  # the module's other signals at that sample
 
 
 def test_auto_lowers_the_lr_on_a_warning_only_when_asked() -> None:

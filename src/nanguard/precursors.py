@@ -176,7 +176,7 @@ class Trend:
         signal = SIGNALS[key[1]]
         limit = signal.limit
         if not signal.warns_from <= last < limit:
-            return None  # past the limit and no blow-up: the limit is not this model's (a softmax that subtracts its max)
+            return None  # past the limit, no blow-up: the limit is not this model's (a softmax that subtracts its max)
         left = math.log(limit / last) / rate
         if left > self.horizon:
             return None

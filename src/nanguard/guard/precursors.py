@@ -4,11 +4,12 @@ per (layer, signal) with the growth, the steps left and the published fix.
 
 A sampled step is the user's own step, run once: its training forward runs under a
 ``tracer.precursors.Capture`` (attention, router and output logits, each layer's output RMS); the
-optimizer's step pre- and post-hooks take the update-to-weight ratio of each module and Adam's
-update per unit of LR from its state. The values are stacked into one device tensor and copied
+optimizer's step pre- and post-hooks take the update-to-weight ratio of each module. The values are stacked into one device tensor and copied
 to the host without waiting (pinned memory and an event on a GPU); the copy is read at a later
 optimizer step once its event has completed, which the step's own health read in between makes
-sure of: no host sync is added. ``headroom`` events (``headroom_every``) feed the trend too.
+sure of: no host sync is added. ``headroom`` events (``headroom_every``) feed the trend too. At a
+warning (once per layer and signal), Adam's update per unit of LR of the warned modules is read from
+its state, as the warning's context: it never warns alone (``precursors.SIGNALS``).
 
 Under ``policy="auto"`` with ``precursor_lower_lr=True`` (off by default) a warning lowers the LR
 by ``lr_factor`` once, as the ``optimizer.divergence`` remedy does, recorded as a ``lower_lr``
@@ -35,7 +36,7 @@ from nanguard.precursors import SIGNALS, Precursor, Trend
 from nanguard.stats import local
 from nanguard.tracer.compiled import compiled_modules
 from nanguard.tracer.headroom import Headroom
-from nanguard.tracer.precursors import Capture, Values
+from nanguard.tracer.precursors import Capture, Values, layers, owners_of
 
 __all__ = ["PrecursorCheck"]
 
@@ -98,7 +99,8 @@ class PrecursorCheck:
         self._acted = False
         self._handles: list[Any] = []
         if self.every and not compiled_modules(self.model):  # a compiled model would run eagerly under the mode
-            names = {id(p): n.rpartition(".")[0] for n, p in self.model.named_parameters()}
+            names = owners_of(self.model)
+            self._owners, self._layers = names, layers(self.model)
             self._params = [p for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()]
             self._modules = [names.get(id(p), "") for p in self._params]
             self._module_of = {id(p): m for p, m in zip(self._params, self._modules, strict=True)}
@@ -130,7 +132,7 @@ class PrecursorCheck:
         if self._measured is not None and self._measured[0] == step:
             return  # one forward a sampled step (the first micro-batch's)
         try:
-            self._capture = Capture(self.model).enter_within(module)
+            self._capture = Capture(self.model, self._owners, self._layers).enter_within(module)
             self._measured = (step, {})
         except Exception as err:
             self._stop(err)
@@ -174,7 +176,6 @@ class PrecursorCheck:
             with torch.no_grad():
                 if before is not None:
                     values |= self._update_ratios(before)
-                values |= self._adam_updates()
             self._pending.append(_Queued(step, values))
         except Exception as err:
             self._stop(err)
@@ -233,6 +234,12 @@ class PrecursorCheck:
             self._warn(self.trend.add(queued.step, queued.read()))
 
     def _warn(self, found: list[Precursor]) -> None:
+        if found:  # Adam's update per unit of LR, of the warned modules, read from its state now
+            adam = {m: float(v) for (m, _), v in self._adam_updates().items()}
+            found = [
+                w._replace(context={**w.context, "adam_update": adam[w.module]}) if w.module in adam else w
+                for w in found
+            ]
         for w in found:
             signal = SIGNALS[w.signal]
             lr = current_lr(self.optimizer)

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from nanguard.stats import local
 from nanguard.tracer.modules import ModuleStack
 
-__all__ = ["Capture", "Values", "layers"]
+__all__ = ["Capture", "Values", "layers", "owners_of"]
 
 Values = dict[tuple[str, str], torch.Tensor]
 """``(module, signal) -> 0-dim float32 device tensor``."""
@@ -64,6 +64,11 @@ def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def owners_of(model: nn.Module) -> dict[int, str]:
+    """Each parameter's owning module, by the parameter's id."""
+    return {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}
+
+
 class Capture(TorchFunctionMode):
     """Measures the precursors of the forward run inside it into ``values`` (see the module docstring).
 
@@ -74,12 +79,18 @@ class Capture(TorchFunctionMode):
         ('blocks.0', 'output_rms')
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        owners: dict[int, str] | None = None,
+        repeated: list[tuple[str, nn.Module]] | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.values: Values = {}
         self._tags: dict[int, tuple[weakref.ref[torch.Tensor], str, str]] = {}
-        self._owners: dict[int, str] = {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}
+        self._owners = owners if owners is not None else owners_of(model)
+        self._layers = repeated if repeated is not None else layers(model)
         self._stack = ModuleStack(model)
         self._hooks: list[Any] = []
         self._handlers: dict[Any, Callable[[Any, tuple, dict], None]] = {}
@@ -89,13 +100,13 @@ class Capture(TorchFunctionMode):
 
     def __enter__(self) -> Capture:
         self._stack.__enter__()
-        self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in layers(self.model)]
+        self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in self._layers]
         return super().__enter__()
 
     def enter_within(self, module: nn.Module) -> Capture:
         """Install from inside ``module``'s own forward pre-hook (the stack enters it here)."""
         self._stack.enter_within(module)
-        self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in layers(self.model)]
+        self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in self._layers]
         super().__enter__()
         return self
 
