@@ -88,8 +88,8 @@ def main() -> None:
 
 Target: <= 1% of a step at the default sampling. A sampled step runs its forward under the capture mode (a Python
 call per torch function; the attention's `amax`, log Z, each layer's RMS), copies the weights before the update and
-reads the update ratio and Adam's state after it with foreach kernels; the other steps pay a forward pre-hook and
-an optimizer step hook that return at once. On a tiny CPU model the per-call Python cost weighs most; on a model of
+reads the update ratio after it with foreach kernels; the other steps pay a forward pre-hook and an optimizer step
+hook that return at once. On a tiny CPU model the per-call Python cost weighs most; on a model of
 real size on a GPU the same calls are a smaller share of the step.
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/precursor_cost.py --write`."""
