@@ -119,7 +119,7 @@ def test_router_logits_are_found_by_what_the_router_computes_and_warned() -> Non
     model = _Moe()
     with torch.no_grad():
         model.layers[0].gate.weight.mul_(2.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.0)  # its state fills; the weights move only by the drive
     events: list[dict[str, Any]] = []
     guard = ng.Guard(model, opt, on_event=events.append, precursor_every=EVERY)
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
@@ -137,6 +137,8 @@ def test_router_logits_are_found_by_what_the_router_computes_and_warned() -> Non
     guard.close()
     warned = [(e["signal"], e["module"]) for e in events if e["kind"] == "warning"]
     assert ("router_logit", "layers.0.gate") in warned
+    (router,) = [e for e in events if e["kind"] == "warning" and e["module"] == "layers.0.gate"]
+    assert 0 < router["context"]["adam_update"] < math.inf  # Adam's update of the warned router, read at the warning
     assert not any(signal == "attn_logit" for signal, _ in warned)  # a router's softmax is no attention
 
 

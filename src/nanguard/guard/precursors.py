@@ -5,12 +5,12 @@ per (layer, signal) with the growth, the steps left and the published fix.
 A sampled step is the user's own step, run once: its training forward runs under a
 ``tracer.precursors.Capture`` (attention, router and output logits, each layer's output RMS); the
 optimizer's step pre- and post-hooks take the update-to-weight ratio of each module. The values are
-stacked into one device tensor and copied to the host without waiting (pinned memory and an event on a GPU); the copy is read at a later
-optimizer step once its event has completed, which the step's own health read in between makes
-sure of: no host sync is added. ``headroom`` events (``headroom_every``) feed the trend too. At a
-warning (once per layer and signal), Adam's update per unit of LR of the warned modules is read from
-its state, as the warning's context (a host read, once per warning): it never warns alone
-(``precursors.SIGNALS``).
+stacked into one device tensor and copied to the host without waiting (pinned memory and an event on
+a GPU); the copy is read at a later optimizer step once its event has completed, which the step's own
+health read in between makes sure of: no host sync is added. ``headroom`` events (``headroom_every``)
+feed the trend too. At a warning (once per layer and signal), Adam's update per unit of LR of the
+warned modules is read from its state, as the warning's context (a host read, once per warning): it
+never warns alone (``precursors.SIGNALS``).
 
 Under ``policy="auto"`` with ``precursor_lower_lr=True`` (off by default) a warning lowers the LR
 by ``lr_factor`` once, as the ``optimizer.divergence`` remedy does, recorded as a ``lower_lr``
@@ -236,9 +236,9 @@ class PrecursorCheck:
 
     def _warn(self, found: list[Precursor]) -> None:
         if found:  # Adam's update per unit of LR, of the warned modules, read from its state now
-            adam = {m: float(v) for (m, _), v in self._adam_updates().items()}
+            updates = {m: float(v) for (m, _), v in self._adam_updates().items()}
             found = [
-                w._replace(context={**w.context, "adam_update": adam[w.module]}) if w.module in adam else w
+                w._replace(context={**w.context, "adam_update": updates[w.module]}) if w.module in updates else w
                 for w in found
             ]
         for w in found:
