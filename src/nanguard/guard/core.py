@@ -37,6 +37,7 @@ from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
 from nanguard.guard.policy import DEFER, Action, Policy
+from nanguard.guard.precursors import PrecursorCheck
 from nanguard.guard.progress import Outcome, PolicyView, Progress
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
@@ -158,6 +159,9 @@ class Guard:
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = PolicyView(self.recovery, self._remedies, self.progress)
+        every = 0 if self.disabled else c.precursor_every  # sampled in the step, read without a sync
+        self.precursors = PrecursorCheck(model, optimizer, c, self.progress, self.recorder, self._remedies, every=every)
+        self._remedies.headroom.emit = self.precursors.watch_headroom(self._remedies.headroom.emit)
         self._choose_paths()
         self._wire()
         self._pending: tuple[Attempt, StepHealth] | None = None  # a checked step whose update is to be recorded
@@ -516,6 +520,7 @@ class Guard:
     def close(self) -> None:
         self._settle()
         self._remedies.headroom.close()
+        self.precursors.close()
         self.recorder.end(self.progress.step, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
 
