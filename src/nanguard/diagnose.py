@@ -801,7 +801,9 @@ def mask_fill_in_loss(ev: Evidence) -> Judgement | None:
         return None
     filled = sum(s.get("neginf", 0) for s in o.outputs or o.inputs or [])
     then = [_short(a.get("op")) for a in ev.after or [] if a.get("op")]
-    why = f"{o.op} in {_where(o)} filled {filled} positions with -inf, and the -inf reached the results"
+    why = f"{o.op} in {_where(o)} filled {filled} positions with -inf{_written_into(o)}"
+    why += f" at {o.source}" if o.source else ""
+    why += ", and the -inf reached the results"
     why += f" through {' -> '.join(then[:4])}" if then else ""
     why += ": a loss or sum that includes the masked positions turns -inf into Inf, or 0 * -inf into NaN"
     fixes = [
@@ -812,12 +814,25 @@ def mask_fill_in_loss(ev: Evidence) -> Judgement | None:
     return Judgement("op.mask_fill_in_loss", why, fixes)
 
 
+def _written_into(o: OriginEvidence) -> str:
+    """`` of the output of aten.addmm.default in 'head' (through a view of it)``: where a write through a
+    view or an alias (``x.data``, ``x.detach()``) landed, when the tracer saw one."""
+    into = o.get("written_into")
+    if not isinstance(into, dict) or into.get("through") not in ("view", "alias"):
+        return ""
+    base = into.get("base") if isinstance(into.get("base"), dict) else {}
+    made = f"the output of {base.get('op')}" if base.get("op") else f"a tensor of shape {base.get('shape')}"
+    made += f" in '{base.get('module')}'" if base.get("module") else ""
+    how = "a view" if into.get("through") == "view" else "an alias (.data / .detach())"
+    return f" of {made} (through {how} of it)"
+
+
 @_rule
 def nan_write(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if o.category != "write" or o.get("written") not in ("nan", "inf"):
         return None
-    why = f"{o.op} in {_where(o)} wrote {o.get('written')} into a tensor explicitly"
+    why = f"{o.op} in {_where(o)} wrote {o.get('written')} into a tensor explicitly{_written_into(o)}"
     if o.source:
         why += f" at {o.source}"
     fixes = [
