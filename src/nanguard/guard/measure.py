@@ -139,6 +139,7 @@ class Measure:
                 # Every rank's growth, read from the agreed values: the same verdict on every rank.
                 rank=0 if dist.is_distributed() else None,
                 ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
+                weights=self.history.weights.evidence(step) if self.history.weights is not None else None,
             )
             return Verdict("trip", step, h, diagnosis=diag, spikes=spikes, forecast=trend, departure=departed)
         if spikes or trend is not None or departed is not None:  # signs the apply stage records
