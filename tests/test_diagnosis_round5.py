@@ -150,7 +150,7 @@ def test_weight_decay_with_the_wrong_sign_is_divergence_and_the_right_sign_is_qu
             if p.dim() >= 2:
                 p.add_(p, alpha=sign * 0.05 * 4.0)  # decoupled decay: alpha=-lr*wd, here with its sign flipped
 
-    diag, _, _ = _train(model, optimizer, 400, after=decay)
+    diag, _, _ = _train(model, optimizer, 250, after=decay)
     if sign < 0:
         assert diag is None
         return

@@ -894,7 +894,8 @@ def _written_into(o: OriginEvidence) -> str:
     into = o.get("written_into")
     if not isinstance(into, dict) or into.get("through") not in ("view", "alias"):
         return ""
-    base = into.get("base") if isinstance(into.get("base"), dict) else {}
+    found = into.get("base")
+    base: dict[str, Any] = found if isinstance(found, dict) else {}
     made = f"the output of {base.get('op')}" if base.get("op") else f"a tensor of shape {base.get('shape')}"
     made += f" in '{base.get('module')}'" if base.get("module") else ""
     how = "a view" if into.get("through") == "view" else "an alias (.data / .detach())"

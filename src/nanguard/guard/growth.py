@@ -99,9 +99,12 @@ class WeightLog:
         now = self._norms() if self.start is not None else None
         if self.start is None or now is None:
             return out
-        series = [(s, n) for s, n in self.samples if s < step]
-        steps = [-1, *(s for s, _ in series), step]
-        table = torch.stack([self.start, *(n.to(self.start.device) for _, n in series), now.to(self.start.device)])
+        series = [(s, n.to(self.start.device)) for s, n in self.samples if s < step]
+        now = now.to(self.start.device)
+        if not series or not torch.equal(series[-1][1], now):  # else the last sample is now: counted once
+            series.append((step, now))
+        steps = [-1, *(s for s, _ in series)]
+        table = torch.stack([self.start, *(n for _, n in series)])
         values = table.double().t().tolist()  # one row per weight, one column per sample
         best = max(range(len(values)), key=lambda i: _growth(values[i]))
         row = values[best]

@@ -49,9 +49,9 @@ class Result:
     def expected_step(self) -> int | None:
         """The step the guard must trip at: a ``FIRST_BAD`` expectation read as the plain run's
         first bad step; a ``BY_FIRST_BAD`` one as the step it tripped at, when that is no later."""
+        detect, first_bad = self.detect_step, self.first_bad_step
         if self.expected["step"] == BY_FIRST_BAD:
-            early = self.detect_step is not None and self.first_bad_step is not None
-            return self.detect_step if early and self.detect_step <= self.first_bad_step else self.first_bad_step
+            return detect if detect is not None and first_bad is not None and detect <= first_bad else first_bad
         return self.first_bad_step if self.expected["step"] == FIRST_BAD else self.expected["step"]
 
     @property
