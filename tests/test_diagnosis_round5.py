@@ -16,6 +16,7 @@ from nanguard.guard.growth import WeightLog
 from nanguard.zoo.growth_scenarios import warmup_linear, warmup_linear_clamped
 from nanguard.zoo.runner import run_wild
 from nanguard.zoo.wild import get_wild
+from nanguard.zoo.wild_views import safe_entropy_case
 
 
 class NormNet(nn.Module):
@@ -236,5 +237,42 @@ def test_the_guard_names_the_write_too_and_the_safe_entropy_stays_quiet() -> Non
     guard.step(lambda: case.fn(*case.args))
     diag = guard.last_diagnosis
     assert diag is not None and (diag.cause, diag.op) == ("op.mask_fill_in_loss", "aten.index_put_.default")
-    safe = get_wild("healthy_topk_filter_safe_entropy").build()
+    safe = safe_entropy_case()
     assert ng.locate(safe.fn, *safe.args, model=safe.model) is None
+
+
+# -- the rules on hand-built evidence --------------------------------------------------------
+_GROWN = {"parameter": "fc.weight", "norm_start": 1.0, "norm_now": 1e9, "growth": 1e9, "per_step": 1.2, "since": 30}
+
+
+def _overflow(op: str, **origin: object) -> dict:
+    return {
+        "origin": {"category": "op", "op": op, "module": "fc", "inputs": [{"absmax": 1e6}], **origin},
+        "kind": "inf",
+        "weight_scale": {"max_ratio": 300.0, "module": "fc"},
+        "initial_weight_scale": {"max_ratio": 0.5, "module": "fc"},
+    }
+
+
+def test_a_product_overflow_of_grown_weights_names_the_growth_and_a_negative_lr_first() -> None:
+    from nanguard.diagnose import diagnose
+
+    ev = {**_overflow("aten.addmm.default"), "history": {"lr": -0.01, "weights": {**_GROWN, "lr_negative_since": 61}}}
+    verdict = diagnose(ev)
+    assert verdict.cause == "optimizer.divergence"
+    assert "grew 1e+09x" in verdict.why and "x1.2 a step since step 30" in verdict.why
+    assert "negative (-0.01) since step 61" in verdict.why and "went negative at step 61" in verdict.fixes[0]
+    assert "init.scale" not in [a["cause"] for a in verdict.also]
+
+
+def test_an_op_level_cause_keeps_its_name_and_the_growth_goes_to_also() -> None:
+    from nanguard.diagnose import diagnose
+
+    # A softmax written without its max overflows exp: the op's fix comes first, whatever grew the scores.
+    ev = {**_overflow("aten.exp.default"), "history": {"lr": 0.01, "weights": _GROWN}}
+    ev["origin"]["inputs"] = [{"absmax": 1e6, "max": 1e6}]
+    verdict = diagnose(ev)
+    assert verdict.cause == "op.exp_overflow"
+    # Large at the start and not grown since: the init's.
+    still = {**_overflow("aten.addmm.default"), "initial_weight_scale": {"max_ratio": 300.0, "module": "fc"}}
+    assert diagnose(still).cause == "init.scale"

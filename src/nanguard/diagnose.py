@@ -327,7 +327,7 @@ def grown_weights(ev: Evidence) -> Judgement | None:
     much, how fast and since when, and the LR (a negative one: descent turned to ascent); from
     ``locate`` alone, that the weights were written by training and the history is unknown."""
     o = _origin(ev)
-    if not _overflowed(ev) or not _grew_in_training(ev):
+    if not _overflowed(ev) or not _grew_in_training(ev) or _op_explains(ev):
         return None
     grown, history = _weights_log(ev), ev.history or {}
     scale = ev.weight_scale or {}
@@ -355,6 +355,12 @@ def grown_weights(ev: Evidence) -> Judgement | None:
     why += f"; then {_overflow_why(o) if norm else f'{o.op} in {_where(o)} overflowed'}"
     why += "" if norm else f" (inputs up to {_input_absmax(o):.3g})"
     return Judgement("optimizer.divergence", why, _growth_fixes(lr, negative))
+
+
+def _op_explains(ev: Evidence) -> bool:
+    """Does an op-level rule name the origin itself: a float16 overflow float32 computes finitely, an exp
+    of a softmax written without its max? Then that is the fix, and the growth a second cause (``also``)."""
+    return any(rule(ev) is not None for rule in _OP_RULES)
 
 
 def _growth_fixes(lr: Any, negative: Any) -> list[str]:
@@ -963,6 +969,8 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     nan_write,
     norm_overflow,
 ]
+# The op-level rules a growth of the weights defers to (``_op_explains``).
+_OP_RULES = RULES[RULES.index(precision_overflow) : RULES.index(trig_domain) + 1]
 # Rules that never name the cause, only add a secondary one to ``also``.
 HINTS: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     _weight_scale_hint,

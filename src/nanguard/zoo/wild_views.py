@@ -5,7 +5,8 @@ The filtered logits feed an entropy bonus written as ``-(softmax * log_softmax).
 in the forward. The write is the origin, whatever it wrote through (``logits[:, :]``, ``logits.view``,
 ``logits.data``); before the tracer followed writes through a ``.data`` alias and read a softmax
 backward kernel given an Inf gradient as the write's consequence, these were ``unknown`` at
-``aten._softmax_backward_data``. Built from these reports (facts only):
+``aten._softmax_backward_data``. Its healthy twin (``safe_entropy_case``) is tested in
+``tests/test_diagnosis_round5.py``. Built from these reports (facts only):
 
 - huggingface/transformers#17744: ``top_k_top_p_filtering`` fills the filtered logits with -inf (its
   ``filter_value``) in place, through boolean indexing.
@@ -21,7 +22,7 @@ from torch import nn
 
 from nanguard.zoo.scenarios import Case, Expect, WildScenario
 
-__all__ = ["SCENARIOS"]
+__all__ = ["SCENARIOS", "safe_entropy_case"]
 
 TOP_K = 3
 
@@ -68,6 +69,12 @@ def _entropy_step(how: str, safe: bool = False) -> Case:
     return Case(fn, (x,), policy)
 
 
+def safe_entropy_case() -> Case:
+    """The healthy twin (the wild group holds faults only): the same in-place top-k filter through a view, the
+    entropy's filtered terms zeroed (p = 0 there, and its log-probability zeroed before the product)."""
+    return _entropy_step("view", safe=True)
+
+
 SCENARIOS = (
     WildScenario(
         "topk_filter_through_a_view",
@@ -93,13 +100,5 @@ SCENARIOS = (
         Expect("op.mask_fill_in_loss", "aten.scatter_.value", "", "forward", "inf"),
         "scatter_(1, dropped, -inf) through logits.view(...) fills the dropped logits; the entropy's 0 * -inf is NaN",
         lambda: _entropy_step("scatter"),
-    ),
-    WildScenario(
-        "healthy_topk_filter_safe_entropy",
-        "huggingface/transformers#17744",
-        "the same in-place top-k filter through a view, the entropy's filtered terms zeroed: must not trip",
-        Expect(None),
-        "p = 0 at every filtered logit and its log-probability is zeroed before the product: every term is finite",
-        lambda: _entropy_step("view", safe=True),
     ),
 )
