@@ -276,3 +276,30 @@ def test_an_op_level_cause_keeps_its_name_and_the_growth_goes_to_also() -> None:
     # Large at the start and not grown since: the init's.
     still = {**_overflow("aten.addmm.default"), "initial_weight_scale": {"max_ratio": 300.0, "module": "fc"}}
     assert diagnose(still).cause == "init.scale"
+
+
+def test_a_weight_log_that_fails_never_stops_the_run_or_its_diagnosis(monkeypatch) -> None:
+    def broken(self: WeightLog) -> torch.Tensor:
+        raise RuntimeError("no norms here")
+
+    monkeypatch.setattr(WeightLog, "_norms", broken)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = ng.Guard(model, optimizer, policy="skip")
+    x = torch.ones(2, 3)
+
+    def step(bad: bool) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(x).log().sum() if bad else model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(10):
+        guard.step(lambda: step(False))
+    assert guard.last_diagnosis is None and guard.skipped == 0
+    with torch.no_grad():
+        model.weight.fill_(-1.0)
+        model.bias.zero_()
+    guard.step(lambda: step(True))
+    assert guard.last_diagnosis is not None and guard.last_diagnosis.cause == "op.log_domain"
+    guard.close()

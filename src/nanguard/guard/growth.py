@@ -52,7 +52,11 @@ class WeightLog:
         self.samples: deque[tuple[int, torch.Tensor]] = deque(maxlen=SAMPLES)
         self.negative_since: int | None = None
         self._updates = 0
-        self.start = self._norms()
+        self.start: torch.Tensor | None = None
+        try:
+            self.start = self._norms()
+        except Exception as err:  # evidence only: the guard goes on without the log
+            log.warning("nanguard: no weight log: %r", err)
 
     def _norms(self) -> torch.Tensor | None:
         """Every weight's norm as one float64 device tensor (this rank's shard of a sharded one): a weight
@@ -89,6 +93,14 @@ class WeightLog:
             self.start = None
 
     def evidence(self, step: int) -> dict[str, Any]:
+        """``_evidence``, or {} when reading the log fails: a trip's diagnosis never fails for it."""
+        try:
+            return self._evidence(step)
+        except Exception as err:
+            log.warning("nanguard: the weight log could not be read: %r", err)
+            return {}
+
+    def _evidence(self, step: int) -> dict[str, Any]:
         """What the log says at a trip at ``step`` (a host read, on the trip only): the weight that grew most
         since the start, ``growth`` (now over start), ``per_step`` (its growth per update over the last
         samples), ``since`` (the first step of the samples in a row that grew), and ``lr_negative_since``.
