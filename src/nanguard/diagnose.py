@@ -299,8 +299,9 @@ def _grew_in_training(ev: Evidence) -> bool:
     guard's facts), or, without them, written in place more than an init and a load write them?"""
     if _weight_growth(ev) >= GROWN_WEIGHTS or (_weights_log(ev).get("growth") or 0.0) >= GROWN_WEIGHTS:
         return True
-    writes = (ev.weight_scale or {}).get("writes")
-    return not _run_facts_given(ev) and isinstance(writes, int) and writes >= TRAINED_WRITES
+    scale = ev.weight_scale or {}
+    writes, large = scale.get("writes"), (scale.get("max_ratio") or 0.0) >= INIT_RATIO_HIGH
+    return not _run_facts_given(ev) and large and isinstance(writes, int) and writes >= TRAINED_WRITES
 
 
 def _run_facts_given(ev: Evidence) -> bool:

@@ -46,7 +46,10 @@ class WeightLog:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int = EVERY) -> None:
         self.optimizer = optimizer
         self.every = every
-        named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and local(p).numel() > 0]
+        # Matrices only (linear, conv, embedding weights): a bias or a norm's gain may start near 0 and grow
+        # 100-fold in a healthy run; a weight matrix starts at its init's scale.
+        named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and p.is_floating_point()]
+        named = [(n, p) for n, p in named if local(p).numel() > 0]
         self.names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.samples: deque[tuple[int, torch.Tensor]] = deque(maxlen=SAMPLES)
