@@ -17,7 +17,7 @@ from nanguard.errors import NonFiniteError
 from nanguard.guard import Guard
 from nanguard.rng import get_rng_state
 from nanguard.zoo import SCENARIOS, build, get, train_step
-from nanguard.zoo.scenarios import FIRST_BAD
+from nanguard.zoo.scenarios import BY_FIRST_BAD, FIRST_BAD
 
 
 def test_demo_default_breaks_skips_and_explains(capsys, tmp_path) -> None:
@@ -269,7 +269,9 @@ def test_default_demo_writes_runs_demo_narrates_the_replay_and_points_at_the_rep
 
 
 def _slow_demo(s):
-    return pytest.param(s, marks=pytest.mark.dist) if s.ranks > 1 else s
+    if s.ranks > 1:
+        return pytest.param(s, marks=pytest.mark.dist)
+    return pytest.param(s, marks=pytest.mark.slow) if s.run_steps > 100 else s  # grows for hundreds of steps
 
 
 @pytest.mark.parametrize("scenario", [_slow_demo(s) for s in SCENARIOS], ids=lambda s: s.name)
@@ -281,7 +283,7 @@ def test_the_demo_shows_a_diagnosis_for_every_fault(scenario, capsys) -> None:
         assert "nanguard stayed quiet" in out
     else:
         assert f"created - {scenario.expect.cause} (" in out, out
-        if scenario.trip_step != FIRST_BAD:  # else the step is the plain run's first non-finite one
+        if scenario.trip_step not in (FIRST_BAD, BY_FIRST_BAD):  # else the plain run's first non-finite one (or before)
             assert re.search(rf"\bstep\s+{scenario.trip_step}\n", out), out
 
 

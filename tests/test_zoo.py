@@ -9,9 +9,13 @@ import nanguard as ng
 from nanguard.cli import main
 from nanguard.zoo import SCENARIOS, build, get
 from nanguard.zoo.runner import run_distributed, run_scenario, run_wild
+from nanguard.zoo.scenarios import BY_FIRST_BAD
 from nanguard.zoo.wild import WILD
 
-SINGLE = [s for s in SCENARIOS if s.ranks == 1]
+# Runs that grow for hundreds of steps (nanguard.zoo.growth_scenarios) are slow on a loaded CPU: they run
+# under -m slow; their short variants on a small MLP always run (tests/test_diagnosis_round5.py).
+LONG = 100
+SINGLE = [pytest.param(s, marks=pytest.mark.slow) if s.run_steps > LONG else s for s in SCENARIOS if s.ranks == 1]
 DIST = [s for s in SCENARIOS if s.ranks > 1]
 
 
@@ -66,7 +70,7 @@ def test_single_rank_scenario(scenario) -> None:
     result = run_scenario(scenario)
     assert result.ok, result.to_dict()
     if scenario.expect.cause is not None and result.first_bad_step is not None:
-        assert result.steps_late == 0
+        assert result.steps_late == 0 or (scenario.expect.step == BY_FIRST_BAD and result.steps_late < 0)
 
 
 @pytest.mark.dist

@@ -39,6 +39,7 @@ __all__ = [
     "communication_overflow",
     "diagnose",
     "faulty_device",
+    "grown_weights",
     "loaded_nonfinite",
     "loss_scale_collapse",
     "nonfinite_shards",
@@ -271,7 +272,7 @@ def init_scale(ev: Evidence) -> Judgement | None:
     # (pretrained) weights: init.scale is for activations that blow up in float32 as well.
     if (o.get("fp32_recompute") or {}).get("finite"):
         return None
-    if not _grown(ev):
+    if not _grown(ev) or _grew_in_training(ev):
         return None
     absmax = _input_absmax(o)
     why = (
@@ -286,6 +287,98 @@ def init_scale(ev: Evidence) -> Judgement | None:
         "ng.audit_model(model) flags every weight far from 1/sqrt(fan_in)",
     ]
     return Judgement("init.scale", why, fixes)
+
+
+TRAINED_WRITES = 16
+"""In-place writes to a weight past which it was trained: an init writes it once or twice and a load once,
+an optimizer on every update (a fused optimizer's writes are not counted: its weights read as untrained)."""
+
+
+def _grew_in_training(ev: Evidence) -> bool:
+    """Are the weights' size training's doing: grown ``GROWN_WEIGHTS``-fold since the run's start (the
+    guard's facts), or, without them, written in place more than an init and a load write them?"""
+    if _weight_growth(ev) >= GROWN_WEIGHTS or (_weights_log(ev).get("growth") or 0.0) >= GROWN_WEIGHTS:
+        return True
+    scale = ev.weight_scale or {}
+    writes, large = scale.get("writes"), (scale.get("max_ratio") or 0.0) >= INIT_RATIO_HIGH
+    return not _run_facts_given(ev) and large and isinstance(writes, int) and writes >= TRAINED_WRITES
+
+
+def _run_facts_given(ev: Evidence) -> bool:
+    return "initial_weight_scale" in ev.given or ev.initial_weight_scale is not None
+
+
+def _weights_log(ev: Evidence) -> dict[str, Any]:
+    """The guard's weight log at the trip (``guard.growth.WeightLog.evidence``), {} without one."""
+    found = (ev.history or {}).get("weights")
+    return found if isinstance(found, dict) else {}
+
+
+def _overflowed(ev: Evidence) -> bool:
+    """An overflow of grown values: a product of large weights, inputs already huge, or a
+    normalization whose statistics overflowed."""
+    o = _origin(ev)
+    return o.category == "op" and (_grown(ev) or (_normalization(o) and _statistics_overflowed(o)))
+
+
+@_rule
+def grown_weights(ev: Evidence) -> Judgement | None:
+    """An overflow of weights that training grew: their size is no init's, whatever the loss did
+    (x1.2 a step is never the tenfold jump ``divergence`` waits for). With the guard's weight log, how
+    much, how fast and since when, and the LR (a negative one: descent turned to ascent); from
+    ``locate`` alone, that the weights were written by training and the history is unknown."""
+    o = _origin(ev)
+    if not _overflowed(ev) or not _grew_in_training(ev) or _op_explains(ev):
+        return None
+    grown, history = _weights_log(ev), ev.history or {}
+    scale = ev.weight_scale or {}
+    lr = history.get("lr")
+    if grown.get("growth", 0.0) >= GROWN_WEIGHTS:
+        start, now, rate = grown.get("norm_start", 0), grown.get("norm_now", 0), grown.get("per_step", 1)
+        why = (
+            f"the weights grew {grown['growth']:.3g}x since the run's start ('{grown.get('parameter')}': norm "
+            f"{start:.3g} -> {now:.3g}), about x{rate:.3g} a step since step {grown.get('since')}"
+        )
+    elif _run_facts_given(ev):
+        why = f"the weights of '{scale.get('module')}' are {_weight_growth(ev):.3g}x their scale at the run's start"
+    else:
+        why = (
+            f"the weights of '{scale.get('module')}' are {scale.get('max_ratio', 0):.3g}x the 1/sqrt(fan_in) scale and "
+            f"were written in place {scale.get('writes')} times (an optimizer's updates): grown by training, not "
+            "initialized so; locate alone does not see the run's history (how fast they grew, since when, the LR): "
+            "run the loop under ng.Guard, which records it"
+        )
+    negative = grown.get("lr_negative_since")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and negative is None:
+        why += f", under lr {lr:.3g}"
+    why += _weights_why({"lr_negative_since": negative}, lr) if negative is not None else ""
+    norm = _normalization(o) and _statistics_overflowed(o)
+    why += f"; then {_overflow_why(o) if norm else f'{o.op} in {_where(o)} overflowed'}"
+    why += "" if norm else f" (inputs up to {_input_absmax(o):.3g})"
+    return Judgement("optimizer.divergence", why, _growth_fixes(lr, negative))
+
+
+def _op_explains(ev: Evidence) -> bool:
+    """Does an op-level rule name the origin itself: a float16 overflow float32 computes finitely, an exp
+    of a softmax written without its max? Then that is the fix, and the growth a second cause (``also``)."""
+    return any(rule(ev) is not None for rule in _OP_RULES)
+
+
+def _growth_fixes(lr: Any, negative: Any) -> list[str]:
+    fixes = []
+    if negative is not None:
+        fixes.append(
+            f"the learning rate went negative at step {negative}: a warmup-then-linear-decay schedule run past its "
+            "last step goes below 0; clamp it at 0 (max(0.0, ...)) and give it the number of steps the loop runs"
+        )
+    fixes += [
+        "check the update's sign: weight decay must shrink the weights (p.mul_(1 - lr * wd), or "
+        "p.add_(p, alpha=-lr * wd)), and a hand-written update subtracts lr x its direction",
+        f"lower the learning rate (now {lr:.3g}) and add gradient clipping"
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool)
+        else "lower the learning rate and add gradient clipping",
+    ]
+    return fixes
 
 
 @_rule
@@ -476,18 +569,6 @@ def _overflow_why(o: OriginEvidence) -> str:
         f"{name} in {_where(o)} got inputs up to {_input_absmax(o):.3g}, whose variance overflows {dtype} "
         "(a row variance of inf): an overflow of grown activations, not a zero variance"
     )
-
-
-@_rule
-def grown_weights_norm_overflow(ev: Evidence) -> Judgement | None:
-    """A normalization whose statistics overflowed once the weights grew far from the scale the run
-    started from: training blew them up (the guard passes that scale; ``norm_overflow`` otherwise)."""
-    o = _origin(ev)
-    if not _normalization(o) or not _statistics_overflowed(o) or (growth := _weight_growth(ev)) < GROWN_WEIGHTS:
-        return None
-    scale = ev.weight_scale or {}
-    why = _overflow_why(o) + f"; the weights of '{scale.get('module')}' are {growth:.3g}x their scale at the start"
-    return Judgement("optimizer.divergence", why + " of the run", _divergence_fixes(ev.history or {}))
 
 
 @_rule
@@ -787,7 +868,7 @@ def _weight_scale_hint(ev: Evidence) -> Judgement | None:
     """Weights large for their fan-in, given as a secondary cause when another wins."""
     scale = ev.scale
     ratio = scale.get("max_ratio") or 0.0
-    if ratio < INIT_RATIO_HIGH or _origin(ev).category != "op" or not _grown(ev):
+    if ratio < INIT_RATIO_HIGH or _origin(ev).category != "op" or not _grown(ev) or _grew_in_training(ev):
         return None
     why = f"weights of '{scale.get('module')}' are {ratio:.3g}x the 1/sqrt(fan_in) scale"
     return Judgement("init.scale", why)
@@ -801,7 +882,9 @@ def mask_fill_in_loss(ev: Evidence) -> Judgement | None:
         return None
     filled = sum(s.get("neginf", 0) for s in o.outputs or o.inputs or [])
     then = [_short(a.get("op")) for a in ev.after or [] if a.get("op")]
-    why = f"{o.op} in {_where(o)} filled {filled} positions with -inf, and the -inf reached the results"
+    why = f"{o.op} in {_where(o)} filled {filled} positions with -inf{_written_into(o)}"
+    why += f" at {o.source}" if o.source else ""
+    why += ", and the -inf reached the results"
     why += f" through {' -> '.join(then[:4])}" if then else ""
     why += ": a loss or sum that includes the masked positions turns -inf into Inf, or 0 * -inf into NaN"
     fixes = [
@@ -812,12 +895,26 @@ def mask_fill_in_loss(ev: Evidence) -> Judgement | None:
     return Judgement("op.mask_fill_in_loss", why, fixes)
 
 
+def _written_into(o: OriginEvidence) -> str:
+    """`` of the output of aten.addmm.default in 'head' (through a view of it)``: where a write through a
+    view or an alias (``x.data``, ``x.detach()``) landed, when the tracer saw one."""
+    into = o.get("written_into")
+    if not isinstance(into, dict) or into.get("through") not in ("view", "alias"):
+        return ""
+    found = into.get("base")
+    base: dict[str, Any] = found if isinstance(found, dict) else {}
+    made = f"the output of {base.get('op')}" if base.get("op") else f"a tensor of shape {base.get('shape')}"
+    made += f" in '{base.get('module')}'" if base.get("module") else ""
+    how = "a view" if into.get("through") == "view" else "an alias (.data / .detach())"
+    return f" of {made} (through {how} of it)"
+
+
 @_rule
 def nan_write(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
     if o.category != "write" or o.get("written") not in ("nan", "inf"):
         return None
-    why = f"{o.op} in {_where(o)} wrote {o.get('written')} into a tensor explicitly"
+    why = f"{o.op} in {_where(o)} wrote {o.get('written')} into a tensor explicitly{_written_into(o)}"
     if o.source:
         why += f" at {o.source}"
     fixes = [
@@ -858,8 +955,8 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     nonfinite_data,
     nonfinite_parameters,
     init_scale,
+    grown_weights,
     divergence,
-    grown_weights_norm_overflow,
     precision_overflow,
     masked_softmax,
     zero_variance,
@@ -873,6 +970,8 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     nan_write,
     norm_overflow,
 ]
+# The op-level rules a growth of the weights defers to (``_op_explains``).
+_OP_RULES = RULES[RULES.index(precision_overflow) : RULES.index(trig_domain) + 1]
 # Rules that never name the cause, only add a secondary one to ``also``.
 HINTS: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     _weight_scale_hint,
@@ -906,7 +1005,7 @@ def diagnose(evidence: Evidence | Mapping[str, Any]) -> Judgement:
 
 
 # The rules that read the run's facts; the others answer the same with or without them.
-_READ_RUN_FACTS = (init_scale, divergence, grown_weights_norm_overflow, _weight_scale_hint)
+_READ_RUN_FACTS = (init_scale, grown_weights, divergence, _weight_scale_hint)
 
 
 def _op_cause(record: Evidence, judged: list[tuple[Callable[..., Judgement | None], Judgement | None]]) -> str:
@@ -996,7 +1095,15 @@ def _rounds_to_zero(value: float, dtype: str | None) -> float:
     return float(torch.finfo(torch_dtype).smallest_normal * torch.finfo(torch_dtype).eps)
 
 
-def runaway_growth(*, step: int, history: Mapping[str, Any], lr: Any, rank: int | None, ranks: list[int]) -> Diagnosis:
+def runaway_growth(
+    *,
+    step: int,
+    history: Mapping[str, Any],
+    lr: Any,
+    rank: int | None,
+    ranks: list[int],
+    weights: Mapping[str, Any] | None = None,
+) -> Diagnosis:
     """A finite step whose gradients (or loss) grew so fast that the run is diverging, caught
     before its clip and update (``History.runaway``'s ``history``): nothing is non-finite yet,
     but a float32 clip would compute an Inf norm (``float32_overflow``), or will soon.
@@ -1022,6 +1129,10 @@ def runaway_growth(*, step: int, history: Mapping[str, Any], lr: Any, rank: int 
     if overflow and growth:
         at_least = "" if math.isfinite(norm) else "over "
         why += f"; it grew {at_least}{growth:.3g}x over the last {history.get('window', 0)} step(s)"
+    weights = dict(weights or {})
+    why += _weights_why(weights, lr)
+    negative = weights.get("lr_negative_since")
+    grew = negative is not None or weights.get("growth", 0.0) >= GROWN_WEIGHTS
     return Diagnosis(
         cause="optimizer.divergence",
         kind="inf" if overflow else "invalid",  # nothing non-finite exists yet
@@ -1030,13 +1141,29 @@ def runaway_growth(*, step: int, history: Mapping[str, Any], lr: Any, rank: int 
         ranks=ranks,
         step=step,
         evidence={
-            "history": {**history, "lr": lr},
+            "history": {**history, "lr": lr, **({"weights": weights} if weights else {})},
             "loss": history.get("loss"),
             "grad_norm": history.get("grad_norm"),
             "why": why + ", caught before the clip and the update",
         },
-        fixes=_divergence_fixes({"lr": lr}),
+        fixes=_growth_fixes(lr, negative) if grew else _divergence_fixes({"lr": lr}),
     )
+
+
+def _weights_why(weights: Mapping[str, Any], lr: Any) -> str:
+    """``; the weights grew 1e+06x since the run's start (...), x1.2 a step since step 40; the learning rate
+    is negative since step 100``: the weight log's part of a divergence's why (empty without one)."""
+    why = ""
+    if weights.get("growth", 0.0) >= GROWN_WEIGHTS:
+        why += (
+            f"; the weights grew {weights['growth']:.3g}x since the run's start ('{weights.get('parameter')}'), "
+            f"about x{weights.get('per_step', 1):.3g} a step since step {weights.get('since')}"
+        )
+    if weights.get("lr_negative_since") is not None:
+        shown = f" ({lr:.3g})" if isinstance(lr, (int, float)) and not isinstance(lr, bool) else ""
+        why += f"; the learning rate is negative{shown} since step {weights['lr_negative_since']}"
+        why += ": each update climbs the loss, not descends"
+    return why
 
 
 def transient_fault(

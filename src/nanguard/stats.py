@@ -195,7 +195,8 @@ def fan_in(weight: torch.Tensor) -> int:
 def init_ratio(weight: torch.Tensor) -> torch.Tensor:
     """``rms(weight) * sqrt(fan_in)`` as a float32 device scalar: ~1 for a well-initialized layer.
 
-    The sum of squares is accumulated in float32 at least: in 16 bits it overflows.
+    The sum of squares is accumulated in float64 (float32 where the device has none): weights grown past 1e19
+    have a float32 sum of squares of Inf, and a grown weight is what the ratio is asked about.
 
     Example:
         >>> w = torch.nn.Linear(256, 64).weight
@@ -203,6 +204,6 @@ def init_ratio(weight: torch.Tensor) -> torch.Tensor:
         True
     """
     w = local(weight).detach()
-    acc = torch.float32 if w.element_size() < 4 else w.dtype
+    acc = torch.float32 if w.device.type == "mps" else torch.float64
     rms = torch.linalg.vector_norm(w, 2, dtype=acc) / math.sqrt(max(w.numel(), 1))
     return (rms * math.sqrt(fan_in(weight))).float()

@@ -38,6 +38,7 @@ from nanguard.diagnose import (
 from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.guard.fidelity import watched
+from nanguard.guard.growth import WeightLog
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.optim_state import current_lr
@@ -108,6 +109,9 @@ class Diagnoser:
         self._replays = 0  # the first replay of a run is news (a big model's may take a while); later ones are not
         # init.scale is about the weights the run started from, not weights grown by training.
         self.initial_scale = weight_scale(dist.unwrap(model))
+        # How the weights grew since (sampled on the device, read on a trip): growth is not the init's doing.
+        self.weights = WeightLog(dist.unwrap(model), optimizer)
+        history.track(self.weights)
         self._last: _LastTrip | None = None
 
     def tripped(
@@ -383,7 +387,11 @@ class Diagnoser:
         """What the run's history says at ``step`` (growth, the LR, the initial weight scale): a
         replay of that step is judged with it, so a value that overflows because the run is
         diverging is named a divergence."""
-        return RunFacts(self.history.evidence(step, self._lr()), self.initial_scale)
+        history = self.history.evidence(step, self._lr())
+        grown = self.weights.evidence(step)
+        if grown:
+            history = {**history, "lr": self._lr(), "weights": grown}
+        return RunFacts(history, self.initial_scale)
 
 
 def _nonfinite_rows(p: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:

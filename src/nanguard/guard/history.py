@@ -15,6 +15,7 @@ from itertools import pairwise
 from typing import Any, NamedTuple
 
 from nanguard.guard.config import GuardConfig
+from nanguard.guard.growth import WeightLog
 from nanguard.spikes import Spike, SpikeDetector
 
 __all__ = ["FLOAT32_SQUARE_MAX", "Departure", "Forecast", "History", "Point"]
@@ -116,6 +117,11 @@ class History:
         self._grown: tuple[int | None, int] = (None, 0)  # the last step grown on a spike, how many in a row
         self._episodes: dict[str, _Episode] = {}  # a departure under way, by metric
         self._level_window = spike_window
+        self.weights: WeightLog | None = None
+
+    def track(self, weights: WeightLog) -> None:
+        """Sample ``weights`` after every finished update (``append``)."""
+        self.weights = weights
 
     @classmethod
     def from_config(cls, config: GuardConfig) -> History:
@@ -137,6 +143,8 @@ class History:
 
     def append(self, step: int, *, loss: float, grad_norm: float) -> None:
         self.points.append(Point(step, loss, grad_norm))
+        if self.weights is not None:
+            self.weights.record(step)
 
     def observe(self, step: int, *, loss: float, grad_norm: float) -> list[Spike]:
         """Score a step's values against the detectors; returns its spikes (loss first)."""

@@ -171,6 +171,7 @@ class Measure:
                 lr=current_lr(self.optimizer),
                 rank=0 if dist.is_distributed() else None,
                 ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
+                weights=self.history.weights.evidence(step) if self.history.weights is not None else None,
             )
         if self.health.reduces_norm and dist.is_distributed() and self.history.may_run_away(h.grad_norm):
             flagged = dist.agree_flag(diag is not None)  # the ranks' own losses differ: one vote, on such steps only

@@ -21,7 +21,7 @@ from nanguard.tracer.compiled import compiled_modules, compiler_fault, eager, us
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
 from nanguard.tracer.modules import ModuleStack, is_user_code
 from nanguard.tracer.protect import Backup
-from nanguard.tracer.taint import many_nonfinite_flags
+from nanguard.tracer.taint import many_nonfinite_flags, version
 from nanguard.tree import tensors_with_path
 
 __all__ = ["error_origin", "locate"]
@@ -352,8 +352,12 @@ def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
         found = [init_ratio(w) for _, w in named]
         ratios = torch.stack([r.to(found[0].device) for r in found]).nan_to_num(0.0, 0.0, 0.0).tolist()
     ranked = sorted(zip((n for n, _ in named), ratios, strict=True), key=lambda x: -x[1])
+    weights = dict(named)
     return {
         "max_ratio": ranked[0][1],
         "module": ranked[0][0],
         "top": [{"module": n, "ratio": r} for n, r in ranked[:top]],
+        # In-place writes to it since it was made: an init and a load write a weight a few times, training
+        # on every update (diagnose.TRAINED_WRITES).
+        "writes": version(weights[ranked[0][0]]),
     }

@@ -172,6 +172,7 @@ class Tracer:
         self.failure: Failure | None = None
         self._mode: _TracerMode | None = None
         self._func: Any = None  # the op being run, for the origins its inputs make
+        self._args: tuple = ()  # its arguments
         # Gradient surgery (PCGrad, a hand-written clip) between backward() and optimizer.step(), on
         # the .grad tensors or on what torch.autograd.grad returned.
         self.grads = GradWatch(modules, self.leaves, protected)
@@ -204,6 +205,7 @@ class Tracer:
     def before_op(self, func: Any, facts: ops.OpInfo, args: tuple, kwargs: dict) -> tuple[list[Any], Inputs]:
         self.index += 1
         self._func = func
+        self._args = args
         flat_in = list(args) if facts.flat else op_leaves(args)
         if kwargs:
             op_leaves(kwargs, flat_in)
@@ -316,7 +318,43 @@ class Tracer:
                 if value is not None:
                     out_taint = out_taint | {self._fill(func, args, value, o).id}
             self.taint.set(o, nan, inf, out_taint, base)
+            if facts.writes and (nan or inf) and any(o is a for a in args[:1]):
+                self._written_into(o, out_taint)
             self._note_after(func, facts, out_taint, nan, where)
+
+    def _written_into(self, t: torch.Tensor, taint: frozenset[int]) -> None:
+        """An in-place write of this op left ``t`` non-finite: its aliases are read again at their next use
+        (``TaintMap.written``), and a write origin made here says what it wrote into: the tensor whose
+        storage ``t`` is a view or an alias of, and the op and module that made that tensor."""
+        made = [self.origins[i] for i in taint if self.origins[i].index == self.index]
+        aliases = self.taint.written(t)
+        for origin in made:
+            if origin.category == "write" and "written_into" not in origin.extra:
+                origin.extra["written_into"] = self._into(t, aliases)
+                if not origin.outputs:  # a value given as a tensor (x[i] = -inf): what it wrote into
+                    origin.outputs = [tensor_stats(t)]
+
+    def _into(self, t: torch.Tensor, aliases: list[torch.Tensor]) -> dict[str, Any]:
+        """``{"through", "shape", "base": {"shape", "op", "module"}}``: a write through a view (``x[i]``,
+        ``x.view(...)``) or an alias (``x.data``, ``x.detach()``) lands in the base's storage."""
+        base: torch.Tensor | None = t._base if t._is_view() else None
+        through = "view" if base is not None else "tensor"
+        if base is None and aliases:
+            # The alias the autograd graph knows (the one the model returned), else the largest.
+            base = max(aliases, key=lambda a: (a.grad_fn is not None, a.numel()))
+            through = "alias"
+        into: dict[str, Any] = {"through": through, "shape": list(t.shape)}
+        made_by = base if base is not None else t
+        node = made_by.grad_fn
+        module, _, forward_op, source, _, _ = self.sites.of(node) if node is not None else (None,) * 6
+        into["base"] = {
+            "shape": list(made_by.shape),
+            "op": forward_op,
+            "node": node.name() if node is not None else None,
+            "module": module,
+            "source": source,
+        }
+        return into
 
     # -- helpers -----------------------------------------------------------------------
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
@@ -392,7 +430,19 @@ class Tracer:
         if ops.info(func).mask_aware:
             return False
         node = compat.current_autograd_node()
-        return node is None or not node.name().startswith(ops.MASK_AWARE_NODES)
+        if node is None or not node.name().startswith(ops.MASK_AWARE_NODES):
+            return True
+        # A softmax's backward kernel given an Inf gradient (d(p * logp)/dp over a filtered logit) makes
+        # 0 * Inf: the write's consequence. Given a finite one, its NaN is a fully masked row's.
+        return ops.op_name(func) in ops.GRAD_FIRST and self._nonfinite_first(func)
+
+    def _nonfinite_first(self, func: Any) -> bool:
+        """Does the op's first argument, the gradient flowing in to a ``*_backward_data`` kernel, hold NaN/Inf?"""
+        first = self._args[0] if self._args and isinstance(self._args[0], torch.Tensor) else None
+        if first is None:
+            return False
+        status = self.taint.status_of(first)
+        return status.nan or status.inf
 
     def _fill(self, func: Any, args: tuple, value: str, out: torch.Tensor) -> Origin:
         """The write of an explicit ``value`` into ``out``; a -inf fill remembers the batch tensor its

@@ -26,6 +26,7 @@ from nanguard.tree import op_leaves
 
 __all__ = [
     "BLANK",
+    "GRAD_FIRST",
     "KEEPS_FINITE",
     "LITERALS",
     "MASK_AWARE",
@@ -145,6 +146,8 @@ LITERALS = {aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.scalar_t
 # all -inf row is theirs (a fully masked row), not the mask fill's.
 MASK_AWARE = {"_softmax", "_log_softmax", "_safe_softmax", "logsumexp"}  # op packet names
 MASK_AWARE_NODES = ("Softmax", "LogSoftmax", "SafeSoftmax", "Logsumexp")
+# Backward kernels of the mask-aware ops whose first argument is the gradient flowing in (op names).
+GRAD_FIRST = frozenset({"aten._softmax_backward_data.default", "aten._log_softmax_backward_data.default"})
 # Ops that weigh an input as features: a 0/-inf tensor they consume is data, not an additive mask.
 WEIGHTED = {
     aten.mm.default,

@@ -145,6 +145,26 @@ class TaintMap:
         for t in ts:
             self.status[id(t)] = (weakref.ref(t), version(t), False, False, _NONE, base_version)
 
+    def aliases(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The other tensors seen that share ``t``'s storage (its base, views, ``.data`` aliases)."""
+        key = storage_key(t)
+        found = []
+        for entry in self.status.values():
+            other = entry[0]()
+            if other is not None and other is not t and storage_key(other) == key:
+                found.append(other)
+        return found
+
+    def written(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` was just written in place with NaN/Inf: every alias of its storage is read afresh at its
+        next use. A view shares its base's version counter, but a ``.data`` alias has one of its own, so
+        a write through it leaves the tensor it aliases at an unchanged version. Returns the aliases.
+        Scans every status: called once per write that made a value, never per op."""
+        found = self.aliases(t)
+        for other in found:
+            self.status.pop(id(other), None)
+        return found
+
     def taint_of(self, t: torch.Tensor) -> frozenset[int]:
         """The origins behind a non-finite tensor: its own taint and its storage's."""
         entry = self.status.get(id(t))

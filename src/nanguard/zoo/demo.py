@@ -69,6 +69,7 @@ def run_demo(
         with console.progress(steps, "training") as advance, _narrate(console):
             for step, batch in run.batches(steps):
                 loss = guard.step(run.closure(batch), batch=batch)
+                run.after_step()  # the loop's own code after the update, and its LR schedule
                 status = "ok" if guard.last_action == "step" else guard.last_action
                 value = f"{loss.item():.4f}" if loss is not None else "-"
                 advance(f"step {step:3d}  loss {value:>8}  {status}")

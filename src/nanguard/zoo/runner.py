@@ -21,7 +21,7 @@ from nanguard.errors import NonFiniteError
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.zoo.dist_scenarios import EDGE_FAULTS, edge_rank
-from nanguard.zoo.scenarios import FIRST_BAD, SCENARIOS, Run, Scenario, WildScenario, build, get
+from nanguard.zoo.scenarios import BY_FIRST_BAD, FIRST_BAD, SCENARIOS, Run, Scenario, WildScenario, build, get
 from nanguard.zoo.wild import WILD, get_wild
 
 __all__ = ["GROUPS", "CorruptOnce", "Result", "dist_rank", "run_one", "run_scenario", "run_wild", "run_zoo"]
@@ -48,7 +48,10 @@ class Result:
     @property
     def expected_step(self) -> int | None:
         """The step the guard must trip at: a ``FIRST_BAD`` expectation read as the plain run's
-        first bad step."""
+        first bad step; a ``BY_FIRST_BAD`` one as the step it tripped at, when that is no later."""
+        detect, first_bad = self.detect_step, self.first_bad_step
+        if self.expected["step"] == BY_FIRST_BAD:
+            return detect if detect is not None and first_bad is not None and detect <= first_bad else first_bad
         return self.first_bad_step if self.expected["step"] == FIRST_BAD else self.expected["step"]
 
     @property
@@ -59,7 +62,8 @@ class Result:
             return False
         # Only what the expectation names is scored (see Expect).
         fields_ok = all(self.got.get(k) == v for k, v in self.expected.items() if v is not None and k != "step")
-        return fields_ok and self.got.get("step") == self.expected_step and self.steps_late in (0, None)
+        early = self.expected["step"] == BY_FIRST_BAD and (self.steps_late or 0) <= 0
+        return fields_ok and self.got.get("step") == self.expected_step and (early or self.steps_late in (0, None))
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "steps_late": self.steps_late, "ok": self.ok}
@@ -93,8 +97,10 @@ def _guarded(run: Run, model: torch.nn.Module, **config: Any) -> tuple[Diagnosis
         for step in range(s.run_steps):
             batch = run.batch(step)
             guard.step(run.closure(batch, model), batch=batch)
+            run.after_step()
             if first is None and guard.last_diagnosis is not None:
                 first, detect = guard.last_diagnosis, step
+                break  # the first trip is scored; a run that keeps growing would trip (and replay) at every step
     except NonFiniteError as err:
         first, detect = first or err.diagnosis, detect if first else step
     return first, detect

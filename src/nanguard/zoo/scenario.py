@@ -14,7 +14,18 @@ import torch
 
 from nanguard.zoo.gpt import GPT, GPTConfig, synthetic_batch
 
-__all__ = ["FIRST_BAD", "Batch", "Case", "Expect", "Run", "Scenario", "WildScenario", "build", "train_step"]
+__all__ = [
+    "BY_FIRST_BAD",
+    "FIRST_BAD",
+    "Batch",
+    "Case",
+    "Expect",
+    "Run",
+    "Scenario",
+    "WildScenario",
+    "build",
+    "train_step",
+]
 
 Batch = dict[str, torch.Tensor]
 
@@ -22,6 +33,9 @@ Batch = dict[str, torch.Tensor]
 FIRST_BAD = -1
 """``Expect.step``: the step where a plain, unguarded run first sees a non-finite loss or gradient, or
 gradients whose float32 norm (``clip_grad_norm_``'s) is Inf."""
+BY_FIRST_BAD = -2
+"""``Expect.step``: at ``FIRST_BAD`` or before it: a run that grows for hundreds of steps may be caught while
+still finite (the runaway rule), or at its first non-finite step, depending on the CPU's rounding."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,10 @@ class Scenario:
     dist_fault: str | None = None
     """For ranks > 1: "data" (fault on the last rank's batch), "comm" (synchronized gradients
     corrupted once), or "replica" (one rank's weights changed behind DDP's back)."""
+    schedule: Callable[[int], float] | None = None
+    """An LR schedule as users write one for ``LambdaLR`` (the factor at each step), stepped after every update."""
+    after_update: Callable[[GPT, torch.optim.Optimizer], None] | None = None
+    """The loop's own code after every update (a hand-written weight decay, a custom update rule)."""
 
     group = "gpt"
 
@@ -116,6 +134,7 @@ class Run:
     seed: int
     scaler: torch.amp.GradScaler | None = None
     rank: int = 0
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
 
     def batch(self, step: int, faulty: bool = True) -> Batch:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + self.rank * 1009 + step)
@@ -131,6 +150,15 @@ class Run:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.after_step()
+
+    def after_step(self) -> None:
+        """What the loop runs after the update, guarded or not: its own code, then the LR schedule's step."""
+        if self.scenario.after_update is not None:
+            with torch.no_grad():
+                self.scenario.after_update(self.model, self.optimizer)
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def closure(self, batch: Batch, model: torch.nn.Module | None = None) -> Callable[[], torch.Tensor]:
         """The training closure for ``batch``: autocast and the scaler when the scenario uses them."""
@@ -171,7 +199,9 @@ def build(scenario: Scenario, seed: int = 0, rank: int = 0) -> Run:
     else:
         raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'adam_eps0', got {scenario.optimizer!r}")
     scaler = torch.amp.GradScaler("cpu") if scenario.amp else None
-    return Run(scenario, model, optimizer, seed, scaler, rank)
+    schedule = scenario.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule is not None else None
+    return Run(scenario, model, optimizer, seed, scaler, rank, scheduler)
 
 
 # -- faults ---------------------------------------------------------------------------

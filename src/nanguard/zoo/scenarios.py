@@ -14,9 +14,33 @@ import torch
 
 from nanguard.zoo.dist_scenarios import EDGE_SCENARIOS
 from nanguard.zoo.gpt import GPT
-from nanguard.zoo.scenario import FIRST_BAD, Batch, Case, Expect, Run, Scenario, WildScenario, build, train_step
+from nanguard.zoo.growth_scenarios import SCENARIOS as GROWTH_SCENARIOS
+from nanguard.zoo.scenario import (
+    BY_FIRST_BAD,
+    FIRST_BAD,
+    Batch,
+    Case,
+    Expect,
+    Run,
+    Scenario,
+    WildScenario,
+    build,
+    train_step,
+)
 
-__all__ = ["FIRST_BAD", "SCENARIOS", "Case", "Expect", "Run", "Scenario", "WildScenario", "build", "get", "train_step"]
+__all__ = [
+    "BY_FIRST_BAD",
+    "FIRST_BAD",
+    "SCENARIOS",
+    "Case",
+    "Expect",
+    "Run",
+    "Scenario",
+    "WildScenario",
+    "build",
+    "get",
+    "train_step",
+]
 
 
 def _drift_ln_gain(gain: float) -> Callable[[GPT, Batch], Batch]:
@@ -334,7 +358,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
 )
 
-SCENARIOS += EDGE_SCENARIOS
+SCENARIOS += EDGE_SCENARIOS + GROWTH_SCENARIOS
 
 
 def get(name: str) -> Scenario:

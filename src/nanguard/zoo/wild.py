@@ -11,7 +11,7 @@ as a raise), ``wild_domains`` (infinities meeting infinities, the log family), `
 (gradient surgery on what ``torch.autograd.grad`` returned), ``wild_samples`` (the sample
 behind a masked row), ``wild_replays`` (steps that draw from ``random``/``numpy.random``) and
 ``wild_compiled`` (a compiled submodule that miscompiles), ``wild_causes`` (causes no other group
-expects).
+expects), ``wild_views`` (-inf written through a view or an alias of a policy's logits).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from nanguard.zoo import (
     wild_replays,
     wild_samples,
     wild_surgery,
+    wild_views,
 )
 from nanguard.zoo.scenarios import WildScenario
 
@@ -46,6 +47,7 @@ WILD: tuple[WildScenario, ...] = (
     *wild_replays.SCENARIOS,
     *wild_compiled.SCENARIOS,
     *wild_causes.SCENARIOS,
+    *wild_views.SCENARIOS,
 )
 
 
