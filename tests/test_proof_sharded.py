@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import nanguard as ng
-from nanguard.zoo.spawn import spawn_ranks
 from _faulty_matmul import FaultyMatmul
+from nanguard.zoo.spawn import spawn_ranks
 
 STEPS, BAD = 4, 2
 
