@@ -41,6 +41,7 @@ from nanguard.guard.fidelity import watched
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.optim_state import current_lr
+from nanguard.guard.outlier import prove_spike
 from nanguard.guard.policy import repeats
 from nanguard.guard.proof import prove, proven
 from nanguard.pipeline_stages import watch_stages
@@ -109,6 +110,7 @@ class Diagnoser:
         # init.scale is about the weights the run started from, not weights grown by training.
         self.initial_scale = weight_scale(dist.unwrap(model))
         self._last: _LastTrip | None = None
+        self.spike_proof: dict[str, Any] | None = None  # what the last spike's proof found (guard/outlier.py)
 
     def tripped(
         self,
@@ -199,6 +201,19 @@ class Diagnoser:
         flagged, own = h.bad_ranks, h.own_loss
         proof = prove(self.model, closure, diag=diag, flagged=flagged, batch=batch, rng=rng, own_loss=own)
         return proven(diag, proof, h.step)
+
+    def spiked(
+        self, closure: Callable[[], Any] | None, h: StepHealth, metric: str, *, batch: Any, rng: Any
+    ) -> Diagnosis | None:
+        """A finite spike that one rank's device made (``guard/outlier.py``): ``hardware.faulty_device``, else
+        None (what the proof found in ``spike_proof``). Every rank calls it on the same spike; on one process,
+        or with ``prove=False``, it is None."""
+        if not (self.prove and self.locate) or closure is None or not dist.is_distributed() or h.joined:
+            return None
+        diag, self.spike_proof = prove_spike(self.model, closure, step=h.step, metric=metric, batch=batch, rng=rng)
+        if diag is None:
+            log.info("nanguard: step %d: %s spike: %s", h.step, metric, self.spike_proof.get("why"))
+        return diag
 
     def _proof_of_last(self, diag: Diagnosis, h: StepHealth) -> Diagnosis | None:
         """The last trip's proven diagnosis for this step when this is the same fault again: the next step,

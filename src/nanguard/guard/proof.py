@@ -54,7 +54,19 @@ from nanguard.hardware import where
 from nanguard.rng import set_rng_state
 from nanguard.tree import leaves_with_path, path_str
 
-__all__ = ["RTOL", "judge", "provable", "prove", "proven"]
+__all__ = [
+    "RTOL",
+    "difference",
+    "exchange",
+    "judge",
+    "peer_of",
+    "provable",
+    "prove",
+    "proven",
+    "recompute",
+    "rtol_of",
+    "run_alone",
+]
 
 RTOL: Mapping[torch.dtype, float] = {
     torch.float64: 1e-9,
@@ -98,7 +110,7 @@ def prove(
     if unproven is not None:
         return {**proof, "verdict": "unproven", "why": unproven}
     s, p = results[suspect], results[peer]
-    verdict, why = judge(s, p, rtol=_rtol(model))
+    verdict, why = judge(s, p, rtol=rtol_of(model))
     # The origin op did what it does on the values it got: the values reaching it differ between the two
     # ranks (code or state that runs only on the suspect, or an upstream miscomputation), not the device.
     if verdict == "device" and diag.cause in TABLE and TABLE[diag.cause].computed_from_inputs:
@@ -149,7 +161,7 @@ def recompute(
     rank computes (the all-gathers are collectives)."""
     me = dist.rank()
     pair = me in (suspect, peer)
-    sigs = _exchange(_signature(batch, rng) if pair else None)
+    sigs = exchange(_signature(batch, rng) if pair else None)
     mine = sigs[suspect]
     if mine is None or not mine["batch"]:
         return [], "the suspect rank passed no batch= (tensors) to Guard.step"
@@ -159,7 +171,7 @@ def recompute(
     found = _one_side(model, closure, batch, rng, suspect, peer, mine)
     if me == suspect and found is not None:
         found["own_loss"] = own_loss
-    return [r or {} for r in _exchange(found)], None
+    return [r or {} for r in exchange(found)], None
 
 
 def _one_side(
@@ -221,7 +233,7 @@ def judge(suspect: Mapping[str, Any], peer: Mapping[str, Any], *, rtol: float) -
         return "device", "the suspect's step is non-finite on the suspect only: a peer computes it finite"
     if p_bad:
         return "inconclusive", "the suspect computes its step finite now, while the peer computes it non-finite"
-    diff = _difference(suspect, peer)
+    diff = difference(suspect, peer)
     if diff > rtol:
         return "device", f"both finite, but the suspect's values differ from the peer's by {diff:.3g} (> {rtol:g})"
     return "transient", f"the step is finite on the suspect and on a peer (within {rtol:g}): it came once and went"
@@ -341,13 +353,29 @@ def _holding(batch: Any, theirs: list[torch.Tensor]) -> Iterator[list[torch.Tens
                 leaf.copy_(value)
 
 
-def _exchange(value: dict[str, Any] | None) -> list[dict[str, Any] | None]:
-    """Every rank's ``value`` (None: it has none), by rank: one all-gather of JSON bytes."""
+def exchange(value: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    """Every rank's ``value`` (None: it has none), by rank: one all-gather of JSON bytes.
+
+    Example:
+        >>> exchange({"loss": 2.0})   # on 2 ranks
+        [{'loss': 2.0}, {'loss': 2.1}]
+    """
     payload = json.dumps(value).encode() if value is not None else b""
     return [json.loads(p) if p else None for p in dist._all_gather_bytes(payload, dist._comm_device())]
 
 
 # -- one computation of the step ---------------------------------------------------------------
+
+
+def run_alone(model: nn.Module, closure: Callable[[], Any], rng: Mapping[str, torch.Tensor] | None) -> dict[str, Any]:
+    """This rank's own step again from ``rng``, gradient communication off: ``{"loss", "grad_norms",
+    "finite"}`` or ``{"error"}``. Every rank calls it where the forward's collectives need every rank (FSDP2).
+
+    Example:
+        >>> run_alone(model, closure, rng)["finite"]
+        True
+    """
+    return _compute(model, closure, rng, reads=None)
 
 
 class _Reads(TorchFunctionMode):
@@ -410,13 +438,19 @@ def _where(model: nn.Module) -> dict[str, Any]:
     return where(first.device if first is not None else None)
 
 
-def _rtol(model: nn.Module) -> float:
+def rtol_of(model: nn.Module) -> float:
+    """The relative tolerance two computations of one step of ``model`` are held to (``RTOL`` by dtype)."""
     dtypes = {p.dtype for p in dist.unwrap(model).parameters() if p.is_floating_point()}
     return max((RTOL.get(d, RTOL[torch.float32]) for d in dtypes), default=RTOL[torch.float32])
 
 
-def _difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
-    """The largest relative difference between two finite computations' loss and gradient norms."""
+def difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """The largest relative difference between two finite computations' loss and gradient norms.
+
+    Example:
+        >>> difference({"loss": 2.0, "grad_norms": [1.0]}, {"loss": 2.0, "grad_norms": [1.5]})
+        0.3333333333333333
+    """
     pairs = [(a["loss"], b["loss"]), *zip(a["grad_norms"], b["grad_norms"], strict=False)]
     return max((abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in pairs), default=0.0)
 
