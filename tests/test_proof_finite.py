@@ -23,15 +23,21 @@ WARMUP = 5
 
 
 def _run(
-    faulty: int | None, *, spiky: int | None = None, steps: int = WARMUP + 3, prove: bool = True
+    faulty: int | None, *, spiky: int | None = None, steps: int = WARMUP + 3, prove: bool = True, fsdp: bool = False
 ) -> dict[str, Any]:
-    """A guarded DDP run; from step WARMUP + 1 on, rank ``faulty``'s matmuls scale an output element by 1e4
-    (``spiky``: that rank's batch at WARMUP + 1 has targets a thousandfold the others', on a healthy device)."""
+    """A guarded DDP (``fsdp``: FSDP2) run; from step WARMUP + 1 on, rank ``faulty``'s matmuls scale an output
+    element by 1e4 (``spiky``: that rank's batch at WARMUP + 1 has targets a thousandfold the others', on a
+    healthy device)."""
     rank = torch.distributed.get_rank()
     bad = WARMUP + 1
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    model = nn.parallel.DistributedDataParallel(net)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (net[0], net[2], net):
+            fully_shard(layer)
+    model = net if fsdp else nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     guard = ng.Guard(model, opt, policy="skip", prove=prove, fingerprint_every=0, spike_warmup=WARMUP, spike_window=20)
     device = FaultyMatmul(factor=1e4)
@@ -70,7 +76,7 @@ def _run(
             elif guard.spikes > before:
                 spikes.append({"step": step, **(guard.diagnoser.spike_proof or {})})
     guard.close()
-    weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    weights = torch.cat([getattr(p, "_local_tensor", p).detach().reshape(-1) for p in net.parameters()])
     return {"trips": trips, "spikes": spikes, "weights": weights.tolist(), "hits": device.hits}
 
 
@@ -114,6 +120,30 @@ def test_a_finite_spike_one_device_made_is_proven_and_a_spiky_batch_is_not() -> 
     assert spike["difference"] <= 1e-3
     for r in results:  # the proof left the step's gradients and state as they were
         assert r["data"]["weights"] == r["data_unproven"]["weights"]
+
+
+def _sharded(rank: int, world: int) -> dict[str, Any]:
+    steps = WARMUP + 6
+    return {
+        "device2": _run(2, steps=steps, fsdp=True),
+        "data0": _run(None, spiky=0, steps=steps, fsdp=True),
+        "data0_unproven": _run(None, spiky=0, steps=steps, fsdp=True, prove=False),
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_under_fsdp2_on_4_ranks_a_finite_fault_on_a_middle_rank_is_proven_over_a_longer_run() -> None:
+    results = spawn_ranks(_sharded, world=4, timeout=600)
+    for name in results[0]:
+        assert all(r[name]["trips"] == results[0][name]["trips"] for r in results), name
+    trips = results[0]["device2"]["trips"]
+    assert [t["step"] for t in trips] == list(range(WARMUP + 1, WARMUP + 6))  # every step it stays faulty
+    assert all((t["cause"], t["rank"], t["kind"]) == ("hardware.faulty_device", 2, "invalid") for t in trips)
+    data = results[0]["data0"]
+    assert data["trips"] == [] and [(s["verdict"], s["suspect"]) for s in data["spikes"]] == [("reproduced", 0)]
+    for r in results:
+        assert r["data0"]["weights"] == r["data0_unproven"]["weights"]
 
 
 @pytest.mark.parametrize(

@@ -265,7 +265,7 @@ class Diagnoser:
             return None
         if diag.evidence.get("communication"):
             return None  # ranks that replay together (TP, PP) cannot each stop their forward early
-        if diag.evidence.get("proof"):
+        if (diag.evidence.get("proof") or {}).get("verdict", "unproven") != "unproven":
             return None  # a proven fault repeats only as the same op too: replayed in full (_proof_of_last)
         module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
         if module is None:
