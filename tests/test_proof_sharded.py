@@ -106,6 +106,24 @@ def _parallel(setup: str, faulty: int) -> list[dict[str, Any]]:
     return trips
 
 
+def _titan(faulty: int) -> dict[str, Any]:
+    """torchtitan's llama3 under its own FSDP2 (``nanguard.zoo.titan``, TitanGuard): rank ``faulty``'s matmuls
+    put a NaN in their outputs from the first step on."""
+    from nanguard.zoo.titan import titan_rank
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    with FaultyMatmul() as device:
+        device.armed = rank == faulty
+        run = titan_rank(rank, world, "fsdp", None, faulty, "skip", steps=2)
+    diag = run["diag"]
+    proof = diag["evidence"].get("proof") or {}
+    return {"skipped": run["skipped"], "cause": diag["cause"], "rank": diag["rank"], "verdict": proof.get("verdict")}
+
+
+def _titans(rank: int, world: int) -> dict[str, Any]:
+    return {"titan0": _titan(0), "titan1": _titan(1)}
+
+
 def _sharded(rank: int, world: int) -> dict[str, Any]:
     return {"fsdp0": _fsdp(0), "fsdp1": _fsdp(1), "software": _fsdp(None, log_rank=2)}
 
@@ -131,6 +149,15 @@ def test_under_fsdp2_a_peer_proves_a_faulty_device_on_rank_0_and_a_middle_rank()
     (software,) = ours["software"]
     assert (software["cause"], software["rank"], software["verdict"]) == ("op.log_domain", 2, "everywhere")
     assert software["peer_finite"] is False
+
+
+@pytest.mark.dist
+def test_under_torchtitans_fsdp2_a_peer_proves_a_faulty_device_on_either_rank() -> None:
+    results = spawn_ranks(_titans, world=2, timeout=300)
+    assert results[0] == results[1]
+    for name, faulty in (("titan0", 0), ("titan1", 1)):
+        found = results[0][name]
+        assert found == {"skipped": [0, 1], "cause": "hardware.faulty_device", "rank": faulty, "verdict": "device"}
 
 
 @pytest.mark.dist

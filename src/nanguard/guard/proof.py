@@ -52,7 +52,8 @@ from nanguard.diagnose import faulty_device
 from nanguard.findings import Diagnosis
 from nanguard.hardware import where
 from nanguard.rng import set_rng_state
-from nanguard.tree import leaves_with_path, path_str
+from nanguard.stats import local
+from nanguard.tree import leaves_with_path, path_str, tensors
 
 __all__ = [
     "RTOL",
@@ -193,8 +194,13 @@ def _one_side(
     if me == peer:
         theirs, their_rng = _receive(batch, signature, suspect)
         their_rng = _onto_own_devices(their_rng, model)
-        with _holding(batch, theirs) as leaves:
-            return {**_compute(model, closure, their_rng, reads=leaves), "where": _where(model)}
+        try:
+            with _holding(batch, theirs) as leaves:
+                return {**_compute(model, closure, their_rng, reads=leaves), "where": _where(model)}
+        except ValueError as err:  # the peer's batch cannot hold the suspect's: its own step keeps the others company
+            if _gathers(model):
+                _compute(model, closure, rng, reads=None)
+            return {"error": str(err), "where": _where(model)}
     if _gathers(model):
         _compute(model, closure, rng, reads=None)
     return None
@@ -339,17 +345,21 @@ def _onto_own_devices(states: dict[str, torch.Tensor] | None, model: nn.Module) 
 
 @contextmanager
 def _holding(batch: Any, theirs: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """The peer's batch tensors hold the suspect's values while open; its own come back after."""
-    leaves = [t for _, t in _tensors(batch)]
-    saved = [t.detach().clone() for t in leaves]
+    """The peer's batch tensors hold the suspect's values while open; its own come back after. A tensor
+    that already holds them is left alone (position ids ``expand``ed from one row cannot be written); one
+    that cannot hold them raises ``ValueError`` before anything was written."""
+    pairs = [(t, v) for (_, t), v in zip(_tensors(batch), theirs, strict=True) if not torch.equal(t, v.to(t.device))]
+    if any(torch._debug_has_internal_overlap(t) == 1 for t, _ in pairs):  # 1: MemOverlap.Yes
+        raise ValueError("a batch tensor that differs from the suspect's is a view that cannot be written")
+    saved = [t.detach().clone() for t, _ in pairs]
     try:
         with torch.no_grad():
-            for leaf, value in zip(leaves, theirs, strict=True):
+            for leaf, value in pairs:
                 leaf.copy_(value)
-        yield leaves
+        yield [t for _, t in _tensors(batch)]
     finally:
         with torch.no_grad():
-            for leaf, value in zip(leaves, saved, strict=True):
+            for (leaf, _), value in zip(pairs, saved, strict=True):
                 leaf.copy_(value)
 
 
@@ -414,7 +424,7 @@ def _compute(
     try:
         with torch.enable_grad(), watch if reads is not None else contextlib.nullcontext():
             out, norms = dist.replay_locally(model, step)
-        loss = float(out.detach().float().sum()) if isinstance(out, torch.Tensor) else float(out)
+        loss = _loss_of(out)
     except Exception as err:  # the proof is evidence: a failure leaves the ordinary diagnosis
         return {"error": f"{type(err).__name__}: {err}"[:300]}
     finite = math.isfinite(loss) and all(math.isfinite(n) for n in norms)
@@ -422,6 +432,15 @@ def _compute(
     if reads is not None:
         found["read"] = watch.read
     return found
+
+
+def _loss_of(out: Any) -> float:
+    """The closure's result as one number: a loss, or the sum of the losses it returns (a loop's micro-batches);
+    a DTensor's local part (reading a whole one would be a collective only this rank runs)."""
+    if isinstance(out, (int, float)):
+        return float(out)
+    found = [local(t).detach().float().sum() for t in tensors(out) if t.is_floating_point()]
+    return float(sum(found)) if found else 0.0
 
 
 def _grad_norms(model: nn.Module) -> list[float]:
