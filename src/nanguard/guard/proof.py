@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -280,7 +281,7 @@ def provable(model: nn.Module) -> str | None:
     """
     from torch.distributed.tensor import DTensor
 
-    if isinstance(model, nn.parallel.DistributedDataParallel) or compat.replicated(model):
+    if isinstance(model, nn.parallel.DistributedDataParallel) or compat.replicated(model) or _deepspeed(model):
         return None
     meshes = {p.device_mesh.ndim for p in dist.unwrap(model).parameters() if isinstance(p, DTensor)}
     if _gathers(model):
@@ -289,8 +290,16 @@ def provable(model: nn.Module) -> str | None:
 
 
 def _gathers(model: nn.Module) -> bool:
-    """FSDP2: the forward all-gathers each module's full weights on every rank."""
-    return compat.fully_sharded(model)
+    """Every rank's re-computation gathers the full weights (collectives every rank must join): FSDP2's
+    forward all-gathers each module's; a DeepSpeed engine's replay gathers ZeRO-3's partitions."""
+    return compat.fully_sharded(model) or _deepspeed(model)
+
+
+def _deepspeed(model: nn.Module) -> bool:
+    """A DeepSpeed engine: its replay (``integrations/deepspeed.py``) computes a rank's whole step from the
+    full weights, ZeRO 0-3 (ZeRO-3's partitions gathered on every rank)."""
+    deepspeed = sys.modules.get("deepspeed")
+    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
 
 
 # -- the suspect's batch and RNG state, point to point ----------------------------------------------
