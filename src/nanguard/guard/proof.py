@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -66,6 +66,7 @@ __all__ = [
     "prove",
     "proven",
     "recompute",
+    "replicas",
     "rtol_of",
     "run_alone",
 ]
@@ -281,7 +282,7 @@ def provable(model: nn.Module) -> str | None:
     """
     from torch.distributed.tensor import DTensor
 
-    if isinstance(model, nn.parallel.DistributedDataParallel) or compat.replicated(model) or _deepspeed(model):
+    if isinstance(model, nn.parallel.DistributedDataParallel) or compat.replicated(model) or model in _REPLICAS:
         return None
     meshes = {p.device_mesh.ndim for p in dist.unwrap(model).parameters() if isinstance(p, DTensor)}
     if _gathers(model):
@@ -291,15 +292,22 @@ def provable(model: nn.Module) -> str | None:
 
 def _gathers(model: nn.Module) -> bool:
     """Every rank's re-computation gathers the full weights (collectives every rank must join): FSDP2's
-    forward all-gathers each module's; a DeepSpeed engine's replay gathers ZeRO-3's partitions."""
-    return compat.fully_sharded(model) or _deepspeed(model)
+    forward all-gathers each module's; an engine that says so (``replicas``: DeepSpeed ZeRO-3)."""
+    return compat.fully_sharded(model) or _REPLICAS.get(model, False)
 
 
-def _deepspeed(model: nn.Module) -> bool:
-    """A DeepSpeed engine: its replay (``integrations/deepspeed.py``) computes a rank's whole step from the
-    full weights, ZeRO 0-3 (ZeRO-3's partitions gathered on every rank)."""
-    deepspeed = sys.modules.get("deepspeed")
-    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
+_REPLICAS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def replicas(model: nn.Module, *, gathers: bool) -> None:
+    """Say that every rank's replay computes its whole step of ``model`` from the same full weights, so a peer
+    can re-compute any rank's (an engine's own data parallelism, which no wrapper of ``model`` shows);
+    ``gathers``: the replay gathers them with collectives, so every rank re-computes together.
+
+    Example:
+        >>> replicas(engine.module, gathers=True)   # DeepSpeed: ZeRO-3 gathers its partitions in a replay
+    """
+    _REPLICAS[model] = gathers
 
 
 # -- the suspect's batch and RNG state, point to point ----------------------------------------------

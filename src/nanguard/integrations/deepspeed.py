@@ -50,6 +50,7 @@ from nanguard import dist, environ
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.guard.diagnoser import replay_trip
+from nanguard.guard.proof import replicas
 from nanguard.integrations import guard_options, require
 from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard, _batch_of
@@ -114,6 +115,7 @@ class DeepSpeedGuard(LoopGuard):
             run_dir=run_dir,
             **options,
         )
+        replicas(engine.module, gathers=True)  # the replay computes a rank's whole step: a peer can prove it
         guard.health.read_engine(self.state.grad_norm, self.state.master_params(), sharded=self.state.stage > 0)
         guard.recovery.engine_tensors = self.state.partitions
         guard.recovery.engine_holds_parameters = self.state.stage >= 3
