@@ -29,7 +29,7 @@ class Net(nn.Module):
         return self.out(torch.tanh(self.inp(x)))
 
 
-def _trip(guard: ng.Guard) -> dict[str, Any]:
+def _trip(guard: Any) -> dict[str, Any]:
     diag = guard.last_diagnosis
     assert diag is not None
     proof = diag.evidence.get("proof") or {}
@@ -120,6 +120,35 @@ def _titan(faulty: int) -> dict[str, Any]:
     return {"skipped": run["skipped"], "cause": diag["cause"], "rank": diag["rank"], "verdict": proof.get("verdict")}
 
 
+def _zero(stage: int, faulty: int) -> list[dict[str, Any]]:
+    """A DeepSpeed engine loop under ZeRO ``stage`` (``_deepspeed_ranks``' MLP), guarded by DeepSpeedGuard; from
+    step 1 on, rank ``faulty``'s matmuls put a NaN in their outputs."""
+    import _deepspeed_ranks as ds
+    from nanguard.integrations.deepspeed import DeepSpeedGuard
+
+    rank = torch.distributed.get_rank()
+    engine = ds.engine_for(stage, "fp32")
+    guard = DeepSpeedGuard(engine, "skip", fingerprint_every=0)
+    trips = []
+    with FaultyMatmul() as device:
+        for step in range(3):
+            device.armed = rank == faulty and step >= 1
+            x, y = ds.batch(rank, step, "fp32")
+            engine.backward(engine(x, y))
+            engine.step()
+            if guard.step_skipped:
+                trips.append({"step": step, **_trip(guard)})
+    guard.close()
+    return trips
+
+
+def _zeros(rank: int, world: int) -> dict[str, Any]:
+    import _deepspeed_ranks as ds
+
+    ds.init(rank)
+    return {f"zero{stage}": _zero(stage, faulty) for stage, faulty in ((1, 1), (2, 0), (3, 1))}
+
+
 def _titans(rank: int, world: int) -> dict[str, Any]:
     return {"titan0": _titan(0), "titan1": _titan(1)}
 
@@ -158,6 +187,18 @@ def test_under_torchtitans_fsdp2_a_peer_proves_a_faulty_device_on_either_rank() 
     for name, faulty in (("titan0", 0), ("titan1", 1)):
         found = results[0][name]
         assert found == {"skipped": [0, 1], "cause": "hardware.faulty_device", "rank": faulty, "verdict": "device"}
+
+
+@pytest.mark.dist
+def test_under_deepspeed_zero_1_to_3_a_peer_proves_a_faulty_device() -> None:
+    results = spawn_ranks(_zeros, world=2, timeout=400)
+    assert results[0] == results[1]
+    for name, trips in results[0].items():
+        faulty = {"zero1": 1, "zero2": 0, "zero3": 1}[name]
+        assert [t["step"] for t in trips] == [1, 2], name
+        for t in trips:
+            assert (t["cause"], t["rank"], t["verdict"]) == ("hardware.faulty_device", faulty, "device"), (name, t)
+            assert t["suspect_finite"] is False and t["peer_finite"] is True
 
 
 @pytest.mark.dist

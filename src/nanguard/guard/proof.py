@@ -25,7 +25,8 @@ Where it runs (``provable``): wherever a peer can compute the suspect's whole st
 composable ``replicate``) every rank holds the whole model. Under FSDP2 (``fully_shard`` over one mesh
 dimension, torchtitan's included) every rank's forward all-gathers the same full weights, so every rank
 runs the re-computation together (the all-gathers are collectives), the peer on the suspect's batch; the
-gradients are read unsharded, before any reduce-scatter. Not under tensor or pipeline parallelism (a
+gradients are read unsharded, before any reduce-scatter. An engine says so itself (``replicas``: DeepSpeed,
+whose replay gathers ZeRO-3's partitions on every rank). Not under tensor or pipeline parallelism (a
 2-D mesh included): each rank computes a different slice or stage, no other rank computes the same
 values, so nothing can be compared; the diagnosis says so (``verdict: "unproven"``) and never names the
 hardware (``docs/drill.md``).
