@@ -142,11 +142,11 @@ def _zero(stage: int, faulty: int) -> list[dict[str, Any]]:
     return trips
 
 
-def _zeros(rank: int, world: int) -> dict[str, Any]:
+def _zeros(rank: int, world: int, runs: list[tuple[int, int]]) -> dict[str, Any]:
     import _deepspeed_ranks as ds
 
     ds.init(rank)
-    return {f"zero{stage}": _zero(stage, faulty) for stage, faulty in ((1, 1), (2, 0), (3, 1))}
+    return {f"zero{stage}/{faulty}": _zero(stage, faulty) for stage, faulty in runs}
 
 
 def _titans(rank: int, world: int) -> dict[str, Any]:
@@ -189,16 +189,26 @@ def test_under_torchtitans_fsdp2_a_peer_proves_a_faulty_device_on_either_rank() 
         assert found == {"skipped": [0, 1], "cause": "hardware.faulty_device", "rank": faulty, "verdict": "device"}
 
 
-@pytest.mark.dist
-def test_under_deepspeed_zero_1_to_3_a_peer_proves_a_faulty_device() -> None:
-    results = spawn_ranks(_zeros, world=2, timeout=400)
+def _proven_under_zero(runs: list[tuple[int, int]]) -> None:
+    results = spawn_ranks(_zeros, runs, world=2, timeout=600)
     assert results[0] == results[1]
-    for name, trips in results[0].items():
-        faulty = {"zero1": 1, "zero2": 0, "zero3": 1}[name]
-        assert [t["step"] for t in trips] == [1, 2], name
+    for stage, faulty in runs:
+        trips = results[0][f"zero{stage}/{faulty}"]
+        assert [t["step"] for t in trips] == [1, 2], stage
         for t in trips:
-            assert (t["cause"], t["rank"], t["verdict"]) == ("hardware.faulty_device", faulty, "device"), (name, t)
+            assert (t["cause"], t["rank"], t["verdict"]) == ("hardware.faulty_device", faulty, "device"), (stage, t)
             assert t["suspect_finite"] is False and t["peer_finite"] is True
+
+
+@pytest.mark.dist
+def test_under_deepspeed_zero3_a_peer_proves_a_faulty_device_on_rank_0() -> None:
+    _proven_under_zero([(3, 0)])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_under_deepspeed_zero_1_to_3_a_peer_proves_a_faulty_device_on_either_rank() -> None:
+    _proven_under_zero([(1, 1), (2, 0), (3, 1)])
 
 
 @pytest.mark.dist
