@@ -64,6 +64,7 @@ __all__ = [
     "foreach_copy_",
     "foreach_norm",
     "full_tensor",
+    "fully_sharded",
     "has_forward_hooks",
     "hf_callbacks",
     "hf_initial_step",
@@ -322,6 +323,11 @@ def fsdp_unsharded_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if isinstance(grad, torch.Tensor):
                 found.append((name, grad))
     return found
+
+
+def fully_sharded(model: nn.Module) -> bool:
+    """Is any module of ``model`` ``fully_shard``'ed (FSDP2: its forward all-gathers the full weights)?"""
+    return next(_fsdp_params(model), None) is not None
 
 
 def _fsdp_params(model: nn.Module) -> Iterator[Any]:

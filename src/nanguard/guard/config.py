@@ -158,10 +158,13 @@ class GuardConfig:
         _int_at_least(1),
     )
     locate: bool = option(True, "replay a tripped step under the op tracer to find the origin.")
-    prove: bool = option(True, "under DDP, re-compute a suspect rank's step on a peer rank to tell a faulty device.")
-    """Under DDP, on a trip one rank's device may have made, re-compute that rank's step on a peer rank
-    (its batch and RNG state): reproduced everywhere is a software or data fault, only on that device a
-    faulty device (``hardware.faulty_device``), nowhere a transient one (``guard/proof.py``)."""
+    prove: bool = option(
+        True, "under data parallelism, re-compute a suspect rank's step on a peer rank to tell a faulty device."
+    )
+    """Under data parallelism (DDP, FSDP2, DeepSpeed ZeRO), on a trip one rank's device may have made, or a
+    spike one rank stands apart in, re-compute that rank's step on a peer rank (its batch and RNG state):
+    reproduced everywhere is a software or data fault, only on that device a faulty device
+    (``hardware.faulty_device``), nowhere a transient one (``guard/proof.py``, ``guard/outlier.py``)."""
     module_stats: bool = option(True, "on a trip, replay once more for each module's activation absmax and grad norm.")
     check_batch: bool = option(False, "run ``ng.check_batch`` on ``batch=`` before the forward.")
     history: int = option(

@@ -42,6 +42,7 @@ from nanguard.guard.growth import WeightLog
 from nanguard.guard.health import HealthFlag, StepHealth
 from nanguard.guard.history import History
 from nanguard.guard.optim_state import current_lr
+from nanguard.guard.outlier import prove_spike
 from nanguard.guard.policy import repeats
 from nanguard.guard.proof import prove, proven
 from nanguard.pipeline_stages import watch_stages
@@ -113,6 +114,7 @@ class Diagnoser:
         self.weights = WeightLog(dist.unwrap(model), optimizer)
         history.track(self.weights)
         self._last: _LastTrip | None = None
+        self.spike_proof: dict[str, Any] | None = None  # what the last spike's proof found (guard/outlier.py)
 
     def tripped(
         self,
@@ -204,6 +206,19 @@ class Diagnoser:
         proof = prove(self.model, closure, diag=diag, flagged=flagged, batch=batch, rng=rng, own_loss=own)
         return proven(diag, proof, h.step)
 
+    def spiked(
+        self, closure: Callable[[], Any] | None, h: StepHealth, metric: str, *, batch: Any, rng: Any
+    ) -> Diagnosis | None:
+        """A finite spike that one rank's device made (``guard/outlier.py``): ``hardware.faulty_device``, else
+        None (what the proof found in ``spike_proof``). Every rank calls it on the same spike; on one process,
+        or with ``prove=False``, it is None."""
+        if not (self.prove and self.locate) or closure is None or not dist.is_distributed() or h.joined:
+            return None
+        diag, self.spike_proof = prove_spike(self.model, closure, step=h.step, metric=metric, batch=batch, rng=rng)
+        if diag is None:
+            log.info("nanguard: step %d: %s spike: %s", h.step, metric, self.spike_proof.get("why"))
+        return diag
+
     def _proof_of_last(self, diag: Diagnosis, h: StepHealth) -> Diagnosis | None:
         """The last trip's proven diagnosis for this step when this is the same fault again: the next step,
         the same ranks, a repeatable cause, and the same rank, phase, op, module, kind and cause of the
@@ -254,7 +269,7 @@ class Diagnoser:
             return None
         if diag.evidence.get("communication"):
             return None  # ranks that replay together (TP, PP) cannot each stop their forward early
-        if diag.evidence.get("proof"):
+        if (diag.evidence.get("proof") or {}).get("verdict", "unproven") != "unproven":
             return None  # a proven fault repeats only as the same op too: replayed in full (_proof_of_last)
         module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
         if module is None:

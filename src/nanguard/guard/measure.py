@@ -148,6 +148,9 @@ class Measure:
         spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
         trend = self.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm)
         departed = self.history.departed(step, loss=h.loss, grad_norm=h.grad_norm)
+        # One rank's device alone made the spike (a peer computes its batch otherwise): the device's, not the run's.
+        if spikes and not updated and (device := self._device_spike(h, attempt, spikes[0].metric)) is not None:
+            return Verdict("trip", step, h, diagnosis=device, spikes=spikes)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
         # Not while a rank has joined (DDP join()): it holds no history to follow the trip with.
         diag = None if updated or h.joined else self._runaway(h)
@@ -240,6 +243,14 @@ class Measure:
         assert replayed.diagnosis is not None
         diag = with_bad_rows(replayed.diagnosis, batch, self.remedies.rows())
         return Verdict("trip", h.step, h, diagnosis=diag, module_stats=replayed.module_stats)
+
+    def _device_spike(self, h: StepHealth, attempt: Attempt, metric: str) -> Diagnosis | None:
+        """A finite spike one rank's device made, proven by a peer (``guard/outlier.py``), else None."""
+        replay = scaler_aside(self.scaler, attempt.replay)
+        device = self.diagnoser.spiked(replay, h, metric, batch=attempt.batch, rng=attempt.rng)
+        if device is not None:  # the device's values, not the run's: they stay out of its history
+            self.history.forget(h.step, loss=h.loss, grad_norm=h.grad_norm)
+        return device
 
     def _overflowed(self, h: StepHealth) -> Verdict:
         """A GradScaler overflow: the scaler skips the update itself and lowers its scale (its own

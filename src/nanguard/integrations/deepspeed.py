@@ -49,6 +49,7 @@ from nanguard import dist, environ
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.guard.health import Engine
+from nanguard.guard.proof import replicas
 from nanguard.integrations import guard_options, require
 from nanguard.integrations.capture import Micro
 from nanguard.integrations.loop import LoopGuard, _batch_of
@@ -113,6 +114,7 @@ class DeepSpeedGuard(LoopGuard):
             run_dir=run_dir,
             **options,
         )
+        replicas(engine.module, gathers=True)  # the replay computes a rank's whole step: a peer can prove it
         self.state.expose_optimizer_state()
         guard.attach_engine(
             Engine(
