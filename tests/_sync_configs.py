@@ -16,23 +16,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from _sync_count import as_on_gpu, counting
+from _sync_count import Counts, as_on_gpu, counting
 
 WARMUP = 2
+SHORT = 2  # a whole-run loop's short run (``differential``)
 
-# A built loop: the step to run (given its index) and the modules whose weights are compared.
-Built = tuple[Callable[[int], None], list[nn.Module]]
+# A built loop: the step to run (given its index), and what gives the weights compared afterwards.
+Built = tuple[Callable[[int], None], Callable[[], list[torch.Tensor]]]
 
 
-def digest(modules: list[nn.Module]) -> str:
-    """This rank's weights (its shards under FSDP, TP and ZeRO-3), bit for bit."""
+def digest(weights: list[torch.Tensor]) -> str:
+    """This rank's weights (its shards under FSDP, TP and ZeRO), bit for bit."""
     from nanguard.stats import local
 
     h = hashlib.sha256()
-    for module in modules:
-        for p in module.parameters():
-            t = local(p).detach().contiguous()
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    for p in weights:
+        t = local(p).detach().contiguous()
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
 
 
@@ -43,7 +43,7 @@ def compare(build: Callable[[bool], Built], steps: int) -> dict[str, Any]:
     with as_on_gpu():
         for guarded in (False, True):
             torch.manual_seed(0)
-            step, modules = build(guarded)
+            step, weights = build(guarded)
             for i in range(WARMUP):
                 step(i)
             with counting() as counts:
@@ -51,7 +51,7 @@ def compare(build: Callable[[bool], Built], steps: int) -> dict[str, Any]:
                     step(i)
             key = "guarded" if guarded else "plain"
             out[key] = counts.as_dict()
-            out[f"{key}_digest"] = digest(modules)
+            out[f"{key}_digest"] = digest(weights())
     return out
 
 
@@ -74,28 +74,31 @@ def ddp(rank: int, world: int, steps: int) -> dict[str, Any]:
     """DDP (its C++ reducer, no comm hook of the loop's own), AdamW, ``Guard.step(closure)``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import nanguard as ng
+    return compare(lambda guarded: _closure_loop(DDP(MLP()), rank, guarded), steps)
+
+
+def ddp_zero(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """DDP with ``ZeroRedundancyOptimizer`` (AdamW shards), ``Guard.step(closure)``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return compare(lambda guarded: _closure_loop(DDP(MLP()), rank, guarded, zero=True), steps)
+
+
+def ddp_join(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """DDP inside an enabled ``ddp.join()`` with equal inputs (the steady state), ``Guard.step(closure)``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     def build(guarded: bool) -> Built:
         model = DDP(MLP())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        guard = ng.Guard(model, opt) if guarded else None
+        join = model.join()
+        join.__enter__()
+        step, weights = _closure_loop(model, rank, guarded)
 
-        def closure(i: int) -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            x, y = _batch(rank, i)
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
+        def left() -> list[torch.Tensor]:
+            join.__exit__(None, None, None)  # after the counted steps: every rank leaves together
+            return weights()
 
-        def step(i: int) -> None:
-            if guard is None:
-                closure(i)
-                opt.step()
-            else:
-                guard.step(lambda: closure(i))
-
-        return step, [model]
+        return step, left
 
     return compare(build, steps)
 
@@ -119,14 +122,308 @@ def ddp_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
 
         step.guard = guard  # type: ignore[attr-defined]  # kept alive with the loop
-        return step, [model]
+        return step, lambda: list(model.parameters())
 
     return compare(build, steps)
+
+
+def differential(run: Callable[[bool, int], str], short: int, long: int) -> dict[str, Any]:
+    """For loops that run whole (a trainer's ``train()``): ``run(guarded, steps)`` returns the final weights'
+    digest; each run is counted whole at ``short`` and ``long`` steps, so the setup and the first steps cancel
+    and ``steps = long - short``. Returned in ``compare``'s shape."""
+    out: dict[str, Any] = {}
+    with as_on_gpu():
+        for guarded in (False, True):
+            counted = []
+            for steps in (short, long):
+                torch.manual_seed(0)
+                with counting() as counts:
+                    last = run(guarded, steps)
+                counted.append(counts)
+            key = "guarded" if guarded else "plain"
+            out[key] = Counts(
+                counted[1].collectives - counted[0].collectives, counted[1].host_reads - counted[0].host_reads
+            ).as_dict()
+            out[f"{key}_digest"] = last
+    return out
+
+
+def _clip_loop(model: nn.Module, rank: int, guarded: bool, *, replica: int | None = None) -> Built:
+    """The loop's own forward, backward, ``clip_grad_norm_`` and AdamW step; under ``LoopGuard`` when guarded."""
+    from nanguard.integrations.loop import LoopGuard
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = LoopGuard(model, opt) if guarded else None
+    data_rank = rank if replica is None else replica
+
+    def step(i: int) -> None:
+        x, y = _batch(data_rank, i)
+        nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step.guard = guard  # type: ignore[attr-defined]  # kept alive with the loop
+    return step, lambda: list(model.parameters())
+
+
+def _closure_loop(
+    model: nn.Module, rank: int, guarded: bool, *, replica: int | None = None, zero: bool = False
+) -> Built:
+    """The loop without a clip, as ``Guard.step(closure)`` (``zero``: ``ZeroRedundancyOptimizer`` of AdamW)."""
+    import nanguard as ng
+
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = ng.Guard(model, opt) if guarded else None
+    data_rank = rank if replica is None else replica
+
+    def closure(i: int) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(data_rank, i)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    def step(i: int) -> None:
+        if guard is None:
+            closure(i)
+            opt.step()
+        else:
+            guard.step(lambda: closure(i))
+
+    return step, lambda: list(model.parameters())
+
+
+def _fsdp2(rank: int, world: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = MLP()
+    fully_shard(model.up)
+    fully_shard(model)
+    return model
+
+
+def _tp(rank: int, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = MLP()
+    parallelize_module(model, init_device_mesh("cpu", (world,)), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _dp_tp(rank: int, world: int) -> tuple[nn.Module, int]:
+    """FSDP2 over dp x TP over tp (2 x world/2); the dp replica index (the batch it reads)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    model = MLP()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    return model, coordinate[0]
+
+
+def fsdp2(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` per block and the root), ``Guard.step(closure)``, no clip."""
+    return compare(lambda guarded: _closure_loop(_fsdp2(rank, world), rank, guarded), steps)
+
+
+def fsdp2_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """FSDP2 with the loop's ``clip_grad_norm_`` under ``LoopGuard``."""
+    return compare(lambda guarded: _clip_loop(_fsdp2(rank, world), rank, guarded), steps)
+
+
+def tp(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Tensor parallel (DTensor Colwise/Rowwise over every rank), ``Guard.step(closure)``, no clip."""
+    return compare(lambda guarded: _closure_loop(_tp(rank, world), 0, guarded), steps)
+
+
+def tp_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Tensor parallel with the loop's ``clip_grad_norm_`` under ``LoopGuard``."""
+    return compare(lambda guarded: _clip_loop(_tp(rank, world), 0, guarded), steps)
+
+
+def dp_tp(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """2D: FSDP2 over dp x TP over tp, ``Guard.step(closure)``."""
+
+    def build(guarded: bool) -> Built:
+        model, replica = _dp_tp(rank, world)
+        return _closure_loop(model, rank, guarded, replica=replica)
+
+    return compare(build, steps)
+
+
+def dp_tp_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """2D with the loop's ``clip_grad_norm_`` under ``LoopGuard``."""
+
+    def build(guarded: bool) -> Built:
+        model, replica = _dp_tp(rank, world)
+        return _clip_loop(model, rank, guarded, replica=replica)
+
+    return compare(build, steps)
+
+
+def pp(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Pipeline parallel: one ``PipelineStage`` per rank, ``ScheduleGPipe`` over 2 micro-batches,
+    ``Guard.step(closure)`` (the last stage returns the loss; the others a zero)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    import nanguard as ng
+
+    def build(guarded: bool) -> Built:
+        torch.manual_seed(rank)
+        model = MLP()
+        schedule = ScheduleGPipe(
+            PipelineStage(model, rank, world, torch.device("cpu")),
+            n_microbatches=2,
+            loss_fn=nn.functional.mse_loss,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = ng.Guard(model, opt) if guarded else None
+
+        def closure(i: int) -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            x, y = _batch(0, i)
+            losses: list[torch.Tensor] = []
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
+            return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+
+        def step(i: int) -> None:
+            if guard is None:
+                closure(i)
+                opt.step()
+            else:
+                guard.step(lambda: closure(i))
+
+        return step, lambda: list(model.parameters())
+
+    return compare(build, steps)
+
+
+def zero(stage: int) -> Callable[[int, int, int], dict[str, Any]]:
+    """DeepSpeed ZeRO ``stage`` on its CPU accelerator (fp32, AdamW, ``gradient_clipping`` 1.0), the engine
+    loop (``engine(x)``, ``engine.backward``, ``engine.step``) under ``DeepSpeedGuard``."""
+
+    def config(rank: int, world: int, steps: int) -> dict[str, Any]:
+        from _deepspeed_ranks import batch, engine_for, init
+        from nanguard.integrations.deepspeed import DeepSpeedGuard, EngineState
+
+        init(rank)
+
+        def build(guarded: bool) -> Built:
+            engine = engine_for(stage, "fp32", clip=1.0)
+            guard = DeepSpeedGuard(engine, "skip") if guarded else None
+
+            def step(i: int) -> None:
+                x, y = batch(rank, i, "fp32")
+                engine.backward(engine(x, y))
+                engine.step()
+
+            step.guard = guard  # type: ignore[attr-defined]
+            return step, lambda: EngineState(engine).master_params()
+
+        return compare(build, steps)
+
+    return config
+
+
+def titan(setup: str) -> Callable[[int, int, int], dict[str, Any]]:
+    """torchtitan's own ``Trainer.train()`` ("fsdp", "tp" or "pp" on 2 ranks; ``nanguard.zoo.titan_trainer``),
+    unguarded and with ``TitanGuard`` as ``docs/torchtitan.md`` shows."""
+
+    def config(rank: int, world: int, steps: int) -> dict[str, Any]:
+        from nanguard.zoo.titan_trainer import trainer_rank
+
+        def run(guarded: bool, n: int) -> str:
+            r = trainer_rank(rank, world, setup, None, 0, "skip" if guarded else None, steps=n)
+            return str(r["digest"])
+
+        return differential(run, SHORT, SHORT + steps)
+
+    return config
+
+
+def hf(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """The HF ``Trainer`` (tiny GPT-2, DDP over the gloo ranks, its clip at 1.0) with ``NanGuardCallback``."""
+    import tempfile
+
+    from _hf_ranks import run_trainer
+
+    def run(guarded: bool, n: int) -> str:
+        with tempfile.TemporaryDirectory() as out:
+            r = run_trainer(rank, world, [{"how": "compute_loss_func", "steps": n, "guard": guarded}], out)
+        return str(r[0]["weights"])
+
+    return differential(run, SHORT, SHORT + steps)
+
+
+def megatron(layout: str) -> Callable[[int, int, int], dict[str, Any]]:
+    """Megatron-core's loop (``tests/_megatron_ranks.py``: its DDP, optimizer with its clip at 1.0, schedules)
+    under ``MegatronGuard``: "dp" (with the DistributedOptimizer), "tp" or "pp" (1F1B, 2 micro-batches)."""
+    case = {"dp": {"dist_opt": True}, "tp": {"tp": 2}, "pp": {"pp": 2, "micro": 2}}[layout]
+
+    def config(rank: int, world: int, steps: int) -> dict[str, Any]:
+        import hashlib
+
+        from _megatron_ranks import init, train
+
+        def run(guarded: bool, n: int) -> str:
+            init(case.get("tp", 1), case.get("pp", 1))
+            r = train({**case, "steps": n, "policy": "skip" if guarded else None}, rank)
+            return hashlib.sha256(str(r["weights"]).encode()).hexdigest()[:16]
+
+        return differential(run, SHORT, SHORT + steps)
+
+    return config
+
+
+def olmo(setup: str) -> Callable[[int, int, int], dict[str, Any]]:
+    """OLMo-core's own ``Trainer`` ("ddp" or "fsdp"; ``nanguard.zoo.olmo``) with ``NanGuardCallback``."""
+
+    def config(rank: int, world: int, steps: int) -> dict[str, Any]:
+        from nanguard.zoo.olmo import olmo_rank
+
+        def run(guarded: bool, n: int) -> str:
+            return str(olmo_rank(rank, world, setup, None, 0, "skip" if guarded else None, steps=n)["digest"])
+
+        return differential(run, SHORT, SHORT + steps)
+
+    return config
 
 
 CONFIGS: dict[str, Callable[[int, int, int], dict[str, Any]]] = {
     "ddp": ddp,
     "ddp_clip": ddp_clip,
+    "ddp_zero": ddp_zero,
+    "ddp_join": ddp_join,
+    "fsdp2": fsdp2,
+    "fsdp2_clip": fsdp2_clip,
+    "tp": tp,
+    "tp_clip": tp_clip,
+    "2d": dp_tp,
+    "2d_clip": dp_tp_clip,
+    "pp": pp,
+    **{f"zero{stage}": zero(stage) for stage in range(4)},
+    **{f"titan_{setup}": titan(setup) for setup in ("fsdp", "tp", "pp")},
+    "hf": hf,
+    **{f"megatron_{layout}": megatron(layout) for layout in ("dp", "tp", "pp")},
+    **{f"olmo_{setup}": olmo(setup) for setup in ("ddp", "fsdp")},
 }
 
 

@@ -22,9 +22,10 @@ On CPU nanguard reads its float32 grad and parameter norms back to re-sum an ove
 that costs no device sync there); on CUDA it sums in float64 and reads nothing. ``as_on_gpu()`` makes
 the CPU sum as CUDA does, so a count on CPU is what a GPU run pays (``tests/test_host_reads.py``).
 
-What it does not see: ops run on another thread than the one that entered the block (the mode is
-thread-local; CPU autograd runs backward on the calling thread), and work gloo's own threads do
-after the op was issued (one op is one collective, however many messages it sends).
+Threads: the mode is thread-local, so it is entered in the calling thread and in every thread started
+inside the block (OLMo-core reduces its metrics on a bookkeeping thread); CPU autograd runs backward
+on the calling thread. What it does not see: ops of threads started before the block, and the work
+gloo's own threads do after an op was issued (one op is one collective, however many messages).
 
 Used by the tests (``tests/test_sync_count.py``, ``tests/test_distributed.py``, ...) and by
 ``benchmarks/sync_count.py`` (which puts ``tests/`` on its path, as the Megatron benchmarks do).
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -160,10 +162,26 @@ def _wrapped_reads(counts: Counts) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _in_new_threads(counts: Counts) -> Iterator[None]:
+    """Threads started inside the block count too (a mode of their own, the same counts)."""
+    original = threading.Thread.run
+
+    def run(self: threading.Thread) -> None:
+        with _Mode(counts):
+            original(self)
+
+    threading.Thread.run = run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        threading.Thread.run = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def counting() -> Iterator[Counts]:
-    """Count the collectives and host reads this thread makes inside the block (see the module doc)."""
+    """Count the collectives and host reads made inside the block (see the module doc)."""
     counts = Counts()
-    with _wrapped_reads(counts), _Mode(counts):
+    with _wrapped_reads(counts), _in_new_threads(counts), _Mode(counts):
         yield counts
 
 
