@@ -29,7 +29,7 @@ warnings.simplefilter("ignore", ImportWarning)  # OLMo-core's google-api-core im
 # One spawn per group: (world, configurations, what each is).
 GROUPS: list[tuple[int, list[str]]] = [
     (2, ["ddp", "ddp_clip", "ddp_zero", "ddp_join", "fsdp2", "fsdp2_clip", "tp", "tp_clip", "pp"]),
-    (3, ["ddp", "ddp_clip", "pp"]),
+    (3, ["ddp", "ddp_clip", "ddp_zero", "ddp_join", "pp"]),
     (4, ["ddp", "ddp_clip", "2d", "2d_clip"]),
     (8, ["ddp", "ddp_clip"]),
     (2, ["zero0", "zero1", "zero2", "zero3"]),

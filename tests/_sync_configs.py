@@ -10,6 +10,8 @@ spawn. Used by ``tests/test_sync_count.py`` and ``benchmarks/sync_count.py``.
 from __future__ import annotations
 
 import hashlib
+import os
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from torch import nn
 from _sync_count import Counts, as_on_gpu, counting
 
 WARMUP = 2
+WHERE = os.environ.get("SYNC_COUNT_WHERE") == "1"  # also record where each op was asked for (Counts.sites)
 SHORT = 2  # a whole-run loop's short run (``differential``)
 
 # A built loop: the step to run (given its index), and what gives the weights compared afterwards.
@@ -46,7 +49,7 @@ def compare(build: Callable[[bool], Built], steps: int) -> dict[str, Any]:
             step, weights = build(guarded)
             for i in range(WARMUP):
                 step(i)
-            with counting() as counts:
+            with counting(WHERE) as counts:
                 for i in range(WARMUP, WARMUP + steps):
                     step(i)
             key = "guarded" if guarded else "plain"
@@ -137,12 +140,14 @@ def differential(run: Callable[[bool, int], str], short: int, long: int) -> dict
             counted = []
             for steps in (short, long):
                 torch.manual_seed(0)
-                with counting() as counts:
+                with counting(WHERE) as counts:
                     last = run(guarded, steps)
                 counted.append(counts)
             key = "guarded" if guarded else "plain"
+            short_run, long_run = counted
+            sites = None if long_run.sites is None else long_run.sites - (short_run.sites or Counter())
             out[key] = Counts(
-                counted[1].collectives - counted[0].collectives, counted[1].host_reads - counted[0].host_reads
+                long_run.collectives - short_run.collectives, long_run.host_reads - short_run.host_reads, sites
             ).as_dict()
             out[f"{key}_digest"] = last
     return out

@@ -65,6 +65,12 @@ class Counts:
 
     collectives: Counter[str] = field(default_factory=Counter)
     host_reads: Counter[str] = field(default_factory=Counter)
+    sites: Counter[str] | None = None  # with ``counting(where=True)``: "op at file:line" of each, outside torch
+
+    def _seen(self, kind: Counter[str], name: str) -> None:
+        kind[name] += 1
+        if self.sites is not None:
+            self.sites[f"{name} at {_site()}"] += 1
 
     @property
     def n_collectives(self) -> int:
@@ -76,11 +82,13 @@ class Counts:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (spawned ranks return it)."""
-        return {"collectives": dict(self.collectives), "host_reads": dict(self.host_reads)}
+        out = {"collectives": dict(self.collectives), "host_reads": dict(self.host_reads)}
+        return out if self.sites is None else {**out, "sites": dict(self.sites)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Counts:
-        return cls(Counter(d["collectives"]), Counter(d["host_reads"]))
+        sites = d.get("sites")
+        return cls(Counter(d["collectives"]), Counter(d["host_reads"]), None if sites is None else Counter(sites))
 
 
 def added(plain: Counts | dict[str, Any], guarded: Counts | dict[str, Any], steps: int) -> dict[str, Any]:
@@ -122,11 +130,11 @@ class _Mode(TorchDispatchMode):
         if namespace in _NAMESPACES:
             name = func._overloadpacket.__name__
             if name not in _NOT_COLLECTIVES:
-                self.counts.collectives[f"{namespace}.{name}"] += 1
+                self.counts._seen(self.counts.collectives, f"{namespace}.{name}")
         elif func is _SCALAR:
-            self.counts.host_reads["item"] += 1
+            self.counts._seen(self.counts.host_reads, "item")
         elif func in _COPIES and _to_host(func, args, kwargs):
-            self.counts.host_reads["copy_to_host"] += 1
+            self.counts._seen(self.counts.host_reads, "copy_to_host")
         return func(*args, **kwargs)
 
 
@@ -141,14 +149,23 @@ def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
     return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst.device.type == "cpu"
 
 
+_READING = threading.local()  # inside a wrapped read: a ``TorchFunctionMode`` may call the wrapper again
+
+
 @contextlib.contextmanager
 def _wrapped_reads(counts: Counts) -> Iterator[None]:
     saved = {name: getattr(torch.Tensor, name) for name in _WRAPPED}
 
     def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def reading(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            counts.host_reads[name] += 1
-            return original(self, *args, **kwargs)
+            if getattr(_READING, "inside", False):
+                return original(self, *args, **kwargs)  # the same read, handed back by a mode: counted once
+            counts._seen(counts.host_reads, name)
+            _READING.inside = True
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _READING.inside = False
 
         return reading
 
@@ -177,10 +194,26 @@ def _in_new_threads(counts: Counts) -> Iterator[None]:
         threading.Thread.run = original  # type: ignore[method-assign]
 
 
+def _site() -> str:
+    """The innermost caller outside torch, this module and any ``TorchFunctionMode``: where the op was asked for."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        inside = f"{_SEP}torch{_SEP}" in path or path.endswith("_sync_count.py")
+        if not inside and frame.f_code.co_name != "__torch_function__":
+            return f"{'/'.join(path.split(_SEP)[-2:])}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
+
+
+_SEP = "/"
+
+
 @contextlib.contextmanager
-def counting() -> Iterator[Counts]:
-    """Count the collectives and host reads made inside the block (see the module doc)."""
-    counts = Counts()
+def counting(where: bool = False) -> Iterator[Counts]:
+    """Count the collectives and host reads made inside the block (see the module doc); ``where``: also
+    where each was asked for (``Counts.sites``), to find what issues an added one."""
+    counts = Counts(sites=Counter() if where else None)
     with _wrapped_reads(counts), _in_new_threads(counts), _Mode(counts):
         yield counts
 
