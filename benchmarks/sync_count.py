@@ -89,6 +89,7 @@ def row(name: str, world: int, per_rank: list[dict[str, Any]], steps: int) -> di
         "world": world,
         "collectives": _number([d["collectives"] for d in diffs]),
         "ops": _ops([d["collective_ops"] for d in diffs]),
+        "elements": _number([d["elements"] for d in diffs]),
         "reads": _number([d["host_reads"] for d in diffs]),
         "read_kinds": _ops([d["host_read_kinds"] for d in diffs]),
         "plain": _number([d["plain_collectives"] for d in diffs]).lstrip("+"),
@@ -110,18 +111,18 @@ def run_group(world: int, names: list[str], steps: int) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| configuration | ranks | guard | collectives added a step | which | host reads added a step "
-        "| the loop's own collectives a step | weights bit-identical |",
-        "|---|---:|---|---:|---|---:|---:|---|",
+        "| configuration | ranks | guard | collectives added a step | which | elements added a step "
+        "| host reads added a step | the loop's own collectives a step | weights bit-identical |",
+        "|---|---:|---|---:|---|---:|---:|---:|---|",
     ]
     for r in rows:
         label, guard = LABELS[r["name"]]
         if "failed" in r:
-            lines.append(f"| {label} | {r['world']} | {guard} | failed: {r['failed']} | | | | |")
+            lines.append(f"| {label} | {r['world']} | {guard} | failed: {r['failed']} | | | | | |")
             continue
         identical = "yes" if r["identical"] else "**no**"
         lines.append(
-            f"| {label} | {r['world']} | {guard} | {r['collectives']} | {r['ops']} | {r['reads']} "
+            f"| {label} | {r['world']} | {guard} | {r['collectives']} | {r['ops']} | {r['elements']} | {r['reads']} "
             f"| {r['plain']} | {identical} |"
         )
     return "\n".join(lines)
@@ -146,7 +147,9 @@ thread started during the run): every `c10d` op, from Python or from C++ (DDP's 
 DeepSpeed's and Megatron's calls, `send`/`recv` and `batch_isend_irecv`), every `_c10d_functional` op (DTensor's
 redistributions and its `clip_grad_norm_`), and every host read: `aten._local_scalar_dense` (`item`, `bool`,
 `float`, `int`) and `Tensor.tolist`/`numpy`. "which" names the ops whose count changed (a `c10d.allreduce_` is
-one `torch.distributed.all_reduce` or one DDP bucket). "Host reads as a GPU pays them": on CPU nanguard reads its
+one `torch.distributed.all_reduce` or one DDP bucket); "elements added" counts the tensor elements those
+collectives carry more than the unguarded run's (the flags riding in a gradient bucket show here, not as an op).
+"Host reads as a GPU pays them": on CPU nanguard reads its
 float32 norms back to re-sum an overflow in float64, which costs no device sync there and which CUDA does not do
 (it sums in float64); the count runs nanguard's CUDA summation on the CPU. "Weights bit-identical": every rank's
 final weights (its shards) equal the unguarded run's, bit for bit. The loops are `tests/_sync_configs.py`'s: a

@@ -130,6 +130,13 @@ def ddp_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
     return compare(build, steps)
 
 
+def _minus(a: Counter[str], b: Counter[str]) -> Counter[str]:
+    """``a - b`` keeping every difference (``Counter``'s minus drops the ones below one)."""
+    out = Counter(a)
+    out.subtract(b)
+    return out
+
+
 def differential(run: Callable[[bool, int], str], short: int, long: int) -> dict[str, Any]:
     """For loops that run whole (a trainer's ``train()``): ``run(guarded, steps)`` returns the final weights'
     digest; each run is counted whole at ``short`` and ``long`` steps, so the setup and the first steps cancel
@@ -147,7 +154,10 @@ def differential(run: Callable[[bool, int], str], short: int, long: int) -> dict
             short_run, long_run = counted
             sites = None if long_run.sites is None else long_run.sites - (short_run.sites or Counter())
             out[key] = Counts(
-                long_run.collectives - short_run.collectives, long_run.host_reads - short_run.host_reads, sites
+                _minus(long_run.collectives, short_run.collectives),
+                _minus(long_run.host_reads, short_run.host_reads),
+                _minus(long_run.elements, short_run.elements),
+                sites,
             ).as_dict()
             out[f"{key}_digest"] = last
     return out

@@ -65,6 +65,7 @@ class Counts:
 
     collectives: Counter[str] = field(default_factory=Counter)
     host_reads: Counter[str] = field(default_factory=Counter)
+    elements: Counter[str] = field(default_factory=Counter)  # each collective's tensor elements, summed by op
     sites: Counter[str] | None = None  # with ``counting(where=True)``: "op at file:line" of each, outside torch
 
     def _seen(self, kind: Counter[str], name: str) -> None:
@@ -82,13 +83,22 @@ class Counts:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (spawned ranks return it)."""
-        out = {"collectives": dict(self.collectives), "host_reads": dict(self.host_reads)}
+        out = {
+            "collectives": dict(self.collectives),
+            "host_reads": dict(self.host_reads),
+            "elements": dict(self.elements),
+        }
         return out if self.sites is None else {**out, "sites": dict(self.sites)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Counts:
         sites = d.get("sites")
-        return cls(Counter(d["collectives"]), Counter(d["host_reads"]), None if sites is None else Counter(sites))
+        return cls(
+            Counter(d["collectives"]),
+            Counter(d["host_reads"]),
+            Counter(d.get("elements", {})),
+            None if sites is None else Counter(sites),
+        )
 
 
 def added(plain: Counts | dict[str, Any], guarded: Counts | dict[str, Any], steps: int) -> dict[str, Any]:
@@ -103,6 +113,7 @@ def added(plain: Counts | dict[str, Any], guarded: Counts | dict[str, Any], step
         "collectives": (g.n_collectives - p.n_collectives) / steps,
         "host_reads": (g.n_host_reads - p.n_host_reads) / steps,
         "collective_ops": diff(p.collectives, g.collectives),
+        "elements": (sum(g.elements.values()) - sum(p.elements.values())) / steps,
         "host_read_kinds": diff(p.host_reads, g.host_reads),
         "plain_collectives": p.n_collectives / steps,
         "plain_host_reads": p.n_host_reads / steps,
@@ -131,11 +142,21 @@ class _Mode(TorchDispatchMode):
             name = func._overloadpacket.__name__
             if name not in _NOT_COLLECTIVES:
                 self.counts._seen(self.counts.collectives, f"{namespace}.{name}")
+                self.counts.elements[f"{namespace}.{name}"] += _numel(args[0] if args else None)
         elif func is _SCALAR:
             self.counts._seen(self.counts.host_reads, "item")
         elif func in _COPIES and _to_host(func, args, kwargs):
             self.counts._seen(self.counts.host_reads, "copy_to_host")
         return func(*args, **kwargs)
+
+
+def _numel(arg: Any) -> int:
+    """The elements of a collective's first argument: a tensor, or (nested) lists of them."""
+    if isinstance(arg, torch.Tensor):
+        return arg.numel()
+    if isinstance(arg, (list, tuple)):
+        return sum(_numel(a) for a in arg)
+    return 0
 
 
 def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
