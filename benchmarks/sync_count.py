@@ -26,9 +26,24 @@ from _common import machine, write_section
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 warnings.simplefilter("ignore", ImportWarning)  # OLMo-core's google-api-core import
 
-# One spawn per group: (world, configurations, what each is).
+# One spawn per group: (world, configurations).
 GROUPS: list[tuple[int, list[str]]] = [
-    (2, ["ddp", "ddp_clip", "ddp_zero", "ddp_join", "fsdp2", "fsdp2_clip", "tp", "tp_clip", "pp"]),
+    (
+        2,
+        [
+            "ddp",
+            "ddp_clip",
+            "ddp_fingerprint",
+            "ddp_check_batch",
+            "ddp_zero",
+            "ddp_join",
+            "fsdp2",
+            "fsdp2_clip",
+            "tp",
+            "tp_clip",
+            "pp",
+        ],
+    ),
     (3, ["ddp", "ddp_clip", "ddp_zero", "ddp_join", "pp"]),
     (4, ["ddp", "ddp_clip", "2d", "2d_clip"]),
     (8, ["ddp", "ddp_clip"]),
@@ -42,6 +57,8 @@ GROUPS: list[tuple[int, list[str]]] = [
 LABELS = {
     "ddp": ("DDP", "`Guard.step(closure)`"),
     "ddp_clip": ("DDP + the loop's `clip_grad_norm_`", "`LoopGuard`"),
+    "ddp_fingerprint": ("DDP, a replica-fingerprint step (`fingerprint_every=1`)", "`Guard.step(closure)`"),
+    "ddp_check_batch": ("DDP, `check_batch=True`", "`Guard.step(closure)`"),
     "ddp_zero": ("DDP + `ZeroRedundancyOptimizer`", "`Guard.step(closure)`"),
     "ddp_join": ("DDP inside `join()`", "`Guard.step(closure)`"),
     "fsdp2": ("FSDP2", "`Guard.step(closure)`"),

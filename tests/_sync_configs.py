@@ -80,6 +80,20 @@ def ddp(rank: int, world: int, steps: int) -> dict[str, Any]:
     return compare(lambda guarded: _closure_loop(DDP(MLP()), rank, guarded), steps)
 
 
+def ddp_fingerprint(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """DDP with ``fingerprint_every=1``: every step is a replica-fingerprint step (by default every 100th)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return compare(lambda guarded: _closure_loop(DDP(MLP()), rank, guarded, fingerprint_every=1), steps)
+
+
+def ddp_check_batch(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """DDP with ``check_batch=True``: the batch checked, and agreed on, before the forward."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return compare(lambda guarded: _closure_loop(DDP(MLP()), rank, guarded, check_batch=True), steps)
+
+
 def ddp_zero(rank: int, world: int, steps: int) -> dict[str, Any]:
     """DDP with ``ZeroRedundancyOptimizer`` (AdamW shards), ``Guard.step(closure)``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -183,9 +197,10 @@ def _clip_loop(model: nn.Module, rank: int, guarded: bool, *, replica: int | Non
 
 
 def _closure_loop(
-    model: nn.Module, rank: int, guarded: bool, *, replica: int | None = None, zero: bool = False
+    model: nn.Module, rank: int, guarded: bool, *, replica: int | None = None, zero: bool = False, **options: Any
 ) -> Built:
-    """The loop without a clip, as ``Guard.step(closure)`` (``zero``: ``ZeroRedundancyOptimizer`` of AdamW)."""
+    """The loop without a clip, as ``Guard.step(closure, batch=)`` (``zero``: ``ZeroRedundancyOptimizer`` of
+    AdamW; ``options``: the guard's)."""
     import nanguard as ng
 
     if zero:
@@ -196,22 +211,22 @@ def _closure_loop(
         )
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = ng.Guard(model, opt) if guarded else None
+    guard = ng.Guard(model, opt, **options) if guarded else None
     data_rank = rank if replica is None else replica
 
-    def closure(i: int) -> torch.Tensor:
+    def closure(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        x, y = _batch(data_rank, i)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         return loss
 
     def step(i: int) -> None:
+        x, y = _batch(data_rank, i)
         if guard is None:
-            closure(i)
+            closure(x, y)
             opt.step()
         else:
-            guard.step(lambda: closure(i))
+            guard.step(lambda: closure(x, y), batch={"x": x, "y": y})
 
     return step, lambda: list(model.parameters())
 
@@ -425,6 +440,8 @@ def olmo(setup: str) -> Callable[[int, int, int], dict[str, Any]]:
 CONFIGS: dict[str, Callable[[int, int, int], dict[str, Any]]] = {
     "ddp": ddp,
     "ddp_clip": ddp_clip,
+    "ddp_fingerprint": ddp_fingerprint,
+    "ddp_check_batch": ddp_check_batch,
     "ddp_zero": ddp_zero,
     "ddp_join": ddp_join,
     "fsdp2": fsdp2,

@@ -34,6 +34,8 @@ ADDED: dict[tuple[str, int], tuple[float, float]] = {
     ("ddp_clip", 3): (1, 1),
     ("ddp_clip", 4): (1, 1),
     ("ddp_clip", 8): (1, 1),
+    ("ddp_fingerprint", 2): (1, 5),  # fingerprint_every=1: an all-gather and 4 reads on each fingerprint step
+    ("ddp_check_batch", 2): (1, 3),  # check_batch=True: the batch's verdict agreed before the forward
     ("ddp_zero", 2): (0, 1),
     ("ddp_zero", 3): (1, 1),
     ("ddp_join", 2): (0, 1),
