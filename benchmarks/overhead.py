@@ -204,9 +204,9 @@ default all-reduce, the guard's flags (one slot per rank) and the loss ride as `
 float32 values (with each rank's step index) in the all-reduce of the last gradient bucket, so a healthy
 2-rank step adds no collective; on 3 or more ranks they go in one small all-reduce of their own, issued
 right after the last bucket's, which keeps the run bit-identical to the unguarded one
-(`tests/test_distributed_exact.py`; cost: "Guard overhead of DDP by world size"). Counted by
-`tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step`, which wraps
-`torch.distributed`). The fallback, one all-reduce of `2 x world_size + 2` float32 per step, remains for
+(`tests/test_distributed_exact.py`; cost: "Guard overhead of DDP by world size"). Counted at the dispatcher
+(DDP's reducer included) by `tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step`
+and "Collectives and host reads a healthy step adds". The fallback, one all-reduce of `2 x world_size + 2` float32 per step, remains for
 `guard.check(loss)` (the loss is known only after backward), steps whose backward sent no gradients
 (every micro-step under `no_sync`), a user comm hook (its wire format is its own: fp16 compression),
 float16/bfloat16 buckets, FSDP2 and hand-written all-reduce loops.

@@ -84,9 +84,9 @@ LABELS = {
 }
 
 
-def _number(values: list[float]) -> str:
+def _number(values: list[float], sign: bool = True) -> str:
     """One number when every rank agrees, else each rank's."""
-    shown = [f"{v:+g}" if v else "0" for v in values]
+    shown = [(f"{v:+g}" if sign else f"{v:g}") if v else "0" for v in values]
     return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
 
 
@@ -109,7 +109,7 @@ def row(name: str, world: int, per_rank: list[dict[str, Any]], steps: int) -> di
         "elements": _number([d["elements"] for d in diffs]),
         "reads": _number([d["host_reads"] for d in diffs]),
         "read_kinds": _ops([d["host_read_kinds"] for d in diffs]),
-        "plain": _number([d["plain_collectives"] for d in diffs]).lstrip("+"),
+        "plain": _number([d["plain_collectives"] for d in diffs], sign=False),
         "identical": all(r["plain_digest"] == r["guarded_digest"] for r in per_rank),
     }
 
