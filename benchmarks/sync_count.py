@@ -159,24 +159,36 @@ def section(rows: list[dict[str, Any]], steps: int, seconds: float) -> str:
 
 {table(rows)}
 
+What the rows show. Under `Guard.step(closure)` with DDP on 2 ranks (also with `ZeroRedundancyOptimizer` and
+inside `join()`) the guard adds no collective: its `2 x world_size + 2` float32 (6 at 2 ranks) ride in the last
+gradient bucket's all-reduce, as the "elements added" column shows. On 3 or more ranks, and everywhere else counted,
+it adds one all-reduce of `2 x world_size + 2` float32: `LoopGuard` under DDP (it reads the loop's clip norm but
+agrees in its own all-reduce), FSDP2, TP, 2D and PP with or without the loop's clip (the clip's reduced norm is not
+ridden), DeepSpeed ZeRO 0-3 with its clipping (its own overflow and norm reductions are not ridden), the HF
+`Trainer`, torchtitan's `Trainer`, Megatron-core and OLMo-core. Every configuration adds one host read (the
+agreed health, one `tolist`), except OLMo-core's `Trainer`, which also `.item()`s the guard's two metrics
+(`nanguard/skipped`, `nanguard/trips`, recorded without a reduce type) when it collects metrics (every step here).
+A replica-fingerprint step (every `fingerprint_every` = 100 updates by default) adds an all-gather and four host
+reads; `check_batch=True` adds one all-reduce and two host reads a step. Every row's final weights equal the
+unguarded run's, bit for bit. Under PP the stages' own collectives differ (each rank's figure is shown).
+
 Counted by `tests/_sync_count.py` at the dispatcher (a `TorchDispatchMode` in the calling thread and in every
 thread started during the run): every `c10d` op, from Python or from C++ (DDP's reducer, FSDP2's reduce-scatter,
 DeepSpeed's and Megatron's calls, `send`/`recv` and `batch_isend_irecv`), every `_c10d_functional` op (DTensor's
 redistributions and its `clip_grad_norm_`), and every host read: `aten._local_scalar_dense` (`item`, `bool`,
 `float`, `int`) and `Tensor.tolist`/`numpy`. "which" names the ops whose count changed (a `c10d.allreduce_` is
-one `torch.distributed.all_reduce` or one DDP bucket); "elements added" counts the tensor elements those
-collectives carry more than the unguarded run's (the flags riding in a gradient bucket show here, not as an op).
-"Host reads as a GPU pays them": on CPU nanguard reads its
-float32 norms back to re-sum an overflow in float64, which costs no device sync there and which CUDA does not do
-(it sums in float64); the count runs nanguard's CUDA summation on the CPU. "Weights bit-identical": every rank's
-final weights (its shards) equal the unguarded run's, bit for bit. The loops are `tests/_sync_configs.py`'s: a
-2-layer MLP (8 -> 16 -> 8) and AdamW for DDP, FSDP2, TP, 2D and PP; `tests/_deepspeed_ranks.py`'s engine (fp32 on
+one `torch.distributed.all_reduce` or one DDP bucket); "elements added" counts the tensor elements the
+collectives carry beyond the unguarded run's. "Host reads as a GPU pays them": on CPU nanguard reads its float32
+norms back to re-sum an overflow in float64, which costs no device sync there and which CUDA does not do (it sums
+in float64); the count runs nanguard's CUDA summation on the CPU. "Weights bit-identical": every rank's final
+weights (its shards) equal the unguarded run's, bit for bit. The loops are `tests/_sync_configs.py`'s: a 2-layer
+MLP (8 -> 16 -> 8) and AdamW for DDP, FSDP2, TP, 2D and PP; `tests/_deepspeed_ranks.py`'s engine (fp32 on
 DeepSpeed's CPU accelerator); `tests/_hf_ranks.py`'s tiny GPT-2 in the HF `Trainer`; torchtitan's own `Trainer`
-(`nanguard/zoo/titan_trainer.py`); `tests/_megatron_ranks.py`'s Megatron-core loop (CPU shim); OLMo-core's own
-`Trainer` (`nanguard/zoo/olmo.py`); each guarded with its defaults (`policy="skip"`). Not counted: the replica
-fingerprint, one all-gather every `fingerprint_every` (100) updates, which falls outside the counted steps;
-a trip's replay and diagnosis; NCCL, GPUs (the op counts do not depend on the backend; the host reads are
-counted as CUDA's summation makes them, not measured as device syncs).
+(`nanguard/zoo/titan_trainer.py`); `tests/_megatron_ranks.py`'s Megatron-core loop (CPU shim, its clip 1.0);
+OLMo-core's own `Trainer` (`nanguard/zoo/olmo.py`); each guarded with its defaults (`policy="skip"`).
+`tests/test_sync_count.py` asserts these numbers (one table, `ADDED`). Not counted: a trip's replay and
+diagnosis, NCCL and GPUs (the ops do not depend on the backend; the host reads are counted as CUDA's summation
+makes them, not measured as device syncs).
 {machine()}. Reproduce: `.venv/bin/python benchmarks/sync_count.py --steps {steps}`.
 """
 
