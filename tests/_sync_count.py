@@ -1,6 +1,6 @@
 """The one counter of what makes ranks or the host wait: collectives and host reads, per block.
 
-``counting()`` counts, in this thread, while its block runs:
+``counting()`` counts, while its block runs (threads below):
 
 - **collectives**: every op of the ``c10d`` namespace (what ``torch.distributed``'s functions and
   ``ProcessGroup``'s methods dispatch to, from Python or from C++: DDP's reducer, FSDP2's
@@ -12,7 +12,8 @@
   them). A DTensor op is let through to DTensor first, so the collectives it desugars into are
   counted and not the DTensor op itself. A functional collective counts once (the ``c10d`` op it
   runs inside is not counted again); ``wait_tensor``, ``_wrap_tensor_autograd`` and ``check_for_nan``
-  are not collectives.
+  are not collectives. DeepSpeed's shared-memory all-reduce (``torch.ops.deepspeed.inference_all_reduce_``,
+  which its CPU accelerator uses for inference only) counts too.
 - **host reads**: ``aten._local_scalar_dense`` (``item``, ``bool``, ``float``, ``int``, ``__index__``,
   from Python or C++) by the dispatcher, and ``Tensor.tolist`` and ``Tensor.numpy`` (which read the
   storage without an op) by wrapping them; a copy from a non-CPU device to the CPU that blocks
@@ -138,8 +139,8 @@ class _Mode(TorchDispatchMode):
         if dtensor is not None and any(issubclass(t, dtensor) for t in types):
             return NotImplemented  # DTensor runs first; the ops it desugars into come back here
         namespace = func.namespace
-        if namespace in _NAMESPACES:
-            name = func._overloadpacket.__name__
+        name = func._overloadpacket.__name__
+        if namespace in _NAMESPACES or (namespace == "deepspeed" and "all_reduce" in name):
             if name not in _NOT_COLLECTIVES:
                 self.counts._seen(self.counts.collectives, f"{namespace}.{name}")
                 self.counts.elements[f"{namespace}.{name}"] += _numel(args[0] if args else None)
