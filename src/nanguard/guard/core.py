@@ -37,6 +37,7 @@ from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
 from nanguard.guard.policy import DEFER, Action, Policy
+from nanguard.guard.precursors import PrecursorCheck
 from nanguard.guard.progress import Outcome, PolicyView, Progress
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
@@ -129,6 +130,7 @@ class Guard:
             comm=dist.watch_communication(model, comm_hook),
             param_check_every=c.param_check_every,
             check_loaded=True,
+            agree_loss=c.skip_spikes,
         )
         self._load_hook = check_after_loads(model, self.health)  # a later load_state_dict is checked too
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)
@@ -157,6 +159,9 @@ class Guard:
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = PolicyView(self.recovery, self._remedies, self.progress)
+        every = 0 if self.disabled else c.precursor_every  # sampled in the step, read without a sync
+        self.precursors = PrecursorCheck(model, optimizer, c, self.progress, self.recorder, self._remedies, every=every)
+        self._remedies.headroom.emit = self.precursors.watch_headroom(self._remedies.headroom.emit)
         self._choose_paths()
         self._wire()
         self._pending: tuple[Attempt, StepHealth] | None = None  # a checked step whose update is to be recorded
@@ -515,6 +520,7 @@ class Guard:
     def close(self) -> None:
         self._settle()
         self._remedies.headroom.close()
+        self.precursors.close()
         self.recorder.end(self.progress.step, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
 
