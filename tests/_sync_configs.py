@@ -197,10 +197,17 @@ def _clip_loop(model: nn.Module, rank: int, guarded: bool, *, replica: int | Non
 
 
 def _closure_loop(
-    model: nn.Module, rank: int, guarded: bool, *, replica: int | None = None, zero: bool = False, **options: Any
+    model: nn.Module,
+    rank: int,
+    guarded: bool,
+    *,
+    replica: int | None = None,
+    zero: bool = False,
+    clip: bool = False,
+    **options: Any,
 ) -> Built:
-    """The loop without a clip, as ``Guard.step(closure, batch=)`` (``zero``: ``ZeroRedundancyOptimizer`` of
-    AdamW; ``options``: the guard's)."""
+    """The loop as ``Guard.step(closure, batch=)``: ``clip``, the closure ends with ``clip_grad_norm_``;
+    ``zero``, ``ZeroRedundancyOptimizer`` of AdamW; ``options``, the guard's."""
     import nanguard as ng
 
     if zero:
@@ -218,6 +225,8 @@ def _closure_loop(
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         return loss
 
     def step(i: int) -> None:
@@ -267,6 +276,40 @@ def _dp_tp(rank: int, world: int) -> tuple[nn.Module, int]:
 def fsdp2(rank: int, world: int, steps: int) -> dict[str, Any]:
     """FSDP2 (``fully_shard`` per block and the root), ``Guard.step(closure)``, no clip."""
     return compare(lambda guarded: _closure_loop(_fsdp2(rank, world), rank, guarded), steps)
+
+
+def fsdp2_closure_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """FSDP2, ``Guard.step(closure)`` whose closure clips (``clip_grad_norm_`` over every rank)."""
+    return compare(lambda guarded: _closure_loop(_fsdp2(rank, world), rank, guarded, clip=True), steps)
+
+
+def tp_closure_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Tensor parallel, ``Guard.step(closure)`` whose closure clips."""
+    return compare(lambda guarded: _closure_loop(_tp(rank, world), 0, guarded, clip=True), steps)
+
+
+def dp_tp_closure_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """2D, ``Guard.step(closure)`` whose closure clips."""
+
+    def build(guarded: bool) -> Built:
+        model, replica = _dp_tp(rank, world)
+        return _closure_loop(model, rank, guarded, replica=replica, clip=True)
+
+    return compare(build, steps)
+
+
+def ddp_skip_spikes(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """DDP with ``skip_spikes=True`` (it acts on the mean loss)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return compare(lambda guarded: _closure_loop(DDP(MLP()), rank, guarded, skip_spikes=True), steps)
+
+
+def ddp_precursor(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """DDP with ``precursor_every=1``: every step samples the precursors (by default every 20th)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return compare(lambda guarded: _closure_loop(DDP(MLP()), rank, guarded, precursor_every=1), steps)
 
 
 def fsdp2_clip(rank: int, world: int, steps: int) -> dict[str, Any]:
@@ -442,14 +485,19 @@ CONFIGS: dict[str, Callable[[int, int, int], dict[str, Any]]] = {
     "ddp_clip": ddp_clip,
     "ddp_fingerprint": ddp_fingerprint,
     "ddp_check_batch": ddp_check_batch,
+    "ddp_skip_spikes": ddp_skip_spikes,
+    "ddp_precursor": ddp_precursor,
     "ddp_zero": ddp_zero,
     "ddp_join": ddp_join,
     "fsdp2": fsdp2,
     "fsdp2_clip": fsdp2_clip,
+    "fsdp2_closure_clip": fsdp2_closure_clip,
     "tp": tp,
     "tp_clip": tp_clip,
+    "tp_closure_clip": tp_closure_clip,
     "2d": dp_tp,
     "2d_clip": dp_tp_clip,
+    "2d_closure_clip": dp_tp_closure_clip,
     "pp": pp,
     **{f"zero{stage}": zero(stage) for stage in range(4)},
     **{f"titan_{setup}": titan(setup) for setup in ("fsdp", "tp", "pp")},
