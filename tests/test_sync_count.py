@@ -26,25 +26,36 @@ STEPS = 3
 # (every rank alike). Host reads are counted as a GPU run pays them (nanguard's norms summed in float64, no read).
 # The configurations are ``_sync_configs.CONFIGS``; the benchmark's table (BENCHMARKS.md) shows the same runs.
 ADDED: dict[tuple[str, int], tuple[float, float]] = {
-    ("ddp", 2): (0, 1),  # the flags and the loss ride in DDP's last gradient bucket
-    ("ddp", 3): (0, 1),  # at 3+ ranks: a flagging rank's NaN in its last bucket (none on a healthy step)
+    # Guard.step under DDP's default all-reduce: the flags ride in the gradient all-reduce (2 ranks: in the last
+    # bucket's payload; 3 or more: a flagging rank's NaN in it, nothing on a healthy step).
+    ("ddp", 2): (0, 1),
+    ("ddp", 3): (0, 1),
     ("ddp", 4): (0, 1),
-    ("ddp_clip", 2): (1, 1),  # LoopGuard checks after the loop's backward: its one small all-reduce
+    ("ddp", 8): (0, 1),
+    ("ddp_zero", 2): (0, 1),
+    ("ddp_zero", 3): (0, 1),
+    ("ddp_join", 2): (0, 1),
+    ("ddp_join", 3): (1, 1),  # a joined rank's shadow cannot foresee a NaN: one small all-reduce at 3+
+    ("ddp_skip_spikes", 3): (1, 1),  # the mean loss it acts on reaches no rank through the buckets at 3+
+    ("ddp_fingerprint", 2): (1, 5),  # fingerprint_every=1: an all-gather and 4 reads on each fingerprint step
+    ("ddp_check_batch", 2): (1, 3),  # check_batch=True: the batch's verdict agreed before the forward
+    ("ddp_precursor", 2): (0, 2),  # precursor_every=1: one more read, of a host copy (on CUDA, non-blocking)
+    # LoopGuard checks after the loop's backward and clip: its one small all-reduce.
+    ("ddp_clip", 2): (1, 1),
     ("ddp_clip", 3): (1, 1),
     ("ddp_clip", 4): (1, 1),
     ("ddp_clip", 8): (1, 1),
-    ("ddp_fingerprint", 2): (1, 5),  # fingerprint_every=1: an all-gather and 4 reads on each fingerprint step
-    ("ddp_check_batch", 2): (1, 3),  # check_batch=True: the batch's verdict agreed before the forward
-    ("ddp_zero", 2): (0, 1),
-    ("ddp_zero", 3): (1, 1),
-    ("ddp_join", 2): (0, 1),
-    ("ddp_join", 3): (1, 1),
-    ("fsdp2", 2): (1, 1),  # FSDP2, TP, 2D, PP: one all-reduce of the flags, the clip's reduced norm not read
     ("fsdp2_clip", 2): (1, 1),
-    ("tp", 2): (1, 1),
     ("tp_clip", 2): (1, 1),
-    ("2d", 4): (1, 1),
     ("2d_clip", 4): (1, 1),
+    # Guard.step whose closure clips: the flags ride in the clip's reduced norm.
+    ("fsdp2_closure_clip", 2): (0, 1),
+    ("tp_closure_clip", 2): (0, 1),
+    ("2d_closure_clip", 4): (0, 1),
+    # Nothing to ride: one all-reduce of the flags.
+    ("fsdp2", 2): (1, 1),
+    ("tp", 2): (1, 1),
+    ("2d", 4): (1, 1),
     ("pp", 2): (1, 1),
     ("pp", 3): (1, 1),
     ("zero0", 2): (1, 1),  # DeepSpeed: one all-reduce, its own overflow/norm reductions not ridden
@@ -63,7 +74,15 @@ ADDED: dict[tuple[str, int], tuple[float, float]] = {
 }
 
 # Always run (one spawn per world size, ~1 min on 2 quiet cores); the rest is ``slow``.
-QUICK = {("ddp", 2), ("ddp_clip", 2), ("fsdp2_clip", 2), ("tp_clip", 2), ("zero2", 2), ("ddp", 3), ("ddp", 4)}
+QUICK = {
+    ("ddp", 2),
+    ("ddp_clip", 2),
+    ("fsdp2_closure_clip", 2),
+    ("tp_closure_clip", 2),
+    ("zero2", 2),
+    ("ddp", 3),
+    ("ddp", 4),
+}
 
 
 def _spawned(names: list[str], world: int) -> list[dict[str, Any]]:
