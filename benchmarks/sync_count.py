@@ -150,18 +150,22 @@ def section(rows: list[dict[str, Any]], steps: int, seconds: float) -> str:
 
 {table(rows)}
 
-What the rows show. Under `Guard.step(closure)` with DDP on 2 ranks (also with `ZeroRedundancyOptimizer` and
-inside `join()`) the guard adds no collective: its `2 x world_size + 2` float32 (6 at 2 ranks) ride in the last
-gradient bucket's all-reduce, as the "elements added" column shows. On 3 or more ranks, and everywhere else counted,
-it adds one all-reduce of `2 x world_size + 2` float32: `LoopGuard` under DDP (it reads the loop's clip norm but
-agrees in its own all-reduce), FSDP2, TP, 2D and PP with or without the loop's clip (the clip's reduced norm is not
-ridden), DeepSpeed ZeRO 0-3 with its clipping (its own overflow and norm reductions are not ridden), the HF
-`Trainer`, torchtitan's `Trainer`, Megatron-core and OLMo-core. Every configuration adds one host read (the
-agreed health, one `tolist`), except OLMo-core's `Trainer`, which also `.item()`s the guard's two metrics
-(`nanguard/skipped`, `nanguard/trips`, recorded without a reduce type) when it collects metrics (every step here).
-A replica-fingerprint step (every `fingerprint_every` = 100 updates by default) adds an all-gather and four host
-reads; `check_batch=True` adds one all-reduce and two host reads a step. Every row's final weights equal the
-unguarded run's, bit for bit. Under PP the stages' own collectives differ (each rank's figure is shown).
+What the rows show. Under `Guard.step(closure)` with DDP's default all-reduce the guard adds no collective at 2,
+3, 4 and 8 ranks: on 2 ranks its `2 x world_size + 2` float32 (6) ride in the last gradient bucket's all-reduce
+("elements added"); on 3 or more nothing is added to the wire on a healthy step. The same with
+`ZeroRedundancyOptimizer`; inside `join()` and with `skip_spikes=True` at 3 ranks, one all-reduce of
+`2 x world_size + 2` float32. Under FSDP2, TP and 2D whose `Guard.step` closure clips, none (the flags ride in
+the clip's reduced norm); without a clip, and where `LoopGuard` checks after the loop's own clip (DDP, FSDP2, TP,
+2D), one. PP, DeepSpeed ZeRO 0-3 with its clipping, the HF `Trainer`, torchtitan's `Trainer`, Megatron-core and
+OLMo-core: one all-reduce of `2 x world_size + 2` float32 a step (their own reductions are not ridden yet).
+Every configuration adds one host read (the agreed health, one `tolist`), except OLMo-core's `Trainer`, which
+also `.item()`s the guard's two metrics (`nanguard/skipped`, `nanguard/trips`, recorded without a reduce type)
+when it collects metrics (every step here). Steps that come every N: a replica-fingerprint step (every
+`fingerprint_every` = 100 updates by default) adds an all-gather and four host reads; a precursor-sampling step
+(every `precursor_every` = 20) one more read, a `tolist` of values that on CUDA are copied to pinned memory
+without blocking and read once copied. `check_batch=True` adds one all-reduce and two reads a step. Every row's
+final weights equal the unguarded run's, bit for bit. Under PP the stages' own collectives differ (each rank's
+figure is shown).
 
 Counted by `tests/_sync_count.py` at the dispatcher (a `TorchDispatchMode` in the calling thread and in every
 thread started during the run): every `c10d` op, from Python or from C++ (DDP's reducer, FSDP2's reduce-scatter,
