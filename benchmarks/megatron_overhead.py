@@ -1,7 +1,7 @@
 """MegatronGuard's overhead in Megatron-core's own loop: a tiny GPT from a ``TransformerConfig`` on 2 gloo
 ranks (CPU, the test suite's CUDA shim), data parallel 2 with Megatron's DDP and DistributedOptimizer, and
 tensor parallel 2; ``forward_backward_func`` then ``optimizer.step()``, guarded against the same unguarded
-loop, interleaved in one run. Counts the torch.distributed collectives a step issues, guarded minus unguarded.
+loop, interleaved in one run. Counts the collectives a step issues, guarded minus unguarded.
 
 Writes the ``overhead-megatron`` section of BENCHMARKS.md.
 
@@ -73,28 +73,12 @@ def rank_times(rank: int, world: int, setup: str, rounds: int) -> dict[str, floa
 
 
 def _collectives(step: Callable[[], None]) -> float:
-    """The torch.distributed collectives one step issues (counted by wrapping the module's functions)."""
-    import torch.distributed as tdist
+    """The collectives one step issues, counted at the dispatcher (``tests/_sync_count.py``)."""
+    from _sync_count import counting
 
-    names = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast", "barrier")
-    count = [0]
-    saved = {n: getattr(tdist, n) for n in names}
-
-    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            count[0] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    for n in names:
-        setattr(tdist, n, counted(saved[n]))
-    try:
+    with counting() as counted:
         step()
-    finally:
-        for n in names:
-            setattr(tdist, n, saved[n])
-    return float(count[0])
+    return float(counted.n_collectives)
 
 
 def section(rounds: int) -> str:
@@ -128,7 +112,8 @@ as `tests/_megatron_ranks.py` builds them on CPU with the tests' CUDA shim; a st
 as seen by rank 0, one intra-op thread per rank. The machine is shared, so the ratio, not the time, is the result.
 {machine()}. Reproduce: `.venv/bin/python benchmarks/megatron_overhead.py --rounds {rounds}`.
 
-The collectives are counted by wrapping `torch.distributed`'s functions for one step of each. The guard reads the
+The collectives are counted at the dispatcher for one step of each (every c10d and functional op,
+`tests/_sync_count.py`). The guard reads the
 gradient norm Megatron's optimizer reduces for its clip (its clip then reuses it: no second reduction); that norm
 is non-finite on every rank when any rank's gradients are, and each rank's loss rides in its gradients (a
 non-finite one seeds their backward with NaN), so a healthy step adds no collective; only a step with a

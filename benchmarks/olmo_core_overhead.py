@@ -1,7 +1,7 @@
 """NanGuardCallback's overhead in OLMo-core's own ``Trainer`` (``nanguard.zoo.olmo``: a tiny llama-like
 model, its numpy data loader, ``SkipStepAdamW``, clip 1.0), one process and DDP/FSDP on 2 gloo ranks
 (CPU): unguarded and guarded runs interleaved (plain, guarded, plain, ...), each step timed from the
-trainer's ``pre_step`` to its ``post_train_batch``, and the ``torch.distributed`` calls a step makes counted.
+trainer's ``pre_step`` to its ``post_train_batch``, and the collectives a step adds counted.
 
 Writes the ``overhead-olmo-core`` section of BENCHMARKS.md.
 
@@ -13,10 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from _common import machine, write_section
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 warnings.simplefilter("ignore", ImportWarning)  # OLMo-core's google-api-core import
 
@@ -25,23 +29,25 @@ _WARM = 2  # the first steps of each run (allocation, the first optimizer step) 
 
 
 def rounds_on_rank(rank: int, world: int, setup: str, rounds: int, steps: int) -> dict[str, Any]:
-    """Plain and guarded runs alternately, ``rounds`` of each: their step times and collectives."""
+    """Plain and guarded runs alternately, ``rounds`` of each: their step times; then the collectives a
+    step adds, counted at the dispatcher (``tests/_sync_count.py``, ``tests/_sync_configs.py``'s OLMo-core run)."""
     import torch
 
+    from _sync_configs import olmo
+    from _sync_count import added
     from nanguard.zoo.olmo import olmo_rank
 
     torch.set_num_threads(1)  # one intra-op thread per process: the ranks share this machine's cores
     times: dict[str, list[float]] = {"plain": [], "guarded": []}
-    collectives: dict[str, list[int]] = {"plain": [], "guarded": []}
     for _ in range(rounds):
         for kind, policy in (("plain", None), ("guarded", "skip")):
             r = olmo_rank(rank, world, setup, None, 0, policy, steps=steps)
             times[kind] += r["times"][_WARM:]
-            collectives[kind] += r["collectives"][_WARM:]
+    counted = olmo(setup)(rank, world, 3)
     return {
         "plain": statistics.median(times["plain"]),
         "guarded": statistics.median(times["guarded"]),
-        "added": statistics.median(collectives["guarded"]) - statistics.median(collectives["plain"]),
+        "added": added(counted["plain"], counted["guarded"], 3)["collectives"],
         "n": len(times["plain"]),
     }
 
@@ -85,8 +91,9 @@ ai2-olmo-core's `Trainer`, `TransformerTrainModule` and numpy data loader as shi
 clip 1.0); a run unguarded, then one with `NanGuardCallback(policy="skip", module_stats=False)`, alternately; each
 step timed from the trainer's `pre_step` to its `post_train_batch` (forward, backward, the callbacks'
 `pre_optim_step`, clip, optimizer step), the first {_WARM} of each run left out, the median over all runs.
-"collectives added" counts `torch.distributed` calls a step (guarded minus unguarded; DDP's and FSDP's own gradient
-collectives run in C++ and are the same in both). One intra-op thread per process. The machine is shared and was
+"collectives added" is counted at the dispatcher, every c10d and functional op, guarded minus unguarded
+(`tests/_sync_count.py`, as in "Collectives and host reads a healthy step adds"). One intra-op thread per process.
+The machine is shared and was
 loaded (see the load average above): the ratio, not the time, is the result, and at this load it moves by tens of
 percent from run to run.
 {machine()}. Reproduce: `.venv/bin/python benchmarks/olmo_core_overhead.py --rounds {rounds} --steps {steps}`.

@@ -199,21 +199,27 @@ The 2 ranks run on this machine, the intra-op threads split between them. The th
 flags agreed by their own all-reduce, as every step was before they rode in the gradient all-reduce.
 Reproduce: `.venv/bin/python benchmarks/overhead.py --ddp-only` (`--ddp` also runs the CPU table).
 
-**Collectives per healthy step: 1 -> 0 under DDP on 2 ranks.** Under `guard.step(closure)` with DDP's
-default all-reduce, the guard's flags (one slot per rank) and the loss ride as `2 x world_size + 2` extra
-float32 values (with each rank's step index) in the all-reduce of the last gradient bucket, so a healthy
-2-rank step adds no collective; on 3 or more ranks they go in one small all-reduce of their own, issued
-right after the last bucket's, which keeps the run bit-identical to the unguarded one
-(`tests/test_distributed_exact.py`; cost: "Guard overhead of DDP by world size"). Counted by
-`tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step`, which wraps
-`torch.distributed`). The fallback, one all-reduce of `2 x world_size + 2` float32 per step, remains for
+**Collectives per healthy step: 1 -> 0 under DDP at any world size.** Under `guard.step(closure)` with
+DDP's default all-reduce, on 2 ranks the guard's flags (one slot per rank) and the loss ride as
+`2 x world_size + 2` extra float32 values (with each rank's step index) in the all-reduce of the last
+gradient bucket; on 3 or more ranks (where a longer payload would change gloo's summation order) nothing is
+added to the wire: a rank whose own loss, gradients or parameters are non-finite writes a NaN into its last
+bucket, so the averaged gradients are non-finite on every rank exactly when some rank flagged, and the ranks
+sum their own values (one small all-reduce) on that step only. A healthy step adds no collective and stays
+bit-identical to the unguarded one (`tests/test_distributed_exact.py`, `tests/test_distributed_poison.py`;
+cost: "Guard overhead of DDP by world size"). Counted by
+`tests/test_distributed.py::test_collectives_the_guard_adds_per_healthy_ddp_step` (2 and 3 ranks) and
+`tests/test_distributed_poison.py` (2, 3 and 4), at the dispatcher (`tests/_sync_count.py`). On 3 or more ranks the mean
+loss then reaches no rank on a healthy step (the history's rules go by the grad norm, the same on every
+rank), so `skip_spikes=True`, which acts on it, and `join()` keep one small all-reduce beside the last
+bucket's there. The fallback, one all-reduce of `2 x world_size + 2` float32 per step, remains for
 `guard.check(loss)` (the loss is known only after backward), steps whose backward sent no gradients
 (every micro-step under `no_sync`), a user comm hook (its wire format is its own: fp16 compression),
-float16/bfloat16 buckets, FSDP2 and hand-written all-reduce loops.
+FSDP2 and hand-written all-reduce loops.
 
 **Cost per step as the world grows (an estimate, not measured).** Riding adds `2 x world_size + 2` float32
-to one bucket: 24 bytes here, about 8 KiB at 1024 ranks, against a gradient all-reduce of hundreds of MB
-for a 1B-parameter model. The fallback all-reduce is latency-bound: with NCCL's tree all-reduce about
+to one bucket on 2 ranks (24 bytes here) and nothing on more (a healthy rank writes nothing into its bucket).
+The fallback all-reduce is latency-bound: with NCCL's tree all-reduce about
 2 x log2(1024) = 20 hops of ~5-10 us on InfiniBand (an assumed figure), roughly 0.1-0.2 ms per step at
 1024 ranks. Under DDP the pre-communication check adds one float32 sum per gradient bucket (no extra
 collective, no host sync; a compression hook adds one absmax per bucket). The replica fingerprint (an

@@ -255,22 +255,11 @@ def test_the_clip_is_read_whatever_name_the_loop_imported_it_by_and_only_for_its
     assert torch.nn.utils.clip_grads_with_norm_ is original and not compat._CLIP_WATCHERS
 
 
-def test_reading_the_clips_norm_adds_no_host_read(monkeypatch) -> None:
-    from nanguard import stats
+def test_reading_the_clips_norm_adds_no_host_read() -> None:
+    from _sync_count import as_on_gpu, counting
     from nanguard.zoo import GPT, GPTConfig, synthetic_batch
 
-    monkeypatch.setattr(stats, "_ACCUMULATE", {**stats._ACCUMULATE, "cpu": torch.float64})  # as on CUDA
-    seen: list[str] = []
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"):
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *args, _name=name, _original=original, **kwargs):
-            seen.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-
-    def reads(guarded: bool, steps: int = 4) -> tuple[int, list[tuple[torch.Tensor, float | None]]]:
+    def reads(guarded: bool, steps: int = 4) -> tuple[int, list[torch.Tensor]]:
         cfg = GPTConfig(vision_dim=16, n_embd=32, block_size=16)
         torch.manual_seed(0)
         model = GPT(cfg)
@@ -278,17 +267,17 @@ def test_reading_the_clips_norm_adds_no_host_read(monkeypatch) -> None:
         gen = torch.Generator().manual_seed(0)
         batches = [synthetic_batch(cfg, gen, batch_size=4) for _ in range(steps)]
         guard = LoopGuard(model, optimizer, check_batch=False) if guarded else None
-        norms, before = [], len(seen)
-        for b in batches:
-            _, loss = model(b["input_ids"], labels=b["labels"], pixel_values=b["pixel_values"])
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        count = len(seen) - before
+        norms = []
+        with as_on_gpu(), counting() as counted:
+            for b in batches:
+                _, loss = model(b["input_ids"], labels=b["labels"], pixel_values=b["pixel_values"])
+                loss.backward()
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         if guard is not None:
             guard.close()
-        return count, norms
+        return counted.n_host_reads, norms
 
     plain, _ = reads(False)
     guarded, norms = reads(True)
@@ -381,35 +370,20 @@ def test_fabric_and_lightning_check_before_their_clip_so_the_norm_is_the_unclipp
 
 
 def _ddp_clip_rank(rank: int, world: int, tmp: Any, steps: int) -> dict[str, Any]:
-    """A DDP loop that clips, unguarded then under ``LoopGuard``: the torch.distributed collectives each
-    run calls, and each step's clip return beside the norm the guard recorded."""
-    import torch.distributed as tdist
+    """A DDP loop that clips, unguarded then under ``LoopGuard``: the collectives each run issues (counted at
+    the dispatcher, DDP's reducer too), and each step's clip return beside the norm the guard recorded."""
     from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nanguard import compat
-
-    calls = {"n": 0}
-
-    def counting(fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
+    from _sync_count import counting
 
     def run(guarded: bool) -> tuple[int, list[tuple[float, Any]]]:
         torch.manual_seed(0)
         ddp = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-2)
         guard = LoopGuard(ddp, optimizer, fingerprint_every=0, check_batch=False) if guarded else None
-        if guard is None:  # the guard's comm hook is a Python one: count DDP's own all-reduce alike
-            ddp.register_comm_hook(None, allreduce_hook)
         norms = []
-        calls["n"] = 0
-        names = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier")
-        with compat.swap_collectives({name: counting(getattr(tdist, name)) for name in names}):
+        with counting() as counted:
             for step in range(steps):
                 gen = torch.Generator().manual_seed(rank * 100 + step)
                 x = torch.randn(4, 8, generator=gen)
@@ -421,7 +395,7 @@ def _ddp_clip_rank(rank: int, world: int, tmp: Any, steps: int) -> dict[str, Any
                 norms.append((float(norm), guard.last_grad_norm if guard is not None else None))
         if guard is not None:
             guard.close()
-        return calls["n"], norms
+        return counted.n_collectives, norms
 
     plain, _ = run(False)
     guarded, norms = run(True)

@@ -561,9 +561,6 @@ def test_a_persistent_fault_escalates_on_every_rank_at_the_same_step(tmp_path) -
     assert (r["raised_at"], r["cause"], r["skipped"], r["rank"]) == (1, "parameters.nonfinite", 0, 1), r
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
-
-
 def _accumulate(ddp, x_of, micro_steps: int, sync_last: bool = True) -> torch.Tensor:
     """Gradient accumulation: the micro-steps before the last one under ``no_sync`` (the last one
     too unless ``sync_last``); returns the summed loss that backward ran on."""
@@ -578,31 +575,16 @@ def _accumulate(ddp, x_of, micro_steps: int, sync_last: bool = True) -> torch.Te
 
 
 def _collectives_per_step(rank, world, tmp, steps):
-    """torch.distributed collectives called during ``steps`` healthy DDP steps, with and without the
-    guard, for each way of driving it. Both run the Python all-reduce hook, so the difference is what
-    the guard adds."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    from nanguard import compat
-
-    calls = {"n": 0}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
+    """Collectives issued during ``steps`` healthy DDP steps, with and without the guard, for each way of
+    driving it (``_sync_count`` counts at the dispatcher: DDP's C++ reducer and the guard's comm hook alike)."""
+    from _sync_count import counting
 
     def run(mode: str, guarded: bool) -> int:
         model = _TwoPath()
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         guard = ng.Guard(ddp, opt, fingerprint_every=0) if guarded else None
-        if guard is None:
-            ddp.register_comm_hook(None, allreduce_hook)
-        calls["n"] = 0
-        with compat.swap_collectives({name: counting(getattr(tdist, name)) for name in _COLLECTIVES}):
+        with counting() as counted:
             for step in range(steps):
 
                 def x_of(micro, step=step):
@@ -624,7 +606,7 @@ def _collectives_per_step(rank, world, tmp, steps):
                     guard.after_step()
                 else:
                     assert guard.step(closure) is not None
-        return calls["n"]
+        return counted.n_collectives
 
     modes = ("step", "accumulate", "check", "all no_sync")
     return {mode: (run(mode, False), run(mode, True)) for mode in modes}

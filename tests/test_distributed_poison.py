@@ -9,8 +9,7 @@ bucket's payload (exact there), as before. One spawn per world size holds every 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,42 +18,24 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nanguard as ng
-from nanguard import compat, stats
+from _sync_count import as_on_gpu
+from _sync_count import counting as sync_counting
 from nanguard.zoo.spawn import spawn_ranks
 
 pytestmark = pytest.mark.dist
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
-_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 _STEPS = 6
 
 
 @contextlib.contextmanager
 def counting(calls: dict[str, int]) -> Iterator[None]:
-    """Count into ``calls`` the torch.distributed collectives (``"collectives"``) and the host reads
-    (``"reads"``: what would make a GPU host wait) made inside the block."""
-
-    def counted(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            calls[key] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    originals = {name: getattr(torch.Tensor, name) for name in _READS}
-    # The CPU grad norm re-sums a float32 overflow after a read a GPU never makes (tests/test_host_reads.py).
-    accumulate = dict(stats._ACCUMULATE)
-    stats._ACCUMULATE["cpu"] = torch.float64
-    try:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, counted("reads", fn))
-        with compat.swap_collectives({name: counted("collectives", getattr(tdist, name)) for name in _COLLECTIVES}):
-            yield
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
-        stats._ACCUMULATE.clear()
-        stats._ACCUMULATE.update(accumulate)
+    """Add to ``calls`` the collectives (``"collectives"``: every c10d and functional op, DDP's reducer
+    included) and the host reads (``"reads"``: what would make a GPU host wait, nanguard's norms summed
+    as on CUDA) made inside the block (``_sync_count``)."""
+    with as_on_gpu(), sync_counting() as counts:
+        yield
+    calls["collectives"] += counts.n_collectives
+    calls["reads"] += counts.n_host_reads
 
 
 class _Net(torch.nn.Module):

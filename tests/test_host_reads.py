@@ -1,7 +1,7 @@
 """The guard's promise of at most one host read a step, counted.
 
 Every call that would make a GPU host wait (``item``, ``tolist``, ``bool``, ``float``,
-``int``, ``numpy``) is counted while a guarded loop and the same unguarded loop run. The
+``int``, ``numpy``) is counted (``_sync_count``) while a guarded loop and the same unguarded loop run. The
 optimizer and the model may read on their own (Adam reads its step counter); what the
 guard adds on a healthy step is the difference, and it must be at most one.
 
@@ -12,54 +12,47 @@ the CUDA accumulation on the CPU, so it counts what a GPU run pays.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 import nanguard as ng
-from nanguard import stats
+from _sync_count import Counts, as_on_gpu, counting
 from nanguard.zoo import GPT, GPTConfig, build, get, synthetic_batch, train_step
 
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 STEPS = 6
 
 
 @pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    monkeypatch.setattr(stats, "_ACCUMULATE", {**stats._ACCUMULATE, "cpu": torch.float64})
-    seen: list[str] = []
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def counting(self: torch.Tensor, *args, _name=name, _original=original, **kwargs):
-            seen.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-    return seen
+def reads() -> Iterator[Counts]:
+    """Every host read made while the test runs (``_sync_count``), nanguard's norms summed as on CUDA."""
+    with as_on_gpu(), counting() as counts:
+        yield counts
 
 
-def _reads_per_run(reads: list[str], guarded: bool, optimizer: str) -> int:
+def _reads_per_run(reads: Counts, guarded: bool, optimizer: str) -> int:
     run = build(get("healthy_padding_mask"))
     if optimizer == "sgd":
         run.optimizer = torch.optim.SGD(run.model.parameters(), lr=1e-3)
     guard = ng.Guard(run.model, run.optimizer) if guarded else None
     batches = [b for _, b in run.batches(STEPS)]
-    before = len(reads)
+    before = reads.n_host_reads
     for batch in batches:
         if guard is not None:
             assert guard.step(lambda b=batch: train_step(run.model, b)) is not None
         else:
             train_step(run.model, batch)
             run.optimizer.step()
-    return len(reads) - before
+    return reads.n_host_reads - before
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_a_healthy_guarded_step_adds_at_most_one_host_read(reads: list[str], optimizer: str) -> None:
+def test_a_healthy_guarded_step_adds_at_most_one_host_read(reads: Counts, optimizer: str) -> None:
     plain = _reads_per_run(reads, guarded=False, optimizer=optimizer)
     guarded = _reads_per_run(reads, guarded=True, optimizer=optimizer)
     added = guarded - plain
-    assert added <= STEPS, f"the guard added {added} host reads over {STEPS} healthy steps: {reads[-guarded:]}"
+    assert added <= STEPS, f"the guard added {added} host reads over {STEPS} healthy steps: {reads.host_reads}"
     assert added >= 1, "the counter saw no guard read at all: the check must read its verdict somewhere"
 
 
@@ -79,12 +72,12 @@ def _vision_step(guard: ng.Guard, model: GPT, step: int):
     return guard.step(lambda: train_step(model, batch), batch=batch)
 
 
-def test_deferred_fault_is_skipped_on_the_device_and_diagnosed_with_the_next_call(reads: list[str]) -> None:
+def test_deferred_fault_is_skipped_on_the_device_and_diagnosed_with_the_next_call(reads: Counts) -> None:
     plain_model, plain_opt = _fused_run()  # the fused optimizer may read on its own: counted unguarded
     train_step(plain_model, _vision_batch(plain_model, 0))
-    start = len(reads)
+    start = reads.n_host_reads
     plain_opt.step()
-    optimizer_reads = len(reads) - start
+    optimizer_reads = reads.n_host_reads - start
     model, opt = _fused_run()
     guard = ng.Guard(model, opt, policy="skip", sync="deferred")
     for step in range(3):
@@ -96,12 +89,12 @@ def test_deferred_fault_is_skipped_on_the_device_and_diagnosed_with_the_next_cal
 
     def closure() -> torch.Tensor:
         loss = train_step(model, bad)
-        closure_done.append(len(reads))
+        closure_done.append(reads.n_host_reads)
         return loss
 
     loss = guard.step(closure, batch=bad)
-    after_closure = reads[closure_done[0] :]
-    assert len(after_closure) <= optimizer_reads, f"the guard read inside the bad step: {after_closure[:5]}"
+    after_closure = reads.n_host_reads - closure_done[0]
+    assert after_closure <= optimizer_reads, f"the guard read inside the bad step: {reads.host_reads}"
     assert loss is not None  # its verdict is not known yet
     assert guard.last_diagnosis is None and guard.skipped == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -16,14 +16,12 @@ import torch.distributed as tdist
 from torch import nn
 
 import nanguard as ng
-from nanguard import compat
 from nanguard.zoo.parallel import ParallelMLP, parallel_rank
 from nanguard.zoo.spawn import spawn_ranks
 
 pytestmark = pytest.mark.dist
 
 _FIELDS = ("cause", "op", "module", "phase", "rank", "ranks", "step")
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 
 
 def _cases(rank: int, world: int, setup: str, cases: list[tuple]) -> list[dict]:
@@ -31,22 +29,15 @@ def _cases(rank: int, world: int, setup: str, cases: list[tuple]) -> list[dict]:
 
 
 def _counted(rank: int, world: int, setup: str, steps: int) -> dict[str, int]:
-    """torch.distributed collectives called by a healthy run, unguarded and guarded."""
-    calls = {"n": 0}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
+    """Collectives a healthy run issues, unguarded and guarded (counted at the dispatcher: DTensor's
+    functional collectives and FSDP2's too)."""
+    from _sync_count import counting
 
     counts = {}
     for policy in (None, "skip"):
-        calls["n"] = 0
-        with compat.swap_collectives({name: counting(getattr(tdist, name)) for name in _COLLECTIVES}):
+        with counting() as counted:
             parallel_rank(rank, world, setup, None, 0, policy, steps=steps)
-        counts[str(policy)] = calls["n"]
+        counts[str(policy)] = counted.n_collectives
     return counts
 
 

@@ -202,7 +202,6 @@ def _train(
         "diag": diag.to_dict() if diag is not None else None,
         "trips": guard.trips if guard is not None else 0,
         "times": recorder.times,
-        "collectives": recorder.collectives,
     }
 
 
@@ -285,10 +284,9 @@ def _recorder(faulty: bool, fault: str | None) -> Any:
             self.metrics: dict[str, dict[str, float]] = {}
             self.skipped: list[int] = []
             self.times: list[float] = []  # seconds from pre_step to post_train_batch, each step
-            self.collectives: list[int] = []  # torch.distributed calls in that window, each step
 
         def pre_step(self, batch: dict[str, Any]) -> None:
-            _STEP.update(start=time.perf_counter(), collectives=0)
+            _STEP["start"] = time.perf_counter()
             bad = faulty and self.step == BAD_STEP
             _BAD["now"] = bad
             if fault == "embeds":
@@ -304,7 +302,6 @@ def _recorder(faulty: bool, fault: str | None) -> Any:
 
         def post_train_batch(self) -> None:
             self.times.append(time.perf_counter() - _STEP["start"])
-            self.collectives.append(int(_STEP["collectives"]))
             _STEP["start"] = None
             callback: Any = self.trainer.callbacks.get("nanguard")
             if callback is not None and callback.step_skipped:
@@ -317,22 +314,18 @@ def _recorder(faulty: bool, fault: str | None) -> Any:
     return Recorder()
 
 
-_STEP: dict[str, Any] = {"start": None, "collectives": 0}
-"""The step being timed: when it started (None between steps), the collectives it called."""
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+_STEP: dict[str, Any] = {"start": None}
+"""The step being timed: when it started (None between steps)."""
 
 
 @contextlib.contextmanager
 def _counting() -> Iterator[dict[str, int]]:
-    """Count the model forwards (``Transformer.forward``) and ``Tensor.backward`` calls inside, and
-    each step's ``torch.distributed`` collectives (Python calls: DDP's own gradient all-reduce runs
-    in C++ and is not among them)."""
-    import torch.distributed as tdist
+    """Count the model forwards (``Transformer.forward``) and ``Tensor.backward`` calls inside (the
+    collectives and host reads a step adds are counted by ``benchmarks/sync_count.py``)."""
     from olmo_core.nn.transformer import Transformer
 
     counts = {"forward": 0, "backward": 0}
     forward, backward = Transformer.forward, torch.Tensor.backward
-    collectives = {name: getattr(tdist, name) for name in _COLLECTIVES}
 
     @functools.wraps(forward)  # the signature stays the model's: the guard names inputs by it
     def counted_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -344,24 +337,11 @@ def _counting() -> Iterator[dict[str, int]]:
         counts["backward"] += 1
         return backward(self, *args, **kwargs)
 
-    def counted(fn: Any) -> Any:
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if _STEP["start"] is not None:
-                _STEP["collectives"] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
     Transformer.forward, torch.Tensor.backward = counted_forward, counted_backward  # type: ignore[method-assign]
-    for name, fn in collectives.items():
-        setattr(tdist, name, counted(fn))
     try:
         yield counts
     finally:
         Transformer.forward, torch.Tensor.backward = forward, backward  # type: ignore[method-assign]
-        for name, fn in collectives.items():
-            setattr(tdist, name, fn)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
