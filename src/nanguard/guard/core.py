@@ -45,7 +45,7 @@ from nanguard.guard.resume import Resume
 from nanguard.guard.verdict import Verdict
 from nanguard.hardware import Tracker, where
 from nanguard.inject import Fault, NullInjector, injector_for
-from nanguard.rng import get_rng_state
+from nanguard.rng import capture_rng
 from nanguard.stats import local
 
 __all__ = ["Guard"]
@@ -376,7 +376,7 @@ class Guard:
         if self._drilling:
             closure = self._begin_drill().wrap(closure)
         progress = self.progress
-        attempt = Attempt(progress.step, progress.calls - 1, batch, get_rng_state(self._cuda_devices), closure, True)
+        attempt = Attempt(progress.step, progress.calls - 1, batch, capture_rng(self._cuda_devices), closure, True)
         self.recovery.buffers.save()
         return attempt
 

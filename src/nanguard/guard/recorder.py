@@ -127,7 +127,7 @@ class NullRecorder:
         diag: Diagnosis,
         step: int,
         batch: Any,
-        rng: dict[str, torch.Tensor] | None,
+        rng: Mapping[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
     ) -> str | None:
         """Save a repro bundle of a tripped step, with ``meta`` in its ``meta.json``; its path, or None."""
@@ -145,7 +145,7 @@ class NullRecorder:
         ranks: list[int],
         diagnosis: Diagnosis,
         batch: Any,
-        rng: dict[str, torch.Tensor] | None,
+        rng: Mapping[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
         **extra: Any,
     ) -> str | None:
@@ -215,7 +215,7 @@ class Recorder(NullRecorder):
         diag: Diagnosis,
         step: int,
         batch: Any,
-        rng: dict[str, torch.Tensor] | None,
+        rng: Mapping[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
     ) -> str | None:
         if batch is None:
