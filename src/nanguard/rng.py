@@ -120,12 +120,19 @@ def capture_rng(cuda_devices: Iterable[int] | None = None) -> RngCapture:
         >>> a[0] == b[0] and torch.equal(a[1], b[1])
         True
     """
-    tensors = {"cpu": torch.get_rng_state(), **_cuda_states(cuda_devices)}
-    rand = _imported_numpy_random()
-    numpy = None
-    if rand is not None and type(rand._bit_generator).__name__ == "MT19937":
-        numpy = rand.get_state(legacy=False)
+    tensors = {"cpu": torch.default_generator.get_state()}  # what torch.get_rng_state returns
+    if cuda_devices is None or cuda_devices:
+        tensors.update(_cuda_states(cuda_devices))
+    # numpy.random's global RandomState, looked up, never imported: numpy imports it lazily, and a
+    # run that never imported it never drew from it.
+    mtrand = sys.modules.get("numpy.random.mtrand")
+    rand = getattr(mtrand, "_rand", None)
+    numpy = rand.get_state(legacy=False) if rand is not None and _mt19937(rand) else None
     return RngCapture(tensors, random.getstate(), numpy)
+
+
+def _mt19937(rand: Any) -> bool:
+    return type(rand._bit_generator).__name__ == "MT19937"
 
 
 def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
@@ -208,12 +215,6 @@ def _numpy_random() -> Any:
     return getattr(getattr(getattr(numpy, "random", None), "mtrand", None), "_rand", None)
 
 
-def _imported_numpy_random() -> Any:
-    """numpy.random's global RandomState when ``numpy.random`` is imported (looked up, never imported:
-    numpy imports it lazily, and a run that never imported it never drew from it)."""
-    return getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None)
-
-
 def _set_numpy(state: dict[str, Any]) -> bool:
     rand = _numpy_random()
     if rand is None:
@@ -228,7 +229,7 @@ def _fresh(raw: bytes) -> torch.Tensor:
 
 def _numpy_state() -> torch.Tensor | None:
     rand = _numpy_random()
-    if rand is None or type(rand._bit_generator).__name__ != "MT19937":
+    if rand is None or not _mt19937(rand):
         return None
     return _tensor("numpy", _numpy_bytes(rand.get_state(legacy=False)))
 
