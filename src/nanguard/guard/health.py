@@ -56,6 +56,9 @@ class HealthFlag(IntFlag):
     """With PARAMS: the check covered the parameters as built or loaded, which no update of the guard wrote."""
 
 
+_PARAMS, _LOCAL, _SYNCED = int(HealthFlag.PARAMS), int(HealthFlag.LOCAL), int(HealthFlag.SYNCED)
+
+
 @dataclass(frozen=True)
 class StepHealth:
     """What every rank agrees about one step, after the step's one host read.
@@ -92,6 +95,8 @@ class StepHealth:
     @property
     def out_of_step(self) -> dict[int, int]:
         """Each stepping rank's guard call index, when they differ (ranks out of step); else {}."""
+        if not self.rank_steps:  # one process: no other rank to be out of step with
+            return {}
         steps = {r: s - 1 for r, s in enumerate(self.rank_steps) if s > 0}
         return steps if len(set(steps.values())) > 1 else {}
 
@@ -108,11 +113,14 @@ class StepHealth:
         """The branch the guard's decision takes, alike on every rank: ``"params"`` (the last update
         left non-finite parameters), ``"overflow"`` (a GradScaler overflow), ``"trip"`` (a non-finite
         step to replay), or None (finite: step, unless a spike says skip)."""
-        if self.ranks_with(HealthFlag.PARAMS):
+        seen = 0  # every rank's flags together: the flags asked for below are on some rank's
+        for flags in self.rank_flags:
+            seen |= int(flags)
+        if seen & _PARAMS:
             return "params"
-        if scaled and not math.isfinite(self.grad_norm) and not self.bad_ranks:
+        if scaled and not math.isfinite(self.grad_norm) and not seen & _LOCAL:
             return "overflow"
-        if self.bad_ranks or self.synced_bad:
+        if seen & (_LOCAL | _SYNCED):
             return "trip"
         return None
 
