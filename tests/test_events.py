@@ -111,3 +111,28 @@ def test_the_schema_is_what_the_recorder_writes_and_the_docstring_names() -> Non
         for name in names:
             assert f"``{name}``" in doc, f"events.py's prose does not name {event['kind']}.{name}"
     assert events.field_error("step", {"skipped": "yes"}) == ("skipped", "true or false")
+
+
+def test_on_event_dicts_start_as_the_log_lines_do(tmp_path) -> None:
+    """A listener's dict carries the rank and the run id the log's line carries, so events sent to
+    TensorBoard/W&B from runs that share a run_dir stay apart."""
+    import torch
+    from torch import nn
+
+    import nanguard as ng
+    from nanguard.events import event_path, read_events
+
+    for run_dir in (tmp_path / "run", None):
+        heard: list[dict] = []
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = ng.Guard(model, opt, run_dir=run_dir, on_event=heard.append)
+        guard.step(lambda model=model: model(torch.ones(1, 2)).sum())
+        guard.close()
+        assert heard and all(e["rank"] == 0 for e in heard)
+        if run_dir is None:
+            assert all("run" not in e for e in heard)  # no run_dir, no id
+            continue
+        logged = list(read_events(event_path(run_dir, 0)))
+        assert [e["kind"] for e in heard] == [e["kind"] for e in logged]
+        assert {e["run"] for e in heard} == {e["run"] for e in logged} == {guard.run_id}

@@ -32,10 +32,15 @@ class NullRecorder:
     """Drops every event and bundle: the recorder of a guard without ``run_dir``.
 
     Each method names one event kind; ``Recorder`` writes them. Either hands each event to
-    ``listener`` (``Guard(on_event=...)``) as a dict: ``{"kind", "step", **fields}``.
+    ``listener`` (``Guard(on_event=...)``) as a dict: ``{"kind", "step", "rank", "run", **fields}``,
+    as the event log's lines read (``run`` only when the run has an id: it has one with a ``run_dir``).
     """
 
     listener: Callable[[dict[str, Any]], None] | None = None
+
+    def __init__(self, *, rank: int | None = None, run: str | None = None) -> None:
+        # What every event line starts with, so a listener's dicts read as the log's lines do.
+        self._head = {k: v for k, v in (("rank", rank), ("run", run)) if v is not None}
 
     def start(self, config: Mapping[str, Any], world_size: int, path: str) -> None:
         self._write("start", 0, config=dict(config), world_size=world_size, path=path)
@@ -168,7 +173,7 @@ class NullRecorder:
         if self.listener is None:
             return
         try:
-            self.listener({"kind": kind, "step": step, **fields})
+            self.listener({"kind": kind, "step": step, **self._head, **fields})
         except Exception as err:  # the user's hook must not kill the run either
             warnings.warn(
                 f"nanguard: on_event failed on a {kind} event at step {step}: {err!r}; it gets no more events",
@@ -202,6 +207,7 @@ class Recorder(NullRecorder):
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run = run if run is not None else new_run_id()  # every event carries a run id
+        super().__init__(rank=rank, run=self.run)
         self.rank = rank
         self.max_bundle_bytes = max_bundle_bytes
         self.model = model if max_weights_bytes else None
@@ -286,7 +292,7 @@ def recorder_for(
     A ``run_dir`` that is not a path, or names an existing file, is a ValueError.
     """
     if run_dir is None:
-        return NullRecorder()
+        return NullRecorder(rank=rank, run=run)
     if not isinstance(run_dir, (str, os.PathLike)) or isinstance(run_dir, bytes):
         raise ValueError(f"run_dir must be a str or os.PathLike directory path or None, got {type(run_dir).__name__}")
     path = Path(run_dir)
