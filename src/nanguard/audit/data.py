@@ -58,19 +58,7 @@ def check_batch(
         >>> [f.cause for f in check_batch({"input_ids": ids}, vocab_size=100)]
         ['data.index_out_of_range']
     """
-    if isinstance(vocab_size, bool) or not (vocab_size is None or isinstance(vocab_size, int)):
-        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
-    if vocab_size is not None and vocab_size <= 0:
-        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
-    if model is not None and not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int (usually -100), got {ignore_index!r}")
-    if not tree.is_container(batch) and not isinstance(batch, torch.Tensor):
-        raise ValueError(
-            f"batch must be a tensor, a mapping, a list/tuple or a dataclass of tensors, got {type(batch).__name__}"
-        )
-
+    _check_arguments(batch, model, vocab_size, ignore_index)
     vocab = _resolve_vocab(model, vocab_size)
     reader = _Reader()
     pending: list[_Done] = []
@@ -85,36 +73,63 @@ def check_batch(
                 pending.append(_check_mask(reader, where, "attention_mask", t, inferred=True))
                 continue
             ids_shape = t.shape
-        if t.device.type == "meta":
-            continue
-        if t.layout != torch.strided:
-            # A sparse tensor's stored values are all it holds: check those for NaN/Inf.
-            values = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
-            if values.is_floating_point() or values.is_complex():
-                pending.append(
-                    _check_nonfinite(
-                        reader, f"{where} (sparse values)", values.reshape(-1), ignore_neginf=False, per_sample=False
-                    )
-                )
-            continue
-        role = _role(key)
-        if t.is_floating_point() or t.is_complex():
-            pending.append(_check_nonfinite(reader, where, t, ignore_neginf=role == "mask", per_sample=True))
-        if role == "mask" and not t.is_complex():
-            pending.append(_check_mask(reader, where, key or "", t))
-        elif _is_integer(t):
-            if role == "labels":
-                pending.append(_check_targets(reader, where, t, ignore_index))
-            if t.numel() == 0:
-                continue
-            if role == "ids":
-                pending.append(_check_range(reader, where, t, vocab, ignore_index=None))
-            elif role == "labels" or (role == "unnamed" and vocab is not None):
-                pending.append(_check_range(reader, where, t, vocab, ignore_index=ignore_index))
+        pending += _checks(reader, where, key, t, vocab, ignore_index)
     if not pending:
         return []
     counts = reader.read()
     return [finding for done in pending for finding in done(counts)]
+
+
+def _check_arguments(batch: Any, model: nn.Module | None, vocab_size: int | None, ignore_index: int) -> None:
+    if isinstance(vocab_size, bool) or not (vocab_size is None or isinstance(vocab_size, int)):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if vocab_size is not None and vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int (usually -100), got {ignore_index!r}")
+    if not tree.is_container(batch) and not isinstance(batch, torch.Tensor):
+        raise ValueError(
+            f"batch must be a tensor, a mapping, a list/tuple or a dataclass of tensors, got {type(batch).__name__}"
+        )
+
+
+def _checks(
+    reader: _Reader, where: str, key: str | None, t: torch.Tensor, vocab: tuple[int, str] | None, ignore_index: int
+) -> list[_Done]:
+    """The checks of one tensor of the batch, by its role (its key's name) and dtype."""
+    if t.device.type == "meta":
+        return []
+    if t.layout != torch.strided:
+        # A sparse tensor's stored values are all it holds: check those for NaN/Inf.
+        values = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
+        if not (values.is_floating_point() or values.is_complex()):
+            return []
+        sparse = f"{where} (sparse values)"
+        return [_check_nonfinite(reader, sparse, values.reshape(-1), ignore_neginf=False, per_sample=False)]
+    role = _role(key)
+    found = []
+    if t.is_floating_point() or t.is_complex():
+        found.append(_check_nonfinite(reader, where, t, ignore_neginf=role == "mask", per_sample=True))
+    if role == "mask" and not t.is_complex():
+        found.append(_check_mask(reader, where, key or "", t))
+    elif _is_integer(t):
+        found += _integer_checks(reader, where, t, role, vocab, ignore_index)
+    return found
+
+
+def _integer_checks(
+    reader: _Reader, where: str, t: torch.Tensor, role: str, vocab: tuple[int, str] | None, ignore_index: int
+) -> list[_Done]:
+    found = [_check_targets(reader, where, t, ignore_index)] if role == "labels" else []
+    if t.numel() == 0:
+        return found
+    if role == "ids":
+        found.append(_check_range(reader, where, t, vocab, ignore_index=None))
+    elif role == "labels" or (role == "unnamed" and vocab is not None):
+        found.append(_check_range(reader, where, t, vocab, ignore_index=ignore_index))
+    return found
 
 
 # --------------------------------------------------------------------------- traversal
