@@ -318,26 +318,30 @@ class Tracer:
     ) -> tuple[frozenset[int], _Where | None]:
         """The taint of an output holding NaN/Inf: a new origin when this op created them, a fill when
         it wrote a value it was given, else its inputs' (and where the op ran, once found)."""
-        func, args, flat_in = op.func, op.args, op.flat_in
         created_nan = nan and not ins.nan
-        created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, flat_in))
-        out_taint = ins.taint
+        created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, op.flat_in))
         # Two infinities combined (-inf - (-inf) in a running max): that arithmetic made the NaN,
         # even where each infinity was written on purpose.
-        met = ops.infinities_met(func, flat_in, o) if created_nan and ins.inf_taint else None
-        if (created_nan or created_inf) and not (created_nan and not met and self._from_written_inf(func, ins)):
-            if where is None:
-                self.grads.recheck(flat_in, op.facts, args, op.kwargs)
-            where = where or self._where(func)
-            origin = self._creation(func, args, op.kwargs, op.out, where, "nan" if created_nan else "inf")
-            self._inf_facts(origin, ins.inf_taint, met)
-            # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
-            return frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE), where
+        met = ops.infinities_met(op.func, op.flat_in, o) if created_nan and ins.inf_taint else None
+        if (created_nan or created_inf) and not (created_nan and not met and self._from_written_inf(op.func, ins)):
+            return self._created(op, ins, created_nan, met, where)
         if ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
             value = _written(o, ins.written)
             if value is not None:
-                out_taint = out_taint | {self._fill(func, args, value, o).id}
-        return out_taint, where
+                return ins.taint | {self._fill(op.func, op.args, value, o).id}, where
+        return ins.taint, where
+
+    def _created(
+        self, op: _Op, ins: Inputs, created_nan: bool, met: Any, where: _Where | None
+    ) -> tuple[frozenset[int], _Where]:
+        """This op created the output's NaN (``created_nan``) or Inf: a new origin, where the op ran."""
+        if where is None:
+            self.grads.recheck(op.flat_in, op.facts, op.args, op.kwargs)
+        where = where or self._where(op.func)
+        origin = self._creation(op.func, op.args, op.kwargs, op.out, where, "nan" if created_nan else "inf")
+        self._inf_facts(origin, ins.inf_taint, met)
+        # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
+        return frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE), where
 
     # -- helpers -----------------------------------------------------------------------
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
