@@ -183,6 +183,14 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     """(label, value) pairs saying where the origin is: module, op, autograd node, input, source, phase, rank, step."""
     record = _record(diag)
     origin = record.origin_or_empty
+    return [
+        *_what_ran(diag, record, origin),
+        *_where_in_the_graph(diag, record, origin),
+        *_where_in_the_run(diag, record, origin),
+    ]
+
+
+def _what_ran(diag: DiagnosisFields, record: Evidence, origin: Any) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     if diag.module is not None:
         mtype = origin.module_type
@@ -200,6 +208,11 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if isinstance(raised, Mapping):
         at = f" at {raised['raised_at']}" if raised.get("raised_at") else ""
         rows.append(("raised", f"{raised.get('type')}: {raised.get('message', '')}{at}"))
+    return rows
+
+
+def _where_in_the_graph(diag: DiagnosisFields, record: Evidence, origin: Any) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
     if origin.node:
         fwd = origin.forward_op
         rows.append(("autograd", origin.node + (f" (backward of {fwd})" if fwd else "")))
@@ -208,6 +221,11 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if diag.source:
         rows.append(("your code", diag.source))
     rows.append(("phase", diag.phase))
+    return rows
+
+
+def _where_in_the_run(diag: DiagnosisFields, record: Evidence, origin: Any) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
     if diag.rank is not None:
         ranks = ", ".join(str(r) for r in diag.ranks) if len(diag.ranks) > 1 else str(diag.rank)
         rows.append(("rank", ranks))
@@ -216,9 +234,8 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     where = record.get("where")
     if isinstance(where, Mapping) and where.get("host"):
         rows.append(("host", device_words(where)))
-    for fault in record.get("injected") or []:
-        if isinstance(fault, Mapping):
-            rows.append(("injected", f"{fault.get('fault')}: a fire drill (NANGUARD_INJECT), not a fault of the run"))
+    drill = "a fire drill (NANGUARD_INJECT), not a fault of the run"
+    rows += [("injected", f"{f.get('fault')}: {drill}") for f in record.get("injected") or [] if isinstance(f, Mapping)]
     return rows
 
 
