@@ -2,7 +2,7 @@
 ZeroRedundancyOptimizer, FSDP2 and tensor parallel, each against the same unguarded loop, interleaved.
 
 Writes the ``overhead-parallelisms`` section of BENCHMARKS.md; with ``--setups`` naming fewer, the
-``overhead-ddp-world`` section (the cost of the flags' own all-reduce at 3 or more ranks).
+``overhead-ddp-world`` section (DDP as the world grows: no collective added at any size).
 
     .venv/bin/python benchmarks/dist_overhead.py --ranks 2 8 --rounds 60
     .venv/bin/python benchmarks/dist_overhead.py --setups DDP --ranks 2 3 4 8 --rounds 40
@@ -137,6 +137,8 @@ def section(worlds: list[int], rounds: int, setups: tuple[str, ...] = SETUPS) ->
     from nanguard.zoo.spawn import spawn_ranks
 
     load = os.getloadavg()[0]
+    picked = "" if setups == SETUPS else f"--setups {' '.join(setups)} "
+    command = f"{picked}--ranks {' '.join(map(str, worlds))} --rounds {rounds}"
     rows = []
     for setup in setups:
         cells = []
@@ -166,13 +168,14 @@ a 5-layer MLP (d=32, hidden 128) column/row-parallel over all ranks for TP. All 
 machine's {os.cpu_count()} cores (one intra-op thread each), so at 8 ranks a step is mostly waiting
 for a core: the ratios, not the times, are the result. DDP join() runs inside an enabled `ddp.join()`
 with equal inputs (the steady state; a joined rank only shadows).
-{machine()}. Reproduce: `.venv/bin/python benchmarks/dist_overhead.py --ranks 2 8`.
+{machine()}. Reproduce: `.venv/bin/python benchmarks/dist_overhead.py {command}`.
 
-Collectives per healthy step under `guard.step`: DDP, DDP join() and DDP + ZeRO on 2 ranks none added
-(the flags, the loss and each rank's step index ride in the last gradient bucket's all-reduce,
-`2 x world_size + 2` float32), on 3 or more one all-reduce of `2 x world_size + 2` floats issued right after
-the last bucket's (so the buckets are reduced bit for bit as without the guard); FSDP2 and TP one
-all-reduce of `2 x world_size + 2` float32."""
+Collectives per healthy step under `guard.step`: DDP and DDP + ZeRO none added at any world size (on 2
+ranks the flags, the loss and each rank's step index ride in the last gradient bucket's all-reduce,
+`2 x world_size + 2` float32; on 3 or more a rank that flags writes a NaN into that bucket, so a healthy
+step sends the buckets bit for bit as without the guard); DDP join() none on 2 ranks, on 3 or more one
+all-reduce of `2 x world_size + 2` floats beside the last bucket's (a joined rank's shadow cannot foresee
+a NaN); FSDP2 and TP one all-reduce of `2 x world_size + 2` float32."""
 
 
 def main() -> None:

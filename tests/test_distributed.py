@@ -630,12 +630,14 @@ def _collectives_per_step(rank, world, tmp, steps):
     return {mode: (run(mode, False), run(mode, True)) for mode in modes}
 
 
-def test_collectives_the_guard_adds_per_healthy_ddp_step(tmp_path) -> None:
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_the_guard_adds_per_healthy_ddp_step(tmp_path, world) -> None:
     steps = 3
-    for r in spawn_ranks(_collectives_per_step, tmp_path, steps, timeout=120):
+    for r in spawn_ranks(_collectives_per_step, tmp_path, steps, world=world, timeout=120):
         plain, guarded = r["step"]
         assert plain >= steps, r  # the count sees DDP's own gradient all-reduce
-        # guard.step: the flags and the loss ride in DDP's last gradient bucket.
+        # guard.step: the flags ride in DDP's last gradient bucket (2 ranks: in its payload with the
+        # loss; 3 or more: a flagging rank's NaN in it).
         assert guarded == plain, r
         assert r["accumulate"][1] == r["accumulate"][0] >= steps, r  # no_sync micro-steps, then one synced
         # The fallbacks: check(loss) learns the loss after backward; no hook ran when every micro-step

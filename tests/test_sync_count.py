@@ -26,8 +26,8 @@ STEPS = 3
 # today. Host reads are counted as a GPU run pays them (nanguard's norms summed in float64, no read).
 ADDED: dict[tuple[str, int], tuple[float, float]] = {
     ("ddp", 2): (0, 1),  # the flags and the loss ride in DDP's last gradient bucket
-    ("ddp", 3): (1, 1),  # at 3+ ranks: one small all-reduce of the flags
-    ("ddp", 4): (1, 1),
+    ("ddp", 3): (0, 1),  # at 3+ ranks: a flagging rank's NaN in its last bucket (none on a healthy step)
+    ("ddp", 4): (0, 1),
     ("ddp_clip", 2): (1, 1),  # LoopGuard checks after the loop's backward: its one small all-reduce
 }
 

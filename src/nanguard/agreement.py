@@ -1,4 +1,4 @@
-"""The agreement vector: the float32 values every rank all-reduces once a guarded step, by named slot.
+"""The agreement vector: the float32 values the ranks sum to agree on a guarded step, by named slot.
 
 One layout for a world of ``W`` ranks, ``2 * W + 2`` values:
 
@@ -7,9 +7,10 @@ One layout for a world of ``W`` ranks, ``2 * W + 2`` values:
 - ``norm``: the global grad norm once agreed; while riding, the count of ranks whose loss was known;
 - ``steps``: one slot per rank, ``step_slot(step)`` of its loop (0 for a rank that takes no step).
 
-``dist.agree`` writes it, the guard's comm hook carries it (``guard.health``), a joined rank
-shadows it (``guard.join``); all of them index it through ``Layout``, so a slot moved here moves
-for all. The host read appends this rank's own scale, loss and grad norm (``Layout.own_*``).
+``dist.agree`` writes it, the guard's comm hook carries it (``guard.health``: in the last gradient
+bucket's payload on 2 ranks; on 3 or more each rank keeps its own, summed only on a step some rank
+flagged), a joined rank shadows it (``guard.join``); all of them index it through ``Layout``, so a
+slot moved here moves for all. The host read appends this rank's own scale, loss and grad norm (``Layout.own_*``).
 
 Imports nothing from nanguard.
 """

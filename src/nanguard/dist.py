@@ -51,6 +51,7 @@ __all__ = [
     "replay_locally",
     "replica_mismatch",
     "step_slot",
+    "sum_across",
     "unobserved",
     "unwrap",
     "watch_communication",
@@ -106,6 +107,18 @@ def agree(
     return vec
 
 
+def sum_across(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over every rank in place (one all-reduce; a world of one needs none).
+
+    Example:
+        >>> dist.sum_across(torch.ones(2))   # on 3 ranks
+        tensor([3., 3.])
+    """
+    if is_distributed():
+        tdist.all_reduce(values)
+    return values
+
+
 def agree_flag(flag: bool) -> list[int]:
     """The ranks whose ``flag`` is set, agreed by one small all-reduce (a world of one needs none)."""
     if not is_distributed():
@@ -146,10 +159,14 @@ class CommWatch:
         yield
 
     def carried(self) -> torch.Tensor | None:
-        """The extras summed over ranks by the step's gradient all-reduce, then 1.0 when an averaged
-        gradient bucket was non-finite (else 0.0); once. None when they did not ride (then the
-        caller agrees by its own collective)."""
+        """The extras summed over ranks by the step's gradient all-reduce (``summed``; else this rank's
+        own, which only poisoned the bucket), then 1.0 when an averaged gradient bucket was non-finite
+        (else 0.0); once. None when they did not ride (then the caller agrees by its own collective)."""
         return None
+
+    summed = True
+    """Were the extras ``carried`` returned last summed over ranks? False when they were this rank's own
+    and reached the others only as a NaN poisoning its bucket (``DDPCommWatch._poison``)."""
 
 
 @dataclass(frozen=True)
@@ -174,16 +191,22 @@ class DDPCommWatch(CommWatch):
     whatever the loop does to ``require_backward_grad_sync``.
 
     Riding (DDP's default all-reduce only): inside ``ride``, the last bucket of the backward
-    (``bucket.is_last()``: DDP sends buckets in order, so every bucket's local sum is in by
-    then) is all-reduced together with the guard's extras (one-hot flag slots, loss): on 2
-    ranks in the bucket's own payload, so a healthy step adds no collective; on 3 or more in one
-    small all-reduce of their own issued right after the bucket's, so the buckets are reduced as
-    without the guard, bit for bit (``_ride``). The gradient part is divided by the world first, as
-    DDP's own hook does, so gradients come out as without the guard. Whether a step rode
-    depends only on whether DDP ran this hook, which it does on every rank or none, and on
-    the bucket's dtype (the same on every rank), so all ranks take the same path. A
-    float16/bfloat16 bucket or a user hook (whose wire format is its own) does not ride.
-    While riding, each bucket's averaged result is summed too: it is the same on every rank,
+    (``bucket.is_last()``: DDP sends buckets in order, so every bucket's local sum is in by then)
+    carries the guard's extras (one-hot flag slots, loss, step slots; ``agreement.Layout``) with no
+    added collective. On 2 ranks they ride in the bucket's own payload, where every element sums two
+    terms, the same bits in either order (``_ride``). On 3 or more (or a float16/bfloat16 bucket) a
+    longer payload would move gloo's ring chunks and with them the last bit of the averaged
+    gradients, so the extras poison instead (``_poison``): a rank whose own flags are set writes a NaN
+    into its bucket, and the averaged bucket is non-finite on every rank exactly when some rank
+    flagged; the extras stay this rank's own (``summed`` False), summed only on such a step. The
+    gradient part is divided by the world first, as DDP's built-in all-reduce does, so gradients
+    come out as without the guard. Two cases keep the summed extras every step, in one small
+    all-reduce beside the bucket's on 3 or more ranks: a policy that acts on the mean loss
+    (``agree_loss``: ``skip_spikes``) and DDP's ``join()`` (a joined rank's shadow must match a
+    payload it cannot foresee). Which path a step takes depends only on whether DDP ran this hook
+    (on every rank or none), the world, the bucket's dtype and the guard's configuration (the same
+    on every rank), so all ranks take the same path. A user hook (whose wire format is its own)
+    does not ride. Each bucket's averaged result is summed too: it is the same on every rank,
     so a non-finite average (say, corrupted in transit) is known alike everywhere.
     """
 
@@ -199,6 +222,9 @@ class DDPCommWatch(CommWatch):
         self._carried: torch.Tensor | None = None
         self._received: list[torch.Tensor] = []  # appended by the futures' callbacks
         self._ddp = weakref.ref(ddp)
+        self.agree_loss = False
+        """Does the guard's policy act on the mean loss (``skip_spikes``)? Then, on 3 or more ranks, the
+        extras keep their own all-reduce beside the last bucket's, which sums the loss."""
         self.shadowing: Callable[[], torch.Tensor] | None = None
         """Set while a joined rank's DDP join hook shadows a backward: the extras its last bucket sends."""
         group = (state if state is not None else tdist.group.WORLD) if hook is _default_hook() else None
@@ -225,9 +251,12 @@ class DDPCommWatch(CommWatch):
             if self.wire is not None:
                 names = [self._names.get(id(p), "?") for p in bucket.parameters()]
                 self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
-            last = self.rides and bucket.is_last() and _exact(buffer)
+            is_last = self.rides and bucket.is_last()
+            last = is_last and _exact(buffer)
             if self.shadowing is not None:  # a joined rank's zero buckets, shadowing the others' backward
                 return self._ride(buffer, self.shadowing(), keep=True) if last else self._relay(inner(state, bucket))
+            if self._extras is not None and is_last and self._poisons(buffer):
+                return self._poison(buffer, self._extras(~torch.isfinite(self._acc)))
             if self._extras is None or not self.rides:
                 if last and self._join_enabled():
                     # Under join() the last bucket always has the extras' room: a joined rank's shadow
@@ -248,16 +277,44 @@ class DDPCommWatch(CommWatch):
         fut = tdist.all_reduce(buffer, group=self._group, async_op=True).get_future()
         return fut.then(lambda done: done.value()[0])
 
+    def _poisons(self, buffer: torch.Tensor) -> bool:
+        """Does the last bucket carry the flags by poisoning (``_poison``) rather than in its payload?
+        Where the payload cannot ride exactly: 3 or more ranks, or a bucket whose dtype would round the
+        loss. Not under ``join()``, whose joined rank's shadow must match the payload it cannot foresee."""
+        if self.agree_loss:
+            return False  # the policy acts on the mean loss: it rides (2 ranks), goes beside, or agrees apart
+        return (self._size > 2 or not _exact(buffer)) and buffer.numel() > 0 and not self._join_enabled()
+
+    def _poison(self, buffer: torch.Tensor, extras: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The last bucket as DDP's built-in all-reduce sends it, except that a rank whose own flags are
+        set (its loss or its own gradients non-finite, its parameters as updated or loaded) writes a NaN
+        into the bucket's first element first: the averaged bucket is then non-finite on every rank exactly
+        when some rank flagged, with no value added to the wire. A healthy rank's bucket is left as it is
+        (``masked_fill_`` with a false mask writes nothing), so a healthy run is the unguarded one bit for
+        bit. The extras stay this rank's own (``summed`` False): gathered only on a step that tripped."""
+        own_flagged = extras[Layout(world_size()).codes].amax() > 0
+        buffer.mul_(1.0 / self._size)
+        buffer[:1].masked_fill_(own_flagged, math.nan)
+        fut = tdist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+
+        def unpack(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            done.value()  # raises a failed all-reduce's error here
+            self._received.append(buffer.sum(dtype=torch.float32))
+            self._carried, self.summed = extras.float(), False
+            return buffer
+
+        return fut.then(unpack)
+
     def _join_enabled(self) -> bool:
         ddp = self._ddp()
         return ddp is not None and compat.ddp_join_enabled(ddp)
 
     def _ride(self, buffer: torch.Tensor, extras: torch.Tensor, *, keep: bool) -> torch.futures.Future[torch.Tensor]:
-        """The last bucket's all-reduce with the guard's extras: in one payload on 2 ranks, where every
-        element is the sum of two terms, the same bits in either order; on 3 or more, in one small
-        all-reduce of their own right after the bucket's, which is then reduced exactly as without
-        the guard (a longer payload moves gloo's ring chunks, and with them the order of each
-        element's terms: the last bit of the averaged gradients would change)."""
+        """The last bucket's all-reduce with the guard's extras summed: in one payload on 2 ranks, where
+        every element is the sum of two terms, the same bits in either order; on 3 or more (``agree_loss``,
+        ``join()``), in one small all-reduce of their own right after the bucket's, which is then reduced
+        exactly as without the guard (a longer payload moves gloo's ring chunks, and with them the order
+        of each element's terms: the last bit of the averaged gradients would change)."""
         if self._size > 2:
             return self._beside(buffer, extras, keep=keep)
         n = buffer.numel()
@@ -271,7 +328,7 @@ class DDPCommWatch(CommWatch):
             buffer.copy_(out[:n])
             self._received.append(buffer.sum(dtype=torch.float32))
             if keep:
-                self._carried = out[n:].float()
+                self._carried, self.summed = out[n:].float(), True
             return buffer
 
         return fut.then(unpack)
@@ -288,7 +345,7 @@ class DDPCommWatch(CommWatch):
                 part.value()  # raises a failed all-reduce's error here
             self._received.append(buffer.sum(dtype=torch.float32))
             if keep:
-                self._carried = riding.float()
+                self._carried, self.summed = riding.float(), True
             return buffer
 
         return torch.futures.collect_all([sent, side]).then(unpack)
@@ -588,9 +645,10 @@ def _local_collectives() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def backward_roots() -> Iterator[list[torch.Tensor]]:
+def backward_roots(through: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[list[torch.Tensor]]:
     """Record the tensors ``backward`` is called on (``Tensor.backward`` goes through
-    ``torch.autograd.backward``) while open: the loss, before any comm hook runs.
+    ``torch.autograd.backward``) while open: the loss, before any comm hook runs. ``through``: the
+    backward runs from ``through(root)`` instead of each root (the roots recorded are the loop's own).
 
     Example:
         >>> with backward_roots() as roots:
@@ -602,7 +660,10 @@ def backward_roots() -> Iterator[list[torch.Tensor]]:
     original = torch.autograd.backward
 
     def recording(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        roots.extend([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
+        mine = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        roots.extend(mine)
+        if through is not None:
+            tensors = [through(t) for t in mine] if not isinstance(tensors, torch.Tensor) else through(tensors)
         return original(tensors, *args, **kwargs)
 
     torch.autograd.backward = recording

@@ -513,6 +513,8 @@ def event_words(kind: str, fields: Mapping[str, Any]) -> str:
     if kind == "warning":
         where = f" in {f.get('module')}" if f.get("module") else ""
         level = f"level {fmt(f.get('level'))}, lr {f.get('lr')}"
+        if f.get("steps_left") is not None and f.get("trend") is not None:
+            level += f", x{fmt(f.get('trend'))} a step, {f.get('steps_left')} steps left"
         return f"{f.get('signal')}{where} {fmt(f.get('value'))} ({level}): {f.get('fix')}"
     if kind == "overflow":
         return f"GradScaler scale {fmt(f.get('scale'))} -> {fmt(f.get('new_scale'))}"

@@ -95,7 +95,7 @@ class Runner:
         assert closure is not None
         health.comm.reset()
         try:
-            if health.comm.rides or self.headroom.due(attempt.step) or not torch.is_grad_enabled():
+            if health.rides or self.headroom.due(attempt.step) or not torch.is_grad_enabled():
                 with torch.enable_grad(), health.riding(attempt.call), self.headroom.watch(attempt.step):
                     attempt.loss = closure()
             else:  # the common step, without three context managers around the closure

@@ -124,6 +124,9 @@ class GuardConfig:
         _positive,
     )
     skip_spikes: bool = option(False, "skip the update on a spike, instead of only warning.")
+    """Skip the update on a loss or grad-norm spike. The skip acts on the loss averaged over ranks, so under
+    DDP on 3 or more ranks, and under FSDP2/TP whose closure clips, it keeps the guard's one small
+    all-reduce a step that a healthy step otherwise does without (docs/distributed.md)."""
     divergence_factor: float = option(
         10.0,
         "growth by this factor within ``divergence_window`` steps is divergence.",
@@ -208,6 +211,19 @@ class GuardConfig:
     )
     """Every N steps, measure how close float16/bfloat16 op outputs per module come to overflow, on a
     replay of the step (never the step that updates the weights); 0 = off."""
+    precursor_every: int = option(
+        20,
+        "every N steps, sample the per-layer precursors of a blow-up and warn ahead of one (0: off).",
+        _int_at_least(0),
+    )
+    """Every N steps, sample the per-layer precursors (the largest attention logit, log Z of the output
+    logits, router logits, update-to-weight ratio, Adam's update per unit of LR, each layer's output RMS)
+    as the step runs, read without a sync of their own; a steady growth toward a blow-up is a ``warning``
+    event naming the layer, the signal, its growth, the steps left and the fix (docs/early-warning.md)."""
+    precursor_lower_lr: bool = option(
+        False,
+        'under "auto", a precursor warning lowers the LR by ``lr_factor`` (once; off unless asked for).',
+    )
     sync: str = option(
         "auto",
         'when ``step`` reads a step\'s health: "immediate", "deferred" (the next call), or "auto".',

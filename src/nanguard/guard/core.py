@@ -392,6 +392,7 @@ class Guard(GuardParts):
     def close(self) -> None:
         self._settle()
         self._remedies.headroom.close()
+        self.precursors.close()
         self.recorder.end(self.progress.step, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
 

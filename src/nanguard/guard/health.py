@@ -3,9 +3,13 @@ agreed across ranks in one collective, and read to the host once as a ``StepHeal
 
 Each rank encodes what it found as ``HealthFlag`` bits. ``dist.agree`` gives every rank
 every other rank's flags, so all ranks take the same decision. Under DDP's default hook,
-``HealthCheck.riding`` makes the flags and the loss ride in the gradient all-reduce instead,
-so a healthy step adds no collective on 2 ranks, and on 3 or more one small all-reduce beside the
-last bucket's (``DDPCommWatch._ride``; ``DeviceHealth.agree`` then only reads what rode).
+``HealthCheck.riding`` makes the flags ride in the gradient all-reduce instead, so a healthy step
+adds no collective at any world size: on 2 ranks with the loss in the last bucket's payload
+(``DDPCommWatch._ride``; ``DeviceHealth.agree`` then only reads what rode); on 3 or more as a NaN a
+flagging rank writes into its bucket (``DDPCommWatch._poison``), every rank's flags and the mean
+loss then summed by one all-reduce on that step only (``DeviceHealth.read``). Under FSDP2, tensor
+parallel and 2D whose closure clips, the flags ride in the norm the loop's ``clip_grad_norm_`` reduced
+over every rank, a flagging rank's backward root multiplied by NaN (``HealthCheck.clip_rides``).
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ class StepHealth:
 
     step: int
     loss: float
-    """The loss averaged over ranks: decisions and history use it."""
+    """The loss averaged over ranks: decisions and history use it. NaN on a healthy step whose flags
+    reached the ranks by poisoning DDP's gradient all-reduce (3 or more ranks): no collective agreed a
+    mean loss, and each rank's own differs, so the history's rules go by the grad norm alone."""
     grad_norm: float
     """The global gradient norm (over shards under FSDP2)."""
     scale: float | None
@@ -134,6 +140,9 @@ class DeviceHealth:
     scale: torch.Tensor
     flags: torch.Tensor
     """int32 ``HealthFlag`` bits of this rank."""
+    pending: torch.Tensor | None = None
+    """This rank's own agreement vector when the step's flags reached the other ranks only by poisoning
+    the gradient all-reduce (``HealthCheck.carried``): summed across ranks on a step that tripped only."""
 
     def agree(self, *, sharded: bool, carried: torch.Tensor | None = None, step: int | None = 0) -> torch.Tensor:
         """Every rank's flags, the mean loss, the global grad norm: from ``carried`` (what rode in
@@ -162,6 +171,11 @@ class DeviceHealth:
         extra = torch.stack([self.scale.float(), self.loss.float(), self.grad_norm.float()]).to(agreed.device)
         values: list[float] = torch.cat([agreed, extra]).tolist()  # the one host read of this step
         read = at.read(values)
+        if self.pending is not None and any(c & HealthFlag.SYNCED for c in read.codes):
+            # Poisoned: some rank flagged (alike on every rank). Who, and the mean loss: one all-reduce.
+            gathered = self.agree(sharded=False, carried=_summed(self.pending, scaled=scaled))
+            values = torch.cat([gathered, extra]).tolist()
+            read = at.read(values)
         return StepHealth(
             step=step,
             loss=read.loss,
@@ -188,6 +202,7 @@ class HostCopy:
         extra = torch.stack([measured.scale.float(), measured.loss.float(), measured.grad_norm.float()])
         packed = torch.cat([agreed, extra.to(agreed.device)])
         self.event: Any = None
+        self.pending = measured.pending
         if packed.device.type == "cuda":
             self.values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self.values.copy_(packed, non_blocking=True)
@@ -200,7 +215,9 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()  # the copy only, not the work queued after it
         v, at = self.values, self.layout
-        host = DeviceHealth(grad_norm=v[at.own_norm], loss=v[at.own_loss], scale=v[at.own_scale], flags=v[:0])
+        host = DeviceHealth(
+            grad_norm=v[at.own_norm], loss=v[at.own_loss], scale=v[at.own_scale], flags=v[:0], pending=self.pending
+        )
         return host.read(step, v[: at.size], scaled=scaled)
 
 
@@ -244,8 +261,13 @@ class HealthCheck:
         comm: CommWatch,
         param_check_every: int,
         check_loaded: bool = False,
+        agree_loss: bool = False,
     ) -> None:
         self.params = list(params)
+        self.agree_loss = agree_loss
+        """The policy acts on the mean loss (``skip_spikes``): it is summed across ranks every step."""
+        if isinstance(comm, dist.DDPCommWatch):
+            comm.agree_loss = agree_loss
         # The parameters the guard was built with (or a state dict loaded later) are checked once,
         # with the first step: a NaN row no batch uses would otherwise pass as the first update's fault.
         self.watch_loads = check_loaded and param_check_every > 0
@@ -257,7 +279,8 @@ class HealthCheck:
         # Grouped by device and dtype once. DTensor shards are taken anew each step, and a
         # sparse gradient (found on the first step that has one) needs its values coalesced.
         self._groups: list[list[torch.Tensor]] | None = None
-        if not any(local(p) is not p for p in self.params):
+        self._placed = any(local(p) is not p for p in self.params)  # DTensor parameters (FSDP2, TP, 2D)
+        if not self._placed:
             self._groups = float_groups(self.params)
         self.scaler = scaler
         self.comm = comm
@@ -269,6 +292,10 @@ class HealthCheck:
         """Where an engine keeps this rank's gradients (``read_engine``); None: the parameters' ``.grad``."""
         self.sharded = False
         """Each rank's gradients are its own partition: the squared norms add up across ranks."""
+        self.pending: torch.Tensor | None = None
+        """Set by ``carried`` when the step's flags poisoned the gradient all-reduce (``take_pending``)."""
+        self._clip_norm: torch.Tensor | None = None
+        self._param_ids: frozenset[int] | None = None
 
     def read_engine(
         self, grad_norm: Callable[[], torch.Tensor | None], params: Sequence[torch.Tensor], *, sharded: bool
@@ -281,7 +308,7 @@ class HealthCheck:
             >>> guard.health.read_engine(lambda: partition_norm(), master_partitions, sharded=True)
         """
         self.grad_source, self.sharded = grad_norm, sharded
-        self.params = list(params)
+        self.params, self._param_ids = list(params), None
         self._groups = float_groups(self.params)
 
     def on_device(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
@@ -409,7 +436,8 @@ class HealthCheck:
 
     @contextlib.contextmanager
     def riding(self, step: int = 0) -> Iterator[None]:
-        """Around ``Guard.step``'s closure: the flags and the loss ride in DDP's gradient all-reduce.
+        """Around ``Guard.step``'s closure: the flags (and on 2 ranks the loss) ride in DDP's gradient
+        all-reduce (``dist.DDPCommWatch``).
 
         The loss is the sum of the tensors ``backward`` was called on (micro-batches summed,
         divided by the GradScaler's scale, a power of two, so exactly), known before the last
@@ -419,24 +447,123 @@ class HealthCheck:
         update; the step slot holds ``agreement.step_slot(step)`` (the layout: ``agreement.Layout``).
         """
         self.check_loaded()  # before the backward: the check's flag rides in its all-reduce
+        if self.clip_rides:
+            self._clip_norm = None
+            stop = compat.watch_clips(self._seen_clip)
+            try:
+                with dist.backward_roots(self._poisoned_root):
+                    yield
+            finally:
+                stop()
+            return
         if not self.comm.rides:
             yield
             return
         with dist.backward_roots() as roots, self.comm.ride(lambda pre_comm: self._extras(pre_comm, roots, step)):
             yield
 
+    @property
+    def rides(self) -> bool:
+        """Does ``riding`` carry the flags in a reduction the loop makes (DDP's gradient all-reduce, or
+        the loop's own ``clip_grad_norm_`` over DTensor gradients)?"""
+        return self.comm.rides or self.clip_rides
+
+    @property
+    def clip_rides(self) -> bool:
+        """Can the flags ride in the loop's ``clip_grad_norm_`` (``_seen_clip``)? Under torch.distributed
+        with DTensor parameters (FSDP2, tensor parallel, 2D), no DDP comm watch, no engine, and a policy
+        that needs no mean loss. The same on every rank (the model and the configuration are)."""
+        return (
+            self._placed
+            and self.grad_source is None
+            and not self.agree_loss
+            and type(self.comm) is CommWatch
+            and dist.is_distributed()
+        )
+
+    def _poisoned_root(self, root: torch.Tensor) -> torch.Tensor:
+        """The backward's root times 1.0, or times NaN when this rank's own signal is bad (the root
+        non-finite, the queued parameter check non-finite): then every gradient this rank contributes
+        is NaN, and so is the norm the loop's clip reduces over the mesh, on every rank. Healthy, the
+        gradient flowing into the root is multiplied by 1.0: the same bits."""
+        if compat.inner_tensor(root) is not None or not root.is_floating_point():
+            return root  # a DTensor root: its own ops would have to redistribute a plain factor
+        with torch.no_grad():
+            bad = torch.isfinite(root).all().logical_not()
+            if self._param_norm is not None:
+                bad = bad | torch.isfinite(self._param_norm.to(root.device)).logical_not()
+            factor = torch.where(bad, math.nan, 1.0).to(root.dtype)
+        return root * factor
+
+    def _seen_clip(self, params: Any, norm: torch.Tensor) -> None:
+        """Keep the norm a clip computed over every guarded parameter when every rank holds it whole
+        (the loop reduced it); a clip of a part would miss a non-finite gradient elsewhere."""
+        if self._param_ids is None:
+            self._param_ids = frozenset(id(p) for p in self.params)
+        if self._param_ids <= {id(p) for p in params} and _whole_on_every_rank(norm, params):
+            inner = compat.inner_tensor(norm)
+            self._clip_norm = (inner if inner is not None else norm).detach()
+
+    def take_clip_norm(self) -> torch.Tensor | None:
+        """The global grad norm the loop's clip reduced during the step's closure (else None); once."""
+        norm, self._clip_norm = self._clip_norm, None
+        return norm
+
+    def by_clip(self, measured: DeviceHealth, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The agreement of a step whose flags rode in the loop's clip norm (``measured.grad_norm``):
+        what every rank knows alike, no collective (as ``_poisoned``), and this rank's own vector,
+        summed only on a step whose clip norm is non-finite."""
+        at = Layout(dist.world_size())
+        device = measured.grad_norm.device
+        own = at.vector(
+            rank=dist.rank(),
+            code=measured.flags.to(device),
+            loss=measured.loss.to(device),
+            norm=1.0,
+            step=step,
+            device=device,
+        )
+        bad = torch.isfinite(measured.grad_norm.float()).logical_not().float().reshape(1)
+        agreed = self._poisoned(torch.cat([own, bad]), at)
+        pending = self.take_pending()
+        assert pending is not None
+        return agreed, pending
+
     def carried(self) -> torch.Tensor | None:
         """What rode in this step's gradient all-reduce as ``[code x world, loss sum, ranks with a
         known loss, step slot x world]``, SYNCED set on every rank's code when an averaged bucket was non-finite
         (without a GradScaler, whose business overflowing gradients are); None when nothing rode."""
         raw = self.comm.carried()
+        self.pending = None
         if raw is None:
             return None
         at = Layout(dist.world_size())
+        if not self.comm.summed:
+            return self._poisoned(raw, at)
         codes = raw[at.codes].to(torch.int32)
         if self.scaler is None:
             codes = codes | (raw[-1] > 0).to(torch.int32) * HealthFlag.SYNCED
         return torch.cat([codes.float(), raw[at.loss : at.size]])  # raw[-1]: the bucket's own flag
+
+    def _poisoned(self, raw: torch.Tensor, at: Layout) -> torch.Tensor:
+        """The agreement of a step whose flags poisoned the gradient all-reduce (``DDPCommWatch._poison``):
+        what every rank knows alike without a collective. SYNCED on every rank's code when an averaged
+        bucket was non-finite (some rank flagged, or the values went bad on the wire): the host read then
+        sums this rank's own vector (``pending``) with the others' (``DeviceHealth.read``). No mean loss:
+        NaN, which the history's rules leave out; every step slot this rank's own."""
+        self.pending = raw[: at.size]
+        bad = raw[-1] > 0
+        vec = at.zeros(raw.device)
+        vec[at.codes] = bad.float() * float(HealthFlag.SYNCED)
+        vec[at.loss] = math.nan
+        vec[at.norm] = 1.0
+        vec[at.steps] = raw[at.step(dist.rank())]
+        return vec
+
+    def take_pending(self) -> torch.Tensor | None:
+        """This rank's own agreement vector of the step just carried by poisoning (else None); once."""
+        pending, self.pending = self.pending, None
+        return pending
 
     def _extras(self, pre_comm: torch.Tensor, roots: list[torch.Tensor], step: int) -> torch.Tensor:
         device = pre_comm.device
@@ -459,6 +586,32 @@ class HealthCheck:
         own snapshot or a finite replica, so the load that restored them needs no check either)."""
         self._param_norm, self._queued = None, None
         self.unchecked = False
+
+
+def _whole_on_every_rank(norm: torch.Tensor, params: Any) -> bool:
+    """Does every rank hold ``norm`` whole: a DTensor replicated over a mesh of every rank, or a plain
+    tensor the loop made whole from DTensor gradients on such a mesh (torchtitan's ``full_tensor``)?"""
+    world = dist.world_size()
+    placements = getattr(norm, "placements", None)
+    if placements is not None:
+        mesh = norm.device_mesh  # type: ignore[attr-defined]  # a DTensor
+        return mesh.size() == world and all(p.is_replicate() for p in placements)
+    for p in params:
+        grad = getattr(p, "grad", None)
+        if grad is not None and getattr(grad, "placements", None) is not None:
+            return bool(grad.device_mesh.size() == world)
+    return False
+
+
+def _summed(pending: torch.Tensor, *, scaled: bool) -> torch.Tensor:
+    """Every rank's own agreement vector summed (one all-reduce, on a poisoned step only), as it
+    would have ridden in the payload: SYNCED on every code without a GradScaler (an averaged bucket
+    was non-finite; with one, overflowing gradients are the scaler's business)."""
+    summed = dist.sum_across(pending.clone())
+    at = Layout(dist.world_size())
+    if not scaled:
+        summed[at.codes] = (summed[at.codes].to(torch.int32) | HealthFlag.SYNCED).float()
+    return summed
 
 
 def check_after_loads(model: nn.Module, check: HealthCheck) -> Any:

@@ -393,7 +393,10 @@ class History:
             if not (ready and spiked):  # no growth is a runaway without a spike the warm detectors flag
                 self._grown = (None, 0)
                 return None
-            growth = {m: self._growth(m, v) for m, v in (("loss", loss), ("grad_norm", grad_norm))}
+            # A NaN loss of a step no rank flagged is one no collective agreed (``StepHealth.loss``):
+            # the grad norm, alike on every rank, decides alone.
+            known = [(m, v) for m, v in (("loss", loss), ("grad_norm", grad_norm)) if not math.isnan(v)]
+            growth = {m: self._growth(m, v) for m, v in known}
             if min(growth.values()) < self.divergence_factor:
                 self._grown = (None, 0)
                 return None

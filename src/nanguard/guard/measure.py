@@ -98,9 +98,20 @@ class Measure:
         (``sync="deferred"``) its copy to the host is queued now, read with the next call."""
         health = self.health
         sharded = self.sharded or health.sharded
+        clipped = health.take_clip_norm()
+        if clipped is not None:  # the loop's clip reduced the norm over every rank: the flags rode in it
+            measured = health.on_device(attempt.value, clipped)
+            rode, own = health.by_clip(measured, attempt.call)
+            measured = replace(measured, pending=own)
+            agreed = measured.agree(sharded=False, carried=rode)
+            return Reading(attempt.step, measured, agreed, HostCopy(measured, agreed) if queue else None)
         # A sharded run's agreement adds up the ranks' own norms: a whole norm from the loop has no place in it.
         measured = health.on_device(attempt.value, None if sharded else attempt.loop_norm)
-        agreed = measured.agree(sharded=sharded, carried=health.carried(), step=attempt.call)
+        carried = health.carried()
+        pending = health.take_pending()
+        if pending is not None:  # the flags poisoned the gradient all-reduce: gathered on a trip only
+            measured = replace(measured, pending=pending)
+        agreed = measured.agree(sharded=sharded, carried=carried, step=attempt.call)
         return Reading(attempt.step, measured, agreed, HostCopy(measured, agreed) if queue else None)
 
     def read(self, reading: Reading, attempt: Attempt, *, updated: bool) -> Verdict:

@@ -27,6 +27,7 @@ from nanguard.guard.history import History
 from nanguard.guard.join import Shadow, install
 from nanguard.guard.measure import Measure
 from nanguard.guard.policy import Policy
+from nanguard.guard.precursors import PrecursorCheck
 from nanguard.guard.progress import PolicyView, Progress
 from nanguard.guard.recorder import recorder_for
 from nanguard.guard.recovery import Recovery
@@ -71,6 +72,7 @@ class GuardParts:
             comm=dist.watch_communication(model, comm_hook),
             param_check_every=c.param_check_every,
             check_loaded=True,
+            agree_loss=c.skip_spikes,
         )
         self._load_hook = check_after_loads(model, self.health)  # a later load_state_dict is checked too
         self.recovery = Recovery(model, optimizer, scaler=self.scaler, config=c, scheduler=scheduler)
@@ -99,6 +101,9 @@ class GuardParts:
         self.policy = Policy(c)
         self._remedies = Remedies(model, optimizer, c, self.recorder, run_dir, scheduler=scheduler)
         self._state = PolicyView(self.recovery, self._remedies, self.progress)
+        every = 0 if self.disabled else c.precursor_every  # sampled in the step, read without a sync
+        self.precursors = PrecursorCheck(model, optimizer, c, self.progress, self.recorder, self._remedies, every=every)
+        self._remedies.headroom.emit = self.precursors.watch_headroom(self._remedies.headroom.emit)
         self._choose_paths()
         self._wire()
         self._pending: tuple[Attempt, StepHealth] | None = None  # a checked step whose update is to be recorded

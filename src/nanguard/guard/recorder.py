@@ -87,9 +87,11 @@ class NullRecorder:
         fix: str,
         lr: Any,
         level: float,
+        **extra: Any,
     ) -> None:
         """An early warning: ``signal`` (of ``module``, None for the whole run) at ``value``, growing
-        ``trend``-fold a step, ``steps_left`` to a blow-up at that rate; ``fix``, the LR, the level it left."""
+        ``trend``-fold a step, ``steps_left`` to a blow-up at that rate; ``fix``, the LR, the level it left;
+        a precursor's adds its ``limit`` and the ``series`` of ``[step, value]`` samples it was fitted on."""
         self._write(
             "warning",
             step,
@@ -101,6 +103,7 @@ class NullRecorder:
             fix=fix,
             lr=lr,
             level=level,
+            **extra,
         )
 
     def overflow(self, step: int, *, scale: float, new_scale: float, streak: int) -> None:

@@ -3,10 +3,11 @@
 Neither package is imported here: the writer or run you pass in is the only link to it.
 
 What is logged: ``nanguard/trips`` and ``nanguard/skips``, the run's totals so far, at every step (a step
-function from a zero baseline: a trip is a rise, not a lone dot), ``nanguard/rollbacks`` and
-``nanguard/overflows`` from their first one on, ``nanguard/cause`` at a trip, and ``nanguard/scale`` (a
-GradScaler's scale). The loss and the gradient norm are your loop's own curves: ``curves=True`` adds the
-guard's (``nanguard/loss``, ``nanguard/grad_norm``: across ranks, before clipping).
+function from a zero baseline: a trip is a rise, not a lone dot), ``nanguard/rollbacks``,
+``nanguard/overflows`` and ``nanguard/warnings`` from their first one on, ``nanguard/cause`` at a trip,
+``nanguard/precursor/<signal>`` (the precursor's value) and ``nanguard/steps_left`` at an early
+warning, and ``nanguard/scale`` (a GradScaler's scale). The loss and the gradient norm are your loop's own
+curves: ``curves=True`` adds the guard's (``nanguard/loss``, ``nanguard/grad_norm``: across ranks, before clipping).
 
 Example:
     >>> from torch.utils.tensorboard import SummaryWriter
@@ -22,7 +23,7 @@ from typing import Any
 __all__ = ["scalars_of", "to_tensorboard", "to_wandb"]
 
 Event = dict[str, Any]
-COUNTED = ("trip", "skip", "rollback", "overflow")
+COUNTED = ("trip", "skip", "rollback", "overflow", "warning")
 BASELINE = ("trip", "skip")  # logged from step 0 on; the others once they happened
 
 
@@ -50,6 +51,11 @@ def scalars_of(event: Event, counts: dict[str, int], *, curves: bool = False) ->
         out[f"nanguard/{kind}s"] = float(counts[kind])
         if kind == "trip":
             out["nanguard/cause"] = str(event.get("diagnosis", {}).get("cause", "unknown"))
+        if kind == "warning":
+            if isinstance(event.get("value"), (int, float)):
+                out[f"nanguard/precursor/{event.get('signal')}"] = float(event["value"])
+            if isinstance(event.get("steps_left"), (int, float)):
+                out["nanguard/steps_left"] = float(event["steps_left"])
     return out
 
 

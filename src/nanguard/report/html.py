@@ -331,7 +331,8 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
             plots.loss_plot(report),
             "loss over steps, log scale",
             "Loss per step (log scale), one curve per rank. Red: trips; orange dotted: skips; purple dashed: "
-            "rollbacks (shaded back to the restored step); stars: spikes. Non-finite values leave gaps.",
+            "rollbacks (shaded back to the restored step); stars: spikes; brown dash-dotted: early warnings. "
+            "Non-finite values leave gaps.",
         )
     )
     advance("loss plot")
@@ -344,6 +345,16 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
         )
     )
     advance("gradient norm plot")
+    if any(isinstance(m.fields.get("series"), list) for m in report.early_warnings):
+        out.append(
+            _plot(
+                "precursors",
+                plots.precursor_plot(report),
+                "precursors over steps, log scale",
+                "Each early warning's sampled precursor (log scale), the growth projected from its last sample "
+                "(dotted) to the level where its mechanism blows up (dashed).",
+            )
+        )
     out.append(
         _plot(
             "nonfinite",

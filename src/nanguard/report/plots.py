@@ -64,6 +64,7 @@ _SKIP = "#ff7f0e"
 _ROLLBACK = "#6a3d9a"
 _SPIKE = "#e6ab02"
 _OVERFLOW = "#a6761d"
+_WARNING = "#b15928"
 
 
 def _rank_color(rank: int) -> str:
@@ -335,6 +336,10 @@ def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
             zorder=5,
         )
         handles.append(Line2D([], [], color=_TRIP, marker="X", label=f"trip ({len(steps)})"))
+    if report.early_warnings:
+        steps = [m.step for m in report.early_warnings]
+        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_WARNING, lw=1.2, ls="-.", alpha=0.8)
+        handles.append(Line2D([], [], color=_WARNING, ls="-.", label=f"early warning ({len(steps)})"))
     spikes = [m for m in report.spikes if m.fields.get("metric") == metric]
     if spikes:
         values = [number(m.fields.get("value")) for m in spikes]
@@ -368,6 +373,40 @@ def grad_norm_plot(report: RunReport) -> Figure:
         >>> svg = figure_svg(grad_norm_plot(load_run("runs/exp1")))
     """
     return _metric_plot(report, "grad_norm", "gradient norm")
+
+
+@_styled
+def precursor_plot(report: RunReport) -> Figure:
+    """Each precursor warning's samples (log scale) with the level its mechanism blows up at, dashed.
+
+    Example:
+        >>> svg = figure_svg(precursor_plot(load_run("runs/exp1")))
+    """
+    fig = _figure(8, 3.2)
+    ax = fig.add_subplot(1, 1, 1)
+    for i, m in enumerate(report.early_warnings):
+        series = m.fields.get("series")
+        if not isinstance(series, list) or not series:
+            continue
+        pts = [(number(p[0]), number(p[1])) for p in series if isinstance(p, list) and len(p) == 2]
+        pts = [(x, y) for x, y in pts if x is not None and y is not None and y > 0]
+        if not pts:
+            continue
+        color = _COLORS[i % len(_COLORS)]
+        xs, ys = zip(*pts, strict=True)
+        label = f"{m.fields.get('signal')} of {m.fields.get('module')}"
+        ax.plot(xs, ys, marker="o", color=color, label=label)
+        limit = number(m.fields.get("limit"))
+        left = number(m.fields.get("steps_left"))
+        if limit is not None and left is not None:
+            ax.plot([xs[-1], xs[-1] + left], [ys[-1], limit], ls=":", color=color)
+            ax.axhline(limit, ls="--", color=color, lw=0.8, alpha=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("precursor")
+    if ax.lines:
+        ax.legend(loc="upper left", fontsize=8)
+    return fig
 
 
 @_styled

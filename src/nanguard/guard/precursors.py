@@ -1,0 +1,307 @@
+"""The guard's precursor check: every ``precursor_every`` steps, the per-layer precursors of a blow-up
+(``nanguard.precursors``) sampled on the device, read without a sync of their own, and warned once
+per (layer, signal) with the growth, the steps left and the published fix.
+
+A sampled step is the user's own step, run once: its training forward runs under a
+``tracer.precursors.Capture`` (attention, router and output logits, each layer's output RMS); the
+optimizer's step pre- and post-hooks take the update-to-weight ratio of each module. The values are
+stacked into one device tensor and copied to the host without waiting (pinned memory and an event on
+a GPU); the copy is read at a later optimizer step once its event has completed, which the step's own
+health read in between makes sure of: no host sync is added. ``headroom`` events (``headroom_every``)
+feed the trend too. At a warning (once per layer and signal), Adam's update per unit of LR of the
+warned modules is read from its state, as the warning's context (a host read, once per warning): it
+never warns alone (``precursors.SIGNALS``).
+
+Under ``policy="auto"`` with ``precursor_lower_lr=True`` (off by default) a warning lowers the LR
+by ``lr_factor`` once, as the ``optimizer.divergence`` remedy does, recorded as a ``lower_lr``
+remedy; not under torch.distributed, where the ranks' activations differ and one rank's LR
+must never move alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard import dist
+from nanguard.guard.config import GuardConfig
+from nanguard.guard.optim_state import current_lr
+from nanguard.guard.progress import Progress
+from nanguard.guard.recorder import NullRecorder
+from nanguard.guard.remedies import Remedies
+from nanguard.precursors import SIGNALS, Precursor, Trend
+from nanguard.stats import local
+from nanguard.tracer.compiled import compiled_modules
+from nanguard.tracer.headroom import Headroom
+from nanguard.tracer.precursors import Capture, Values, layers, owners_of
+
+__all__ = ["PrecursorCheck"]
+
+log = logging.getLogger("nanguard")
+
+
+class _Queued:
+    """One sample on its way to the host: read once its copy completed, never waited for."""
+
+    def __init__(self, step: int, values: Values) -> None:
+        self.step, self.keys = step, list(values)
+        device = next(iter(values.values())).device
+        packed = torch.stack([v.to(device).float().reshape(()) for v in values.values()])
+        self.event: Any = None
+        if packed.device.type == "cuda":
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def read(self) -> dict[tuple[str, str], float]:
+        return dict(zip(self.keys, self.host.tolist(), strict=True))
+
+
+class PrecursorCheck:
+    """Samples the precursors every ``every`` steps and records the warnings (module docstring).
+
+    Example:
+        >>> check = PrecursorCheck(model, optimizer, config, progress, recorder, remedies)
+        >>> check.trend.warned   # (module, signal) pairs warned so far
+        set()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: GuardConfig,
+        progress: Progress,
+        recorder: NullRecorder,
+        remedies: Remedies,
+        *,
+        every: int | None = None,
+    ) -> None:
+        inner = getattr(optimizer, "optimizer", None)  # a wrapper's (accelerate's) optimizer steps the weights
+        optimizer = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+        self.model, self.optimizer, self.config = dist.unwrap(model), optimizer, config
+        self.progress, self.recorder, self.remedies = progress, recorder, remedies
+        self.every = config.precursor_every if every is None else every
+        self.trend = Trend()
+        self._capture: Capture | None = None
+        self._measured: tuple[int, Values] | None = None  # the sampled step's forward values
+        self._before: list[torch.Tensor] | None = None  # the weights before the sampled step's update
+        self._pending: list[_Queued] = []
+        self._acted = False
+        self._handles: list[Any] = []
+        if self.every and not compiled_modules(self.model):  # a compiled model would run eagerly under the mode
+            names = owners_of(self.model)
+            self._owners, self._layers = names, layers(self.model)
+            self._params = [p for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()]
+            self._modules = [names.get(id(p), "") for p in self._params]
+            self._module_of = {id(p): m for p, m in zip(self._params, self._modules, strict=True)}
+            try:
+                self._handles.append(self.model.register_forward_pre_hook(self._enter))
+                self._handles.append(self.model.register_forward_hook(self._leave, always_call=True))
+                self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+                self._handles.append(optimizer.register_step_post_hook(self._post_step))
+            except (AttributeError, RuntimeError, TypeError) as err:  # an optimizer without step hooks
+                self._stop(err)
+
+    def due(self, step: int) -> bool:
+        """Every ``every``-th step from step ``every`` on (step 0's values are the initialization's)."""
+        return bool(self.every) and step > 0 and step % self.every == 0
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
+
+    # -- the sampled forward -------------------------------------------------------------
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        step = self.progress.step
+        if self._capture is not None or not self.due(step) or not (module.training and torch.is_grad_enabled()):
+            return
+        if self._measured is not None and self._measured[0] == step:
+            return  # one forward a sampled step (the first micro-batch's)
+        try:
+            self._capture = Capture(self.model, self._owners, self._layers).enter_within(module)
+            self._measured = (step, {})
+        except Exception as err:
+            self._stop(err)
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        capture, self._capture = self._capture, None
+        if capture is None:
+            return
+        try:
+            capture.model_output(output)
+        except Exception as err:
+            self._stop(err)
+        finally:
+            capture.__exit__(None, None, None)
+        if self._measured is not None:
+            self._measured = (self._measured[0], capture.values)
+
+    def _stop(self, err: BaseException) -> None:
+        """nanguard's own failure never stops the run: the check says so once and turns off."""
+        log.warning("nanguard: the precursor check failed and stops: %r", err)
+        self.every = 0
+        self.close()
+
+    # -- the sampled update ----------------------------------------------------------------
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._measured is not None and self._measured[1]:
+            try:
+                with torch.no_grad():
+                    self._before = list(torch._foreach_mul([local(p).detach() for p in self._params], 1.0))
+            except Exception as err:
+                self._stop(err)
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self._read_ready()
+            measured, self._measured = self._measured, None
+            if measured is None or not measured[1]:
+                return
+            step, values = measured
+            before, self._before = self._before, None
+            with torch.no_grad():
+                if before is not None:
+                    values |= self._update_ratios(before)
+            self._pending.append(_Queued(step, values))
+        except Exception as err:
+            self._stop(err)
+
+    def _update_ratios(self, before: list[torch.Tensor]) -> Values:
+        after = [local(p).detach() for p in self._params]
+        moved = _stacked(torch._foreach_norm(torch._foreach_sub(after, before)))
+        size = _stacked(torch._foreach_norm(before))
+        return _per_module(
+            self._modules, moved.square(), size.square(), lambda m, s: (m / s.clamp_min(1e-30)).sqrt(), "update_ratio"
+        )
+
+    def _adam_updates(self) -> Values:
+        """m_hat / (sqrt(v_hat) + eps) per module, RMS: Adam's update per unit of LR, from its state. The
+        steps stay tensors (the bias corrections are computed from them, never read)."""
+        sums, counts, names = [], [], []
+        for group in self.optimizer.param_groups:
+            betas, eps = group.get("betas"), group.get("eps")
+            if not isinstance(betas, (tuple, list)) or eps is None:
+                continue
+            state = self.optimizer.state
+            params = [p for p in group["params"] if {"exp_avg", "exp_avg_sq", "step"} <= state.get(p, {}).keys()]
+            if not params:
+                continue
+            steps = torch.stack([torch.as_tensor(state[p]["step"]).float().reshape(()) for p in params])
+            bc1, bc2 = (1 - float(betas[0]) ** steps).unbind(), (1 - float(betas[1]) ** steps).unbind()
+            m = [local(state[p]["exp_avg"]) for p in params]
+            v = [local(state[p]["exp_avg_sq"]) for p in params]
+            denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(v, list(bc2))), float(eps))
+            u = torch._foreach_div(torch._foreach_div(m, list(bc1)), denom)
+            sums += [n.float().square() for n in torch._foreach_norm(u)]
+            counts += [float(x.numel()) for x in u]
+            names += [self._module_of.get(id(p), "") for p in params]
+        if not sums:
+            return {}
+        device = sums[0].device
+        total = torch.stack([s.to(device) for s in sums])
+        sizes = torch.tensor(counts, device=device)
+        return _per_module(names, total, sizes, lambda s, n: (s / n).sqrt(), "adam_update")
+
+    # -- the read and the warnings -----------------------------------------------------------
+    def watch_headroom(self, emit: Callable[[int, Headroom], None]) -> Callable[[int, Headroom], None]:
+        """``emit`` (the headroom check's), then the measurement folded into the trend as ``headroom``:
+        how close the module's low-precision outputs came to the dtype's largest finite value."""
+
+        def both(step: int, h: Headroom) -> None:
+            emit(step, h)
+            if self.every:
+                self._warn(self.trend.add(step, {(h.module, "headroom"): h.absmax / h.limit}))
+
+        return both
+
+    def _read_ready(self) -> None:
+        while self._pending and self._pending[0].ready():
+            queued = self._pending.pop(0)
+            self._warn(self.trend.add(queued.step, queued.read()))
+
+    def _warn(self, found: list[Precursor]) -> None:
+        if found:  # Adam's update per unit of LR, of the warned modules, read from its state now
+            updates = {m: float(v) for (m, _), v in self._adam_updates().items()}
+            found = [
+                w._replace(context={**w.context, "adam_update": updates[w.module]}) if w.module in updates else w
+                for w in found
+            ]
+        for w in found:
+            signal = SIGNALS[w.signal]
+            lr = current_lr(self.optimizer)
+            where = f" of '{w.module}'" if w.module else ""
+            fix = f"{signal.fix} (lr={lr})"
+            adam = w.context.get("adam_update")
+            if w.signal == "update_ratio" and adam is not None and adam >= SIGNALS["adam_update"].limit * 0.9:
+                fix += f"; Adam's update per unit of LR is {adam:.3g} here: {SIGNALS['adam_update'].fix}"
+            self.recorder.warning(
+                w.series[-1][0],
+                signal=w.signal,
+                module=w.module,
+                value=w.value,
+                trend=w.trend,
+                steps_left=w.steps_left,
+                fix=fix,
+                lr=lr,
+                level=w.level,
+                limit=signal.limit,
+                series=[list(p) for p in w.series],
+                context=w.context,
+            )
+            log.warning(
+                "nanguard: step %d: %s%s is %.4g, growing x%.4g a step: %s in about %d steps; fix: %s",
+                w.series[-1][0],
+                w.signal,
+                where,
+                w.value,
+                w.trend,
+                signal.blowup,
+                w.steps_left,
+                fix,
+            )
+        if found and self._acts():
+            self._acted = True
+            self.remedies.lower_lr()
+            w = found[0]
+            why = f"precursor {w.signal} of '{w.module}' grows x{w.trend:.4g} a step: LR x{self.config.lr_factor:g}"
+            self.remedies.record(w.series[-1][0], "optimizer.divergence", "lower_lr", w.module, why)
+
+    def _acts(self) -> bool:
+        c = self.config
+        return c.precursor_lower_lr and c.policy == "auto" and not self._acted and not dist.is_distributed()
+
+
+def _stacked(norms: Sequence[torch.Tensor]) -> torch.Tensor:
+    device = norms[0].device
+    return torch.stack([n.float().to(device) for n in norms])
+
+
+def _per_module(
+    names: list[str],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    signal: str,
+) -> Values:
+    """Sum ``a`` and ``b`` over each module's entries, then ``combine`` the sums: one value per module."""
+    order = list(dict.fromkeys(names))
+    index = torch.tensor([order.index(n) for n in names], device=a.device)
+    sa = torch.zeros(len(order), device=a.device).index_add_(0, index, a.float())
+    sb = torch.zeros(len(order), device=a.device).index_add_(0, index, b.float().to(a.device))
+    values = combine(sa, sb)
+    return {(module, signal): values[i] for i, module in enumerate(order)}

@@ -1,0 +1,190 @@
+"""Precursors: the per-layer signals that grow for many steps before a known kind of blow-up, the
+published fix for each, and the rule that turns a sampled series into a warning with a lead time.
+
+Plain numbers over sampled values: ``tracer/precursors.py`` measures the signals on the
+device, ``guard/precursors.py`` samples them every ``precursor_every`` steps and records the
+warnings. One row of ``SIGNALS`` per signal: what it is, the level where it blows up (``limit``)
+and the fix; adding a signal is one row and one measurement.
+
+The rule (``Trend``), per (module, signal): the last ``POINTS`` samples rose at every sample and
+grew ``MIN_GROWTH``-fold in all; the value stands within 8x of the signal's limit
+(``dtypes.OVERFLOW_FRACTION``, the margin the headroom check calls close; a signal's own ``floor``
+where healthy runs sit closer), and still below it (a value past the limit with no blow-up says the
+limit is not this model's: a softmax that subtracts its max); growing at the slowest
+of those samples' rates (per step), it reaches the limit within ``HORIZON`` steps. Warned once
+per (module, signal).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from nanguard.dtypes import OVERFLOW_FRACTION
+
+__all__ = ["HORIZON", "MIN_GROWTH", "POINTS", "SIGNALS", "Precursor", "Signal", "Trend"]
+
+LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)
+"""88.72: past it ``exp`` overflows float32, and a softmax over such a spread is one-hot."""
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One precursor: its id (the ``signal`` field of a ``warning`` event), what it measures, the level
+    where the mechanism blows up, and the published fix."""
+
+    name: str
+    what: str
+    limit: float
+    blowup: str
+    fix: str
+    floor: float | None = None
+    """A growth warns only from this level on; None: within 8x of ``limit`` (``OVERFLOW_FRACTION``)."""
+
+    @property
+    def warns_from(self) -> float:
+        return self.floor if self.floor is not None else OVERFLOW_FRACTION * self.limit
+
+
+SIGNALS: dict[str, Signal] = {
+    s.name: s
+    for s in (
+        Signal(
+            "attn_logit",
+            "the largest attention logit (q.k^T, scaled, before the softmax)",
+            LOG_FLOAT32_MAX,
+            "the attention softmax saturates (one-hot rows, entropy collapse; exp past float32)",
+            "add QK-norm (a LayerNorm/RMSNorm on q and k: Dehghani et al. 2023, Wortsman et al. 2023) "
+            "or lower the learning rate",
+        ),
+        Signal(
+            "logit_z",
+            "log Z of the output logits (logsumexp over the vocabulary, RMS over positions)",
+            LOG_FLOAT32_MAX,
+            "the output logits leave float range (the loss is log Z minus a logit: cancellation, then overflow)",
+            "add a z-loss, 1e-4 * logsumexp(logits)**2 averaged over tokens (PaLM; Wortsman et al. 2023), "
+            "or weight decay on the output layer",
+        ),
+        Signal(
+            "router_logit",
+            "the largest router logit of an MoE router (before its softmax/top-k)",
+            LOG_FLOAT32_MAX,
+            "the router's softmax saturates and its exp leaves float range",
+            "add a router z-loss, 1e-3 * mean(logsumexp(router_logits)**2) (ST-MoE, Zoph et al. 2022), "
+            "or lower the router's learning rate",
+        ),
+        Signal(
+            "update_ratio",
+            "the update-to-weight ratio of the layer (|w_new - w_old| / |w_old|)",
+            1.0,
+            "one update as large as the weights themselves",
+            "lower the learning rate or lengthen the warmup; a gradient clip keeps values finite, not the run",
+        ),
+        Signal(
+            "adam_update",
+            "Adam's update per unit of learning rate, RMS over the layer (m_hat / (sqrt(v_hat) + eps))",
+            1.0,
+            "every weight moves a full learning rate each step whatever its gradient: the second moment "
+            "decayed and Adam turned into sign descent (Molybog et al. 2023)",
+            "lower the learning rate, or a smaller Adam eps / a larger beta2 so v does not decay away "
+            "(Molybog et al. 2023)",
+            # Never a warning alone: a healthy layer whose gradients keep their sign sits near 1 too (a LayerNorm
+            # under a warmup's small LR: 1.24, benchmarks/early_warning.py); it goes with its module's warnings.
+            floor=math.inf,
+        ),
+        Signal(
+            "output_rms",
+            "the RMS of the layer's output",
+            3.4028234663852886e38,
+            "the layer's outputs overflow float32",
+            "lower the learning rate; normalize the layer's output (pre-/post-norm) or shrink its init",
+        ),
+        Signal(
+            "headroom",
+            "the largest float16/bfloat16 op output of the module over the dtype's largest finite value",
+            1.0,
+            "the module's low-precision outputs overflow to Inf",
+            "run the module in float32 (autocast off) or use bfloat16 instead of float16; lower the learning rate",
+        ),
+    )
+}
+
+POINTS = 4
+"""Samples in a row that must each rise for a growth to count (three rises)."""
+MIN_GROWTH = 1.5
+"""How much those samples must have grown in all: noise around a level does not compound."""
+HORIZON = 100
+"""Warn when the growth reaches the signal's limit within this many steps."""
+
+
+class Precursor(NamedTuple):
+    """A precursor warning: ``signal`` of ``module`` at ``value``, growing ``trend``-fold a step, reaching
+    the signal's limit in ``steps_left`` steps; ``series``: the samples it was fitted on."""
+
+    signal: str
+    module: str
+    value: float
+    trend: float
+    steps_left: int
+    level: float
+    """The first of the fitted samples: where the growth stood ``POINTS`` samples ago."""
+    series: tuple[tuple[int, float], ...]
+    context: dict[str, float]
+    """The module's other signals at the same sample (Adam's update per unit of LR, its output RMS, ...)."""
+
+
+class Trend:
+    """The sampled series of every (module, signal), and the warnings they earn, once each.
+
+    Example:
+        >>> trend = Trend()
+        >>> [trend.add(s, {("blocks.0.attn", "attn_logit"): 2.0 * 1.2**s}) for s in range(0, 40, 10)][-1][0].signal
+        'attn_logit'
+    """
+
+    def __init__(self, *, points: int = POINTS, horizon: int = HORIZON, min_growth: float = MIN_GROWTH) -> None:
+        self.points, self.horizon, self.min_growth = points, horizon, min_growth
+        self.series: dict[tuple[str, str], deque[tuple[int, float]]] = {}
+        self.warned: set[tuple[str, str]] = set()
+
+    def add(self, step: int, values: dict[tuple[str, str], float]) -> list[Precursor]:
+        """Fold one sample (``(module, signal) -> value``) in; the new warnings, soonest blow-up first."""
+        found = []
+        for key, value in values.items():
+            series = self.series.setdefault(key, deque(maxlen=self.points))
+            if not math.isfinite(value) or value <= 0:
+                series.clear()  # a non-finite value is the guard's business; a zero has no growth
+                continue
+            series.append((step, value))
+            if key not in self.warned and (warning := self._fit(key, series)) is not None:
+                self.warned.add(key)
+                context = {sig: v for (m, sig), v in values.items() if m == key[0] and sig != key[1]}
+                found.append(warning._replace(context=context))
+        found.sort(key=lambda w: w.steps_left)
+        return found
+
+    def _fit(self, key: tuple[str, str], series: deque[tuple[int, float]]) -> Precursor | None:
+        if len(series) < self.points:
+            return None
+        (_, first), (_, last) = series[0], series[-1]
+        pairs = list(zip(series, list(series)[1:], strict=False))
+        if not all(b > a for (_, a), (_, b) in pairs) or last < self.min_growth * first:
+            return None
+        rate = min(math.log(b / a) / max(sb - sa, 1) for (sa, a), (sb, b) in pairs)
+        signal = SIGNALS[key[1]]
+        limit = signal.limit
+        if not signal.warns_from <= last < limit:
+            return None  # past the limit, no blow-up: the limit is not this model's (a softmax that subtracts its max)
+        left = math.log(limit / last) / rate
+        if left > self.horizon:
+            return None
+        module, name = key
+        return Precursor(name, module, last, math.exp(rate), max(0, math.ceil(left)), first, tuple(series), {})
+
+    def state_dict(self) -> dict[str, list[list[str]]]:
+        return {"warned": [list(k) for k in sorted(self.warned)]}
+
+    def load_state_dict(self, state: dict[str, list[list[str]]]) -> None:
+        self.warned = {(str(m), str(s)) for m, s in state.get("warned", [])}

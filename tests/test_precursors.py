@@ -1,0 +1,262 @@
+"""Early warning with a lead time: per-layer precursors sampled in the step, warned once with the layer,
+the signal, its growth, the steps left and the published fix (``nanguard.precursors``).
+
+The runs that warn grow their precursor by construction (a weight scaled up each step, the optimizer's LR
+at 0), so what is warned and when does not hang on the CPU's rounding."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard as ng
+from nanguard.integrations.scalars import scalars_of
+from nanguard.precursors import HORIZON, POINTS, SIGNALS, Trend
+from nanguard.report.html import render_html
+from nanguard.report.load import load_run
+from nanguard.tracer.precursors import Capture, layers
+from nanguard.zoo.gpt import GPT, GPTConfig, synthetic_batch
+
+EVERY = 2
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_embd=32, n_head=2, block_size=16, vocab_size=64))
+
+
+def _driven(model: nn.Module, grow: Any, steps: int, **options: Any) -> tuple[list[dict[str, Any]], ng.Guard]:
+    """``steps`` guarded steps on one batch with the LR at 0: only ``grow(model)`` changes the weights."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    events: list[dict[str, Any]] = []
+    guard = ng.Guard(model, opt, on_event=events.append, precursor_every=EVERY, **options)
+    batch = synthetic_batch(model.config, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
+    for _ in range(steps):
+        with torch.no_grad():
+            grow(model)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            _, loss = model(**batch)
+            loss.backward()
+            return loss
+
+        guard.step(closure)
+    guard.close()
+    return [e for e in events if e["kind"] == "warning"], guard
+
+
+def _scale_q(model: GPT, factor: float) -> None:
+    with torch.no_grad():
+        model.blocks[1].attn.qkv.weight[: model.config.n_embd].mul_(factor)
+
+
+def test_attention_logits_grown_each_step_are_warned_once_with_the_layer_the_growth_and_the_fix() -> None:
+    model = _gpt()
+    _scale_q(model, 60.0)  # the largest logit near 1 from the start
+    warnings, _ = _driven(model, lambda m: _scale_q(m, 1.2), steps=18)
+    assert len(warnings) == 1, warnings
+    w = warnings[0]
+    assert (w["signal"], w["module"]) == ("attn_logit", "blocks.1.attn")
+    assert math.isclose(w["trend"], 1.2, rel_tol=1e-3)  # q grows x1.2 a step: the logits with it
+    left = math.log(SIGNALS["attn_logit"].limit / w["value"]) / math.log(w["trend"])
+    assert w["steps_left"] == math.ceil(left) and w["steps_left"] >= 10
+    assert w["value"] >= SIGNALS["attn_logit"].limit / 8 and "QK-norm" in w["fix"]
+    assert [s for s, _ in w["series"]] == list(range(w["step"] - (POINTS - 1) * EVERY, w["step"] + 1, EVERY))
+    assert w["limit"] == SIGNALS["attn_logit"].limit and w["level"] == w["series"][0][1]
+
+
+def test_the_warning_is_in_the_event_log_and_plotted_in_the_html_report(tmp_path) -> None:
+    model = _gpt()
+    _scale_q(model, 60.0)
+    warnings, _ = _driven(model, lambda m: _scale_q(m, 1.2), steps=18, run_dir=tmp_path)
+    report = load_run(tmp_path)
+    (marker,) = report.early_warnings
+    assert (marker.fields["signal"], marker.fields["module"]) == ("attn_logit", "blocks.1.attn")
+    assert marker.fields["series"] == warnings[0]["series"]
+    html = render_html(report)
+    assert 'id="plot-precursors"' in html and "steps left" in html
+
+
+def test_output_logits_grown_each_step_are_warned_as_log_z_of_the_head() -> None:
+    model = _gpt()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    warnings, _ = _driven(model, lambda m: m.lm_head.weight.mul_(1.2), steps=24)
+    head = [w for w in warnings if (w["signal"], w["module"]) == ("logit_z", "lm_head")]
+    assert len(head) == 1 and "z-loss" in head[0]["fix"]
+
+
+class _Router(nn.Module):
+    def __init__(self, dim: int, experts: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = F.softmax(self.gate(x), dim=-1)
+        weight, index = torch.topk(gates, 1, dim=-1)
+        return sum(weight * (index == e) * expert(x) for e, expert in enumerate(self.experts))
+
+
+class _Moe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Router(16, 4)])
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers[0](x))
+
+
+def test_router_logits_are_found_by_what_the_router_computes_and_warned() -> None:
+    torch.manual_seed(0)
+    model = _Moe()
+    with torch.no_grad():
+        model.layers[0].gate.weight.mul_(2.0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.0)  # its state fills; the weights move only by the drive
+    events: list[dict[str, Any]] = []
+    guard = ng.Guard(model, opt, on_event=events.append, precursor_every=EVERY)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(24):
+        with torch.no_grad():
+            model.layers[0].gate.weight.mul_(1.2)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        guard.step(closure)
+    guard.close()
+    warned = [(e["signal"], e["module"]) for e in events if e["kind"] == "warning"]
+    assert ("router_logit", "layers.0.gate") in warned
+    (router,) = [e for e in events if e["kind"] == "warning" and e["module"] == "layers.0.gate"]
+    assert 0 < router["context"]["adam_update"] < math.inf  # Adam's update of the warned router, read at the warning
+    assert not any(signal == "attn_logit" for signal, _ in warned)  # a router's softmax is no attention
+
+
+def _healthy_run(guarded: bool, steps: int = 12) -> tuple[list[torch.Tensor], torch.Tensor, list[dict[str, Any]]]:
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    events: list[dict[str, Any]] = []
+    guard = ng.Guard(model, opt, on_event=events.append, precursor_every=1) if guarded else None
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        batch = synthetic_batch(model.config, gen)
+
+        def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
+            opt.zero_grad()
+            _, loss = model(**batch)
+            (loss + 0.0 * torch.rand(())).backward()  # draws from the global RNG, as dropout would
+            return loss
+
+        if guard is not None:
+            guard.step(closure)
+        else:
+            closure()
+            opt.step()
+    if guard is not None:
+        guard.close()
+    state = [t.clone() for s in opt.state.values() for t in s.values()]
+    return [p.detach().clone() for p in model.parameters()] + state, torch.get_rng_state(), events
+
+
+def test_a_healthy_run_sampled_every_step_is_bit_identical_to_the_unguarded_one_and_silent() -> None:
+    torch.manual_seed(0)
+    plain, plain_rng, _ = _healthy_run(guarded=False)
+    torch.manual_seed(0)
+    guarded, guarded_rng, events = _healthy_run(guarded=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert torch.equal(plain_rng, guarded_rng)
+    assert [e for e in events if e["kind"] == "warning"] == []
+
+
+def test_the_capture_measures_what_the_step_computes() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+
+    class Sdpa(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Sdpa()])
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.blocks[0](q, k, v)
+
+    model = Outer()
+    with Capture(model) as capture:
+        out = model(q, k, v)
+    scores = (q @ k.transpose(-2, -1)) / 2.0
+    scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), -math.inf)
+    assert torch.equal(capture.values[("blocks.0", "attn_logit")], scores.amax())  # masked pairs are no logits
+    rms = out.square().mean().sqrt()
+    torch.testing.assert_close(capture.values[("blocks.0", "output_rms")], rms)
+    assert [n for n, _ in layers(_gpt())] == ["blocks.0", "blocks.1"]
+
+
+@pytest.mark.parametrize(
+    ("series", "warns"),
+    [
+        ([12.0 * 1.05**s for s in range(0, 40, 10)], True),  # steady growth, within the horizon
+        ([12.0, 30.0, 30.0, 60.0], False),  # a plateau: not rising at every sample
+        ([60.0, 40.0, 30.0, 20.0], False),  # falling
+        ([1.0 * 1.02**s for s in range(0, 40, 10)], False),  # far below the limit (more than 8x)
+        ([12.0, 12.5, 13.0, 18.1], False),  # rising, but less than 1.5x in all
+        ([12.0 * 1.15**i for i in range(4)], False),  # x1.014 a step: the limit lies beyond the horizon
+    ],
+)
+def test_the_trend_rule(series: list[float], warns: bool) -> None:
+    trend = Trend()
+    found = [trend.add(10 * i, {("blocks.0.attn", "attn_logit"): v}) for i, v in enumerate(series)]
+    assert bool(found[-1]) is warns
+    assert not any(found[:-1])
+    if warns:
+        assert found[-1][0].steps_left <= HORIZON
+        assert trend.add(40, {("blocks.0.attn", "attn_logit"): series[-1] * 2}) == []  # once per (layer, signal)
+        again = Trend()
+        for i, v in enumerate(series):
+            found = again.add(10 * i, {("blocks.0.attn", "attn_logit"): v, ("blocks.0.attn", "output_rms"): 2.0})
+        assert found[0].context == {"output_rms": 2.0}  # the module's other signals at that sample
+
+
+def test_auto_lowers_the_lr_on_a_warning_only_when_asked() -> None:
+    for asked in (False, True):
+        model = _gpt()
+        _scale_q(model, 60.0)
+        warnings, guard = _driven(model, lambda m: _scale_q(m, 1.2), steps=18, policy="auto", precursor_lower_lr=asked)
+        assert len(warnings) == 1
+        lowered = [r for r in guard.remedies if r["action"] == "lower_lr"]
+        assert len(lowered) == (1 if asked else 0)
+        assert guard._remedies.lr_factor == (0.5 if asked else 1.0)
+    with pytest.raises(ValueError, match="precursor_every"):
+        ng.Guard(_gpt(), torch.optim.SGD(_gpt().parameters(), lr=0.1), precursor_every=-1)
+
+
+def test_a_warning_reaches_tensorboard_and_wandb_through_the_scalars() -> None:
+    counts: dict[str, int] = {}
+    event = {"kind": "warning", "step": 26, "signal": "attn_logit", "module": "blocks.1.attn", "value": 30.0}
+    out = scalars_of({**event, "steps_left": 12}, counts)
+    assert out["nanguard/warnings"] == 1.0 and out["nanguard/precursor/attn_logit"] == 30.0
+    assert scalars_of({"kind": "step", "step": 27, "loss": 1.0}, counts)["nanguard/warnings"] == 1.0
+
+
+def test_a_failure_of_the_precursor_check_never_stops_the_run(monkeypatch, caplog) -> None:
+    def broken(self: Capture, model: nn.Module) -> None:
+        raise RuntimeError("a capture that cannot start")
+
+    monkeypatch.setattr(Capture, "__init__", broken)
+    model = _gpt()
+    warnings, guard = _driven(model, lambda m: _scale_q(m, 1.2), steps=6)
+    assert warnings == [] and guard.step_count == 6 and guard.skipped == 0
+    assert "precursor check failed and stops" in caplog.text and guard.precursors.every == 0
