@@ -9,7 +9,7 @@ the guard's per-step work. Counts do not drift:
 - its own time per step on a 4-parameter model, where reading the tensors costs next to nothing:
   the median of interleaved rounds, guarded minus plain; and, in the same rounds, what the floor
   of any check (the guard's two reads alone: the gradient norm, the parameter norm after the
-  update) and the RNG capture before each step (``nanguard.rng.get_rng_state``) take of it.
+  update) and the RNG capture before each step (``nanguard.rng.capture_rng``) take of it.
 
 With ``--baseline SRC`` each count is also taken on the nanguard sources at SRC (a ``src/``
 folder: the code before a change), in a process of its own; ``--repeats K`` alternates K
@@ -137,10 +137,12 @@ def measure(rounds: int) -> dict[str, float]:
     """The three counts for the nanguard that ``import nanguard`` finds."""
     plain, guarded = _tiny_loops()
     (p_ops, p_calls), (g_ops, g_calls) = _counts(plain), _counts(guarded)
-    from nanguard.rng import get_rng_state
+    import nanguard.rng
 
+    # What the guard calls before each step (older sources: get_rng_state).
+    capture = getattr(nanguard.rng, "capture_rng", nanguard.rng.get_rng_state)
     plain, reads, guarded = _micro_loops()
-    loops = {"plain": plain, "reads": reads, "guarded": guarded, "rng": get_rng_state}
+    loops = {"plain": plain, "reads": reads, "guarded": guarded, "rng": capture}
     times: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(200):
         for fn in loops.values():
@@ -198,7 +200,7 @@ def main() -> None:
         ("Python calls added per healthy step (tiny GPT)", "calls", "{:.0f}"),
         ("the guard's own time per step, 4-parameter model (us)", "own_us", "{:.0f}"),
         ("of it, the two reads alone: gradient norm, parameter norm after the update (us)", "floor_us", "{:.0f}"),
-        ("of it, the RNG capture before the step, `get_rng_state()` (us)", "rng_us", "{:.1f}"),
+        ("of it, the RNG capture before the step, `capture_rng()` (us)", "rng_us", "{:.1f}"),
     ]
     head = "| measure | now |" + (" before |" if before else "")
     rule = "|---|---:|" + ("---:|" if before else "")

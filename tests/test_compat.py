@@ -22,6 +22,15 @@ def test_foreach_copy_and_norm() -> None:
     assert [float(n) for n in norms] == pytest.approx([5.0**0.5, 4.0])
 
 
+def test_set_grad_enabled_switches_grad_mode() -> None:
+    compat.set_grad_enabled(False)
+    try:
+        assert not torch.is_grad_enabled() and not (torch.ones(1, requires_grad=True) * 2).requires_grad
+    finally:
+        compat.set_grad_enabled(True)
+    assert torch.is_grad_enabled()
+
+
 def test_scaler_scale_is_the_device_tensor_behind_get_scale() -> None:
     w = nn.Parameter(torch.ones(2))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

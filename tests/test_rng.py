@@ -166,3 +166,54 @@ def test_set_rng_state_restores_a_capture_taken_mid_gaussian_pair() -> None:
     expected = _draws()
     set_rng_state(state)
     assert _draws() == expected
+
+
+def test_a_rollback_leaves_every_generator_as_before_the_tripped_step() -> None:
+    # The guard's capture keeps Python's and numpy's states as their getters returned them: a
+    # rollback puts them back bit for bit, so the next batch draws what the tripped one drew.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    guard = ng.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="rollback", snapshot_every=1)
+    bad, runs = {"now": False}, []
+
+    def step() -> torch.Tensor:
+        runs.append(_draws())
+        model.zero_grad()
+        loss = model(torch.ones(2, 3)).sum() * (float("nan") if bad["now"] else 1.0)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        guard.step(step)
+    before = _public(), torch.get_rng_state()
+    bad["now"], runs[:] = True, []
+    assert guard.step(step) is None and guard.rollbacks == 1
+    after = _public(), torch.get_rng_state()
+    assert after[0] == before[0] and torch.equal(after[1], before[1])
+    assert _draws() == runs[0]  # the draws of the rolled-back step, from the state before it
+
+
+def test_the_guards_capture_reads_as_the_public_one() -> None:
+    _before_the_step()
+    captured, public = rng.capture_rng(), get_rng_state()
+    assert list(captured) == list(public)
+    assert all(torch.equal(captured[key], public[key]) for key in public)
+    assert _decoded(dict(captured)) == _public()
+
+
+def test_the_guards_capture_never_imports_numpy_random() -> None:
+    # numpy imports numpy.random lazily: before it is imported no global numpy generator exists to
+    # draw from, so the capture neither imports nor reads it; once imported, it is captured.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, random, torch\n"
+        "from nanguard.rng import capture_rng, set_rng_state\n"
+        "state = capture_rng(); a = random.random(); set_rng_state(state)\n"
+        "print('numpy.random' in sys.modules, 'numpy' in state, random.random() == a)\n"
+        "import numpy.random\n"
+        "print('numpy' in capture_rng())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True", "True"]

@@ -85,6 +85,7 @@ __all__ = [
     "replicated",
     "scaler_scale",
     "scaler_steps_aside",
+    "set_grad_enabled",
     "step_with_found_inf",
     "supports_found_inf",
     "swap_collectives",
@@ -101,8 +102,12 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 
 
-def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+# An alias, not a wrapper: the guard's two reads call it each step. Returns a sequence of norms.
+foreach_norm: Callable[..., tuple[torch.Tensor, ...]] = torch._foreach_norm
+
+# Known to work: torch 2.4 - 2.13.0. The C function ``torch.no_grad()`` ends in: the guard's two reads
+# a step switch grad mode with it (two calls, where the context manager makes a dozen).
+set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
 
 
 # Known to work: torch 2.13.0. DDP keeps its registered hooks in ``_comm_hooks`` and accepts

@@ -6,6 +6,11 @@ States are plain ``uint8`` CPU tensors keyed by device (``"cpu"``, ``"cuda:0"``,
 them in safetensors with no pickle, and a replay draws the same numbers the step drew.
 Generators the step owns (a ``numpy.random.Generator``, a ``random.Random``, a ``torch.Generator``
 of its own) are not global: ``private_generators`` names the ones a closure can reach.
+
+The guard captures before every step (``capture_rng``): torch's states as tensors, Python's as
+``random.getstate()`` returned it, turned into bytes only when a trip, a bundle or a peer reads it,
+and numpy's only once ``numpy.random`` is imported (before that no global numpy generator exists,
+so none was drawn from; reading numpy's state through its public getter costs ~30 us).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fork_rng_state", "get_rng_state", "private_generators", "set_rng_state"]
+__all__ = ["RngCapture", "capture_rng", "fork_rng_state", "get_rng_state", "private_generators", "set_rng_state"]
 
 # Python's random: version, whether a gaussian is cached, the cached value, then 625 words.
 _PY_HEAD = struct.Struct("<iBd")
@@ -49,13 +54,85 @@ def get_rng_state(cuda_devices: Iterable[int] | None = None) -> dict[str, torch.
     numpy_state = _numpy_state()
     if numpy_state is not None:
         state["numpy"] = numpy_state
+    state.update(_cuda_states(cuda_devices))
+    return state
+
+
+def _cuda_states(cuda_devices: Iterable[int] | None) -> dict[str, torch.Tensor]:
     # Before CUDA is initialized no CUDA generator has drawn anything, and asking for its
     # state would initialize CUDA as a side effect.
-    if torch.cuda.is_initialized() and torch.cuda.is_available():
-        indices = range(torch.cuda.device_count()) if cuda_devices is None else cuda_devices
-        for index in indices:
-            state[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
-    return state
+    if not (torch.cuda.is_initialized() and torch.cuda.is_available()):
+        return {}
+    indices = range(torch.cuda.device_count()) if cuda_devices is None else cuda_devices
+    return {f"cuda:{index}": torch.cuda.get_rng_state(index) for index in indices}
+
+
+class RngCapture(Mapping[str, torch.Tensor]):
+    """The states ``capture_rng`` took, read as ``get_rng_state``'s tensors; Python's and numpy's
+    are kept as their getters returned them (immutable) and become tensors only when read.
+
+    Example:
+        >>> state = capture_rng()
+        >>> _ = random.random()
+        >>> set_rng_state(state)      # Python's generator set back from the kept tuple, no bytes made
+        >>> state["python"].dtype     # the bytes, made now
+        torch.uint8
+    """
+
+    __slots__ = ("_numpy", "_python", "_tensors")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], python: tuple[Any, ...], numpy: Any) -> None:
+        self._tensors, self._python, self._numpy = tensors, python, numpy
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._tensors:
+            if key == "python":
+                self._tensors[key] = _fresh(_python_bytes(self._python))
+            elif key == "numpy" and self._numpy is not None:
+                self._tensors[key] = _fresh(_numpy_bytes(self._numpy))
+        return self._tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from ("cpu", "python", *(("numpy",) if self._numpy is not None else ()))
+        yield from (key for key in self._tensors if key not in ("cpu", "python", "numpy"))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def restore(self) -> None:
+        """Put every captured state back (Python's and numpy's from what their getters returned)."""
+        random.setstate(self._python)
+        if self._numpy is not None and not _set_numpy(self._numpy):
+            warnings.warn("RNG states ['numpy'] were not restored: no numpy here", UserWarning, stacklevel=3)
+        set_rng_state({key: value for key, value in self._tensors.items() if key not in ("python", "numpy")})
+
+
+def capture_rng(cuda_devices: Iterable[int] | None = None) -> RngCapture:
+    """The states ``get_rng_state`` holds, as the guard takes them before every step: Python's kept as
+    ``random.getstate()`` returned it, numpy's only once ``numpy.random`` is imported (no global numpy
+    generator exists before), each made into bytes only when read.
+
+    Example:
+        >>> state = capture_rng()
+        >>> a = (random.random(), torch.rand(3))
+        >>> set_rng_state(state)
+        >>> b = (random.random(), torch.rand(3))
+        >>> a[0] == b[0] and torch.equal(a[1], b[1])
+        True
+    """
+    tensors = {"cpu": torch.default_generator.get_state()}  # what torch.get_rng_state returns
+    if cuda_devices is None or cuda_devices:
+        tensors.update(_cuda_states(cuda_devices))
+    # numpy.random's global RandomState, looked up, never imported: numpy imports it lazily, and a
+    # run that never imported it never drew from it.
+    mtrand = sys.modules.get("numpy.random.mtrand")
+    rand = getattr(mtrand, "_rand", None)
+    numpy = rand.get_state(legacy=False) if rand is not None and _mt19937(rand) else None
+    return RngCapture(tensors, random.getstate(), numpy)
+
+
+def _mt19937(rand: Any) -> bool:
+    return type(rand._bit_generator).__name__ == "MT19937"
 
 
 def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
@@ -69,6 +146,9 @@ def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
         >>> state = get_rng_state()
         >>> set_rng_state(state)
     """
+    if isinstance(state, RngCapture):
+        state.restore()
+        return
     skipped: list[str] = []
     for key, value in state.items():
         tensor = value.detach().to("cpu")
@@ -135,9 +215,21 @@ def _numpy_random() -> Any:
     return getattr(getattr(getattr(numpy, "random", None), "mtrand", None), "_rand", None)
 
 
+def _set_numpy(state: dict[str, Any]) -> bool:
+    rand = _numpy_random()
+    if rand is None:
+        return False
+    rand.set_state(state)
+    return True
+
+
+def _fresh(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
 def _numpy_state() -> torch.Tensor | None:
     rand = _numpy_random()
-    if rand is None or type(rand._bit_generator).__name__ != "MT19937":
+    if rand is None or not _mt19937(rand):
         return None
     return _tensor("numpy", _numpy_bytes(rand.get_state(legacy=False)))
 

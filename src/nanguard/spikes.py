@@ -67,10 +67,11 @@ class SpikeDetector:
         """Score ``value`` against the window, then add it when finite."""
         if not math.isfinite(value):
             return None
-        if self._since >= len(self.values) == self.values.maxlen:
-            self._close_window()
+        n = len(self.values)
+        if self._since >= n == self.values.maxlen:
+            self._close_window()  # keeps the values: n holds
         spike = None
-        if len(self.values) >= self.warmup and self._above_recent_peak(value):  # the cheap test first
+        if n >= self.warmup and self._above_recent_peak(value):  # the cheap test first
             score, med = self.score(value)
             if score > self.threshold and self._above_recent_bursts(value, med):
                 spike = Spike(self.metric, value, med, score)

@@ -156,8 +156,10 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     groups = [g for g in groups if g]
     if not groups:
         return torch.zeros((), dtype=torch.float32)
-    device = groups[0][0].device
-    wide = any(g[0].dtype == torch.float64 for g in groups)  # its norms cannot narrow to float32
+    first = groups[0][0]
+    device = first.device
+    # float64 norms cannot narrow to float32 (one group: its dtype, without a generator's calls)
+    wide = first.dtype == torch.float64 if len(groups) == 1 else any(g[0].dtype == torch.float64 for g in groups)
     acc = torch.float64 if wide else _ACCUMULATE.get(device.type, torch.float32)
     total = _norm_of_norms(groups, device, acc)
     if acc == torch.float32 and device.type == "cpu" and math.isinf(total.item()):
@@ -173,10 +175,11 @@ _ACCUMULATE = {"cuda": torch.float64}
 
 def _norm_of_norms(groups: list[Sequence[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
     # One foreach kernel per group, then one stack of the per-tensor norms and their norm.
+    if len(groups) == 1:
+        return torch.linalg.vector_norm(torch.stack(compat.foreach_norm(groups[0], 2.0, dtype=acc)))
     norms: list[torch.Tensor] = []
     for ts in groups:
-        found = compat.foreach_norm(list(ts), 2.0, dtype=acc)
-        norms.extend(found if len(groups) == 1 else (n.to(device) for n in found))
+        norms.extend(n.to(device) for n in compat.foreach_norm(ts, 2.0, dtype=acc))
     return torch.linalg.vector_norm(torch.stack(norms))
 
 

@@ -183,6 +183,14 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     """(label, value) pairs saying where the origin is: module, op, autograd node, input, source, phase, rank, step."""
     record = _record(diag)
     origin = record.origin_or_empty
+    return [
+        *_what_ran(diag, record, origin),
+        *_where_in_the_graph(diag, record, origin),
+        *_where_in_the_run(diag, record, origin),
+    ]
+
+
+def _what_ran(diag: DiagnosisFields, record: Evidence, origin: Any) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     if diag.module is not None:
         mtype = origin.module_type
@@ -200,6 +208,11 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if isinstance(raised, Mapping):
         at = f" at {raised['raised_at']}" if raised.get("raised_at") else ""
         rows.append(("raised", f"{raised.get('type')}: {raised.get('message', '')}{at}"))
+    return rows
+
+
+def _where_in_the_graph(diag: DiagnosisFields, record: Evidence, origin: Any) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
     if origin.node:
         fwd = origin.forward_op
         rows.append(("autograd", origin.node + (f" (backward of {fwd})" if fwd else "")))
@@ -208,6 +221,11 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if diag.source:
         rows.append(("your code", diag.source))
     rows.append(("phase", diag.phase))
+    return rows
+
+
+def _where_in_the_run(diag: DiagnosisFields, record: Evidence, origin: Any) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
     if diag.rank is not None:
         ranks = ", ".join(str(r) for r in diag.ranks) if len(diag.ranks) > 1 else str(diag.rank)
         rows.append(("rank", ranks))
@@ -216,9 +234,8 @@ def where_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     where = record.get("where")
     if isinstance(where, Mapping) and where.get("host"):
         rows.append(("host", device_words(where)))
-    for fault in record.get("injected") or []:
-        if isinstance(fault, Mapping):
-            rows.append(("injected", f"{fault.get('fault')}: a fire drill (NANGUARD_INJECT), not a fault of the run"))
+    drill = "a fire drill (NANGUARD_INJECT), not a fault of the run"
+    rows += [("injected", f"{f.get('fault')}: {drill}") for f in record.get("injected") or [] if isinstance(f, Mapping)]
     return rows
 
 
@@ -276,70 +293,99 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
             output  float32 [8, 4, 32, 32], finite range 0 .. 1, 4096 NaN
     """
     ev = _record(diag)
-    origin = ev.origin_or_empty
-    lines: list[tuple[str, str]] = []
-    if ev.why:
-        lines.append(("why", str(ev.why)))
+    return [line for lines in _EVIDENCE_LINES for line in lines(diag, ev, ev.origin_or_empty)]
+
+
+Lines = list[tuple[str, str]]
+
+
+def _why(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
+    lines = [("why", str(ev.why))] if ev.why else []
     if ev.op_cause and ev.op_cause != diag.cause:
         lines.append(("first op", f"the op-level cause was {ev.op_cause}; the history points further back"))
     if "loss" in ev.extra or "grad_norm" in ev.extra:
         lines.append(("values", f"loss {fmt(ev.get('loss'))}, gradient norm {fmt(ev.get('grad_norm'))}"))
-    for finding in ev.get("findings") or []:
-        if isinstance(finding, Mapping) and finding.get("message"):
-            lines.append(("check_batch", f"{finding.get('where', '')}: {finding['message']}".lstrip(": ")))
+    return lines
+
+
+def _batch_findings(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
+    found = [f for f in ev.get("findings") or [] if isinstance(f, Mapping) and f.get("message")]
+    return [("check_batch", f"{f.get('where', '')}: {f['message']}".lstrip(": ")) for f in found]
+
+
+def _tensors(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
     is_op = origin.category not in ("data", "parameters")
+    lines: Lines = []
     for key, name in (("inputs", "op input" if is_op else "values"), ("outputs", "op output")):
         items = [s for s in getattr(origin, key) or [] if isinstance(s, Mapping)]
-        for i, stats in enumerate(items):
-            lines.append((name if len(items) == 1 else f"{name} {i + 1}", tensor_words(stats)))
-    for stats in origin.index_inputs or []:
-        if isinstance(stats, Mapping):
-            size = origin.indexed_size
-            valid = f"; valid ids are [0, {size - 1}]" if isinstance(size, int) else ""
-            lines.append(("ids", tensor_words(stats) + valid))
+        lines += [(name if len(items) == 1 else f"{name} {i + 1}", tensor_words(st)) for i, st in enumerate(items)]
+    size = origin.indexed_size
+    valid = f"; valid ids are [0, {size - 1}]" if isinstance(size, int) else ""
+    lines += [("ids", tensor_words(st) + valid) for st in origin.index_inputs or [] if isinstance(st, Mapping)]
+    return lines
+
+
+def _in_float32(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
     fp32 = origin.get("fp32_recompute")
-    if isinstance(fp32, Mapping) and fp32.get("finite"):
-        lines.append(
-            (
-                "in float32",
-                f"the same op is finite with absmax {fmt(fp32.get('absmax'))}, "
-                f"past the {fp32.get('dtype')} max {fmt(fp32.get('dtype_max'))}",
-            )
-        )
-    if isinstance(origin.get("fully_masked_rows"), int) and isinstance(origin.get("rows"), int):
-        lines.append(
-            ("masked rows", f"{origin.get('fully_masked_rows')} of {origin.get('rows')} rows are fully masked")
-        )
+    if not (isinstance(fp32, Mapping) and fp32.get("finite")):
+        return []
+    past = f"past the {fp32.get('dtype')} max {fmt(fp32.get('dtype_max'))}"
+    return [("in float32", f"the same op is finite with absmax {fmt(fp32.get('absmax'))}, {past}")]
+
+
+def _masked_rows(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
+    masked, rows = origin.get("fully_masked_rows"), origin.get("rows")
+    if not (isinstance(masked, int) and isinstance(rows, int)):
+        return []
+    return [("masked rows", f"{masked} of {rows} rows are fully masked")]
+
+
+def _history(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
     history = ev.history
-    if isinstance(history, Mapping) and history.get("growth") is not None:
-        metric = str(history.get("metric", "grad_norm")).replace("_", " ")
-        verdict = "diverging" if history.get("diverging") else "not diverging"
-        lr = f", lr {fmt(history['lr'])}" if history.get("lr") is not None else ""
-        window = history.get("window")
-        growth = fmt(history["growth"], 3)
-        lines.append(("history", f"{metric} grew {growth}x over the last {window} steps{lr}: {verdict}"))
-    if ev.get("flagged_ranks") is not None:
-        flagged = ", ".join(str(r) for r in ev.get("flagged_ranks")) or "none"
-        text = f"non-finite after the step on rank(s) {flagged}"
-        received = ev.get("received_ranks")
-        if diag.ranks and isinstance(received, list):  # the ranks replayed together, communicating
-            text += f"; made by the own compute of rank(s) {', '.join(str(r) for r in diag.ranks)}"
-            if received:
-                text += f", it reached rank(s) {', '.join(str(r) for r in received)} through communication"
-        elif diag.ranks and "per_rank_causes" in ev.extra:  # written only when some rank's replay reproduced it
-            text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
-        lines.append(("ranks", text))
+    if not (isinstance(history, Mapping) and history.get("growth") is not None):
+        return []
+    metric = str(history.get("metric", "grad_norm")).replace("_", " ")
+    verdict = "diverging" if history.get("diverging") else "not diverging"
+    lr = f", lr {fmt(history['lr'])}" if history.get("lr") is not None else ""
+    growth = fmt(history["growth"], 3)
+    return [("history", f"{metric} grew {growth}x over the last {history.get('window')} steps{lr}: {verdict}")]
+
+
+def _ranks(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
+    if ev.get("flagged_ranks") is None:
+        return []
+    flagged = ", ".join(str(r) for r in ev.get("flagged_ranks")) or "none"
+    text = f"non-finite after the step on rank(s) {flagged}"
+    received = ev.get("received_ranks")
+    if diag.ranks and isinstance(received, list):  # the ranks replayed together, communicating
+        text += f"; made by the own compute of rank(s) {', '.join(str(r) for r in diag.ranks)}"
+        if received:
+            text += f", it reached rank(s) {', '.join(str(r) for r in received)} through communication"
+    elif diag.ranks and "per_rank_causes" in ev.extra:  # written only when some rank's replay reproduced it
+        text += f"; replayed alone, it reproduces on rank(s) {', '.join(str(r) for r in diag.ranks)}"
+    return [("ranks", text)]
+
+
+def _stage(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
     stage = ev.get("stage")
-    if isinstance(stage, Mapping) and stage.get("index") is not None:
-        created = stage.get("created")
-        made = f": in {created} it received finite values, sent non-finite ones" if created else ""
-        lines.append(("stage", f"pipeline stage {stage['index']} of {stage.get('stages', '?')}{made}"))
-    causes = ev.get("per_rank_causes")
-    if isinstance(causes, Mapping) and isinstance(ev.get("received_ranks"), list):
-        causes = {r: "received" if int(r) in ev.get("received_ranks") else c for r, c in causes.items()}
-    if isinstance(causes, Mapping) and len(set(causes.values())) > 1:
-        lines.append(("per rank", ", ".join(f"rank {r}: {c}" for r, c in causes.items())))
-    results = ev.results
+    if not (isinstance(stage, Mapping) and stage.get("index") is not None):
+        return []
+    created = stage.get("created")
+    made = f": in {created} it received finite values, sent non-finite ones" if created else ""
+    return [("stage", f"pipeline stage {stage['index']} of {stage.get('stages', '?')}{made}")]
+
+
+def _per_rank(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
+    causes, received = ev.get("per_rank_causes"), ev.get("received_ranks")
+    if isinstance(causes, Mapping) and isinstance(received, list):
+        causes = {r: "received" if int(r) in received else c for r, c in causes.items()}
+    if not (isinstance(causes, Mapping) and len(set(causes.values())) > 1):
+        return []
+    return [("per rank", ", ".join(f"rank {r}: {c}" for r, c in causes.items()))]
+
+
+def _reached(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
+    results, lines = ev.results, []
     if isinstance(results, list) and results:
         total = ev.nonfinite_results if ev.nonfinite_results is not None else len(results)
         names = [r.get("path") for r in results if isinstance(r, Mapping)]
@@ -350,23 +396,37 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
         lines.append(("then", " -> ".join(ops[:_MAX_LISTED]) + (" -> ..." if len(ops) > _MAX_LISTED else "")))
     if ev.get("parameters"):
         lines.append(("parameters", _listed(ev.get("parameters"), ev.get("nonfinite_parameters"))))
+    return lines
+
+
+def _init(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
     scale = ev.weight_scale
-    if isinstance(scale, Mapping) and scale.get("max_ratio") is not None and float(scale["max_ratio"]) > 3:
-        lines.append(("init", f"weight rms*sqrt(fan_in) reaches {fmt(scale['max_ratio'], 3)} in {scale.get('module')}"))
+    if not (isinstance(scale, Mapping) and scale.get("max_ratio") is not None and float(scale["max_ratio"]) > 3):
+        return []
+    return [("init", f"weight rms*sqrt(fan_in) reaches {fmt(scale['max_ratio'], 3)} in {scale.get('module')}")]
+
+
+def _reduced(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
     count, correction = origin.get("reduced_elements"), origin.get("correction")
-    if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
-        divisor = fmt(count - correction)
-        lines.append(("reduced", f"{count} element(s), correction {fmt(correction)}: divides by {divisor}"))
-    denom = origin.get("denominator")
+    if not (isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0):
+        return []
+    divisor = fmt(count - correction)
+    return [("reduced", f"{count} element(s), correction {fmt(correction)}: divides by {divisor}")]
+
+
+def _denominator(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
+    denom, lines = origin.get("denominator"), []
     if isinstance(denom, Mapping) and denom.get("what"):
         zeros = f"{denom.get('zeros')} of {denom['size']} are 0" if "size" in denom else f"{fmt(denom.get('value'))}"
         lines.append(("denominator", f"{denom['what']}: {zeros}"))
     if origin.get("statistic") and origin.get("normalizes"):
         own = f"divides a tensor by its own {origin.get('statistic')} (read from the autograd graph)"
         lines.append(("normalizes", own))
-    for other in diag.also or []:
-        if isinstance(other, Mapping):
-            lines.append(("also", f"{other.get('cause')}: {other.get('why', '')}"))
+    return lines
+
+
+def _closing(diag: DiagnosisFields, ev: Evidence, origin: Any) -> Lines:
+    lines = [("also", f"{o.get('cause')}: {o.get('why', '')}") for o in diag.also or [] if isinstance(o, Mapping)]
     if ev.get("error"):
         lines.append(("error", str(ev.get("error"))))
     elif origin.error:
@@ -374,6 +434,25 @@ def evidence_lines(diag: DiagnosisFields) -> list[tuple[str, str]]:
     if ev.get("bundle"):
         lines.append(("bundle", str(ev.get("bundle"))))
     return lines
+
+
+# The evidence's lines in the order they are shown, most telling first: each reads its own part.
+_EVIDENCE_LINES = (
+    _why,
+    _batch_findings,
+    _tensors,
+    _in_float32,
+    _masked_rows,
+    _history,
+    _ranks,
+    _stage,
+    _per_rank,
+    _reached,
+    _init,
+    _reduced,
+    _denominator,
+    _closing,
+)
 
 
 def op_path(diag: DiagnosisFields) -> list[dict[str, Any]]:

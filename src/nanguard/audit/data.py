@@ -6,10 +6,11 @@ one read, so checking a batch on a GPU costs one synchronization.
 
 from __future__ import annotations
 
+import functools
 import struct
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -58,19 +59,7 @@ def check_batch(
         >>> [f.cause for f in check_batch({"input_ids": ids}, vocab_size=100)]
         ['data.index_out_of_range']
     """
-    if isinstance(vocab_size, bool) or not (vocab_size is None or isinstance(vocab_size, int)):
-        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
-    if vocab_size is not None and vocab_size <= 0:
-        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
-    if model is not None and not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int (usually -100), got {ignore_index!r}")
-    if not tree.is_container(batch) and not isinstance(batch, torch.Tensor):
-        raise ValueError(
-            f"batch must be a tensor, a mapping, a list/tuple or a dataclass of tensors, got {type(batch).__name__}"
-        )
-
+    _check_arguments(batch, model, vocab_size, ignore_index)
     vocab = _resolve_vocab(model, vocab_size)
     reader = _Reader()
     pending: list[_Done] = []
@@ -85,36 +74,63 @@ def check_batch(
                 pending.append(_check_mask(reader, where, "attention_mask", t, inferred=True))
                 continue
             ids_shape = t.shape
-        if t.device.type == "meta":
-            continue
-        if t.layout != torch.strided:
-            # A sparse tensor's stored values are all it holds: check those for NaN/Inf.
-            values = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
-            if values.is_floating_point() or values.is_complex():
-                pending.append(
-                    _check_nonfinite(
-                        reader, f"{where} (sparse values)", values.reshape(-1), ignore_neginf=False, per_sample=False
-                    )
-                )
-            continue
-        role = _role(key)
-        if t.is_floating_point() or t.is_complex():
-            pending.append(_check_nonfinite(reader, where, t, ignore_neginf=role == "mask", per_sample=True))
-        if role == "mask" and not t.is_complex():
-            pending.append(_check_mask(reader, where, key or "", t))
-        elif _is_integer(t):
-            if role == "labels":
-                pending.append(_check_targets(reader, where, t, ignore_index))
-            if t.numel() == 0:
-                continue
-            if role == "ids":
-                pending.append(_check_range(reader, where, t, vocab, ignore_index=None))
-            elif role == "labels" or (role == "unnamed" and vocab is not None):
-                pending.append(_check_range(reader, where, t, vocab, ignore_index=ignore_index))
+        pending += _checks(reader, where, key, t, vocab, ignore_index)
     if not pending:
         return []
     counts = reader.read()
     return [finding for done in pending for finding in done(counts)]
+
+
+def _check_arguments(batch: Any, model: nn.Module | None, vocab_size: int | None, ignore_index: int) -> None:
+    if isinstance(vocab_size, bool) or not (vocab_size is None or isinstance(vocab_size, int)):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if vocab_size is not None and vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int (usually -100), got {ignore_index!r}")
+    if not tree.is_container(batch) and not isinstance(batch, torch.Tensor):
+        raise ValueError(
+            f"batch must be a tensor, a mapping, a list/tuple or a dataclass of tensors, got {type(batch).__name__}"
+        )
+
+
+def _checks(
+    reader: _Reader, where: str, key: str | None, t: torch.Tensor, vocab: tuple[int, str] | None, ignore_index: int
+) -> list[_Done]:
+    """The checks of one tensor of the batch, by its role (its key's name) and dtype."""
+    if t.device.type == "meta":
+        return []
+    if t.layout != torch.strided:
+        # A sparse tensor's stored values are all it holds: check those for NaN/Inf.
+        values = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
+        if not (values.is_floating_point() or values.is_complex()):
+            return []
+        sparse = f"{where} (sparse values)"
+        return [_check_nonfinite(reader, sparse, values.reshape(-1), ignore_neginf=False, per_sample=False)]
+    role = _role(key)
+    found = []
+    if t.is_floating_point() or t.is_complex():
+        found.append(_check_nonfinite(reader, where, t, ignore_neginf=role == "mask", per_sample=True))
+    if role == "mask" and not t.is_complex():
+        found.append(_check_mask(reader, where, key or "", t))
+    elif _is_integer(t):
+        found += _integer_checks(reader, where, t, role, vocab, ignore_index)
+    return found
+
+
+def _integer_checks(
+    reader: _Reader, where: str, t: torch.Tensor, role: str, vocab: tuple[int, str] | None, ignore_index: int
+) -> list[_Done]:
+    found = [_check_targets(reader, where, t, ignore_index)] if role == "labels" else []
+    if t.numel() == 0:
+        return found
+    if role == "ids":
+        found.append(_check_range(reader, where, t, vocab, ignore_index=None))
+    elif role == "labels" or (role == "unnamed" and vocab is not None):
+        found.append(_check_range(reader, where, t, vocab, ignore_index=ignore_index))
+    return found
 
 
 # --------------------------------------------------------------------------- traversal
@@ -501,68 +517,102 @@ def _check_mask(reader: _Reader, where: str, key: str, t: torch.Tensor, *, infer
     padding = "padding" in key  # PyTorch's *_key_padding_mask: True/1 means "ignore"
     # A loss mask row of zeros only drops that sample; all zeros leaves no target at all.
     loss = any(word in key for word in ("loss", "label", "target"))
-    is_bool = t.dtype == torch.bool
     is_float = t.is_floating_point()
-    if is_bool:
-        binary_masked = t if padding else ~t
-        not01 = not_additive = bounds = None
-    else:
-        not01 = reader.add(_count((t != 0) & (t != 1)))
-        binary_masked = t != 0 if padding else t == 0
-        if is_float:
-            not_additive = reader.add(_count(~((t == 0) | (t <= _ADDITIVE_MASKED))))
-            bounds = reader.add_float(torch.stack([t.amin(), t.amax()])) if t.numel() else None
-        else:
-            not_additive = None
-            bounds = reader.add(torch.stack([t.amin(), t.amax()])) if t.numel() else None
+    not01, not_additive, bounds = _mask_value_counts(reader, t, is_float)
+    kept = t if t.dtype == torch.bool else t != 0  # True where the mask holds a 1
+    binary_masked = kept if padding else ~kept
     full = t.ndim >= 2 and t.shape[0] > 0 and not loss
-    binary_rows = _add_rows(reader, binary_masked.flatten(1).all(1)) if full else None
-    additive_rows = _add_rows(reader, (t != 0).flatten(1).all(1)) if full and is_float else None
-    nothing_kept = reader.add(binary_masked.all()) if loss else None
+    reads = _MaskReads(
+        where=where,
+        t=t,
+        inferred=inferred,
+        padding=padding,
+        is_float=is_float,
+        not01=not01,
+        not_additive=not_additive,
+        bounds=bounds,
+        binary_rows=_add_rows(reader, binary_masked.flatten(1).all(1)) if full else None,
+        additive_rows=_add_rows(reader, (t != 0).flatten(1).all(1)) if full and is_float else None,
+        nothing_kept=reader.add(binary_masked.all()) if loss else None,
+    )
+    return functools.partial(_mask_findings, reads)
 
-    def done(values: list[int]) -> list[Finding]:
-        n_not01 = values[not01][0] if not01 is not None else 0
-        n_not_additive = values[not_additive][0] if not_additive is not None else None
-        # HF passes 4D float masks in additive form (0 keep, large negative masked); a 2D
-        # float mask is a 0/1 mask cast to float.
-        if is_float and t.ndim >= 3 and n_not_additive == 0:
-            form, rows = "additive", additive_rows
-        elif n_not01 == 0:
-            form, rows = "binary", binary_rows
-        elif n_not_additive == 0:
-            form, rows = "additive", additive_rows
-        elif inferred:
-            return []
-        else:
-            return [_invalid_mask(where, t, n_not01, values, bounds, is_float)]
-        if nothing_kept is not None and form == "binary" and values[nothing_kept][0]:
-            return [_empty_loss_mask(where, t)]
-        n_rows, first = _rows(values, rows)
-        if n_rows == 0 or (inferred and n_rows == t.shape[0]):
-            return []  # an inferred "mask" of zeros only is more likely token type ids than a batch of empty samples
-        return [
-            Finding(
-                cause="data.fully_masked",
-                where=where,
-                message=(
-                    f"{n_rows} of {t.shape[0]} samples mask every position: samples "
-                    f"{_listed(n_rows, first)}; softmax over a fully masked row is 0/0 = NaN"
-                ),
-                fix=(
-                    "Drop empty samples (length 0 after truncation or filtering) in the "
-                    "collate function, or keep at least one attended token per row."
-                ),
-                details={
-                    "samples": first,
-                    "sample_count": n_rows,
-                    "batch_size": t.shape[0],
-                    "form": form,
-                    "padding_convention": padding,
-                },
-            )
-        ]
 
-    return done
+class _MaskReads(NamedTuple):
+    """What ``_check_mask`` queued for the batch's one read, and what it knew of the mask."""
+
+    where: str
+    t: torch.Tensor
+    inferred: bool
+    padding: bool
+    is_float: bool
+    not01: slice | None
+    not_additive: slice | None
+    bounds: slice | None
+    binary_rows: Any
+    additive_rows: Any
+    nothing_kept: slice | None
+
+
+def _mask_value_counts(
+    reader: _Reader, t: torch.Tensor, is_float: bool
+) -> tuple[slice | None, slice | None, slice | None]:
+    """Queued: the values neither 0 nor 1, the values neither 0 nor an additive mask's (float), the bounds."""
+    if t.dtype == torch.bool:
+        return None, None, None
+    not01 = reader.add(_count((t != 0) & (t != 1)))
+    if is_float:
+        not_additive = reader.add(_count(~((t == 0) | (t <= _ADDITIVE_MASKED))))
+        return not01, not_additive, reader.add_float(torch.stack([t.amin(), t.amax()])) if t.numel() else None
+    return not01, None, reader.add(torch.stack([t.amin(), t.amax()])) if t.numel() else None
+
+
+def _mask_form(m: _MaskReads, n_not01: int, n_not_additive: int | None) -> tuple[str, Any] | None:
+    # HF passes 4D float masks in additive form (0 keep, large negative masked); a 2D
+    # float mask is a 0/1 mask cast to float.
+    if m.is_float and m.t.ndim >= 3 and n_not_additive == 0:
+        return "additive", m.additive_rows
+    if n_not01 == 0:
+        return "binary", m.binary_rows
+    if n_not_additive == 0:
+        return "additive", m.additive_rows
+    return None
+
+
+def _mask_findings(m: _MaskReads, values: list[int]) -> list[Finding]:
+    t = m.t
+    n_not01 = values[m.not01][0] if m.not01 is not None else 0
+    n_not_additive = values[m.not_additive][0] if m.not_additive is not None else None
+    found = _mask_form(m, n_not01, n_not_additive)
+    if found is None:
+        return [] if m.inferred else [_invalid_mask(m.where, t, n_not01, values, m.bounds, m.is_float)]
+    form, rows = found
+    if m.nothing_kept is not None and form == "binary" and values[m.nothing_kept][0]:
+        return [_empty_loss_mask(m.where, t)]
+    n_rows, first = _rows(values, rows)
+    if n_rows == 0 or (m.inferred and n_rows == t.shape[0]):
+        return []  # an inferred "mask" of zeros only is more likely token type ids than a batch of empty samples
+    return [
+        Finding(
+            cause="data.fully_masked",
+            where=m.where,
+            message=(
+                f"{n_rows} of {t.shape[0]} samples mask every position: samples "
+                f"{_listed(n_rows, first)}; softmax over a fully masked row is 0/0 = NaN"
+            ),
+            fix=(
+                "Drop empty samples (length 0 after truncation or filtering) in the "
+                "collate function, or keep at least one attended token per row."
+            ),
+            details={
+                "samples": first,
+                "sample_count": n_rows,
+                "batch_size": t.shape[0],
+                "form": form,
+                "padding_convention": m.padding,
+            },
+        )
+    ]
 
 
 def _empty_loss_mask(where: str, t: torch.Tensor) -> Finding:

@@ -30,7 +30,7 @@ __all__ = ["Attempt", "Rng", "Runner", "check_args", "loss_value", "scaler_aside
 
 log = logging.getLogger("nanguard")
 
-Rng = dict[str, torch.Tensor]
+Rng = Mapping[str, torch.Tensor]
 
 
 @dataclass(slots=True)

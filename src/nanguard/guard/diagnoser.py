@@ -18,7 +18,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -121,7 +121,7 @@ class Diagnoser:
         closure: Callable[[], Any] | None,
         h: StepHealth,
         *,
-        rng: dict[str, torch.Tensor] | None,
+        rng: Mapping[str, torch.Tensor] | None,
         batch: Any,
         closure_error: BaseException | None = None,
         trained: Any = None,
@@ -241,7 +241,7 @@ class Diagnoser:
             return None
         return replace(before, step=h.step, evidence={**copy.deepcopy(before.evidence), "repeat_of": last.step})
 
-    def _compiled_again(self, closure: Callable[[], Any], rng: dict[str, torch.Tensor] | None, step: int) -> Any:
+    def _compiled_again(self, closure: Callable[[], Any], rng: Mapping[str, torch.Tensor] | None, step: int) -> Any:
         """A compiled model whose eager replay was finite: ``compile.numerics`` when the step is non-finite
         again through the compiled code (``tracer/compiled.py``); None otherwise, or when that check fails."""
         try:
@@ -253,7 +253,7 @@ class Diagnoser:
             return None
 
     def _repeat(
-        self, closure: Callable[[], Any] | None, h: StepHealth, rng: dict[str, torch.Tensor] | None
+        self, closure: Callable[[], Any] | None, h: StepHealth, rng: Mapping[str, torch.Tensor] | None
     ) -> Diagnosis | None:
         """The last trip's diagnosis for this step, when this trip directly follows it on the same
         ranks with a repeatable cause (``Cause.repeatable``), and one forward shows the last origin's module making
@@ -466,7 +466,7 @@ def replay_trip(
     closure: Callable[[], Any],
     *,
     batch: Any,
-    rng: dict[str, torch.Tensor] | None,
+    rng: Mapping[str, torch.Tensor] | None,
     step: int,
     with_module_stats: bool,
     run: RunFacts | None = None,

@@ -60,6 +60,9 @@ class HealthFlag(IntFlag):
     """With PARAMS: the check covered the parameters as built or loaded, which no update of the guard wrote."""
 
 
+_PARAMS, _LOCAL, _SYNCED = int(HealthFlag.PARAMS), int(HealthFlag.LOCAL), int(HealthFlag.SYNCED)
+
+
 @dataclass(frozen=True)
 class StepHealth:
     """What every rank agrees about one step, after the step's one host read.
@@ -98,6 +101,8 @@ class StepHealth:
     @property
     def out_of_step(self) -> dict[int, int]:
         """Each stepping rank's guard call index, when they differ (ranks out of step); else {}."""
+        if not self.rank_steps:  # one process: no other rank to be out of step with
+            return {}
         steps = {r: s - 1 for r, s in enumerate(self.rank_steps) if s > 0}
         return steps if len(set(steps.values())) > 1 else {}
 
@@ -114,11 +119,14 @@ class StepHealth:
         """The branch the guard's decision takes, alike on every rank: ``"params"`` (the last update
         left non-finite parameters), ``"overflow"`` (a GradScaler overflow), ``"trip"`` (a non-finite
         step to replay), or None (finite: step, unless a spike says skip)."""
-        if self.ranks_with(HealthFlag.PARAMS):
+        seen = 0  # every rank's flags together: the flags asked for below are on some rank's
+        for flags in self.rank_flags:
+            seen |= int(flags)
+        if seen & _PARAMS:
             return "params"
-        if scaled and not math.isfinite(self.grad_norm) and not self.bad_ranks:
+        if scaled and not math.isfinite(self.grad_norm) and not seen & _LOCAL:
             return "overflow"
-        if self.bad_ranks or self.synced_bad:
+        if seen & (_LOCAL | _SYNCED):
             return "trip"
         return None
 
@@ -379,16 +387,18 @@ class HealthCheck:
         scale = compat.scaler_scale(self.scaler) if self.scaler is not None else None
         clip = None if loop_norm is None else _loss_scalar(loop_norm, lv.device)
         own_loss, grad_norm, param_norm, scale_value, clip_norm = _host_floats([lv, gn, pn, scale, clip])
-        bad = [v is not None and not math.isfinite(v) for v in (own_loss, grad_norm, param_norm)]
-        flags = _FLAGS[(self.scaler is not None, True)][bad[0] + 2 * bad[1] + 4 * bad[2]]
-        flags |= HealthFlag.LOADED if bad[2] and self.checked == "loaded" else 0
+        loss_bad = own_loss is not None and not math.isfinite(own_loss)
+        grads_bad = grad_norm is not None and not math.isfinite(grad_norm)
+        params_bad = param_norm is not None and not math.isfinite(param_norm)
+        flags = _FLAGS[(self.scaler is not None, True)][loss_bad + 2 * grads_bad + 4 * params_bad]
+        flags |= HealthFlag.LOADED if params_bad and self.checked == "loaded" else 0
         return StepHealth(
             step=step,
             loss=own_loss or 0.0,
             grad_norm=(grad_norm if clip_norm is None else clip_norm) or 0.0,
             scale=scale_value,
             own_loss=own_loss or 0.0,
-            rank_flags=(HealthFlag(flags),),
+            rank_flags=(_FLAG_OF[flags],),
         )
 
     def _tables(self, device: torch.device) -> tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]:
@@ -419,9 +429,8 @@ class HealthCheck:
         self.unchecked = self.watch_loads
 
     def _queue_param_norm(self, covers: str) -> None:
-        with torch.no_grad():
-            groups = self._groups if self._groups is not None else float_groups(self.params)
-            self._param_norm = total_norm(groups)  # non-finite exactly when a parameter is
+        groups = self._groups if self._groups is not None else float_groups(self.params)
+        self._param_norm = _without_grad(total_norm, groups)  # non-finite exactly when a parameter is
         self._queued = covers
 
     def _take_param_norm(self) -> torch.Tensor | None:
@@ -433,21 +442,24 @@ class HealthCheck:
 
     def _grad_norm(self) -> torch.Tensor | None:
         """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
-        if self.grad_source is not None:
-            with torch.no_grad():
-                return self.grad_source()
-        with torch.no_grad():
-            if self._groups is not None:
-                groups = [g for g in ([p.grad for p in ps if p.grad is not None] for ps in self._groups) if g]
-                try:
-                    return total_norm(groups) if groups else None
-                except (RuntimeError, NotImplementedError):
-                    self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if dist.is_distributed() and any(local(g) is not g for g in grads):
-                return _placed_norm(grads)
-            groups = float_groups(grads)
-            return total_norm(groups) if groups else None
+        return _without_grad(self.grad_source if self.grad_source is not None else self._own_grad_norm)
+
+    def _own_grad_norm(self) -> torch.Tensor | None:
+        if self._groups is not None:
+            groups = []
+            for ps in self._groups:
+                grads = [p.grad for p in ps if p.grad is not None]
+                if grads:
+                    groups.append(grads)
+            try:
+                return total_norm(groups) if groups else None
+            except (RuntimeError, NotImplementedError):
+                self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if dist.is_distributed() and any(local(g) is not g for g in grads):
+            return _placed_norm(grads)
+        groups = float_groups(grads)
+        return total_norm(groups) if groups else None
 
     @contextlib.contextmanager
     def riding(self, step: int = 0) -> Iterator[None]:
@@ -661,6 +673,7 @@ def _flag_table(scaled: bool, merge: bool) -> list[int]:
 
 
 _FLAGS = {key: _flag_table(*key) for key in _TABLE_KEYS}
+_FLAG_OF = tuple(HealthFlag(bits) for bits in range(2 * HealthFlag.LOADED))  # looked up: no enum call a step
 
 
 def _placed_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -712,23 +725,43 @@ def _copies(t: torch.Tensor) -> int:
 def _loss_scalar(loss: Any, device: torch.device) -> torch.Tensor:
     """The loss as a float32 scalar on ``device`` (its first element; 0 for None)."""
     if isinstance(loss, torch.Tensor):
-        return _float32_scalar(loss.detach().reshape(-1)[0] if loss.dim() else loss.detach(), device)
+        t = loss.detach()
+        t = t.reshape(-1)[0] if t.ndim else t
+        return t if t.device == device and t.dtype == torch.float32 else _to32(t, device)
     return torch.tensor(float(loss) if loss is not None else 0.0, device=device)
 
 
 def _host_floats(tensors: list[torch.Tensor | None]) -> list[float | None]:
-    """Scalars read to the host as float32 values in one read (None stays None)."""
-    present = [t for t in tensors if t is not None]
-    device = next((t.device for t in present if t.device.type != "cpu"), present[0].device)
-    it = iter(torch.stack([_float32_scalar(t, device) for t in present]).tolist())
-    return [None if t is None else next(it) for t in tensors]
+    """Scalars read to the host as float32 values in one read (None stays None). The first tensor is
+    never None; it stands in for the missing ones in the stack (no kernel: each step reads this)."""
+    first = tensors[0]
+    assert first is not None
+    off_cpu = [t.device for t in tensors if t is not None and t.device.type != "cpu"]
+    device = off_cpu[0] if off_cpu else first.device
+    f32 = torch.float32
+    row = [
+        first if t is None else t if t.device == device and t.dtype == f32 and not t.ndim else _to32(t, device)
+        for t in tensors
+    ]
+    read: list[float | None] = torch.stack(row).tolist()
+    return [None if t is None else v for t, v in zip(tensors, read, strict=True)]
 
 
-def _float32_scalar(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` as a float32 scalar on ``device``: itself when it is one (no kernel on the step's path)."""
-    if t.device == device and t.dtype == torch.float32 and not t.dim():
-        return t
+def _to32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as a float32 scalar on ``device`` (the callers pass one that is not one already: no
+    kernel on the step's path)."""
     return t.to(device, torch.float32).reshape(())
+
+
+def _without_grad(fn: Callable[..., torch.Tensor | None], *args: Any) -> torch.Tensor | None:
+    """``fn(*args)`` under ``torch.no_grad()``'s grad mode, at two calls where the context manager
+    makes a dozen (the guard's two reads run it every step)."""
+    enabled = torch.is_grad_enabled()
+    compat.set_grad_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        compat.set_grad_enabled(enabled)
 
 
 def _device_of(loss: Any) -> torch.device:

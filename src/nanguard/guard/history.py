@@ -148,10 +148,11 @@ class History:
 
     def observe(self, step: int, *, loss: float, grad_norm: float) -> list[Spike]:
         """Score a step's values against the detectors; returns its spikes (loss first)."""
-        ready = all(len(d.values) >= d.warmup for d in (self.loss_spikes, self.grad_spikes))
+        losses, norms = self.loss_spikes, self.grad_spikes
+        ready = len(losses.values) >= losses.warmup and len(norms.values) >= norms.warmup
         self._spike_before = self._recent_spike_step
         found = []
-        for detector, value in ((self.loss_spikes, loss), (self.grad_spikes, grad_norm)):
+        for detector, value in ((losses, loss), (norms, grad_norm)):
             spike = detector.update(value)
             if spike is not None:
                 found.append(spike)
@@ -200,9 +201,12 @@ class History:
     def _predict(self) -> Forecast | None:
         if len(self._trend) < TREND_POINTS:
             return None
-        # A metric fits only when it grew at every step: most steps are ruled out by their last one.
-        before, last = self._trend[-2], self._trend[-1]
-        if not (0 < before.grad_norm < last.grad_norm < math.inf or 0 < before.loss < last.loss < math.inf):
+        # A metric fits only when it grew at every step: most steps are ruled out by their last two.
+        first, before, last = self._trend[-3], self._trend[-2], self._trend[-1]
+        if not (
+            0 < first.grad_norm < before.grad_norm < last.grad_norm < math.inf
+            or 0 < first.loss < before.loss < last.loss < math.inf
+        ):
             return None
         return self._fit()
 
@@ -460,9 +464,11 @@ def _may_depart(last: Point, loss: float, grad_norm: float) -> bool:
     """Can a departure begin at this step? Not while each value is under ``PEAK_RATIO`` times the last
     update's (that update is in the window whose peak a departure must clear): the healthy step's
     shortcut, exact, before the window is copied and sorted."""
-    return any(
-        not 0 < before < math.inf or value >= PEAK_RATIO * before
-        for before, value in ((last.loss, loss), (last.grad_norm, grad_norm))
+    return (
+        not 0 < last.loss < math.inf
+        or loss >= PEAK_RATIO * last.loss
+        or not 0 < last.grad_norm < math.inf
+        or grad_norm >= PEAK_RATIO * last.grad_norm
     )
 
 

@@ -135,7 +135,7 @@ class NullRecorder:
         diag: Diagnosis,
         step: int,
         batch: Any,
-        rng: dict[str, torch.Tensor] | None,
+        rng: Mapping[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
     ) -> str | None:
         """Save a repro bundle of a tripped step, with ``meta`` in its ``meta.json``; its path, or None."""
@@ -153,7 +153,7 @@ class NullRecorder:
         ranks: list[int],
         diagnosis: Diagnosis,
         batch: Any,
-        rng: dict[str, torch.Tensor] | None,
+        rng: Mapping[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
         **extra: Any,
     ) -> str | None:
@@ -224,7 +224,7 @@ class Recorder(NullRecorder):
         diag: Diagnosis,
         step: int,
         batch: Any,
-        rng: dict[str, torch.Tensor] | None,
+        rng: Mapping[str, torch.Tensor] | None,
         meta: Mapping[str, Any],
     ) -> str | None:
         if batch is None:

@@ -92,7 +92,7 @@ class Recovery:
         self._slots.clear()
 
     # -- one step ------------------------------------------------------------------------
-    def abandon(self, restore_buffers: bool, rng: dict[str, torch.Tensor] | None = None) -> None:
+    def abandon(self, restore_buffers: bool, rng: Mapping[str, torch.Tensor] | None = None) -> None:
         """Undo what the step's forward and backward left: gradients, the scaler's unscale and,
         when the guard owns the step (``restore_buffers``), buffers and the RNG state from
         before the forward, so the next batch draws the random numbers the abandoned one did."""
@@ -108,7 +108,7 @@ class Recovery:
             self.scaler.update()
             self.scaler.load_state_dict(scale)
 
-    def undo(self, rng: dict[str, torch.Tensor], *, unscaled: bool) -> None:
+    def undo(self, rng: Mapping[str, torch.Tensor], *, unscaled: bool) -> None:
         """The closure or a replay raised: put back buffers and RNG, drop the step's gradients,
         and close the scaler's ``unscale_`` (when it ran) with the scale as it was."""
         self.buffers.restore()

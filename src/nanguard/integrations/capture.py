@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from nanguard.errors import NonFiniteError
 from nanguard.guard import Guard
 from nanguard.guard.fidelity import loss_differs
 from nanguard.integrations import drop_grads, running_stats
-from nanguard.rng import get_rng_state, set_rng_state
+from nanguard.rng import capture_rng, set_rng_state
 
 __all__ = ["HeldSchedulers", "Micro", "StepCapture"]
 
@@ -47,7 +47,7 @@ class Micro:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
-    rng: dict[str, torch.Tensor] = field(default_factory=get_rng_state)
+    rng: Mapping[str, torch.Tensor] = field(default_factory=capture_rng)
     loss: torch.Tensor | None = None
     run: Callable[..., Any] | None = None
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=lambda: _autocast_now())

@@ -365,16 +365,7 @@ def load_run(run_dir: str | Path, *, run: str | None = None, progress: ShowProgr
         {'trips': 1, 'skips': 1, 'rollbacks': 0, 'spikes': 0, 'overflows': 0, 'bundles': 1}
     """
     root = Path(run_dir)
-    if not root.exists():
-        raise EventLogError(root, "no such run directory")
-    if not root.is_dir():
-        raise EventLogError(root, "not a directory: pass the run_dir the Guard wrote to")
-    files = sorted(
-        ((int(m.group(1)), p) for p in root.iterdir() if (m := _RANK_FILE.match(p.name)) and p.is_file()),
-        key=lambda item: item[0],
-    )
-    if not files:
-        raise EventLogError(root, _no_logs_here(root))
+    files = _rank_logs(root)
     spans = {rank: run_spans(path) for rank, path in files}
     runs = _runs(spans)
     chosen = _chosen(root, runs, run)
@@ -402,16 +393,36 @@ def load_run(run_dir: str | Path, *, run: str | None = None, progress: ShowProgr
         raise EventLogError(root, f"no readable events in {names}: the logs are empty or unreadable")
     _merge(report, per_rank)
     if (root / TRACKER).is_file():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            records = read_tracker(root / TRACKER)
-        notes.extend(str(w.message) for w in caught)
-        report.hardware = [r for r in records if r.get("run") == chosen]
-        report.hardware_elsewhere = len(records) - len(report.hardware)
+        _read_hardware(report, root / TRACKER, notes)
     _check_alignment(report, notes)
     report.warnings = notes
     _flush(notes)
     return report
+
+
+def _rank_logs(root: Path) -> list[tuple[int, Path]]:
+    """(rank, path) of every rank's event log in ``root``, by rank; a missing or empty run dir raises."""
+    if not root.exists():
+        raise EventLogError(root, "no such run directory")
+    if not root.is_dir():
+        raise EventLogError(root, "not a directory: pass the run_dir the Guard wrote to")
+    files = sorted(
+        ((int(m.group(1)), p) for p in root.iterdir() if (m := _RANK_FILE.match(p.name)) and p.is_file()),
+        key=lambda item: item[0],
+    )
+    if not files:
+        raise EventLogError(root, _no_logs_here(root))
+    return files
+
+
+def _read_hardware(report: RunReport, path: Path, notes: list[str]) -> None:
+    """The hardware tracker's records of the report's run (and how many came from other runs)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = read_tracker(path)
+    notes.extend(str(w.message) for w in caught)
+    report.hardware = [r for r in records if r.get("run") == report.run]
+    report.hardware_elsewhere = len(records) - len(report.hardware)
 
 
 def _runs(spans: Mapping[int, list[Span]]) -> list[RunInfo]:

@@ -555,33 +555,7 @@ def module_plot(trip: Trip, stats: Mapping[str, Any]) -> Figure:
         (ax_act, "absmax", "nan", "inf", "activation |x| max (finite part)"),
         (ax_grad, "grad_norm", "grad_nan", "grad_inf", "gradient norm of own parameters (finite part)"),
     ):
-        values = [number(r.get(key)) for r in rows]
-        positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
-        floor = min(positive) / 10 if positive else 1e-8
-        widths = [v if v is not None and math.isfinite(v) and v > 0 else 0.0 for v in values]
-        colors = [_TRIP if (r.get(nan_key) or r.get(inf_key)) else "#4c72b0" for r in rows]
-        ax.barh(y, widths, left=floor, color=colors, height=0.7)
-        ax.set_xscale("log")
-        top = max(positive, default=1.0)
-        ax.set_xlim(floor, top * 1e3)
-        for i, r in enumerate(rows):
-            bits = []
-            if r.get(nan_key):
-                bits.append(f"{r[nan_key]} NaN")
-            if r.get(inf_key):
-                bits.append(f"{r[inf_key]} Inf")
-            if values[i] is None:
-                bits.append("no float output" if key == "absmax" else "no own grads")
-            if bits:
-                at = floor + widths[i] if widths[i] > 0 else floor
-                ax.text(
-                    at * 1.15,
-                    i,
-                    ", ".join(bits),
-                    va="center",
-                    fontsize=7,
-                    color=_TRIP if r.get(nan_key) or r.get(inf_key) else "#555555",
-                )
+        _module_bars(ax, rows, y, key, nan_key, inf_key)
         ax.set_title(title, loc="left", fontsize=9)
         ax.grid(axis="y", visible=False)
     ax_act.set_yticks(y, labels, fontsize=7)
@@ -601,3 +575,23 @@ def module_plot(trip: Trip, stats: Mapping[str, Any]) -> Figure:
     if not rows:
         ax_act.text(0.5, 0.5, "no module ran", transform=ax_act.transAxes, ha="center", va="center")
     return fig
+
+
+def _module_bars(ax: Any, rows: list[dict[str, Any]], y: Any, key: str, nan_key: str, inf_key: str) -> None:
+    """One panel of ``module_plot``: a log bar per module, red with its NaN/Inf counts where it held them."""
+    values = [number(r.get(key)) for r in rows]
+    positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+    floor = min(positive) / 10 if positive else 1e-8
+    widths = [v if v is not None and math.isfinite(v) and v > 0 else 0.0 for v in values]
+    colors = [_TRIP if (r.get(nan_key) or r.get(inf_key)) else "#4c72b0" for r in rows]
+    ax.barh(y, widths, left=floor, color=colors, height=0.7)
+    ax.set_xscale("log")
+    ax.set_xlim(floor, max(positive, default=1.0) * 1e3)
+    missing = "no float output" if key == "absmax" else "no own grads"
+    for i, r in enumerate(rows):
+        bits = [f"{r[k]} {name}" for k, name in ((nan_key, "NaN"), (inf_key, "Inf")) if r.get(k)]
+        bits += [missing] if values[i] is None else []
+        if bits:
+            at = floor + widths[i] if widths[i] > 0 else floor
+            color = _TRIP if r.get(nan_key) or r.get(inf_key) else "#555555"
+            ax.text(at * 1.15, i, ", ".join(bits), va="center", fontsize=7, color=color)

@@ -20,7 +20,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,7 +184,7 @@ def compiler_fault(
     model: nn.Module,
     closure: Callable[[], Any],
     *,
-    rng: dict[str, torch.Tensor] | None,
+    rng: Mapping[str, torch.Tensor] | None,
     step: int,
     replay: Callable[[Callable[[], Any]], Any],
 ) -> Diagnosis | None:

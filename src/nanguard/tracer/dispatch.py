@@ -14,7 +14,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -104,6 +104,17 @@ class _Where:
     source: str | None
     library: str | None
     eps: float | None
+
+
+class _Op(NamedTuple):
+    """One op call as the dispatch saw it, for the output that it made non-finite."""
+
+    func: Any
+    facts: ops.OpInfo
+    args: tuple
+    kwargs: dict
+    flat_in: list[Any]
+    out: Any
 
 
 @dataclass
@@ -299,24 +310,8 @@ class Tracer:
             if not (nan or inf):
                 self.taint.set(o, False, False, _NONE, base)
                 continue
-            created_nan = nan and not ins.nan
-            created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, flat_in))
-            out_taint = ins.taint
-            # Two infinities combined (-inf - (-inf) in a running max): that arithmetic made the NaN,
-            # even where each infinity was written on purpose.
-            met = ops.infinities_met(func, flat_in, o) if created_nan and ins.inf_taint else None
-            if (created_nan or created_inf) and not (created_nan and not met and self._from_written_inf(func, ins)):
-                if where is None:
-                    self.grads.recheck(flat_in, facts, args, kwargs)
-                where = where or self._where(func)
-                origin = self._creation(func, args, kwargs, out, where, "nan" if created_nan else "inf")
-                self._inf_facts(origin, ins.inf_taint, met)
-                # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
-                out_taint = frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE)
-            elif ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
-                value = _written(o, ins.written)
-                if value is not None:
-                    out_taint = out_taint | {self._fill(func, args, value, o).id}
+            op = _Op(func, facts, args, kwargs, flat_in, out)
+            out_taint, where = self._nonfinite_output(op, ins, o, nan, inf, where)
             self.taint.set(o, nan, inf, out_taint, base)
             if facts.writes and (nan or inf) and any(o is a for a in args[:1]):
                 self._written_into(o, out_taint)
@@ -355,6 +350,36 @@ class Tracer:
             "source": source,
         }
         return into
+
+    def _nonfinite_output(
+        self, op: _Op, ins: Inputs, o: torch.Tensor, nan: bool, inf: bool, where: _Where | None
+    ) -> tuple[frozenset[int], _Where | None]:
+        """The taint of an output holding NaN/Inf: a new origin when this op created them, a fill when
+        it wrote a value it was given, else its inputs' (and where the op ran, once found)."""
+        created_nan = nan and not ins.nan
+        created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, op.flat_in))
+        # Two infinities combined (-inf - (-inf) in a running max): that arithmetic made the NaN,
+        # even where each infinity was written on purpose.
+        met = ops.infinities_met(op.func, op.flat_in, o) if created_nan and ins.inf_taint else None
+        if (created_nan or created_inf) and not (created_nan and not met and self._from_written_inf(op.func, ins)):
+            return self._created(op, ins, created_nan, met, where)
+        if ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
+            value = _written(o, ins.written)
+            if value is not None:
+                return ins.taint | {self._fill(op.func, op.args, value, o).id}, where
+        return ins.taint, where
+
+    def _created(
+        self, op: _Op, ins: Inputs, created_nan: bool, met: Any, where: _Where | None
+    ) -> tuple[frozenset[int], _Where]:
+        """This op created the output's NaN (``created_nan``) or Inf: a new origin, where the op ran."""
+        if where is None:
+            self.grads.recheck(op.flat_in, op.facts, op.args, op.kwargs)
+        where = where or self._where(op.func)
+        origin = self._creation(op.func, op.args, op.kwargs, op.out, where, "nan" if created_nan else "inf")
+        self._inf_facts(origin, ins.inf_taint, met)
+        # A NaN made from an Inf keeps the Inf's origin: the Inf came first.
+        return frozenset({origin.id}) | (ins.inf_taint if created_nan else _NONE), where
 
     # -- helpers -----------------------------------------------------------------------
     def _source(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:

@@ -47,24 +47,9 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
     named = [(user_name(name), m) for name, m in model.named_modules() if user_name(name)]
     # Per module: a list of device scalars [absmax, nan, inf] per call, read back once at the end.
     seen: dict[str, list[torch.Tensor]] = {}
-
-    def hook_for(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            outputs = [t for t in tensors(output) if t.is_floating_point() and t.numel()]
-            with torch.no_grad():
-                seen.setdefault(name, []).extend(_health(local(t.detach())) for t in outputs)
-
-        return hook
-
-    def enter_for(name: str) -> Callable[..., None]:
-        def pre_hook(module: nn.Module, args: Any) -> None:
-            seen.setdefault(name, [])  # rows follow the order modules are entered
-
-        return pre_hook
-
     backup = Backup(now=[b for b in model.buffers() if b.is_floating_point()])
-    handles = [m.register_forward_pre_hook(enter_for(name)) for name, m in named]
-    handles += [m.register_forward_hook(hook_for(name)) for name, m in named]
+    handles = [m.register_forward_pre_hook(_enter_hook(seen, name)) for name, m in named]
+    handles += [m.register_forward_hook(_output_hook(seen, name)) for name, m in named]
     error = None
     try:
         with eager():  # hooks inside a compiled model would make dynamo recompile
@@ -79,32 +64,51 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
     modules = dict(named)
     grads = {name: _grad_health(modules[name]) for name in seen}
     values = _read({**{("act", n): c for n, c in seen.items()}, **{("grad", n): g for n, g in grads.items()}})
-    rows: list[dict[str, Any]] = []
-    for name in seen:
-        act, grad = values[("act", name)], values[("grad", name)]
-        rows.append(
-            {
-                "name": name,
-                "type": type(modules[name]).__name__,
-                "absmax": max((v[0] for v in act), default=None),
-                "nan": int(sum(v[1] for v in act)),
-                "inf": int(sum(v[2] for v in act)),
-                "grad_norm": sum(v[0] for v in grad) ** 0.5 if grad else None,
-                "grad_nan": int(sum(v[1] for v in grad)),
-                "grad_inf": int(sum(v[2] for v in grad)),
-            }
-        )
-    omitted = 0
-    if len(rows) > max_modules:
-        bad = [r for r in rows if _nonfinite(r)]
-        keep = {id(r) for r in bad[:max_modules]}
-        for r in rows:
-            if len(keep) >= max_modules:
-                break
-            keep.add(id(r))
-        omitted = len(rows) - len(keep)
-        rows = [r for r in rows if id(r) in keep]
-    return {"modules": rows, "omitted": omitted, "error": error}
+    rows = [_row(name, modules[name], values[("act", name)], values[("grad", name)]) for name in seen]
+    kept = _kept(rows, max_modules)
+    return {"modules": kept, "omitted": len(rows) - len(kept), "error": error}
+
+
+def _output_hook(seen: dict[str, list[torch.Tensor]], name: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        outputs = [t for t in tensors(output) if t.is_floating_point() and t.numel()]
+        with torch.no_grad():
+            seen.setdefault(name, []).extend(_health(local(t.detach())) for t in outputs)
+
+    return hook
+
+
+def _enter_hook(seen: dict[str, list[torch.Tensor]], name: str) -> Callable[..., None]:
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        seen.setdefault(name, [])  # rows follow the order modules are entered
+
+    return pre_hook
+
+
+def _row(name: str, module: nn.Module, act: list[list[float]], grad: list[list[float]]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": type(module).__name__,
+        "absmax": max((v[0] for v in act), default=None),
+        "nan": int(sum(v[1] for v in act)),
+        "inf": int(sum(v[2] for v in act)),
+        "grad_norm": sum(v[0] for v in grad) ** 0.5 if grad else None,
+        "grad_nan": int(sum(v[1] for v in grad)),
+        "grad_inf": int(sum(v[2] for v in grad)),
+    }
+
+
+def _kept(rows: list[dict[str, Any]], max_modules: int) -> list[dict[str, Any]]:
+    """At most ``max_modules`` rows: those with non-finite values first, then the earliest, in order."""
+    if len(rows) <= max_modules:
+        return rows
+    bad = [r for r in rows if _nonfinite(r)]
+    keep = {id(r) for r in bad[:max_modules]}
+    for r in rows:
+        if len(keep) >= max_modules:
+            break
+        keep.add(id(r))
+    return [r for r in rows if id(r) in keep]
 
 
 def _read(groups: Mapping[Any, list[torch.Tensor]]) -> dict[Any, list[list[float]]]:
