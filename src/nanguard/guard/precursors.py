@@ -21,6 +21,7 @@ must never move alone.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -106,10 +107,10 @@ class PrecursorCheck:
             self._modules = [names.get(id(p), "") for p in self._params]
             self._module_of = {id(p): m for p, m in zip(self._params, self._modules, strict=True)}
             try:
-                self._handles.append(self.model.register_forward_pre_hook(self._enter))
-                self._handles.append(self.model.register_forward_hook(self._leave, always_call=True))
-                self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
-                self._handles.append(optimizer.register_step_post_hook(self._post_step))
+                self._handles.append(self.model.register_forward_pre_hook(_weak(self._enter)))
+                self._handles.append(self.model.register_forward_hook(_weak(self._leave), always_call=True))
+                self._handles.append(optimizer.register_step_pre_hook(_weak(self._pre_step)))
+                self._handles.append(optimizer.register_step_post_hook(_weak(self._post_step)))
             except (AttributeError, RuntimeError, TypeError) as err:  # an optimizer without step hooks
                 self._stop(err)
 
@@ -222,10 +223,15 @@ class PrecursorCheck:
         """``emit`` (the headroom check's), then the measurement folded into the trend as ``headroom``:
         how close the module's low-precision outputs came to the dtype's largest finite value."""
 
+        # A weak reference: the remedies hold this emit and this check holds the remedies, and a cycle
+        # would keep the user's model alive past its loop (until a garbage collection).
+        check = weakref.ref(self)
+
         def both(step: int, h: Headroom) -> None:
             emit(step, h)
-            if self.every:
-                self._warn(self.trend.add(step, {(h.module, "headroom"): h.absmax / h.limit}))
+            me = check()
+            if me is not None and me.every:
+                me._warn(me.trend.add(step, {(h.module, "headroom"): h.absmax / h.limit}))
 
         return both
 
@@ -305,3 +311,16 @@ def _per_module(
     sb = torch.zeros(len(order), device=a.device).index_add_(0, index, b.float().to(a.device))
     values = combine(sa, sb)
     return {(module, signal): values[i] for i, module in enumerate(order)}
+
+
+def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` as a hook that does not keep its object alive: the model and the optimizer hold their
+    hooks, and a check they kept alive would keep them alive in turn (a cycle: the user's model would
+    outlive its loop until a garbage collection)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+
+    return hook
