@@ -268,6 +268,8 @@ class OpInfo:
     flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
     blank: bool = False  # its output is memory no op has written (BLANK)
+    comm: bool = False  # communication between ranks (``collectives.is_comm``)
+    beta: bool = False  # an addmm-family op, which may leave its first argument unread (``ignores_first``)
 
 
 _INFO: dict[int, tuple[Any, OpInfo]] = {}
@@ -311,6 +313,8 @@ def _describe(func: Any) -> OpInfo:
         flat=schema is not None and all(_flat_type(str(a.type)) for a in arguments),
         writes=writes,
         blank=_in(BLANK, func),
+        comm=getattr(func, "namespace", None) in compat.COMM_NAMESPACES,
+        beta=getattr(func, "overloadpacket", None) in _BETA,
     )
 
 
