@@ -15,7 +15,7 @@ from nanguard.diagnose import diagnose
 from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.rng import get_rng_state
-from nanguard.stats import init_ratio, local
+from nanguard.stats import init_ratios, local
 from nanguard.tracer.collectives import choose
 from nanguard.tracer.compiled import compiled_modules, compiler_fault, eager, user_name
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
@@ -349,8 +349,7 @@ def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
     if not named:
         return {}
     with torch.no_grad():
-        found = [init_ratio(w) for _, w in named]
-        ratios = torch.stack([r.to(found[0].device) for r in found]).nan_to_num(0.0, 0.0, 0.0).tolist()
+        ratios = init_ratios([w for _, w in named]).nan_to_num(0.0, 0.0, 0.0).tolist()
     ranked = sorted(zip((n for n, _ in named), ratios, strict=True), key=lambda x: -x[1])
     weights = dict(named)
     return {
