@@ -350,12 +350,12 @@ def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> l
 
 def _gradients(root: nn.Module | None, tracer: Tracer) -> list[tuple[str, torch.Tensor]]:
     """The gradients fn produced, with their paths: the root's parameters' and the leaf tensors' it saw."""
-    candidates = []
+    params = list(root.named_parameters()) if root is not None else []
+    candidates = [(f"{n}.grad", p.grad) for n, p in params if p.grad is not None]
     if root is not None:
-        candidates += [(f"{n}.grad", p.grad) for n, p in root.named_parameters() if p.grad is not None]
         # FSDP2 with gradient sync off (the replay) keeps a backward's gradients unsharded, off p.grad.
         candidates += [(f"{n}.grad", g) for n, g in compat.fsdp_unsharded_grads(root)]
-    seen = {id(p) for p in root.parameters()} if root is not None else set()
+    seen = {id(p) for _, p in params}
     candidates += [
         (f"leaf[{i}].grad", t.grad)
         for i, t in enumerate(tracer.leaves.values())

@@ -294,7 +294,8 @@ class Tracer:
                 continue
             if source is not None and o.numel() >= source.numel() > 0:
                 self.taint.set(o, ins.nan, ins.inf, ins.taint, base)  # its input's values: nothing created
-                self._note_after(op.func, op.facts, ins.taint, ins.nan, where)
+                if not ins.taint <= self._full:
+                    self._note_after(op.func, op.facts, ins.taint, ins.nan, where)
             else:
                 where = self._checked(op, ins, o, base, where)
 
@@ -324,7 +325,8 @@ class Tracer:
         self.taint.set(o, nan, inf, taint, base)
         if op.facts.writes and op.args and o is op.args[0]:
             self._written_into(o, taint)
-        self._note_after(op.func, op.facts, taint, nan, where)
+        if not taint <= self._full:  # an empty one too
+            self._note_after(op.func, op.facts, taint, nan, where)
         return where
 
     def _written_into(self, t: torch.Tensor, taint: frozenset[int]) -> None:

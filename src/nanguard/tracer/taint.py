@@ -199,7 +199,8 @@ def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
         >>> nonfinite_flags(torch.tensor([1.0, float("inf")]))
         (False, True)
     """
-    t = local(t)
+    if type(t) not in _PLAIN:
+        t = local(t)
     if t.dtype in _SUMMED and t.layout == torch.strided and t.numel():
         if likely:
             # NaN spreads through most of a tensor made from a NaN one: its first element
