@@ -125,7 +125,8 @@ def _run(
     for name, value in (inputs or {}).items():
         sources += tensors_with_path(value, name)
     if model is not None:
-        backup = Backup(on_write=[*model.parameters(), *model.buffers()], now=model.buffers())
+        buffers = list(model.buffers())
+        backup = Backup(on_write=[*model.parameters(), *buffers], now=buffers)
     else:
         backup = Backup()
     modules = ModuleStack(model)
