@@ -16,6 +16,7 @@ __all__ = [
     "fan_in",
     "float_groups",
     "init_ratio",
+    "init_ratios",
     "is_float",
     "local",
     "tensor_stats",
