@@ -55,6 +55,7 @@ class _Done:
 
 
 _NOTHING = _Done()
+_SPIKE = "nanguard: step %d: %s%s spike %.4g (median %.4g, z=%.1f)"
 _STEPPED = Outcome(action="step")
 
 
@@ -97,7 +98,7 @@ class Apply:
         has joined (DDP join()), and on every step where a stop it cannot foresee may come
         (``tells_every_step``), that rank learns whether the policy stopped the run."""
         h = verdict.health
-        if verdict.spikes or verdict.forecast is not None or verdict.departure is not None:
+        if verdict.spikes or verdict.forecast is not None or verdict.departure is not None or verdict.own_spike:
             self._record_trends(verdict)
         done = _NOTHING if action is STEP or action is DEFER else self._apply(attempt, verdict, action)
         if h is not None and h.joined and (action.trip == "bundle" or self.tells_every_step):
@@ -148,14 +149,10 @@ class Apply:
         step = verdict.step
         for spike in verdict.spikes or ():
             self.recorder.spike(step, spike)
-            log.warning(
-                "nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
-                step,
-                spike.metric,
-                spike.value,
-                spike.median,
-                spike.score,
-            )
+            log.warning(_SPIKE, step, "", spike.metric, spike.value, spike.median, spike.score)
+        if (own := verdict.own_spike) is not None:
+            self.recorder.spike(step, own, own=True)
+            log.warning(_SPIKE, step, f"rank {self.rank}'s own ", own.metric, own.value, own.median, own.score)
         if (trend := verdict.forecast) is not None:
             self.recorder.forecast(step, trend)
             log.warning(
