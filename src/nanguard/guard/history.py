@@ -113,7 +113,9 @@ class History:
         self.grad_spikes = SpikeDetector(
             "grad_norm", window=spike_window, warmup=spike_warmup, threshold=spike_threshold
         )
-        self.own_loss_spikes = SpikeDetector("loss", window=spike_window, warmup=spike_warmup, threshold=spike_threshold)
+        self.own_loss_spikes = SpikeDetector(
+            "loss", window=spike_window, warmup=spike_warmup, threshold=spike_threshold
+        )
         """This rank's own loss, on the steps whose mean loss was not agreed (``own_spike``)."""
         self.divergence_window = divergence_window
         self.divergence_factor = divergence_factor
