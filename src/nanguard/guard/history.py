@@ -176,7 +176,8 @@ class History:
     def own_spike(self, *, loss: float, own_loss: float) -> Spike | None:
         """A spike of this rank's own loss on a finite step whose mean ``loss`` no collective agreed
         (``UNAGREED``), else None. A warning for this rank's log alone: it enters no decision, so the
-        ranks, whose own losses differ, still decide alike. Counted in ``spikes``.
+        ranks, whose own losses differ, still decide alike; nor ``spikes``, which counts the agreed ones
+        (the same on every rank).
 
         Example:
             >>> history.own_spike(loss=math.nan, own_loss=40.0).metric   # after 10 steps at 2.0
@@ -184,9 +185,7 @@ class History:
         """
         if not math.isnan(loss):
             return None  # the mean loss was agreed: its spikes are the run's (``observe``)
-        spike = self.own_loss_spikes.update(own_loss)
-        self.spikes += spike is not None
-        return spike
+        return self.own_loss_spikes.update(own_loss)
 
     def forget(self, step: int, *, loss: float, grad_norm: float) -> None:
         """Take back the last ``observe`` and ``forecast`` of ``step``: it was skipped (``skip_spikes``),
