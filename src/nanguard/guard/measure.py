@@ -151,7 +151,8 @@ class Measure:
         device made, runaway growth, or healthy. Decided on the agreed values (``history.UNAGREED``)."""
         step, history = h.step, self.history
         spikes = history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
-        own = history.own_spike(loss=h.loss, own_loss=h.own_loss)
+        # NaN (``UNAGREED``) exactly when no collective agreed the loss: this rank's own is watched instead.
+        own = history.own_spike(loss=h.loss, own_loss=h.own_loss) if h.loss != h.loss else None
         trend = history.forecast(step, loss=h.loss, grad_norm=h.grad_norm)
         departed = history.departed(step, loss=h.loss, grad_norm=h.grad_norm)
         # One rank's device alone made the spike (a peer computes its batch otherwise): the device's, not the run's.
