@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -244,9 +245,14 @@ class Recovery:
         was taken: a rollback restores the scheduler with that step in, as the run had it when the snapshot's
         update was done (not one step behind)."""
         snap, self.scheduler_pending = self.scheduler_pending, None
-        if snap is not None and self.scheduler is not None:
-            snap["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
-            snap["groups"] = group_settings(self.optimizer)  # the LR (and momentum...) the scheduler set
+        if snap is None or self.scheduler is None:
+            return
+        try:
+            state, groups = copy.deepcopy(self.scheduler.state_dict()), group_settings(self.optimizer)
+        except Exception as err:  # never worth the run: the snapshot keeps the scheduler as it was taken
+            warnings.warn(f"nanguard: the scheduler after step {snap['step']} was not kept: {err!r}", stacklevel=3)
+            return
+        snap["scheduler"], snap["groups"] = state, groups  # the LR (and momentum...) the scheduler set
 
     def _slot(self, step: int) -> int:
         """The slot a snapshot of ``step`` goes to: the one of the same step, else the next in the
