@@ -427,8 +427,8 @@ class History:
             if not (ready and spiked):  # no growth is a runaway without a spike the warm detectors flag
                 self._grown = (None, 0)
                 return None
-            # A NaN loss of a step no rank flagged is one no collective agreed (``StepHealth.loss``):
-            # the grad norm, alike on every rank, decides alone.
+            # A NaN loss of a step no rank flagged is one no collective agreed (``UNAGREED``, the module's
+            # rule): the grad norm, alike on every rank, decides alone.
             known = [(m, v) for m, v in (("loss", loss), ("grad_norm", grad_norm)) if not math.isnan(v)]
             growth = {m: self._growth(m, v) for m, v in known}
             if min(growth.values()) < self.divergence_factor:
