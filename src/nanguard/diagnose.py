@@ -738,15 +738,9 @@ def exp_overflow(ev: Evidence) -> Judgement | None:
 @_rule
 def division_by_zero(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
-    return _too_few_elements(o) or _composite_zero(o) or _root_of_zero(ev, o) or _divided_by_zero(o)
-
-
-def _too_few_elements(o: OriginEvidence) -> Judgement | None:
-    """A reduction the tracer counted: n - correction <= 0 elements to divide by."""
-    count, correction = o.get("reduced_elements"), o.get("correction")
-    if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
-        return _too_few(o, count, correction)
-    return None
+    if _too_few_elements(o):
+        return _too_few(o, o.get("reduced_elements"), o.get("correction"))
+    return _composite_zero(o) or _root_of_zero(ev, o) or _divided_by_zero(o)
 
 
 def _divided_by_zero(o: OriginEvidence) -> Judgement | None:
