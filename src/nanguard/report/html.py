@@ -268,8 +268,16 @@ def _remedies_html(report: RunReport) -> str:
     return "\n".join(out)
 
 
-def _ranks_html(data: dict[str, Any]) -> str:
-    return _table(RANK_COLUMNS, rank_rows(data), cls="ranks")
+def _ranks_html(report: RunReport, data: dict[str, Any]) -> list[str]:
+    """The Ranks section: the per-rank table and the plot of each rank's steps and trips."""
+    plot = _plot(
+        "ranks",
+        plots.rank_plot(report),
+        "ranks over steps and the rank each trip started on",
+        "Steps each rank logged, its skipped steps, and for each trip the rank it started on (X) and "
+        "the other ranks whose values were non-finite (o).",
+    )
+    return ['<h2 id="ranks">Ranks</h2>', _table(RANK_COLUMNS, rank_rows(data), cls="ranks"), plot]
 
 
 @dataclass(frozen=True)
@@ -337,20 +345,10 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
     advance = progress or (lambda message: None)
     data = report.to_dict()
     groups = plots.trip_groups(report.trips)
-    out = [*_head_html(report, data), *_warnings_html(report), '<h2 id="summary">Diagnoses</h2>']
-    out.append(_summary_html(groups))
-    out.append('<h2 id="curves">Training curves</h2>')
-    out += _curves_html(report, advance)
-    out += ['<h2 id="ranks">Ranks</h2>', _ranks_html(data)]
-    out.append(
-        _plot(
-            "ranks",
-            plots.rank_plot(report),
-            "ranks over steps and the rank each trip started on",
-            "Steps each rank logged, its skipped steps, and for each trip the rank it started on (X) and "
-            "the other ranks whose values were non-finite (o).",
-        )
-    )
+    out = [*_head_html(report, data), *_warnings_html(report)]
+    out += ['<h2 id="summary">Diagnoses</h2>', _summary_html(groups)]
+    out += ['<h2 id="curves">Training curves</h2>', *_curves_html(report, advance)]
+    out += _ranks_html(report, data)
     advance("rank plot")
     if report.trips:
         out += _trips_html(groups, data["counts"]["trips"], advance)

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from nanguard.errors import NanguardError
 from nanguard.hardware import device_rows
-from nanguard.report.load import RunReport, Trip, load_run
+from nanguard.report.load import RunReport, ShowProgress, Trip, load_run
 from nanguard.report.terminal import Console
 from nanguard.text import (
     DRILL_COLUMNS,
@@ -90,12 +90,14 @@ def run_report(
     return 0
 
 
-def _load(run_dir: str | Path, err: TextIO, **options: Any) -> RunReport | None:
+def _load(
+    run_dir: str | Path, err: TextIO, *, run: str | None = None, progress: ShowProgress | None = None
+) -> RunReport | None:
     """``load_run``, its warnings printed to ``err``; None (the error printed) when the run cannot be read."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report = load_run(run_dir, **options)
+            report = load_run(run_dir, run=run, progress=progress)
     except NanguardError as error:
         _print_warnings(caught, err)
         print(f"nanguard report: error: {error}", file=err, flush=True)
