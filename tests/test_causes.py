@@ -72,20 +72,30 @@ def test_docs_cause_table_is_the_table() -> None:
 
 
 def _rule_causes() -> dict[str, set[str]]:
-    """Each function of diagnose.py and the cause ids its ``Judgement(...)`` calls name."""
+    """Each function of diagnose.py and the cause ids its ``Judgement(...)`` calls name, its helpers' included."""
     tree = ast.parse(Path(diagnose.__file__).read_text(encoding="utf-8"))
-    named: dict[str, set[str]] = {}
+    direct: dict[str, set[str]] = {}
+    calls: dict[str, set[str]] = {}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
-            ids = {
+            called = [c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+            direct[node.name] = {
                 arg.value
-                for call in ast.walk(node)
-                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Judgement"
+                for call in called
+                if call.func.id == "Judgement"  # type: ignore[attr-defined]
                 for arg in call.args[:1]
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                if isinstance(arg, ast.Constant) and arg.value in TABLE
             }
-            named[node.name] = {i for i in ids if i in TABLE}
-    return named
+            calls[node.name] = {call.func.id for call in called}  # type: ignore[attr-defined]
+
+    def reach(name: str, seen: set[str]) -> set[str]:
+        seen.add(name)
+        found = set(direct[name])
+        for callee in calls[name] & direct.keys() - seen:
+            found |= reach(callee, seen)
+        return found
+
+    return {name: reach(name, set()) for name in direct}
 
 
 def test_rules_run_in_the_order_of_the_stages() -> None:
