@@ -111,6 +111,8 @@ SIGNALS: dict[str, Signal] = {
     )
 }
 
+_WARNS_FROM = {name: signal.warns_from for name, signal in SIGNALS.items()}
+
 POINTS = 4
 """Samples in a row that must each rise for a growth to count (three rises)."""
 MIN_GROWTH = 1.5
@@ -153,16 +155,19 @@ class Trend:
         """Fold one sample (``(module, signal) -> value``) in; the new warnings, soonest blow-up first."""
         found = []
         for key, value in values.items():
-            series = self.series.setdefault(key, deque(maxlen=self.points))
-            if not math.isfinite(value) or value <= 0:
+            series = self.series.get(key)
+            if series is None:
+                series = self.series[key] = deque(maxlen=self.points)
+            if not 0 < value < math.inf:  # NaN fails too
                 series.clear()  # a non-finite value is the guard's business; a zero has no growth
                 continue
             series.append((step, value))
-            if key not in self.warned and (warning := self._fit(key, series)) is not None:
+            if value >= _WARNS_FROM[key[1]] and key not in self.warned and (warning := self._fit(key, series)):
                 self.warned.add(key)
                 context = {sig: v for (m, sig), v in values.items() if m == key[0] and sig != key[1]}
                 found.append(warning._replace(context=context))
-        found.sort(key=lambda w: w.steps_left)
+        if found:
+            found.sort(key=lambda w: w.steps_left)
         return found
 
     def _fit(self, key: tuple[str, str], series: deque[tuple[int, float]]) -> Precursor | None:

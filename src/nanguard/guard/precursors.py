@@ -2,9 +2,12 @@
 (``nanguard.precursors``) sampled on the device, read without a sync of their own, and warned once
 per (layer, signal) with the growth, the steps left and the published fix.
 
-A sampled step is the user's own step, run once: its training forward runs under a
-``tracer.precursors.Capture`` (attention, router and output logits, each layer's output RMS); the
-optimizer's step pre- and post-hooks take the update-to-weight ratio of each module. The values are
+A sampled step is the user's own step, run once: the guard calls ``arm`` when its step count reaches
+``next`` (a comparison, no call, on the other steps), which installs the hooks for that step alone and
+removes them at the next call: its training forward runs under a ``tracer.precursors.Capture``
+(attention, router and output logits, each layer's output RMS); the optimizer's step pre- and
+post-hooks take the update-to-weight ratio of each module. The steps between two samples run nothing
+of the check. The values are
 stacked into one device tensor and copied to the host without waiting (pinned memory and an event on
 a GPU); the copy is read at a later optimizer step once its event has completed, which the step's own
 health read in between makes sure of: no host sync is added. ``headroom`` events (``headroom_every``)
@@ -21,6 +24,7 @@ must never move alone.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,10 +52,8 @@ log = logging.getLogger("nanguard")
 class _Queued:
     """One sample on its way to the host: read once its copy completed, never waited for."""
 
-    def __init__(self, step: int, values: Values) -> None:
-        self.step, self.keys = step, list(values)
-        device = next(iter(values.values())).device
-        packed = torch.stack([v.to(device).float().reshape(()) for v in values.values()])
+    def __init__(self, step: int, keys: list[tuple[str, str]], packed: torch.Tensor) -> None:
+        self.step, self.keys = step, keys
         self.event: Any = None
         if packed.device.type == "cuda":
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -73,6 +75,8 @@ class PrecursorCheck:
 
     Example:
         >>> check = PrecursorCheck(model, optimizer, config, progress, recorder, remedies)
+        >>> if progress.step >= check.next:   # the guard, at a step's start and after an update
+        ...     check.arm(progress.step)
         >>> check.trend.warned   # (module, signal) pairs warned so far
         set()
     """
@@ -93,64 +97,91 @@ class PrecursorCheck:
         self.model, self.optimizer, self.config = dist.unwrap(model), optimizer, config
         self.progress, self.recorder, self.remedies = progress, recorder, remedies
         self.every = config.precursor_every if every is None else every
+        self.next: float = math.inf
+        """The step the guard calls ``arm`` at (a step count, compared without a call; inf: never)."""
         self.trend = Trend()
-        self._capture: Capture | None = None
-        self._measured: tuple[int, Values] | None = None  # the sampled step's forward values
+        self._measured: tuple[int, Values | None] | None = None  # the sampled step's forward values
         self._before: list[torch.Tensor] | None = None  # the weights before the sampled step's update
         self._pending: list[_Queued] = []
         self._acted = False
         self._handles: list[Any] = []
-        if self.every and not compiled_modules(self.model):  # a compiled model would run eagerly under the mode
-            names = owners_of(self.model)
-            self._owners, self._layers = names, layers(self.model)
-            self._params = [p for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()]
-            self._modules = [names.get(id(p), "") for p in self._params]
-            self._module_of = {id(p): m for p, m in zip(self._params, self._modules, strict=True)}
-            try:
-                self._handles.append(self.model.register_forward_pre_hook(_weak(self._enter)))
-                self._handles.append(self.model.register_forward_hook(_weak(self._leave), always_call=True))
-                self._handles.append(optimizer.register_step_pre_hook(_weak(self._pre_step)))
-                self._handles.append(optimizer.register_step_post_hook(_weak(self._post_step)))
-            except (AttributeError, RuntimeError, TypeError) as err:  # an optimizer without step hooks
-                self._stop(err)
+        self._params: list[torch.Tensor] = []
+        self._module_of: dict[int, str] = {}
+        if not self.every or compiled_modules(self.model):  # a compiled model would run eagerly under the mode
+            self.every = 0
+            return
+        try:
+            self._setup()
+        except Exception as err:
+            self._stop(err)
+
+    def _setup(self) -> None:
+        names = owners_of(self.model)
+        self._capture = Capture(self.model, names, layers(self.model))  # one, kept: its module names cached
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
+        modules = [names.get(id(p), "") for p in self._params]
+        self._module_of = {id(p): m for p, m in zip(self._params, modules, strict=True)}
+        self._order = list(dict.fromkeys(modules))
+        self._index = [self._order.index(m) for m in modules]
+        self._sharded = any(local(p) is not p for p in self._params)
+        self.next = self.every
 
     def due(self, step: int) -> bool:
         """Every ``every``-th step from step ``every`` on (step 0's values are the initialization's)."""
         return bool(self.every) and step > 0 and step % self.every == 0
 
+    def arm(self, step: int) -> None:
+        """The guard reached ``next``: the last sample's hooks come off and its values are read when
+        ready; the hooks go on for ``step`` when it is due, and come off at the next call."""
+        self._disarm()
+        self._read_ready()
+        if not self.due(step):
+            self.next = (step // self.every + 1) * self.every if self.every else math.inf
+            return
+        self.next = step + 1
+        self._measured = None
+        try:
+            self._handles.append(self.model.register_forward_pre_hook(_weak(self._enter)))
+            self._handles.append(self.model.register_forward_hook(_weak(self._leave), always_call=True))
+            self._handles.append(self.optimizer.register_step_pre_hook(_weak(self._pre_step)))
+            self._handles.append(self.optimizer.register_step_post_hook(_weak(self._post_step)))
+        except (AttributeError, RuntimeError, TypeError) as err:  # an optimizer without step hooks
+            self._stop(err)
+
     def close(self) -> None:
+        self._disarm()
+        self.next = math.inf
+
+    def _disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._capture is not None:
+        if self._measured is not None and self._measured[1] is None:  # a forward that raised inside the mode
             self._capture.__exit__(None, None, None)
-            self._capture = None
+        self._measured = self._before = None
 
     # -- the sampled forward -------------------------------------------------------------
     def _enter(self, module: nn.Module, args: Any) -> None:
-        step = self.progress.step
-        if self._capture is not None or not self.due(step) or not (module.training and torch.is_grad_enabled()):
-            return
-        if self._measured is not None and self._measured[0] == step:
-            return  # one forward a sampled step (the first micro-batch's)
+        if self._measured is not None or not (module.training and torch.is_grad_enabled()):
+            return  # one forward a sampled step (the first micro-batch's), a training one
         try:
-            self._capture = Capture(self.model, self._owners, self._layers).enter_within(module)
-            self._measured = (step, {})
+            self._capture.enter_within(module)
+            self._measured = (self.progress.step, None)
         except Exception as err:
             self._stop(err)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        capture, self._capture = self._capture, None
-        if capture is None:
+        measured, capture = self._measured, self._capture
+        if measured is None or measured[1] is not None:
             return
+        self._measured = (measured[0], capture.values)  # the mode is left here, whatever happens
         try:
-            capture.model_output(output)
+            try:
+                capture.model_output(output)
+            finally:
+                capture.__exit__(None, None, None)
         except Exception as err:
             self._stop(err)
-        finally:
-            capture.__exit__(None, None, None)
-        if self._measured is not None:
-            self._measured = (self._measured[0], capture.values)
 
     def _stop(self, err: BaseException) -> None:
         """nanguard's own failure never stops the run: the check says so once and turns off."""
@@ -159,36 +190,41 @@ class PrecursorCheck:
         self.close()
 
     # -- the sampled update ----------------------------------------------------------------
+    def _weights(self) -> list[torch.Tensor]:
+        return [local(p) for p in self._params] if self._sharded else self._params
+
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._measured is not None and self._measured[1]:
             try:
                 with torch.no_grad():
-                    self._before = list(torch._foreach_mul([local(p).detach() for p in self._params], 1.0))
+                    self._before = list(torch._foreach_mul(self._weights(), 1.0))
             except Exception as err:
                 self._stop(err)
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        measured, before = self._measured, self._before
+        if measured is None or not measured[1] or before is None:
+            return
+        self._measured = (measured[0], {})  # read once: a second optimizer step adds nothing
         try:
-            self._read_ready()
-            measured, self._measured = self._measured, None
-            if measured is None or not measured[1]:
-                return
             step, values = measured
-            before, self._before = self._before, None
             with torch.no_grad():
-                if before is not None:
-                    values |= self._update_ratios(before)
-            self._pending.append(_Queued(step, values))
+                ratios = self._update_ratios(before)
+            packed = torch.cat([_stacked(list(values.values())).to(ratios.device), ratios])
+            self._pending.append(_Queued(step, [*values, *((m, "update_ratio") for m in self._order)], packed))
+            self._read_ready()  # on the CPU the copy is the tensor: read now; on a GPU, once its event completed
         except Exception as err:
             self._stop(err)
 
-    def _update_ratios(self, before: list[torch.Tensor]) -> Values:
-        after = [local(p).detach() for p in self._params]
-        moved = _stacked(torch._foreach_norm(torch._foreach_sub(after, before)))
+    def _update_ratios(self, before: list[torch.Tensor]) -> torch.Tensor:
+        """|w_new - w_old| / |w_old| of each module (``self._order``), one device vector."""
+        moved = _stacked(torch._foreach_norm(torch._foreach_sub(self._weights(), before)))
         size = _stacked(torch._foreach_norm(before))
-        return _per_module(
-            self._modules, moved.square(), size.square(), lambda m, s: (m / s.clamp_min(1e-30)).sqrt(), "update_ratio"
-        )
+        index = torch.tensor(self._index, device=moved.device)
+        zeros = torch.zeros(len(self._order), device=moved.device)
+        sm = zeros.index_add(0, index, moved.square())
+        ss = zeros.index_add(0, index, size.square())
+        return (sm / ss.clamp_min(1e-30)).sqrt()
 
     def _adam_updates(self) -> Values:
         """m_hat / (sqrt(v_hat) + eps) per module, RMS: Adam's update per unit of LR, from its state. The
@@ -292,9 +328,13 @@ class PrecursorCheck:
         return c.precursor_lower_lr and c.policy == "auto" and not self._acted and not dist.is_distributed()
 
 
-def _stacked(norms: Sequence[torch.Tensor]) -> torch.Tensor:
-    device = norms[0].device
-    return torch.stack([n.float().to(device) for n in norms])
+def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """0-dim values as one float32 vector: one stack when they share a dtype and device, else each moved."""
+    try:
+        return torch.stack(values).float()  # type: ignore[arg-type]
+    except RuntimeError:
+        device = values[0].device
+        return torch.stack([v.float().to(device).reshape(()) for v in values])
 
 
 def _per_module(

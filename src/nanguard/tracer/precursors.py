@@ -97,14 +97,18 @@ class Capture(TorchFunctionMode):
         for funcs, handler in ((_SOFTMAX, self._softmax), (_LOGZ, self._logz), (_TOPK, self._topk)):
             self._handlers.update(dict.fromkeys(funcs, handler))
         self._handlers[F.scaled_dot_product_attention] = self._sdpa
+        self._markers: dict[Any, Callable[[Any, tuple], None]] = dict.fromkeys(_MATMULS, self._matmul_out)
+        self._markers[F.linear] = self._linear_out
 
     def __enter__(self) -> Capture:
+        self.values = {}
         self._stack.__enter__()
         self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in self._layers]
         return super().__enter__()
 
     def enter_within(self, module: nn.Module) -> Capture:
         """Install from inside ``module``'s own forward pre-hook (the stack enters it here)."""
+        self.values = {}
         self._stack.enter_within(module)
         self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in self._layers]
         super().__enter__()
@@ -136,18 +140,28 @@ class Capture(TorchFunctionMode):
         if handler is not None:
             handler(func, args, kwargs)
         out = func(*args, **kwargs)
-        if func is F.linear:
-            self._mark(out, _LINEAR, self._stack.current_name() or "")
-        elif func in _MATMULS and len(args) >= 2:
-            a, b = args[-2], args[-1]
-            param = next((t for t in (a, b) if isinstance(t, nn.Parameter)), None)
-            if param is not None:
-                self._mark(out, _LINEAR, self._owners.get(id(param), self._stack.current_name() or ""))
-            elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-                self._mark(out, _SCORE, self._stack.current_name() or "")
-        elif handler is None and args and isinstance(args[0], torch.Tensor) and (tag := self._tag(args[0])):
-            self._mark(out, *tag)  # a scale, mask fill, split or view of a tagged tensor keeps its tag
+        marker = self._markers.get(func)
+        if marker is not None:
+            marker(out, args)
+        elif handler is None and args:
+            found = self._tags.get(id(args[0]))
+            if found is not None and found[0]() is args[0]:  # a freed tensor's id reused is no tag
+                self._mark(out, found[1], found[2])  # a scale, mask fill, split or view keeps the tag
         return out
+
+    def _linear_out(self, out: Any, args: tuple) -> None:
+        self._mark(out, _LINEAR, self._stack.current_name() or "")
+
+    def _matmul_out(self, out: Any, args: tuple) -> None:
+        """A matmul with a parameter is a linear layer's output (its owner's); of two activations, a score."""
+        if len(args) < 2:
+            return
+        a, b = args[-2], args[-1]
+        param = a if isinstance(a, nn.Parameter) else b if isinstance(b, nn.Parameter) else None
+        if param is not None:
+            self._mark(out, _LINEAR, self._owners.get(id(param), self._stack.current_name() or ""))
+        elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            self._mark(out, _SCORE, self._stack.current_name() or "")
 
     # -- what each kind of call measures -------------------------------------------------
     def _softmax(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -193,8 +207,10 @@ class Capture(TorchFunctionMode):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) and output else output
             if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
-                with torch.no_grad():
-                    self._put(name, "output_rms", local(out).detach().float().square().mean().sqrt())
+                with torch._C.DisableTorchFunction():  # our own ops: not through the mode
+                    x = local(out).detach()
+                    rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
+                self._put(name, "output_rms", rms)
 
         return hook
 
@@ -205,9 +221,12 @@ class Capture(TorchFunctionMode):
         self.values[key] = value if seen is None else torch.maximum(seen, value.to(seen.device))
 
     def _mark(self, out: Any, kind: str, module: str) -> None:
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self._tags[id(t)] = (weakref.ref(t), kind, module)
+        if isinstance(out, torch.Tensor):
+            self._tags[id(out)] = (weakref.ref(out), kind, module)  # an integer tensor's tag is never asked for
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self._tags[id(t)] = (weakref.ref(t), kind, module)
 
     def _tag(self, t: torch.Tensor) -> tuple[str, str] | None:
         found = self._tags.get(id(t))
