@@ -49,6 +49,11 @@ class Spec:
     warmup: int = 0
     clip: float | None = None
     drive: Callable[[nn.Module, int], None] | None = None
+    betas: tuple[float, float] = (0.9, 0.999)
+    freeze: tuple[str, int, int] | None = None
+    """(name fragment, first step, end step): those weights frozen (``requires_grad=False``) for a stretch."""
+    set_to_none: bool = True
+    """``zero_grad(set_to_none=...)``: False keeps a frozen weight's gradient at zero, and Adam steps it."""
 
 
 class Attention(nn.Module):
@@ -149,6 +154,7 @@ def run(spec: Spec, steps: int, seed: int = 0) -> Outcome:
     opt = torch.optim.AdamW(
         [{"params": ps, "lr": spec.lrs.get(f, spec.lr), "base": spec.lrs.get(f, spec.lr)} for f, ps in groups.items()],
         weight_decay=0.0,
+        betas=spec.betas,
     )
     events: list[tuple[int, dict[str, Any]]] = []
     at = [0]
@@ -160,12 +166,17 @@ def run(spec: Spec, steps: int, seed: int = 0) -> Outcome:
         if spec.drive is not None:
             with torch.no_grad():
                 spec.drive(model, step)
+        if spec.freeze is not None:
+            fragment, first, end = spec.freeze
+            for name, p in model.named_parameters():
+                if fragment in name:
+                    p.requires_grad_(not first <= step < end)
         for g in opt.param_groups:
             g["lr"] = g["base"] * min(1.0, (step + 1) / spec.warmup) if spec.warmup else g["base"]
         x, y = next_batch()
 
         def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=spec.set_to_none)
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
             total = loss + spec.z_loss * torch.logsumexp(logits.float(), -1).square().mean()

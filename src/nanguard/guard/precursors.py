@@ -38,7 +38,7 @@ from nanguard.guard.optim_state import current_lr
 from nanguard.guard.progress import Progress
 from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.remedies import Remedies
-from nanguard.precursors import SIGNALS, Precursor, Trend
+from nanguard.precursors import SIGNALS, Precursor, SecondMoment, Trend
 from nanguard.stats import local
 from nanguard.tracer.compiled import compiled_modules
 from nanguard.tracer.headroom import Headroom
@@ -47,6 +47,25 @@ from nanguard.tracer.precursors import Capture, Values, layers, owners_of
 __all__ = ["PrecursorCheck"]
 
 log = logging.getLogger("nanguard")
+
+
+_ADAM_STATE = {"exp_avg", "exp_avg_sq", "step"}
+
+
+class _AdamGroup:
+    """One Adam-like param group's state tensors, listed once, and each one's module index."""
+
+    def __init__(
+        self, group: dict[str, Any], params: list[torch.Tensor], state: Any, module_of: dict[int, str], order: list[str]
+    ) -> None:
+        self.betas = (float(group["betas"][0]), float(group["betas"][1]))
+        self.eps = float(group["eps"])
+        self.params = params
+        self.m = [local(state[p]["exp_avg"]) for p in params]
+        self.v = [local(state[p]["exp_avg_sq"]) for p in params]
+        self.step = [state[p]["step"] for p in params]
+        self.index = torch.tensor([order.index(module_of.get(id(p), "")) for p in params])
+        self.sizes = torch.tensor([float(m.numel()) for m in self.m])
 
 
 class _Queued:
@@ -100,6 +119,9 @@ class PrecursorCheck:
         self.next: float = math.inf
         """The step the guard calls ``arm`` at (a step count, compared without a call; inf: never)."""
         self.trend = Trend()
+        self.moments = SecondMoment()
+        self._adam: list[_AdamGroup] = []
+        self._beta2: dict[str, float] = {}
         self._measured: tuple[int, Values | None] | None = None  # the sampled step's forward values
         self._before: list[torch.Tensor] | None = None  # the weights before the sampled step's update
         self._pending: list[_Queued] = []
@@ -124,6 +146,10 @@ class PrecursorCheck:
         self._order = list(dict.fromkeys(modules))
         self._index = [self._order.index(m) for m in modules]
         self._sharded = any(local(p) is not p for p in self._params)
+        for group in self.optimizer.param_groups:
+            betas = group.get("betas")
+            if isinstance(betas, (tuple, list)):
+                self._beta2.update((names.get(id(p), ""), float(betas[1])) for p in group["params"])
         self.next = self.every
 
     def due(self, step: int) -> bool:
@@ -205,13 +231,18 @@ class PrecursorCheck:
         measured, before = self._measured, self._before
         if measured is None or not measured[1] or before is None:
             return
-        self._measured = (measured[0], {})  # read once: a second optimizer step adds nothing
+        step, values = measured[0], measured[1]
+        self._measured = (step, {})  # read once: a second optimizer step adds nothing
         try:
-            step, values = measured
             with torch.no_grad():
-                ratios = self._update_ratios(before)
-            packed = torch.cat([_stacked(list(values.values())).to(ratios.device), ratios])
-            self._pending.append(_Queued(step, [*values, *((m, "update_ratio") for m in self._order)], packed))
+                parts = [_stacked(list(values.values())), self._update_ratios(before)]
+                keys = [*values, *((m, "update_ratio") for m in self._order)]
+                moments = self._adam_moments()
+                if moments is not None:
+                    parts.append(moments)
+                    keys += [(m, signal) for signal in ("adam_update", "adam_v") for m in self._order]
+                packed = torch.cat([t.to(parts[1].device) for t in parts])
+            self._pending.append(_Queued(step, keys, packed))
             self._read_ready()  # on the CPU the copy is the tensor: read now; on a GPU, once its event completed
         except Exception as err:
             self._stop(err)
@@ -226,33 +257,45 @@ class PrecursorCheck:
         ss = zeros.index_add(0, index, size.square())
         return (sm / ss.clamp_min(1e-30)).sqrt()
 
-    def _adam_updates(self) -> Values:
-        """m_hat / (sqrt(v_hat) + eps) per module, RMS: Adam's update per unit of LR, from its state. The
-        steps stay tensors (the bias corrections are computed from them, never read)."""
-        sums, counts, names = [], [], []
-        for group in self.optimizer.param_groups:
-            betas, eps = group.get("betas"), group.get("eps")
-            if not isinstance(betas, (tuple, list)) or eps is None:
-                continue
-            state = self.optimizer.state
-            params = [p for p in group["params"] if {"exp_avg", "exp_avg_sq", "step"} <= state.get(p, {}).keys()]
-            if not params:
-                continue
-            steps = torch.stack([torch.as_tensor(state[p]["step"]).float().reshape(()) for p in params])
-            bc1, bc2 = (1 - float(betas[0]) ** steps).unbind(), (1 - float(betas[1]) ** steps).unbind()
-            m = [local(state[p]["exp_avg"]) for p in params]
-            v = [local(state[p]["exp_avg_sq"]) for p in params]
-            denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(v, list(bc2))), float(eps))
-            u = torch._foreach_div(torch._foreach_div(m, list(bc1)), denom)
-            sums += [n.float().square() for n in torch._foreach_norm(u)]
-            counts += [float(x.numel()) for x in u]
-            names += [self._module_of.get(id(p), "") for p in params]
-        if not sums:
-            return {}
-        device = sums[0].device
-        total = torch.stack([s.to(device) for s in sums])
-        sizes = torch.tensor(counts, device=device)
-        return _per_module(names, total, sizes, lambda s, n: (s / n).sqrt(), "adam_update")
+    def _adam_groups(self) -> list[_AdamGroup]:
+        """The optimizer's Adam-like groups (``betas``, ``eps``, ``exp_avg``/``exp_avg_sq``/``step`` state),
+        their state tensors listed once and listed again when the state was replaced (a resume)."""
+        state = self.optimizer.state
+        cached = self._adam
+        if cached and all(state.get(g.params[0], {}).get("exp_avg") is g.m[0] for g in cached):
+            return cached
+        self._adam = [
+            _AdamGroup(group, params, state, self._module_of, self._order)
+            for group in self.optimizer.param_groups
+            if isinstance(group.get("betas"), (tuple, list))
+            and group.get("eps") is not None
+            and (params := [p for p in group["params"] if state.get(p, {}).keys() >= _ADAM_STATE])
+        ]
+        return self._adam
+
+    def _adam_moments(self) -> torch.Tensor | None:
+        """Per module (``self._order``): Adam's update per unit of LR, RMS of m_hat / (sqrt(v_hat) + eps),
+        then its second moment's RMS sqrt(mean v_hat): one device vector of 2 * modules, None without Adam.
+        The steps stay tensors (the bias corrections are computed from them, never read)."""
+        groups = self._adam_groups()
+        if not groups:
+            return None
+        device = groups[0].m[0].device
+        size = len(self._order)
+        u2, v1, n = (torch.zeros(size, device=device) for _ in range(3))
+        for g in groups:
+            step = torch.as_tensor(g.step[0]).float()
+            bc1, bc2 = 1 - g.betas[0] ** step, 1 - g.betas[1] ** step
+            # a step on the CPU (Adam's default) is read for free; a capturable one's stays on its device
+            v_hat = torch._foreach_div(g.v, float(bc2) if bc2.device.type == "cpu" else bc2.to(g.v[0].device))
+            denom = torch._foreach_add(torch._foreach_sqrt(v_hat), g.eps)
+            u = torch._foreach_div(g.m, denom)
+            index = g.index.to(device)
+            u2.index_add_(0, index, (_stacked(torch._foreach_norm(u)).to(device) / bc1.to(device)).square())
+            v1.index_add_(0, index, _stacked(torch._foreach_norm(v_hat, 1)).to(device))
+            n.index_add_(0, index, g.sizes.to(device))
+        n = n.clamp_min(1)
+        return torch.cat([(u2 / n).sqrt(), (v1 / n).sqrt()])
 
     # -- the read and the warnings -----------------------------------------------------------
     def watch_headroom(self, emit: Callable[[int, Headroom], None]) -> Callable[[int, Headroom], None]:
@@ -274,15 +317,11 @@ class PrecursorCheck:
     def _read_ready(self) -> None:
         while self._pending and self._pending[0].ready():
             queued = self._pending.pop(0)
-            self._warn(self.trend.add(queued.step, queued.read()))
+            values = queued.read()
+            stalled = self.moments.add(queued.step, values, self._beta2)  # turns adam_v into adam_v_decay
+            self._warn(stalled + self.trend.add(queued.step, values))
 
     def _warn(self, found: list[Precursor]) -> None:
-        if found:  # Adam's update per unit of LR, of the warned modules, read from its state now
-            updates = {m: float(v) for (m, _), v in self._adam_updates().items()}
-            found = [
-                w._replace(context={**w.context, "adam_update": updates[w.module]}) if w.module in updates else w
-                for w in found
-            ]
         for w in found:
             signal = SIGNALS[w.signal]
             lr = current_lr(self.optimizer)
@@ -306,14 +345,14 @@ class PrecursorCheck:
                 context=w.context,
             )
             log.warning(
-                "nanguard: step %d: %s%s is %.4g, growing x%.4g a step: %s in about %d steps; fix: %s",
+                "nanguard: step %d: %s%s is %.4g, growing x%.4g a step: %s %s; fix: %s",
                 w.series[-1][0],
                 w.signal,
                 where,
                 w.value,
                 w.trend,
                 signal.blowup,
-                w.steps_left,
+                f"in about {w.steps_left} steps" if w.steps_left else "(armed now)",
                 fix,
             )
         if found and self._acts():
@@ -335,22 +374,6 @@ def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor:
     except RuntimeError:
         device = values[0].device
         return torch.stack([v.float().to(device).reshape(()) for v in values])
-
-
-def _per_module(
-    names: list[str],
-    a: torch.Tensor,
-    b: torch.Tensor,
-    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    signal: str,
-) -> Values:
-    """Sum ``a`` and ``b`` over each module's entries, then ``combine`` the sums: one value per module."""
-    order = list(dict.fromkeys(names))
-    index = torch.tensor([order.index(n) for n in names], device=a.device)
-    sa = torch.zeros(len(order), device=a.device).index_add_(0, index, a.float())
-    sb = torch.zeros(len(order), device=a.device).index_add_(0, index, b.float().to(a.device))
-    values = combine(sa, sb)
-    return {(module, signal): values[i] for i, module in enumerate(order)}
 
 
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
