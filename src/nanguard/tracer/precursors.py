@@ -97,8 +97,11 @@ class Capture(TorchFunctionMode):
         for funcs, handler in ((_SOFTMAX, self._softmax), (_LOGZ, self._logz), (_TOPK, self._topk)):
             self._handlers.update(dict.fromkeys(funcs, handler))
         self._handlers[F.scaled_dot_product_attention] = self._sdpa
-        self._markers: dict[Any, Callable[[Any, tuple], None]] = dict.fromkeys(_MATMULS, self._matmul_out)
-        self._markers[F.linear] = self._linear_out
+        markers: dict[Any, Callable[[Any, tuple], None]] = dict.fromkeys(_MATMULS, self._matmul_out)
+        markers[F.linear] = self._linear_out
+        self._table: dict[Any, tuple[Any, Any]] = {
+            f: (self._handlers.get(f), markers.get(f)) for f in {*self._handlers, *markers}
+        }
 
     def __enter__(self) -> Capture:
         self.values = {}
@@ -136,17 +139,19 @@ class Capture(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        handler = self._handlers.get(func)
+        entry = self._table.get(func)  # one lookup an op: most ops only pass a tag on
+        if entry is None:
+            out = func(*args, **kwargs)
+            found = self._tags.get(id(args[0])) if args else None
+            if found is not None and found[0]() is args[0]:  # a freed tensor's id reused is no tag
+                self._mark(out, found[1], found[2])  # a scale, mask fill, split or view keeps the tag
+            return out
+        handler, marker = entry
         if handler is not None:
             handler(func, args, kwargs)
         out = func(*args, **kwargs)
-        marker = self._markers.get(func)
         if marker is not None:
             marker(out, args)
-        elif handler is None and args:
-            found = self._tags.get(id(args[0]))
-            if found is not None and found[0]() is args[0]:  # a freed tensor's id reused is no tag
-                self._mark(out, found[1], found[2])  # a scale, mask fill, split or view keeps the tag
         return out
 
     def _linear_out(self, out: Any, args: tuple) -> None:
