@@ -286,8 +286,7 @@ class PrecursorCheck:
         for g in groups:
             step = torch.as_tensor(g.step[0]).float()
             bc1, bc2 = 1 - g.betas[0] ** step, 1 - g.betas[1] ** step
-            # a step on the CPU (Adam's default) is read for free; a capturable one's stays on its device
-            v_hat = torch._foreach_div(g.v, float(bc2) if bc2.device.type == "cpu" else bc2.to(g.v[0].device))
+            v_hat = torch._foreach_div(g.v, bc2.to(g.v[0].device))  # a tensor: never read on the host
             denom = torch._foreach_add(torch._foreach_sqrt(v_hat), g.eps)
             u = torch._foreach_div(g.m, denom)
             index = g.index.to(device)
