@@ -162,7 +162,8 @@ class PrecursorCheck:
         self._disarm()
         self._read_ready()
         if not self.due(step):
-            self.next = (step // self.every + 1) * self.every if self.every else math.inf
+            # a copy still on its way (a GPU's): called again after the next step, whose health read waits for it
+            self.next = step + 1 if self._pending else (step // self.every + 1) * self.every if self.every else math.inf
             return
         self.next = step + 1
         self._measured = None
