@@ -34,7 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from nanguard.stats import local
-from nanguard.tracer.modules import ModuleStack
+from nanguard.tracer.modules import _user_modules
 
 __all__ = ["Capture", "Values", "layers", "owners_of"]
 
@@ -91,7 +91,7 @@ class Capture(TorchFunctionMode):
         self._tags: dict[int, tuple[weakref.ref[torch.Tensor], str, str]] = {}
         self._owners = owners if owners is not None else owners_of(model)
         self._layers = repeated if repeated is not None else layers(model)
-        self._stack = ModuleStack(model)
+        self._stack = _Names(model)
         self._hooks: list[Any] = []
         self._handlers: dict[Any, Callable[[Any, tuple, dict], None]] = {}
         for funcs, handler in ((_SOFTMAX, self._softmax), (_LOGZ, self._logz), (_TOPK, self._topk)):
@@ -238,6 +238,51 @@ class Capture(TorchFunctionMode):
         if found is None or found[0]() is not t:  # a freed tensor's id reused
             return None
         return found[1], found[2]
+
+
+class _Names:
+    """The innermost running module's name, by two global module hooks: ``ModuleStack``'s names (as the
+    user wrote the model, built once) at a few calls a module. A module's own forward hooks run after
+    it has left (the capture attributes nothing to them)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self._names: dict[int, str] | None = None
+        self._named: list[str | None] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _Names:
+        if self._names is None:
+            self._names = {id(m): n for n, m in _user_modules(self.root)}
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._push),
+            nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
+        ]
+        return self
+
+    def enter_within(self, module: nn.Module) -> _Names:
+        """Install from inside ``module``'s own forward pre-hook: the global ones ran for it already."""
+        self.__enter__()
+        self._push(module, ())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._named.clear()
+
+    def _push(self, module: nn.Module, args: Any) -> None:
+        named = self._named
+        names = self._names or {}
+        named.append(names.get(id(module), named[-1] if named else None))  # outside the root: its parent's
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._named:
+            self._named.pop()
+
+    def current_name(self) -> str | None:
+        return self._named[-1] if self._named else None
 
 
 def _max_logit(x: torch.Tensor) -> torch.Tensor:
