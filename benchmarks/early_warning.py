@@ -49,6 +49,11 @@ class Spec:
     warmup: int = 0
     clip: float | None = None
     drive: Callable[[nn.Module, int], None] | None = None
+    betas: tuple[float, float] = (0.9, 0.999)
+    freeze: tuple[str, int, int] | None = None
+    """(name fragment, first step, end step): those weights frozen (``requires_grad=False``) for a stretch."""
+    set_to_none: bool = True
+    """``zero_grad(set_to_none=...)``: False keeps a frozen weight's gradient at zero, and Adam steps it."""
 
 
 class Attention(nn.Module):
@@ -149,6 +154,7 @@ def run(spec: Spec, steps: int, seed: int = 0) -> Outcome:
     opt = torch.optim.AdamW(
         [{"params": ps, "lr": spec.lrs.get(f, spec.lr), "base": spec.lrs.get(f, spec.lr)} for f, ps in groups.items()],
         weight_decay=0.0,
+        betas=spec.betas,
     )
     events: list[tuple[int, dict[str, Any]]] = []
     at = [0]
@@ -160,12 +166,17 @@ def run(spec: Spec, steps: int, seed: int = 0) -> Outcome:
         if spec.drive is not None:
             with torch.no_grad():
                 spec.drive(model, step)
+        if spec.freeze is not None:
+            fragment, first, end = spec.freeze
+            for name, p in model.named_parameters():
+                if fragment in name:
+                    p.requires_grad_(not first <= step < end)
         for g in opt.param_groups:
             g["lr"] = g["base"] * min(1.0, (step + 1) / spec.warmup) if spec.warmup else g["base"]
         x, y = next_batch()
 
         def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=spec.set_to_none)
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
             total = loss + spec.z_loss * torch.logsumexp(logits.float(), -1).square().mean()
@@ -246,6 +257,13 @@ MECHANISMS: list[tuple[str, str, Spec, Spec, tuple[str | None, str]]] = [
         ("head", "logit_z"),
     ),
     (
+        "Adam's second moment: block 1's MLP frozen for steps 150-350, zero_grad(set_to_none=False), beta2 0.95",
+        "gradients set to None (Adam skips the frozen layer)",
+        Spec(lr=3e-2, betas=(0.9, 0.95), freeze=("blocks.1.mlp", 150, 350), set_to_none=False),
+        Spec(lr=3e-2, betas=(0.9, 0.95), freeze=("blocks.1.mlp", 150, 350), set_to_none=True),
+        ("blocks.1.mlp", "adam_v_decay"),
+    ),
+    (
         "a 10,000x LR under clip_grad_norm_(1.0), warmed up over 30,000 steps",
         "the intended LR",
         Spec(lr=3e-3 * 10_000, warmup=30_000, clip=1.0),
@@ -253,6 +271,10 @@ MECHANISMS: list[tuple[str, str, Spec, Spec, tuple[str | None, str]]] = [
         (None, "update_ratio"),
     ),
 ]
+
+
+def _within(name: str | None, module: str) -> bool:
+    return name is not None and (name == module or name.startswith(module + "."))
 
 
 def zoo_healthy(name: str, steps: int) -> int:
@@ -279,7 +301,7 @@ def main() -> None:
     for name, fix, unstable, twin, (module, signal) in MECHANISMS:
         bad, good = run(unstable, args.steps), run(twin, args.steps)
         lead = bad.blowup - bad.warned if bad.blowup is not None and bad.warned is not None else None
-        right = bad.first is not None and bad.first[1] == signal and (module is None or bad.first[0] == module)
+        right = bad.first is not None and bad.first[1] == signal and (module is None or _within(bad.first[0], module))
         named = f"`{bad.first[0]}` {bad.first[1]}" if bad.first else "-"
         rows.append(
             f"| {name} | {bad.blowup if bad.blowup is not None else 'none'} | "
@@ -315,12 +337,19 @@ def main() -> None:
 False warnings (every `warning` event) on healthy runs: {total} in {total_steps} steps, {rate:.1f} per 10,000 steps
 ({each}).{blew}
 A blow-up is the first non-finite value (a trip under `policy="raise"`) or a loss above 3x the median of the last
-50 steps. The growth each mechanism has over thousands of steps in the papers is given here in a few hundred: from
-step 100 on, the weights that carry it (block 1's q and k rows, the router, the output layer) are scaled up each
-step; attention and router are written without the max subtraction, so their logits overflow float32's exp past
-88.7, the limit the warning projects to. The 10,000x LR is the plain run's own. A z-loss or a router z-loss pulls
-the logits back through the gradient, which a gain forced on the weights outruns: those twins' logits grow too,
-and are warned; QK-norm holds the forced gain (the logits of normalized q and k do not grow). The run took
+50 steps. The attention, router and output-logit rows are forced: the growth each has over thousands of steps in
+the papers is given here in a few hundred, from step 100 on the weights that carry it (block 1's q and k rows, the
+router, the output layer) are scaled up each step; attention and router are written without the max
+subtraction, so their logits overflow float32's exp past 88.7, the limit the warning projects to. A z-loss or a
+router z-loss pulls the logits back through the gradient, which a gain forced on the weights outruns: those
+twins' logits grow too, and are warned; QK-norm holds the forced gain. Runs where the training itself grows them
+(AdamW up to 1e-1 with and without warmup, MoE with top-1 and soft routing, bf16 autocast) either stayed healthy
+or blew up through a generic high-LR divergence first (the same step without MoE and with QK-norm): not
+reproduced at this size on CPU. The 10,000x LR and the Adam row are the plain runs' own training: a layer frozen
+while `zero_grad(set_to_none=False)` keeps its gradients at zero is still stepped by Adam, its m and v decay
+(`adam_v_decay` warns once v has forgotten the scale of its gradients, the class of Molybog et al. 2023: a layer
+whose gradients stop for a stretch); gradients set to None (PyTorch's default) leave the frozen layer's state
+alone. Whether the unfrozen layer then blows up depends on the LR: the row says what this run did. The run took
 {seconds:.0f} s.
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/early_warning.py --write`."""

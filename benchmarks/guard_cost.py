@@ -4,8 +4,9 @@ On a shared 2-core machine a step's time drifts by 1-3% from run to run, as much
 the guard's per-step work. Counts do not drift:
 
 - aten ops the guard adds per healthy step of the tiny GPT (a ``TorchDispatchMode`` counts the
-  ops of a guarded step and of the plain one);
-- Python calls it adds (``sys.setprofile``, calls into Python and C functions alike);
+  ops of a guarded step and of the plain one), with the default options, averaged over two precursor
+  sampling periods (``precursor_every=20``: the sampled steps count as often as a run has them);
+- Python calls it adds (``sys.setprofile``, calls into Python and C functions alike), averaged the same way;
 - its own time per step on a 4-parameter model, where reading the tensors costs next to nothing:
   the median of interleaved rounds, guarded minus plain; and, in the same rounds, what the floor
   of any check (the guard's two reads alone: the gradient norm, the parameter norm after the
@@ -48,9 +49,20 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _counts(step: Callable[[], None], steps: int = 20) -> tuple[float, float]:
-    """aten ops and Python calls per call of ``step``."""
-    for _ in range(3):
+def _period() -> int:
+    """Steps a count covers: two of the default precursor sampling periods (the average a run pays,
+    sampled steps included), else 20 (sources without precursors)."""
+    from nanguard.guard.config import GuardConfig
+
+    every = getattr(GuardConfig(), "precursor_every", 0)
+    return 2 * every if every else 20
+
+
+def _counts(step: Callable[[], None]) -> tuple[float, float]:
+    """aten ops and Python calls per call of ``step``, averaged over ``_period()`` steps, after a warmup
+    past the first precursor sample (which names the model's modules once)."""
+    steps = _period()
+    for _ in range(steps // 2 + 3):
         step()
     with _CountOps() as mode:
         for _ in range(steps):
@@ -212,7 +224,8 @@ def main() -> None:
     baseline = f' The "before" column ran on the sources at `{args.baseline}`.' if before else ""
     body = f"""## The guard's own work per step (counts)
 
-Healthy guarded steps beyond the plain ones; times: median of {args.rounds} interleaved rounds, {runs}.
+Healthy guarded steps beyond the plain ones, default options; counts: the average over {_period()} steps (the
+precursors' sampled steps included); times: median of {args.rounds} interleaved rounds, {runs}.
 
 {table}
 

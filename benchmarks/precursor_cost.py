@@ -86,11 +86,12 @@ def main() -> None:
 |---|---:|---:|---:|
 {chr(10).join(rows)}
 
-Target: <= 1% of a step at the default sampling. A sampled step runs its forward under the capture mode (a Python
-call per torch function; the attention's `amax`, log Z, each layer's RMS), copies the weights before the update and
-reads the update ratio after it with foreach kernels; the other steps pay a forward pre-hook and an optimizer step
-hook that return at once. On a tiny CPU model the per-call Python cost weighs most; on a model of
-real size on a GPU the same calls are a smaller share of the step.
+Target: <= 1% of a step at the default sampling. A sampled step installs its hooks, runs its forward under the
+capture mode (a Python call per torch function; the attention's `amax`, log Z, each layer's RMS), copies the
+weights before the update and reads the update ratio and Adam's moments after it with foreach kernels; the steps
+in between run nothing of the check (the guard compares its step count with the next sampled step). On a tiny
+CPU model the per-call Python cost weighs most; on a model of real size on a GPU the same calls are a smaller
+share of the step.
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/precursor_cost.py --write`."""
     print(body)

@@ -260,3 +260,49 @@ def test_a_failure_of_the_precursor_check_never_stops_the_run(monkeypatch, caplo
     warnings, guard = _driven(model, lambda m: _scale_q(m, 1.2), steps=6)
     assert warnings == [] and guard.step_count == 6 and guard.skipped == 0
     assert "precursor check failed and stops" in caplog.text and guard.precursors.every == 0
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _frozen_stretch(beta2: float, set_to_none: bool) -> list[dict[str, Any]]:
+    """Layer 1 frozen (``requires_grad=False``) from step 25 on; ``zero_grad(set_to_none=False)`` keeps its
+    gradients at exactly zero, so Adam keeps stepping it and its m and v decay (zero gradients: the decay
+    is beta1**k and beta2**k, the same on any CPU)."""
+    torch.manual_seed(0)
+    model = _Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, beta2))
+    events: list[dict[str, Any]] = []
+    guard = ng.Guard(model, opt, on_event=events.append, precursor_every=5)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(100):
+        model.layers[1].requires_grad_(step < 25)
+        x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad(set_to_none=set_to_none)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        guard.step(closure)
+    guard.close()
+    return [e for e in events if e["kind"] == "warning"]
+
+
+def test_adams_second_moment_decaying_while_a_layer_gets_no_gradient_is_warned_for_that_layer() -> None:
+    warnings = _frozen_stretch(beta2=0.95, set_to_none=False)
+    assert [(w["signal"], w["module"]) for w in warnings] == [("adam_v_decay", "layers.1")]
+    (w,) = warnings
+    assert w["value"] >= 1.0 and "beta2" in w["fix"] and 0 <= w["context"]["adam_update"] < 0.1
+    # the twins: a larger beta2 (v forgets slowly), or gradients set to None (Adam skips the frozen layer)
+    assert _frozen_stretch(beta2=0.999, set_to_none=False) == []
+    assert _frozen_stretch(beta2=0.95, set_to_none=True) == []

@@ -24,7 +24,10 @@ from typing import NamedTuple
 
 from nanguard.dtypes import OVERFLOW_FRACTION
 
-__all__ = ["HORIZON", "MIN_GROWTH", "POINTS", "SIGNALS", "Precursor", "Signal", "Trend"]
+__all__ = ["COLLAPSE", "HORIZON", "MIN_GROWTH", "POINTS", "SIGNALS", "Precursor", "SecondMoment", "Signal", "Trend"]
+
+COLLAPSE = 10.0
+"""A layer's gradients stopped when its Adam update per unit of LR stands this far below its own median."""
 
 LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)
 """88.72: past it ``exp`` overflows float32, and a softmax over such a spread is one-hot."""
@@ -95,6 +98,19 @@ SIGNALS: dict[str, Signal] = {
             floor=math.inf,
         ),
         Signal(
+            "adam_v_decay",
+            "how far Adam's second moment of the layer decayed while its gradients stopped: the RMS of sqrt(v) "
+            "at its peak over now, times sqrt(1 - beta2); counted while the layer's update per unit of LR stands "
+            f"{COLLAPSE:g}x below its own largest (m forgets in 1/(1-beta1) steps, v in 1/(1-beta2))",
+            1.0,
+            "when the layer's gradients return, they meet a second moment that forgot their scale: Adam's "
+            "step starts over unnormalized, large and uncorrelated with the descent direction "
+            "(Molybog et al. 2023)",
+            "a larger beta2 (v forgets its scale more slowly), a lower learning rate, or no optimizer step on "
+            "batches that carry no loss (Molybog et al. 2023)",
+            floor=math.inf,  # its own rule (SecondMoment), not a growth's
+        ),
+        Signal(
             "output_rms",
             "the RMS of the layer's output",
             3.4028234663852886e38,
@@ -110,6 +126,8 @@ SIGNALS: dict[str, Signal] = {
         ),
     )
 }
+
+_WARNS_FROM = {name: signal.warns_from for name, signal in SIGNALS.items()}
 
 POINTS = 4
 """Samples in a row that must each rise for a growth to count (three rises)."""
@@ -153,16 +171,19 @@ class Trend:
         """Fold one sample (``(module, signal) -> value``) in; the new warnings, soonest blow-up first."""
         found = []
         for key, value in values.items():
-            series = self.series.setdefault(key, deque(maxlen=self.points))
-            if not math.isfinite(value) or value <= 0:
+            series = self.series.get(key)
+            if series is None:
+                series = self.series[key] = deque(maxlen=self.points)
+            if not 0 < value < math.inf:  # NaN fails too
                 series.clear()  # a non-finite value is the guard's business; a zero has no growth
                 continue
             series.append((step, value))
-            if key not in self.warned and (warning := self._fit(key, series)) is not None:
+            if value >= _WARNS_FROM[key[1]] and key not in self.warned and (warning := self._fit(key, series)):
                 self.warned.add(key)
                 context = {sig: v for (m, sig), v in values.items() if m == key[0] and sig != key[1]}
                 found.append(warning._replace(context=context))
-        found.sort(key=lambda w: w.steps_left)
+        if found:
+            found.sort(key=lambda w: w.steps_left)
         return found
 
     def _fit(self, key: tuple[str, str], series: deque[tuple[int, float]]) -> Precursor | None:
@@ -188,3 +209,63 @@ class Trend:
 
     def load_state_dict(self, state: dict[str, list[list[str]]]) -> None:
         self.warned = {(str(m), str(s)) for m, s in state.get("warned", [])}
+
+
+class SecondMoment:
+    """Adam's second-moment decay per module (``adam_v_decay``): the rule of a state that arms a blow-up,
+    where the others are growths that reach a limit.
+
+    Each sample brings, per module, Adam's update per unit of LR (``adam_update``) and its second
+    moment's RMS (``adam_v``). A module's gradients stopped when its update stands ``COLLAPSE``-fold
+    below the largest of its own earlier samples (``POINTS`` of them at least; m forgets in about
+    1/(1-beta1) steps, v in 1/(1-beta2): the update falls only when the gradients do); while they stay
+    stopped, ``adam_v_decay`` is the peak of ``adam_v`` over now, times sqrt(1 - beta2): at 1, v has
+    decayed so far that a gradient of the scale v once knew makes a step as large as a restarted Adam's
+    first ones, without the bias correction that tames those. Two samples in a row at 1 or more warn,
+    once per module: the blow-up comes when the gradients return. A healthy run's update stays near
+    its level (its gradients shrink with v), so it never stands tenfold below it.
+
+    Example:
+        >>> rule = SecondMoment()
+        >>> for step in range(0, 100, 20):
+        ...     rule.add(step, {("blocks.0", "adam_update"): 0.2, ("blocks.0", "adam_v"): 1e-3}, {"blocks.0": 0.95})
+        []
+        []
+        []
+        []
+        []
+    """
+
+    def __init__(self) -> None:
+        self.peak: dict[str, float] = {}
+        self.level: dict[str, tuple[int, float]] = {}
+        """Per module: samples seen and the largest update per unit of LR among them."""
+        self.armed: dict[str, list[tuple[int, float]]] = {}
+        self.warned: set[str] = set()
+
+    def add(self, step: int, values: dict[tuple[str, str], float], beta2: dict[str, float]) -> list[Precursor]:
+        """Replace each module's ``adam_v`` in ``values`` by its ``adam_v_decay``; the new warnings."""
+        found = []
+        for key in [k for k in values if k[1] == "adam_v"]:
+            module = key[0]
+            decay = self._decay(module, values.pop(key), values.get((module, "adam_update")), beta2.get(module))
+            values[(module, "adam_v_decay")] = decay
+            series = self.armed.setdefault(module, [])
+            series[:] = [*series[-1:], (step, decay)] if decay >= 1.0 else []
+            if len(series) == 2 and module not in self.warned:
+                self.warned.add(module)
+                (s0, first), (s1, last) = series
+                trend = (last / first) ** (1 / max(s1 - s0, 1))
+                context = {sig: v for (m, sig), v in values.items() if m == module and sig != "adam_v_decay"}
+                found.append(Precursor("adam_v_decay", module, last, trend, 0, first, tuple(series), context))
+        return found
+
+    def _decay(self, module: str, v: float, update: float | None, beta2: float | None) -> float:
+        if update is None or beta2 is None or not (0 < v < math.inf and 0 <= update < math.inf):
+            return 0.0
+        self.peak[module] = peak = max(self.peak.get(module, 0.0), v)
+        seen, top = self.level.get(module, (0, 0.0))
+        self.level[module] = (seen + 1, max(top, update))
+        if seen < POINTS or update > top / COLLAPSE:
+            return 0.0
+        return peak / v * math.sqrt(1 - beta2)

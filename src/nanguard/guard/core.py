@@ -141,6 +141,8 @@ class Guard(GuardParts):
         self._remedies.begin_step(sample_ids)
         if self._dropped(batch):
             return None
+        if self.progress.step >= self.precursors.next:  # a sampled step: its hooks go on (a comparison else)
+            self.precursors.arm(self.progress.step)
         attempt = self._attempt(closure, batch)
         try:
             self.runner.run(attempt)
@@ -250,6 +252,8 @@ class Guard(GuardParts):
             if verdict is not None:
                 self._act(attempt, verdict, self._decide(verdict))
         self.progress.fold(self.apply.finish(h, snapshot=self.policy.snapshot_due(good_steps)))
+        if self.progress.step >= self.precursors.next:  # the next forward is sampled (a Guard.check loop's runs first)
+            self.precursors.arm(self.progress.step)
 
     # -- the stages --------------------------------------------------------------------
     def _attempt(self, closure: Callable[[], Any], batch: Any) -> Attempt:

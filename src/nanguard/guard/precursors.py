@@ -2,9 +2,12 @@
 (``nanguard.precursors``) sampled on the device, read without a sync of their own, and warned once
 per (layer, signal) with the growth, the steps left and the published fix.
 
-A sampled step is the user's own step, run once: its training forward runs under a
-``tracer.precursors.Capture`` (attention, router and output logits, each layer's output RMS); the
-optimizer's step pre- and post-hooks take the update-to-weight ratio of each module. The values are
+A sampled step is the user's own step, run once: the guard calls ``arm`` when its step count reaches
+``next`` (a comparison, no call, on the other steps), which installs the hooks for that step alone and
+removes them at the next call: its training forward runs under a ``tracer.precursors.Capture``
+(attention, router and output logits, each layer's output RMS); the optimizer's step pre- and
+post-hooks take the update-to-weight ratio of each module. The steps between two samples run nothing
+of the check. The values are
 stacked into one device tensor and copied to the host without waiting (pinned memory and an event on
 a GPU); the copy is read at a later optimizer step once its event has completed, which the step's own
 health read in between makes sure of: no host sync is added. ``headroom`` events (``headroom_every``)
@@ -21,6 +24,7 @@ must never move alone.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,7 +38,7 @@ from nanguard.guard.optim_state import current_lr
 from nanguard.guard.progress import Progress
 from nanguard.guard.recorder import NullRecorder
 from nanguard.guard.remedies import Remedies
-from nanguard.precursors import SIGNALS, Precursor, Trend
+from nanguard.precursors import SIGNALS, Precursor, SecondMoment, Trend
 from nanguard.stats import local
 from nanguard.tracer.compiled import compiled_modules
 from nanguard.tracer.headroom import Headroom
@@ -45,13 +49,30 @@ __all__ = ["PrecursorCheck"]
 log = logging.getLogger("nanguard")
 
 
+_ADAM_STATE = {"exp_avg", "exp_avg_sq", "step"}
+
+
+class _AdamGroup:
+    """One Adam-like param group's state tensors, listed once, and each one's module index."""
+
+    def __init__(
+        self, group: dict[str, Any], params: list[torch.Tensor], state: Any, module_of: dict[int, str], order: list[str]
+    ) -> None:
+        self.betas = (float(group["betas"][0]), float(group["betas"][1]))
+        self.eps = float(group["eps"])
+        self.params = params
+        self.m = [local(state[p]["exp_avg"]) for p in params]
+        self.v = [local(state[p]["exp_avg_sq"]) for p in params]
+        self.step = [state[p]["step"] for p in params]
+        self.index = torch.tensor([order.index(module_of.get(id(p), "")) for p in params])
+        self.sizes = torch.tensor([float(m.numel()) for m in self.m])
+
+
 class _Queued:
     """One sample on its way to the host: read once its copy completed, never waited for."""
 
-    def __init__(self, step: int, values: Values) -> None:
-        self.step, self.keys = step, list(values)
-        device = next(iter(values.values())).device
-        packed = torch.stack([v.to(device).float().reshape(()) for v in values.values()])
+    def __init__(self, step: int, keys: list[tuple[str, str]], packed: torch.Tensor) -> None:
+        self.step, self.keys = step, keys
         self.event: Any = None
         if packed.device.type == "cuda":
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -73,6 +94,8 @@ class PrecursorCheck:
 
     Example:
         >>> check = PrecursorCheck(model, optimizer, config, progress, recorder, remedies)
+        >>> if progress.step >= check.next:   # the guard, at a step's start and after an update
+        ...     check.arm(progress.step)
         >>> check.trend.warned   # (module, signal) pairs warned so far
         set()
     """
@@ -93,64 +116,99 @@ class PrecursorCheck:
         self.model, self.optimizer, self.config = dist.unwrap(model), optimizer, config
         self.progress, self.recorder, self.remedies = progress, recorder, remedies
         self.every = config.precursor_every if every is None else every
+        self.next: float = math.inf
+        """The step the guard calls ``arm`` at (a step count, compared without a call; inf: never)."""
         self.trend = Trend()
-        self._capture: Capture | None = None
-        self._measured: tuple[int, Values] | None = None  # the sampled step's forward values
+        self.moments = SecondMoment()
+        self._adam: list[_AdamGroup] = []
+        self._beta2: dict[str, float] = {}
+        self._measured: tuple[int, Values | None] | None = None  # the sampled step's forward values
         self._before: list[torch.Tensor] | None = None  # the weights before the sampled step's update
         self._pending: list[_Queued] = []
         self._acted = False
         self._handles: list[Any] = []
-        if self.every and not compiled_modules(self.model):  # a compiled model would run eagerly under the mode
-            names = owners_of(self.model)
-            self._owners, self._layers = names, layers(self.model)
-            self._params = [p for g in optimizer.param_groups for p in g["params"] if p.is_floating_point()]
-            self._modules = [names.get(id(p), "") for p in self._params]
-            self._module_of = {id(p): m for p, m in zip(self._params, self._modules, strict=True)}
-            try:
-                self._handles.append(self.model.register_forward_pre_hook(_weak(self._enter)))
-                self._handles.append(self.model.register_forward_hook(_weak(self._leave), always_call=True))
-                self._handles.append(optimizer.register_step_pre_hook(_weak(self._pre_step)))
-                self._handles.append(optimizer.register_step_post_hook(_weak(self._post_step)))
-            except (AttributeError, RuntimeError, TypeError) as err:  # an optimizer without step hooks
-                self._stop(err)
+        self._params: list[torch.Tensor] = []
+        self._module_of: dict[int, str] = {}
+        if not self.every or compiled_modules(self.model):  # a compiled model would run eagerly under the mode
+            self.every = 0
+            return
+        try:
+            self._setup()
+        except Exception as err:
+            self._stop(err)
+
+    def _setup(self) -> None:
+        names = owners_of(self.model)
+        self._capture = Capture(self.model, names, layers(self.model))  # one, kept: its module names cached
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"] if p.is_floating_point()]
+        modules = [names.get(id(p), "") for p in self._params]
+        self._module_of = {id(p): m for p, m in zip(self._params, modules, strict=True)}
+        self._order = list(dict.fromkeys(modules))
+        self._index = [self._order.index(m) for m in modules]
+        self._sharded = any(local(p) is not p for p in self._params)
+        for group in self.optimizer.param_groups:
+            betas = group.get("betas")
+            if isinstance(betas, (tuple, list)):
+                self._beta2.update((names.get(id(p), ""), float(betas[1])) for p in group["params"])
+        self.next = self.every
 
     def due(self, step: int) -> bool:
         """Every ``every``-th step from step ``every`` on (step 0's values are the initialization's)."""
         return bool(self.every) and step > 0 and step % self.every == 0
 
+    def arm(self, step: int) -> None:
+        """The guard reached ``next``: the last sample's hooks come off and its values are read when
+        ready; the hooks go on for ``step`` when it is due, and come off at the next call."""
+        self._disarm()
+        self._read_ready()
+        if not self.due(step):
+            # a copy still on its way (a GPU's): called again after the next step, whose health read waits for it
+            self.next = step + 1 if self._pending else (step // self.every + 1) * self.every if self.every else math.inf
+            return
+        self.next = step + 1
+        self._measured = None
+        try:
+            self._handles.append(self.model.register_forward_pre_hook(_weak(self._enter)))
+            self._handles.append(self.model.register_forward_hook(_weak(self._leave), always_call=True))
+            self._handles.append(self.optimizer.register_step_pre_hook(_weak(self._pre_step)))
+            self._handles.append(self.optimizer.register_step_post_hook(_weak(self._post_step)))
+        except (AttributeError, RuntimeError, TypeError) as err:  # an optimizer without step hooks
+            self._stop(err)
+
     def close(self) -> None:
+        self._disarm()
+        self.next = math.inf
+
+    def _disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._capture is not None:
+        if self._measured is not None and self._measured[1] is None:  # a forward that raised inside the mode
             self._capture.__exit__(None, None, None)
-            self._capture = None
+        self._measured = self._before = None
 
     # -- the sampled forward -------------------------------------------------------------
     def _enter(self, module: nn.Module, args: Any) -> None:
-        step = self.progress.step
-        if self._capture is not None or not self.due(step) or not (module.training and torch.is_grad_enabled()):
-            return
-        if self._measured is not None and self._measured[0] == step:
-            return  # one forward a sampled step (the first micro-batch's)
+        if self._measured is not None or not (module.training and torch.is_grad_enabled()):
+            return  # one forward a sampled step (the first micro-batch's), a training one
         try:
-            self._capture = Capture(self.model, self._owners, self._layers).enter_within(module)
-            self._measured = (step, {})
+            self._capture.enter_within(module)
+            self._measured = (self.progress.step, None)
         except Exception as err:
             self._stop(err)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        capture, self._capture = self._capture, None
-        if capture is None:
+        measured, capture = self._measured, self._capture
+        if measured is None or measured[1] is not None:
             return
+        self._measured = (measured[0], capture.values)  # the mode is left here, whatever happens
         try:
-            capture.model_output(output)
+            try:
+                capture.model_output(output)
+            finally:
+                capture.__exit__(None, None, None)
         except Exception as err:
             self._stop(err)
-        finally:
-            capture.__exit__(None, None, None)
-        if self._measured is not None:
-            self._measured = (self._measured[0], capture.values)
 
     def _stop(self, err: BaseException) -> None:
         """nanguard's own failure never stops the run: the check says so once and turns off."""
@@ -159,64 +217,85 @@ class PrecursorCheck:
         self.close()
 
     # -- the sampled update ----------------------------------------------------------------
+    def _weights(self) -> list[torch.Tensor]:
+        return [local(p) for p in self._params] if self._sharded else self._params
+
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._measured is not None and self._measured[1]:
             try:
                 with torch.no_grad():
-                    self._before = list(torch._foreach_mul([local(p).detach() for p in self._params], 1.0))
+                    self._before = list(torch._foreach_mul(self._weights(), 1.0))
             except Exception as err:
                 self._stop(err)
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        measured, before = self._measured, self._before
+        if measured is None or not measured[1] or before is None:
+            return
+        step, values = measured[0], measured[1]
+        self._measured = (step, {})  # read once: a second optimizer step adds nothing
         try:
-            self._read_ready()
-            measured, self._measured = self._measured, None
-            if measured is None or not measured[1]:
-                return
-            step, values = measured
-            before, self._before = self._before, None
             with torch.no_grad():
-                if before is not None:
-                    values |= self._update_ratios(before)
-            self._pending.append(_Queued(step, values))
+                parts = [_stacked(list(values.values())), self._update_ratios(before)]
+                keys = [*values, *((m, "update_ratio") for m in self._order)]
+                moments = self._adam_moments()
+                if moments is not None:
+                    parts.append(moments)
+                    keys += [(m, signal) for signal in ("adam_update", "adam_v") for m in self._order]
+                packed = torch.cat([t.to(parts[1].device) for t in parts])
+            self._pending.append(_Queued(step, keys, packed))
+            self._read_ready()  # on the CPU the copy is the tensor: read now; on a GPU, once its event completed
         except Exception as err:
             self._stop(err)
 
-    def _update_ratios(self, before: list[torch.Tensor]) -> Values:
-        after = [local(p).detach() for p in self._params]
-        moved = _stacked(torch._foreach_norm(torch._foreach_sub(after, before)))
+    def _update_ratios(self, before: list[torch.Tensor]) -> torch.Tensor:
+        """|w_new - w_old| / |w_old| of each module (``self._order``), one device vector."""
+        moved = _stacked(torch._foreach_norm(torch._foreach_sub(self._weights(), before)))
         size = _stacked(torch._foreach_norm(before))
-        return _per_module(
-            self._modules, moved.square(), size.square(), lambda m, s: (m / s.clamp_min(1e-30)).sqrt(), "update_ratio"
-        )
+        index = torch.tensor(self._index, device=moved.device)
+        zeros = torch.zeros(len(self._order), device=moved.device)
+        sm = zeros.index_add(0, index, moved.square())
+        ss = zeros.index_add(0, index, size.square())
+        return (sm / ss.clamp_min(1e-30)).sqrt()
 
-    def _adam_updates(self) -> Values:
-        """m_hat / (sqrt(v_hat) + eps) per module, RMS: Adam's update per unit of LR, from its state. The
-        steps stay tensors (the bias corrections are computed from them, never read)."""
-        sums, counts, names = [], [], []
-        for group in self.optimizer.param_groups:
-            betas, eps = group.get("betas"), group.get("eps")
-            if not isinstance(betas, (tuple, list)) or eps is None:
-                continue
-            state = self.optimizer.state
-            params = [p for p in group["params"] if {"exp_avg", "exp_avg_sq", "step"} <= state.get(p, {}).keys()]
-            if not params:
-                continue
-            steps = torch.stack([torch.as_tensor(state[p]["step"]).float().reshape(()) for p in params])
-            bc1, bc2 = (1 - float(betas[0]) ** steps).unbind(), (1 - float(betas[1]) ** steps).unbind()
-            m = [local(state[p]["exp_avg"]) for p in params]
-            v = [local(state[p]["exp_avg_sq"]) for p in params]
-            denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(v, list(bc2))), float(eps))
-            u = torch._foreach_div(torch._foreach_div(m, list(bc1)), denom)
-            sums += [n.float().square() for n in torch._foreach_norm(u)]
-            counts += [float(x.numel()) for x in u]
-            names += [self._module_of.get(id(p), "") for p in params]
-        if not sums:
-            return {}
-        device = sums[0].device
-        total = torch.stack([s.to(device) for s in sums])
-        sizes = torch.tensor(counts, device=device)
-        return _per_module(names, total, sizes, lambda s, n: (s / n).sqrt(), "adam_update")
+    def _adam_groups(self) -> list[_AdamGroup]:
+        """The optimizer's Adam-like groups (``betas``, ``eps``, ``exp_avg``/``exp_avg_sq``/``step`` state),
+        their state tensors listed once and listed again when the state was replaced (a resume)."""
+        state = self.optimizer.state
+        cached = self._adam
+        if cached and all(state.get(g.params[0], {}).get("exp_avg") is g.m[0] for g in cached):
+            return cached
+        self._adam = [
+            _AdamGroup(group, params, state, self._module_of, self._order)
+            for group in self.optimizer.param_groups
+            if isinstance(group.get("betas"), (tuple, list))
+            and group.get("eps") is not None
+            and (params := [p for p in group["params"] if state.get(p, {}).keys() >= _ADAM_STATE])
+        ]
+        return self._adam
+
+    def _adam_moments(self) -> torch.Tensor | None:
+        """Per module (``self._order``): Adam's update per unit of LR, RMS of m_hat / (sqrt(v_hat) + eps),
+        then its second moment's RMS sqrt(mean v_hat): one device vector of 2 * modules, None without Adam.
+        The steps stay tensors (the bias corrections are computed from them, never read)."""
+        groups = self._adam_groups()
+        if not groups:
+            return None
+        device = groups[0].m[0].device
+        size = len(self._order)
+        u2, v1, n = (torch.zeros(size, device=device) for _ in range(3))
+        for g in groups:
+            step = torch.as_tensor(g.step[0]).float()
+            bc1, bc2 = 1 - g.betas[0] ** step, 1 - g.betas[1] ** step
+            v_hat = torch._foreach_div(g.v, bc2.to(g.v[0].device))  # a tensor: never read on the host
+            denom = torch._foreach_add(torch._foreach_sqrt(v_hat), g.eps)
+            u = torch._foreach_div(g.m, denom)
+            index = g.index.to(device)
+            u2.index_add_(0, index, (_stacked(torch._foreach_norm(u)).to(device) / bc1.to(device)).square())
+            v1.index_add_(0, index, _stacked(torch._foreach_norm(v_hat, 1)).to(device))
+            n.index_add_(0, index, g.sizes.to(device))
+        n = n.clamp_min(1)
+        return torch.cat([(u2 / n).sqrt(), (v1 / n).sqrt()])
 
     # -- the read and the warnings -----------------------------------------------------------
     def watch_headroom(self, emit: Callable[[int, Headroom], None]) -> Callable[[int, Headroom], None]:
@@ -238,15 +317,11 @@ class PrecursorCheck:
     def _read_ready(self) -> None:
         while self._pending and self._pending[0].ready():
             queued = self._pending.pop(0)
-            self._warn(self.trend.add(queued.step, queued.read()))
+            values = queued.read()
+            stalled = self.moments.add(queued.step, values, self._beta2)  # turns adam_v into adam_v_decay
+            self._warn(stalled + self.trend.add(queued.step, values))
 
     def _warn(self, found: list[Precursor]) -> None:
-        if found:  # Adam's update per unit of LR, of the warned modules, read from its state now
-            updates = {m: float(v) for (m, _), v in self._adam_updates().items()}
-            found = [
-                w._replace(context={**w.context, "adam_update": updates[w.module]}) if w.module in updates else w
-                for w in found
-            ]
         for w in found:
             signal = SIGNALS[w.signal]
             lr = current_lr(self.optimizer)
@@ -270,14 +345,14 @@ class PrecursorCheck:
                 context=w.context,
             )
             log.warning(
-                "nanguard: step %d: %s%s is %.4g, growing x%.4g a step: %s in about %d steps; fix: %s",
+                "nanguard: step %d: %s%s is %.4g, growing x%.4g a step: %s %s; fix: %s",
                 w.series[-1][0],
                 w.signal,
                 where,
                 w.value,
                 w.trend,
                 signal.blowup,
-                w.steps_left,
+                f"in about {w.steps_left} steps" if w.steps_left else "(armed now)",
                 fix,
             )
         if found and self._acts():
@@ -292,25 +367,13 @@ class PrecursorCheck:
         return c.precursor_lower_lr and c.policy == "auto" and not self._acted and not dist.is_distributed()
 
 
-def _stacked(norms: Sequence[torch.Tensor]) -> torch.Tensor:
-    device = norms[0].device
-    return torch.stack([n.float().to(device) for n in norms])
-
-
-def _per_module(
-    names: list[str],
-    a: torch.Tensor,
-    b: torch.Tensor,
-    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    signal: str,
-) -> Values:
-    """Sum ``a`` and ``b`` over each module's entries, then ``combine`` the sums: one value per module."""
-    order = list(dict.fromkeys(names))
-    index = torch.tensor([order.index(n) for n in names], device=a.device)
-    sa = torch.zeros(len(order), device=a.device).index_add_(0, index, a.float())
-    sb = torch.zeros(len(order), device=a.device).index_add_(0, index, b.float().to(a.device))
-    values = combine(sa, sb)
-    return {(module, signal): values[i] for i, module in enumerate(order)}
+def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """0-dim values as one float32 vector: one stack when they share a dtype and device, else each moved."""
+    try:
+        return torch.stack(values).float()  # type: ignore[arg-type]
+    except RuntimeError:
+        device = values[0].device
+        return torch.stack([v.float().to(device).reshape(()) for v in values])
 
 
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from nanguard.stats import local
-from nanguard.tracer.modules import ModuleStack
+from nanguard.tracer.modules import _user_modules
 
 __all__ = ["Capture", "Values", "layers", "owners_of"]
 
@@ -91,20 +91,27 @@ class Capture(TorchFunctionMode):
         self._tags: dict[int, tuple[weakref.ref[torch.Tensor], str, str]] = {}
         self._owners = owners if owners is not None else owners_of(model)
         self._layers = repeated if repeated is not None else layers(model)
-        self._stack = ModuleStack(model)
+        self._stack = _Names(model)
         self._hooks: list[Any] = []
         self._handlers: dict[Any, Callable[[Any, tuple, dict], None]] = {}
         for funcs, handler in ((_SOFTMAX, self._softmax), (_LOGZ, self._logz), (_TOPK, self._topk)):
             self._handlers.update(dict.fromkeys(funcs, handler))
         self._handlers[F.scaled_dot_product_attention] = self._sdpa
+        markers: dict[Any, Callable[[Any, tuple], None]] = dict.fromkeys(_MATMULS, self._matmul_out)
+        markers[F.linear] = self._linear_out
+        self._table: dict[Any, tuple[Any, Any]] = {
+            f: (self._handlers.get(f), markers.get(f)) for f in {*self._handlers, *markers}
+        }
 
     def __enter__(self) -> Capture:
+        self.values = {}
         self._stack.__enter__()
         self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in self._layers]
         return super().__enter__()
 
     def enter_within(self, module: nn.Module) -> Capture:
         """Install from inside ``module``'s own forward pre-hook (the stack enters it here)."""
+        self.values = {}
         self._stack.enter_within(module)
         self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in self._layers]
         super().__enter__()
@@ -132,22 +139,34 @@ class Capture(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        handler = self._handlers.get(func)
+        entry = self._table.get(func)  # one lookup an op: most ops only pass a tag on
+        if entry is None:
+            out = func(*args, **kwargs)
+            found = self._tags.get(id(args[0])) if args else None
+            if found is not None and found[0]() is args[0]:  # a freed tensor's id reused is no tag
+                self._mark(out, found[1], found[2])  # a scale, mask fill, split or view keeps the tag
+            return out
+        handler, marker = entry
         if handler is not None:
             handler(func, args, kwargs)
         out = func(*args, **kwargs)
-        if func is F.linear:
-            self._mark(out, _LINEAR, self._stack.current_name() or "")
-        elif func in _MATMULS and len(args) >= 2:
-            a, b = args[-2], args[-1]
-            param = next((t for t in (a, b) if isinstance(t, nn.Parameter)), None)
-            if param is not None:
-                self._mark(out, _LINEAR, self._owners.get(id(param), self._stack.current_name() or ""))
-            elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-                self._mark(out, _SCORE, self._stack.current_name() or "")
-        elif handler is None and args and isinstance(args[0], torch.Tensor) and (tag := self._tag(args[0])):
-            self._mark(out, *tag)  # a scale, mask fill, split or view of a tagged tensor keeps its tag
+        if marker is not None:
+            marker(out, args)
         return out
+
+    def _linear_out(self, out: Any, args: tuple) -> None:
+        self._mark(out, _LINEAR, self._stack.current_name() or "")
+
+    def _matmul_out(self, out: Any, args: tuple) -> None:
+        """A matmul with a parameter is a linear layer's output (its owner's); of two activations, a score."""
+        if len(args) < 2:
+            return
+        a, b = args[-2], args[-1]
+        param = a if isinstance(a, nn.Parameter) else b if isinstance(b, nn.Parameter) else None
+        if param is not None:
+            self._mark(out, _LINEAR, self._owners.get(id(param), self._stack.current_name() or ""))
+        elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            self._mark(out, _SCORE, self._stack.current_name() or "")
 
     # -- what each kind of call measures -------------------------------------------------
     def _softmax(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -193,8 +212,10 @@ class Capture(TorchFunctionMode):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) and output else output
             if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
-                with torch.no_grad():
-                    self._put(name, "output_rms", local(out).detach().float().square().mean().sqrt())
+                with torch._C.DisableTorchFunction():  # our own ops: not through the mode
+                    x = local(out).detach()
+                    rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
+                self._put(name, "output_rms", rms)
 
         return hook
 
@@ -205,15 +226,63 @@ class Capture(TorchFunctionMode):
         self.values[key] = value if seen is None else torch.maximum(seen, value.to(seen.device))
 
     def _mark(self, out: Any, kind: str, module: str) -> None:
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self._tags[id(t)] = (weakref.ref(t), kind, module)
+        if isinstance(out, torch.Tensor):
+            self._tags[id(out)] = (weakref.ref(out), kind, module)  # an integer tensor's tag is never asked for
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self._tags[id(t)] = (weakref.ref(t), kind, module)
 
     def _tag(self, t: torch.Tensor) -> tuple[str, str] | None:
         found = self._tags.get(id(t))
         if found is None or found[0]() is not t:  # a freed tensor's id reused
             return None
         return found[1], found[2]
+
+
+class _Names:
+    """The innermost running module's name, by two global module hooks: ``ModuleStack``'s names (as the
+    user wrote the model, built once) at a few calls a module. A module's own forward hooks run after
+    it has left (the capture attributes nothing to them)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self._names: dict[int, str] | None = None
+        self._named: list[str | None] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _Names:
+        if self._names is None:
+            self._names = {id(m): n for n, m in _user_modules(self.root)}
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._push),
+            nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
+        ]
+        return self
+
+    def enter_within(self, module: nn.Module) -> _Names:
+        """Install from inside ``module``'s own forward pre-hook: the global ones ran for it already."""
+        self.__enter__()
+        self._push(module, ())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._named.clear()
+
+    def _push(self, module: nn.Module, args: Any) -> None:
+        named = self._named
+        names = self._names or {}
+        named.append(names.get(id(module), named[-1] if named else None))  # outside the root: its parent's
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._named:
+            self._named.pop()
+
+    def current_name(self) -> str | None:
+        return self._named[-1] if self._named else None
 
 
 def _max_logit(x: torch.Tensor) -> torch.Tensor:
