@@ -167,10 +167,7 @@ class TitanGuard(LoopGuard):
                 return loss_fn(pred, labels, *args, **kwargs)
             m = micro[-1]
             m.extra["labels"] = labels
-            used, bad = labels, self._ids_bad
-            if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and self._vocab is not None:
-                used, bad_labels = _valid_labels(labels, self._vocab)
-                bad = bad_labels if bad is None else bad | bad_labels
+            used, bad = self._checked_labels(labels)
             vocab = self._vocab
 
             @functools.wraps(model.forward)
@@ -193,6 +190,15 @@ class TitanGuard(LoopGuard):
             return out
 
         return recorded
+
+    def _checked_labels(self, labels: Any) -> tuple[Any, torch.Tensor | None]:
+        """The labels the loss is given (ids outside the vocabulary made ignored) and whether this micro-batch's
+        token ids or labels were outside it, on the device (None: nothing to check)."""
+        bad = self._ids_bad
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or self._vocab is None:
+            return labels, bad
+        used, bad_labels = _valid_labels(labels, self._vocab)
+        return used, bad_labels if bad is None else bad | bad_labels
 
 
 def _summed_over_ranks(params: Sequence[torch.Tensor]) -> bool:
