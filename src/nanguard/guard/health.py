@@ -336,7 +336,7 @@ class HealthCheck:
         if self._param_norm is not None:
             bad = bad | torch.isfinite(self._param_norm.to(bad.device)).logical_not()
         seed = torch.where(bad, torch.nan, 1.0)
-        loss.register_hook(lambda grad: grad * seed.to(grad.dtype))  # a 0-dim factor: a DTensor grad takes it too
+        loss.register_hook(lambda grad: compat.times_local(grad, seed))  # a DTensor grad: on this rank's values
 
     def on_device(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
         """This rank's step as device scalars. ``loop_norm``: the norm the loop's clip computed before
