@@ -47,7 +47,7 @@ IGNORE_INDEX = -100
 
 class TitanGuard(LoopGuard):
     """``LoopGuard`` for torchtitan's ``Trainer``: checks each ``self.optimizers.step()`` and skips,
-    rolls back or raises, every rank agreeing, with one added all-reduce a step.
+    rolls back or raises, every rank agreeing; a healthy step reads the norm the trainer's clip reduced.
 
     ``model_parts`` is the trainer's ``self.model_parts``. Without pipeline parallelism it holds
     one model; under pipeline parallelism, this rank's stage(s): the first is guarded (the one
