@@ -398,7 +398,9 @@ def inner_tensor(t: torch.Tensor) -> torch.Tensor | None:
 # DTensor") on some meshes, and times a replicated DTensor factor may redistribute.
 def times_local(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """``t`` times a 0-dim ``factor`` on this rank's values alone (a DTensor's local tensor, its placements
-    kept; no communication), for a gradient hook."""
+    kept; a DTensor factor's local value; no communication), for a gradient hook."""
+    own = inner_tensor(factor)
+    factor = own if own is not None else factor
     inner = getattr(t, "_local_tensor", None)
     if not isinstance(inner, torch.Tensor):
         return t * factor.to(t.dtype)
