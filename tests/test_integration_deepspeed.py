@@ -644,4 +644,7 @@ def test_zero0_and_zero3_a_loss_nan_only_in_a_logged_term_reaches_every_rank() -
 
 @pytest.mark.slow
 def test_zero0_and_zero3_healthy_identical_and_a_logged_nan_on_either_rank_reaches_every_rank() -> None:
-    _logged_fault_runs([0, 3], [(0, 0), (3, 1)])
+    """ZeRO-0 healthy at 3 ranks, and the other rank of each stage. ZeRO-3's healthy identity is the count's
+    (``tests/test_sync_count.py``, 2 ranks): at 3 ranks the last rank's flat fp32 partition ends in padding that
+    DeepSpeed leaves uninitialized, which differs between any two runs, guarded or not."""
+    _logged_fault_runs([0], [(0, 0), (3, 1)])
