@@ -173,13 +173,13 @@ time in the ranks' agreement, if any; "collectives added" counts the `torch.dist
 against 4 unguarded ones, per step.
 Reproduce: `DS_ACCELERATOR=cpu .venv/bin/python benchmarks/deepspeed_overhead.py --repeats {repeats} --rounds {rounds}`.
 
-Against the 1.02x target, in this run: {verdict}. At ZeRO-1 and ZeRO-2 a healthy step adds no collective: the
-guard takes the global grad norm ZeRO reduces for its own step (`scaled_global_norm`, taken just before the
-step, which then reuses it), non-finite on every rank when any rank's partition is; a rank's non-finite loss
-seeds its own gradients with NaN in their backward, so it reaches that norm too. At ZeRO-3 the guard still adds
-its one small all-reduce. The guard's own time a step, against the unguarded step: {own}; its compute (the norm
-over this rank's gradient partition, the records, the loss, the one host read) is the same milliseconds on a
-real model's far longer steps.
+Against the 1.02x target, in this run: {verdict}. At every stage, with DeepSpeed's clipping, a healthy step adds no
+collective: the guard takes the global grad norm the engine reduces for its own step (ZeRO-1/2's
+`scaled_global_norm`, ZeRO-3's group norms, ZeRO-0's fp32 clip; taken just before the step, which then reuses it),
+non-finite on every rank when any rank's gradients are; a rank's non-finite loss seeds its own gradients with NaN
+in their backward, so it reaches that norm too. The guard's own time a step, against the unguarded step: {own}; its
+compute (the norm over this rank's gradient partition, the records, the loss, the one host read) is the same
+milliseconds on a real model's far longer steps.
 """
 
 

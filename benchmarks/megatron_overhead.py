@@ -113,15 +113,15 @@ as seen by rank 0, one intra-op thread per rank. The machine is shared, so the r
 {machine()}. Reproduce: `.venv/bin/python benchmarks/megatron_overhead.py --rounds {rounds}`.
 
 The collectives are counted at the dispatcher for one step of each (every c10d and functional op,
-`tests/_sync_count.py`). The guard reads the
-gradient norm Megatron's optimizer reduces for its clip (its clip then reuses it: no second reduction); that norm
-is non-finite on every rank when any rank's gradients are, and each rank's loss rides in its gradients (a
-non-finite one seeds their backward with NaN), so a healthy step adds no collective; only a step with a
-non-finite norm makes the ranks agree on who flagged what. Under pipeline parallelism (not measured here) a stage
-before the last has no loss to carry its parameter check, and the ranks agree by one small all-reduce a step
-instead. Its other work a step is Python: the micro-batch record (inputs, RNG state), the loss, the check's one
-host read (Megatron's own `get_grad_norm` reads the norm to the host already). Not measured: GPUs, NCCL, a model
-of real size, where that fixed cost is a small share of a step."""
+`tests/_sync_count.py`). The guard reads the gradient norm Megatron's optimizer reduces for its clip (its clip then
+reuses it: no second reduction); that norm is non-finite on every rank when any rank's gradients are, and each
+rank's loss rides in its gradients (a non-finite one seeds their backward with NaN), so a healthy step adds no
+collective; only a step with a non-finite norm makes the ranks agree on who flagged what. Under tensor parallelism
+the same (the norm is reduced over the model-parallel group); under pipeline parallelism (not measured here) a
+stage before the last, which has no loss, carries its parameter check in the gradient its output receives back. Its
+other work a step is Python: the micro-batch record (inputs, RNG state), the loss, the check's one host read
+(Megatron's own `get_grad_norm` reads the norm to the host already). Not measured: GPUs, NCCL, a model of real
+size, where that fixed cost is a small share of a step."""
 
 
 def main() -> None:

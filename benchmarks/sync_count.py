@@ -156,10 +156,10 @@ What the rows show. Under `Guard.step(closure)` with DDP's default all-reduce th
 `ZeroRedundancyOptimizer`; inside `join()` and with `skip_spikes=True` at 3 ranks, one all-reduce of
 `2 x world_size + 2` float32. Under FSDP2, TP and 2D whose `Guard.step` closure clips, none (the flags ride in
 the clip's reduced norm); without a clip, and where `LoopGuard` checks after the loop's own clip (DDP, FSDP2, TP,
-2D), one. DeepSpeed ZeRO-1/2 with its clipping, torchtitan's `Trainer` under FSDP2 and Megatron-core under data
-parallelism: none (the guard reads the grad norm the engine reduces for its own clip). PP, ZeRO-0/3, torchtitan's
-and Megatron-core's TP and PP, the HF `Trainer` and OLMo-core: one all-reduce of `2 x world_size + 2` float32 a
-step.
+2D), one. DeepSpeed ZeRO 0-3 with its clipping, torchtitan's `Trainer` under FSDP2, TP and PP and Megatron-core
+under DP, TP and PP: none (the guard reads the grad norm the engine reduces for its own clip, which the engine
+then reuses; a rank's bad loss or parameter check rides in its gradients). PP under `Guard.step`, the HF
+`Trainer` and OLMo-core: one all-reduce of `2 x world_size + 2` float32 a step.
 Every configuration adds one host read (the agreed health, one `tolist`), except OLMo-core's `Trainer`, which
 also `.item()`s the guard's two metrics (`nanguard/skipped`, `nanguard/trips`, recorded without a reduce type)
 when it collects metrics (every step here). Steps that come every N: a replica-fingerprint step (every

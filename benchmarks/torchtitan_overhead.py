@@ -161,8 +161,9 @@ per step. One intra-op thread per rank; the machine is shared, so the ratio, not
 Reproduce: `.venv/bin/python benchmarks/torchtitan_overhead.py --rounds {rounds}`.
 
 A healthy step adds no collective: the guard reads the total norm torchtitan's clip has already reduced over the
-mesh (the same on every rank, non-finite on every rank when any rank's gradients are; a rank's non-finite loss
-seeds its own gradients with NaN in their backward, so it reaches that norm too). Only a step with a non-finite
+mesh (the same on every rank, non-finite on every rank when any rank's gradients are: under TP a replicated
+parameter's norm enters the clip's partial sum from every rank; a rank's non-finite loss seeds its own gradients
+with NaN in their backward, so it reaches that norm too). Only a step with a non-finite
 norm makes the ranks agree on who flagged what (one all-reduce, then the replay). "ratio" runs the steps back to
 back: a rank that falls behind (this machine is shared and loaded) is charged to whichever step waits for it;
 "synced" puts an untimed barrier before each timed step. What remains is the guard's own work a step (its norm

@@ -7,7 +7,9 @@ A run is a dict: ``tp``/``pp`` (model parallel sizes; data parallel is what is l
 (micro-batches per step), ``lr``, ``policy`` (None: unguarded), ``fault``: (kind, rank, step) with
 kind "data" (a NaN in the batch's float input), "ids" (a token id past the vocabulary), "log" (log of a
 negative in one module), "grad" (a NaN planted in one module's backward), "logged" (a NaN loss term
-that is only logged: the gradients finite), or ``diverge`` (an LR far too high on every rank).
+that is only logged: the gradients finite), "nan_row" (a word-embedding row no batch looks up NaN before
+the guard is built, on the first stage), or ``diverge`` (an LR far too high on every rank). A run the
+guard stops (``NonFiniteError``) records its diagnosis in ``trips``.
 """
 
 from __future__ import annotations
@@ -198,10 +200,12 @@ def regression_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor,
 def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     """``steps`` steps of Megatron's loop, guarded (``policy``) or not; what each rank saw."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from nanguard.errors import NonFiniteError
 
     chunks, optimizer, fault = build(run)
     dp_rank = parallel_state.get_data_parallel_rank()
+    bad_kind, bad_rank = (run.get("fault") or (None, -1, -1))[:2]
     guard = None
     step_func: Any = regression_step if run.get("regression") else forward_step
     if run.get("validate"):
@@ -209,18 +213,59 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
     if run.get("policy") is not None:
         from nanguard.integrations.megatron import MegatronGuard
 
+        if bad_kind == "nan_row" and rank == bad_rank:  # as a bad checkpoint loads it, before the guard
+            _nan_row(chunks, run)
         guard = MegatronGuard(chunks, optimizer, policy=run["policy"], **run.get("options", {}))
         step_func = guard.forward_step(step_func)
     counts = [0, 0]  # the chunk's training forwards, and the backwards through its output
     chunks[0].register_forward_pre_hook(lambda *a: counts.__setitem__(0, counts[0] + 1))
     step_func = _counted(step_func, counts)
-    forward_backward = get_forward_backward_func()
-    micro = run.get("micro", 1)
-    bad_kind, bad_rank, bad_step = run.get("fault") or (None, -1, -1)
     results: list[Any] = []
     losses: list[float] = []
     trips: list[dict[str, Any]] = []  # each skipped step's diagnosis, in order
     said: list[str] = []
+    try:
+        _loop(run, rank, dp_rank, chunks, optimizer, fault, step_func, guard, results, losses, trips, said)
+    except NonFiniteError as err:  # policy="raise", or a loaded NaN no skip repairs: every rank stops
+        trips.append(err.diagnosis.to_dict())
+        said.append("raised")
+    out: dict[str, Any] = {
+        "results": [[bool(r[0]), None if r[1] is None else float(r[1])] for r in results],
+        "losses": losses,
+        "weights": weights(chunks),
+        "forwards": counts[0],
+        "backwards": counts[1],
+        "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters()),
+    }
+    if guard is not None:
+        diag = guard.last_diagnosis
+        out["skipped"] = guard.skipped
+        out["diagnosis"] = diag.to_dict() if diag is not None else None
+        out["trips"], out["said"] = trips, said
+        guard.close()
+    return out
+
+
+def _loop(
+    run: dict[str, Any],
+    rank: int,
+    dp_rank: int,
+    chunks: list[nn.Module],
+    optimizer: Any,
+    fault: Fault,
+    step_func: Any,
+    guard: Any,
+    results: list[Any],
+    losses: list[float],
+    trips: list[dict[str, Any]],
+    said: list[str],
+) -> None:
+    """Megatron's loop: ``steps`` of forward_backward_func then optimizer.step(), the fault planted."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward = get_forward_backward_func()
+    micro = run.get("micro", 1)
+    bad_kind, bad_rank, bad_step = run.get("fault") or (None, -1, -1)
     for step in range(run.get("steps", 3)):
         batches = [batch(dp_rank, step, m) for m in range(micro)]
         here = rank == bad_rank and step == bad_step
@@ -249,21 +294,20 @@ def train(run: dict[str, Any], rank: int) -> dict[str, Any]:
         if guard is not None and guard.step_skipped and guard.last_diagnosis is not None:
             trips.append(guard.last_diagnosis.to_dict())
             said.append(str(guard.last_diagnosis))
-    out: dict[str, Any] = {
-        "results": [[bool(r[0]), None if r[1] is None else float(r[1])] for r in results],
-        "losses": losses,
-        "weights": weights(chunks),
-        "forwards": counts[0],
-        "backwards": counts[1],
-        "finite": all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters()),
-    }
-    if guard is not None:
-        diag = guard.last_diagnosis
-        out["skipped"] = guard.skipped
-        out["diagnosis"] = diag.to_dict() if diag is not None else None
-        out["trips"], out["said"] = trips, said
-        guard.close()
-    return out
+
+
+def _nan_row(chunks: list[nn.Module], run: dict[str, Any]) -> None:
+    """A word-embedding row no batch of the run looks up made NaN (this rank holds the embedding: the first
+    pipeline stage): only the parameter check can see it."""
+    from megatron.core.utils import unwrap_model
+
+    steps, micro = run.get("steps", 3), run.get("micro", 1)
+    tokens = [batch(r, s, m)["tokens"] for r in range(2) for s in range(steps) for m in range(micro)]
+    used = {int(t) for ids in tokens for t in ids.flatten()}
+    row = min(set(range(VOCAB)) - used)
+    weight = unwrap_model(chunks[0]).embedding.word_embeddings.weight
+    with torch.no_grad():
+        weight[row] = float("nan")
 
 
 def _counted(step_func: Any, counts: list[int]) -> Any:

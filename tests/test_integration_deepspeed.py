@@ -599,27 +599,52 @@ def test_a_wrapper_whose_zero_grad_takes_no_set_to_none_survives_a_trip() -> Non
     assert model.cleared >= 2
 
 
-def test_zero2_a_loss_nan_only_in_a_logged_term_on_rank_0_or_the_middle_rank_reaches_every_rank() -> None:
-    """ZeRO-2 (fp32, DeepSpeed's default clip at 1.0) on 3 ranks, the guard reading the global grad norm ZeRO
-    reduces for its own step (``tests/test_sync_count.py`` counts a healthy step's collectives): a healthy guarded
-    run is bit-identical to the unguarded one, and a loss that is NaN only in a term it logs (its gradients
-    finite) on rank 0, then on rank 1 (the middle one), still reaches every rank through that reduction: skipped
-    everywhere, named on its rank."""
-    base = {"stage": 2, "dtype": "fp32", "steps": STEPS}
-    cases = [
-        base,
-        {**base, "policy": "skip"},
-        *({**base, "policy": "skip", "fault": ("logged", r, 1)} for r in (0, 1)),
-    ]
+def _logged_fault_runs(healthy: list[int], faults: list[tuple[int, int]]) -> None:
+    """ZeRO stages (fp32, ``gradient_clipping`` 1.0) on 3 ranks in one spawn, the guard reading the global grad
+    norm the engine reduces for its own clip (``tests/test_sync_count.py`` counts a healthy step's collectives):
+    for each ``healthy`` stage, a guarded run bit-identical to the unguarded one; for each ``(stage, rank)`` of
+    ``faults``, a loss that is NaN only in a term it logs (its gradients finite) on that rank reaches every rank
+    through that reduction: skipped everywhere, named on its rank."""
+    cases = []
+    for stage in healthy:
+        base = {"stage": stage, "dtype": "fp32", "steps": STEPS, "clip": 1.0}
+        cases += [base, {**base, "policy": "skip"}]
+    for stage, bad_rank in faults:
+        cases.append({"stage": stage, "dtype": "fp32", "steps": STEPS, "clip": 1.0, "policy": "skip",
+                      "fault": ("logged", bad_rank, 1)})  # fmt: skip
     results = spawn_ranks(run_cases, cases, world=3, timeout=600)
-    for rank, (plain, guarded, *faulted) in enumerate(results):
-        assert plain["error"] is None and guarded["error"] is None, (rank, plain["error"], guarded["error"])
-        assert guarded["weights"] == plain["weights"] and guarded["losses"] == plain["losses"], rank
-        assert guarded["skipped"] == 0
-        for bad_rank, run in zip((0, 1), faulted, strict=True):
+    for rank, runs in enumerate(results):
+        for at, stage in enumerate(healthy):
+            plain, guarded = runs[2 * at : 2 * at + 2]
+            where = f"ZeRO-{stage} rank {rank}"
+            assert plain["error"] is None and guarded["error"] is None, (where, plain["error"], guarded["error"])
+            assert guarded["weights"] == plain["weights"] and guarded["losses"] == plain["losses"], where
+            assert guarded["skipped"] == 0, where
+        for (stage, bad_rank), run in zip(faults, runs[2 * len(healthy) :], strict=True):
+            where = f"ZeRO-{stage}, NaN on rank {bad_rank}, seen on rank {rank}"
             diag = run["diagnosis"]
-            assert run["error"] is None, run["error"]
-            assert run["skipped"] == run["skipped_steps"] == 1, (rank, bad_rank)
-            assert diag is not None and diag["step"] == 1, (rank, bad_rank)
-            assert (diag["cause"], diag["module"], diag["rank"]) == ("op.log_domain", "act", bad_rank), diag
-            assert all(math.isfinite(w) for w in run["weights"])
+            assert run["error"] is None, (where, run["error"])
+            assert run["skipped"] == run["skipped_steps"] == 1, where
+            assert diag is not None and diag["step"] == 1, where
+            assert (diag["cause"], diag["module"], diag["rank"]) == ("op.log_domain", "act", bad_rank), (where, diag)
+            assert all(math.isfinite(w) for w in run["weights"]), where
+
+
+def test_zero2_a_loss_nan_only_in_a_logged_term_on_rank_0_or_the_middle_rank_reaches_every_rank() -> None:
+    """ZeRO-2 rides ``scaled_global_norm``: healthy bit-identical, a logged NaN on rank 0 then on rank 1 (the
+    middle one) skipped everywhere (``_logged_fault_runs``)."""
+    _logged_fault_runs([2], [(2, 0), (2, 1)])
+
+
+def test_zero0_and_zero3_a_loss_nan_only_in_a_logged_term_reaches_every_rank() -> None:
+    """ZeRO-0 rides its fp32 clip's norm, ZeRO-3 its groups' norms: a logged NaN on the middle rank under ZeRO-0,
+    on rank 0 under ZeRO-3, skipped everywhere (the other ranks and the healthy runs: the slow variant)."""
+    _logged_fault_runs([], [(0, 1), (3, 0)])
+
+
+@pytest.mark.slow
+def test_zero0_and_zero3_healthy_identical_and_a_logged_nan_on_either_rank_reaches_every_rank() -> None:
+    """ZeRO-0 healthy at 3 ranks, and the other rank of each stage. ZeRO-3's healthy identity is the count's
+    (``tests/test_sync_count.py``, 2 ranks): at 3 ranks the last rank's flat fp32 partition ends in padding that
+    DeepSpeed leaves uninitialized, which differs between any two runs, guarded or not."""
+    _logged_fault_runs([0], [(0, 0), (3, 1)])

@@ -101,6 +101,12 @@ def runs() -> dict[str, list[list[dict[str, Any]]]]:
         "alone": [{"dist_opt": True, "steps": STEPS, "fault": ("grad", 1, BAD_STEP)}],
         "nan_check": [{**NAN_CHECK, "fault": ("grad", 0, BAD_STEP)}],
         "validate": [{"validate": True, "steps": STEPS, "policy": "skip", "fault": ("data", 1, BAD_STEP)}],
+        # Riding Megatron's norm under TP and PP: a loss NaN only in a logged term on TP rank 0; an embedding
+        # row no batch looks up NaN on PP stage 0, which computes no loss.
+        "ride": [
+            {**TP, "steps": STEPS, "policy": "skip", "fault": ("logged", 0, BAD_STEP)},
+            {**PP, "steps": STEPS, "policy": "skip", "fault": ("nan_row", 0, 0)},
+        ],
     }
     flat = [case for cases in groups.values() for case in cases]
     results = spawn_ranks(run_cases, flat, world=2, timeout=900)
@@ -228,3 +234,42 @@ def test_a_nan_only_in_a_logged_loss_term_on_rank_0_or_the_middle_rank_reaches_e
             assert (diag["cause"], diag["rank"]) == ("op.log_domain", bad_rank), diag
             assert [r[0] for r in run["results"]] == [s != BAD_STEP for s in range(STEPS)], (rank, bad_rank)
             assert run["skipped"] == 1 and run["finite"]
+
+
+def _check_ridden(tp_logged: dict[str, Any], pp_nan_row: dict[str, Any], where: str) -> None:
+    for run in (tp_logged, pp_nan_row):
+        assert "error" not in run, (where, run.get("error"))
+    diag = tp_logged["diagnosis"]
+    assert diag is not None and (diag["cause"], diag["rank"], diag["step"]) == ("op.log_domain", 0, BAD_STEP), diag
+    assert [r[0] for r in tp_logged["results"]] == [s != BAD_STEP for s in range(STEPS)], where
+    assert tp_logged["skipped"] == 1 and tp_logged["finite"], where
+    (stopped,) = pp_nan_row["trips"]  # a loaded NaN is no step's to skip: every rank stops at the first step
+    assert pp_nan_row["said"] == ["raised"] and pp_nan_row["results"] == [], where
+    assert (stopped["cause"], stopped["phase"], stopped["rank"]) == ("parameters.nonfinite", "parameters", 0), stopped
+
+
+def test_under_tp_and_pp_the_flags_ride_in_megatrons_norm_from_rank_0(runs: dict[str, Any]) -> None:
+    """TP 2: rank 0's loss alone NaN (a logged term; its gradients finite) rides in its output layer's gradient
+    shards into the norm Megatron reduces over the model-parallel group: skipped on both ranks, named on rank 0.
+    PP 2: stage 0 computes no loss; an embedding row no batch looks up, NaN from the start, rides in the gradient
+    its output receives back: both ranks stop at the first step, naming rank 0's parameters."""
+    for rank, (tp_logged, pp_nan_row) in enumerate(runs["ride"]):
+        _check_ridden(tp_logged, pp_nan_row, f"rank {rank}")
+
+
+@pytest.mark.slow
+def test_under_tp_and_pp_the_flags_ride_from_either_rank_healthy_bit_identical() -> None:
+    """The long variant: TP and PP healthy bit-identical, a logged loss NaN on either TP rank, the PP stage-0 row."""
+    cases = [
+        *_cases(TP, [("log", 0)]),
+        *_cases(PP, [("log", 1)]),
+        *({**TP, "steps": STEPS, "policy": "skip", "fault": ("logged", r, BAD_STEP)} for r in (0, 1)),
+        {**PP, "steps": STEPS, "policy": "skip", "fault": ("nan_row", 0, 0)},
+    ]
+    results = spawn_ranks(run_cases, cases, world=2, timeout=1200)
+    _check([r[:3] for r in results], TP, [("log", 0)])
+    _check([r[3:6] for r in results], PP, [("log", 1)])
+    for rank, runs in enumerate(results):
+        _check_ridden(runs[6], runs[8], f"rank {rank}")
+        diag = runs[7]["diagnosis"]
+        assert (diag["cause"], diag["rank"]) == ("op.log_domain", 1) and runs[7]["skipped"] == 1, (rank, diag)

@@ -76,6 +76,10 @@ def runs() -> dict[str, list[dict]]:
         "fsdp_disabled": ["fsdp", None, 0, "skip", {"disabled": True}],
         # FSDP2 reading the clip's norm: a token id past the vocabulary on rank 0, no check_batch (its loss alone NaN).
         "fsdp_token_rank0": ["fsdp", "token", 0, "skip"],
+        # The Trainer under TP reading its clip's norm: rank 0's loss alone NaN (its ids made valid).
+        "trainer_tp_token_rank0": ["trainer:tp", "token", 0, "skip"],
+        # The Trainer under PP: stage 0 (no loss) holds an embedding row NaN that no batch looks up.
+        "trainer_pp_nan_row_rank0": ["trainer:pp", "nan_row", 0, "skip", {"steps": 2}],
     }
     results = spawn_ranks(_cases, list(cases.values()), world=2, timeout=420)
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(cases)}
@@ -319,6 +323,53 @@ def test_a_token_id_past_the_vocabulary_on_rank0_reaches_every_rank_through_the_
     d = _diag(ranks)
     assert (d["cause"], d["rank"], d["step"]) == ("data.index_out_of_range", 0, 2)
     assert [r["skipped"] for r in ranks] == [[2], [2]]
+
+
+@pytest.mark.dist
+def test_under_tp_a_loss_nan_on_rank0_alone_reaches_the_other_rank_through_the_clips_norm(
+    runs: dict[str, list[dict]],
+) -> None:
+    """torchtitan's Trainer under TP, no check_batch: rank 0's loss alone is NaN (a token id past the vocabulary,
+    made valid: its gradients finite). The NaN seeded in rank 0's gradient of the model's output reaches the
+    norm torchtitan's clip reduces (a replicated parameter's norm enters its partial sum on every rank), which
+    the other rank reads: skipped on both at the trainer's step 3, named on rank 0."""
+    ranks = runs["trainer_tp_token_rank0"]
+    d = _diag(ranks)
+    assert (d["cause"], d["rank"], d["ranks"], d["step"]) == ("data.index_out_of_range", 0, [0], 2)
+    assert [r["skipped"] for r in ranks] == [[3], [3]]
+    assert all(len(r["losses"]) == 3 and all(map(math.isfinite, r["losses"])) for r in ranks)
+
+
+@pytest.mark.dist
+def test_under_pp_a_nan_parameter_of_the_stage_without_the_loss_reaches_the_last_stage(
+    runs: dict[str, list[dict]],
+) -> None:
+    """torchtitan's Trainer under PP: stage 0 (rank 0) computes no loss and holds an embedding row NaN that no
+    batch looks up (the loss and every gradient finite). Its parameter check rides in the gradient its output
+    receives back, into the norm the clip sums over the stages: both ranks stop (a loaded NaN is no step's to
+    skip), naming the row's module on rank 0."""
+    ranks = runs["trainer_pp_nan_row_rank0"]
+    assert all(r["raised"] for r in ranks)
+    d = _diag(ranks)
+    expected = ("parameters.nonfinite", "tok_embeddings", "parameters", 0)
+    assert (d["cause"], d["module"], d["phase"], d["rank"]) == expected
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_loss_nan_alone_on_either_rank_under_tp_is_skipped_on_both() -> None:
+    """The long variant: rank 0's or rank 1's loss alone NaN in the Trainer under TP (under full_dtensor, whose
+    loss and model output are DTensors on a 2-D mesh, the seed rides on their local values:
+    ``test_torchtitans_own_trainer_in_every_setup``'s faults on each rank)."""
+    from nanguard.zoo.spawn import spawn_ranks
+
+    cases = [["trainer:tp", "token", bad, "skip"] for bad in (0, 1)]
+    results = spawn_ranks(_cases, cases, world=2, timeout=1200)
+    for at, bad in enumerate((0, 1)):
+        ranks = [r[at] for r in results]
+        d = _diag(ranks)
+        assert (d["cause"], d["rank"], d["ranks"]) == ("data.index_out_of_range", bad, [bad]), bad
+        assert [r["skipped"] for r in ranks] == [[3], [3]], bad
 
 
 @pytest.mark.dist

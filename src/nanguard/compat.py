@@ -394,6 +394,24 @@ def inner_tensor(t: torch.Tensor) -> torch.Tensor | None:
     return inner if isinstance(inner, torch.Tensor) else None
 
 
+# Known to work: torch 2.13.0. ``DTensor.from_local`` with the DTensor's own mesh, placements, shape and stride
+# makes no collective (``run_check=False``); a DTensor times a plain tensor raises ("got mixed torch.Tensor and
+# DTensor") on some meshes, and times a replicated DTensor factor may redistribute.
+def times_local(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t`` times a 0-dim ``factor`` on this rank's values alone (a DTensor's local tensor, its placements
+    kept; a DTensor factor's local value; no communication), for a gradient hook."""
+    own = inner_tensor(factor)
+    factor = own if own is not None else factor
+    inner = getattr(t, "_local_tensor", None)
+    if not isinstance(inner, torch.Tensor):
+        return t * factor.to(t.dtype)
+    from torch.distributed.tensor import DTensor
+
+    dt: Any = t
+    local = inner * factor.to(inner.device, inner.dtype)
+    return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
+
+
 # Known to work: torch 2.13.0. The op namespaces of communication: torch.distributed's own
 # ops (``c10d``: send, recv_, allreduce_, the process-group collectives), the functional
 # collectives DTensor redistributes with (``_c10d_functional``: all_reduce, wait_tensor,

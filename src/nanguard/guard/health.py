@@ -338,7 +338,7 @@ class HealthCheck:
         if self._param_norm is not None:
             bad = bad | torch.isfinite(self._param_norm.to(bad.device)).logical_not()
         seed = torch.where(bad, torch.nan, 1.0)
-        loss.register_hook(lambda grad: grad * seed.to(grad.dtype))  # a 0-dim factor: a DTensor grad takes it too
+        loss.register_hook(lambda grad: compat.times_local(grad, seed))  # a DTensor grad: on this rank's values
 
     def on_device(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
         """This rank's step as device scalars. ``loop_norm``: the norm the loop's clip computed before
@@ -347,8 +347,9 @@ class HealthCheck:
         device = gn.device if gn is not None else _device_of(loss)
         gn = gn if gn is not None else torch.zeros((), device=device)
         pn = self._take_param_norm()
-        pn = pn.to(device) if pn is not None else gn.new_zeros(())
-        lv = _loss_scalar(loss, device)
+        pn = _own(pn.to(device)) if pn is not None else gn.new_zeros(())
+        lv = _own(_loss_scalar(loss, device))  # a DTensor loss or norm: this rank's own value
+        gn = _own(gn)
         # One isfinite over [loss, grad norm, parameter norm], and the flags looked up from its
         # three bits: few kernels on the step's path.
         bad = torch.isfinite(torch.stack([lv, gn, pn])).logical_not_()
@@ -753,6 +754,12 @@ def _to32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` as a float32 scalar on ``device`` (the callers pass one that is not one already: no
     kernel on the step's path)."""
     return t.to(device, torch.float32).reshape(())
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own value of a DTensor scalar (its local tensor), else ``t``."""
+    inner = compat.inner_tensor(t)
+    return inner if inner is not None else t
 
 
 def _without_grad(fn: Callable[..., torch.Tensor | None], *args: Any) -> torch.Tensor | None:

@@ -235,7 +235,8 @@ class DeepSpeedGuard(LoopGuard):
         return self.announce and super()._announces()
 
     def _loop_norm(self) -> torch.Tensor | None:
-        """ZeRO-1/2's global grad norm of the step, reduced over the ranks by the engine (unscaled); else the clip's."""
+        """The step's global grad norm as the engine reduced it (unscaled, ``EngineState.reduced_norm``); else the
+        clip's."""
         taken, norm, self._norm = super()._loop_norm(), self._norm, None
         return taken if norm is None else norm
 
@@ -289,13 +290,10 @@ class EngineState:
         self.optimizer = inner
         # ZeRO-1/2 with the optimizer offloaded to the CPU (ZeRO-3 keeps its flat gradient buffer either way).
         self.offload = bool(getattr(self.zero, "cpu_offload", False))
-        # ZeRO-1/2 reduce the step's global grad norm in their step (``scaled_global_norm``, one all-reduce per
-        # parameter group): taken before the step, it is the check's, and the step reuses it. Not offloaded
-        # (the norm waits for the copies there) and not without ``compute_grad_norm``.
-        self.reduces_norm = (
-            self.stage in (1, 2) and not self.offload and bool(getattr(self.zero, "compute_grad_norm", False))
-        )
-        self._scaled_norm: torch.Tensor | None = None
+        self.reduces_norm = _reduces_norm(engine, self.zero, self.stage)
+        """The engine reduces the step's global grad norm itself (``_reduces_norm``): the check takes it
+        before the step (``reduced_norm``), the step reuses it (``norm_taken``)."""
+        self._scaled_norm: Any = None  # ZeRO-1/2: the scaled norm; ZeRO-3: the groups' norms; ZeRO-0: the clip's
 
     def grads(self) -> list[torch.Tensor]:
         """This rank's gradients as the engine keeps them at the accumulation boundary (scaled under fp16)."""
@@ -317,22 +315,40 @@ class EngineState:
         return norm / self.loss_scale() if self.fp16 else norm
 
     def reduced_norm(self) -> torch.Tensor | None:
-        """ZeRO-1/2's global grad norm of the step, by the engine's own reduction (Inf when any rank's partition,
-        which its loss and parameter check ride in, is non-finite), unscaled; None where it reduces none."""
+        """The step's global grad norm by the engine's own reduction, unscaled (non-finite when any rank's
+        gradients, which its loss and parameter check ride in, are); None where it reduces none. ZeRO-1/2:
+        ``scaled_global_norm``; ZeRO-3: its groups' norms (``_get_norm_groups``, combined as its step combines
+        them); ZeRO-0: its fp32 clip (``clip_fp32_gradients``, over the gradients its backward averaged), run
+        here instead of in the step: nothing touches the gradients between the two."""
         if not self.reduces_norm:
             return None
-        self._scaled_norm = self.zero.scaled_global_norm()
-        return self._scaled_norm / self.loss_scale() if self.fp16 else self._scaled_norm
+        if self.stage == 0:
+            params = self.engine.module.parameters()
+            self._scaled_norm = _ds.runtime.utils.clip_grad_norm_(
+                parameters=params, max_norm=self.engine.gradient_clipping(), mpu=self.engine.mpu
+            )
+            return self._scaled_norm.reshape(())
+        if self.stage >= 3:
+            self._scaled_norm = self.zero._get_norm_groups()
+            scaled = _ds.runtime.utils.combine_grad_norm_groups(self._scaled_norm)
+        else:
+            self._scaled_norm = scaled = self.zero.scaled_global_norm()
+        return scaled / self.loss_scale() if self.fp16 else scaled
 
     @contextlib.contextmanager
     def norm_taken(self) -> Iterator[None]:
-        """Inside the block, the engine's step reads the norm ``reduced_norm`` took instead of reducing it again."""
-        scaled, self._scaled_norm = self._scaled_norm, None
-        if scaled is None:
+        """Inside the block, the engine's step reads the norm ``reduced_norm`` took instead of reducing it again
+        (ZeRO-0: its clip, already made, is not made twice)."""
+        taken, self._scaled_norm = self._scaled_norm, None
+        if taken is None:
             yield
-            return
-        with _patched(self.zero, {"scaled_global_norm": lambda *args, **kwargs: scaled}):
-            yield
+        elif self.stage == 0:
+            with _patched(self.engine, {"clip_fp32_gradients": lambda: None}):
+                yield
+        else:
+            name = "_get_norm_groups" if self.stage >= 3 else "scaled_global_norm"
+            with _patched(self.zero, {name: lambda *args, **kwargs: taken}):
+                yield
 
     def loss_scale(self) -> float:
         """DeepSpeed's loss scale now (1 without fp16)."""
@@ -481,6 +497,22 @@ class LossScale:
 
 
 _SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _reduces_norm(engine: Any, zero: Any, stage: int) -> bool:
+    """Does the engine reduce the step's global grad norm where the check can take it before the step (and the
+    step reuse it)? ZeRO-1/2 (``scaled_global_norm``, with ``compute_grad_norm``) and ZeRO-3 (``_get_norm_groups``)
+    without the optimizer offloaded (the norm waits for the copies there) or ZeRO-3's Muon (its norm is of the
+    Muon update); ZeRO-0 in fp32 with ``gradient_clipping`` (its clip reduces the norm over the data-parallel
+    group) when the gradients are averaged by the backward (DeepSpeed's managed accumulation). The same on
+    every rank (the configuration is)."""
+    if stage in (1, 2):
+        return not getattr(zero, "cpu_offload", False) and bool(getattr(zero, "compute_grad_norm", False))
+    if stage >= 3:
+        return not getattr(zero, "offload_optimizer", False) and not getattr(zero, "use_muon", False)
+    plain = not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.torch_autocast_z0_gradscaler)
+    managed = engine.managed_gradient_accumulation() and engine.enable_backward_allreduce
+    return plain and managed and engine.gradient_clipping() > 0.0
 
 
 @contextlib.contextmanager

@@ -96,19 +96,7 @@ class MegatronGuard(GuardedCallback):
         run_dir: str | Path | None = None,
         **options: Any,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(
-                f"policy must be one of {list(POLICIES)} under Megatron (a rollback would have to restore "
-                f"Megatron's main parameters and optimizer shards), got {policy!r}"
-            )
-        chunks = [model] if isinstance(model, nn.Module) else list(model)
-        if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
-            raise ValueError(f"model must be Megatron's list of model chunks (nn.Module), got {model!r}")
-        if not isinstance(optimizer, _core.optimizer.MegatronOptimizer):
-            raise ValueError(
-                "optimizer must be the optimizer get_megatron_optimizer returned (a MegatronOptimizer), "
-                f"got {type(optimizer).__name__}"
-            )
+        chunks = _checked_arguments(model, optimizer, policy)
         guard_options(policy, options)
         self.chunks, self.optimizer = chunks, optimizer
         self.models = [_core.utils.unwrap_model(c) for c in chunks]
@@ -141,7 +129,7 @@ class MegatronGuard(GuardedCallback):
             Engine(
                 grad_norm=lambda: self._norm,
                 params=params,
-                reduces_norm=_data_parallel_only(),
+                reduces_norm=_norm_of_every_rank(),
                 watch=self._nan_check if self._nan_check.groups else None,
             )
         )
@@ -171,6 +159,7 @@ class MegatronGuard(GuardedCallback):
             self._received = []
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(functools.partial(self._received_grad, m))
+                self._carry_stage(output)
             return output, self._loss(m, loss_func)
 
         return recorded
@@ -225,6 +214,13 @@ class MegatronGuard(GuardedCallback):
             return original(input_tensor)
 
         return recorded
+
+    def _carry_stage(self, output: torch.Tensor) -> None:
+        """A pipeline stage before the last computes no loss: its parameter check rides in the gradient its
+        output receives back (``Guard.carry_flags``), so in every gradient of the stage and in the norm
+        Megatron reduces over the model-parallel group. The last stage's rides in its loss (``_loss``)."""
+        if self.guard is not None and not _core.parallel_state.is_pipeline_last_stage():
+            self.guard.carry_flags(output, checked=output.new_zeros((), dtype=torch.float32))
 
     def _received_grad(self, m: Micro, grad: torch.Tensor) -> None:
         if "loss_func" not in m.extra:  # a stage before the last: the gradient its output received back
@@ -368,22 +364,35 @@ class MegatronGuard(GuardedCallback):
 _NORM_METHOD = {False: "clip_grad_norm", True: "get_grad_norm"}
 
 
-def _data_parallel_only() -> bool:
-    """Does Megatron's clip norm stand for every rank's own gradients? Under data (and context) parallelism
-    alone: it is reduced after the data-parallel gradient reduction (the DistributedOptimizer's over every
-    rank), so a rank's NaN, its loss's riding in its gradients (``Guard.carry_flags``), reaches it. Not under
-    tensor parallelism (the norm leaves out a rank's duplicates of the replicated parameters), pipeline
-    parallelism (a stage before the last has no loss to carry its flags) or expert parallelism: there the
-    ranks agree by the guard's one small all-reduce. The same on every rank."""
-    ps = _core.parallel_state
-    return all(
-        size() == 1
-        for size in (
-            ps.get_tensor_model_parallel_world_size,
-            ps.get_pipeline_model_parallel_world_size,
-            ps.get_expert_model_parallel_world_size,
+def _checked_arguments(model: nn.Module | Sequence[nn.Module], optimizer: Any, policy: str) -> list[nn.Module]:
+    """``MegatronGuard``'s arguments checked: Megatron's model chunks (as a list), else a ValueError naming the
+    argument and what it accepts."""
+    if policy not in POLICIES:
+        raise ValueError(
+            f"policy must be one of {list(POLICIES)} under Megatron (a rollback would have to restore "
+            f"Megatron's main parameters and optimizer shards), got {policy!r}"
         )
-    )
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
+        raise ValueError(f"model must be Megatron's list of model chunks (nn.Module), got {model!r}")
+    if not isinstance(optimizer, _core.optimizer.MegatronOptimizer):
+        raise ValueError(
+            "optimizer must be the optimizer get_megatron_optimizer returned (a MegatronOptimizer), "
+            f"got {type(optimizer).__name__}"
+        )
+    return chunks
+
+
+def _norm_of_every_rank() -> bool:
+    """Does Megatron's clip norm stand for every rank's own gradients? It is reduced after the data-parallel
+    gradient reduction, over the model-parallel group (tensor x pipeline; the DistributedOptimizer's over every
+    rank), so a rank's NaN reaches it: its loss's and parameter check's riding in its gradients
+    (``Guard.carry_flags``; a pipeline stage before the last, in the gradient its output receives). Under
+    tensor parallelism a replicated parameter's gradient is counted on tensor-parallel rank 0 only: a NaN
+    there alone on another rank (none reaching a gradient of its own shards) is seen by the parameter check
+    after the update. Not under expert parallelism (its norm is reduced over another group): there the ranks
+    agree by the guard's one small all-reduce. The same on every rank."""
+    return _core.parallel_state.get_expert_model_parallel_world_size() == 1
 
 
 def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

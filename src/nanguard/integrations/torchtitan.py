@@ -47,7 +47,7 @@ IGNORE_INDEX = -100
 
 class TitanGuard(LoopGuard):
     """``LoopGuard`` for torchtitan's ``Trainer``: checks each ``self.optimizers.step()`` and skips,
-    rolls back or raises, every rank agreeing, with one added all-reduce a step.
+    rolls back or raises, every rank agreeing; a healthy step reads the norm the trainer's clip reduced.
 
     ``model_parts`` is the trainer's ``self.model_parts``. Without pipeline parallelism it holds
     one model; under pipeline parallelism, this rank's stage(s): the first is guarded (the one
@@ -105,18 +105,18 @@ class TitanGuard(LoopGuard):
         self._watch(model, optimizers, guard, scheduler=lr_schedulers, mean=False, user=dist.unwrap(model))
         self._vocab = _vocab(self._user)
         # A first pipeline stage computes no loss to carry the flag: check_batch=True covers it there.
-        self._computes_loss = getattr(self._user, "lm_head", None) is not None
-        # The trainer's clip reduces the grad norm over the whole mesh each step (``dist_utils.clip_grad_norm_``):
-        # a healthy step is read from it where that norm sums every rank's own gradients (FSDP2, DDP). Not under
-        # pipeline parallelism (alike on every rank: no rank then holds both the embedding and the output layer),
-        # where a stage without the loss has nothing to carry its flags; not under tensor parallelism or HSDP,
-        # where the norm of a replicated parameter's gradient is each rank's own.
-        if (
-            self._vocab is not None
-            and self._computes_loss
-            and _summed_over_ranks([p for g in optimizers.param_groups for p in g["params"]])
-        ):
+        self._computes_loss = _has_lm_head(self._user)
+        self._ride_clip(guard, optimizers)
+
+    def _ride_clip(self, guard: Guard, optimizers: torch.optim.Optimizer) -> None:
+        """The trainer's clip reduces the grad norm over the whole mesh each step (``dist_utils.clip_grad_norm_``),
+        and over the pipeline stages: a healthy step is read from it where that norm sums every rank's own
+        gradients (``_summed_over_ranks``). A stage without the loss carries its check in its output's gradient."""
+        pipelined = self._vocab is None or not self._computes_loss  # alike on every rank: no stage holds both
+        if _summed_over_ranks([p for g in optimizers.param_groups for p in g["params"]], pipelined=pipelined):
             guard.attach_engine(Engine(reduces_norm=True))
+            stages = [p for p in self.model_parts if not _has_lm_head(dist.unwrap(p))]
+            self._hooks += [p.register_forward_hook(self._carry_stage) for p in stages]
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The forward's token ids made valid before the embedding reads them, without a host read: an id
@@ -133,6 +133,14 @@ class TitanGuard(LoopGuard):
             return None
         args, kwargs, self._ids_bad = _valid_tokens(args, kwargs, self._vocab)
         return (args, kwargs) if self._ids_bad is not None else None
+
+    def _carry_stage(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A pipeline stage's training forward without the loss: its parameter check rides in the gradient its
+        output receives back, into the norm the clip reduces over the stages (``Guard.carry_flags``)."""
+        guard = self.guard
+        if guard is None or self._capture.replaying or not module.training or not isinstance(output, torch.Tensor):
+            return
+        guard.carry_flags(output, checked=_local(output).new_zeros((), dtype=torch.float32))
 
     def _loop_norm(self) -> torch.Tensor | None:
         """The norm torchtitan's clip reduced over the mesh (a plain tensor, the same on every rank), read as
@@ -167,10 +175,7 @@ class TitanGuard(LoopGuard):
                 return loss_fn(pred, labels, *args, **kwargs)
             m = micro[-1]
             m.extra["labels"] = labels
-            used, bad = labels, self._ids_bad
-            if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and self._vocab is not None:
-                used, bad_labels = _valid_labels(labels, self._vocab)
-                bad = bad_labels if bad is None else bad | bad_labels
+            used, bad = self._checked_labels(labels)
             vocab = self._vocab
 
             @functools.wraps(model.forward)
@@ -194,19 +199,37 @@ class TitanGuard(LoopGuard):
 
         return recorded
 
+    def _checked_labels(self, labels: Any) -> tuple[Any, torch.Tensor | None]:
+        """The labels the loss is given (ids outside the vocabulary made ignored) and whether this micro-batch's
+        token ids or labels were outside it, on the device (None: nothing to check)."""
+        bad = self._ids_bad
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or self._vocab is None:
+            return labels, bad
+        used, bad_labels = _valid_labels(labels, self._vocab)
+        return used, bad_labels if bad is None else bad | bad_labels
 
-def _summed_over_ranks(params: Sequence[torch.Tensor]) -> bool:
-    """Does a clip's total norm of these parameters' gradients, made whole, add up every rank's own gradients?
-    Plain parameters (replicated by DDP, which averages their gradients first) or DTensors sharded on every
-    dimension of a mesh of the whole world (FSDP2); a ``Replicate`` placement (TP, HSDP) keeps a rank's own."""
-    world = dist.world_size()
+
+def _summed_over_ranks(params: Sequence[torch.Tensor], *, pipelined: bool) -> bool:
+    """Does torchtitan's clip's total norm of these parameters' gradients add up every rank's own gradients?
+    Plain parameters (replicated by DDP, which averages their gradients first; or a pipeline stage of one rank),
+    or DTensors on one mesh, of the whole world (or, ``pipelined``, of a stage: the clip then sums the stages'
+    norms over the pipeline mesh), with some parameter sharded on each of its dimensions: the total norm is then
+    a partial sum over every dimension, into which a replicated parameter's norm enters each rank's own (scaled
+    by ``1 / size ** (1 / p)``), so a NaN in any rank's gradient reaches it (FSDP2, TP, 2D). A dimension where
+    every parameter is replicated (HSDP's) keeps a rank's own there: not ridden."""
     placed = [p for p in params if getattr(p, "placements", None) is not None]
     if not placed:
         return True
-    return len(placed) == len(params) and all(
-        p.device_mesh.size() == world and all(pl.is_shard() for pl in p.placements)  # type: ignore[attr-defined]
-        for p in placed
-    )
+    mesh: Any = placed[0].device_mesh  # type: ignore[attr-defined]
+    if len(placed) != len(params) or any(p.device_mesh != mesh for p in placed):  # type: ignore[attr-defined]
+        return False
+    whole = mesh.size() == dist.world_size() or (pipelined and dist.world_size() % mesh.size() == 0)
+    sharded = [any(p.placements[d].is_shard() for p in placed) for d in range(mesh.ndim)]  # type: ignore[attr-defined]
+    return whole and all(sharded)
+
+
+def _has_lm_head(model: nn.Module) -> bool:
+    return getattr(model, "lm_head", None) is not None
 
 
 def _loss_value(out: Any) -> Any:

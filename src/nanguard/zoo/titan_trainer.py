@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from nanguard.zoo.titan import SEQ, VOCAB, _digest, _fields, _finish, _plant, model_config
+from nanguard.zoo.titan import SEQ, VOCAB, _digest, _fields, _finish, _nan_row, _plant, model_config
 
 __all__ = ["BAD_TRAINER_STEP", "cpu_patch", "trainer_config", "trainer_rank"]
 
@@ -103,6 +103,18 @@ def cpu_patch() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
 
 
+def _tokens(step: int, dp_rank: int, batch: int, seq_len: int) -> torch.Tensor:
+    """The synthetic loader's token ids of ``step`` on ``dp_rank`` (``seq_len + 1`` a row: inputs and labels)."""
+    g = torch.Generator().manual_seed(step * 10 + dp_rank)
+    return torch.randint(0, VOCAB, (batch, seq_len + 1), generator=g)
+
+
+def _unused_row(steps: int) -> int:
+    """The first embedding row no token of the first ``steps`` steps' batches looks up, on any rank."""
+    used = {int(t) for step in range(steps + 1) for r in range(2) for t in _tokens(step, r, 2, SEQ).flatten()}
+    return min(set(range(VOCAB)) - used)
+
+
 def _classes() -> tuple[Any, Any]:
     """The synthetic token loader and the absent tokenizer, as torchtitan configurables."""
     from torchtitan.components.dataloader import BaseDataLoader
@@ -121,8 +133,7 @@ def _classes() -> tuple[Any, Any]:
         def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
             step = 0
             while True:
-                g = torch.Generator().manual_seed(step * 10 + self.dp_rank)
-                x = torch.randint(0, VOCAB, (self.batch, self.seq_len + 1), generator=g)
+                x = _tokens(step, self.dp_rank, self.batch, self.seq_len)
                 yield {"input": x[:, :-1].contiguous()}, x[:, 1:].contiguous()
                 step += 1
 
@@ -273,7 +284,8 @@ def trainer_rank(
     loss: str = "chunked",
 ) -> dict[str, Any]:
     """Run torchtitan's ``Trainer.train()`` for ``steps`` steps; ``fault`` ("sqrt", "sqrt_grad": in
-    layers.1.feed_forward.w1; "token": a token id past the vocabulary in the first micro-batch)
+    layers.1.feed_forward.w1; "token": a token id past the vocabulary in the first micro-batch; "nan_row": an
+    embedding row no batch looks up NaN from the start, where it is held)
     on ``fault_rank`` at ``BAD_TRAINER_STEP``; ``policy`` None trains unguarded, else with the
     guard's lines added the way ``docs/torchtitan.md`` shows (a subclass here: no file of
     torchtitan's is edited)."""
@@ -291,6 +303,8 @@ def trainer_rank(
         watch = _Watch(trainer, guarded=policy is not None)
         if rank == fault_rank:
             _plant(model, fault, watch.on)
+            if fault == "nan_row":  # a row no batch looks up: only the parameter check can see it
+                _nan_row(model, _unused_row(steps))
             if fault == "token":
                 trainer.dataloader = _Poisoned(trainer.dataloader, watch.on)
         watch.count_forwards(model)
