@@ -167,7 +167,7 @@ class DeepSpeedGuard(LoopGuard):
 
     def _engine_backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
         if not self._capture.replaying and isinstance(loss, torch.Tensor):
-            self._losses.append(loss.detach().float().reshape(-1).mean())
+            self._losses.append(loss.detach())
             if self.guard is not None:
                 self.guard.carry_flags(loss)  # into ZeRO's reduced norm: every rank sees this rank's NaN loss
         return self._originals["backward"](loss, *args, **kwargs)
@@ -180,8 +180,7 @@ class DeepSpeedGuard(LoopGuard):
         self._norm = self.state.reduced_norm()  # ZeRO's own reduction of the step, taken before its step
         self._step_skipped = not self._decide()  # step_skipped: also an fp16 overflow the engine skips
         if not self._step_skipped:
-            with self.state.norm_taken():
-                out = step(*args, **kwargs)
+            out = self.state.step_taking_norm(step, *args, **kwargs)
             assert self.guard is not None
             self.guard.after_step()
             return out
@@ -246,7 +245,9 @@ class DeepSpeedGuard(LoopGuard):
         self._micro = micro
         if not losses:
             return super()._step_loss(micro)
-        stacked = torch.stack(losses)
+        if len(losses) == 1 and losses[0].ndim == 0 and losses[0].dtype == torch.float32:
+            return losses[0]  # one micro-batch's scalar loss: its own mean and sum
+        stacked = torch.stack([loss.float().reshape(-1).mean() for loss in losses])
         return stacked.mean() if self.mean else stacked.sum()
 
     def _replay(self, micro: list[Micro]) -> list[Any]:
@@ -324,15 +325,22 @@ class EngineState:
         self._scaled_norm = self.zero.scaled_global_norm()
         return self._scaled_norm / self.loss_scale() if self.fp16 else self._scaled_norm
 
-    @contextlib.contextmanager
-    def norm_taken(self) -> Iterator[None]:
-        """Inside the block, the engine's step reads the norm ``reduced_norm`` took instead of reducing it again."""
+    def step_taking_norm(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``step(*args, **kwargs)`` (the engine's), reading the norm ``reduced_norm`` took instead of reducing it
+        again (an attribute set and put back, not a context manager: this runs every step)."""
         scaled, self._scaled_norm = self._scaled_norm, None
         if scaled is None:
-            yield
-            return
-        with _patched(self.zero, {"scaled_global_norm": lambda *args, **kwargs: scaled}):
-            yield
+            return step(*args, **kwargs)
+        own = vars(self.zero)
+        saved = own.get("scaled_global_norm", _UNSET)
+        own["scaled_global_norm"] = lambda *args, **kwargs: scaled
+        try:
+            return step(*args, **kwargs)
+        finally:
+            if saved is _UNSET:
+                own.pop("scaled_global_norm", None)
+            else:
+                own["scaled_global_norm"] = saved
 
     def loss_scale(self) -> float:
         """DeepSpeed's loss scale now (1 without fp16)."""
@@ -481,6 +489,7 @@ class LossScale:
 
 
 _SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+_UNSET = object()
 
 
 @contextlib.contextmanager

@@ -421,18 +421,32 @@ def _batch_of(micro: list[Micro], forward: Callable[..., Any]) -> Any:
 
 
 def _named_arguments(fn: Callable[..., Any], m: Micro) -> dict[str, Any]:
-    try:
-        signature = _signature(getattr(fn, "__func__", fn), hasattr(fn, "__self__"))
-        bound = signature.bind(*m.args, **m.kwargs).arguments
-    except (TypeError, ValueError):  # no signature to read, or one the call does not fit
+    plan = _plan(getattr(fn, "__func__", fn), hasattr(fn, "__self__"), len(m.args), tuple(m.kwargs))
+    if plan is None:  # no signature to read, or one the call does not fit
         return {**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs}
-    named: dict[str, Any] = {}
-    for name, value in bound.items():
+    args, kwargs = m.args, m.kwargs
+    return {name: args[at] if isinstance(at, int) else kwargs[at] for name, at in plan}
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(
+    fn: Callable[..., Any], bound: bool, nargs: int, keys: tuple[str, ...]
+) -> tuple[tuple[str, int | str], ...] | None:
+    """Where each name of a call of ``fn`` with ``nargs`` positional arguments and the keywords ``keys`` takes its
+    value from (a position, or a keyword), by the signature: bound once per shape of call, as every step
+    calls alike. None when there is no signature to read, or the call does not fit it."""
+    try:
+        signature = _signature(fn, bound)
+        bound_arguments = signature.bind(*range(nargs), **{key: key for key in keys}).arguments
+    except (TypeError, ValueError):
+        return None
+    plan: list[tuple[str, int | str]] = []
+    for name, at in bound_arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
+            plan.extend((key, key) for key in at)
         elif kind is inspect.Parameter.VAR_POSITIONAL:
-            named.update({f"{name}[{i}]": a for i, a in enumerate(value)})
+            plan.extend((f"{name}[{i}]", position) for i, position in enumerate(at))
         else:
-            named[name] = value
-    return named
+            plan.append((name, at))
+    return tuple(plan)
