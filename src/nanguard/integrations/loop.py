@@ -366,10 +366,10 @@ def _signature(fn: Callable[..., Any], bound: bool) -> inspect.Signature:
 def _loss_of(output: Any) -> torch.Tensor | None:
     """A model's loss in its output: a one-element tensor, ``output["loss"]``, or the first
     one-element floating tensor among a tuple's items (nanoGPT's ``logits, loss``)."""
-    if isinstance(output, Mapping):
-        output = output.get("loss")
-    elif isinstance(output, (tuple, list)):
+    if isinstance(output, (tuple, list)):  # first: a Mapping's isinstance is an ABC's, slower
         output = next((t for t in output if _scalar(t)), None)
+    elif isinstance(output, Mapping):
+        output = output.get("loss")
     return output if _scalar(output) else None
 
 
