@@ -295,6 +295,9 @@ class LoopGuard(GuardedCallback):
         (``mean``) or summed; None (the gradients alone decide) when one is unknown."""
         if not micro or any(m.loss is None for m in micro):
             return None
+        first = micro[0].loss
+        if len(micro) == 1 and first is not None and first.ndim == 0 and first.dtype == torch.float32:
+            return first  # one micro-batch's float32 loss: its own mean and sum
         losses = torch.stack([m.loss.float().reshape(()) for m in micro])  # type: ignore[union-attr]
         return losses.mean() if self.mean else losses.sum()
 
