@@ -359,8 +359,8 @@ class HealthCheck:
     def read_by_norm(self, loss: Any, norm: Any, step: int, call: int) -> StepHealth | None:
         """Under ``reduces_norm``: a step read from the engine's reduced norm and this rank's loss alone, in one
         host read and without measuring anything else. A finite norm speaks for every rank (each rank's loss and
-        parameter check ride in it: ``carry``), so no rank flagged; None when the norm is non-finite, the
-        queued parameter check left for ``on_device`` (the ranks then agree on who flagged what).
+        parameter check ride in it: ``carry``), so no rank flagged; None when the norm is non-finite (the queued
+        parameter check left for ``on_device``: the ranks then agree on who flagged what) or in one process.
 
         Example:
             >>> health = check.read_by_norm(loss, engine_norm, step=7, call=7)   # None: agree instead
@@ -371,19 +371,20 @@ class HealthCheck:
         if self.scaler is not None:
             row.append(compat.scaler_scale(self.scaler).to(device).float().reshape(()))
         values: list[float] = torch.stack(row).tolist()  # the one host read of this step
-        if not math.isfinite(values[0]):
-            return None
+        group = compat.default_group()
+        if not math.isfinite(values[0]) or group is None or group.size() < 2:
+            return None  # one process reads its own norm (``DeviceHealth.read``)
         self._take_param_norm()  # covered: a non-finite one made the norm non-finite (``carry``)
-        world, here = dist.world_size(), dist.rank()
-        slot = int(step_slot(call))
+        steps = [0] * group.size()
+        steps[group.rank()] = int(step_slot(call))
         return StepHealth(
             step=step,
-            loss=values[1],
+            loss=UNAGREED,  # no collective averaged it (as ``measure._from_norm``)
             grad_norm=values[0],
             scale=values[2] if self.scaler is not None else None,
             own_loss=values[1],
-            rank_flags=(HealthFlag.OK,) * world,
-            rank_steps=tuple(slot if r == here else 0 for r in range(world)) if world > 1 else (),
+            rank_flags=(HealthFlag.OK,) * len(steps),
+            rank_steps=tuple(steps),
         )
 
     def on_device(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
