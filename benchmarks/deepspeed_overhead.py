@@ -179,9 +179,10 @@ Against the 1.02x target, in this run: {verdict}. At ZeRO-1 and ZeRO-2 a healthy
 guard takes the global grad norm ZeRO reduces for its own step (`scaled_global_norm`, taken just before the
 step, which then reuses it), non-finite on every rank when any rank's partition is; a rank's non-finite loss
 seeds its own gradients with NaN in their backward, so it reaches that norm too. At ZeRO-3 the guard still adds
-its one small all-reduce. The guard's own time a step, against the unguarded step: {own}; its compute (the norm
-over this rank's gradient partition, the records, the loss, the one host read) is the same milliseconds on a
-real model's far longer steps.
+its one small all-reduce. The guard's own time a step, against the unguarded step: {own}; its compute (the
+micro-batch's record and RNG state, the loss, the parameter check over this rank's fp32 partition, the one host
+read; at ZeRO-3 the norm over this rank's gradient partition too) is the same milliseconds on a real model's far
+longer steps. Its work counted per step, load-free: `benchmarks/engine_cost.py` (BENCHMARKS.md, "engines' loops").
 """
 
 
