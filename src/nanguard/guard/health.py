@@ -336,11 +336,13 @@ class HealthCheck:
             checked = loss if local is None else local
         self.check_loaded()
         seed = _without_grad(self._seed, checked)
+        assert seed is not None  # _seed always makes one
         loss.register_hook(lambda grad: grad * seed.to(grad.dtype))  # a 0-dim factor: a DTensor grad takes it too
 
     def _seed(self, checked: torch.Tensor) -> torch.Tensor:
         """``1 + 0 * checked (+ 0 * the queued parameter norm)``: exactly 1.0 when all are finite, NaN when any
-        is not (``inf * 0`` is NaN), as a float32 0-dim tensor; two kernels, no host read."""
+        is not (``inf * 0`` is NaN), as a 0-dim float32 tensor (float64 for a float64 loss); two kernels, no host
+        read."""
         one, zero = self._constants(checked.device)
         if checked.ndim:
             checked = (checked.float() * 0).sum()  # a sum of zeros, or NaN: never a finite sum that overflowed
