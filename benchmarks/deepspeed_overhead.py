@@ -51,15 +51,7 @@ def _timed(spent: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def rank_times(rank: int, world: int, stage: int, rounds: int) -> dict[str, float]:
     """One rank: the unguarded engine loop and the guarded one, interleaved; and the guard's own time a step."""
-    import deepspeed
-
-    from nanguard.integrations.deepspeed import DeepSpeedGuard
-
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo")
-    plain, guarded = _engine(stage), _engine(stage)
-    guard = DeepSpeedGuard(guarded, policy="skip")
+    steps, guard = loops(rank, stage)
     spent: list[float] = []  # inside the guard: its check, the forward's record, the backward's loss
     guard._decide = _timed(spent, guard._decide)  # type: ignore[method-assign]
     guard._capture.record = _timed(spent, guard._capture.record)  # type: ignore[method-assign]
@@ -70,6 +62,27 @@ def rank_times(rank: int, world: int, stage: int, rounds: int) -> dict[str, floa
 
     agreeing: list[float] = []  # of it, the one all-reduce (the wait for the slower rank included)
     dist.agree = _timed(agreeing, dist.agree)  # type: ignore[method-assign]
+    times = interleaved(steps, rounds=rounds)
+    n = rounds + 3  # the guarded steps timed, and the warm-up's
+    times["own"] = sum(spent) / n
+    times["own_median"] = statistics.median(spent)
+    times["agree"] = sum(agreeing) / n
+    times["added"] = _added_collectives(steps)
+    guard.close()
+    return times
+
+
+def loops(rank: int, stage: int) -> tuple[dict[str, Callable[[], None]], Any]:
+    """The engine step on this rank, ``"plain"`` and ``"guarded"`` (two engines built alike), and the guard."""
+    import deepspeed
+
+    from nanguard.integrations.deepspeed import DeepSpeedGuard
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo")
+    plain, guarded = _engine(stage), _engine(stage)
+    guard = DeepSpeedGuard(guarded, policy="skip")
     counters = {"plain": 0, "guarded": 0}
 
     def step(engine: Any, name: str) -> None:
@@ -80,18 +93,7 @@ def rank_times(rank: int, world: int, stage: int, rounds: int) -> dict[str, floa
         engine.backward(loss)
         engine.step()
 
-    times = interleaved(
-        {"plain": lambda: step(plain, "plain"), "guarded": lambda: step(guarded, "guarded")}, rounds=rounds
-    )
-    steps = counters["guarded"]
-    times["own"] = sum(spent) / steps
-    times["own_median"] = statistics.median(spent)
-    times["agree"] = sum(agreeing) / steps
-    times["added"] = _added_collectives(
-        {"plain": lambda: step(plain, "plain"), "guarded": lambda: step(guarded, "guarded")}
-    )
-    guard.close()
-    return times
+    return {"plain": lambda: step(plain, "plain"), "guarded": lambda: step(guarded, "guarded")}, guard
 
 
 def _added_collectives(steps: dict[str, Callable[[], None]], n: int = 4) -> float:
@@ -179,7 +181,8 @@ collective: the guard takes the global grad norm the engine reduces for its own 
 non-finite on every rank when any rank's gradients are; a rank's non-finite loss seeds its own gradients with NaN
 in their backward, so it reaches that norm too. The guard's own time a step, against the unguarded step: {own}; its
 compute (the norm over this rank's gradient partition, the records, the loss, the one host read) is the same
-milliseconds on a real model's far longer steps.
+milliseconds on a real model's far longer steps. Its work
+counted per step, load-free: `benchmarks/engine_cost.py` (BENCHMARKS.md, "engines' loops").
 """
 
 

@@ -24,6 +24,18 @@ SETUPS = ("fsdp", "tp")
 
 def rank_times(rank: int, world: int, setup: str, rounds: int) -> dict[str, float]:
     """One rank: torchtitan's step unguarded and guarded by TitanGuard, interleaved."""
+    steps = loops(rank, world, setup)
+    pair = {k: steps[k] for k in ("plain", "guarded")}
+    times = interleaved(pair, rounds=rounds)
+    synced = _synced(steps, rounds)
+    times.update({f"synced_{k}": v for k, v in synced.items()})
+    times["share"] = _own_share(steps["guarded"], rounds)
+    times["added"] = _added_collectives(steps)
+    return times
+
+
+def loops(rank: int, world: int, setup: str) -> dict[str, Callable[[], None]]:
+    """torchtitan's train step on this rank, ``"plain"`` and ``"guarded"`` (by TitanGuard), built alike."""
     from torchtitan.distributed import utils as dist_utils
 
     from nanguard.integrations.torchtitan import TitanGuard
@@ -57,13 +69,7 @@ def rank_times(rank: int, world: int, setup: str, rounds: int) -> dict[str, floa
             schedulers.step()
 
         steps[kind] = step
-    pair = {k: steps[k] for k in ("plain", "guarded")}
-    times = interleaved(pair, rounds=rounds)
-    synced = _synced(steps, rounds)
-    times.update({f"synced_{k}": v for k, v in synced.items()})
-    times["share"] = _own_share(steps["guarded"], rounds)
-    times["added"] = _added_collectives(steps)
-    return times
+    return steps
 
 
 def _added_collectives(steps: dict[str, Callable[[], None]], n: int = 4) -> float:

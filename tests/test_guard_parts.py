@@ -308,3 +308,77 @@ def test_an_engines_own_verdict_is_replayed_judged_and_recorded_through_the_seam
         (4, "overflow", 2.0, diag.cause)
     ]
     assert guard.last_diagnosis is None and guard.skipped == 0  # the engine's verdict changes nothing else
+
+
+class _Group:
+    """A default process group of two ranks, seen from rank 1 (the reads below communicate nothing)."""
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 1
+
+
+@pytest.fixture
+def two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanguard import compat
+
+    monkeypatch.setattr(compat, "default_group", _Group)
+
+
+def _engine_check(params_bad: bool) -> HealthCheck:
+    w = nn.Parameter(torch.tensor([1.0, float("nan") if params_bad else 2.0]))
+    w.grad = torch.ones(2)
+    check = _check(w)
+    check.reduces_norm = True
+    check.after_update(0)  # a parameter check queued, as after the last update
+    return check
+
+
+@pytest.mark.parametrize("loss", [2.5, float("nan")])
+@pytest.mark.parametrize("params_bad", [False, True])
+def test_a_step_read_from_an_engines_finite_norm_is_the_reading_the_agreement_gives(
+    two_ranks: None, loss: float, params_bad: bool
+) -> None:
+    # Under Engine.reduces_norm a finite reduced norm speaks for every rank: read_by_norm's one host read
+    # gives the StepHealth that measuring, filling the agreement from the norm and reading it give.
+    from nanguard.guard.measure import _from_norm
+
+    norm, value = torch.tensor(3.0), torch.tensor(loss)
+    fast, slow = _engine_check(params_bad), _engine_check(params_bad)
+    measured = slow.on_device(value)
+    read = fast.read_by_norm(value, norm, step=7, call=7)
+    agreed = measured.read(7, _from_norm(measured, norm, 7), scaled=False)
+    assert read is not None and repr(read) == repr(agreed)  # repr: the unagreed loss is NaN in both
+    assert read.rank_steps == (0, 8) and read.grad_norm == 3.0
+    assert fast.checked == slow.checked == "update" and fast._param_norm is None  # the queued check was covered
+
+
+def test_a_non_finite_engine_norm_or_one_process_is_left_to_the_agreement(two_ranks: None) -> None:
+    check = _engine_check(params_bad=False)
+    assert check.read_by_norm(torch.tensor(1.0), torch.tensor(float("inf")), step=3, call=3) is None
+    assert check._param_norm is not None  # still queued: the agreement's measure reads it
+    measured = check.on_device(torch.tensor(1.0))
+    assert check.checked == "update" and measured.flags.item() == 0
+
+
+def test_one_process_reads_its_own_norm_not_the_engines() -> None:
+    check = _engine_check(params_bad=False)
+    assert check.read_by_norm(torch.tensor(1.0), torch.tensor(3.0), step=3, call=3) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(), (3,)])
+@pytest.mark.parametrize(
+    ("loss", "param"),
+    [(2.5, 1.0), (-0.0, 1e30), (float("nan"), 1.0), (float("-inf"), 1.0), (2.5, float("inf")), (2.5, float("nan"))],
+)
+def test_the_backward_seed_is_exactly_one_or_nan(dtype: torch.dtype, shape: tuple, loss: float, param: float) -> None:
+    # carry() multiplies the gradient into the loss by this factor: the same bits on a healthy step.
+    check = _check(nn.Parameter(torch.full((2,), param)))
+    check.after_update(0)
+    with torch.no_grad():
+        seed = check._seed(torch.full(shape, loss, dtype=dtype))
+    bad = not (abs(loss) < float("inf") and abs(param) < float("inf"))
+    assert seed.ndim == 0 and (seed.isnan().item() if bad else seed.item() == 1.0 and not seed.signbit().item())

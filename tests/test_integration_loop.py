@@ -241,3 +241,36 @@ def test_a_rollback_restores_the_scheduler_as_the_restored_step_left_it() -> Non
     assert sched.last_epoch == twin.last_epoch == 2
     assert opt.param_groups[0]["lr"] == twin_opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
     guard.close()
+
+
+def _plain_names(fn, args: tuple, kwargs: dict) -> dict:
+    """What binding the call's signature names each argument (the reference the bound-once plan must match)."""
+    import inspect
+
+    signature = inspect.signature(fn)
+    named: dict = {}
+    for name, value in signature.bind(*args, **kwargs).arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update({f"{name}[{i}]": a for i, a in enumerate(value)})
+        else:
+            named[name] = value
+    return named
+
+
+def test_a_steps_inputs_are_named_by_the_signature_bound_once_per_shape_of_call() -> None:
+    # Every step names its inputs; the signature is bound once per (positional count, keywords) and the plan
+    # reused: each call is still named as binding it would name it, and one that does not fit is named by position.
+    from nanguard.integrations.capture import Micro
+    from nanguard.integrations.loop import _named_arguments
+
+    def forward(idx, targets=None, *extra, scale, **rest):
+        return idx
+
+    calls = [((1,), {"scale": 2}), ((1, 2, 3, 4), {"scale": 5, "mask": 6}), ((), {"scale": 1, "idx": 7, "targets": 8})]
+    for _ in range(2):  # the second round reads the plans the first made
+        for args, kwargs in calls:
+            assert _named_arguments(forward, Micro(args, kwargs, rng={})) == _plain_names(forward, args, kwargs)
+    assert _named_arguments(forward, Micro((1,), {}, rng={})) == {"args[0]": 1}  # no scale: the call does not fit

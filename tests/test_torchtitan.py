@@ -697,3 +697,22 @@ def test_titan_guard_under_nanguard_disable_hooks_nothing(monkeypatch: pytest.Mo
     opt.step()
     assert not guard.step_skipped and guard.skipped == 0 and guard.last_diagnosis is None
     guard.close()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "vocab"), [(torch.int64, 10), (torch.int32, 10), (torch.int16, 49_999), (torch.uint8, 1000)]
+)
+def test_ids_outside_the_vocabulary_are_told_in_any_integer_dtype(dtype: torch.dtype, vocab: int) -> None:
+    # The check runs on every step's ids and labels; a vocabulary past the dtype's range (int16 ids, a 50k
+    # vocabulary) must not wrap into flagging every id.
+    from nanguard.integrations.torchtitan import IGNORE_INDEX, _valid_labels, _valid_tokens
+
+    values = [0, 5, 9, 10, 99, 200] + ([-1, IGNORE_INDEX, -101] if dtype != torch.uint8 else [])
+    ids, wide = torch.tensor(values, dtype=dtype), torch.tensor(values)
+    outside = (wide < 0) | (wide >= vocab)
+    (tokens, *_), _, bad = _valid_tokens((ids,), {}, vocab)
+    assert tokens.tolist() == torch.where(outside, 0, wide).tolist() and bool(bad) == bool(outside.any())
+    labels, bad_labels = _valid_labels(ids, vocab)
+    ignored = outside & (wide != IGNORE_INDEX)
+    assert labels.tolist() == torch.where(ignored, IGNORE_INDEX, wide).tolist()
+    assert bool(bad_labels) == bool(ignored.any())

@@ -58,6 +58,7 @@ __all__ = [
     "ddp_join_enabled",
     "ddp_join_paused",
     "ddp_sync_pinned_off",
+    "default_group",
     "drop_fsdp_accumulated_grads",
     "fabric_inner_optimizer",
     "fabric_modules",
@@ -104,6 +105,16 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 # An alias, not a wrapper: the guard's two reads call it each step. Returns a sequence of norms.
 foreach_norm: Callable[..., tuple[torch.Tensor, ...]] = torch._foreach_norm
+
+# Known to work: torch 2.13.0. The default process group, whose ``rank()`` and ``size()`` are what
+# ``tdist.get_rank()`` and ``tdist.get_world_size()`` return, read without their checks (a dozen calls
+# each, and the guard asks several times a step); None when torch.distributed is not initialized.
+_C10D: Any = tdist.distributed_c10d if tdist.is_available() else None
+
+
+def default_group() -> Any:
+    return _C10D._world.default_pg if _C10D is not None else None
+
 
 # Known to work: torch 2.4 - 2.13.0. The C function ``torch.no_grad()`` ends in: the guard's two reads
 # a step switch grad mode with it (two calls, where the context manager makes a dozen).

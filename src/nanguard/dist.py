@@ -61,19 +61,22 @@ __all__ = [
 
 
 def _initialized() -> bool:
-    return tdist.is_available() and tdist.is_initialized()
+    return compat.default_group() is not None
 
 
 def is_distributed() -> bool:
-    return _initialized() and tdist.get_world_size() > 1
+    group = compat.default_group()
+    return group is not None and group.size() > 1
 
 
 def rank() -> int:
-    return tdist.get_rank() if _initialized() else 0
+    group = compat.default_group()
+    return group.rank() if group is not None else 0
 
 
 def world_size() -> int:
-    return tdist.get_world_size() if _initialized() else 1
+    group = compat.default_group()
+    return group.size() if group is not None else 1
 
 
 def rank_or_none() -> int | None:

@@ -219,6 +219,8 @@ _ACCUMULATE = {"cuda": torch.float64}
 def _norm_of_norms(groups: list[Sequence[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
     # One foreach kernel per group, then one stack of the per-tensor norms and their norm.
     if len(groups) == 1:
+        if len(groups[0]) == 1:  # one tensor (an engine's flat partition): its norm, the same value in one kernel
+            return torch.linalg.vector_norm(groups[0][0], 2.0, dtype=acc)
         return torch.linalg.vector_norm(torch.stack(compat.foreach_norm(groups[0], 2.0, dtype=acc)))
     norms: list[torch.Tensor] = []
     for ts in groups:

@@ -225,7 +225,7 @@ class Guard(GuardParts):
             return False
         # The loop ran its own forward and backward: no buffer backup was taken before them.
         attempt = Attempt(self.progress.step, self.progress.calls - 1, batch, rng, replay, owns_buffers=False)
-        attempt.value = self._begin_drill().loss(value)
+        attempt.value = self._begin_drill().loss(value) if self._drilling else value
         attempt.loop_norm = grad_norm
         try:
             unscale(self.scaler, self.optimizer)
@@ -236,7 +236,8 @@ class Guard(GuardParts):
             self.apply.clip()
             return True
         finally:
-            self._end_drill()
+            if self._drilling:  # a fire drill planted faults (none: its calls are skipped)
+                self._end_drill()
 
     def after_step(self) -> None:
         """Record a finished optimizer update: history, step event, parameter check, snapshot."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from nanguard import compat, dist
-from nanguard.agreement import Layout
+from nanguard.agreement import Layout, step_slot
 from nanguard.dist import CommWatch
 from nanguard.guard.history import UNAGREED
 from nanguard.stats import float_groups, local, total_norm
@@ -299,6 +299,7 @@ class HealthCheck:
         self._param_norm: torch.Tensor | None = None
         self._flag_tables: dict[torch.device, tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]] = {}
         self._one: dict[torch.device, torch.Tensor] = {}
+        self._ones_zeros: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grad_source: Callable[[], torch.Tensor | None] | None = None
         """Where an engine keeps this rank's gradients (``read_engine``); None: the parameters' ``.grad``."""
         self.sharded = False
@@ -334,11 +335,60 @@ class HealthCheck:
             local = compat.inner_tensor(loss)  # a DTensor loss: this rank's value
             checked = loss if local is None else local
         self.check_loaded()
-        bad = torch.isfinite(checked.detach().float()).logical_not().any()
-        if self._param_norm is not None:
-            bad = bad | torch.isfinite(self._param_norm.to(bad.device)).logical_not()
-        seed = torch.where(bad, torch.nan, 1.0)
+        seed = _without_grad(self._seed, checked)
+        assert seed is not None  # _seed always makes one
         loss.register_hook(lambda grad: compat.times_local(grad, seed))  # a DTensor grad: on this rank's values
+
+    def _seed(self, checked: torch.Tensor) -> torch.Tensor:
+        """``1 + 0 * checked (+ 0 * the queued parameter norm)``: exactly 1.0 when all are finite, NaN when any
+        is not (``inf * 0`` is NaN), as a 0-dim float32 tensor (float64 for a float64 loss); two kernels, no host
+        read."""
+        one, zero = self._constants(checked.device)
+        if checked.ndim:
+            checked = (checked.float() * 0).sum()  # a sum of zeros, or NaN: never a finite sum that overflowed
+        seed = torch.addcmul(one, checked, zero)
+        if self._param_norm is not None:
+            seed = torch.addcmul(seed, self._param_norm.to(seed.device), zero)
+        return seed
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 0-dim 1 and 0 on ``device``, made once (never written to)."""
+        pair = self._ones_zeros.get(device)
+        if pair is None:
+            pair = self._ones_zeros[device] = (torch.ones((), device=device), torch.zeros((), device=device))
+        return pair
+
+    def read_by_norm(self, loss: Any, norm: Any, step: int, call: int) -> StepHealth | None:
+        """Under ``reduces_norm``: a step read from the engine's reduced norm and this rank's loss alone, in one
+        host read and without measuring anything else. A finite norm speaks for every rank (each rank's loss and
+        parameter check ride in it: ``carry``), so no rank flagged; None when the norm is non-finite (the queued
+        parameter check left for ``on_device``: the ranks then agree on who flagged what) or in one process.
+
+        Example:
+            >>> health = check.read_by_norm(loss, engine_norm, step=7, call=7)   # None: agree instead
+        """
+        n = _own(norm) if isinstance(norm, torch.Tensor) else torch.as_tensor(norm)  # a DTensor: this rank's
+        device = n.device
+        own_loss = _own(loss) if isinstance(loss, torch.Tensor) else loss
+        row = [_loss_scalar(n, device), _loss_scalar(own_loss, device)]
+        if self.scaler is not None:
+            row.append(compat.scaler_scale(self.scaler).to(device).float().reshape(()))
+        values: list[float] = torch.stack(row).tolist()  # the one host read of this step
+        group = compat.default_group()
+        if not math.isfinite(values[0]) or group is None or group.size() < 2:
+            return None  # one process reads its own norm (``DeviceHealth.read``)
+        self._take_param_norm()  # covered: a non-finite one made the norm non-finite (``carry``)
+        steps = [0] * group.size()
+        steps[group.rank()] = int(step_slot(call))
+        return StepHealth(
+            step=step,
+            loss=UNAGREED,  # no collective averaged it (as ``measure._from_norm``)
+            grad_norm=values[0],
+            scale=values[2] if self.scaler is not None else None,
+            own_loss=values[1],
+            rank_flags=(HealthFlag.OK,) * len(steps),
+            rank_steps=tuple(steps),
+        )
 
     def on_device(self, loss: Any, loop_norm: Any = None) -> DeviceHealth:
         """This rank's step as device scalars. ``loop_norm``: the norm the loop's clip computed before
@@ -534,6 +584,11 @@ class HealthCheck:
             inner = compat.inner_tensor(norm)
             self._clip_norm = (inner if inner is not None else norm).detach()
 
+    @property
+    def clip_norm_held(self) -> bool:
+        """Did the loop's clip reduce a norm the flags rode in during the step's closure (``take_clip_norm``)?"""
+        return self._clip_norm is not None
+
     def take_clip_norm(self) -> torch.Tensor | None:
         """The global grad norm the loop's clip reduced during the step's closure (else None); once."""
         norm, self._clip_norm = self._clip_norm, None
@@ -728,7 +783,7 @@ def _copies(t: torch.Tensor) -> int:
 def _loss_scalar(loss: Any, device: torch.device) -> torch.Tensor:
     """The loss as a float32 scalar on ``device`` (its first element; 0 for None)."""
     if isinstance(loss, torch.Tensor):
-        t = loss.detach()
+        t = loss.detach() if loss.requires_grad else loss
         t = t.reshape(-1)[0] if t.ndim else t
         return t if t.device == device and t.dtype == torch.float32 else _to32(t, device)
     return torch.tensor(float(loss) if loss is not None else 0.0, device=device)

@@ -94,6 +94,10 @@ class Measure:
             loop_norm = None if self.sharded or health.sharded else attempt.loop_norm
             h = health.read_alone(attempt.value, attempt.step, loop_norm)
             return self.verdict(h, attempt, updated=False)
+        if health.reduces_norm and attempt.loop_norm is not None and not health.clip_norm_held:
+            read = health.read_by_norm(attempt.value, attempt.loop_norm, attempt.step, attempt.call)
+            if read is not None:  # finite: no rank flagged, nothing else to measure
+                return self.verdict(read, attempt, updated=False)
         return self.read(self.agree(attempt, queue=False), attempt, updated=False)
 
     def agree(self, attempt: Attempt, *, queue: bool) -> Reading:

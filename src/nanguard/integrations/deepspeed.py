@@ -167,7 +167,7 @@ class DeepSpeedGuard(LoopGuard):
 
     def _engine_backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
         if not self._capture.replaying and isinstance(loss, torch.Tensor):
-            self._losses.append(loss.detach().float().reshape(-1).mean())
+            self._losses.append(loss.detach())
             if self.guard is not None:
                 self.guard.carry_flags(loss)  # into ZeRO's reduced norm: every rank sees this rank's NaN loss
         return self._originals["backward"](loss, *args, **kwargs)
@@ -180,8 +180,7 @@ class DeepSpeedGuard(LoopGuard):
         self._norm = self.state.reduced_norm()  # ZeRO's own reduction of the step, taken before its step
         self._step_skipped = not self._decide()  # step_skipped: also an fp16 overflow the engine skips
         if not self._step_skipped:
-            with self.state.norm_taken():
-                out = step(*args, **kwargs)
+            out = self.state.step_taking_norm(step, *args, **kwargs)
             assert self.guard is not None
             self.guard.after_step()
             return out
@@ -247,7 +246,9 @@ class DeepSpeedGuard(LoopGuard):
         self._micro = micro
         if not losses:
             return super()._step_loss(micro)
-        stacked = torch.stack(losses)
+        if len(losses) == 1 and losses[0].ndim == 0 and losses[0].dtype == torch.float32:
+            return losses[0]  # one micro-batch's scalar loss: its own mean and sum
+        stacked = torch.stack([loss.float().reshape(-1).mean() for loss in losses])
         return stacked.mean() if self.mean else stacked.sum()
 
     def _replay(self, micro: list[Micro]) -> list[Any]:
@@ -292,7 +293,7 @@ class EngineState:
         self.offload = bool(getattr(self.zero, "cpu_offload", False))
         self.reduces_norm = _reduces_norm(engine, self.zero, self.stage)
         """The engine reduces the step's global grad norm itself (``_reduces_norm``): the check takes it
-        before the step (``reduced_norm``), the step reuses it (``norm_taken``)."""
+        before the step (``reduced_norm``), the step reuses it (``step_taking_norm``)."""
         self._scaled_norm: Any = None  # ZeRO-1/2: the scaled norm; ZeRO-3: the groups' norms; ZeRO-0: the clip's
 
     def grads(self) -> list[torch.Tensor]:
@@ -335,20 +336,28 @@ class EngineState:
             self._scaled_norm = scaled = self.zero.scaled_global_norm()
         return scaled / self.loss_scale() if self.fp16 else scaled
 
-    @contextlib.contextmanager
-    def norm_taken(self) -> Iterator[None]:
-        """Inside the block, the engine's step reads the norm ``reduced_norm`` took instead of reducing it again
-        (ZeRO-0: its clip, already made, is not made twice)."""
+    def step_taking_norm(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``step(*args, **kwargs)`` (the engine's), reading the norm ``reduced_norm`` took instead of reducing it
+        again (ZeRO-0: its clip, already made, is not made twice). An instance attribute set and put back, not a
+        context manager: this runs every step."""
         taken, self._scaled_norm = self._scaled_norm, None
         if taken is None:
-            yield
-        elif self.stage == 0:
-            with _patched(self.engine, {"clip_fp32_gradients": lambda: None}):
-                yield
+            return step(*args, **kwargs)
+        if self.stage == 0:
+            owner, name, stand_in = self.engine, "clip_fp32_gradients", lambda: None
         else:
-            name = "_get_norm_groups" if self.stage >= 3 else "scaled_global_norm"
-            with _patched(self.zero, {name: lambda *args, **kwargs: taken}):
-                yield
+            owner, name = self.zero, "_get_norm_groups" if self.stage >= 3 else "scaled_global_norm"
+            stand_in = lambda *args, **kwargs: taken  # noqa: E731
+        own = vars(owner)
+        saved = own.get(name, _UNSET)
+        own[name] = stand_in
+        try:
+            return step(*args, **kwargs)
+        finally:
+            if saved is _UNSET:
+                own.pop(name, None)
+            else:
+                own[name] = saved
 
     def loss_scale(self) -> float:
         """DeepSpeed's loss scale now (1 without fp16)."""
@@ -497,6 +506,7 @@ class LossScale:
 
 
 _SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+_UNSET = object()
 
 
 def _reduces_norm(engine: Any, zero: Any, stage: int) -> bool:

@@ -295,6 +295,9 @@ class LoopGuard(GuardedCallback):
         (``mean``) or summed; None (the gradients alone decide) when one is unknown."""
         if not micro or any(m.loss is None for m in micro):
             return None
+        first = micro[0].loss
+        if len(micro) == 1 and first is not None and first.ndim == 0 and first.dtype == torch.float32:
+            return first  # one micro-batch's float32 loss: its own mean and sum
         losses = torch.stack([m.loss.float().reshape(()) for m in micro])  # type: ignore[union-attr]
         return losses.mean() if self.mean else losses.sum()
 
@@ -366,10 +369,10 @@ def _signature(fn: Callable[..., Any], bound: bool) -> inspect.Signature:
 def _loss_of(output: Any) -> torch.Tensor | None:
     """A model's loss in its output: a one-element tensor, ``output["loss"]``, or the first
     one-element floating tensor among a tuple's items (nanoGPT's ``logits, loss``)."""
-    if isinstance(output, Mapping):
-        output = output.get("loss")
-    elif isinstance(output, (tuple, list)):
+    if isinstance(output, (tuple, list)):  # first: a Mapping's isinstance is an ABC's, slower
         output = next((t for t in output if _scalar(t)), None)
+    elif isinstance(output, Mapping):
+        output = output.get("loss")
     return output if _scalar(output) else None
 
 
@@ -421,18 +424,32 @@ def _batch_of(micro: list[Micro], forward: Callable[..., Any]) -> Any:
 
 
 def _named_arguments(fn: Callable[..., Any], m: Micro) -> dict[str, Any]:
-    try:
-        signature = _signature(getattr(fn, "__func__", fn), hasattr(fn, "__self__"))
-        bound = signature.bind(*m.args, **m.kwargs).arguments
-    except (TypeError, ValueError):  # no signature to read, or one the call does not fit
+    plan = _plan(getattr(fn, "__func__", fn), hasattr(fn, "__self__"), len(m.args), tuple(m.kwargs))
+    if plan is None:  # no signature to read, or one the call does not fit
         return {**{f"args[{i}]": a for i, a in enumerate(m.args)}, **m.kwargs}
-    named: dict[str, Any] = {}
-    for name, value in bound.items():
+    args, kwargs = m.args, m.kwargs
+    return {name: args[at] if isinstance(at, int) else kwargs[at] for name, at in plan}
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(
+    fn: Callable[..., Any], bound: bool, nargs: int, keys: tuple[str, ...]
+) -> tuple[tuple[str, int | str], ...] | None:
+    """Where each name of a call of ``fn`` with ``nargs`` positional arguments and the keywords ``keys`` takes its
+    value from (a position, or a keyword), by the signature: bound once per shape of call, as every step
+    calls alike. None when there is no signature to read, or the call does not fit it."""
+    try:
+        signature = _signature(fn, bound)
+        bound_arguments = signature.bind(*range(nargs), **{key: key for key in keys}).arguments
+    except (TypeError, ValueError):
+        return None
+    plan: list[tuple[str, int | str]] = []
+    for name, at in bound_arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            named.update(value)
+            plan.extend((key, key) for key in at)
         elif kind is inspect.Parameter.VAR_POSITIONAL:
-            named.update({f"{name}[{i}]": a for i, a in enumerate(value)})
+            plan.extend((f"{name}[{i}]", position) for i, position in enumerate(at))
         else:
-            named[name] = value
-    return named
+            plan.append((name, at))
+    return tuple(plan)

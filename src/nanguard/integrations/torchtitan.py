@@ -190,7 +190,7 @@ class TitanGuard(LoopGuard):
             if _scalar(value):
                 m.loss = _local(value.detach())
                 if bad is not None:  # the check's one read carries it: NaN where an id was past the vocabulary
-                    m.loss = m.loss + torch.where(bad, torch.nan, 0.0).to(m.loss.dtype)
+                    m.loss = m.loss.masked_fill(bad, torch.nan)
                 if self.guard is not None and isinstance(pred, torch.Tensor):
                     # On the model's output, not the loss: the chunked loss hands the model its own gradient
                     # whatever its loss's is. Into the clip's reduced norm, on every rank.
@@ -243,8 +243,8 @@ def _valid_tokens(args: tuple, kwargs: dict[str, Any], vocab: int) -> tuple[tupl
     tokens = args[0] if args else kwargs.get("tokens")
     if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point():
         return args, kwargs, None
-    bad = (tokens < 0) | (tokens >= vocab)
-    valid = torch.where(bad, torch.zeros_like(tokens), tokens)
+    bad = _outside(tokens, vocab)
+    valid = tokens.masked_fill(bad, 0)
     fixed = ((valid, *args[1:]), kwargs) if args else (args, {**kwargs, "tokens": valid})
     return fixed[0], fixed[1], bad.any()
 
@@ -257,8 +257,15 @@ def _vocab(model: nn.Module) -> int | None:
 def _valid_labels(labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``labels`` with ids outside the vocabulary made ignored (the loss runs on every rank, its
     collectives match), and whether there were any, on the device (no host read)."""
-    bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab)
-    return torch.where(bad, torch.full_like(labels, IGNORE_INDEX), labels), bad.any()
+    bad = _outside(labels, vocab) & (labels != IGNORE_INDEX)
+    return labels.masked_fill(bad, IGNORE_INDEX), bad.any()
+
+
+def _outside(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``ids < 0 or ids >= vocab``, elementwise: two kernels where ``vocab - 1`` fits the ids' dtype (a clamp
+    changes exactly those), else no id reaches ``vocab`` and only a negative one is outside."""
+    top = torch.iinfo(ids.dtype).max if ids.dtype != torch.bool else 1
+    return ids.clamp(0, vocab - 1) != ids if vocab - 1 <= top else ids < 0
 
 
 def _look_up(ids: Any, vocab: int) -> None:
