@@ -159,6 +159,8 @@ class TrainModuleGuard(LoopGuard):
         True
     """
 
+    _rides = False  # OLMo-core's clip norm carries the flags where it can (attach_engine)
+
     def __init__(self, train_module: Any, policy: str = "skip", *, run_dir: str | Path | None = None, **options: Any):
         model, optimizer = getattr(train_module, "model", None), getattr(train_module, "optim", None)
         if not isinstance(model, torch.nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):

@@ -69,6 +69,8 @@ class TitanGuard(LoopGuard):
         >>> trainer.loss_fn = guard.loss(trainer.loss_fn)
     """
 
+    _rides = False  # the trainer's clip norm carries the flags where it can (attach_engine)
+
     def __init__(
         self,
         model_parts: nn.Module | Sequence[nn.Module],
