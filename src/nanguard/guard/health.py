@@ -516,7 +516,7 @@ class HealthCheck:
 
     @contextlib.contextmanager
     def _watching_clips(self, loss: Callable[[], torch.Tensor | None] | None) -> Iterator[None]:
-        """The loop's clips watched: before each norm (``_before_clip``, ``loss`` the loop's), after (``_seen_clip``)."""
+        """The clips watched: before each norm (``_before_clip``; ``loss``, the loop's), after (``_seen_clip``)."""
         self._clip_norm, self._clip_loss, self._clip_poisoned = None, loss, False
         stop = compat.watch_clips(self._seen_clip, before=self._before_clip)
         try:
