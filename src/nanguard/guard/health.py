@@ -560,8 +560,8 @@ class HealthCheck:
 
     def _before_clip(self, grads: list[torch.Tensor]) -> None:
         """Before a clip computes its total norm: when this rank's own signal is bad (the loop's loss, the
-        queued parameter check, a gradient whose norm the clip does not reduce over every rank: one tensor
-        parallel replicates, a plain tensor), one element of a gradient sharded over every rank is made NaN,
+        queued parameter check, a gradient whose norm the clip does not reduce over every rank: a plain
+        tensor, a DTensor on a smaller mesh), one element of a gradient sharded over every rank is made NaN,
         so the reduced norm is NaN on every rank; healthy, it is multiplied by 1.0 (the same bits). Without
         such a gradient the norm carries nothing (``_seen_clip`` then keeps none)."""
         target, unreduced, sharded = _by_reduction(grads)
@@ -689,32 +689,36 @@ def _whole_on_every_rank(norm: torch.Tensor, params: Any) -> bool:
 
 
 def _by_reduction(grads: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor], bool]:
-    """How a clip's total norm reduces ``grads`` (as ``_copies`` reads placements): the local part of the
-    first gradient sharded on every dimension of a mesh of the whole world that holds an element here,
-    the local parts of those whose norm it does not reduce over every rank, and whether such a sharded
-    gradient exists (the same on every rank: placements are)."""
+    """How a clip's total norm reduces ``grads``: the local part of the first gradient sharded on every
+    dimension of a mesh of the whole world that holds an element here (the poisoned one), the local parts of
+    those whose norm stays this rank's own (a plain tensor, a DTensor on a smaller mesh; a DTensor replicated
+    on a mesh of the whole world has its norm reduced over it, every rank's copy in it), and whether such a
+    sharded gradient exists (the same on every rank: placements are)."""
     world = dist.world_size()
     target, unreduced, sharded = None, [], False
     for g in grads:
         placements = getattr(g, "placements", None)
-        if placements is None or not _sharded_everywhere(g.device_mesh, placements, world):  # type: ignore[attr-defined]
+        reach = None if placements is None else _reach(g.device_mesh, placements, world)  # type: ignore[attr-defined]
+        if reach is None:
             unreduced.append(local(g))
-            continue
-        sharded = True
-        if target is None and local(g).numel():
-            target = local(g)
+        elif reach:
+            sharded = True
+            if target is None and local(g).numel():
+                target = local(g)
     return target, unreduced, sharded
 
 
-_SHARDED: dict[Any, bool] = {}
+_REACH: dict[Any, bool | None] = {}
 
 
-def _sharded_everywhere(mesh: Any, placements: Any, world: int) -> bool:
+def _reach(mesh: Any, placements: Any, world: int) -> bool | None:
+    """A DTensor gradient's norm: reduced over every rank (True: sharded on every dimension, so one element
+    carries a flag; False: replicated somewhere), or not over every rank (None: a smaller mesh)."""
     key = (mesh, placements, world)
-    if key not in _SHARDED:  # a strided shard (FSDP2 over tensor parallel) is no is_shard(), but a shard
+    if key not in _REACH:  # a strided shard (FSDP2 over tensor parallel) is no is_shard(), but a shard
         shards = all(p.is_shard() or type(p).__name__ == "_StridedShard" for p in placements)
-        _SHARDED[key] = mesh.size() == world and shards
-    return _SHARDED[key]
+        _REACH[key] = None if mesh.size() != world else shards
+    return _REACH[key]
 
 
 def _summed(pending: torch.Tensor, *, scaled: bool) -> torch.Tensor:
