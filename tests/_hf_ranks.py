@@ -53,9 +53,9 @@ def nan_term_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = 
 
 
 def run_trainer(rank: int, world: int, runs: list[dict[str, Any]], out_dir: str) -> list[dict[str, Any]]:
-    """Each run: ``how`` ("compute_loss_func", "nan_term" (``nan_term_loss``) or "compute_loss"), ``mark`` (the marked sample's index: the
-    sequential sampler deals sample i to rank (i // 2) % 2 at step i // 4), ``zero`` (a ZeRO stage, or None for
-    DDP), ``guard``."""
+    """Each run: ``how`` ("compute_loss_func", "nan_term" (``nan_term_loss``) or "compute_loss"), ``mark``
+    (the marked sample's index: the sequential sampler deals sample i to rank (i // 2) % 2 at step i // 4),
+    ``zero`` (a ZeRO stage, or None for DDP), ``guard``."""
     os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world)})
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29547", "DS_ACCELERATOR": "cpu"})
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
