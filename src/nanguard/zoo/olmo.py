@@ -240,7 +240,11 @@ def _data_loader(tmp: str, rank: int, world: int) -> Any:
 
     path = os.path.join(tmp, "tokens.npy")
     ids = np.random.default_rng(0).integers(1, VOCAB - 1, size=_TOKENS).astype(np.uint16)
-    ids.tofile(path)  # every rank writes the same bytes to its own directory
+    # Every rank writes the same bytes into the shared directory; a rename, so that no rank reads the
+    # file while another truncates it (OLMo-core sized the dataset from a half-written file: no indices).
+    part = f"{path}.{rank}"
+    ids.tofile(part)
+    os.replace(part, path)
     tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=VOCAB - 1, pad_token_id=0)
     dataset = NumpyFSLDatasetConfig(tokenizer=tokenizer, paths=[path], sequence_length=SEQ, work_dir=tmp).build()
     loader = NumpyDataLoaderConfig(global_batch_size=4 * SEQ * world, seed=0, work_dir=tmp, num_workers=0)
