@@ -16,14 +16,14 @@ Example:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from nanguard import compat
+from nanguard import compat, dist
 
-__all__ = ["ClipNorm"]
+__all__ = ["ClipNorm", "sums_every_rank"]
 
 
 class ClipNorm:
@@ -83,3 +83,22 @@ def _whole(norm: torch.Tensor) -> torch.Tensor | None:
     if all(p.is_replicate() for p in placements):
         return compat.inner_tensor(norm)
     return None
+
+
+def sums_every_rank(params: Sequence[torch.Tensor]) -> bool:
+    """Does a clip's total norm of these parameters' gradients, made whole, add up every rank's own gradients?
+    Plain parameters (replicated by DDP, which averages their gradients first) or DTensors sharded on every
+    dimension of a mesh of the whole world (FSDP2); a ``Replicate`` placement (TP, HSDP) keeps a rank's own.
+
+    Example:
+        >>> sums_every_rank(list(fully_sharded_model.parameters()))
+        True
+    """
+    world = dist.world_size()
+    placed = [p for p in params if getattr(p, "placements", None) is not None]
+    if not placed:
+        return True
+    return len(placed) == len(params) and all(
+        p.device_mesh.size() == world and all(pl.is_shard() for pl in p.placements)  # type: ignore[attr-defined]
+        for p in placed
+    )

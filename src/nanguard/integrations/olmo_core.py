@@ -29,12 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from nanguard import compat
+from nanguard import compat, dist
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
+from nanguard.guard.health import Engine
 from nanguard.integrations import GuardedCallback, guard_options, require
-from nanguard.integrations.loop import LoopGuard
+from nanguard.integrations.clipnorm import sums_every_rank
+from nanguard.integrations.loop import LoopGuard, _loss_of
 
 _callback: Any = require("olmo_core.train.callbacks.callback", "engines", "ai2-olmo-core")
 _skip_step: Any = require("olmo_core.optim.skip_step_optimizer", "engines", "ai2-olmo-core")
@@ -82,6 +85,7 @@ class NanGuardCallback(GuardedCallback, _callback.Callback):
         self._state: dict[str, Any] = {}  # loaded with a checkpoint before the guard exists
         self._window_before: tuple[Any, Any] | None = None
         self._skipped_now = False
+        self._logged: tuple[float, float] | None = None  # the guard's metrics as last recorded
 
     @property
     def guard(self) -> Guard | None:  # type: ignore[override]
@@ -105,29 +109,44 @@ class NanGuardCallback(GuardedCallback, _callback.Callback):
         self.loop = TrainModuleGuard(trainer.train_module, self.policy, run_dir=run_dir, **self.options)
         if self._state and self.loop.guard is not None:
             self.loop.guard.load_state_dict(self._state)
+        self._logged = None
 
     def pre_step(self, batch: dict[str, Any]) -> None:
         if self.loop is not None:
             self.loop.begin()  # the dry run's forward, or a step OLMo-core skipped, is no micro-batch of this one
             self._window_before = _latest(self.loop.optimizer)
+            self._skipped_now = False
 
     def pre_optim_step(self) -> None:
         loop = self.loop
+        if loop is not None and not loop.rides_norm:  # else checked in optim_step, after OLMo-core's clip
+            self._checked(loop.check())
+
+    def post_train_batch(self) -> None:
+        loop = self.loop
         if loop is None:
             return
-        ok = loop.check()
+        if loop.rides_norm and loop.verdict is not None:
+            self._checked(loop.verdict)
+        if self._skipped_now:
+            compat.olmo_drop_metrics(self.trainer, _OPTIM_METRICS)
+            _forget(loop.optimizer, self._window_before, losses=False)  # the norm of gradients it did not apply
+
+    def _checked(self, ok: bool) -> None:
+        """The step's verdict: a skipped step's loss out of the logs and of ``SkipStepOptimizer``'s window;
+        the guard's two metrics recorded when they change (and with the first step), so OLMo-core, which
+        reads each metric without a reduce type on the host, reads them on no healthy step."""
+        loop = self.loop
+        assert loop is not None
         self._skipped_now = not ok
         if not ok:
             compat.olmo_drop_metrics(self.trainer, _STEP_METRICS)
             _forget(loop.optimizer, self._window_before, losses=True)
-        self.trainer.record_metric("nanguard/skipped", float(self.skipped), namespace=None)
-        self.trainer.record_metric("nanguard/trips", float(loop.trips), namespace=None)
-
-    def post_train_batch(self) -> None:
-        if self.loop is None or not self._skipped_now:
-            return
-        compat.olmo_drop_metrics(self.trainer, _OPTIM_METRICS)
-        _forget(self.loop.optimizer, self._window_before, losses=False)  # the norm of no gradients
+        counts = (float(self.skipped), float(loop.trips))
+        if counts != self._logged:
+            self._logged = counts
+            self.trainer.record_metric("nanguard/skipped", counts[0], namespace=None)
+            self.trainer.record_metric("nanguard/trips", counts[1], namespace=None)
 
     def close(self) -> None:
         if self.loop is not None:
@@ -172,15 +191,46 @@ class TrainModuleGuard(LoopGuard):
         self.train_module = train_module
         guard = Guard(model, optimizer, policy, run_dir=run_dir, **options)
         self._watch(model, optimizer, guard, scheduler=None, mean=False, user=model)
+        self.verdict: bool | None = None
+        """The step's verdict once checked (True: stepped), None before."""
+        # OLMo-core's clip (``optim_step``, at max_grad_norm) reduces the total norm over every rank: where it sums
+        # every rank's own gradients (DDP, FSDP over the whole world) the step is checked after it, at the
+        # optimizer's step, and a healthy step is read from that norm; each micro-batch's loss carries its rank's
+        # flags into its backward (carry_flags), so a NaN loss with finite gradients reaches it too.
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.rides_norm = bool(
+            dist.is_distributed() and getattr(train_module, "max_grad_norm", None) and sums_every_rank(params)
+        )
+        """Checked at the optimizer's step, after OLMo-core's clip, and read from its norm (not at pre_optim_step)."""
+        if self.rides_norm:
+            guard.attach_engine(Engine(reduces_norm=True))
 
     def begin(self) -> None:
         """A step starts: forget forwards recorded since the last check (the trainer's dry run)."""
         self._capture.take()
         self._verdict = None
+        self.verdict = None
 
     def check(self) -> bool:
         """This step's verdict (True: let OLMo-core step), decided once; the optimizer's step asks again."""
         return self._decide()
+
+    def _decide(self) -> bool:
+        self.verdict = super()._decide()
+        return self.verdict
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        recorded = bool(self._capture.micro) and self._capture.micro[-1].loss is None
+        super()._after_forward(module, args, kwargs, output)
+        if not self.rides_norm or not recorded or self._capture.replaying or self.guard is None:
+            return
+        loss = _loss_of(output)
+        if loss is not None and loss.requires_grad:
+            self.guard.carry_flags(loss)  # into the norm OLMo-core's clip reduces, on every rank
+
+    def _loop_norm(self) -> torch.Tensor | None:
+        """The norm OLMo-core's clip made whole (a plain tensor, the same on every rank), read as the step's."""
+        return self._clip.take(reduced=True)
 
 
 def _latest(optimizer: Any) -> tuple[Any, Any] | None:

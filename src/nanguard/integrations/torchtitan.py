@@ -37,6 +37,7 @@ from nanguard.guard import Guard
 from nanguard.guard.health import Engine
 from nanguard.integrations import guard_options
 from nanguard.integrations.capture import Micro
+from nanguard.integrations.clipnorm import sums_every_rank
 from nanguard.integrations.loop import LoopGuard, _local, _scalar
 
 __all__ = ["IGNORE_INDEX", "TitanGuard"]
@@ -116,7 +117,7 @@ class TitanGuard(LoopGuard):
         if (
             self._vocab is not None
             and self._computes_loss
-            and _summed_over_ranks([p for g in optimizers.param_groups for p in g["params"]])
+            and sums_every_rank([p for g in optimizers.param_groups for p in g["params"]])
         ):
             guard.attach_engine(Engine(reduces_norm=True))
 
@@ -195,20 +196,6 @@ class TitanGuard(LoopGuard):
             return out
 
         return recorded
-
-
-def _summed_over_ranks(params: Sequence[torch.Tensor]) -> bool:
-    """Does a clip's total norm of these parameters' gradients, made whole, add up every rank's own gradients?
-    Plain parameters (replicated by DDP, which averages their gradients first) or DTensors sharded on every
-    dimension of a mesh of the whole world (FSDP2); a ``Replicate`` placement (TP, HSDP) keeps a rank's own."""
-    world = dist.world_size()
-    placed = [p for p in params if getattr(p, "placements", None) is not None]
-    if not placed:
-        return True
-    return len(placed) == len(params) and all(
-        p.device_mesh.size() == world and all(pl.is_shard() for pl in p.placements)  # type: ignore[attr-defined]
-        for p in placed
-    )
 
 
 def _loss_value(out: Any) -> Any:
