@@ -94,6 +94,9 @@ class NanGuardCallback(GuardedCallback, _callback.Callback):
     @property
     def step_skipped(self) -> bool:
         """Whether the latest step was skipped (a trip under ``skip`` or ``rollback``, a rejected batch)."""
+        loop = self.loop
+        if loop is not None and loop.rides_norm and loop.verdict is not None:
+            return not loop.verdict  # checked in optim_step: known before this callback's post_train_batch
         return self._skipped_now
 
     @property
