@@ -2,13 +2,16 @@
 
 OLMo-core's ``Trainer`` runs ``train_module.train_batch(batch)`` (each micro-batch's forward with
 its own loss, and backward), then the callbacks' ``pre_optim_step``, then
-``train_module.optim_step()`` (the clip, the LR, ``optim.step()``). ``NanGuardCallback`` checks
-the step at ``pre_optim_step``: the gradients are reduced there (under FSDP each rank reads its
-own shards), nothing is clipped or stepped yet. Every rank agrees on the verdict in one small
-all-reduce. On a skip the gradients are dropped, so OLMo-core's clip and optimizer step change
-nothing (``SkipStepAdamW`` too: it skips parameters without a gradient), the step's loss and grad
-norm are taken out of the trainer's metrics (its "nan loss" check would end the run a step late)
-and out of ``SkipStepOptimizer``'s rolling window (one NaN there makes it skip every step after).
+``train_module.optim_step()`` (the clip, the LR, ``optim.step()``). Where OLMo-core clips over every
+rank's gradients (DDP, FSDP over the whole world), ``NanGuardCallback`` checks the step at
+``optim.step()``, after the clip, and reads it from the clip's norm, which each micro-batch's loss
+carries its rank's flags into (``Guard.carry_flags``): no collective of the guard's on a healthy
+step. Otherwise it checks at ``pre_optim_step`` (the gradients reduced, under FSDP each rank reading
+its own shards), every rank agreeing in one small all-reduce. On a skip the gradients are dropped, so
+OLMo-core's optimizer step changes nothing (``SkipStepAdamW`` too: it skips parameters without a
+gradient), the step's loss and grad norm are taken out of the trainer's metrics (its "nan loss" check
+would end the run a step late) and out of ``SkipStepOptimizer``'s rolling window (one NaN there makes
+it skip every step after).
 
 The micro-batches are recorded by hooks on the train module's model: their inputs, the loss
 arguments the train module passes (``labels``, ``loss_div_factor``, ...), the RNG state and the
@@ -62,8 +65,9 @@ class NanGuardCallback(GuardedCallback, _callback.Callback):
     trip. ``check_batch=True`` checks each micro-batch before its forward: a token id past the
     vocabulary on one rank is named there (``data.index_out_of_range``) and the step skipped on
     every rank, instead of an ``IndexError`` on that rank while its peers wait. The trainer's
-    metrics get ``nanguard/skipped`` and ``nanguard/trips`` each step; ``step_skipped`` says
-    whether the latest step was skipped. The guard's counters are saved with the trainer's state.
+    metrics get ``nanguard/skipped`` and ``nanguard/trips`` with the first step and when they
+    change; ``step_skipped`` says whether the latest step was skipped. The guard's counters are
+    saved with the trainer's state.
 
     Example:
         >>> callback = NanGuardCallback(policy="skip", check_batch=True)
@@ -73,8 +77,8 @@ class NanGuardCallback(GuardedCallback, _callback.Callback):
     """
 
     priority = 100
-    """Before other callbacks' ``pre_optim_step``: a callback that reads the gradients sees a skipped
-    step's dropped."""
+    """Before other callbacks' ``pre_optim_step``: where the check is made there, a callback that reads the
+    gradients sees a skipped step's dropped (where it is made at ``optim.step()``, its gradients as they were)."""
 
     def __init__(self, policy: str = "skip", *, run_dir: str | Path | None = None, **options: Any) -> None:
         guard_options(policy, options)
