@@ -148,6 +148,60 @@ def _scaled(rank: int, world: int) -> list:
     return out
 
 
+def _loss_spikes(rank: int, world: int) -> dict:
+    """A loss that spikes on one rank alone, rank 0 at step 8 and the middle rank at step 10: a term no
+    gradient flows through, so the gradients and their norm stay as they were (the grad norm's detector
+    sees nothing). Each rank's spike events (``on_event``), actions, added collectives and weights."""
+    # step: the rank whose loss alone spikes, and by how much (the second past twice the first, which a
+    # detector's window keeps: on 2 ranks the mean loss spikes both times)
+    spikes = {8: (0, 1e4), 10: (world // 2, 1e6)}
+    model = _Net()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, foreach=False)
+    events: list[dict] = []
+    config = {"fingerprint_every": 0, "module_stats": False, "spike_warmup": 4, "prove": False}
+    guard = ng.Guard(ddp, opt, on_event=lambda e: events.append(e) if e["kind"] == "spike" else None, **config)
+    actions, calls = [], {"collectives": 0, "reads": 0}
+    with counting(calls):
+        for step in range(12):
+
+            def closure(step=step):
+                opt.zero_grad(set_to_none=True)
+                loss = ddp(_x(rank, step % _STEPS))
+                bad, by = spikes.get(step, (-1, 0.0))
+                if bad == rank:
+                    loss = loss + by  # its backward passes the gradient through as it is
+                loss.backward()
+                return loss
+
+            guard.step(closure)
+            actions.append(guard.last_action)
+    counted, plain = _unguarded(rank, 12, hook=True), _unguarded(rank, 12, hook=False)
+    return {
+        "spikes": [[e["step"], e["metric"], e.get("own", False)] for e in events],
+        "actions": actions,
+        "added": calls["collectives"] - counted[0],
+        "weights": _weights(model) == plain[1],
+    }
+
+
+def _unguarded(rank: int, steps: int, *, hook: bool) -> tuple[int, list[float]]:
+    """``steps`` unguarded steps (``hook``: the Python all-reduce hook, whose collectives are counted;
+    else DDP's built-in all-reduce, whose bits the guard sends): the collectives and the final weights."""
+    model = _Net()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    if hook:
+        ddp.register_comm_hook(None, allreduce_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, foreach=False)
+    calls = {"collectives": 0, "reads": 0}
+    with counting(calls):
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            ddp(_x(rank, step % _STEPS)).backward()
+            opt.step()
+    return calls["collectives"], _weights(model)
+
+
 def _weights(model: torch.nn.Module) -> list[float]:
     return [v for p in model.parameters() for v in p.detach().double().reshape(-1).tolist()]
 
@@ -183,6 +237,7 @@ def _ranks(rank: int, world: int) -> dict:
         "deferred": [deferred[1]["actions"], deferred[1]["trips"]],
         "losses": healthy["losses"],
         "spikes": [spikes["calls"] - counted["calls"], spikes["losses"], spikes["weights"] == plain["weights"]],
+        "own": _loss_spikes(rank, world),
     }
 
 
@@ -229,3 +284,11 @@ def test_flags_reach_every_rank_through_the_gradient_all_reduce(world: int) -> N
     assert all(r["deferred"] == first["deferred"] for r in results), results
     assert first["deferred"][0][4] == "skip", first
     assert first["deferred"][1] == {"3": ["op.nan_write", middle, [middle], [middle]]}, first
+    # A loss that spikes on one rank alone (rank 0, then the middle rank) is seen at any world size, and
+    # no rank acts otherwise: on 2 ranks as the run's spike (the mean loss rode), on every rank; on 3 or
+    # more as that rank's own (no collective agreed a mean), in its log alone. No collective added.
+    for rank, r in enumerate(results):
+        own = r["own"]
+        assert own["actions"] == ["step"] * 12 and own["added"] == 0 and own["weights"], (world, rank, own)
+        expected = [[s, "loss", world > 2] for s, bad in ((8, 0), (10, middle)) if world == 2 or bad == rank]
+        assert own["spikes"] == expected, (world, rank, own)

@@ -12,7 +12,7 @@ from nanguard.dist import CommWatch
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.health import HealthCheck, HealthFlag
-from nanguard.guard.history import History
+from nanguard.guard.history import UNAGREED, History
 from nanguard.guard.policy import Policy
 from nanguard.guard.recorder import NullRecorder, Recorder, recorder_for
 from nanguard.guard.recovery import Recovery
@@ -68,6 +68,28 @@ def test_history_evidence_sees_growth_and_spikes() -> None:
     for step in range(4):
         calm.append(step, loss=2.0, grad_norm=1.0)
     assert not calm.evidence(4, lr=0.1)["diverging"]
+
+
+def test_a_loss_no_collective_agreed_warns_on_its_rank_and_decides_nothing() -> None:
+    """Two ranks' histories on riding steps (``UNAGREED``: no mean loss; the same grad norms, as DDP's averaged
+    gradients make them), one rank's own loss spiking tenfold at step 12: that rank alone warns, and every
+    decision (the spikes the policy reads, their count, the divergence trip, the snapshot's hold) is alike."""
+    ranks = [History.from_config(GuardConfig(spike_warmup=5)) for _ in range(2)]
+    seen: list[list[object]] = [[], []]
+    for step in range(14):
+        norm = 1.0 + 0.01 * (step % 3)
+        for r, history in enumerate(ranks):
+            own = 40.0 if (r, step) == (0, 12) else 2.0 + 0.01 * ((step + r) % 4)
+            spikes = history.observe(step, loss=UNAGREED, grad_norm=norm)
+            own_spike = history.own_spike(loss=UNAGREED, own_loss=own)
+            runaway = history.runaway(step, loss=UNAGREED, grad_norm=norm)
+            history.append(step, loss=UNAGREED, grad_norm=norm)
+            seen[r].append((spikes, runaway, history.growing(None), own_spike is not None))
+    decisions = [[s[:3] for s in rank] for rank in seen]
+    assert decisions[0] == decisions[1] and ranks[0].spikes == ranks[1].spikes == 0
+    assert [s[3] for s in seen[0]] == [step == 12 for step in range(14)] and not any(s[3] for s in seen[1])
+    # An agreed loss (2 ranks, or a collective): its spikes are the run's, none is this rank's own.
+    assert ranks[1].own_spike(loss=2.0, own_loss=400.0) is None
 
 
 @pytest.mark.parametrize(

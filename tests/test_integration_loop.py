@@ -207,3 +207,37 @@ def test_guard_last_grad_norm_is_the_norm_before_the_guards_clip() -> None:
             assert float(clipped) == pytest.approx(0.01, rel=1e-4) and norms[-1] > 0.1
     assert guard.skipped == 1 and math.isnan(norms[1])
     assert norms[2] == guard.history.points[-1].grad_norm
+
+
+def _scheduled_loop(
+    guard_it: bool, bad: int | None, steps: int
+) -> tuple[torch.optim.lr_scheduler.LRScheduler, torch.optim.Optimizer, LoopGuard | None]:
+    """A loop that steps an ``ExponentialLR`` after each ``optimizer.step()``, as torch's docs write it;
+    ``bad``: the iteration whose input holds a NaN."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    options = {"snapshot_every": 2, "rollback_skip_batches": 0}
+    guard = LoopGuard(model, opt, policy="rollback", scheduler=sched, **options) if guard_it else None
+    for i in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+        if i == bad:
+            x[0, 0] = float("nan")
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return sched, opt, guard
+
+
+def test_a_rollback_restores_the_scheduler_as_the_restored_step_left_it() -> None:
+    """The snapshot after the second update (iteration 1) holds the state the next update starts from:
+    iteration 1's ``scheduler.step()`` included. After the rollback the LR is the one an unguarded run has
+    after iteration 1, not one step behind."""
+    sched, opt, guard = _scheduled_loop(True, bad=3, steps=4)
+    twin, twin_opt, _ = _scheduled_loop(False, bad=None, steps=2)
+    assert guard is not None and guard.guard is not None and guard.guard.last_action == "rollback"
+    assert sched.last_epoch == twin.last_epoch == 2
+    assert opt.param_groups[0]["lr"] == twin_opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+    guard.close()

@@ -240,12 +240,13 @@ def test_a_rollback_restores_the_scheduler_with_the_optimizer() -> None:
         x = _batch(i, bad)
         if guard.step(_closure(model, opt, x)) is not None:  # the README's loop: step it after an update
             sched.step()
-    # The snapshot after the second update was taken before that iteration's scheduler step.
-    assert guard.last_action == "rollback" and sched.last_epoch == 1
-    assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0]) == pytest.approx(0.1 * 0.5)
+    # The snapshot after the second update holds the scheduler as that iteration's step left it (recorded
+    # at the guard's next call): the LR the run had for its next update, not one step behind.
+    assert guard.last_action == "rollback" and sched.last_epoch == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0]) == pytest.approx(0.1 * 0.5**2)
     guard.step(_closure(model, opt, _batch(4)))
     sched.step()
-    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+    assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
 
 
 # -- 5. a skip is exact with dropout --------------------------------------------------------

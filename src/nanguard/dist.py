@@ -237,39 +237,49 @@ class DDPCommWatch(CommWatch):
         # DDP's built-in all-reduce (no hook) scales each bucket by 1 / world before sending; torch's
         # Python ``allreduce_hook`` divides instead, which rounds differently when the world is not a
         # power of two: the guard sends as the built-in does, so a guarded run equals an unguarded one.
-        inner = self._builtin if hook is _default_hook() else hook
+        self._inner = self._builtin if hook is _default_hook() else hook
 
         # DDP inspects a hook's annotations and accepts only GradBucket/Future or none.
         def watched(state, bucket):
-            if self.local:
-                done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-                done.set_result(bucket.buffer())
-                return done
-            buffer = bucket.buffer()
-            part = buffer.sum(dtype=torch.float32)
-            self._acc = part if self._acc is None else self._acc + part
-            if self.wire is not None:
-                names = [self._names.get(id(p), "?") for p in bucket.parameters()]
-                self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
-            is_last = self.rides and bucket.is_last()
-            last = is_last and _exact(buffer)
-            if self.shadowing is not None:  # a joined rank's zero buckets, shadowing the others' backward
-                return self._ride(buffer, self.shadowing(), keep=True) if last else self._relay(inner(state, bucket))
-            if self._extras is not None and is_last and self._poisons(buffer):
-                return self._poison(buffer, self._extras(~torch.isfinite(self._acc)))
-            if self._extras is None or not self.rides:
-                if last and self._join_enabled():
-                    # Under join() the last bucket always has the extras' room: a joined rank's shadow
-                    # cannot know whether the others ride, so they always make room.
-                    return self._ride(buffer, buffer.new_zeros(Layout(world_size()).size), keep=False)
-                return inner(state, bucket)
-            if last:
-                return self._ride(buffer, self._extras(~torch.isfinite(self._acc)), keep=True)
-            return self._relay(inner(state, bucket))
+            return self._on_bucket(state, bucket)
 
         watched.__qualname__ = f"nanguard_watch({self.hook_name})"
         ddp.register_comm_hook(state, watched)
         _WATCHES[ddp] = self
+
+    def _on_bucket(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """One bucket through the watch: summed (and its absmax kept under a compression hook), then sent
+        as the hook sends it, the last one carrying the guard's extras (``_ride``, ``_poison``) when they ride."""
+        if self.local:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+        buffer = bucket.buffer()
+        part = buffer.sum(dtype=torch.float32)
+        self._acc = part if self._acc is None else self._acc + part
+        if self.wire is not None:
+            names = [self._names.get(id(p), "?") for p in bucket.parameters()]
+            self._buckets.append((torch.linalg.vector_norm(buffer, ord=math.inf).float(), names))
+        is_last = self.rides and bucket.is_last()
+        last = is_last and _exact(buffer)
+        if self.shadowing is not None:  # a joined rank's zero buckets, shadowing the others' backward
+            return self._ride(buffer, self.shadowing(), keep=True) if last else self._relay(self._inner(state, bucket))
+        if self._extras is not None and is_last and self._poisons(buffer):
+            return self._poison(buffer, self._extras(~torch.isfinite(self._acc)))
+        if self._extras is None or not self.rides:
+            return self._unridden(state, bucket, last=last)
+        if last:
+            return self._ride(buffer, self._extras(~torch.isfinite(self._acc)), keep=True)
+        return self._relay(self._inner(state, bucket))
+
+    def _unridden(self, state: Any, bucket: Any, *, last: bool) -> torch.futures.Future[torch.Tensor]:
+        """A bucket sent without the guard's extras: as the hook sends it, but under ``join()`` the last
+        one with the extras' room (a joined rank's shadow cannot know whether the others ride, so they
+        always make room)."""
+        if last and self._join_enabled():
+            buffer = bucket.buffer()
+            return self._ride(buffer, buffer.new_zeros(Layout(world_size()).size), keep=False)
+        return self._inner(state, bucket)
 
     def _builtin(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -491,32 +501,48 @@ def replica_mismatch(model: nn.Module) -> ReplicaCheck:
     inner = unwrap(model)
     if any(local(p) is not p for p in inner.parameters()):
         return ReplicaCheck()  # sharded (FSDP2): ranks hold different shards by design
-    names = [n for n, _ in inner.named_parameters()]
     norms = torch.tensor(fingerprint(inner), dtype=torch.float64)
-    weights = torch.arange(1, len(norms) + 1, dtype=torch.float64)
-    finite = bool(torch.isfinite(norms).all())  # a norm is finite exactly when its tensor is
-    device = _comm_device()
-    mine = torch.stack([torch.tensor(float(finite), dtype=torch.float64), (norms * weights).sum()]).to(device)
-    gathered = [torch.zeros_like(mine) for _ in range(world_size())]
-    tdist.all_gather(gathered, mine)
-    rows = [g.tolist() for g in gathered]
+    rows = _gathered_digests(norms)
     nonfinite = [r for r, (ok, _) in enumerate(rows) if not ok]
     digests = {r: d for r, (ok, d) in enumerate(rows) if ok}
     if not nonfinite and len(set(digests.values())) == 1:
         return ReplicaCheck()
-    source = None
-    if digests:
-        counts = Counter(digests.values())
-        majority = max(counts, key=lambda d: (counts[d], -min(r for r, v in digests.items() if v == d)))
-        source = min(r for r, d in digests.items() if d == majority)
+    source = _majority(digests)
     differ = sorted(nonfinite + [r for r, d in digests.items() if source is not None and d != digests[source]])
+    first = _first_difference(norms, source)
+    names = [n for n, _ in inner.named_parameters()]
+    return ReplicaCheck(differ, names[first] if first is not None else None, source, nonfinite)
+
+
+def _gathered_digests(norms: torch.Tensor) -> list[list[float]]:
+    """Every rank's (all parameters finite?, a weighted sum of its parameter norms): one all-gather."""
+    weights = torch.arange(1, len(norms) + 1, dtype=torch.float64)
+    finite = bool(torch.isfinite(norms).all())  # a norm is finite exactly when its tensor is
+    mine = torch.stack([torch.tensor(float(finite), dtype=torch.float64), (norms * weights).sum()])
+    mine = mine.to(_comm_device())
+    gathered = [torch.zeros_like(mine) for _ in range(world_size())]
+    tdist.all_gather(gathered, mine)
+    return [g.tolist() for g in gathered]
+
+
+def _majority(digests: dict[int, float]) -> int | None:
+    """The lowest rank holding the digest most finite ranks hold (ties: the one a lower rank holds)."""
+    if not digests:
+        return None
+    counts = Counter(digests.values())
+    majority = max(counts, key=lambda d: (counts[d], -min(r for r, v in digests.items() if v == d)))
+    return min(r for r, d in digests.items() if d == majority)
+
+
+def _first_difference(norms: torch.Tensor, source: int | None) -> int | None:
+    """The first parameter whose norm differs between some rank and ``source`` (rank 0 without one):
+    one all-gather of every rank's per-parameter norms. NaN != NaN, so a non-finite one always differs."""
+    device = _comm_device()
     full = [torch.zeros_like(norms.to(device)) for _ in range(world_size())]
     tdist.all_gather(full, norms.to(device))
-    ref = full[source if source is not None else 0].tolist()
-    rows_full = [f.tolist() for f in full]
-    # NaN != NaN, so a non-finite parameter always counts as differing.
-    first = next((i for i in range(len(ref)) if any(f[i] != ref[i] for f in rows_full)), None)
-    return ReplicaCheck(differ, names[first] if first is not None else None, source, nonfinite)
+    rows = [f.tolist() for f in full]
+    ref = rows[source if source is not None else 0]
+    return next((i for i in range(len(ref)) if any(f[i] != ref[i] for f in rows)), None)
 
 
 def broadcast_state(model: nn.Module, src: int) -> None:

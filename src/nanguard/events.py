@@ -17,7 +17,8 @@ together. Kinds:
 - ``skip``, ``rollback``: the recovery taken, with ``reason`` and, for rollbacks,
   ``restored_step`` (the step the restored snapshot was taken at), ``skip_batches`` and ``why``
   (why that snapshot: the last one, or the last before the run began to grow).
-- ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``; or the
+- ``spike``: a loss or grad-norm spike: ``metric``, ``value``, ``median``, ``score``, and ``own`` (true:
+  this rank's own loss, on a step whose mean loss no collective agreed; written by that rank alone); or the
   divergence warning: ``metric``, ``value``, ``growth`` and ``predicted_overflow_in``.
 - ``warning``: an early warning: ``signal`` ("loss", "grad_norm"), ``module`` (null: the whole run),
   ``value``, ``trend`` (growth per step), ``steps_left`` (to float32's overflow at that trend, or null),
@@ -123,6 +124,7 @@ SCHEMA: dict[str, tuple[Field, ...]] = {
         Field("value", *_NUMBER),
         Field("median", *_NUMBER),
         Field("score", *_NUMBER),
+        Field("own", lambda v: isinstance(v, bool), "true or false"),
         Field("growth"),
         Field("predicted_overflow_in"),
     ),

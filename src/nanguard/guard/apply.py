@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ class _Done:
 
 
 _NOTHING = _Done()
+_SPIKE = "nanguard: step %d: %s%s spike %.4g (median %.4g, z=%.1f)"
 _STEPPED = Outcome(action="step")
 
 
@@ -97,7 +99,7 @@ class Apply:
         has joined (DDP join()), and on every step where a stop it cannot foresee may come
         (``tells_every_step``), that rank learns whether the policy stopped the run."""
         h = verdict.health
-        if verdict.spikes or verdict.forecast is not None or verdict.departure is not None:
+        if verdict.spikes or verdict.forecast is not None or verdict.departure is not None or verdict.own_spike:
             self._record_trends(verdict)
         done = _NOTHING if action is STEP or action is DEFER else self._apply(attempt, verdict, action)
         if h is not None and h.joined and (action.trip == "bundle" or self.tells_every_step):
@@ -131,16 +133,23 @@ class Apply:
             self.recovery.reset_overflow_streak()
             return _Done("overflow")
         diag = self._record(attempt, verdict, diag, action)
-        if kind == "raise":
-            ran = "raise" if action.trip == "bundle" else ("overflow" if verdict.overflow is not None else None)
-            return _Done(ran, diag, NonFiniteError(diag, action.message))
-        if kind == "rollback":
-            return self._rollback(step, diag, action)
-        if kind == "resync":
-            assert verdict.source is not None  # the policy resyncs only from a finite replica
-            dist.broadcast_state(self.model, src=verdict.source)
-            self.health.forget_update()  # the queued parameter check saw the replicas before the repair
-            return _Done(None, diag)
+        return _CARRY_OUT.get(kind, Apply._skip_diagnosed)(self, verdict, diag, action)
+
+    # -- the actions a diagnosed step takes, by ``Action.kind`` (``_CARRY_OUT``) ------------
+    def _raise(self, verdict: Verdict, diag: Diagnosis, action: Action) -> _Done:
+        ran = "raise" if action.trip == "bundle" else ("overflow" if verdict.overflow is not None else None)
+        return _Done(ran, diag, NonFiniteError(diag, action.message))
+
+    def _rolled_back(self, verdict: Verdict, diag: Diagnosis, action: Action) -> _Done:
+        return self._rollback(verdict.step, diag, action)
+
+    def _resync(self, verdict: Verdict, diag: Diagnosis, action: Action) -> _Done:
+        assert verdict.source is not None  # the policy resyncs only from a finite replica
+        dist.broadcast_state(self.model, src=verdict.source)
+        self.health.forget_update()  # the queued parameter check saw the replicas before the repair
+        return _Done(None, diag)
+
+    def _skip_diagnosed(self, verdict: Verdict, diag: Diagnosis, action: Action) -> _Done:
         return self._skip(verdict, diag.cause, action, diag)
 
     def _record_trends(self, verdict: Verdict) -> None:
@@ -148,14 +157,10 @@ class Apply:
         step = verdict.step
         for spike in verdict.spikes or ():
             self.recorder.spike(step, spike)
-            log.warning(
-                "nanguard: step %d: %s spike %.4g (median %.4g, z=%.1f)",
-                step,
-                spike.metric,
-                spike.value,
-                spike.median,
-                spike.score,
-            )
+            log.warning(_SPIKE, step, "", spike.metric, spike.value, spike.median, spike.score)
+        if (own := verdict.own_spike) is not None:
+            self.recorder.spike(step, own, own=True)
+            log.warning(_SPIKE, step, f"rank {self.rank}'s own ", own.metric, own.value, own.median, own.score)
         if (trend := verdict.forecast) is not None:
             self.recorder.forecast(step, trend)
             log.warning(
@@ -343,3 +348,11 @@ class Apply:
 
 def _stop(action: Action, diag: Diagnosis | None) -> NonFiniteError | None:
     return NonFiniteError(diag, action.stop) if action.stop is not None else None
+
+
+_CARRY_OUT: dict[str, Callable[[Apply, Verdict, Diagnosis, Action], _Done]] = {
+    "raise": Apply._raise,
+    "rollback": Apply._rolled_back,
+    "resync": Apply._resync,
+}
+"""What ``Apply._apply`` does for a diagnosed step's action, by kind, once recorded (else: skip)."""

@@ -136,6 +136,8 @@ class Guard(GuardParts):
         self.progress.calls += 1
         if self._waiting is not None:
             self._settle()
+        if self.recovery.scheduler_pending is not None:  # the loop has stepped its scheduler since the snapshot
+            self.recovery.settle_scheduler()
         self._remedies.begin_step(sample_ids)
         if self._dropped(batch):
             return None
@@ -206,6 +208,8 @@ class Guard(GuardParts):
             return True
         self.progress.calls += 1
         self._settle()
+        if self.recovery.scheduler_pending is not None:  # the loop has stepped its scheduler since the snapshot
+            self.recovery.settle_scheduler()
         # The forward this call checks ran before it: headroom was measured as it ran (armed by the last call).
         self._remedies.headroom.collect(self.progress.step)
         try:

@@ -261,19 +261,10 @@ class Diagnoser:
 
         Every rank takes the same branch: the trips and the diagnosis they compare are agreed.
         """
-        last = self._last
-        if not self.locate or closure is None or last is None or self.sharded or h.joined:
+        found = self._repeatable(closure, h)
+        if found is None or closure is None:
             return None
-        diag = last.diagnosis
-        if not repeats(last.step, last.ranks, diag.cause, h.step, h.bad_ranks):
-            return None
-        if diag.evidence.get("communication"):
-            return None  # ranks that replay together (TP, PP) cannot each stop their forward early
-        if (diag.evidence.get("proof") or {}).get("verdict", "unproven") != "unproven":
-            return None  # a proven fault repeats only as the same op too: replayed in full (_proof_of_last)
-        module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
-        if module is None:
-            return None
+        last, module = found
         if rng is not None:
             set_rng_state(rng)
         try:
@@ -285,8 +276,26 @@ class Diagnoser:
         expected = not dist.is_distributed() or dist.rank() in h.bad_ranks
         if dist.agree_flag(expected and not seen):
             return None
+        diag = last.diagnosis
         log.info("nanguard: step %d repeats the trip of step %d in %s", h.step, last.step, diag.module)
         return replace(diag, step=h.step, evidence={**copy.deepcopy(diag.evidence), "repeat_of": last.step})
+
+    def _repeatable(self, closure: Callable[[], Any] | None, h: StepHealth) -> tuple[_LastTrip, nn.Module] | None:
+        """The last trip and its origin's module when this trip may repeat it (``_repeat``): it directly
+        follows on the same ranks, with a repeatable cause made in the forward of a module, by ranks that
+        replay alone and unproven; else None. The same on every rank (what it reads is agreed)."""
+        last = self._last
+        if not self.locate or closure is None or last is None or self.sharded or h.joined:
+            return None
+        diag = last.diagnosis
+        if not repeats(last.step, last.ranks, diag.cause, h.step, h.bad_ranks):
+            return None
+        if diag.evidence.get("communication"):
+            return None  # ranks that replay together (TP, PP) cannot each stop their forward early
+        if (diag.evidence.get("proof") or {}).get("verdict", "unproven") != "unproven":
+            return None  # a proven fault repeats only as the same op too: replayed in full (_proof_of_last)
+        module = dict(dist.unwrap(self.model).named_modules()).get(diag.module) if diag.phase == "forward" else None
+        return None if module is None else (last, module)
 
     def _nonfinite_shards(self, step: int) -> Diagnosis | None:
         """This rank's own non-finite parameter shards, or None (host reads: on a trip only)."""
@@ -334,22 +343,18 @@ class Diagnoser:
         named = list(dist.unwrap(self.model).named_parameters())
         with torch.no_grad():
             finite = [bool(torch.isfinite(local(p)).all()) for _, p in named]  # on a trip only
-        group = self.optimizer.param_groups[0]
-        owners = compat.zero_owners(self.optimizer)
-        if owners is not None and ranks:
-            # A sharded optimizer: each parameter's owner updated it and broadcast it to every rank.
-            owned = sorted(
-                {owners[id(p)] for (_, p), ok in zip(named, finite, strict=True) if not ok and id(p) in owners}
-            )
-            ranks = owned or ranks
         bad = [(n, p) for (n, p), ok in zip(named, finite, strict=True) if not ok]
+        ranks = _owners(self.optimizer, [p for _, p in bad], ranks)
+        distributed = dist.is_distributed()
         diag = nonfinite_update(
             step=step,
             optimizer=type(self.optimizer).__name__,
-            hyperparameters={k: v for k, v in group.items() if isinstance(v, (int, float, bool))},
+            hyperparameters={
+                k: v for k, v in self.optimizer.param_groups[0].items() if isinstance(v, (int, float, bool))
+            },
             bad_parameters=[n for n, _ in bad],
-            rank=ranks[0] if dist.is_distributed() and ranks else dist.rank_or_none(),
-            ranks=ranks if dist.is_distributed() else [],
+            rank=ranks[0] if distributed and ranks else dist.rank_or_none(),
+            ranks=ranks if distributed else [],
             dtype=str(bad[0][1].dtype).removeprefix("torch.") if bad else None,
         )
         return with_run_facts(diag, RunFacts(self.history.evidence(step + 1, self._lr())))
@@ -520,3 +525,12 @@ def _agreed(gaps: list[str]) -> list[str]:
         return gaps
     flagged = dist.agree_flag(bool(gaps))
     return gaps or ([f"what the replay of rank(s) {flagged} could not observe"] if flagged else [])
+
+
+def _owners(optimizer: torch.optim.Optimizer, bad: list[torch.Tensor], ranks: list[int]) -> list[int]:
+    """Under a sharded optimizer (ZeRO), the ranks that own the ``bad`` parameters (each owner updated its
+    own and broadcast them to every rank); else, or when it owns none of them, ``ranks``."""
+    owners = compat.zero_owners(optimizer)
+    if owners is None or not ranks:
+        return ranks
+    return sorted({owners[id(p)] for p in bad if id(p) in owners}) or ranks

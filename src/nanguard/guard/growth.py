@@ -114,23 +114,12 @@ class WeightLog:
         now = self._norms() if self.start is not None else None
         if self.start is None or now is None:
             return out
-        series = [(s, n.to(self.start.device)) for s, n in self.samples if s < step]
-        now = now.to(self.start.device)
-        if not series or not torch.equal(series[-1][1], now):  # else the last sample is now: counted once
-            series.append((step, now))
-        steps = [-1, *(s for s, _ in series)]
-        table = torch.stack([self.start, *(n for _, n in series)])
-        values = table.double().t().tolist()  # one row per weight, one column per sample
+        steps, values = self._table(step, now)
         best = max(range(len(values)), key=lambda i: _growth(values[i]))
         row = values[best]
         if _growth(row) <= 0:
             return out
-        first = len(row) - 1
-        while first > 0 and 0 < row[first - 1] < row[first]:
-            first -= 1
-        recent = max(first, len(row) - 3)  # the last two samples' rate, or the whole rise's when shorter
-        span = steps[-1] - steps[recent]
-        per_step = (row[-1] / row[recent]) ** (1 / span) if span > 0 and row[recent] > 0 else 1.0
+        first, per_step = _rise(row, steps)
         out.update(
             parameter=self.names[best],
             norm_start=row[0],
@@ -141,6 +130,30 @@ class WeightLog:
             sampled_every=self.every,
         )
         return out
+
+    def _table(self, step: int, now: torch.Tensor) -> tuple[list[int], list[list[float]]]:
+        """The samples before ``step`` and ``now`` after the start (step -1): their steps, and one row of
+        norms per weight (a host read)."""
+        assert self.start is not None
+        series = [(s, n.to(self.start.device)) for s, n in self.samples if s < step]
+        now = now.to(self.start.device)
+        if not series or not torch.equal(series[-1][1], now):  # else the last sample is now: counted once
+            series.append((step, now))
+        steps = [-1, *(s for s, _ in series)]
+        table = torch.stack([self.start, *(n for _, n in series)])
+        return steps, table.double().t().tolist()  # one row per weight, one column per sample
+
+
+def _rise(row: list[float], steps: list[int]) -> tuple[int, float]:
+    """Where the samples in a row that grew begin (an index of ``row``), and the growth per update over the
+    last two samples (over the whole rise, when it is shorter)."""
+    first = len(row) - 1
+    while first > 0 and 0 < row[first - 1] < row[first]:
+        first -= 1
+    recent = max(first, len(row) - 3)
+    span = steps[-1] - steps[recent]
+    per_step = (row[-1] / row[recent]) ** (1 / span) if span > 0 and row[recent] > 0 else 1.0
+    return first, per_step
 
 
 def _growth(row: list[float]) -> float:

@@ -27,6 +27,7 @@ from torch import nn
 from nanguard import compat, dist
 from nanguard.agreement import Layout
 from nanguard.dist import CommWatch
+from nanguard.guard.history import UNAGREED
 from nanguard.stats import float_groups, local, total_norm
 
 __all__ = [
@@ -76,9 +77,10 @@ class StepHealth:
 
     step: int
     loss: float
-    """The loss averaged over ranks: decisions and history use it. NaN on a healthy step whose flags
-    reached the ranks by poisoning DDP's gradient all-reduce (3 or more ranks): no collective agreed a
-    mean loss, and each rank's own differs, so the history's rules go by the grad norm alone."""
+    """The loss averaged over ranks: decisions and history use it. ``history.UNAGREED`` (NaN) on a finite
+    step whose flags reached the ranks in a reduction the loop makes (DDP's gradient all-reduce on 3 or more
+    ranks, the loop's clip norm under FSDP2/TP, an engine's reduced norm): no collective agreed a mean loss,
+    and each rank's own differs, so the history's rules go by the grad norm alone (the rule: ``guard/history.py``)."""
     grad_norm: float
     """The global gradient norm (over shards under FSDP2)."""
     scale: float | None
@@ -640,7 +642,7 @@ class HealthCheck:
         bad = raw[-1] > 0
         vec = at.zeros(raw.device)
         vec[at.codes] = bad.float() * float(HealthFlag.SYNCED)
-        vec[at.loss] = math.nan
+        vec[at.loss] = UNAGREED
         vec[at.norm] = 1.0
         vec[at.steps] = raw[at.step(dist.rank())]
         return vec

@@ -4,6 +4,12 @@ The guard feeds every checked step to ``observe`` (spike detection) and ``foreca
 early divergence warning), and every finished update to ``append``; on a trip, ``evidence``
 says whether the run was diverging, which the trip's diagnosis reads (``evidence.RunFacts``),
 and ``growing`` holds the rollback snapshot's refresh while it is.
+
+The rule for a step whose mean loss no collective agreed (``UNAGREED``: the flags rode in the gradients
+or the engine's reduced norm on 3 or more DDP ranks, under FSDP2/TP's clip, DeepSpeed, torchtitan and
+Megatron-core): its loss is NaN here, so every rule that decides (spike skips, the divergence trip, the
+snapshot's hold) goes by the grad norm, the same on every rank, and no collective is added; each rank's
+own loss feeds ``own_spike`` alone, a warning in that rank's log that changes nothing the ranks do.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from nanguard.guard.config import GuardConfig
 from nanguard.guard.growth import WeightLog
 from nanguard.spikes import Spike, SpikeDetector
 
-__all__ = ["FLOAT32_SQUARE_MAX", "Departure", "Forecast", "History", "Point"]
+__all__ = ["FLOAT32_SQUARE_MAX", "UNAGREED", "Departure", "Forecast", "History", "Point"]
 
 TREND_POINTS = 4
 """How many recent steps the divergence forecast fits."""
@@ -36,6 +42,8 @@ PEAK_RATIO = 2.0
 _LOG_FLOAT32_MAX = math.log(3.4028234663852886e38)
 FLOAT32_SQUARE_MAX = math.sqrt(3.4028234663852886e38)
 """A norm past this squares past float32's range: a float32 norm of such gradients is Inf."""
+UNAGREED = math.nan
+"""The loss of a finite step whose mean loss no collective agreed (the module's docstring: the rule)."""
 
 
 class Point(NamedTuple):
@@ -105,6 +113,10 @@ class History:
         self.grad_spikes = SpikeDetector(
             "grad_norm", window=spike_window, warmup=spike_warmup, threshold=spike_threshold
         )
+        self.own_loss_spikes = SpikeDetector(
+            "loss", window=spike_window, warmup=spike_warmup, threshold=spike_threshold
+        )
+        """This rank's own loss, on the steps whose mean loss was not agreed (``own_spike``)."""
         self.divergence_window = divergence_window
         self.divergence_factor = divergence_factor
         self.spikes = 0
@@ -160,6 +172,20 @@ class History:
                 self._recent_spike_step = step
         self._observed = (step, ready, bool(found))
         return found
+
+    def own_spike(self, *, loss: float, own_loss: float) -> Spike | None:
+        """A spike of this rank's own loss on a finite step whose mean ``loss`` no collective agreed
+        (``UNAGREED``), else None. A warning for this rank's log alone: it enters no decision, so the
+        ranks, whose own losses differ, still decide alike; nor ``spikes``, which counts the agreed ones
+        (the same on every rank).
+
+        Example:
+            >>> history.own_spike(loss=math.nan, own_loss=40.0).metric   # after 10 steps at 2.0
+            'loss'
+        """
+        if not math.isnan(loss):
+            return None  # the mean loss was agreed: its spikes are the run's (``observe``)
+        return self.own_loss_spikes.update(own_loss)
 
     def forget(self, step: int, *, loss: float, grad_norm: float) -> None:
         """Take back the last ``observe`` and ``forecast`` of ``step``: it was skipped (``skip_spikes``),
@@ -401,8 +427,8 @@ class History:
             if not (ready and spiked):  # no growth is a runaway without a spike the warm detectors flag
                 self._grown = (None, 0)
                 return None
-            # A NaN loss of a step no rank flagged is one no collective agreed (``StepHealth.loss``):
-            # the grad norm, alike on every rank, decides alone.
+            # A NaN loss of a step no rank flagged is one no collective agreed (``UNAGREED``, the module's
+            # rule): the grad norm, alike on every rank, decides alone.
             known = [(m, v) for m, v in (("loss", loss), ("grad_norm", grad_norm)) if not math.isnan(v)]
             growth = {m: self._growth(m, v) for m, v in known}
             if min(growth.values()) < self.divergence_factor:
@@ -424,11 +450,6 @@ class History:
             "grad_norm": grad_norm,
         }
 
-    def may_run_away(self, grad_norm: float) -> bool:
-        """Could ``runaway`` find divergence in a step of this grad norm, whatever its loss? (Its grad norm
-        past float32's square, or grown ``divergence_factor``: a test on agreed values only.)"""
-        return grad_norm >= FLOAT32_SQUARE_MAX or self._growth("grad_norm", grad_norm) >= self.divergence_factor
-
     def _growth(self, metric: str, value: float) -> float:
         """``value`` over the smallest finite, positive ``metric`` of the last ``divergence_window`` updates."""
         recent = [getattr(p, metric) for p in list(self.points)[-self.divergence_window :]]
@@ -441,6 +462,7 @@ class History:
             "history": [list(p) for p in self.points],
             "loss_spikes": self.loss_spikes.state_dict(),
             "grad_spikes": self.grad_spikes.state_dict(),
+            "own_loss_spikes": self.own_loss_spikes.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -449,6 +471,7 @@ class History:
         self.points.extend(Point(int(s), float(lv), float(g)) for s, lv, g in state.get("history", []))
         self.loss_spikes.load_state_dict(state.get("loss_spikes", {}))
         self.grad_spikes.load_state_dict(state.get("grad_spikes", {}))
+        self.own_loss_spikes.load_state_dict(state.get("own_loss_spikes", {}))
 
 
 def _median(values: list[float]) -> float | None:

@@ -28,7 +28,7 @@ from nanguard.guard.attempt import Attempt, Rng, scaler_aside
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.diagnoser import Diagnoser, Replayed, replay_trip
 from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, HostCopy, StepHealth
-from nanguard.guard.history import History
+from nanguard.guard.history import UNAGREED, History
 from nanguard.guard.join import in_join
 from nanguard.guard.optim_state import current_lr
 from nanguard.guard.policy import Policy
@@ -135,7 +135,6 @@ class Measure:
         """What a read step is: bad parameters (as loaded, or after an update), a GradScaler
         overflow, a trip (replayed and diagnosed), runaway growth, a spike, or healthy.
         ``updated``: the device path has applied the step's update already."""
-        step = h.step
         if h.out_of_step:
             raise OutOfStepError(h.out_of_step)
         kind = h.trip_kind(scaled=self.scaler is not None)  # the branch a joined rank's shadow takes too
@@ -145,41 +144,45 @@ class Measure:
             return self._overflowed(h)
         if kind == "trip":
             return self._tripped(h, attempt)
-        spikes = self.history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
-        trend = self.history.forecast(step, loss=h.loss, grad_norm=h.grad_norm)
-        departed = self.history.departed(step, loss=h.loss, grad_norm=h.grad_norm)
+        return self._finite(h, attempt, updated=updated)
+
+    def _finite(self, h: StepHealth, attempt: Attempt, *, updated: bool) -> Verdict:
+        """A finite step: a spike, a departure or a trend (signs the apply stage records), a spike one rank's
+        device made, runaway growth, or healthy. Decided on the agreed values (``history.UNAGREED``)."""
+        step, history = h.step, self.history
+        spikes = history.observe(step, loss=h.loss, grad_norm=h.grad_norm)
+        # NaN (``UNAGREED``) exactly when no collective agreed the loss: this rank's own is watched instead.
+        own = history.own_spike(loss=h.loss, own_loss=h.own_loss) if h.loss != h.loss else None
+        trend = history.forecast(step, loss=h.loss, grad_norm=h.grad_norm)
+        departed = history.departed(step, loss=h.loss, grad_norm=h.grad_norm)
         # One rank's device alone made the spike (a peer computes its batch otherwise): the device's, not the run's.
         if spikes and not updated and (device := self._device_spike(h, attempt, spikes[0].metric)) is not None:
             return Verdict("trip", step, h, diagnosis=device, spikes=spikes)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
         # Not while a rank has joined (DDP join()): it holds no history to follow the trip with.
         diag = None if updated or h.joined else self._runaway(h)
-        if diag is not None:
-            return Verdict("trip", step, h, diagnosis=diag, spikes=spikes, forecast=trend, departure=departed)
-        if spikes or trend is not None or departed is not None:  # signs the apply stage records
-            signs: VerdictKind = "spike" if spikes else "healthy"
-            return Verdict(signs, step, h, spikes=spikes or None, forecast=trend, departure=departed)
-        return Verdict("healthy", step, h)
+        if diag is None and not spikes and trend is None and departed is None and own is None:
+            return Verdict("healthy", step, h)
+        kind: VerdictKind = "trip" if diag is not None else "spike" if spikes else "healthy"
+        return Verdict(
+            kind, step, h, diagnosis=diag, spikes=spikes or None, forecast=trend, departure=departed, own_spike=own
+        )
 
     def _runaway(self, h: StepHealth) -> Diagnosis | None:
-        """A finite step's divergence, the same verdict on every rank: judged on the agreed values, or, read
-        from the engine's reduced norm with each rank's own loss, voted on wherever the agreed norm grew enough."""
+        """A finite step's divergence, judged on the agreed values (``history.UNAGREED``: the grad norm alone
+        where the mean loss was not agreed), so the same verdict on every rank without a collective."""
         step = h.step
         runaway = self.history.runaway(step, loss=h.loss, grad_norm=h.grad_norm)
-        diag = None
-        if runaway is not None:
-            diag = runaway_growth(
-                step=step,
-                history=runaway,
-                lr=current_lr(self.optimizer),
-                rank=0 if dist.is_distributed() else None,
-                ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
-                weights=self.history.weights.evidence(step) if self.history.weights is not None else None,
-            )
-        if self.health.reduces_norm and dist.is_distributed() and self.history.may_run_away(h.grad_norm):
-            flagged = dist.agree_flag(diag is not None)  # the ranks' own losses differ: one vote, on such steps only
-            diag = dist.gather_diagnosis(diag, flagged) if flagged else None
-        return diag
+        if runaway is None:
+            return None
+        return runaway_growth(
+            step=step,
+            history=runaway,
+            lr=current_lr(self.optimizer),
+            rank=0 if dist.is_distributed() else None,
+            ranks=list(range(dist.world_size())) if dist.is_distributed() else [],
+            weights=self.history.weights.evidence(step) if self.history.weights is not None else None,
+        )
 
     def batch(self, batch: Any, step: int) -> Verdict | None:
         """check_batch before the forward: a trip verdict when any rank rejects its batch (the
@@ -275,13 +278,15 @@ class Measure:
 
 def _from_norm(measured: DeviceHealth, norm: Any, step: int) -> torch.Tensor:
     """The agreement's layout filled from this rank alone and the engine's reduced norm: a finite norm speaks
-    for every rank (each rank's flags ride in it), so this rank's own codes count only beside a non-finite one."""
+    for every rank (each rank's flags ride in it), so this rank's own codes count only beside a non-finite one.
+    No collective averaged the loss: ``history.UNAGREED`` on more than one rank (this rank's own stays in
+    the host read's own slot)."""
     device = measured.loss.device
     n = torch.as_tensor(norm, device=device).detach().float().reshape(())
     code = torch.where(torch.isfinite(n), torch.zeros_like(measured.flags), measured.flags)
-    return Layout(dist.world_size()).vector(
-        rank=dist.rank(), code=code, loss=measured.loss, norm=n, step=step, device=device
-    )
+    world = dist.world_size()
+    loss = measured.loss if world == 1 else UNAGREED
+    return Layout(world).vector(rank=dist.rank(), code=code, loss=loss, norm=n, step=step, device=device)
 
 
 def _replayed_or_unknown(

@@ -13,13 +13,14 @@ optimizer with no state yet, which counts a step and changes the run's first rea
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
 from nanguard import compat
 
-__all__ = ["load_optimizer_state", "optimizer_state"]
+__all__ = ["group_settings", "load_optimizer_state", "optimizer_state", "set_group_settings"]
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -53,6 +54,25 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
     local.load_state_dict(state["zero_shard"])
     for group, saved in zip(optimizer.param_groups, state["zero_groups"], strict=True):
         group.update(saved)
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """A copy of each parameter group's settings (the LR, momentum... what a scheduler sets), every group
+    of a container's optimizers in turn.
+
+    Example:
+        >>> group_settings(torch.optim.SGD(model.parameters(), lr=0.1))[0]["lr"]
+        0.1
+    """
+    groups = [g for o in (_contained(optimizer) or [optimizer]) for g in o.param_groups]
+    return [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in groups]
+
+
+def set_group_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    """Put back what ``group_settings`` returned."""
+    groups = [g for o in (_contained(optimizer) or [optimizer]) for g in o.param_groups]
+    for group, saved in zip(groups, settings, strict=True):
+        group.update(copy.deepcopy(saved))
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> Any:

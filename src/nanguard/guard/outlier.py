@@ -93,7 +93,15 @@ def prove_spike(
     found: dict[str, Any] = {"suspect": suspect, "peer": peer, "metric": metric, "local": values}
     if unproven is not None:
         return None, {**found, "verdict": "unproven", "why": unproven}
-    s, p = results[suspect], results[peer]
+    return _judged(model, results[suspect], results[peer], found, step)
+
+
+def _judged(
+    model: nn.Module, s: dict[str, Any], p: dict[str, Any], found: dict[str, Any], step: int
+) -> tuple[Diagnosis | None, dict[str, Any]]:
+    """The suspect's (``s``) and its peer's (``p``) re-computations of the suspect's batch compared:
+    ``hardware.faulty_device`` when they differ beyond the tolerance, else None; with what was found."""
+    suspect, peer, metric, values = found["suspect"], found["peer"], found["metric"], found["local"]
     if s.get("error") or p.get("error") or not (s["finite"] and p["finite"]):
         why = "a re-computation failed or went non-finite (a non-finite step is the NaN proof's, on its own trip)"
         return None, {**found, "verdict": "unproven", "why": why}

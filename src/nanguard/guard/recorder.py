@@ -61,8 +61,12 @@ class NullRecorder:
         """``restored_step``: the step the restored snapshot was taken at; ``why``: why that snapshot."""
         self._write("rollback", step, restored_step=restored_step, skip_batches=skip_batches, reason=reason, why=why)
 
-    def spike(self, step: int, spike: Spike) -> None:
-        self._write("spike", step, metric=spike.metric, value=spike.value, median=spike.median, score=spike.score)
+    def spike(self, step: int, spike: Spike, *, own: bool = False) -> None:
+        """``own``: a spike of this rank's own loss (``History.own_spike``), not of the agreed values."""
+        extra = {"own": True} if own else {}
+        self._write(
+            "spike", step, metric=spike.metric, value=spike.value, median=spike.median, score=spike.score, **extra
+        )
 
     def forecast(self, step: int, forecast: Forecast) -> None:
         """The early divergence warning, as a ``spike`` event with ``predicted_overflow_in``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ from nanguard import dist
 from nanguard.backup import BufferBackup
 from nanguard.findings import Diagnosis
 from nanguard.guard.config import GuardConfig
-from nanguard.guard.optim_state import load_optimizer_state, optimizer_state
+from nanguard.guard.optim_state import group_settings, load_optimizer_state, optimizer_state, set_group_settings
 from nanguard.rng import set_rng_state
 from nanguard.stats import local
 
@@ -66,6 +67,8 @@ class Recovery:
         self.drop_batches = 0
         self.held_since: int | None = None
         """The step from which snapshot refreshes are held while the run grows; None when none is."""
+        self.scheduler_pending: dict[str, Any] | None = None
+        """The newest snapshot, until the guard's next call records the scheduler in it (``settle_scheduler``)."""
         self.snapshot_loss: float | None = None
         """The loss of the last step before the newest snapshot was taken (None: not known)."""
         self.engine_tensors: Callable[[], list[torch.Tensor]] | None = None
@@ -175,6 +178,8 @@ class Recovery:
             self.scaler.load_state_dict(snap["scaler"])
         if self.scheduler is not None and snap["scheduler"] is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
+            if snap.get("groups") is not None:
+                set_group_settings(self.optimizer, snap["groups"])
         if self.engine_tensors is not None and snap.get("engine") is not None:
             with torch.no_grad():
                 for tensor, saved in zip(self.engine_tensors(), snap["engine"], strict=True):
@@ -232,6 +237,22 @@ class Recovery:
             "engine": _copy_to_cpu(self.engine_tensors(), old.get("engine")) if self.engine_tensors else None,
         }
         self.snapshot_loss = loss
+        self.scheduler_pending = self._slots[slot] if self.scheduler is not None else None
+
+    def settle_scheduler(self) -> None:
+        """At the guard's first call after a snapshot: record the scheduler in it as the loop left it for the
+        next update. A loop steps its scheduler after ``optimizer.step()``, after the snapshot of that update
+        was taken: a rollback restores the scheduler with that step in, as the run had it when the snapshot's
+        update was done (not one step behind)."""
+        snap, self.scheduler_pending = self.scheduler_pending, None
+        if snap is None or self.scheduler is None:
+            return
+        try:
+            state, groups = copy.deepcopy(self.scheduler.state_dict()), group_settings(self.optimizer)
+        except Exception as err:  # never worth the run: the snapshot keeps the scheduler as it was taken
+            warnings.warn(f"nanguard: the scheduler after step {snap['step']} was not kept: {err!r}", stacklevel=3)
+            return
+        snap["scheduler"], snap["groups"] = state, groups  # the LR (and momentum...) the scheduler set
 
     def _slot(self, step: int) -> int:
         """The slot a snapshot of ``step`` goes to: the one of the same step, else the next in the

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, get_args
 
@@ -276,28 +276,50 @@ def bad_rows(diag: Diagnosis, batch: Any, n_rows: int | None) -> list[int] | Non
         [1]
     """
     origin = Evidence.of(diag.evidence).origin_or_empty
-    size = origin.indexed_size
-    if diag.cause == "data.nonfinite":
-        paths = {origin.path}
-    elif diag.cause == "data.index_out_of_range" and size is not None:
-        paths = {i.get("path") for i in origin.index_inputs}
-    else:
+    paths = _data_paths(diag.cause, origin)
+    if paths is None:
         return None
+    rows_of, size = _ROWS[diag.cause], origin.indexed_size
     bad: torch.Tensor | None = None
-    for key_path, leaf in leaves_with_path(batch):
-        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or (n_rows is not None and leaf.shape[0] != n_rows):
-            continue
-        if None not in paths and path_str("batch", key_path) not in paths:
-            continue
-        flat = leaf.detach().reshape(leaf.shape[0], -1)
-        if diag.cause == "data.nonfinite" and leaf.is_floating_point():
-            rows = ~torch.isfinite(flat).all(dim=1)
-        elif diag.cause == "data.index_out_of_range" and not leaf.is_floating_point() and leaf.dtype != torch.bool:
-            assert size is not None  # checked above: a range to compare with
-            rows = ((flat < 0) | (flat >= size)).any(dim=1)
-        else:
-            continue
-        bad = rows if bad is None or bad.shape != rows.shape else bad | rows
+    for leaf in _row_leaves(batch, n_rows, paths):
+        rows = rows_of(leaf, leaf.detach().reshape(leaf.shape[0], -1), size)
+        if rows is not None:
+            bad = rows if bad is None or bad.shape != rows.shape else bad | rows
     if bad is None or not bool(bad.any()):
         return None
     return bad.nonzero().flatten().tolist()
+
+
+def _data_paths(cause: str, origin: Any) -> set[str | None] | None:
+    """The batch paths a data diagnosis names (None in the set: any path); None when it names no rows."""
+    if cause == "data.nonfinite":
+        return {origin.path}
+    if cause == "data.index_out_of_range" and origin.indexed_size is not None:
+        return {i.get("path") for i in origin.index_inputs}
+    return None
+
+
+def _row_leaves(batch: Any, n_rows: int | None, paths: set[str | None]) -> Iterator[torch.Tensor]:
+    """The batch's tensors with rows (``n_rows`` of them, when known) at one of ``paths``."""
+    for key_path, leaf in leaves_with_path(batch):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or (n_rows is not None and leaf.shape[0] != n_rows):
+            continue
+        if None in paths or path_str("batch", key_path) in paths:
+            yield leaf
+
+
+def _nonfinite_rows(leaf: torch.Tensor, flat: torch.Tensor, size: int | None) -> torch.Tensor | None:
+    return ~torch.isfinite(flat).all(dim=1) if leaf.is_floating_point() else None
+
+
+def _out_of_range_rows(leaf: torch.Tensor, flat: torch.Tensor, size: int | None) -> torch.Tensor | None:
+    if leaf.is_floating_point() or leaf.dtype == torch.bool or size is None:
+        return None
+    return ((flat < 0) | (flat >= size)).any(dim=1)
+
+
+_ROWS: dict[str, Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor | None]] = {
+    "data.nonfinite": _nonfinite_rows,
+    "data.index_out_of_range": _out_of_range_rows,
+}
+"""The rows of one batch tensor each data cause names, by cause (None: none in that tensor)."""

@@ -45,3 +45,6 @@ class Verdict:
     """A finite step's loss or grad norm leaving its recent level tenfold (recorded as a warning)."""
     overflow: float | None = None
     """overflow, collapse: the scale the GradScaler's own step set (it skipped the update)."""
+    own_spike: Spike | None = None
+    """A spike of this rank's own loss where the mean loss was not agreed (``History.own_spike``): recorded
+    by this rank alone, decided on by no one."""

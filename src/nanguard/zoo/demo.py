@@ -14,7 +14,9 @@ from nanguard.guard import Guard
 from nanguard.zoo import SCENARIOS, build, get
 
 if TYPE_CHECKING:
+    from nanguard.findings import Diagnosis
     from nanguard.report.terminal import Console
+    from nanguard.zoo.scenario import Run
 
 __all__ = ["list_faults", "run_demo"]
 
@@ -58,13 +60,27 @@ def run_demo(
 
     console = Console()
     console.title(f"nanguard demo: {scenario.name}", scenario.summary)
-    run = build(scenario, seed)
+    first = _train(console, build(scenario, seed), steps, run_dir)
+    if first is not None:
+        console.diagnosis(first)
+    elif scenario.expect.cause is None:
+        console.line("no trip: this scenario is healthy, and nanguard stayed quiet")
+    else:
+        console.line(f"no trip in {steps} steps; the fault hits at step {scenario.trip_step}: raise --steps")
+        return 1
+    if run_dir is not None:
+        console.line(f"events and bundles in {run_dir}; see `nanguard report {run_dir}`")
+    return 0
+
+
+def _train(console: Console, run: Run, steps: int, run_dir: str | None) -> Diagnosis | None:
+    """The guarded loop, a line a step; the first trip's diagnosis (or the one the guard raised with)."""
     # The demo shows the diagnosis itself: a long run of GradScaler overflows must reach its verdict.
     guard = Guard(
         run.model, run.optimizer, policy="skip", scaler=run.scaler, run_dir=run_dir, max_consecutive_skips=10**6
     )
     start = time.perf_counter()
-    first = None
+    first: Diagnosis | None = None
     try:
         with console.progress(steps, "training") as advance, _narrate(console):
             for step, batch in run.batches(steps):
@@ -81,16 +97,7 @@ def run_demo(
         guard.close()
     elapsed = time.perf_counter() - start
     console.line(f"{guard.step_count} steps in {elapsed:.1f}s, {guard.skipped} skipped, {guard.rollbacks} rolled back")
-    if first is not None:
-        console.diagnosis(first)
-    elif scenario.expect.cause is None:
-        console.line("no trip: this scenario is healthy, and nanguard stayed quiet")
-    else:
-        console.line(f"no trip in {steps} steps; the fault hits at step {scenario.trip_step}: raise --steps")
-        return 1
-    if run_dir is not None:
-        console.line(f"events and bundles in {run_dir}; see `nanguard report {run_dir}`")
-    return 0
+    return first
 
 
 class _ReplayNews(logging.Handler):

@@ -11,6 +11,9 @@ where the non-finite value is made.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,7 +23,7 @@ from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.zoo.gpt import GPT
 from nanguard.zoo.parallel import parallel_rank
-from nanguard.zoo.scenario import Batch, Expect, Scenario, build
+from nanguard.zoo.scenario import Batch, Expect, Run, Scenario, build
 
 __all__ = ["EDGE_FAULTS", "EDGE_SCENARIOS", "edge_rank"]
 
@@ -118,79 +121,111 @@ EDGE_SCENARIOS += (
         dist_fault="toggle",
     ),
 )
-# dist_fault -> (setup, fault, rank it hits) of a zoo.parallel run.
-_PARALLEL = {"tp_sqrt": ("tp", "sqrt", 0), "2d_sqrt": ("2d", "sqrt", 2), "pp_weight": ("pp", "weight", 0)}
 EDGE_FAULTS = frozenset(s.dist_fault for s in EDGE_SCENARIOS)
 _JOIN_BATCHES = (None, 2)  # rank 1 has 2 batches; rank 0 runs the whole scenario
 
+_Outcome = tuple[Diagnosis | None, int | None]
 
-def edge_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
+
+def edge_rank(s: Scenario, rank: int, seed: int) -> _Outcome:
     """One rank of an edge scenario: the first diagnosis and the step it came at."""
-    if s.dist_fault == "join":
-        return _join_rank(s, rank, seed)
-    if s.dist_fault == "zero":
-        return _zero_rank(s, rank, seed)
-    if s.dist_fault in _PARALLEL:
-        setup, fault, fault_rank = _PARALLEL[s.dist_fault]
-        world = torch.distributed.get_world_size()
-        out = parallel_rank(rank, world, setup, fault, fault_rank, "skip", steps=s.run_steps, fault_step=s.fault_step)
-        return (Diagnosis.from_dict(out["diag"]) if out["diag"] else None), out["diag_step"]
-    run = build(s, seed, rank=rank)
-    model = run.model
-    weight: Any = model.blocks[1].mlp.fc.weight  # a DTensor once sharded
+    return _RUNS[s.dist_fault](s, rank, seed)
+
+
+def _parallel_run(setup: str, fault: str, fault_rank: int, s: Scenario, rank: int, seed: int) -> _Outcome:
+    """A ``zoo.parallel`` run (tensor parallel, a 2D mesh or pipeline parallel) with its fault on ``fault_rank``."""
+    world = torch.distributed.get_world_size()
+    out = parallel_rank(rank, world, setup, fault, fault_rank, "skip", steps=s.run_steps, fault_step=s.fault_step)
+    return (Diagnosis.from_dict(out["diag"]) if out["diag"] else None), out["diag_step"]
+
+
+@dataclass
+class _Wrapped:
+    """The tiny GPT wrapped for its ranks, its optimizer and guard, and the weight the faults reach."""
+
+    model: GPT
+    net: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    if s.dist_fault == "shard":
-        from torch.distributed.fsdp import fully_shard
+    guard: Guard
+    weight: Any  # blocks.1.mlp.fc.weight: a DTensor once sharded
 
-        for block in model.blocks:
-            fully_shard(block)
-        net: torch.nn.Module = fully_shard(model)  # type: ignore[assignment]  # FSDPModule: a Module at run time
-        optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr)
-        guard = Guard(net, optimizer, policy="skip", max_consecutive_skips=10**6)
-        weight = model.blocks[1].mlp.fc.weight
-    else:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-        from torch.nn.parallel import DistributedDataParallel
 
-        net = DistributedDataParallel(run.model)
-        optimizer = run.optimizer
-        hook = (None, fp16_compress_hook) if s.dist_fault == "wire" else None
-        guard = Guard(
-            net,
-            optimizer,
-            policy="skip",
-            comm_hook=hook,
-            max_consecutive_skips=10**6,
-            fingerprint_every=1 if s.dist_fault == "nan_replica" else 100,
-        )
-    run.optimizer = optimizer
+def _fsdp2(s: Scenario, run: Run) -> _Wrapped:
+    from torch.distributed.fsdp import fully_shard
+
+    model = run.model
+    for block in model.blocks:
+        fully_shard(block)
+    net: torch.nn.Module = fully_shard(model)  # type: ignore[assignment]  # FSDPModule: a Module at run time
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr)
+    guard = Guard(net, optimizer, policy="skip", max_consecutive_skips=10**6)
+    return _Wrapped(model, net, optimizer, guard, model.blocks[1].mlp.fc.weight)
+
+
+def _ddp(s: Scenario, run: Run) -> _Wrapped:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = DistributedDataParallel(run.model)
+    hook = (None, fp16_compress_hook) if s.dist_fault == "wire" else None
+    guard = Guard(
+        net,
+        run.optimizer,
+        policy="skip",
+        comm_hook=hook,
+        max_consecutive_skips=10**6,
+        fingerprint_every=1 if s.dist_fault == "nan_replica" else 100,
+    )
+    return _Wrapped(run.model, net, run.optimizer, guard, run.model.blocks[1].mlp.fc.weight)
+
+
+def _nan_in_own_shard(w: _Wrapped) -> None:
+    with torch.no_grad():
+        w.weight.to_local().view(-1)[0] = float("nan")
+
+
+def _gradient_times_1e9(w: _Wrapped) -> Any:
+    return w.weight.register_hook(lambda g: g * 1e9)  # through the step and its replay
+
+
+def _update_turns_nan(w: _Wrapped) -> Any:
+    # The update itself goes bad on this rank only, just before the fingerprint check.
+    return w.optimizer.register_step_post_hook(lambda *_: _spoil(w.weight))
+
+
+def _forward_log_of_negative(w: _Wrapped) -> Any:
+    return w.model.blocks[1].mlp.fc.register_forward_hook(_log_of_negative)
+
+
+def _wrapped_run(plant: Callable[[_Wrapped], Any], fault_rank: int, s: Scenario, rank: int, seed: int) -> _Outcome:
+    """The tiny GPT under FSDP2 (``shard``) or DDP; at the fault step ``plant`` runs on ``fault_rank``
+    (a hook it returns is removed after that step)."""
+    run = build(s, seed, rank=rank)
+    w = (_fsdp2 if s.dist_fault == "shard" else _ddp)(s, run)
+    run.optimizer = w.optimizer
     for step in range(s.run_steps):
-        handle: Any = None
-        if step == s.fault_step:
-            if s.dist_fault == "shard" and rank == 2:
-                with torch.no_grad():
-                    weight.to_local().view(-1)[0] = float("nan")
-            if s.dist_fault == "wire" and rank == 0:
-                handle = weight.register_hook(lambda g: g * 1e9)  # through the step and its replay
-            if s.dist_fault == "nan_replica" and rank == 0:
-                # The update itself goes bad on rank 0 only, just before the fingerprint check.
-                handle = optimizer.register_step_post_hook(lambda *_: _spoil(weight))
-            if s.dist_fault == "toggle" and rank == 1:
-                handle = model.blocks[1].mlp.fc.register_forward_hook(_log_of_negative)
-        batch: Any = run.batch(step, faulty=False)  # or the micro-batches of a toggling step
-        closure = run.closure(batch, net)
-        if s.dist_fault == "toggle":
-            micro = [run.batch(2 * step + m, faulty=False) for m in range(2)]
-            closure, batch = _toggling_closure(net, optimizer, micro), micro
+        handle = plant(w) if step == s.fault_step and rank == fault_rank else None
+        closure, batch = _step_inputs(s, run, w.net, w.optimizer, step)
         try:
-            guard.step(closure, batch=batch)
+            w.guard.step(closure, batch=batch)
         except NonFiniteError as err:  # what a skip cannot repair escalates at once
             return err.diagnosis, step
         if handle is not None:
             handle.remove()
-        if guard.last_diagnosis is not None:
-            return guard.last_diagnosis, step
+        if w.guard.last_diagnosis is not None:
+            return w.guard.last_diagnosis, step
     return None, None
+
+
+def _step_inputs(
+    s: Scenario, run: Run, net: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> tuple[Callable[[], torch.Tensor], Any]:
+    """The step's closure and batch, or under ``toggle`` the closure over its 2 micro-batches and them."""
+    if s.dist_fault == "toggle":
+        micro = [run.batch(2 * step + m, faulty=False) for m in range(2)]
+        return _toggling_closure(net, optimizer, micro), micro
+    batch = run.batch(step, faulty=False)
+    return run.closure(batch, net), batch
 
 
 def _toggling_closure(net: Any, optimizer: torch.optim.Optimizer, micro: list[Any]) -> Any:
@@ -216,7 +251,7 @@ def _spoil(weight: torch.Tensor) -> None:
         weight.view(-1)[0] = float("nan")
 
 
-def _join_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
+def _join_rank(s: Scenario, rank: int, seed: int) -> _Outcome:
     """Uneven inputs inside ``ddp.join()``; the joined rank learns the diagnosis while it shadows."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -232,7 +267,7 @@ def _join_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int
     return diag, diag.step if diag is not None else None
 
 
-def _zero_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int | None]:
+def _zero_rank(s: Scenario, rank: int, seed: int) -> _Outcome:
     """ZeRO under DDP: rank 1's local optimizer spoils one parameter it owns after its update of the fault step."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -259,3 +294,17 @@ def _zero_rank(s: Scenario, rank: int, seed: int) -> tuple[Diagnosis | None, int
         if guard.last_diagnosis is not None:
             return guard.last_diagnosis, step
     return None, None
+
+
+# dist_fault -> one rank's run: the rank a fault hits and what it does there, or a whole run of its own.
+_RUNS: dict[str | None, Callable[[Scenario, int, int], _Outcome]] = {
+    "shard": partial(_wrapped_run, _nan_in_own_shard, 2),
+    "wire": partial(_wrapped_run, _gradient_times_1e9, 0),
+    "nan_replica": partial(_wrapped_run, _update_turns_nan, 0),
+    "toggle": partial(_wrapped_run, _forward_log_of_negative, 1),
+    "join": _join_rank,
+    "zero": _zero_rank,
+    "tp_sqrt": partial(_parallel_run, "tp", "sqrt", 0),
+    "2d_sqrt": partial(_parallel_run, "2d", "sqrt", 2),
+    "pp_weight": partial(_parallel_run, "pp", "weight", 0),
+}

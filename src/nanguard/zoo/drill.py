@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import random
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -95,6 +95,17 @@ def _digest(state: torch.Tensor) -> bytes:
     return hashlib.sha256(state.contiguous().numpy().tobytes()).digest()
 
 
+# The drill's Guard: every remedy on, snapshots often, and no limit that would end the drill early.
+_SETTINGS: dict[str, Any] = {
+    "policy": "auto",
+    "skip_spikes": True,
+    "snapshot_every": 4,
+    "remedy_budget": 10**6,
+    "max_consecutive_skips": 10**6,
+    "headroom_every": 0,
+}
+
+
 def drill_rank(
     rank: int,
     world: int,
@@ -111,68 +122,94 @@ def drill_rank(
     model = _model()
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    restored: list[int] = []
-    repaired: list[int] = []  # steps whose trip was repaired without a skip (a resync of the replicas)
-
-    def listen(event: dict[str, Any]) -> None:
-        if event["kind"] == "rollback":
-            restored.append(event["restored_step"])
-        elif event["kind"] == "trip" and event["action"] == "resync":
-            repaired.append(event["step"])
-
-    settings: dict[str, Any] = {
-        "policy": "auto",
-        "skip_spikes": True,
-        "snapshot_every": 4,
-        "remedy_budget": 10**6,
-        "max_consecutive_skips": 10**6,
-        "headroom_every": 0,
-        **(options or {}),
-    }
-    guard = Guard(net, opt, run_dir=run_dir, inject=[Fault(**f) for f in faults], on_event=listen, **settings)
-    digests: dict[int, bytes] = {}  # every step's, by step: the bits a rollback to it must restore
-    actions, applied, broken = [], [], []
+    ledger = _Ledger(model, opt)
+    settings = {**_SETTINGS, **(options or {})}
+    guard = Guard(net, opt, run_dir=run_dir, inject=[Fault(**f) for f in faults], on_event=ledger.listen, **settings)
     started = time.monotonic()
     for step in range(steps):
         batch = _batch(model, rank, step)
-        before = _state(model, opt)
-        digests[step] = _digest(before)
-
-        def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            _, loss = net(**batch)
-            loss.backward()
-            return loss
-
-        guard.step(closure, batch=batch)
-        action = guard.last_action or "?"
-        actions.append(action)
-        if action == "step":
-            applied.append(step)
-        elif action == "skip" and not torch.equal(_state(model, opt), before):
-            broken.append(f"step {step}: the skip changed the weights or optimizer state")
-        elif action == "rollback":
-            back, now = restored[-1], _state(model, opt)
-            if back not in digests or _digest(now) != digests[back]:
-                broken.append(f"step {step}: the rollback did not restore the state before step {back}")
-            elif not bool(torch.isfinite(now).all()):  # equal bits, but a snapshot must never hold a NaN
-                broken.append(f"step {step}: the rollback restored a non-finite state (before step {back})")
-            applied = [s for s in applied if s < back]
+        before = ledger.before(step)
+        guard.step(_closure(net, opt, batch), batch=batch)
+        ledger.after(step, guard.last_action or "?", before)
     guard.close()
     seconds = time.monotonic() - started
     final = _state(model, opt)
     # Ranks that kept different batches would hang in the reference's all-reduce: compare first.
-    same = _same_everywhere(applied) if world > 1 else True
-    reference = _reference(rank, world, applied) if same else None
+    same = _same_everywhere(ledger.applied) if world > 1 else True
+    reference = _reference(rank, world, ledger.applied) if same else None
     return {
         "rank": rank,
-        "actions": actions,
-        "repaired": repaired,
-        "applied": len(applied),
-        "broken": broken,
+        "actions": ledger.actions,
+        "repaired": ledger.repaired,
+        "applied": len(ledger.applied),
+        "broken": ledger.broken,
         "matches_reference": reference is not None and bool(torch.equal(final[: reference.numel()], reference)),
         "finite": bool(torch.isfinite(final).all()),
         "seconds": seconds,
+    }
+
+
+def _closure(net: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> Any:
+    def closure() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        _, loss = net(**batch)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+class _Ledger:
+    """A rank's steps, each action checked against what it promises: a step's batch is applied, a skip
+    leaves the weights and optimizer state bit-identical, a rollback restores the exact bits from
+    before the step it goes back to (kept for every step: it may go back to any)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.digests: dict[int, bytes] = {}  # every step's, by step: the bits a rollback to it must restore
+        self.actions: list[str] = []
+        self.applied: list[int] = []
+        self.broken: list[str] = []
+        self.restored: list[int] = []
+        self.repaired: list[int] = []  # steps whose trip was repaired without a skip (a resync of the replicas)
+
+    def listen(self, event: dict[str, Any]) -> None:
+        if event["kind"] == "rollback":
+            self.restored.append(event["restored_step"])
+        elif event["kind"] == "trip" and event["action"] == "resync":
+            self.repaired.append(event["step"])
+
+    def before(self, step: int) -> torch.Tensor:
+        """The state before ``step``, its digest kept."""
+        state = _state(self.model, self.optimizer)
+        self.digests[step] = _digest(state)
+        return state
+
+    def after(self, step: int, action: str, before: torch.Tensor) -> None:
+        self.actions.append(action)
+        check = self._CHECKS.get(action)
+        if check is not None:
+            check(self, step, before)
+
+    def _stepped(self, step: int, before: torch.Tensor) -> None:
+        self.applied.append(step)
+
+    def _skipped(self, step: int, before: torch.Tensor) -> None:
+        if not torch.equal(_state(self.model, self.optimizer), before):
+            self.broken.append(f"step {step}: the skip changed the weights or optimizer state")
+
+    def _rolled_back(self, step: int, before: torch.Tensor) -> None:
+        back, now = self.restored[-1], _state(self.model, self.optimizer)
+        if back not in self.digests or _digest(now) != self.digests[back]:
+            self.broken.append(f"step {step}: the rollback did not restore the state before step {back}")
+        elif not bool(torch.isfinite(now).all()):  # equal bits, but a snapshot must never hold a NaN
+            self.broken.append(f"step {step}: the rollback restored a non-finite state (before step {back})")
+        self.applied = [s for s in self.applied if s < back]
+
+    _CHECKS: ClassVar[dict[str, Callable[[_Ledger, int, torch.Tensor], None]]] = {
+        "step": _stepped,
+        "skip": _skipped,
+        "rollback": _rolled_back,
     }
 
 
@@ -192,17 +229,16 @@ def _reference(rank: int, world: int, applied: list[int]) -> torch.Tensor:
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     for step in applied:
-        batch = _batch(model, rank, step)
-
-        def closure(batch: dict[str, torch.Tensor] = batch) -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            _, loss = net(**batch)
-            loss.backward()
-            return loss
-
-        closure()
+        _closure(net, opt, _batch(model, rank, step))()
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# What every rank's end must hold, and the problem when it does not.
+_FINAL: tuple[tuple[str, str], ...] = (
+    ("matches_reference", "final weights differ from a run that never saw the dropped batches"),
+    ("finite", "the final weights or optimizer state are not finite"),
+)
 
 
 def check_drill(faults: Sequence[Fault], results: Sequence[dict[str, Any]]) -> list[str]:
@@ -213,24 +249,34 @@ def check_drill(faults: Sequence[Fault], results: Sequence[dict[str, Any]]) -> l
         []
     """
     problems = [p for r in results for p in (f"rank {r['rank']}: {b}" for b in r["broken"])]
+    problems += _split_decisions(results)
+    problems += _uncaught(faults, results[0])
+    problems += [f"rank {r['rank']}: {text}" for r in results for key, text in _FINAL if not r[key]]
+    return problems
+
+
+def _split_decisions(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Each rank whose actions differ from rank 0's, with the first steps where they do."""
     first = results[0]["actions"]
+    problems = []
     for r in results[1:]:
         split = [s for s, (a, b) in enumerate(zip(first, r["actions"], strict=True)) if a != b]
         if split:
             problems.append(f"rank {r['rank']} decided differently from rank 0 at steps {split[:5]}")
+    return problems
+
+
+def _uncaught(faults: Sequence[Fault], first: dict[str, Any]) -> list[str]:
+    """Each fault (but a stall) rank 0 neither skipped nor rolled back, nor repaired by a resync."""
+    problems = []
     for f in faults:
         # A NaN written where the step's forward does not read it (an embedding row no batch
         # used) shows in the parameter check after the update, read with the next step.
         # Or the replica check (every fingerprint_every updates) finds it first and resyncs the replicas.
-        actions = first[f.step : f.step + (2 if f.kind == "nan_param" else 1)]
-        resynced = f.kind == "nan_param" and f.step in results[0]["repaired"]
+        actions = first["actions"][f.step : f.step + (2 if f.kind == "nan_param" else 1)]
+        resynced = f.kind == "nan_param" and f.step in first["repaired"]
         if f.kind != "stall" and not {"skip", "rollback"} & set(actions) and not resynced:
             problems.append(f"{f.spec}: not caught (the step's action was {actions[0]!r})")
-    for r in results:
-        if not r["matches_reference"]:
-            problems.append(f"rank {r['rank']}: final weights differ from a run that never saw the dropped batches")
-        if not r["finite"]:
-            problems.append(f"rank {r['rank']}: the final weights or optimizer state are not finite")
     return problems
 
 

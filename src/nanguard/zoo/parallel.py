@@ -23,6 +23,8 @@ Example:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanguard.errors import NonFiniteError
+from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
 from nanguard.stats import local
 
@@ -78,7 +81,7 @@ def _tensor_parallel(model: ParallelMLP, mesh: Any) -> None:
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
-def _build(setup: str, rank: int, world: int) -> tuple[nn.Module, Any, int]:
+def _build(setup: str, rank: int, world: int) -> tuple[ParallelMLP, Any, int]:
     """The model (this rank's part of it), the pipeline schedule (None but under ``pp``) and the
     index of this rank's data-parallel replica (the batch it reads)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -153,38 +156,73 @@ def parallel_rank(
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
     model, schedule, replica = _build(setup, rank, world)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    guard = Guard(model, opt, policy=policy, snapshot_every=1, fingerprint_every=0) if policy else None
-    out: dict[str, Any] = {"actions": [], "diag": None, "diag_step": None, "raised": None, "unchanged": None}
+    guard = Guard(model, opt, policy=policy, snapshot_every=1, fingerprint_every=0) if policy else _Unguarded(opt)
+    record = _Record()
     for step in range(steps):
-        gen = torch.Generator().manual_seed(1000 * replica + step)
-        x, y = torch.randn(_ROWS, _DIM, generator=gen), torch.randn(_ROWS, _DIM, generator=gen)
-        here = step == fault_step and rank == fault_rank
-        model.act.negative = here and fault == "sqrt"  # type: ignore[method-assign, assignment]
-        model.act.zero = here and fault == "sqrt_grad"  # type: ignore[union-attr]
+        x, y = _data(replica, step)
+        _arm(model, fault, here=step == fault_step and rank == fault_rank)
         if step == fault_step and fault == "input":
             x[0, 0] = float("nan")
-        if here and fault == "weight":
-            with torch.no_grad():
-                local(model.up.weight).view(-1)[0] = float("nan")  # type: ignore[union-attr, arg-type]
         before = _digest(model)
-        closure = _closure(setup, model, schedule, opt, x, y, rank, world)
-        if guard is None:
-            closure()
-            opt.step()
-            out["actions"].append("step")
-            continue
         try:
-            guard.step(closure, batch={"x": x})
+            guard.step(_closure(setup, model, schedule, opt, x, y, rank, world), batch={"x": x})
         except NonFiniteError as err:
-            out["actions"].append("raise")
-            out["raised"] = step
-            out["diag"], out["diag_step"] = (err.diagnosis.to_dict() if err.diagnosis else None), step
+            record.raised_at(step, err.diagnosis)
             break
-        out["actions"].append(guard.last_action)
+        record.took(step, guard.last_action, guard.last_diagnosis)
         if guard.last_action == "skip" and step == fault_step:
-            out["unchanged"] = _digest(model) == before
-        if out["diag"] is None and guard.last_diagnosis is not None:
-            out["diag"], out["diag_step"] = guard.last_diagnosis.to_dict(), step
-    out["finite"] = all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())
-    out["digest"] = _digest(model)
-    return out
+            record.unchanged = _digest(model) == before
+    finite = all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())
+    return {**asdict(record), "finite": finite, "digest": _digest(model)}
+
+
+def _data(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's inputs and targets, the same on every rank of one data-parallel replica."""
+    gen = torch.Generator().manual_seed(1000 * replica + step)
+    return torch.randn(_ROWS, _DIM, generator=gen), torch.randn(_ROWS, _DIM, generator=gen)
+
+
+def _arm(model: ParallelMLP, fault: str | None, *, here: bool) -> None:
+    """The step's fault when it is ``here`` (this rank, the fault step): the activation's flags, reset on every
+    other step, or a NaN in this rank's shard of ``up.weight``."""
+    model.act.negative = here and fault == "sqrt"
+    model.act.zero = here and fault == "sqrt_grad"
+    if here and fault == "weight":
+        with torch.no_grad():
+            local(model.up.weight).view(-1)[0] = float("nan")
+
+
+class _Unguarded:
+    """The loop's own step where no guard is: the closure, then the optimizer."""
+
+    last_action = "step"
+    last_diagnosis: Diagnosis | None = None
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, closure: Callable[[], torch.Tensor], batch: Any = None) -> None:
+        closure()
+        self.optimizer.step()
+
+
+@dataclass
+class _Record:
+    """What one rank's run reports: each step's action, the first diagnosis and its step, the step that raised
+    and whether the skipped fault step left the parameters bit-identical."""
+
+    actions: list[str | None] = field(default_factory=list)
+    diag: dict[str, Any] | None = None
+    diag_step: int | None = None
+    raised: int | None = None
+    unchanged: bool | None = None
+
+    def took(self, step: int, action: str | None, diagnosis: Diagnosis | None) -> None:
+        self.actions.append(action)
+        if self.diag is None and diagnosis is not None:
+            self.diag, self.diag_step = diagnosis.to_dict(), step
+
+    def raised_at(self, step: int, diagnosis: Diagnosis | None) -> None:
+        self.actions.append("raise")
+        self.raised = step
+        self.diag, self.diag_step = (diagnosis.to_dict() if diagnosis else None), step

@@ -11,9 +11,10 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +24,9 @@ from nanguard.guard import Guard
 from nanguard.zoo.dist_scenarios import EDGE_FAULTS, edge_rank
 from nanguard.zoo.scenarios import BY_FIRST_BAD, FIRST_BAD, SCENARIOS, Run, Scenario, WildScenario, build, get
 from nanguard.zoo.wild import WILD, get_wild
+
+if TYPE_CHECKING:
+    from nanguard.report.terminal import Console
 
 __all__ = ["GROUPS", "CorruptOnce", "Result", "dist_rank", "run_one", "run_scenario", "run_wild", "run_zoo"]
 
@@ -275,52 +279,60 @@ def run_zoo(
     names = [only] if isinstance(only, str) else list(only or ())
     scenarios = _select(group, names, ranks)
     console = Console()
-    results: list[Result] = []
     progress = console.progress(len(scenarios), "zoo") if not as_json else _quiet(len(scenarios))
+    results = _run_all(scenarios, seed, progress)
+    groups = {s.name: s.group for s in scenarios}
+    misses = sum(not r.ok for r in results)
+    if as_json:
+        rows = [{**r.to_dict(), "group": groups[r.name]} for r in results]
+        print(json.dumps({"results": rows, "total": len(results), "misses": misses}))
+    else:
+        skipped = ranks == 1 and group != "wild" and not names and any(s.ranks > 1 for s in SCENARIOS)
+        _print_table(console, results, groups, distributed_skipped=skipped)
+    return 1 if misses else 0
+
+
+def _run_all(
+    scenarios: Sequence[Scenario | WildScenario], seed: int, progress: AbstractContextManager[Callable[[str], None]]
+) -> list[Result]:
+    """Each scenario's result, in order, with a progress line as each one ends."""
+    results: list[Result] = []
     with progress as advance:
         for s in scenarios:
             result = run_one(s, seed)
             results.append(result)
             advance(f"{s.name:<32} {'ok' if result.ok else 'MISS'}  {result.seconds:.1f}s")
-    misses = [r for r in results if not r.ok]
-    groups = {s.name: s.group for s in scenarios}
-    if as_json:
-        rows = [{**r.to_dict(), "group": groups[r.name]} for r in results]
-        print(json.dumps({"results": rows, "total": len(results), "misses": len(misses)}))
-        return 1 if misses else 0
-    table: list[list[str]] = []
-    for r in results:
-        got = r.got or {}
-        exp = r.expected
+    return results
 
-        def pair(key: str, got: dict[str, Any] = got, exp: dict[str, Any] = exp) -> str:
-            want = exp.get(key)
-            if want is None and exp.get("cause") is not None:
-                return "n/a" if got.get(key) is None else f"n/a / {_cell(got.get(key))}"
-            same = got.get(key) == want
-            return _cell(want) if same else f"{_cell(want)} / {_cell(got.get(key))}"
 
-        table.append(
-            [
-                groups[r.name],
-                r.name,
-                pair("cause"),
-                pair("op"),
-                pair("module"),
-                pair("phase"),
-                pair("rank"),
-                pair("step"),
-                _cell(r.steps_late),
-                "ok" if r.ok else "MISS",
-            ]
-        )
+# The table's scored columns, each shown as "expected" or "expected / got".
+_SCORED = ("cause", "op", "module", "phase", "rank", "step")
+
+
+def _pair(key: str, got: dict[str, Any], exp: dict[str, Any]) -> str:
+    """One scored cell: the expectation, and what the run got when that differs ("n/a" where the
+    expectation does not name the field)."""
+    want = exp.get(key)
+    if want is None and exp.get("cause") is not None:
+        return "n/a" if got.get(key) is None else f"n/a / {_cell(got.get(key))}"
+    same = got.get(key) == want
+    return _cell(want) if same else f"{_cell(want)} / {_cell(got.get(key))}"
+
+
+def _row(r: Result, group: str) -> list[str]:
+    got = r.got or {}
+    scored = [_pair(key, got, r.expected) for key in _SCORED]
+    return [group, r.name, *scored, _cell(r.steps_late), "ok" if r.ok else "MISS"]
+
+
+def _print_table(console: Console, results: list[Result], groups: dict[str, str], *, distributed_skipped: bool) -> None:
     # Console.table: rich on a terminal, full-width aligned columns when piped (never cut to 80).
     columns = ("group", "scenario", "cause (expected / got)", "op", "module", "phase", "rank", "step", "late", "ok")
-    console.table(columns, table, title="nanguard fault zoo")
-    console.line(f"{len(results) - len(misses)}/{len(results)} scenarios right; {len(misses)} miss(es)")
-    if ranks == 1 and group != "wild" and any(s.ranks > 1 for s in SCENARIOS) and not names:
+    console.table(columns, [_row(r, groups[r.name]) for r in results], title="nanguard fault zoo")
+    misses = sum(not r.ok for r in results)
+    console.line(f"{len(results) - misses}/{len(results)} scenarios right; {misses} miss(es)")
+    if distributed_skipped:
         console.line("distributed scenarios skipped: run `nanguard zoo --ranks 2` to include them")
-    return 1 if misses else 0
 
 
 class _quiet:

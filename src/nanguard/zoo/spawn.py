@@ -110,26 +110,38 @@ def _collect(procs: list[Any], tmp: Path, timeout: float) -> dict[int, Any]:
         now = time.monotonic()
         if now > deadline or (failed_at is not None and now > failed_at + _GRACE_S):
             break
-        for rank, proc in enumerate(procs):
-            if rank in results:
-                continue
-            code = proc.exitcode  # read first: a rank writes its result before it exits
-            path = tmp / f"rank{rank}.json"
-            if path.exists():
-                results[rank] = json.loads(path.read_text(encoding="utf-8"))
-            elif code is not None:
-                results[rank] = f"exited with code {code} and no result"
-            failed = rank in results and (isinstance(results[rank], str) or not results[rank]["ok"])
-            if failed and failed_at is None:
-                failed_at = now
+        if _poll(procs, tmp, results) and failed_at is None:
+            failed_at = now
         time.sleep(0.05)
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    _stop(procs)
     for rank in range(len(procs)):
         results.setdefault(
             rank, f"no result before the deadline ({timeout:.0f}s, or {_GRACE_S:.0f}s after a peer failed)"
         )
     return results
+
+
+def _poll(procs: list[Any], tmp: Path, results: dict[int, Any]) -> bool:
+    """Add the answers of the ranks that answered since the last look; True when one of them failed."""
+    failed = False
+    for rank, proc in enumerate(procs):
+        if rank in results:
+            continue
+        code = proc.exitcode  # read first: a rank writes its result before it exits
+        path = tmp / f"rank{rank}.json"
+        if path.exists():
+            results[rank] = json.loads(path.read_text(encoding="utf-8"))
+        elif code is not None:
+            results[rank] = f"exited with code {code} and no result"
+        else:
+            continue
+        failed = failed or isinstance(results[rank], str) or not results[rank]["ok"]
+    return failed
+
+
+def _stop(procs: list[Any]) -> None:
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

@@ -15,10 +15,13 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from nanguard.findings import Diagnosis
 
 __all__ = ["BAD_STEP", "VOCAB", "build", "model_config", "titan_rank"]
 
@@ -212,12 +215,9 @@ def titan_rank(
     it), "nan_row" (row ``NAN_ROW`` of the embedding NaN from the start, on the rank that holds it), or
     None; ``policy`` None trains unguarded; ``wrap_loss=False`` leaves out ``guard.loss`` (the replay
     cannot see the loss); ``disabled``: the guard built under ``NANGUARD_DISABLE=1``."""
-    import os
-
     from torchtitan.distributed import utils as dist_utils
 
     from nanguard.errors import NonFiniteError
-    from nanguard.integrations.torchtitan import TitanGuard
 
     parts = build(setup, lr=lr, loss=loss)
     model, loss_fn, optimizers, schedulers = (
@@ -231,15 +231,9 @@ def titan_rank(
         _plant(model, fault, on)
     if fault == "nan_row":
         _nan_row(model, NAN_ROW)
-    guard = None
-    if policy is not None:
-        if disabled:
-            os.environ["NANGUARD_DISABLE"] = "1"
-        try:
-            guard = TitanGuard([model], optimizers, schedulers, policy, check_batch=check_batch, module_stats=False)
-        finally:
-            os.environ.pop("NANGUARD_DISABLE", None)
-        loss_fn = guard.loss(loss_fn) if wrap_loss else loss_fn
+    guard = None if policy is None else _titan_guard(model, optimizers, schedulers, policy, check_batch, disabled)
+    if guard is not None and wrap_loss:
+        loss_fn = guard.loss(loss_fn)
     hooked = len(model._forward_pre_hooks) + len(model._forward_hooks) + len(optimizers._optimizer_step_pre_hooks)
     forwards = {"n": 0}  # the guard runs none of its own on a healthy step
     model.register_forward_pre_hook(lambda *a: forwards.__setitem__("n", forwards["n"] + 1))
@@ -249,15 +243,11 @@ def titan_rank(
     for step in range(steps):
         optimizers.zero_grad()
         tokens, labels = _batch(setup, rank, step)
-        bad = step == BAD_STEP and rank == fault_rank
-        on["bad"] = bad
-        if bad and fault == "token":
-            tokens[0, 3] = VOCAB + 5
-        if bad and fault == "label":
-            labels[1, 2] = VOCAB + 7
+        on["bad"] = bad = step == BAD_STEP and rank == fault_rank
+        if bad and fault in _BATCH_FAULTS:
+            _BATCH_FAULTS[fault](tokens, labels)
         global_tokens = torch.tensor(labels.numel() * (2 if setup == "fsdp" else 1))
-        pred = model(tokens, positions=positions)
-        value, _ = loss_fn(pred, labels, global_tokens)
+        value, _ = loss_fn(model(tokens, positions=positions), labels, global_tokens)
         value.backward()
         norm = dist_utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)  # train_step's clip
         try:
@@ -270,12 +260,9 @@ def titan_rank(
         if guard is not None and guard.step_skipped:
             skipped.append(step)
             continue
-        value = value.detach()
-        losses.append(float((value.to_local() if hasattr(value, "to_local") else value).item()))
+        losses.append(_item(value.detach()))
         norms.append(float(norm.item()))
-    d = raised or (guard.last_diagnosis if guard is not None else None)
-    if guard is not None:
-        guard.close()
+    d = _finish(guard, raised)
     return {
         "rank": rank,
         "dtensor_loss": type(value).__name__ == "DTensor",
@@ -286,8 +273,52 @@ def titan_rank(
         "forwards": forwards["n"],
         "raised": raised is not None,
         "hooked": hooked,
-        "diag": None
-        if d is None
-        else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step", "fixes")}
-        | {"evidence": d.evidence},
+        "diag": None if d is None else _fields(d, "fixes") | {"evidence": d.evidence},
     }
+
+
+def _titan_guard(
+    model: nn.Module, optimizers: Any, schedulers: Any, policy: str, check_batch: bool, disabled: bool
+) -> Any:
+    """``TitanGuard`` as ``docs/torchtitan.md`` builds it; ``disabled``: built under ``NANGUARD_DISABLE=1``."""
+    import os
+
+    from nanguard.integrations.torchtitan import TitanGuard
+
+    if disabled:
+        os.environ["NANGUARD_DISABLE"] = "1"
+    try:
+        return TitanGuard([model], optimizers, schedulers, policy, check_batch=check_batch, module_stats=False)
+    finally:
+        os.environ.pop("NANGUARD_DISABLE", None)
+
+
+def _token_past_vocabulary(tokens: torch.Tensor, labels: torch.Tensor) -> None:
+    tokens[0, 3] = VOCAB + 5
+
+
+def _label_past_vocabulary(tokens: torch.Tensor, labels: torch.Tensor) -> None:
+    labels[1, 2] = VOCAB + 7
+
+
+# The faults planted in the batch at ``BAD_STEP``, by name.
+_BATCH_FAULTS = {"token": _token_past_vocabulary, "label": _label_past_vocabulary}
+
+
+def _item(value: torch.Tensor) -> float:
+    """A scalar's value, read from this rank's local tensor when it is a DTensor."""
+    return float((value.to_local() if hasattr(value, "to_local") else value).item())
+
+
+def _finish(guard: Any, raised: Diagnosis | None) -> Diagnosis | None:
+    """The run's diagnosis: the one a ``NonFiniteError`` carried, else the guard's last (None unguarded);
+    the guard is closed."""
+    if guard is None:
+        return raised
+    d = raised or guard.last_diagnosis
+    guard.close()
+    return d
+
+
+def _fields(d: Diagnosis, *extra: str) -> dict[str, Any]:
+    return {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step", *extra)}

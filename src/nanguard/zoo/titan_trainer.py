@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from nanguard.zoo.titan import SEQ, VOCAB, _digest, _plant, model_config
+from nanguard.zoo.titan import SEQ, VOCAB, _digest, _fields, _finish, _plant, model_config
 
 __all__ = ["BAD_TRAINER_STEP", "cpu_patch", "trainer_config", "trainer_rank"]
 
@@ -278,12 +279,56 @@ def trainer_rank(
     torchtitan's is edited)."""
     import tempfile
 
-    from torchtitan.trainer import Trainer
-
     from nanguard.errors import NonFiniteError
-    from nanguard.integrations.torchtitan import TitanGuard
 
     cpu_patch()
+    with tempfile.TemporaryDirectory() as dump:
+        config = trainer_config(setup, steps=steps, lr=lr, dump_folder=dump, backend=backend, loss=loss)
+        trainer = _trainer_class(policy, check_batch)(config)
+        if setup == "pp":
+            _whole_batch_step(trainer.pp_schedule)
+        model = trainer.model_parts[0]
+        watch = _Watch(trainer, guarded=policy is not None)
+        if rank == fault_rank:
+            _plant(model, fault, watch.on)
+            if fault == "token":
+                trainer.dataloader = _Poisoned(trainer.dataloader, watch.on)
+        watch.count_forwards(model)
+        raised = None
+        with watch.counting_backwards():
+            try:
+                trainer.train()
+            except NonFiniteError as err:
+                raised = err.diagnosis
+        d = _finish(getattr(trainer, "guard", None), raised)
+        digest = _digest(model)
+        trainer.close()
+    return {
+        "rank": rank,
+        "losses": watch.kept(0),
+        "norms": watch.kept(1),
+        "steps": trainer.step,
+        "skipped": watch.skipped,
+        "digest": digest,
+        "forwards": watch.forwards,
+        "backwards": watch.backwards,
+        "loss_inputs": watch.seen,
+        "raised": raised is not None,
+        "diag": None
+        if d is None
+        else _fields(d) | {"trip": {k: d.evidence.get(k) for k in ("loss", "grad_norm", "why", "history")}},
+    }
+
+
+def _trainer_class(policy: str | None, check_batch: bool) -> Any:
+    """torchtitan's ``Trainer``, or (``policy`` set) a subclass with the guard's lines added the way
+    ``docs/torchtitan.md`` shows."""
+    from torchtitan.trainer import Trainer
+
+    from nanguard.integrations.torchtitan import TitanGuard
+
+    if policy is None:
+        return Trainer
 
     class GuardedTrainer(Trainer):
         def __init__(self, config: Any) -> None:
@@ -302,82 +347,64 @@ def trainer_rank(
                 if not (self.guard.step_skipped and "Loss is not finite" in str(err)):
                     raise
 
-    with tempfile.TemporaryDirectory() as dump:
-        config = trainer_config(setup, steps=steps, lr=lr, dump_folder=dump, backend=backend, loss=loss)
-        trainer = (GuardedTrainer if policy is not None else Trainer)(config)
-        if setup == "pp":
-            _whole_batch_step(trainer.pp_schedule)
-        model = trainer.model_parts[0]
-        seen: dict[str, str] = {}  # what the trainer's loss function was given and returned
-        loss_fn = trainer.loss_fn
+    return GuardedTrainer
 
-        def observed(pred: Any, labels: Any, *args: Any, **kwargs: Any) -> Any:
-            out = loss_fn(pred, labels, *args, **kwargs)
-            seen["pred"] = _layout(pred)
-            seen["loss"] = _layout(out[0] if isinstance(out, tuple) else out)
-            return out
 
-        trainer.loss_fn = observed
-        on = {"bad": False}
-        if rank == fault_rank:
-            _plant(model, fault, on)
-            if fault == "token":
-                trainer.dataloader = _Poisoned(trainer.dataloader, on)
-        forwards = {"n": 0}
-        model.register_forward_pre_hook(lambda *a: forwards.__setitem__("n", forwards["n"] + 1))
-        logged: dict[int, tuple[float, float]] = {}
-        log = trainer.metrics_processor.log
+class _Watch:
+    """What a trainer run is checked by, wired into the trainer: the layouts its loss function is given
+    and returns, the loss and grad norm its metrics log each step, the steps the guard skips, its
+    forwards and its backwards (a replay's too); and the fault's switch, on during ``BAD_TRAINER_STEP``."""
 
-        def record(step: int, loss: float, max_loss: float, grad_norm: float, **kwargs: Any) -> None:
-            logged[step] = (float(loss), float(grad_norm))
-            log(step, loss, max_loss, grad_norm, **kwargs)
+    def __init__(self, trainer: Any, *, guarded: bool) -> None:
+        self.trainer, self.guarded = trainer, guarded
+        self.on = {"bad": False}
+        self.seen: dict[str, str] = {}
+        self.logged: dict[int, tuple[float, float]] = {}
+        self.skipped: list[int] = []
+        self.forwards = 0
+        self.backwards = 0
+        self._loss_fn, trainer.loss_fn = trainer.loss_fn, self._observed_loss
+        self._log, trainer.metrics_processor.log = trainer.metrics_processor.log, self._record
+        self._train_step, trainer.train_step = trainer.train_step, self._step
 
-        trainer.metrics_processor.log = record
-        step_fn = trainer.train_step
-        skipped: list[int] = []
+    def _observed_loss(self, pred: Any, labels: Any, *args: Any, **kwargs: Any) -> Any:
+        out = self._loss_fn(pred, labels, *args, **kwargs)
+        self.seen["pred"] = _layout(pred)
+        self.seen["loss"] = _layout(out[0] if isinstance(out, tuple) else out)
+        return out
 
-        def train_step(data_iterator: Any) -> None:
-            on["bad"] = trainer.step == BAD_TRAINER_STEP
-            step_fn(data_iterator)
-            on["bad"] = False
-            if policy is not None and trainer.guard.step_skipped:
-                skipped.append(trainer.step)
+    def _record(self, step: int, loss: float, max_loss: float, grad_norm: float, **kwargs: Any) -> None:
+        self.logged[step] = (float(loss), float(grad_norm))
+        self._log(step, loss, max_loss, grad_norm, **kwargs)
 
-        trainer.train_step = train_step  # type: ignore[method-assign]
-        backwards = {"n": 0}  # the trainer's loss.backward(), and any replay's
+    def _step(self, data_iterator: Any) -> None:
+        self.on["bad"] = self.trainer.step == BAD_TRAINER_STEP
+        self._train_step(data_iterator)
+        self.on["bad"] = False
+        if self.guarded and self.trainer.guard.step_skipped:
+            self.skipped.append(self.trainer.step)
+
+    def count_forwards(self, model: torch.nn.Module) -> None:
+        model.register_forward_pre_hook(self._forward)
+
+    def _forward(self, *args: Any) -> None:
+        self.forwards += 1
+
+    @contextmanager
+    def counting_backwards(self) -> Iterator[None]:
+        """``Tensor.backward`` counted while the trainer runs: its ``loss.backward()``, and any replay's."""
         backward = torch.Tensor.backward
 
-        def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            backwards["n"] += 1
-            return backward(self, *args, **kwargs)
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.backwards += 1
+            return backward(tensor, *args, **kwargs)
 
-        torch.Tensor.backward = counted  # type: ignore[method-assign]
-        raised = None
+        torch.Tensor.backward = counted  # type: ignore[method-assign, assignment]
         try:
-            trainer.train()
-        except NonFiniteError as err:
-            raised = err.diagnosis
+            yield
         finally:
             torch.Tensor.backward = backward  # type: ignore[method-assign]
-        guard = getattr(trainer, "guard", None)
-        d = raised or (guard.last_diagnosis if guard is not None else None)
-        if guard is not None:
-            guard.close()
-        digest = _digest(model)
-        trainer.close()
-    return {
-        "rank": rank,
-        "losses": [logged[s][0] for s in sorted(logged) if s not in skipped],
-        "norms": [logged[s][1] for s in sorted(logged) if s not in skipped],
-        "steps": trainer.step,
-        "skipped": skipped,
-        "digest": digest,
-        "forwards": forwards["n"],
-        "backwards": backwards["n"],
-        "loss_inputs": seen,
-        "raised": raised is not None,
-        "diag": None
-        if d is None
-        else {k: getattr(d, k) for k in ("cause", "op", "module", "phase", "rank", "ranks", "step")}
-        | {"trip": {k: d.evidence.get(k) for k in ("loss", "grad_norm", "why", "history")}},
-    }
+
+    def kept(self, index: int) -> list[float]:
+        """The logged loss (``index`` 0) or grad norm (1) of each step the guard did not skip."""
+        return [self.logged[s][index] for s in sorted(self.logged) if s not in self.skipped]
