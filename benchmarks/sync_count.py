@@ -162,9 +162,9 @@ the grad norm the engine or trainer reduces for its own clip, each rank's loss c
 ZeRO-0/3, torchtitan's and Megatron-core's TP and PP: one all-reduce of `2 x world_size + 2` float32 a step.
 Every configuration adds one host read (the agreed health, one `tolist`); OLMo-core's `Trainer`, which `.item()`s
 each metric recorded without a reduce type, gets the guard's two (`nanguard/skipped`, `nanguard/trips`) with the
-first step and when they change, so a healthy step reads neither. Steps that come every N: a replica-fingerprint step (every
-`fingerprint_every` = 100 updates by default) adds an all-gather and four host reads; a precursor-sampling step
-(every `precursor_every` = 20) one more read, a `tolist` of values that on CUDA are copied to pinned memory
+first step and when they change, so a healthy step reads neither. Steps that come every N: a replica-fingerprint
+step (every `fingerprint_every` = 100 updates by default) adds an all-gather and four host reads; a
+precursor-sampling step (every `precursor_every` = 20) one more read, a `tolist` of values that on CUDA are copied to pinned memory
 without blocking and read once copied. `check_batch=True` adds one all-reduce and two reads a step. Every row's
 final weights equal the unguarded run's, bit for bit. Under PP the stages' own collectives differ (each rank's
 figure is shown).
