@@ -164,10 +164,10 @@ Every configuration adds one host read (the agreed health, one `tolist`); OLMo-c
 each metric recorded without a reduce type, gets the guard's two (`nanguard/skipped`, `nanguard/trips`) with the
 first step and when they change, so a healthy step reads neither. Steps that come every N: a replica-fingerprint
 step (every `fingerprint_every` = 100 updates by default) adds an all-gather and four host reads; a
-precursor-sampling step (every `precursor_every` = 20) one more read, a `tolist` of values that on CUDA are copied to pinned memory
-without blocking and read once copied. `check_batch=True` adds one all-reduce and two reads a step. Every row's
-final weights equal the unguarded run's, bit for bit. Under PP the stages' own collectives differ (each rank's
-figure is shown).
+precursor-sampling step (every `precursor_every` = 20) one more read, a `tolist` of values that on CUDA are copied
+to pinned memory without blocking and read once copied. `check_batch=True` adds one all-reduce and two reads a
+step. Every row's final weights equal the unguarded run's, bit for bit. Under PP the stages' own collectives
+differ (each rank's figure is shown).
 
 Counted by `tests/_sync_count.py` at the dispatcher (a `TorchDispatchMode` in the calling thread and in every
 thread started during the run): every `c10d` op, from Python or from C++ (DDP's reducer, FSDP2's reduce-scatter,
