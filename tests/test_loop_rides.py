@@ -5,10 +5,12 @@ total norm the loop's ``clip_grad_norm_`` reduces over every rank, a flagging ra
 it reduces NaN before the norm (its loss, its parameters, a gradient the norm keeps its own). A healthy
 step adds no collective and one host read, the weights the unguarded run's bit for bit; a fault on one rank
 (its loss NaN with finite gradients, a NaN made in its own backward, a NaN in a gradient after the
-backward) is skipped on every rank alike and named on that rank. One spawn per setup holds every run.
+backward) is skipped on every rank alike and named on that rank. One spawn per world size holds every run.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -87,42 +89,52 @@ def _loop(rank: int, world: int, setup: str, guarded: bool, fault: tuple[int, st
     }
 
 
-def _ranks(rank: int, world: int, setup: str, bad_rank: int, kinds: list[str]) -> dict:
-    plain = _loop(rank, world, setup, False, None)
-    healthy = _loop(rank, world, setup, True, None)
-    faulty = {kind: _loop(rank, world, setup, True, (bad_rank, kind)) for kind in kinds}
-    return {
-        "added": healthy["calls"] - plain["calls"],
-        "reads": healthy["reads"] - plain["reads"],
-        "identical": healthy["weights"] == plain["weights"],
-        "healthy": healthy["actions"],
-        "faulty": {kind: [r["actions"], r["trip"], all(w == w for w in r["weights"])] for kind, r in faulty.items()},
-    }
+def _ranks(rank: int, world: int, cases: list[tuple[str, int]]) -> dict:
+    """Each ``(setup, bad rank)`` in turn: the plain run, the healthy guarded run and one run per fault kind."""
+    out = {}
+    for setup, bad_rank in cases:
+        plain = _loop(rank, world, setup, False, None)
+        healthy = _loop(rank, world, setup, True, None)
+        faulty = {kind: _loop(rank, world, setup, True, (bad_rank, kind)) for kind in _KINDS[setup]}
+        out[setup] = {
+            "added": healthy["calls"] - plain["calls"],
+            "reads": healthy["reads"] - plain["reads"],
+            "identical": healthy["weights"] == plain["weights"],
+            "healthy": healthy["actions"],
+            "faulty": {k: [r["actions"], r["trip"], all(w == w for w in r["weights"])] for k, r in faulty.items()},
+        }
+    return out
 
 
-_KINDS = {"ddp": ["loss", "backward"], "fsdp": ["loss", "backward", "after"], "tp": ["loss", "backward", "after"]}
+_KINDS = {
+    "ddp": ["loss", "backward"],
+    **{setup: ["loss", "backward", "after"] for setup in ("fsdp", "tp", "2d")},
+}
+_CASES = {2: [("ddp", 0), ("fsdp", 0), ("tp", 1)], 3: [("ddp", 1)], 4: [("2d", 1)]}
+
+
+@pytest.fixture(scope="module")
+def spawned() -> dict[int, list[dict]]:
+    """One spawn per world size (2 ranks: DDP, FSDP2 and TP in turn), the 4-rank 2D one only when asked for."""
+    slow = os.environ.get("NANGUARD_SLOW") == "1"
+    worlds = [w for w in _CASES if w < 4 or slow]
+    return {w: spawn_ranks(_ranks, _CASES[w], world=w, timeout=600) for w in worlds}
 
 
 @pytest.mark.parametrize(
-    ("setup", "world", "bad_rank"),
-    [
-        ("ddp", 2, 0),
-        ("ddp", 3, 1),
-        ("fsdp", 2, 0),
-        ("tp", 2, 1),
-        pytest.param("2d", 4, 1, marks=pytest.mark.slow),
-    ],
+    ("setup", "world"),
+    [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("tp", 2), pytest.param("2d", 4, marks=pytest.mark.slow)],
 )
 def test_loopguard_rides_the_loops_reductions_and_a_fault_on_one_rank_is_skipped_everywhere(
-    setup: str, world: int, bad_rank: int
+    spawned: dict[int, list[dict]], setup: str, world: int
 ) -> None:
-    kinds = _KINDS.get(setup, _KINDS["tp"])
-    results = spawn_ranks(_ranks, setup, bad_rank, kinds, world=world, timeout=600)
+    bad_rank = dict(_CASES[world])[setup]
+    results = [r[setup] for r in spawned[world]]
     for rank, r in enumerate(results):
         assert r["added"] == 0, (setup, rank, r)  # no collective of the guard's on a healthy step
         assert r["reads"] == _STEPS, (setup, rank, r)  # one host read a step
         assert r["identical"] and r["healthy"] == ["step"] * _STEPS, (setup, rank, r)
-        for kind in kinds:
+        for kind in _KINDS[setup]:
             actions, trip, finite = r["faulty"][kind]
             assert actions == ["step", "skip", "step", "step"], (setup, rank, kind, r)  # alike on every rank
             assert trip is not None and trip[0] == _BAD_STEP, (setup, rank, kind, trip)
