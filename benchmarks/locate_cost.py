@@ -13,6 +13,10 @@ change), alternating the two processes row by row, so before and after share the
 Peak memory (Linux): the resident-set high-water mark above the resting RSS while one plain
 step runs, and while one ``locate`` runs (``/proc/self/clear_refs`` resets the mark).
 
+Beside the times, two numbers the machine's load does not move: the Python calls ``locate`` adds
+per aten op (cProfile's count over one ``locate`` minus one plain step, over the step's aten ops),
+and the floor of any op-level tracer, the step under a ``TorchDispatchMode`` that only runs each op.
+
 Run: ``.venv/bin/python benchmarks/locate_cost.py [--rounds N] [--gpt2-rounds N] [--no-gpt2] [--baseline SRC]``;
 writes BENCHMARKS.md. The GPT-2 row (81M parameters) needs transformers.
 """
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 ROWS = {
@@ -81,6 +86,35 @@ def _gpt2() -> tuple[nn.Module, Callable[[], Any]]:
     return model, step
 
 
+class _EmptyMode(TorchDispatchMode):
+    """Runs each aten op and counts it: the floor of any tracer that sees every op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _in_empty_mode(step: Callable[[], Any]) -> int:
+    """Run ``step`` under ``_EmptyMode``; the number of aten ops it ran."""
+    with _EmptyMode() as mode:
+        step()
+    return mode.ops
+
+
+def _calls(fn: Callable[[], Any]) -> int:
+    """Python calls (functions and builtins) one run of ``fn`` makes, as cProfile counts them."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(fn)
+    return sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
+
+
 def _peak_mib(fn: Callable[[], Any]) -> float | None:
     """The RSS high-water mark above the resting RSS while ``fn`` runs, MiB (None off Linux)."""
     status, clear = Path("/proc/self/status"), Path("/proc/self/clear_refs")
@@ -112,10 +146,12 @@ def child(row: str, rounds: int) -> dict[str, Any]:
     if row.endswith("faulty"):  # the benchmark times the fault it claims to time
         diag = ng.locate(step, model=model)
         assert diag is not None and diag.cause == "op.log_domain", diag
-    configs = {"plain": step, "locate": lambda: ng.locate(step, model=model)}
+    configs = {"plain": step, "locate": lambda: ng.locate(step, model=model), "mode": lambda: _in_empty_mode(step)}
     times = interleaved(configs, rounds=rounds, warmup=warmup)
-    memory = {name: _peak_mib(fn) for name, fn in configs.items()}
-    return {"times": times, "memory": memory}
+    memory = {name: _peak_mib(configs[name]) for name in ("plain", "locate")}
+    ops = _in_empty_mode(step)
+    per_op = (_calls(configs["locate"]) - _calls(step)) / ops
+    return {"times": times, "memory": memory, "calls_per_op": per_op, "ops": ops}
 
 
 def _run(row: str, rounds: int, src: Path) -> dict[str, Any]:
@@ -126,11 +162,14 @@ def _run(row: str, rounds: int, src: Path) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _cells(results: list[dict[str, Any]]) -> tuple[float, float, float, str]:
-    """Plain ms, locate ms, ratio of medians (median over the processes), peak memory ratio."""
+def _cells(results: list[dict[str, Any]]) -> tuple[float, float, float, str, str]:
+    """Plain ms, locate ms, ratio of medians (median over the processes), peak memory ratio, and the
+    cells of the empty mode's ratio, the aten ops and the calls per op."""
     plain = statistics.median(r["times"]["plain"] for r in results) * 1e3
     located = statistics.median(r["times"]["locate"] for r in results) * 1e3
     ratio = statistics.median(r["times"]["locate"] / r["times"]["plain"] for r in results)
+    floor = statistics.median(r["times"]["mode"] / r["times"]["plain"] for r in results)
+    counts = f"{floor:.2f}x | {results[0]['ops']} | {statistics.median(r['calls_per_op'] for r in results):.1f}"
     peaks = [r["memory"] for r in results if r["memory"]["plain"] is not None]
     memory = "n/a"
     if peaks:
@@ -139,7 +178,7 @@ def _cells(results: list[dict[str, Any]]) -> tuple[float, float, float, str]:
         memory = f"{plain_mib:.0f} / {locate_mib:.0f} MiB"
         if plain_mib >= 50:  # a smaller step's peak is lost among the allocator's reused pages
             memory += f" = {locate_mib / plain_mib:.2f}x"
-    return plain, located, ratio, memory
+    return plain, located, ratio, memory, counts
 
 
 def main() -> None:
@@ -159,6 +198,7 @@ def main() -> None:
     rows = [r for r in ROWS if not r.startswith("gpt2")]
     if not args.no_gpt2 and importlib.util.find_spec("transformers") is not None:
         rows.append("gpt2-faulty")
+    load_before = os.getloadavg()[0]
     versions = {"after": HERE.parent / "src"}
     if args.baseline is not None:
         versions = {"before": args.baseline.resolve(), **versions}
@@ -170,22 +210,26 @@ def main() -> None:
             for version, src in versions.items():
                 results[version].append(_run(row, rounds, src))
         cells = {v: _cells(rs) for v, rs in results.items()}
-        plain, located, ratio, memory = cells["after"]
-        line = f"| {ROWS[row]} | {plain:.0f} | {located:.0f} | {ratio:.2f}x | {memory} |"
+        plain, located, ratio, memory, counts = cells["after"]
+        line = f"| {ROWS[row]} | {plain:.0f} | {located:.0f} | {ratio:.2f}x | {counts} | {memory} |"
         if "before" in cells:
-            _, _, b_ratio, b_memory = cells["before"]
-            line += f" {b_ratio:.2f}x | {b_memory} |"
+            _, _, b_ratio, b_memory, b_counts = cells["before"]
+            line += f" {b_ratio:.2f}x | {b_counts.rpartition(' | ')[2]} | {b_memory} |"
         lines.append(line)
         print(line, flush=True)
     rounds = f"{args.rounds} interleaved rounds" + (
         " (GPT-2: " + str(args.gpt2_rounds) + ")" if "gpt2-faulty" in rows else ""
     )
-    header = "| model, step | plain step ms | locate ms | ratio | peak memory above rest: plain / locate |"
-    rule = "|---|---:|---:|---:|---:|"
+    header = (
+        "| model, step | plain step ms | locate ms | ratio | empty dispatch mode | aten ops | "
+        "Python calls added per op | peak memory above rest: plain / locate |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
     if args.baseline is not None:
-        header += " ratio before | peak memory before |"
-        rule += "---:|---:|"
+        header += " ratio before | calls per op before | peak memory before |"
+        rule += "---:|---:|---:|"
     table = "\n".join([header, rule, *lines])
+    before = f"\nThe before columns run the nanguard sources at `{args.baseline}`." if args.baseline is not None else ""
     body = f"""## Locate replay cost
 
 `ng.locate(step)` against the same plain step: medians of {rounds}, median over {args.processes} processes per row.
@@ -195,11 +239,17 @@ def main() -> None:
 The plain step is a float32 forward + backward; the ratio is of the two medians. A faulty step is the case
 users meet: the guard replays a tripped step, where NaN flows through every op after the fault, forward and
 backward, and each is tracked; the healthy rows are for comparison. Targets (issue 16): <= 2.5x on the faulty
-tiny GPT, <= 2x on the faulty GPT-2, peak memory <= 1.2x the plain step's. Peak memory is the
-resident-set high-water mark above the resting process while one step (or one locate) runs.
+tiny GPT, <= 2x on the faulty GPT-2, peak memory <= 1.2x the plain step's; issue 44: <= 1.5x on the tiny GPT.
+Peak memory is the resident-set high-water mark above the resting process while one step (or one locate) runs.
+The empty dispatch mode is the same step under a `TorchDispatchMode` that only runs each op: the floor of any
+tracer that sees every aten op, which the tiny GPT's short ops feel most. The Python calls added per op
+(cProfile's count of one `locate` minus one plain step, over the step's aten ops) do not move with the
+machine's load; the times do.
 
-Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/locate_cost.py {" ".join(sys.argv[1:])}`
-(`make bench` runs the defaults)."""
+Machine: {machine()}; load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end
+(times from a loaded machine are indicative only).
+Reproduce: `.venv/bin/python benchmarks/locate_cost.py {" ".join(sys.argv[1:])}`
+(`make bench` runs the defaults).{before}"""
     write_section("locate-cost", body)
     print(body)
 

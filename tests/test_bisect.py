@@ -239,3 +239,78 @@ def test_every_rank_agrees_under_ddp(run_dir: Path) -> None:
     assert found["first_bad_step"] == 13 and found["checkpoint_step"] == 10
     assert found["diagnosis"]["cause"] == "data.nonfinite" and found["diagnosis"]["rank"] == 1
     assert found["rows"] == [2]
+
+
+def _good_setup() -> dict[str, Any]:
+    model = torch.nn.Linear(2, 1)
+    return {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "load": lambda path: 0,
+        "batches": lambda step: None,
+        "closure": lambda batch: None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"model": 3}, "FUNCTION: setup: 'model' is a int, not a torch.nn.Module"),
+        ({"optimizer": None}, "FUNCTION: setup: 'optimizer' is a NoneType, not a torch.optim.Optimizer"),
+        ({"load": "ckpt"}, "FUNCTION: setup: 'load' is a str, not a function"),
+        ({"batches": [1]}, "FUNCTION: setup: 'batches' is a list, not a function"),
+        ({"closure": 1.0}, "FUNCTION: setup: 'closure' is a float, not a function"),
+        (
+            {"extra": 1, "other": 2},
+            "FUNCTION: setup returned a dict that has unknown key(s) extra, other; expected a dict with model, "
+            "optimizer, load, batches, closure (and optionally scheduler, scaler)",
+        ),
+    ],
+)
+def test_each_wrong_part_of_a_setup_is_named_with_what_it_must_be(change: dict[str, Any], problem: str) -> None:
+    from nanguard.bisection import _parts
+
+    with pytest.raises(ValueError) as info:
+        _parts({**_good_setup(), **change})
+    assert str(info.value) == problem
+    made = {**_good_setup(), **change}
+
+    def named_setup() -> dict[str, Any]:
+        return made
+
+    with pytest.raises(ValueError) as info:
+        _parts(named_setup)  # a function is called and named by its qualified name
+    assert str(info.value) == problem.replace("setup", f"{named_setup.__qualname__}", 1)
+    assert _parts(_good_setup).scheduler is None
+
+
+@pytest.mark.parametrize(
+    ("mine", "rows", "want"),
+    [
+        ((5, None), [[1, 5, 0], [1, 5, 0]], (5, None, None)),
+        ((5, None), [[1, 5, 0], [0, -1, 0], [0, -1, 0]], (None, None, "rank(s) [1, 2] could not load it")),
+        ((None, None), [[0, -1, 0], [1, 5, 0]], (None, None, "refused here")),
+        ((5, None), [[1, 5, 0], [1, 5, 1]], (5, "non-finite on rank(s) [1]", None)),
+        ((5, "weight holds NaN"), [[1, 5, 1], [1, 5, 1]], (5, "weight holds NaN (rank(s) [0, 1])", None)),
+    ],
+)
+def test_a_checkpoint_is_what_every_rank_saw_of_it(
+    mine: tuple[int | None, str | None], rows: list[list[int]], want: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' views of one checkpoint (as the all-gather hands them over) folded into one entry."""
+    import nanguard.bisection as bisection
+
+    monkeypatch.setattr(bisection.dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(bisection, "_gather", lambda values: rows)
+    entry = bisection.Checkpoint("ckpt-5", mine[0], mine[1], refused=None if mine[0] is not None else "refused here")
+    got = bisection._agreed(entry)
+    assert (got.step, got.nonfinite, got.refused) == want
+
+
+def test_ranks_whose_load_returns_different_steps_are_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nanguard.bisection as bisection
+
+    monkeypatch.setattr(bisection.dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(bisection, "_gather", lambda values: [[1, 5, 0], [1, 6, 0]])
+    with pytest.raises(ValueError, match=r"returned different steps on the ranks \(rank 0: 5, rank 1: 6\)"):
+        bisection._agreed(bisection.Checkpoint("ckpt-5", 5))

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import math
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -11,7 +14,9 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -342,6 +347,138 @@ def test_tensor_with_wrong_shape_or_malformed_structure(tmp_path: Path) -> None:
     meta["batch"] = {"type": "pickle", "value": "cos\nsystem\n"}
     (path / "meta.json").write_text(json.dumps(meta))
     _raises_naming(path, "meta.json", "unknown node type")
+
+
+class _Pair(NamedTuple):
+    a: int
+    b: str
+
+
+class _Opaque:
+    def __repr__(self) -> str:
+        return "<opaque>"
+
+
+def test_each_kind_of_batch_value_has_its_node_in_meta_json(tmp_path: Path) -> None:
+    """The batch description's format, one node per kind of value, and what each loads back as."""
+    batch = {
+        "array": np.arange(3, dtype=np.int64),
+        "objects": np.array([_Opaque()], dtype=object),
+        "np_scalar": np.float32(2.5),
+        "pair": _Pair(1, "x"),
+        "ordered": collections.OrderedDict(k=None),
+        "list": [True, -float("inf")],
+        "opaque": _Opaque(),
+    }
+    path = _save(tmp_path, batch)
+    nodes = dict(json.loads((path / "meta.json").read_text())["batch"]["items"])
+    assert nodes["array"] == {
+        "type": "tensor",
+        "key": "batch['array']",
+        "dtype": "torch.int64",
+        "shape": [3],
+        "device": "cpu",
+        "numpy": True,
+    }
+    assert nodes["objects"] == {"type": "repr", "class": "numpy.ndarray", "value": repr(batch["objects"])}
+    assert nodes["np_scalar"] == {"type": "value", "value": 2.5}
+    assert nodes["pair"] == {
+        "type": "tuple",
+        "items": [{"type": "value", "value": 1}, {"type": "value", "value": "x"}],
+        "class": f"{__name__}._Pair",
+    }
+    assert nodes["ordered"] == {
+        "type": "dict",
+        "items": [["k", {"type": "value", "value": None}]],
+        "class": "collections.OrderedDict",
+    }
+    assert nodes["list"] == {
+        "type": "list",
+        "items": [{"type": "value", "value": True}, {"type": "float", "value": "-inf"}],
+    }
+    assert nodes["opaque"] == {"type": "repr", "class": f"{__name__}._Opaque", "value": "<opaque>"}
+    loaded = load_bundle(path).batch
+    assert isinstance(loaded["array"], np.ndarray) and loaded["array"].tolist() == [0, 1, 2]
+    assert loaded["objects"] == repr(batch["objects"]) and loaded["opaque"] == "<opaque>"
+    assert loaded["pair"] == (1, "x") and loaded["ordered"] == {"k": None} and loaded["np_scalar"] == 2.5
+    assert loaded["list"] == [True, -math.inf]
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda m: m.pop("format"), "not a nanguard bundle: no \"format\": 'nanguard-bundle' marker"),
+        (lambda m: m.update(version=True), "bundle format version True is not supported (reads 1)"),
+        (lambda m: m.update(step="12"), "malformed: 'step' missing or not int"),
+        (lambda m: m.pop("rank"), "malformed: 'rank' missing or not int"),
+        (lambda m: m.update(batch_stored=1), "malformed: 'batch_stored' missing or not bool"),
+        (lambda m: m.pop("batch"), "malformed: 'batch' description missing"),
+        (lambda m: m.update(rng=["cpu", 0]), "malformed: 'rng' must be a list of device names"),
+        (lambda m: m.update(weights={"stored": "yes"}), "malformed: 'weights' must be an object with a bool 'stored'"),
+        (lambda m: m.update(checksums=["sha256:0"]), "malformed: 'checksums' must map file names to 'sha256:<hex>'"),
+    ],
+)
+def test_each_malformed_field_of_meta_json_is_named(tmp_path: Path, change, problem: str) -> None:
+    path = _save(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    change(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+    err = _raises_naming(path, "meta.json", re.escape(problem))
+    assert err.problem == problem
+
+
+def test_meta_json_without_weights_or_checksums_is_read_unchecked(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["weights"], meta["checksums"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert torch.equal(load_bundle(path).batch["x"], torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("node", "problem"),
+    [
+        ([], "node [] has no 'type'"),
+        (
+            {"type": "dict", "items": [[[1], {"type": "value", "value": 1}]]},
+            "a dict node needs 'items' as [key, node] pairs",
+        ),
+        ({"type": "tuple"}, "a tuple node needs 'items'"),
+        ({"type": "value", "value": [1]}, "value [1] is not a JSON scalar"),
+        ({"type": "float", "value": "many"}, "bad float node {'type': 'float', 'value': 'many'}"),
+        ({"type": "tensor", "key": "k"}, "tensor node {'type': 'tensor', 'key': 'k'} needs 'key' and 'shape'"),
+        ({"type": "tensor", "key": "k", "shape": [True]}, "tensor 'k' has a bad shape [True]"),
+        (
+            {"type": "tensor", "key": "k", "shape": [1], "dtype": "torch.nope"},
+            "tensor 'k' has an unknown dtype 'torch.nope'",
+        ),
+        ({"type": "set", "items": []}, "unknown node type 'set'"),
+    ],
+)
+def test_each_malformed_batch_node_is_named(tmp_path: Path, node: object, problem: str) -> None:
+    path = _save(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["batch"] = {"type": "list", "items": [{"type": "repr", "value": "kept"}, node]}
+    (path / "meta.json").write_text(json.dumps(meta))
+    err = _raises_naming(path, "meta.json", re.escape(problem))
+    assert err.problem == f"malformed batch description: {problem}"
+
+
+def test_a_batch_node_of_each_type_loads_back(tmp_path: Path) -> None:
+    path = _save(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    value = {"type": "value", "value": 3}
+    meta["batch"] = {
+        "type": "dict",
+        "items": [
+            ["t", {"type": "tuple", "items": [value]}],
+            [5, {"type": "list", "items": [{"type": "float", "value": "nan"}, {"type": "repr", "value": 7}]}],
+            [None, {"type": "dict", "items": []}],
+        ],
+    }
+    (path / "meta.json").write_text(json.dumps(meta))
+    batch = load_bundle(path).batch
+    assert batch["t"] == (3,) and batch[None] == {} and batch[5][1] == "7" and math.isnan(batch[5][0])
 
 
 def test_unreadable_diagnosis_warns_and_keeps_the_batch(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nanguard"
-CEILING = 28
+CEILING = 18
 TARGET = 15
 
 

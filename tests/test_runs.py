@@ -205,3 +205,63 @@ def test_every_rank_of_a_run_writes_the_same_run_id(tmp_path: Path) -> None:
     assert sorted(report.ranks) == [0, 1] and [r.run for r in report.runs] == [zero[0], zero[1]]
     with pytest.warns(UserWarning, match=r"world_size is 2 but there is no event log for rank\(s\) 1"):
         assert sorted(load_run(tmp_path).ranks) == [0]  # the latest run: rank 0's alone
+
+
+def _host(n: int) -> dict:
+    return {"host": f"node{n}", "device": "cuda:0", "local_rank": 0, "uuid": f"GPU-{n}"}
+
+
+@pytest.mark.parametrize(
+    ("cause", "rank", "flagged", "injected", "origin", "flagged_where", "mine_flagged", "reproduced"),
+    [
+        ("op.log_domain", 0, [0, 2], False, 0, [0, 2], False, False),  # the diagnosis names its rank
+        ("op.log_domain", None, [2, "x", 7], False, 2, [2], False, False),  # else the first flagged one
+        ("op.log_domain", None, None, False, 1, None, False, False),  # else this rank
+        ("op.log_domain", 5, [1], True, 1, [1], True, False),  # a rank past the world: the flagged one
+        ("step.not_reproduced", None, [1], False, 1, [1], True, False),
+        ("hardware.faulty_device", 1, [1], False, 1, [1], True, False),
+    ],
+)
+def test_a_trip_on_a_middle_rank_of_three_records_where_it_started(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    cause: str,
+    rank: int | None,
+    flagged: list | None,
+    injected: bool,
+    origin: int,
+    flagged_where: list[int] | None,
+    mine_flagged: bool,
+    reproduced: bool,
+) -> None:
+    """Hand-built: rank 1 of 3 (the ranks' ``where`` already gathered) records a trip."""
+    import nanguard.hardware as hardware
+
+    monkeypatch.setattr(hardware.dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(hardware.dist, "rank", lambda: 1)
+    tracker = Tracker(tmp_path, here=_host(1), warn_after=1, run="r1")
+    tracker._everyone = [_host(0), _host(1), _host(2)]
+    evidence = {} if flagged is None else {"flagged_ranks": flagged}
+    diag = ng.Diagnosis(cause=cause, kind="nan", phase="forward", step=3, rank=rank, ranks=[2], evidence=evidence)
+    with caplog.at_level(logging.WARNING, logger="nanguard"):
+        found = tracker.trip(diag, 3, injected=injected)
+    want: dict = {"where": _host(origin)}
+    if flagged_where is not None:
+        want["flagged_where"] = {str(r): _host(r) for r in flagged_where}
+    suspect = mine_flagged and not reproduced and not injected
+    if suspect:
+        want["suspect_device"] = {**_host(1), "transient_trips": 1, "this_run": 1, "earlier_runs": 0}
+    assert found == want
+    (record,) = read_tracker(tmp_path / "hardware.jsonl")
+    assert {k: v for k, v in record.items() if k != "time"} == {
+        **_host(1),
+        "run": "r1",
+        "step": 3,
+        "cause": cause,
+        "flagged": mine_flagged,
+        "reproduced": reproduced,
+        "injected": injected,
+    }
+    assert ("proven faulty at step 3" in caplog.text) == (cause == "hardware.faulty_device")
+    assert ("drain this node or run its diagnostics" in caplog.text) == suspect

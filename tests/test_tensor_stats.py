@@ -191,3 +191,39 @@ def test_under_the_guard_the_cast_is_diagnosed_not_unknown() -> None:
     diag = guard.last_diagnosis
     assert (diag.cause, diag.op, diag.phase) == ("precision.overflow", "aten._to_copy.default", "forward")
     guard.close()
+
+
+def _mask_counts(t: torch.Tensor) -> dict[str, int]:
+    """The counts as bool masks give them (one comparison per statistic)."""
+    return {
+        "zeros": int((t == 0).sum()),
+        "negative": int((t < 0).sum()),
+        "nan": int(torch.isnan(t).sum()),
+        "posinf": int(torch.isposinf(t).sum()),
+        "neginf": int(torch.isneginf(t).sum()),
+    }
+
+
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nonfinite"])
+def test_counts_past_float32s_exact_range_sum_exactly(nonfinite: bool) -> None:
+    # More than 2**22 elements: the sums of the counting codes (up to 4 per element) leave float32's exact integers.
+    t = torch.randn(2**22 + 7, generator=torch.Generator().manual_seed(0))
+    t[::5] = 0.0
+    t[1::9] = -0.0
+    if nonfinite:
+        t[2::11], t[3::13], t[4::17] = NAN, INF, -INF
+    stats = tensor_stats(t)
+    assert {k: stats[k] for k in ("zeros", "negative", "nan", "posinf", "neginf")} == _mask_counts(t)
+    finite = t[torch.isfinite(t)]
+    assert (stats["min"], stats["max"]) == (finite.min().item(), finite.max().item())
+
+
+def test_init_ratios_are_each_weights_init_ratio() -> None:
+    from nanguard.stats import init_ratio, init_ratios
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(64, 3, 5, generator=gen) * 10.0**k for k in (-3, 0, 3, 20)]
+    weights += [torch.randn(7, 1, dtype=torch.float64) * 1e25, torch.full((3, 4), INF), torch.randn(128, 512)]
+    one_by_one = [init_ratio(w).item() for w in weights]
+    assert init_ratios(weights).tolist() == one_by_one
+    assert math.isinf(one_by_one[-2]) and 20 < one_by_one[-1] < 25  # rms 1 times sqrt(512)

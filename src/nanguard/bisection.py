@@ -228,14 +228,18 @@ def _reload(parts: _Parts, entry: Checkpoint) -> None:
 # -- the setup ---------------------------------------------------------------------------------
 
 
+_PART_TYPES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("model", lambda v: isinstance(v, nn.Module), "a torch.nn.Module"),
+    ("optimizer", lambda v: isinstance(v, torch.optim.Optimizer), "a torch.optim.Optimizer"),
+    ("load", callable, "a function"),
+    ("batches", callable, "a function"),
+    ("closure", callable, "a function"),
+)
+"""What each required part of the setup must be, and how an error words it."""
+
+
 def _parts(setup: Any) -> _Parts:
-    what = "setup"
-    if isinstance(setup, str):
-        what = repr(setup)
-        setup = call(resolve(setup, "FUNCTION", "pkg.module:function"), "FUNCTION", setup)
-    elif callable(setup) and not isinstance(setup, Mapping):
-        what = getattr(setup, "__qualname__", "setup")
-        setup = call(setup, "FUNCTION", what)
+    what, setup = _called(setup)
     expected = f"a dict with {', '.join(REQUIRED)} (and optionally {', '.join(OPTIONAL)})"
     if not isinstance(setup, Mapping):
         raise ValueError(f"FUNCTION: {what} returned a {type(setup).__name__}, not {expected}")
@@ -244,15 +248,20 @@ def _parts(setup: Any) -> _Parts:
     if missing or unknown:
         wrong = f"lacks {', '.join(missing)}" if missing else f"has unknown key(s) {', '.join(unknown)}"
         raise ValueError(f"FUNCTION: {what} returned a dict that {wrong}; expected {expected}")
-    if not isinstance(setup["model"], nn.Module):
-        raise ValueError(f"FUNCTION: {what}: 'model' is a {type(setup['model']).__name__}, not a torch.nn.Module")
-    if not isinstance(setup["optimizer"], torch.optim.Optimizer):
-        kind = type(setup["optimizer"]).__name__
-        raise ValueError(f"FUNCTION: {what}: 'optimizer' is a {kind}, not a torch.optim.Optimizer")
-    for key in ("load", "batches", "closure"):
-        if not callable(setup[key]):
-            raise ValueError(f"FUNCTION: {what}: {key!r} is a {type(setup[key]).__name__}, not a function")
+    for key, valid, kind in _PART_TYPES:
+        if not valid(setup[key]):
+            raise ValueError(f"FUNCTION: {what}: {key!r} is a {type(setup[key]).__name__}, not {kind}")
     return _Parts(**{k: setup[k] for k in REQUIRED + OPTIONAL if k in setup})
+
+
+def _called(setup: Any) -> tuple[str, Any]:
+    """(how errors name the setup, what it gives): a "pkg.module:function" or a function is called."""
+    if isinstance(setup, str):
+        return repr(setup), call(resolve(setup, "FUNCTION", "pkg.module:function"), "FUNCTION", setup)
+    if callable(setup) and not isinstance(setup, Mapping):
+        what = getattr(setup, "__qualname__", "setup")
+        return what, call(setup, "FUNCTION", what)
+    return "setup", setup
 
 
 # -- the checkpoints ---------------------------------------------------------------------------
@@ -456,20 +465,19 @@ def _agreed(entry: Checkpoint) -> Checkpoint:
     if not dist.is_distributed():
         return entry
     rows = _gather([entry.step is not None, entry.step if entry.step is not None else -1, entry.nonfinite is not None])
-    if not all(r[0] for r in rows):
+    refused = [r for r, row in enumerate(rows) if not row[0]]
+    if refused:
         if entry.step is not None:
             entry.step, entry.nonfinite = None, None
-            refused = [r for r, row in enumerate(rows) if not row[0]]
             entry.refused = f"rank(s) {refused} could not load it"
         return entry
     if len({r[1] for r in rows}) > 1:
         steps = ", ".join(f"rank {r}: {row[1]}" for r, row in enumerate(rows))
         raise ValueError(f"FUNCTION: load({entry.path!r}) returned different steps on the ranks ({steps})")
     bad = [r for r, row in enumerate(rows) if row[2]]
-    if bad and entry.nonfinite is None:
-        entry.nonfinite = f"non-finite on rank(s) {bad}"
-    elif bad:
-        entry.nonfinite = f"{entry.nonfinite} (rank(s) {bad})"
+    if bad:
+        mine = entry.nonfinite
+        entry.nonfinite = f"non-finite on rank(s) {bad}" if mine is None else f"{mine} (rank(s) {bad})"
     return entry
 
 

@@ -190,15 +190,7 @@ def save_bundle(
         ...             meta={"diagnosis": diag.to_dict(), "loss_tail": [2.1, 2.0, "nan"]})
         PosixPath('runs/a/bundles/step-00000812-rank-0')
     """
-    for name, value in (("step", step), ("rank", rank)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    extra = dict(meta or {})
-    clash = sorted(_RESERVED & extra.keys())
-    if clash:
-        raise ValueError(f"meta keys {clash} are reserved by the bundle format")
-    extra = {k: v.to_dict() if isinstance(v, Diagnosis) else v for k, v in extra.items()}
-
+    extra = _extra_meta(step, rank, meta)
     leaves: list[tuple[str, torch.Tensor]] = []
     structure = _describe(batch, "batch", leaves, set())
     batch_bytes = sum(t.numel() * t.element_size() for _, t in leaves)
@@ -249,6 +241,18 @@ def save_bundle(
     return final
 
 
+def _extra_meta(step: int, rank: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``meta`` as meta.json holds it (a ``Diagnosis`` as its dict), once ``step``, ``rank`` and its keys pass."""
+    for name, value in (("step", step), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    extra = dict(meta or {})
+    clash = sorted(_RESERVED & extra.keys())
+    if clash:
+        raise ValueError(f"meta keys {clash} are reserved by the bundle format")
+    return {k: v.to_dict() if isinstance(v, Diagnosis) else v for k, v in extra.items()}
+
+
 def _weights_record(
     weights: Mapping[str, torch.Tensor] | None, max_bytes: int, note: str | None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
@@ -294,16 +298,7 @@ def _describe(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]], used:
     items = tree.children(obj)
     if items is not None:
         nodes = [(key, _describe(value, tree.path_str(path, (key,)), leaves, used)) for key, value in items]
-        if isinstance(obj, (list, tuple)) or all(isinstance(key, tree.SequenceKey) for key, _ in items):
-            kind = "tuple" if isinstance(obj, tuple) else "list"
-            node: dict[str, Any] = {"type": kind, "items": [n for _, n in nodes]}
-            if type(obj) not in (list, tuple):
-                node["class"] = _class_name(obj)
-            return node
-        node = {"type": "dict", "items": [[jsonable(_json_key(key)), n] for key, n in nodes]}
-        if type(obj) is not dict:
-            node["class"] = _class_name(obj)
-        return node
+        return _container_node(obj, nodes)
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"type": "float", "value": str(obj)}
     if _is_json_scalar(obj):
@@ -311,6 +306,21 @@ def _describe(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]], used:
     if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # numpy scalars
         return _describe(obj.item(), path, leaves, used)
     return {"type": "repr", "class": _class_name(obj), "value": repr(obj)}
+
+
+def _container_node(obj: Any, nodes: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
+    """The node of a container whose children's nodes are ``nodes``: a list or tuple when its keys are
+    positions, else a dict; ``class`` names its type when it is not the plain one."""
+    if isinstance(obj, (list, tuple)) or all(isinstance(key, tree.SequenceKey) for key, _ in nodes):
+        kind = "tuple" if isinstance(obj, tuple) else "list"
+        node: dict[str, Any] = {"type": kind, "items": [n for _, n in nodes]}
+        plain: tuple[type, ...] = (list, tuple)
+    else:
+        node = {"type": "dict", "items": [[jsonable(_json_key(key)), n] for key, n in nodes]}
+        plain = (dict,)
+    if type(obj) not in plain:
+        node["class"] = _class_name(obj)
+    return node
 
 
 def _json_key(key: Any) -> Any:
@@ -436,7 +446,47 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
     )
 
 
+_META_FIELDS: tuple[tuple[str, Any, Callable[[Any], bool], str], ...] = (
+    ("step", None, lambda v: isinstance(v, int), "'step' missing or not int"),
+    ("rank", None, lambda v: isinstance(v, int), "'rank' missing or not int"),
+    ("batch_stored", None, lambda v: isinstance(v, bool), "'batch_stored' missing or not bool"),
+    ("batch", None, lambda v: isinstance(v, dict), "'batch' description missing"),
+    (
+        "rng",
+        None,
+        lambda v: isinstance(v, list) and all(isinstance(name, str) for name in v),
+        "'rng' must be a list of device names",
+    ),
+    (
+        "weights",
+        {},
+        lambda v: isinstance(v, dict) and isinstance(v.get("stored", False), bool),
+        "'weights' must be an object with a bool 'stored'",
+    ),
+    (
+        "checksums",
+        {},
+        lambda v: isinstance(v, dict) and all(isinstance(s, str) for s in v.values()),
+        "'checksums' must map file names to 'sha256:<hex>'",
+    ),
+)
+"""The fields of meta.json a reader relies on: (name, its value when absent, the check, what is wrong otherwise)."""
+
+
 def _read_meta(meta_path: Path) -> dict[str, Any]:
+    meta = _read_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise BundleError(meta_path, f'not a nanguard bundle: no "format": {FORMAT!r} marker')
+    version = meta.get("version")
+    if version != VERSION or isinstance(version, bool):
+        raise BundleError(meta_path, f"bundle format version {version!r} is not supported (reads {VERSION})")
+    for name, absent, valid, problem in _META_FIELDS:
+        if not valid(meta.get(name, absent)):
+            raise BundleError(meta_path, f"malformed: {problem}")
+    return meta
+
+
+def _read_json(meta_path: Path) -> Any:
     if not meta_path.is_file():
         raise BundleError(meta_path, "missing: this directory is not a nanguard bundle")
     try:
@@ -444,29 +494,9 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
     except OSError as err:
         raise BundleError(meta_path, f"cannot be read: {err.strerror}") from None
     try:
-        meta = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, RecursionError) as err:
         raise BundleError(meta_path, f"not valid JSON, corrupt or truncated: {err}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise BundleError(meta_path, f'not a nanguard bundle: no "format": {FORMAT!r} marker')
-    version = meta.get("version")
-    if version != VERSION or isinstance(version, bool):
-        raise BundleError(meta_path, f"bundle format version {version!r} is not supported (reads {VERSION})")
-    for name, kind in (("step", int), ("rank", int), ("batch_stored", bool)):
-        if not isinstance(meta.get(name), kind):
-            raise BundleError(meta_path, f"malformed: {name!r} missing or not {kind.__name__}")
-    if not isinstance(meta.get("batch"), dict):
-        raise BundleError(meta_path, "malformed: 'batch' description missing")
-    rng = meta.get("rng")
-    if not isinstance(rng, list) or not all(isinstance(name, str) for name in rng):
-        raise BundleError(meta_path, "malformed: 'rng' must be a list of device names")
-    weights = meta.get("weights", {})
-    if not isinstance(weights, dict) or not isinstance(weights.get("stored", False), bool):
-        raise BundleError(meta_path, "malformed: 'weights' must be an object with a bool 'stored'")
-    sums = meta.get("checksums", {})
-    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
-        raise BundleError(meta_path, "malformed: 'checksums' must map file names to 'sha256:<hex>'")
-    return meta
 
 
 def _verify(path: Path, expected: str | None) -> bool:
@@ -568,35 +598,45 @@ class _TensorReader:
 def _build(node: Any, reader: _TensorReader, stored: bool) -> Any:
     if not isinstance(node, dict) or not isinstance(node.get("type"), str):
         raise _Malformed(f"node {node!r:.80} has no 'type'")
-    kind = node["type"]
-    if kind == "tensor":
-        return _build_tensor(node, reader, stored)
-    if kind == "dict":
-        items = node.get("items")
-        if not isinstance(items, list) or not all(
-            isinstance(p, list) and len(p) == 2 and _is_json_scalar(p[0]) for p in items
-        ):
-            raise _Malformed("a dict node needs 'items' as [key, node] pairs")
-        return {key: _build(value, reader, stored) for key, value in items}
-    if kind in ("list", "tuple"):
-        items = node.get("items")
-        if not isinstance(items, list):
-            raise _Malformed(f"a {kind} node needs 'items'")
-        values = [_build(value, reader, stored) for value in items]
-        return tuple(values) if kind == "tuple" else values
-    if kind == "value":
-        value = node.get("value")
-        if not _is_json_scalar(value):
-            raise _Malformed(f"value {value!r:.80} is not a JSON scalar")
-        return value
-    if kind == "float":
-        try:
-            return float(node["value"])
-        except (KeyError, TypeError, ValueError):
-            raise _Malformed(f"bad float node {node!r:.80}") from None
-    if kind == "repr":
-        return str(node.get("value"))
-    raise _Malformed(f"unknown node type {kind!r}")
+    builder = _BUILDERS.get(node["type"])
+    if builder is None:
+        raise _Malformed(f"unknown node type {node['type']!r}")
+    return builder(node, reader, stored)
+
+
+def _build_dict(node: dict[str, Any], reader: _TensorReader, stored: bool) -> dict[Any, Any]:
+    items = node.get("items")
+    if not isinstance(items, list) or not all(
+        isinstance(p, list) and len(p) == 2 and _is_json_scalar(p[0]) for p in items
+    ):
+        raise _Malformed("a dict node needs 'items' as [key, node] pairs")
+    return {key: _build(value, reader, stored) for key, value in items}
+
+
+def _build_sequence(node: dict[str, Any], reader: _TensorReader, stored: bool) -> list[Any] | tuple[Any, ...]:
+    kind, items = node["type"], node.get("items")
+    if not isinstance(items, list):
+        raise _Malformed(f"a {kind} node needs 'items'")
+    values = [_build(value, reader, stored) for value in items]
+    return tuple(values) if kind == "tuple" else values
+
+
+def _build_value(node: dict[str, Any], reader: _TensorReader, stored: bool) -> Any:
+    value = node.get("value")
+    if not _is_json_scalar(value):
+        raise _Malformed(f"value {value!r:.80} is not a JSON scalar")
+    return value
+
+
+def _build_float(node: dict[str, Any], reader: _TensorReader, stored: bool) -> float:
+    try:
+        return float(node["value"])
+    except (KeyError, TypeError, ValueError):
+        raise _Malformed(f"bad float node {node!r:.80}") from None
+
+
+def _build_repr(node: dict[str, Any], reader: _TensorReader, stored: bool) -> str:
+    return str(node.get("value"))
 
 
 def _build_tensor(node: dict[str, Any], reader: _TensorReader, stored: bool) -> Any:
@@ -619,6 +659,18 @@ def _build_tensor(node: dict[str, Any], reader: _TensorReader, stored: bool) -> 
     if node.get("requires_grad") and (tensor.is_floating_point() or tensor.is_complex()):
         tensor.requires_grad_(True)
     return tensor.numpy() if node.get("numpy") else tensor
+
+
+_BUILDERS: dict[str, Callable[[dict[str, Any], _TensorReader, bool], Any]] = {
+    "tensor": _build_tensor,
+    "dict": _build_dict,
+    "list": _build_sequence,
+    "tuple": _build_sequence,
+    "value": _build_value,
+    "float": _build_float,
+    "repr": _build_repr,
+}
+"""Each node type of the batch description (``_describe`` writes them) and what builds its value back."""
 
 
 # --------------------------------------------------------------------------- replay

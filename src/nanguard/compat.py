@@ -319,9 +319,10 @@ def zero3_partition(p: torch.Tensor) -> tuple[torch.Tensor, int] | None:
 def fsdp_unsharded_grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The unsharded gradients FSDP2 holds for ``model``'s parameters while gradient sync is off,
     by the parameter's name; [] outside FSDP2."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names: dict[int, str] | None = None
     found: list[tuple[str, torch.Tensor]] = []
     for fsdp_param in _fsdp_params(model):
+        names = names if names is not None else {id(p): n for n, p in model.named_parameters()}
         name = names.get(id(getattr(fsdp_param, "sharded_param", None)), "")
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         for grad in (getattr(fsdp_param, "unsharded_accumulated_grad", None), getattr(unsharded, "grad", None)):

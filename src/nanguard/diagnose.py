@@ -738,20 +738,17 @@ def exp_overflow(ev: Evidence) -> Judgement | None:
 @_rule
 def division_by_zero(ev: Evidence) -> Judgement | None:
     o = _origin(ev)
+    if _too_few_elements(o):
+        return _too_few(o, o.get("reduced_elements"), o.get("correction"))
+    return _composite_zero(o) or _root_of_zero(ev, o) or _divided_by_zero(o)
+
+
+def _divided_by_zero(o: OriginEvidence) -> Judgement | None:
+    """A division op (or its backward) whose denominator held zeros, or a tensor divided by the number 0."""
     op, node = _short(o.op), (o.node or "")
-    count, correction = o.get("reduced_elements"), o.get("correction")
-    if isinstance(count, int) and isinstance(correction, (int, float)) and count - correction <= 0:
-        return _too_few(o, count, correction)
-    if (composite := _composite_zero(o)) is not None:
-        return composite
-    if (root := _root_of_zero(ev, o)) is not None:
-        return root
     if op not in _DIVISIONS and not node.startswith("DivBackward"):
         return None
-    inputs = o.inputs or []
-    at = _DIVISIONS.get(op, 1)
-    denom = inputs[at] if len(inputs) > at else inputs[0] if inputs else {}
-    zeros = denom.get("zeros", 0) if denom else 0
+    zeros = _denominator_zeros(o, op)
     if _zero_scalar_divisor(o, op):
         why = f"{o.op} in {_where(o)} divided by the number 0 (a Python scalar)"
     elif zeros or node:
@@ -765,6 +762,14 @@ def division_by_zero(ev: Evidence) -> Judgement | None:
         "or add an eps: x / (d + 1e-8)",
     ]
     return Judgement("op.division_by_zero", why, fixes)
+
+
+def _denominator_zeros(o: OriginEvidence, op: str) -> Any:
+    """The zeros the tracer counted in the op's denominator (its input at ``_DIVISIONS[op]``, else the first)."""
+    inputs = o.inputs or []
+    at = _DIVISIONS.get(op, 1)
+    denom = inputs[at] if len(inputs) > at else inputs[0] if inputs else {}
+    return denom.get("zeros", 0) if denom else 0
 
 
 def _zero_scalar_divisor(o: OriginEvidence, op: str) -> bool:

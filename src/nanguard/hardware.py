@@ -237,12 +237,8 @@ class Tracker:
         """Append this rank's record of a trip; returns where it started, for its evidence: ``where``,
         and ``flagged_where`` and ``suspect_device`` when known. ``injected``: a fire drill planted it."""
         everyone = self.everyone()
-        origin = diag.rank if diag.rank is not None and diag.rank < len(everyone) else None
-        flagged = diag.evidence.get("flagged_ranks")
-        flagged = [r for r in flagged if isinstance(r, int)] if isinstance(flagged, list) else []
-        if origin is None:
-            origin = flagged[0] if flagged else dist.rank()
-        found: dict[str, Any] = {"where": everyone[origin]}
+        flagged = _flagged(diag)
+        found: dict[str, Any] = {"where": everyone[_origin(diag, flagged, len(everyone))]}
         if len(everyone) > 1 and flagged:
             found["flagged_where"] = {str(r): everyone[r] for r in flagged if r < len(everyone)}
         me = dist.rank()
@@ -258,34 +254,42 @@ class Tracker:
         }
         self.records.append(record)
         self._append(record)
-        if diag.cause == FAULTY and diag.rank == me and not record["injected"]:
+        if diag.cause == FAULTY and diag.rank == me and not injected:
             log.warning(
                 "nanguard: %s: proven faulty at step %d (a peer computed the same step finite): drain it",
                 _named(self.here),
                 step,
             )
+        if record["flagged"] and not record["reproduced"] and not injected:
+            found.update(self._suspect(step))
+        return found
+
+    def _suspect(self, step: int) -> dict[str, Any]:
+        """``{"suspect_device": ...}``, with a warning, once this device's trips that did not reproduce
+        reach ``warn_after``; empty before."""
         keys = self._transient()
         transient = len(keys)
+        if not self.warn_after or transient < self.warn_after:
+            return {}
         this_run = sum(1 for key in keys if key[0] == self.run)
-        suspect = record["flagged"] and not record["reproduced"] and not record["injected"]
-        if suspect and self.warn_after and transient >= self.warn_after:
-            log.warning(
-                "nanguard: %s: %d trips flagged here did not reproduce on replay (%d in this run, %d in earlier "
-                "runs in this run_dir; the latest at step %d): suspect the hardware; drain this node or run its "
-                "diagnostics",
-                _named(self.here),
-                transient,
-                this_run,
-                transient - this_run,
-                step,
-            )
-            found["suspect_device"] = {
+        log.warning(
+            "nanguard: %s: %d trips flagged here did not reproduce on replay (%d in this run, %d in earlier "
+            "runs in this run_dir; the latest at step %d): suspect the hardware; drain this node or run its "
+            "diagnostics",
+            _named(self.here),
+            transient,
+            this_run,
+            transient - this_run,
+            step,
+        )
+        return {
+            "suspect_device": {
                 **self.here,
                 "transient_trips": transient,
                 "this_run": this_run,
                 "earlier_runs": transient - this_run,
             }
-        return found
+        }
 
     def _append(self, record: Mapping[str, Any]) -> None:
         if self.path is None:
@@ -302,6 +306,19 @@ class Tracker:
                 os.close(fd)
         except OSError as err:  # the tracker is evidence: a full disk must not stop training
             warnings.warn(f"nanguard: cannot append to {self.path} ({err}); trip not tracked", stacklevel=4)
+
+
+def _flagged(diag: Any) -> list[int]:
+    """The ranks the diagnosis says held non-finite values (``evidence["flagged_ranks"]``)."""
+    flagged = diag.evidence.get("flagged_ranks")
+    return [r for r in flagged if isinstance(r, int)] if isinstance(flagged, list) else []
+
+
+def _origin(diag: Any, flagged: list[int], world: int) -> int:
+    """The rank a trip started on: the diagnosis's, else the first flagged one, else this rank."""
+    if diag.rank is not None and diag.rank < world:
+        return int(diag.rank)
+    return flagged[0] if flagged else dist.rank()
 
 
 def _reproduced(diag: Any, rank: int) -> bool:

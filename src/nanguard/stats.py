@@ -16,6 +16,7 @@ __all__ = [
     "fan_in",
     "float_groups",
     "init_ratio",
+    "init_ratios",
     "is_float",
     "local",
     "tensor_stats",
@@ -26,8 +27,13 @@ __all__ = [
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2, tensor parallel), else ``t``: health checks never
     communicate."""
+    if type(t) in _PLAIN:  # the tracer asks for every op's output: no attribute lookup that fails
+        return t
     inner = compat.inner_tensor(t) if hasattr(t, "_local_tensor") else None
     return inner if inner is not None else t
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_float(t: object) -> bool:
@@ -35,8 +41,8 @@ def is_float(t: object) -> bool:
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Summary statistics of one tensor, of any dtype torch has: three passes over a finite tensor,
-    eight over one that is not. It never raises: statistics it could not take are left out, and
+    """Summary statistics of one tensor, of any dtype torch has (a float tensor's from float passes, no
+    bool mask, and two host reads). It never raises: statistics it could not take are left out, and
     ``stats_error`` says why (describing evidence must never cost a diagnosis).
 
     min/max/absmax are taken over the finite values, so a NaN does not hide the scale. 16- and
@@ -93,32 +99,69 @@ def _complex_stats(x: torch.Tensor) -> dict[str, Any]:
 
 
 def _float_stats(x: torch.Tensor) -> dict[str, Any]:
-    out: dict[str, Any] = {}
     if x.element_size() < 4:
         x = x.float()
     lo, hi = torch.stack(torch.aminmax(x)).tolist()
-    # NaN and Inf are neither zero nor (but -Inf) negative: these count finite values without a copy.
-    counts = [(x == 0).sum(), (x < 0).sum()]
-    finite = math.isfinite(lo) and math.isfinite(hi)
-    if not finite:
-        counts += [torch.isnan(x).sum(), torch.isposinf(x).sum(), torch.isneginf(x).sum()]
-        # A NaN/Inf read as the far end of the range cannot move the finite min or max.
-        big = torch.finfo(x.dtype).max
-        lo, hi = torch.stack([x.nan_to_num(big, big, big).amin(), x.nan_to_num(-big, -big, -big).amax()]).tolist()
-    zeros, negative, nan, posinf, neginf = [*torch.stack(counts).tolist(), 0, 0, 0][:5]
+    if math.isfinite(lo) and math.isfinite(hi):
+        (zeros, negative), nan, posinf, neginf = _sign_counts(x), 0, 0, 0
+    else:
+        lo, hi, zeros, negative, nan, posinf, neginf = _nonfinite_stats(x)
     if nan + posinf + neginf == x.numel():
         lo = hi = None
-    out.update(
-        min=lo,
-        max=hi,
-        absmax=0.0 if lo is None or hi is None else max(abs(lo), abs(hi)),
-        zeros=zeros,
-        negative=negative,
-        nan=nan,
-        posinf=posinf,
-        neginf=neginf,
-    )
-    return out
+    return {
+        "min": lo,
+        "max": hi,
+        "absmax": 0.0 if lo is None or hi is None else max(abs(lo), abs(hi)),
+        "zeros": zeros,
+        "negative": negative,
+        "nan": nan,
+        "posinf": posinf,
+        "neginf": neginf,
+    }
+
+
+# The counts are sums of small integer codes (a sign, -1/1/2 for the non-finite values) in float arithmetic: a
+# comparison writes a bool mask and sums it as int64, several times slower on CPU than a float pass. Every
+# partial sum is an integer of at most 4 x numel, exact in float32 up to 2**24; past that they sum in float64.
+_EXACT_FLOAT32 = 2**24
+
+
+def _accumulate(x: torch.Tensor) -> torch.dtype | None:
+    return None if 4 * x.numel() <= _EXACT_FLOAT32 else torch.float64
+
+
+def _sign_counts(x: torch.Tensor) -> tuple[int, int]:
+    """(zeros, negative) of a finite float tensor, in one host read."""
+    acc = _accumulate(x)
+    signs = torch.sign(x)
+    balance = signs.sum(dtype=acc)  # positive - negative (stream order: read before the abs_ below)
+    nonzero, balance = torch.stack([signs.abs_().sum(dtype=acc), balance]).tolist()
+    return x.numel() - int(nonzero), (int(nonzero) - int(balance)) // 2
+
+
+def _nonfinite_stats(x: torch.Tensor) -> tuple[float | None, float | None, int, int, int, int, int]:
+    """(min, max of the finite values, zeros, negative, nan, posinf, neginf) of a float tensor holding
+    NaN or Inf, in one host read."""
+    acc = _accumulate(x)
+    # A NaN/Inf read as the far end of the range cannot move the finite min or max.
+    big = torch.finfo(x.dtype).max
+    bounds = torch.stack([x.nan_to_num(big, big, big).amin(), x.nan_to_num(-big, -big, -big).amax()])
+    finite = x.nan_to_num(0.0, 0.0, 0.0)
+    code = x.nan_to_num(2.0, 1.0, -1.0).sub_(finite)  # 2 at NaN, 1 at +Inf, -1 at -Inf, else 0
+    signs = finite.sign_()  # of the finite values; 0 at NaN/Inf
+    # In stream order, each sum reads its tensor before the in-place op after it.
+    sums = [signs.sum(dtype=acc), signs.abs_().sum(dtype=acc), code.sum(dtype=acc), code.abs_().sum(dtype=acc)]
+    sums.append(code.mul_(code).sum(dtype=acc))
+    values = torch.cat([bounds.to(torch.float64), torch.stack(sums).to(torch.float64)]).tolist()
+    lo, hi = values[:2]
+    balance, nonzero, coded, magnitude, squared = (int(v) for v in values[2:])
+    # sum(code) = 2 nan + posinf - neginf, sum(|code|) = 2 nan + posinf + neginf, sum(code^2) = 4 nan + posinf + neginf
+    nan = (squared - magnitude) // 2
+    infs = magnitude - 2 * nan
+    posinf = (infs + coded - 2 * nan) // 2
+    neginf = infs - posinf
+    zeros = x.numel() - nonzero - nan - infs
+    return lo, hi, zeros, (nonzero - balance) // 2 + neginf, nan, posinf, neginf
 
 
 def float_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -210,3 +253,23 @@ def init_ratio(weight: torch.Tensor) -> torch.Tensor:
     acc = torch.float32 if w.device.type == "mps" else torch.float64
     rms = torch.linalg.vector_norm(w, 2, dtype=acc) / math.sqrt(max(w.numel(), 1))
     return (rms * math.sqrt(fan_in(weight))).float()
+
+
+def init_ratios(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``init_ratio`` of each of ``weights`` as one float32 tensor on the first one's device: the same
+    arithmetic, with one division and one product for all of them.
+
+    Example:
+        >>> init_ratios([torch.nn.Linear(256, 64).weight, torch.nn.Linear(64, 8).weight]).shape
+        torch.Size([2])
+    """
+    ws = [local(w).detach() for w in weights]
+    device = ws[0].device
+    if any(w.device != device for w in ws):
+        return torch.stack([init_ratio(w).to(device) for w in weights])
+    acc = torch.float32 if device.type == "mps" else torch.float64
+    norms = torch.stack([torch.linalg.vector_norm(w, 2, dtype=acc) for w in ws])
+    sizes = [math.sqrt(max(w.numel(), 1)) for w in ws]
+    fans = [math.sqrt(fan_in(w)) for w in weights]
+    roots = torch.tensor([sizes, fans], dtype=acc, device=device)
+    return (norms / roots[0] * roots[1]).float()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,21 @@ def audit_model(model: nn.Module, *, data_parallel: bool | None = None) -> list[
 
     modules = list(model.named_modules())
     entries = _entries(modules)
+    weights = _audited_weights(modules)
+    absmax, finite, ratios = _stats(entries, weights)
+
+    findings = _nonfinite(entries, finite)
+    findings += _norm_eps(modules, _dominant_dtype(entries))
+    findings += _scale_findings(zip(entries, absmax, finite, ratios, strict=True), weights)
+    if data_parallel:
+        findings += _batchnorm_without_sync(modules)
+    return findings
+
+
+def _audited_weights(modules: list[tuple[str, nn.Module]]) -> dict[int, tuple[str, nn.Module]]:
+    """The Linear/Conv weights whose init scale is audited (not an embedding's tied weight), by id."""
     embedding_weights = {id(m.weight) for _, m in modules if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
-    weights: dict[int, tuple[str, nn.Module]] = {
+    return {
         id(m.weight): (name, m)
         for name, m in modules
         if isinstance(m, (nn.Linear, _ConvNd))
@@ -73,19 +87,20 @@ def audit_model(model: nn.Module, *, data_parallel: bool | None = None) -> list[
         and m.weight.ndim >= 2
         and id(m.weight) not in embedding_weights
     }
-    absmax, finite, ratios = _stats(entries, weights)
 
-    findings = _nonfinite(entries, finite)
-    findings += _norm_eps(modules, _dominant_dtype(entries))
-    for entry, top, ok, ratio in zip(entries, absmax, finite, ratios, strict=True):
+
+def _scale_findings(
+    rows: Iterable[tuple[_Entry, float, bool, float | None]], weights: dict[int, tuple[str, nn.Module]]
+) -> list[Finding]:
+    """Each finite tensor's init scale (an audited weight) and closeness to its dtype's max."""
+    findings: list[Finding] = []
+    for entry, top, ok, ratio in rows:
         if not ok:
             continue
         owner = weights.get(id(entry.tensor))
         if owner is not None and ratio is not None:
             findings += _init_scale(owner[0], owner[1], entry.tensor, ratio, top)
         findings += _near_max(entry, top)
-    if data_parallel:
-        findings += _batchnorm_without_sync(modules)
     return findings
 
 

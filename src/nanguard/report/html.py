@@ -6,7 +6,7 @@ import html
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -268,8 +268,70 @@ def _remedies_html(report: RunReport) -> str:
     return "\n".join(out)
 
 
-def _ranks_html(data: dict[str, Any]) -> str:
-    return _table(RANK_COLUMNS, rank_rows(data), cls="ranks")
+def _ranks_html(report: RunReport, data: dict[str, Any]) -> list[str]:
+    """The Ranks section: the per-rank table and the plot of each rank's steps and trips."""
+    plot = _plot(
+        "ranks",
+        plots.rank_plot(report),
+        "ranks over steps and the rank each trip started on",
+        "Steps each rank logged, its skipped steps, and for each trip the rank it started on (X) and "
+        "the other ranks whose values were non-finite (o).",
+    )
+    return ['<h2 id="ranks">Ranks</h2>', _table(RANK_COLUMNS, rank_rows(data), cls="ranks"), plot]
+
+
+@dataclass(frozen=True)
+class _Curve:
+    """One plot of the curves section: its id, how it is drawn, its alt text and caption, and the
+    progress message once drawn (None: drawn without one; ``shown``: whether the run has it)."""
+
+    plot_id: str
+    draw: Callable[[RunReport], Figure]
+    alt: str
+    caption: str
+    done: str | None
+    shown: Callable[[RunReport], bool] = lambda report: True
+
+
+def _has_precursor_series(report: RunReport) -> bool:
+    return any(isinstance(m.fields.get("series"), list) for m in report.early_warnings)
+
+
+_CURVES = (
+    _Curve(
+        "loss",
+        plots.loss_plot,
+        "loss over steps, log scale",
+        "Loss per step (log scale), one curve per rank. Red: trips; orange dotted: skips; purple dashed: "
+        "rollbacks (shaded back to the restored step); stars: spikes; brown dash-dotted: early warnings. "
+        "Non-finite values leave gaps.",
+        "loss plot",
+    ),
+    _Curve(
+        "grad-norm",
+        plots.grad_norm_plot,
+        "gradient norm over steps, log scale",
+        "Total gradient norm per step (log scale), marked like the loss.",
+        "gradient norm plot",
+    ),
+    _Curve(
+        "precursors",
+        plots.precursor_plot,
+        "precursors over steps, log scale",
+        "Each early warning's sampled precursor (log scale), the growth projected from its last sample "
+        "(dotted) to the level where its mechanism blows up (dashed).",
+        None,
+        _has_precursor_series,
+    ),
+    _Curve(
+        "nonfinite",
+        plots.nonfinite_plot,
+        "non-finite values per step",
+        "How many of loss and gradient norm were NaN/Inf at each step, stacked by rank "
+        "(at least one where a trip flagged the rank); GradScaler overflows apart.",
+        "non-finite plot",
+    ),
+)
 
 
 def render_html(report: RunReport, *, progress: Callable[[str], None] | None = None) -> str:
@@ -282,8 +344,25 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
     """
     advance = progress or (lambda message: None)
     data = report.to_dict()
-    counts = data["counts"]
-    out = [
+    groups = plots.trip_groups(report.trips)
+    out = [*_head_html(report, data), *_warnings_html(report)]
+    out += ['<h2 id="summary">Diagnoses</h2>', _summary_html(groups)]
+    out += ['<h2 id="curves">Training curves</h2>', *_curves_html(report, advance)]
+    out += _ranks_html(report, data)
+    advance("rank plot")
+    if report.trips:
+        out += _trips_html(groups, data["counts"]["trips"], advance)
+    out += ['<h2 id="events">Skips, rollbacks, spikes and overflows</h2>', _events_html(report)]
+    out.append(_remedies_html(report))
+    out += _bundle_table_html(report)
+    out.append('<p class="muted">Made by nanguard. This page is self-contained: it loads nothing.</p>')
+    out.append("</main></body></html>")
+    return "\n".join(out)
+
+
+def _head_html(report: RunReport, data: dict[str, Any]) -> list[str]:
+    """The document's head, the page's title, the line saying what run this is, and the count cards."""
+    return [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -297,112 +376,69 @@ def render_html(report: RunReport, *, progress: Callable[[str], None] | None = N
         + f" &middot; generated {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</p>",
         _cards(report, data),
     ]
-    if report.warnings:
-        items = "".join(f"<li>{_e(w)}</li>" for w in report.warnings[:50])
-        more = f"<li>{len(report.warnings) - 50} more</li>" if len(report.warnings) > 50 else ""
-        out.append(f'<div class="warnings" id="warnings"><strong>While reading:</strong><ul>{items}{more}</ul></div>')
 
-    out.append('<h2 id="summary">Diagnoses</h2>')
-    groups = plots.trip_groups(report.trips)
-    if report.trips:
-        rows = [
-            (
-                _steps(g),
-                g[0].diagnosis.cause if g[0].diagnosis else "?",
-                _where(g[0]),
-                g[0].action,
-                "-" if g[0].origin_rank is None else str(g[0].origin_rank),
+
+def _warnings_html(report: RunReport) -> list[str]:
+    if not report.warnings:
+        return []
+    items = "".join(f"<li>{_e(w)}</li>" for w in report.warnings[:50])
+    more = f"<li>{len(report.warnings) - 50} more</li>" if len(report.warnings) > 50 else ""
+    return [f'<div class="warnings" id="warnings"><strong>While reading:</strong><ul>{items}{more}</ul></div>']
+
+
+def _cause(trip: Trip) -> str:
+    return trip.diagnosis.cause if trip.diagnosis else "?"
+
+
+def _summary_html(groups: Sequence[Sequence[Trip]]) -> str:
+    """The Diagnoses table: a row per group of trips, the groups past ``MAX_SUMMARY_ROWS`` counted in one."""
+    if not groups:
+        return '<p id="no-trips">No trips: every logged step was finite.</p>'
+    rows = [
+        (_steps(g), _cause(g[0]), _where(g[0]), g[0].action, "-" if g[0].origin_rank is None else str(g[0].origin_rank))
+        for g in groups[:MAX_SUMMARY_ROWS]
+    ]
+    if later := [t for g in groups[MAX_SUMMARY_ROWS:] for t in g]:
+        causes = Counter(_cause(t) for t in later)
+        words = ", ".join(f"{n} {cause}" for cause, n in causes.most_common())
+        span = f"{later[0].step}–{later[-1].step} ({len(later)})"
+        rows.append((span, f"{len(groups) - MAX_SUMMARY_ROWS} more groups: {words}", "", "", ""))
+    return _table(("step", "cause", "where", "action", "origin rank"), rows, cls="trips")
+
+
+def _curves_html(report: RunReport, advance: Callable[[str], None]) -> list[str]:
+    out = []
+    for curve in _CURVES:
+        if not curve.shown(report):
+            continue
+        out.append(_plot(curve.plot_id, curve.draw(report), curve.alt, curve.caption))
+        if curve.done is not None:
+            advance(curve.done)
+    return out
+
+
+def _trips_html(groups: Sequence[Sequence[Trip]], trips: int, advance: Callable[[str], None]) -> list[str]:
+    """The Trips section: the first trip of each group in full, up to ``MAX_DETAILED_TRIPS`` groups."""
+    out = [f'<h2 id="trips">Trips ({trips})</h2>']
+    for group in groups[:MAX_DETAILED_TRIPS]:
+        if len(group) > 1:
+            out.append(
+                f'<p class="group">{len(group)} trips in a row with this cause, steps {_steps(group)}; '
+                "the first is shown.</p>"
             )
-            for g in groups[:MAX_SUMMARY_ROWS]
-        ]
-        if later := [t for g in groups[MAX_SUMMARY_ROWS:] for t in g]:
-            causes = Counter(t.diagnosis.cause if t.diagnosis else "?" for t in later)
-            words = ", ".join(f"{n} {cause}" for cause, n in causes.most_common())
-            span = f"{later[0].step}–{later[-1].step} ({len(later)})"
-            rows.append((span, f"{len(groups) - MAX_SUMMARY_ROWS} more groups: {words}", "", "", ""))
-        out.append(_table(("step", "cause", "where", "action", "origin rank"), rows, cls="trips"))
-    else:
-        out.append('<p id="no-trips">No trips: every logged step was finite.</p>')
+        out.append(_diagnosis_html(group[0]))
+        advance(f"trip at step {group[0].step}")
+    if len(groups) > MAX_DETAILED_TRIPS:
+        n_later = sum(len(g) for g in groups[MAX_DETAILED_TRIPS:])
+        out.append(f'<p class="muted">{n_later} later trips are listed in the table above only.</p>')
+    return out
 
-    out.append('<h2 id="curves">Training curves</h2>')
-    out.append(
-        _plot(
-            "loss",
-            plots.loss_plot(report),
-            "loss over steps, log scale",
-            "Loss per step (log scale), one curve per rank. Red: trips; orange dotted: skips; purple dashed: "
-            "rollbacks (shaded back to the restored step); stars: spikes; brown dash-dotted: early warnings. "
-            "Non-finite values leave gaps.",
-        )
-    )
-    advance("loss plot")
-    out.append(
-        _plot(
-            "grad-norm",
-            plots.grad_norm_plot(report),
-            "gradient norm over steps, log scale",
-            "Total gradient norm per step (log scale), marked like the loss.",
-        )
-    )
-    advance("gradient norm plot")
-    if any(isinstance(m.fields.get("series"), list) for m in report.early_warnings):
-        out.append(
-            _plot(
-                "precursors",
-                plots.precursor_plot(report),
-                "precursors over steps, log scale",
-                "Each early warning's sampled precursor (log scale), the growth projected from its last sample "
-                "(dotted) to the level where its mechanism blows up (dashed).",
-            )
-        )
-    out.append(
-        _plot(
-            "nonfinite",
-            plots.nonfinite_plot(report),
-            "non-finite values per step",
-            "How many of loss and gradient norm were NaN/Inf at each step, stacked by rank "
-            "(at least one where a trip flagged the rank); GradScaler overflows apart.",
-        )
-    )
-    advance("non-finite plot")
 
-    out.append('<h2 id="ranks">Ranks</h2>')
-    out.append(_ranks_html(data))
-    out.append(
-        _plot(
-            "ranks",
-            plots.rank_plot(report),
-            "ranks over steps and the rank each trip started on",
-            "Steps each rank logged, its skipped steps, and for each trip the rank it started on (X) and "
-            "the other ranks whose values were non-finite (o).",
-        )
-    )
-    advance("rank plot")
-
-    if report.trips:
-        out.append(f'<h2 id="trips">Trips ({counts["trips"]})</h2>')
-        for group in groups[:MAX_DETAILED_TRIPS]:
-            if len(group) > 1:
-                out.append(
-                    f'<p class="group">{len(group)} trips in a row with this cause, steps {_steps(group)}; '
-                    "the first is shown.</p>"
-                )
-            out.append(_diagnosis_html(group[0]))
-            advance(f"trip at step {group[0].step}")
-        if len(groups) > MAX_DETAILED_TRIPS:
-            n_later = sum(len(g) for g in groups[MAX_DETAILED_TRIPS:])
-            out.append(f'<p class="muted">{n_later} later trips are listed in the table above only.</p>')
-
-    out.append('<h2 id="events">Skips, rollbacks, spikes and overflows</h2>')
-    out.append(_events_html(report))
-    out.append(_remedies_html(report))
-    if report.bundles:
-        rows = [(b.path.name, str(b.step), str(b.rank), b.cause or "-", b.error or "ok") for b in report.bundles[:200]]
-        out.append('<h2 id="bundles">Bundles</h2>')
-        out.append(_table(("bundle", "step", "rank", "cause", "state"), rows, cls="bundles"))
-    out.append('<p class="muted">Made by nanguard. This page is self-contained: it loads nothing.</p>')
-    out.append("</main></body></html>")
-    return "\n".join(out)
+def _bundle_table_html(report: RunReport) -> list[str]:
+    if not report.bundles:
+        return []
+    rows = [(b.path.name, str(b.step), str(b.rank), b.cause or "-", b.error or "ok") for b in report.bundles[:200]]
+    return ['<h2 id="bundles">Bundles</h2>', _table(("bundle", "step", "rank", "cause", "state"), rows, cls="bundles")]
 
 
 def write_html(report: RunReport, path: str | Path, *, progress: Callable[[str], None] | None = None) -> Path:

@@ -368,25 +368,11 @@ def load_run(run_dir: str | Path, *, run: str | None = None, progress: ShowProgr
     files = _rank_logs(root)
     spans = {rank: run_spans(path) for rank, path in files}
     runs = _runs(spans)
-    chosen = _chosen(root, runs, run)
+    report = RunReport(run_dir=root, ranks={}, run=_chosen(root, runs, run), runs=runs)
     # A rank that did not log this run is left out; one that cannot be read stays, to be named.
-    files = [(rank, path) for rank, path in files if not spans[rank] or any(s.run == chosen for s in spans[rank])]
-    bundle_dirs = _bundle_dirs(root)
+    files = [(rank, path) for rank, path in files if not spans[rank] or any(s.run == report.run for s in spans[rank])]
     notes: list[str] = []
-    report = RunReport(run_dir=root, ranks={}, run=chosen, runs=runs)
-    per_rank: dict[int, list[dict[str, Any]]] = {}
-    with progress_of(progress, len(files) + len(bundle_dirs), "reading run") as advance:
-        for rank, path in files:
-            mine = [s for s in spans[rank] if s.run == chosen] if spans[rank] else None
-            log, events = _read_rank(rank, path, notes, mine)
-            report.ranks[rank] = log
-            per_rank[rank] = events
-            advance(f"{path.name}: {log.events} events")
-        for step, rank, path in bundle_dirs:
-            bundle = _read_bundle(path, step, rank, notes)
-            if bundle.error is not None or bundle.run == chosen:
-                report.bundles.append(bundle)
-            advance(f"bundle {path.name}")
+    per_rank = _read_files(report, files, spans, notes, progress)
     if not any(log.events for log in report.ranks.values()):
         names = ", ".join(p.name for _, p in files)
         _flush(notes)
@@ -398,6 +384,31 @@ def load_run(run_dir: str | Path, *, run: str | None = None, progress: ShowProgr
     report.warnings = notes
     _flush(notes)
     return report
+
+
+def _read_files(
+    report: RunReport,
+    files: list[tuple[int, Path]],
+    spans: Mapping[int, list[Span]],
+    notes: list[str],
+    progress: ShowProgress | None,
+) -> dict[int, list[dict[str, Any]]]:
+    """Read the report's run from each rank's log (into ``report.ranks``) and its bundles (into
+    ``report.bundles``, with every unreadable one); return each rank's events."""
+    bundle_dirs = _bundle_dirs(report.run_dir)
+    per_rank: dict[int, list[dict[str, Any]]] = {}
+    with progress_of(progress, len(files) + len(bundle_dirs), "reading run") as advance:
+        for rank, path in files:
+            mine = [s for s in spans[rank] if s.run == report.run] if spans[rank] else None
+            log, per_rank[rank] = _read_rank(rank, path, notes, mine)
+            report.ranks[rank] = log
+            advance(f"{path.name}: {log.events} events")
+        for step, rank, path in bundle_dirs:
+            bundle = _read_bundle(path, step, rank, notes)
+            if bundle.error is not None or bundle.run == report.run:
+                report.bundles.append(bundle)
+            advance(f"bundle {path.name}")
+    return per_rank
 
 
 def _rank_logs(root: Path) -> list[tuple[int, Path]]:
@@ -520,33 +531,26 @@ def _read_bundle(path: Path, step: int, rank: int, notes: list[str]) -> BundleIn
     return info
 
 
+_MERGE_KEYS: dict[str, Callable[[dict[str, Any]], tuple[Any, ...]]] = {
+    "trip": lambda e: (),
+    "skip": lambda e: (str(e.get("reason")),),
+    "rollback": lambda e: (e.get("restored_step"),),
+    "spike": lambda e: (str(e.get("metric")),),
+    "warning": lambda e: (str(e.get("signal")), str(e.get("module"))),
+    "overflow": lambda e: (),
+    "remedy": lambda e: (str(e.get("cause")), str(e.get("action"))),
+    "headroom": lambda e: (str(e.get("module")), str(e.get("dtype"))),
+    "drill": lambda e: (str(e.get("fault")),),
+}
+"""What makes two ranks' events of a kind at one step the same entry, besides the step."""
+
+_Merged = dict[tuple[Any, ...], list[tuple[int, dict[str, Any]]]]
+
+
 def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> None:
     """Fold each rank's trip/skip/rollback/spike/overflow events into entries keyed by step."""
-    keys = {
-        "trip": lambda e: (),
-        "skip": lambda e: (str(e.get("reason")),),
-        "rollback": lambda e: (e.get("restored_step"),),
-        "spike": lambda e: (str(e.get("metric")),),
-        "warning": lambda e: (str(e.get("signal")), str(e.get("module"))),
-        "overflow": lambda e: (),
-        "remedy": lambda e: (str(e.get("cause")), str(e.get("action"))),
-        "headroom": lambda e: (str(e.get("module")), str(e.get("dtype"))),
-        "drill": lambda e: (str(e.get("fault")),),
-    }
-    merged: dict[str, dict[tuple[Any, ...], list[tuple[int, dict[str, Any]]]]] = defaultdict(dict)
-    for rank, events in sorted(per_rank.items()):
-        seen: dict[tuple[Any, ...], int] = defaultdict(int)
-        for event in events:
-            kind = event["kind"]
-            key = (event["step"], *keys[kind](event))
-            seen_key = (kind, *key)
-            nth = seen[seen_key]
-            seen[seen_key] += 1
-            # The n-th identical event of each rank is one merged entry (a resumed run may repeat steps).
-            merged[kind].setdefault((*key, nth), []).append((rank, event))
-
-    for entries in merged["trip"].values():
-        report.trips.append(_merge_trip(entries))
+    merged = _by_step(per_rank)
+    report.trips.extend(_merge_trip(entries) for entries in merged["trip"].values())
     report.drills = _merge_drills(merged["drill"])
     report.trips.sort(key=lambda t: t.step)
     for kind, target in (
@@ -558,18 +562,38 @@ def _merge(report: RunReport, per_rank: Mapping[int, list[dict[str, Any]]]) -> N
         ("remedy", report.remedies),
         ("headroom", report.headroom),
     ):
-        for entries in merged[kind].values():
-            first = entries[0][1]
-            fields = {k: v for k, v in first.items() if k not in ("kind", "step", "rank") and not k.startswith("_")}
-            if kind == "spike" and len(entries) > 1:
-                fields["value_by_rank"] = {str(r): e.get("value") for r, e in entries}
-            target.append(Marker(kind=kind, step=first["step"], ranks=[r for r, _ in entries], fields=fields))
+        target.extend(_marker(kind, entries) for entries in merged[kind].values())
         target.sort(key=lambda m: m.step)
 
     by_key = {(b.step, b.rank): b for b in report.bundles}
     for trip in report.trips:
         trip.bundles = [by_key[(trip.step, r)] for r in trip.reported_by if (trip.step, r) in by_key]
     _trips_only_bundled(report)
+
+
+def _by_step(per_rank: Mapping[int, list[dict[str, Any]]]) -> dict[str, _Merged]:
+    """Each kind's events by (step, its ``_MERGE_KEYS``, n): the ranks' n-th identical events are one entry."""
+    merged: dict[str, _Merged] = defaultdict(dict)
+    for rank, events in sorted(per_rank.items()):
+        seen: dict[tuple[Any, ...], int] = defaultdict(int)
+        for event in events:
+            kind = event["kind"]
+            key = (event["step"], *_MERGE_KEYS[kind](event))
+            seen_key = (kind, *key)
+            nth = seen[seen_key]
+            seen[seen_key] += 1
+            # The n-th identical event of each rank is one merged entry (a resumed run may repeat steps).
+            merged[kind].setdefault((*key, nth), []).append((rank, event))
+    return merged
+
+
+def _marker(kind: str, entries: list[tuple[int, dict[str, Any]]]) -> Marker:
+    """One entry of the ranks' events: the first rank's fields, and each rank's value of a spike."""
+    first = entries[0][1]
+    fields = {k: v for k, v in first.items() if k not in ("kind", "step", "rank") and not k.startswith("_")}
+    if kind == "spike" and len(entries) > 1:
+        fields["value_by_rank"] = {str(r): e.get("value") for r, e in entries}
+    return Marker(kind=kind, step=first["step"], ranks=[r for r, _ in entries], fields=fields)
 
 
 def _trips_only_bundled(report: RunReport) -> None:
@@ -594,7 +618,7 @@ def _trips_only_bundled(report: RunReport) -> None:
     report.trips.sort(key=lambda t: t.step)
 
 
-def _merge_drills(merged: Mapping[tuple[Any, ...], list[tuple[int, dict[str, Any]]]]) -> list[Drill]:
+def _merge_drills(merged: _Merged) -> list[Drill]:
     """One ``Drill`` per planted fault; a rank's late event (a detection on the next step) overrides its first."""
     drills: dict[tuple[int, str], Drill] = {}
     for entries in merged.values():
@@ -649,20 +673,33 @@ def _merge_trip(entries: list[tuple[int, dict[str, Any]]]) -> Trip:
 
 
 def _check_alignment(report: RunReport, notes: list[str]) -> None:
-    ranks = sorted(report.ranks)
+    """Set the run's world size; note where the ranks' logs disagree on it, miss a rank or end apart."""
     sizes = {log.world_size for log in report.ranks.values() if log.world_size is not None}
     report.world_size = max(sizes) if sizes else None
     if len(sizes) > 1:
         notes.append(f"the ranks' logs disagree on world_size ({sorted(sizes)}): several runs share this run_dir?")
-    if report.world_size is not None:
-        present = {r for r in ranks if r < report.world_size}
-        if len(present) < report.world_size:
-            missing = list(itertools.islice((r for r in range(report.world_size) if r not in present), 8))
-            more = report.world_size - len(present) - len(missing)
-            listed = ", ".join(map(str, missing)) + (f" and {more} more" if more else "")
-            notes.append(f"world_size is {report.world_size} but there is no event log for rank(s) {listed}")
+    notes.extend(_missing_ranks(report))
+    notes.extend(_uneven_ends(report))
+
+
+def _missing_ranks(report: RunReport) -> list[str]:
+    """A note naming the ranks below the world size without a log (the first 8)."""
+    if report.world_size is None:
+        return []
+    present = {r for r in report.ranks if r < report.world_size}
+    if len(present) >= report.world_size:
+        return []
+    missing = list(itertools.islice((r for r in range(report.world_size) if r not in present), 8))
+    more = report.world_size - len(present) - len(missing)
+    listed = ", ".join(map(str, missing)) + (f" and {more} more" if more else "")
+    return [f"world_size is {report.world_size} but there is no event log for rank(s) {listed}"]
+
+
+def _uneven_ends(report: RunReport) -> list[str]:
+    """A note naming the ranks whose logs end before the latest step any rank logged."""
     ends = {r: log.last_step for r, log in report.ranks.items() if log.last_step is not None}
-    if len(set(ends.values())) > 1:
-        last = max(ends.values())
-        behind = ", ".join(f"rank {r} at step {s}" for r, s in sorted(ends.items()) if s < last)
-        notes.append(f"the ranks' logs end at different steps (latest {last}; {behind}): a rank stopped early?")
+    if len(set(ends.values())) <= 1:
+        return []
+    last = max(ends.values())
+    behind = ", ".join(f"rank {r} at step {s}" for r, s in sorted(ends.items()) if s < last)
+    return [f"the ranks' logs end at different steps (latest {last}; {behind}): a rank stopped early?"]

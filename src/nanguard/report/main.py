@@ -8,11 +8,11 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from nanguard.errors import NanguardError
 from nanguard.hardware import device_rows
-from nanguard.report.load import RunReport, load_run
+from nanguard.report.load import RunReport, ShowProgress, Trip, load_run
 from nanguard.report.terminal import Console
 from nanguard.text import (
     DRILL_COLUMNS,
@@ -71,54 +71,72 @@ def run_report(
             return _several(list(run_dir), html, as_json, out, err)
         run_dir = run_dir[0]
     status = Console(err)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            report = load_run(run_dir, run=run, progress=lambda total, label: status.progress(total, label, echo=False))
-    except NanguardError as error:
-        _print_warnings(caught, err)
-        print(f"nanguard report: error: {error}", file=err, flush=True)
+    report = _load(run_dir, err, run=run, progress=lambda total, label: status.progress(total, label, echo=False))
+    if report is None:
         return 1
-    _print_warnings(caught, err)
-
     if list_runs:
         return _list_runs(report, as_json, out)
     written: Path | None = None
     if html is not None:
-        try:
-            from nanguard.report.html import MAX_DETAILED_TRIPS, write_html
-        except ImportError as error:  # matplotlib comes with the [report] extra, needed by --html only
-            if (error.name or "").split(".")[0] != "matplotlib":
-                raise
-            print(
-                "nanguard report: error: --html draws with matplotlib: pip install 'nanguard[report]'",
-                file=err,
-                flush=True,
-            )
+        written = _write_page(report, html, status, err)
+        if written is None:
             return 1
-        total = 4 + min(len(report.trips), MAX_DETAILED_TRIPS)
-        try:
-            with status.progress(total, "drawing", echo=False) as advance:
-                written = write_html(report, html, progress=advance)
-        except OSError as error:
-            print(f"nanguard report: error: cannot write {html}: {error.strerror or error}", file=err, flush=True)
-            return 1
-
     try:
-        if as_json:
-            data = report.to_dict()
-            data["html"] = str(written) if written else None
-            print(json.dumps(data, indent=2, allow_nan=False), file=out, flush=True)
-            return 0
-        console = Console(out)
-        print_summary(report, console)
-        if written is not None:
-            console.line(f"HTML report: {written}")
+        _print_report(report, written, as_json, out)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, and keep Python's exit flush from failing again.
         if out is sys.stdout:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _load(
+    run_dir: str | Path, err: TextIO, *, run: str | None = None, progress: ShowProgress | None = None
+) -> RunReport | None:
+    """``load_run``, its warnings printed to ``err``; None (the error printed) when the run cannot be read."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = load_run(run_dir, run=run, progress=progress)
+    except NanguardError as error:
+        _print_warnings(caught, err)
+        print(f"nanguard report: error: {error}", file=err, flush=True)
+        return None
+    _print_warnings(caught, err)
+    return report
+
+
+def _write_page(report: RunReport, html: str | Path, status: Console, err: TextIO) -> Path | None:
+    """Write the HTML page with a progress bar on ``status``; None (the error printed) when it cannot be."""
+    try:
+        from nanguard.report.html import MAX_DETAILED_TRIPS, write_html
+    except ImportError as error:  # matplotlib comes with the [report] extra, needed by --html only
+        if (error.name or "").split(".")[0] != "matplotlib":
+            raise
+        print(
+            "nanguard report: error: --html draws with matplotlib: pip install 'nanguard[report]'", file=err, flush=True
+        )
+        return None
+    total = 4 + min(len(report.trips), MAX_DETAILED_TRIPS)
+    try:
+        with status.progress(total, "drawing", echo=False) as advance:
+            return write_html(report, html, progress=advance)
+    except OSError as error:
+        print(f"nanguard report: error: cannot write {html}: {error.strerror or error}", file=err, flush=True)
+        return None
+
+
+def _print_report(report: RunReport, written: Path | None, as_json: bool, out: TextIO) -> None:
+    """The report on ``out``: its JSON, or the terminal summary and where the page was written."""
+    if as_json:
+        data = report.to_dict()
+        data["html"] = str(written) if written else None
+        print(json.dumps(data, indent=2, allow_nan=False), file=out, flush=True)
+        return
+    console = Console(out)
+    print_summary(report, console)
+    if written is not None:
+        console.line(f"HTML report: {written}")
 
 
 def _list_runs(report: RunReport, as_json: bool, out: TextIO) -> int:
@@ -142,15 +160,10 @@ def _several(run_dirs: list[str | Path], html: str | Path | None, as_json: bool,
         return 2
     reports = []
     for run_dir in run_dirs:
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                reports.append(load_run(run_dir))
-        except NanguardError as error:
-            _print_warnings(caught, err)
-            print(f"nanguard report: error: {error}", file=err, flush=True)
+        report = _load(run_dir, err)
+        if report is None:
             return 1
-        _print_warnings(caught, err)
+        reports.append(report)
     rows = device_rows(record for report in reports for record in report.hardware)
     if as_json:
         data = {"runs": [r.to_dict() for r in reports], "hardware": rows}
@@ -175,6 +188,18 @@ def print_summary(report: RunReport, console: Console) -> None:
         >>> print_summary(load_run("runs/exp1"), Console())
     """
     data = report.to_dict()
+    _print_counts(report, data, console)
+    console.table(list(RANK_COLUMNS), rank_rows(data))
+    _print_events(report, console)
+    _print_diagnoses(report, console)
+    print_remedies(report, console)
+    if report.drills:
+        console.table(list(DRILL_COLUMNS), drill_rows([d.to_dict() for d in report.drills]), title="Fire drill")
+    _print_hardware(report, console)
+
+
+def _print_counts(report: RunReport, data: dict[str, Any], console: Console) -> None:
+    """The title, which of the directory's runs this is, and the run's counts."""
     counts = data["counts"]
     world = f" (world size {report.world_size})" if report.world_size else ""
     steps = f"steps {data['first_step']}-{data['last_step']}" if data["steps_run"] else "no steps logged"
@@ -187,28 +212,31 @@ def print_summary(report: RunReport, console: Console) -> None:
         f"trips {counts['trips']}, skips {counts['skips']}, rollbacks {counts['rollbacks']}, "
         f"spikes {counts['spikes']}, overflows {counts['overflows']}, bundles {counts['bundles']}",
     )
-    console.table(list(RANK_COLUMNS), rank_rows(data))
 
-    events = [
-        (
-            t.step,
-            "trip",
-            t.ranks,
-            f"{t.diagnosis.cause if t.diagnosis else '?'} -> {t.action}"
-            + (" (drill: injected)" if t.diagnosis and t.diagnosis.evidence.get("injected") else ""),
-        )
-        for t in report.trips
-    ]
+
+def _trip_words(trip: Trip) -> str:
+    diag = trip.diagnosis
+    if diag is None:
+        return f"? -> {trip.action}"
+    return f"{diag.cause} -> {trip.action}" + (" (drill: injected)" if diag.evidence.get("injected") else "")
+
+
+def _print_events(report: RunReport, console: Console) -> None:
+    """Trips and every other event, by step (a step's trip first), up to ``_MAX_EVENT_ROWS``."""
+    events = [(t.step, "trip", t.ranks, _trip_words(t)) for t in report.trips]
     for marker in [*report.skips, *report.rollbacks, *report.spikes, *report.early_warnings, *report.overflows]:
-        detail = event_words(marker.kind, marker.fields)
-        events.append((marker.step, marker.kind, marker.ranks, detail))
+        events.append((marker.step, marker.kind, marker.ranks, event_words(marker.kind, marker.fields)))
+    if not events:
+        return
     events.sort(key=lambda e: (e[0], e[1] != "trip"))
-    if events:
-        shown = [[str(s), kind, ",".join(str(r) for r in ranks), detail] for s, kind, ranks, detail in events]
-        console.table(["step", "event", "ranks", "detail"], shown[:_MAX_EVENT_ROWS])
-        if len(shown) > _MAX_EVENT_ROWS:
-            console.line(f"... {len(shown) - _MAX_EVENT_ROWS} more events (see --json)")
+    shown = [[str(s), kind, ",".join(str(r) for r in ranks), detail] for s, kind, ranks, detail in events]
+    console.table(["step", "event", "ranks", "detail"], shown[:_MAX_EVENT_ROWS])
+    if len(shown) > _MAX_EVENT_ROWS:
+        console.line(f"... {len(shown) - _MAX_EVENT_ROWS} more events (see --json)")
 
+
+def _print_diagnoses(report: RunReport, console: Console) -> None:
+    """One panel per trip, up to ``_MAX_PANELS``, each with the rank it started on when several ranks ran."""
     for trip in report.trips[:_MAX_PANELS]:
         if trip.diagnosis is None:
             console.line(f"step {trip.step}: trip ({trip.action}) without a readable diagnosis")
@@ -223,9 +251,10 @@ def print_summary(report: RunReport, console: Console) -> None:
         console.line(f"... {len(report.trips) - _MAX_PANELS} more trips (see --html or --json)")
     if not report.trips:
         console.line("no trips: every logged step was finite")
-    print_remedies(report, console)
-    if report.drills:
-        console.table(list(DRILL_COLUMNS), drill_rows([d.to_dict() for d in report.drills]), title="Fire drill")
+
+
+def _print_hardware(report: RunReport, console: Console) -> None:
+    """This run's trips per host and device, and how many records in the tracker are other runs'."""
     if report.hardware:
         console.table(
             list(HARDWARE_COLUMNS),

@@ -10,7 +10,7 @@ import functools
 import io
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ParamSpec
+from typing import Any, ParamSpec, TypeGuard
 
 import matplotlib
 import numpy as np
@@ -20,6 +20,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from nanguard.report.load import RunReport, Trip
+from nanguard.report.stream import StepRecord
 from nanguard.text import number
 
 __all__ = [
@@ -296,63 +297,87 @@ def _weight(count: int) -> tuple[float, float, float]:
 
 
 def _mark_events(ax: Axes, report: RunReport, metric: str) -> list[Any]:
-    handles: list[Any] = []
+    """Draw the run's events on a curve's axes; return their legend handles, in the order drawn."""
+    return [
+        *_mark_skips(ax, report),
+        *_mark_rollbacks(ax, report),
+        *_mark_trips(ax, report),
+        *_mark_warnings(ax, report),
+        *_mark_spikes(ax, report, metric),
+    ]
+
+
+def _mark_skips(ax: Axes, report: RunReport) -> list[Any]:
     skip_steps = [m.step for m in report.skips]
-    if skip_steps:
-        lw, alpha, area = _weight(len(skip_steps))
-        ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_SKIP, lw=lw * 0.6, ls=":", alpha=alpha)
-        # A skip usually shares its step with a trip: its marker sits above the trip's line and X.
-        ax.scatter(
-            skip_steps,
-            [0.9] * len(skip_steps),
-            transform=ax.get_xaxis_transform(),
-            marker="v",
-            s=36 * area,
-            color=_SKIP,
-            edgecolors="black",
-            linewidths=0.4,
-            zorder=7,
-        )
-        handles.append(Line2D([], [], color=_SKIP, ls=":", marker="v", label=f"skip ({len(skip_steps)})"))
+    if not skip_steps:
+        return []
+    lw, alpha, area = _weight(len(skip_steps))
+    ax.vlines(skip_steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_SKIP, lw=lw * 0.6, ls=":", alpha=alpha)
+    # A skip usually shares its step with a trip: its marker sits above the trip's line and X.
+    ax.scatter(
+        skip_steps,
+        [0.9] * len(skip_steps),
+        transform=ax.get_xaxis_transform(),
+        marker="v",
+        s=36 * area,
+        color=_SKIP,
+        edgecolors="black",
+        linewidths=0.4,
+        zorder=7,
+    )
+    return [Line2D([], [], color=_SKIP, ls=":", marker="v", label=f"skip ({len(skip_steps)})")]
+
+
+def _mark_rollbacks(ax: Axes, report: RunReport) -> list[Any]:
+    """Each rollback's line, the steps it undid shaded back to the step it restored."""
     for m in report.rollbacks:
         restored = m.fields.get("restored_step")
         if isinstance(restored, int) and restored < m.step:
             ax.axvspan(restored, m.step, color=_ROLLBACK, alpha=0.08, lw=0)
-    if report.rollbacks:
-        steps = [m.step for m in report.rollbacks]
-        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_ROLLBACK, lw=1.6, ls="--")
-        handles.append(Line2D([], [], color=_ROLLBACK, ls="--", label=f"rollback ({len(steps)})"))
-    if report.trips:
-        steps = [t.step for t in report.trips]
-        lw, alpha, area = _weight(len(steps))
-        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_TRIP, lw=lw, alpha=min(1.0, alpha + 0.1))
-        ax.scatter(
-            steps,
-            [0.97] * len(steps),
-            transform=ax.get_xaxis_transform(),
-            marker="X",
-            s=50 * area,
-            color=_TRIP,
-            zorder=5,
-        )
-        handles.append(Line2D([], [], color=_TRIP, marker="X", label=f"trip ({len(steps)})"))
-    if report.early_warnings:
-        steps = [m.step for m in report.early_warnings]
-        ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_WARNING, lw=1.2, ls="-.", alpha=0.8)
-        handles.append(Line2D([], [], color=_WARNING, ls="-.", label=f"early warning ({len(steps)})"))
+    if not report.rollbacks:
+        return []
+    steps = [m.step for m in report.rollbacks]
+    ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_ROLLBACK, lw=1.6, ls="--")
+    return [Line2D([], [], color=_ROLLBACK, ls="--", label=f"rollback ({len(steps)})")]
+
+
+def _mark_trips(ax: Axes, report: RunReport) -> list[Any]:
+    if not report.trips:
+        return []
+    steps = [t.step for t in report.trips]
+    lw, alpha, area = _weight(len(steps))
+    ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_TRIP, lw=lw, alpha=min(1.0, alpha + 0.1))
+    ax.scatter(
+        steps,
+        [0.97] * len(steps),
+        transform=ax.get_xaxis_transform(),
+        marker="X",
+        s=50 * area,
+        color=_TRIP,
+        zorder=5,
+    )
+    return [Line2D([], [], color=_TRIP, marker="X", label=f"trip ({len(steps)})")]
+
+
+def _mark_warnings(ax: Axes, report: RunReport) -> list[Any]:
+    if not report.early_warnings:
+        return []
+    steps = [m.step for m in report.early_warnings]
+    ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=_WARNING, lw=1.2, ls="-.", alpha=0.8)
+    return [Line2D([], [], color=_WARNING, ls="-.", label=f"early warning ({len(steps)})")]
+
+
+def _mark_spikes(ax: Axes, report: RunReport, metric: str) -> list[Any]:
+    """A star at each finite spike of ``metric``; the legend counts every spike of it."""
     spikes = [m for m in report.spikes if m.fields.get("metric") == metric]
-    if spikes:
-        values = [number(m.fields.get("value")) for m in spikes]
-        pts = [(m.step, v) for m, v in zip(spikes, values, strict=True) if v is not None and math.isfinite(v)]
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            ax.scatter(
-                xs, ys, marker="*", s=110 * _weight(len(pts))[2], color=_SPIKE, edgecolors="black", lw=0.5, zorder=6
-            )
-        handles.append(
-            Line2D([], [], color=_SPIKE, marker="*", ls="", markeredgecolor="black", label=f"spike ({len(spikes)})")
-        )
-    return handles
+    if not spikes:
+        return []
+    values = [number(m.fields.get("value")) for m in spikes]
+    pts = [(m.step, v) for m, v in zip(spikes, values, strict=True) if v is not None and math.isfinite(v)]
+    if pts:
+        xs, ys = zip(*pts, strict=True)
+        ax.scatter(xs, ys, marker="*", s=110 * _weight(len(pts))[2], color=_SPIKE, edgecolors="black", lw=0.5, zorder=6)
+    return [Line2D([], [], color=_SPIKE, marker="*", ls="", markeredgecolor="black", label=f"spike ({len(spikes)})")]
 
 
 @_styled
@@ -468,36 +493,9 @@ def rank_plot(report: RunReport) -> Figure:
     fig = _figure(10, 1.4 + 0.45 * len(ranks))
     ax = fig.add_subplot()
     for rank in ranks:
-        log = report.ranks[rank]
-        if log.steps:
-            ax.hlines(rank, log.steps[0].step, log.steps[-1].step, color=_rank_color(rank), lw=3, alpha=0.5)
-        skipped = [s.step for s in log.steps if s.skipped]
-        if skipped:
-            ax.scatter(skipped, [rank] * len(skipped), marker="|", s=140, color=_SKIP, zorder=3)
-    others = [(t.step, r) for t in report.trips for r in t.ranks if r != t.origin_rank]
-    origins = [(t.step, t.origin_rank) for t in report.trips if t.origin_rank is not None]
-    area = _weight(len(report.trips))[2]
-    if others:  # one scatter per kind, not per trip: a long run may trip hundreds of times
-        xs, ys = zip(*others, strict=True)
-        ax.scatter(xs, ys, marker="o", s=60 * area, facecolors="none", edgecolors=_TRIP, zorder=4)
-    if origins:
-        xs, ys = zip(*origins, strict=True)
-        ax.scatter(xs, ys, marker="X", s=120 * area, color=_TRIP, zorder=5)
-    # One label per cause and cluster of trips: a label is about a quarter of the axis wide, so trips
-    # closer than that share one ("8 trips, steps 3–10, ..."); several causes stack their labels.
-    span = report.steps[-1] - report.steps[0] if report.steps else 0
-    for rank in sorted({rank for _, rank in origins}):
-        mine = [t for t in report.trips if t.origin_rank == rank]
-        causes = list(dict.fromkeys(_cause(t) for t in mine))
-        for first, last, count, cause in group_trips(mine, gap=max(1, span // 4)):
-            ax.annotate(
-                f"{group_label(first, last, count, cause)} (origin)",
-                (first, rank),
-                xytext=(6, 6 + 10 * causes.index(cause)),
-                textcoords="offset points",
-                fontsize=8,
-                color=_TRIP,
-            )
+        _draw_rank(ax, rank, report.ranks[rank].steps)
+    origins = _draw_trip_ranks(ax, report)
+    _label_origins(ax, report, origins)
     if report.rollbacks:
         ax.vlines([m.step for m in report.rollbacks], -0.5, len(ranks) - 0.5, colors=_ROLLBACK, ls="--", lw=1)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
@@ -513,6 +511,50 @@ def rank_plot(report: RunReport) -> Figure:
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return fig
+
+
+def _draw_rank(ax: Axes, rank: int, steps: Sequence[StepRecord]) -> None:
+    """One rank's row: the span of steps it logged, a tick at each step it skipped."""
+    if steps:
+        ax.hlines(rank, steps[0].step, steps[-1].step, color=_rank_color(rank), lw=3, alpha=0.5)
+    skipped = [s.step for s in steps if s.skipped]
+    if skipped:
+        ax.scatter(skipped, [rank] * len(skipped), marker="|", s=140, color=_SKIP, zorder=3)
+
+
+def _draw_trip_ranks(ax: Axes, report: RunReport) -> list[tuple[int, int]]:
+    """Each trip's origin rank (X) and its other non-finite ranks (o); returns the (step, origin) pairs."""
+    others = [(t.step, r) for t in report.trips for r in t.ranks if r != t.origin_rank]
+    origins = [(t.step, t.origin_rank) for t in report.trips if t.origin_rank is not None]
+    area = _weight(len(report.trips))[2]
+    if others:  # one scatter per kind, not per trip: a long run may trip hundreds of times
+        xs, ys = zip(*others, strict=True)
+        ax.scatter(xs, ys, marker="o", s=60 * area, facecolors="none", edgecolors=_TRIP, zorder=4)
+    if origins:
+        xs, ys = zip(*origins, strict=True)
+        ax.scatter(xs, ys, marker="X", s=120 * area, color=_TRIP, zorder=5)
+    return origins
+
+
+def _label_origins(ax: Axes, report: RunReport, origins: list[tuple[int, int]]) -> None:
+    """One label per cause and cluster of trips on their origin rank's row.
+
+    A label is about a quarter of the axis wide, so trips closer than that share one ("8 trips,
+    steps 3–10, ..."); several causes stack their labels.
+    """
+    span = report.steps[-1] - report.steps[0] if report.steps else 0
+    for rank in sorted({rank for _, rank in origins}):
+        mine = [t for t in report.trips if t.origin_rank == rank]
+        causes = list(dict.fromkeys(_cause(t) for t in mine))
+        for first, last, count, cause in group_trips(mine, gap=max(1, span // 4)):
+            ax.annotate(
+                f"{group_label(first, last, count, cause)} (origin)",
+                (first, rank),
+                xytext=(6, 6 + 10 * causes.index(cause)),
+                textcoords="offset points",
+                fontsize=8,
+                color=_TRIP,
+            )
 
 
 def _rows(stats: Mapping[str, Any], origin_module: str | None) -> tuple[list[dict[str, Any]], str]:
@@ -580,18 +622,32 @@ def module_plot(trip: Trip, stats: Mapping[str, Any]) -> Figure:
 def _module_bars(ax: Any, rows: list[dict[str, Any]], y: Any, key: str, nan_key: str, inf_key: str) -> None:
     """One panel of ``module_plot``: a log bar per module, red with its NaN/Inf counts where it held them."""
     values = [number(r.get(key)) for r in rows]
-    positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
-    floor = min(positive) / 10 if positive else 1e-8
-    widths = [v if v is not None and math.isfinite(v) and v > 0 else 0.0 for v in values]
-    colors = [_TRIP if (r.get(nan_key) or r.get(inf_key)) else "#4c72b0" for r in rows]
-    ax.barh(y, widths, left=floor, color=colors, height=0.7)
+    floor, top = _log_range(values)
+    widths = [v if _positive(v) else 0.0 for v in values]
+    held = [bool(r.get(nan_key) or r.get(inf_key)) for r in rows]
+    ax.barh(y, widths, left=floor, color=[_TRIP if bad else "#4c72b0" for bad in held], height=0.7)
     ax.set_xscale("log")
-    ax.set_xlim(floor, max(positive, default=1.0) * 1e3)
+    ax.set_xlim(floor, top)
     missing = "no float output" if key == "absmax" else "no own grads"
     for i, r in enumerate(rows):
-        bits = [f"{r[k]} {name}" for k, name in ((nan_key, "NaN"), (inf_key, "Inf")) if r.get(k)]
-        bits += [missing] if values[i] is None else []
-        if bits:
-            at = floor + widths[i] if widths[i] > 0 else floor
-            color = _TRIP if r.get(nan_key) or r.get(inf_key) else "#555555"
-            ax.text(at * 1.15, i, ", ".join(bits), va="center", fontsize=7, color=color)
+        note = _bar_note(r, (nan_key, inf_key), missing if values[i] is None else None)
+        if note:  # a bar of width 0 starts at the floor: its note too
+            ax.text((floor + widths[i]) * 1.15, i, note, va="center", fontsize=7, color=_TRIP if held[i] else "#555555")
+
+
+def _positive(value: float | None) -> TypeGuard[float]:
+    """A finite value above zero: one a log axis can draw."""
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def _log_range(values: list[float | None]) -> tuple[float, float]:
+    """The log axis's (floor, top): a decade below the smallest value it can draw, three above the largest."""
+    positive = [v for v in values if _positive(v)]
+    floor = min(positive) / 10 if positive else 1e-8
+    return floor, max(positive, default=1.0) * 1e3
+
+
+def _bar_note(row: Mapping[str, Any], keys: tuple[str, str], missing: str | None) -> str:
+    """What a module's bar is labelled with: its NaN and Inf counts, and why it has no value."""
+    counts = [f"{row[k]} {name}" for k, name in zip(keys, ("NaN", "Inf"), strict=True) if row.get(k)]
+    return ", ".join([*counts, missing] if missing else counts)

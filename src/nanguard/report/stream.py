@@ -127,41 +127,44 @@ class StepSeries:
         n = len(steps)
         base = len(self.numbers)
         bad = loss.bad.astype(np.int64) + grad_norm.bad
-        stride = self.stride
-        while stride * MAX_POINTS < base + n:
-            stride *= 2
+        stride = self._stride_for(base + n)
         keep = np.flatnonzero((bad > 0) | skipped | ((base + np.arange(n)) % stride == 0))
         best = {
             attr: _last_highest(steps, rows)
             for attr, rows in (("_applied", np.flatnonzero(~skipped)), ("_latest", np.arange(n)))
         }
-        rows = np.union1d(keep, [i for i in best.values() if i is not None])
-        picked = [column.pick(rows) for column in (loss, grad_norm, scale)]
-        columns = [(p[0].tolist(), p[1].tolist()) for p in picked if p is not None]
-        if len(columns) < len(picked):
+        block = _Kept.pick(
+            steps, skipped, np.union1d(keep, [i for i in best.values() if i is not None]), (loss, grad_norm, scale)
+        )
+        if block is None:
             return False
-
-        def record(at: int) -> _Row:
-            i = int(rows[at])
-            values = [None if null[at] else float(vals[at]) for vals, null in columns]
-            return int(steps[i]), values[0], values[1], bool(skipped[i]), values[2]
-
         if n and ((base and steps[0] <= self.numbers[-1]) or (np.diff(steps) <= 0).any()):
             self.ordered = False
         self.numbers.frombytes(steps.astype(np.int64).tobytes())
         for i in np.flatnonzero(bad).tolist():
             self.nonfinite[int(steps[i])] = int(bad[i])
         self.skipped.update(steps[skipped].tolist())
-        for attr, i in best.items():
-            current = getattr(self, attr)
-            if i is not None and (current is None or steps[i] >= current[0]):
-                setattr(self, attr, record(int(np.searchsorted(rows, i))))
+        self._keep_highest(best, block)
         while self.stride < stride:
             self._thin()
-        self.points.extend(StepRecord(*record(at)) for at in np.searchsorted(rows, keep).tolist())
+        self.points.extend(StepRecord(*block.record(at)) for at in np.searchsorted(block.rows, keep).tolist())
         while len(self.points) > 2 * MAX_POINTS:
             self._thin()
         return True
+
+    def _stride_for(self, count: int) -> int:
+        """The stride that keeps ``count`` lines' series within ``MAX_POINTS`` (never below today's)."""
+        stride = self.stride
+        while stride * MAX_POINTS < count:
+            stride *= 2
+        return stride
+
+    def _keep_highest(self, best: dict[str, int | None], block: _Kept) -> None:
+        """``_applied`` and ``_latest`` from the block's rows ``best`` names, where their step is not lower."""
+        for attr, i in best.items():
+            current = getattr(self, attr)
+            if i is not None and (current is None or block.steps[i] >= current[0]):
+                setattr(self, attr, block.record(int(np.searchsorted(block.rows, i))))
 
     def finish(self) -> None:
         """Sort the thinned series and make sure it holds the latest step."""
@@ -189,6 +192,31 @@ def _last_highest(steps: np.ndarray, rows: np.ndarray) -> int | None:
     if not rows.size:
         return None
     return int(rows[len(rows) - 1 - int(np.argmax(steps[rows][::-1]))])
+
+
+@dataclass
+class _Kept:
+    """The rows of a block of step lines that a series keeps, their float columns parsed."""
+
+    steps: np.ndarray
+    skipped: np.ndarray
+    rows: np.ndarray
+    columns: list[tuple[list[Any], list[Any]]]
+
+    @classmethod
+    def pick(
+        cls, steps: np.ndarray, skipped: np.ndarray, rows: np.ndarray, columns: tuple[Column, ...]
+    ) -> _Kept | None:
+        """The columns' (values, is_null) at ``rows``; None when a value there is not a number."""
+        picked = [column.pick(rows) for column in columns]
+        parsed = [(p[0].tolist(), p[1].tolist()) for p in picked if p is not None]
+        return cls(steps, skipped, rows, parsed) if len(parsed) == len(picked) else None
+
+    def record(self, at: int) -> _Row:
+        """The ``at``-th kept row as a series row: step, loss, grad norm, skipped, scale."""
+        i = int(self.rows[at])
+        values = [None if null[at] else float(vals[at]) for vals, null in self.columns]
+        return int(self.steps[i]), values[0], values[1], bool(self.skipped[i]), values[2]
 
 
 @dataclass
@@ -266,29 +294,12 @@ def run_spans(path: Path) -> list[Span]:
         >>> [s.run for s in run_spans(Path("runs/exp1/events-rank0.jsonl"))]
         ['20261202-101500-3f2a', '20261202-143501-9f3a']
     """
-    starts: list[tuple[str | None, int, int]] = []  # (run, byte offset, line number)
     try:
         handle = path.open("rb")
     except OSError:
         return []
-    offset, lines, carry = 0, 0, b""
     with handle:
-        while chunk := handle.read(_BLOCK_BYTES):
-            data = carry + chunk
-            cut = data.rfind(b"\n") + 1
-            block, carry = data[:cut], data[cut:]
-            at = 0 if block.startswith(_START) else block.find(b"\n" + _START) + 1
-            while at > 0 or (at == 0 and block.startswith(_START)):
-                end = block.index(b"\n", at)
-                read = _run_of(block[at:end])
-                if read is not None:
-                    starts.append((read[0], offset + at, lines + 1 + block.count(b"\n", 0, at)))
-                at = block.find(b"\n" + _START, end) + 1
-                if at == 0:
-                    break
-            offset += len(block)
-            lines += block.count(b"\n")
-    lines += 1 if carry else 0
+        starts, lines = _start_lines(handle)
     spans: list[tuple[str | None, int, int]] = []
     for run, begin, first in starts:
         if spans and spans[-1][0] is None and run is None:
@@ -302,6 +313,34 @@ def run_spans(path: Path) -> list[Span]:
         Span(run, begin, end, first, last - first + 1)
         for (run, begin, first), end, last in zip(spans, bounds, lasts, strict=True)
     ]
+
+
+def _start_lines(handle: BinaryIO) -> tuple[list[tuple[str | None, int, int]], int]:
+    """Every readable ``start`` line of a log as (run, byte offset, line number), and the log's line count."""
+    starts: list[tuple[str | None, int, int]] = []
+    offset, lines, carry = 0, 0, b""
+    while chunk := handle.read(_BLOCK_BYTES):
+        data = carry + chunk
+        cut = data.rfind(b"\n") + 1
+        block, carry = data[:cut], data[cut:]
+        for at, run in _starts_in(block):
+            starts.append((run, offset + at, lines + 1 + block.count(b"\n", 0, at)))
+        offset += len(block)
+        lines += block.count(b"\n")
+    return starts, lines + (1 if carry else 0)
+
+
+def _starts_in(block: bytes) -> Iterator[tuple[int, str | None]]:
+    """(byte offset, run id) of each readable ``start`` line in a block of whole lines."""
+    at = 0 if block.startswith(_START) else block.find(b"\n" + _START) + 1
+    while at > 0 or (at == 0 and block.startswith(_START)):
+        end = block.index(b"\n", at)
+        read = _run_of(block[at:end])
+        if read is not None:
+            yield at, read[0]
+        at = block.find(b"\n" + _START, end) + 1
+        if at == 0:
+            break
 
 
 def _run_of(line: bytes) -> tuple[str | None] | None:

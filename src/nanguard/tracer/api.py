@@ -15,7 +15,7 @@ from nanguard.diagnose import diagnose
 from nanguard.evidence import RunFacts
 from nanguard.findings import Diagnosis
 from nanguard.rng import get_rng_state
-from nanguard.stats import init_ratio, local
+from nanguard.stats import init_ratios, local
 from nanguard.tracer.collectives import choose
 from nanguard.tracer.compiled import compiled_modules, compiler_fault, eager, user_name
 from nanguard.tracer.dispatch import Failure, Origin, Tracer
@@ -106,69 +106,81 @@ def _traced(
         raise ValueError(f"fn must be callable (a function or closure), got {type(fn).__name__}")
     if model is not None and not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    tracer, result, error = _run(fn, args, kwargs, model, inputs)
+    root = model if model is not None else tracer.modules.root
+    if error is not None:
+        origin = _error_origin(tracer, error)
+        return _diagnosis(origin, [], root, tracer.comm.ops, run), tracer.comm.ops
+    bad = _nonfinite_results(result, root, tracer)
+    if not bad:
+        return None, tracer.comm.ops
+    return _diagnosis(_first_origin(tracer, bad), bad, root, tracer.comm.ops, run), tracer.comm.ops
 
+
+def _run(
+    fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], model: nn.Module | None, inputs: dict[str, Any] | None
+) -> tuple[Tracer, Any, Exception | None]:
+    """Run ``fn`` under a tracer, the parameters and buffers put back after: the tracer, and fn's result or error."""
     sources = _input_tensors(fn, args, kwargs)
     for name, value in (inputs or {}).items():
         sources += tensors_with_path(value, name)
     if model is not None:
-        backup = Backup(on_write=[*model.parameters(), *model.buffers()], now=model.buffers())
+        buffers = list(model.buffers())
+        backup = Backup(on_write=[*model.parameters(), *buffers], now=buffers)
     else:
         backup = Backup()
     modules = ModuleStack(model)
     tracer = Tracer(modules, sources, backup)
-    result: Any = None
-    error: BaseException | None = None
     with modules:
         try:
             # A compiled model runs eagerly: dynamo must not trace the tracer.
             with eager(), tracer:
-                result = fn(*args, **kwargs)
+                return tracer, fn(*args, **kwargs), None
         except Exception as err:
-            error = err
+            return tracer, None, err
         finally:
             tracer.restore()
 
-    root = model if model is not None else modules.root
-    if error is not None:
-        failure = tracer.failure
-        if failure is None or failure.index is None or not _out_of_range(failure, error):
-            raised = _raised_after_nonfinite(tracer, error)
-            if raised is None:
-                raise error
-            return _diagnosis(raised, [], root, tracer.comm.ops, run), tracer.comm.ops
-        origin = Origin(
-            id=-1,
-            category="index",
-            kind="invalid",  # the op raised: nothing non-finite was created
-            index=tracer.index,
-            op=failure.op,
-            module=failure.where.module,
-            module_type=failure.where.module_type,
-            phase=failure.where.phase,
-            source=failure.where.source,
-            library_source=failure.where.library,
-            extra={
-                "error": f"{type(error).__name__}: {error}".splitlines()[0][:300],
-                "index_inputs": failure.index.inputs,
-                "indexed_size": failure.index.size,
-            },
-            before=tracer.recent_ops(),
-        )
-        return _diagnosis(origin, [], root, tracer.comm.ops, run), tracer.comm.ops
 
-    bad = _nonfinite_results(result, root, tracer)
-    if not bad:
-        return None, tracer.comm.ops
+def _error_origin(tracer: Tracer, error: Exception) -> Origin:
+    """The origin behind fn's raise: an id out of range, or the non-finite value read just before; else
+    the error is fn's own and is raised again."""
+    failure = tracer.failure
+    if failure is None or failure.index is None or not _out_of_range(failure, error):
+        raised = _raised_after_nonfinite(tracer, error)
+        if raised is None:
+            raise error
+        return raised
+    return Origin(
+        id=-1,
+        category="index",
+        kind="invalid",  # the op raised: nothing non-finite was created
+        index=tracer.index,
+        op=failure.op,
+        module=failure.where.module,
+        module_type=failure.where.module_type,
+        phase=failure.where.phase,
+        source=failure.where.source,
+        library_source=failure.where.library,
+        extra={
+            "error": f"{type(error).__name__}: {error}".splitlines()[0][:300],
+            "index_inputs": failure.index.inputs,
+            "indexed_size": failure.index.size,
+        },
+        before=tracer.recent_ops(),
+    )
+
+
+def _first_origin(tracer: Tracer, bad: list[tuple[str, torch.Tensor, str]]) -> Origin:
+    """The origin behind the non-finite results ``bad`` that came first (by category, then op index)."""
     taint: set[int] = set()
     for _, t, _ in bad:
         taint |= tracer.taint.taint_of(t)
     candidates = [tracer.origins[i] for i in taint] or [o for o in tracer.origins if o.category != "fill"]
     candidates = candidates or tracer.origins
     if candidates:
-        origin = min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
-    else:
-        origin = Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
-    return _diagnosis(origin, bad, root, tracer.comm.ops, run), tracer.comm.ops
+        return min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))
+    return Origin(id=-1, category="op", kind=bad[0][2], index=0, op=None, module=None, phase="backward")
 
 
 # A raise this many ops after an op read a non-finite value is about that value: a distribution's
@@ -253,32 +265,7 @@ def _diagnosis(
     collectives: int = 0,
     run: RunFacts | None = None,
 ) -> Diagnosis:
-    evidence: dict[str, Any] = {
-        "origin": origin.to_evidence(),
-        "kind": origin.kind,
-        "before": origin.before,
-        "after": origin.after,
-        "results": [{"path": path, "kind": kind} for path, _, kind in bad[:_MAX_RESULTS]],
-        "nonfinite_results": len(bad),
-    }
-    if origin.library_source is not None:
-        evidence["library_source"] = origin.library_source
-    if collectives:
-        # The replay communicated (tensor or pipeline parallel): ranks agree on who created it.
-        evidence["communication"] = {
-            "collectives": collectives,
-            "arrived": origin.category == "comm",
-            "index": origin.index,
-        }
-    if "exception" in origin.extra:
-        evidence["exception"] = origin.extra["exception"]
-    masked_by = origin.extra.get("masked_by")
-    if isinstance(masked_by, dict) and masked_by.get("rows"):
-        evidence["rows"] = list(masked_by["rows"])  # the empty samples: what a quarantine takes
-    if root is not None:
-        evidence["weight_scale"] = weight_scale(root)
-    if run is not None:
-        evidence.update(run.written())
+    evidence = _evidence(origin, bad, root, collectives, run)
     judgement = diagnose(evidence)
     evidence["why"] = judgement.why
     if judgement.op_cause is not None:
@@ -305,6 +292,43 @@ def _diagnosis(
     )
 
 
+def _evidence(
+    origin: Origin,
+    bad: list[tuple[str, torch.Tensor, str]],
+    root: nn.Module | None,
+    collectives: int,
+    run: RunFacts | None,
+) -> dict[str, Any]:
+    """What the rules judge: the origin, the non-finite results, the weights' scale and the run's facts."""
+    evidence: dict[str, Any] = {
+        "origin": origin.to_evidence(),
+        "kind": origin.kind,
+        "before": origin.before,
+        "after": origin.after,
+        "results": [{"path": path, "kind": kind} for path, _, kind in bad[:_MAX_RESULTS]],
+        "nonfinite_results": len(bad),
+    }
+    if origin.library_source is not None:
+        evidence["library_source"] = origin.library_source
+    if collectives:
+        # The replay communicated (tensor or pipeline parallel): ranks agree on who created it.
+        evidence["communication"] = {
+            "collectives": collectives,
+            "arrived": origin.category == "comm",
+            "index": origin.index,
+        }
+    if "exception" in origin.extra:
+        evidence["exception"] = origin.extra["exception"]
+    masked_by = origin.extra.get("masked_by")
+    if isinstance(masked_by, dict) and masked_by.get("rows"):
+        evidence["rows"] = list(masked_by["rows"])  # the empty samples: what a quarantine takes
+    if root is not None:
+        evidence["weight_scale"] = weight_scale(root)
+    if run is not None:
+        evidence.update(run.written())
+    return evidence
+
+
 def _input_tensors(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     """The user's input tensors with readable paths, named after fn's parameters."""
     # *args and **kwargs arrive as one tuple and one dict: their paths read args[0], kwargs['k'].
@@ -317,24 +341,28 @@ def _input_tensors(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tu
 
 def _nonfinite_results(result: Any, root: nn.Module | None, tracer: Tracer) -> list[tuple[str, torch.Tensor, str]]:
     """Non-finite tensors among fn's return value and the gradients it produced."""
-    candidates = tensors_with_path(result, "result")
-    if root is not None:
-        candidates += [(f"{n}.grad", p.grad) for n, p in root.named_parameters() if p.grad is not None]
-        # FSDP2 with gradient sync off (the replay) keeps a backward's gradients unsharded, off p.grad.
-        candidates += [(f"{n}.grad", g) for n, g in compat.fsdp_unsharded_grads(root)]
-        seen = {id(p) for p in root.parameters()}
-    else:
-        seen = set()
-    candidates += [
-        (f"leaf[{i}].grad", t.grad)
-        for i, t in enumerate(tracer.leaves.values())
-        if id(t) not in seen and t.grad is not None
-    ]
+    candidates = tensors_with_path(result, "result") + _gradients(root, tracer)
     floats = [(p, local(t)) for p, t in candidates if t.is_floating_point()]
     flags = many_nonfinite_flags([t for _, t in floats])
     return [
         (path, t, "nan" if nan else "inf") for (path, t), (nan, inf) in zip(floats, flags, strict=True) if nan or inf
     ]
+
+
+def _gradients(root: nn.Module | None, tracer: Tracer) -> list[tuple[str, torch.Tensor]]:
+    """The gradients fn produced, with their paths: the root's parameters' and the leaf tensors' it saw."""
+    params = list(root.named_parameters()) if root is not None else []
+    candidates = [(f"{n}.grad", p.grad) for n, p in params if p.grad is not None]
+    if root is not None:
+        # FSDP2 with gradient sync off (the replay) keeps a backward's gradients unsharded, off p.grad.
+        candidates += [(f"{n}.grad", g) for n, g in compat.fsdp_unsharded_grads(root)]
+    seen = {id(p) for _, p in params}
+    candidates += [
+        (f"leaf[{i}].grad", t.grad)
+        for i, t in enumerate(tracer.leaves.values())
+        if id(t) not in seen and t.grad is not None
+    ]
+    return candidates
 
 
 def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
@@ -349,8 +377,7 @@ def weight_scale(root: nn.Module, top: int = 3) -> dict[str, Any]:
     if not named:
         return {}
     with torch.no_grad():
-        found = [init_ratio(w) for _, w in named]
-        ratios = torch.stack([r.to(found[0].device) for r in found]).nan_to_num(0.0, 0.0, 0.0).tolist()
+        ratios = init_ratios([w for _, w in named]).nan_to_num(0.0, 0.0, 0.0).tolist()
     ranked = sorted(zip((n for n, _ in named), ratios, strict=True), key=lambda x: -x[1])
     weights = dict(named)
     return {

@@ -133,51 +133,74 @@ def narrow(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         (1, ['blocks.1.mlp.fc'])
     """
     backend = compat.compiled_backend(module) or "inductor"
-    inner = compat.lookup_backend(backend)
     found = Narrowed(backend=_backend_name(backend))
+    fresh = torch.compile(getattr(module, "_orig_mod", module), backend=_Differential(backend, found))
+    with torch.no_grad():
+        fresh(*args, **kwargs)
+    return found
 
-    def differential(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        compiled = inner(gm, example_inputs)
-        index = found.graphs
-        found.graphs += 1
+
+class _Differential:
+    """A backend that compiles each graph with ``backend`` and runs it beside the same graph run eagerly,
+    until one graph's compiled outputs are non-finite where its eager ones are not: that graph goes
+    into ``found``."""
+
+    def __init__(self, backend: Any, found: Narrowed) -> None:
+        self.inner = compat.lookup_backend(backend)
+        self.found = found
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        compiled = self.inner(gm, example_inputs)
+        index = self.found.graphs
+        self.found.graphs += 1
 
         def run(*inputs: Any) -> Any:
             out = compiled(*inputs)
-            if found.graph is None:
-                _compare(gm, index, inputs, out, example_inputs)
+            if self.found.graph is None:
+                self.compare(gm, index, inputs, out, example_inputs)
             return out
 
         return run
 
-    def _compare(gm: torch.fx.GraphModule, index: int, inputs: tuple[Any, ...], out: Any, example: Any) -> None:
-        outs = list(out) if isinstance(out, (list, tuple)) else [out]
-        reference = gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
-        refs = list(reference) if isinstance(reference, (list, tuple)) else [reference]
-        bad = [i for i, (o, r) in enumerate(zip(outs, refs, strict=False)) if _nonfinite(o) and not _nonfinite(r)]
+    def compare(self, gm: torch.fx.GraphModule, index: int, inputs: tuple[Any, ...], out: Any, example: Any) -> None:
+        bad = _differing(gm, inputs, out)
         if not bad:
             return
-        found.graph = index
-        nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-        found.modules = sorted({m for m in (_module_of(n) for n in nodes) if m is not None})
-        found.outputs = len(bad)
-        (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-        produced = output.args[0]
-        produced = produced[bad[0]] if isinstance(produced, (list, tuple)) else produced
-        if isinstance(produced, torch.fx.Node):
-            found.node = produced.name
-            # One differing output names its module; several leave the graph's modules to speak.
-            found.node_module = _module_of(produced) if len(bad) == 1 else None
-        if found.backend != "aot_eager":
-            try:
-                again = compat.lookup_backend("aot_eager")(gm, example)(*inputs)
-                found.aot_eager_finite = not _nonfinite(again)
-            except Exception:  # the comparison is evidence only
-                found.aot_eager_finite = None
+        _record(self.found, gm, index, bad)
+        if self.found.backend != "aot_eager":
+            self.found.aot_eager_finite = _aot_eager_finite(gm, example, inputs)
 
-    fresh = torch.compile(getattr(module, "_orig_mod", module), backend=differential)
-    with torch.no_grad():
-        fresh(*args, **kwargs)
-    return found
+
+def _differing(gm: torch.fx.GraphModule, inputs: tuple[Any, ...], out: Any) -> list[int]:
+    """The positions of the compiled outputs ``out`` that are non-finite where ``gm`` run eagerly is finite."""
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    reference = gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+    refs = list(reference) if isinstance(reference, (list, tuple)) else [reference]
+    return [i for i, (o, r) in enumerate(zip(outs, refs, strict=False)) if _nonfinite(o) and not _nonfinite(r)]
+
+
+def _record(found: Narrowed, gm: torch.fx.GraphModule, index: int, bad: list[int]) -> None:
+    """Graph ``index`` differs at its outputs ``bad``: its modules, and the node and module of the first."""
+    found.graph = index
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    found.modules = sorted({m for m in (_module_of(n) for n in nodes) if m is not None})
+    found.outputs = len(bad)
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    produced = output.args[0]
+    produced = produced[bad[0]] if isinstance(produced, (list, tuple)) else produced
+    if isinstance(produced, torch.fx.Node):
+        found.node = produced.name
+        # One differing output names its module; several leave the graph's modules to speak.
+        found.node_module = _module_of(produced) if len(bad) == 1 else None
+
+
+def _aot_eager_finite(gm: torch.fx.GraphModule, example: Any, inputs: tuple[Any, ...]) -> bool | None:
+    """Is the graph finite under ``aot_eager`` (no code generation)? None when that could not run."""
+    try:
+        again = compat.lookup_backend("aot_eager")(gm, example)(*inputs)
+        return not _nonfinite(again)
+    except Exception:  # the comparison is evidence only
+        return None
 
 
 def compiler_fault(
@@ -202,21 +225,9 @@ def compiler_fault(
     if not compiled:
         return None
     started = time.perf_counter()
-    seen: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-
-    def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if id(module) not in seen:
-            seen[id(module)] = (_detached(args), _detached(kwargs))
-
-    handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in compiled]
     if rng is not None:
         set_rng_state(rng)
-    try:
-        with torch.enable_grad():
-            loss = replay(closure)
-    finally:
-        for handle in handles:
-            handle.remove()
+    loss, seen = _replay_capturing(compiled, closure, replay)
     grads = [p.grad for m in compiled for p in m.parameters() if p.grad is not None]
     if not _nonfinite(loss) and not _nonfinite(grads):
         return None
@@ -229,6 +240,25 @@ def compiler_fault(
         narrowed = _prefixed(narrow(target, *seen[id(target)]), prefix)
     backend = narrowed.backend if narrowed else _backend_name(compat.compiled_backend(target) or "inductor")
     return _diagnosis(step, loss, backend, narrowed, time.perf_counter() - started, prefix or None)
+
+
+def _replay_capturing(
+    compiled: list[nn.Module], closure: Callable[[], Any], replay: Callable[[Callable[[], Any]], Any]
+) -> tuple[Any, dict[int, tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """Replay ``closure`` with grad on; return its result and the inputs each compiled module got first."""
+    seen: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if id(module) not in seen:
+            seen[id(module)] = (_detached(args), _detached(kwargs))
+
+    handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in compiled]
+    try:
+        with torch.enable_grad():
+            return replay(closure), seen
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _prefixed(found: Narrowed, prefix: str) -> Narrowed:
@@ -269,44 +299,8 @@ def _diagnosis(
 ) -> Diagnosis:
     """``compiled``: the qualified name of the compiled submodule, when the model itself is not the one compiled."""
     module = (narrowed.node_module if narrowed else None) or compiled
-    where = ""
-    if narrowed is not None and narrowed.graph is not None:
-        where = f": the forward's graph {narrowed.graph} of {narrowed.graphs} is non-finite compiled and finite eager"
-        if narrowed.modules:
-            shown = ", ".join(narrowed.modules[:4]) + (", ..." if len(narrowed.modules) > 4 else "")
-            where += f", over modules {shown}"
-        if narrowed.node:
-            where += f" (output node {narrowed.node}" + (
-                f", in {narrowed.node_module})" if narrowed.node_module else ")"
-            )
-    elif narrowed is not None:
-        where = ": every forward graph matches eager, so the backward's compiled graph is the likely place"
     why = f"the step's eager replay is finite, but compiled ({backend}) from the same RNG state it is non-finite"
-    why += f" again{where}"
-    codegen = narrowed.aot_eager_finite if narrowed is not None else None
-    fixes = []
-    if codegen:
-        fixes.append(
-            f"the same graph under backend='aot_eager' (no {backend} code generation) is finite: the "
-            f"backend's generated code is wrong; compile with torch.compile(model, backend='aot_eager') "
-            "until it is fixed"
-        )
-    else:
-        fixes.append(
-            "compile with torch.compile(model, backend='aot_eager') or mode='default' instead of "
-            "'max-autotune', and see whether the run stays finite"
-        )
-    target = module or (_common_module(narrowed.modules) if narrowed is not None else None)
-    if target:
-        fixes.append(f"run the module eagerly: model.{target}.forward = torch._dynamo.disable(model.{target}.forward)")
-    fixes.append(
-        "make inductor follow eager numerics: torch._inductor.config.emulate_precision_casts = True "
-        "(and fallback_random = True when random ops are involved)"
-    )
-    fixes.append(
-        "file a minimal repro: TORCHDYNAMO_REPRO_AFTER='aot' TORCHDYNAMO_REPRO_LEVEL=4 minifies the "
-        "graph; attach it with the torch version to an issue on pytorch/pytorch"
-    )
+    why += f" again{_where(narrowed)}"
     value = next((t for t in tensors(loss) if t.is_floating_point()), None)
     nan = value is not None and bool(torch.isnan(value.detach()).any())
     evidence: dict[str, Any] = {
@@ -334,5 +328,48 @@ def _diagnosis(
         module=module,
         step=step,
         evidence=evidence,
-        fixes=fixes,
+        fixes=_fixes(backend, narrowed, module),
     )
+
+
+def _where(narrowed: Narrowed | None) -> str:
+    """Where in the compiled code the value differs, as the end of the diagnosis's why."""
+    if narrowed is None:
+        return ""
+    if narrowed.graph is None:
+        return ": every forward graph matches eager, so the backward's compiled graph is the likely place"
+    where = f": the forward's graph {narrowed.graph} of {narrowed.graphs} is non-finite compiled and finite eager"
+    if narrowed.modules:
+        shown = ", ".join(narrowed.modules[:4]) + (", ..." if len(narrowed.modules) > 4 else "")
+        where += f", over modules {shown}"
+    if narrowed.node:
+        where += f" (output node {narrowed.node}" + (f", in {narrowed.node_module})" if narrowed.node_module else ")")
+    return where
+
+
+def _fixes(backend: str, narrowed: Narrowed | None, module: str | None) -> list[str]:
+    codegen = narrowed.aot_eager_finite if narrowed is not None else None
+    fixes = []
+    if codegen:
+        fixes.append(
+            f"the same graph under backend='aot_eager' (no {backend} code generation) is finite: the "
+            f"backend's generated code is wrong; compile with torch.compile(model, backend='aot_eager') "
+            "until it is fixed"
+        )
+    else:
+        fixes.append(
+            "compile with torch.compile(model, backend='aot_eager') or mode='default' instead of "
+            "'max-autotune', and see whether the run stays finite"
+        )
+    target = module or (_common_module(narrowed.modules) if narrowed is not None else None)
+    if target:
+        fixes.append(f"run the module eagerly: model.{target}.forward = torch._dynamo.disable(model.{target}.forward)")
+    fixes.append(
+        "make inductor follow eager numerics: torch._inductor.config.emulate_precision_casts = True "
+        "(and fallback_random = True when random ops are involved)"
+    )
+    fixes.append(
+        "file a minimal repro: TORCHDYNAMO_REPRO_AFTER='aot' TORCHDYNAMO_REPRO_LEVEL=4 minifies the "
+        "graph; attach it with the torch version to an issue on pytorch/pytorch"
+    )
+    return fixes

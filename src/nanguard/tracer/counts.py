@@ -36,11 +36,14 @@ class BatchCounts:
     def note(self, flat_in: list[Any], flat_out: list[torch.Tensor]) -> None:
         """Carry the batch path of a count through an op whose inputs carry no gradient."""
         path = None
+        known = self._known
         for x in flat_in:
             if isinstance(x, torch.Tensor):
                 if x.requires_grad:
                     return
-                path = path or self.path(x)
+                entry = None if path else known.get(id(x))
+                if entry is not None and entry[0]() is x:
+                    path = entry[1]
         if path is not None:
             for o in flat_out:
                 self._known[id(o)] = (weakref.ref(o), path)

@@ -24,7 +24,7 @@ from nanguard.evidence import OriginEvidence
 from nanguard.stats import float_groups, local, tensor_stats, total_norm
 from nanguard.tracer import normalize, ops
 from nanguard.tracer.calls import UserCalls, distribution_call
-from nanguard.tracer.collectives import Communication, is_comm
+from nanguard.tracer.collectives import Communication
 from nanguard.tracer.counts import BatchCounts
 from nanguard.tracer.grads import GradWatch
 from nanguard.tracer.modules import ModuleStack, user_source
@@ -141,10 +141,10 @@ class _TracerMode(compat.DispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tracer = self.tracer
-        if is_comm(func):  # carries values between ranks, never creates one
+        facts = ops.info(func)
+        if facts.comm:  # carries values between ranks, never creates one
             tracer.index += 1
             return tracer.comm.run(func, args, kwargs, tracer.taint, tracer.index, lambda: _comm_where(tracer))
-        facts = ops.info(func)
         flat_in, inputs = tracer.before_op(func, facts, args, kwargs)
         try:
             out = func(*args, **kwargs)
@@ -173,6 +173,7 @@ class Tracer:
         self.sources = {id(t): path for path, t in sources}
         self.source_storage = {storage_key(t): path for path, t in reversed(sources)}
         self.counts = BatchCounts(sources)  # what the batch's labels and masks counted (mask.sum())
+        self._counting = bool(self.counts)  # an empty one stays empty: it only follows what it holds
         self.protected = protected
         self.sites = ForwardSites(modules)
         self.leaves = self.sites.leaves
@@ -193,6 +194,10 @@ class Tracer:
         # right after it (a distribution's validate_args, multinomial, an assert) is about.
         self.last_taint: frozenset[int] = _NONE
         self.last_taint_index = -1
+        # Data origins made outside any module (named after their first reader), and the origins
+        # whose list of the ops after them is full: checked on every op that reads a non-finite value.
+        self._unnamed: list[Origin] = []
+        self._full: set[int] = set()
 
     def __enter__(self) -> Tracer:
         _mark_finite(self.taint, self.protected)
@@ -220,26 +225,29 @@ class Tracer:
         flat_in = list(args) if facts.flat else op_leaves(args)
         if kwargs:
             op_leaves(kwargs, flat_in)
-        if flat_in and ops.ignores_first(func, args, kwargs):
+        if facts.beta and flat_in and ops.ignores_first(func, args, kwargs):
             flat_in = flat_in[1:]  # not read: whatever it holds does not reach the output
         if facts.writes:
             self.protected.before(facts.writes, args, kwargs)
         if facts.literal:
             return flat_in, CLEAN
         ins = self.taint.inputs(flat_in)
-        if ins is not CLEAN and ins.taint:
+        if ins.taint:
             self.last_taint, self.last_taint_index = ins.taint, self.index
-            self._first_reader(ins.taint)
+            if self._unnamed:
+                self._first_reader(ins.taint)
         return flat_in, ins
 
     def _first_reader(self, taint: frozenset[int]) -> None:
         """Bad data first touched outside any module (a pipeline schedule splitting the batch into
         microbatches, the loop's own arithmetic) is named after the first module that reads it."""
-        for oid in taint:
-            origin = self.origins[oid]
-            if origin.category == "data" and origin.module is None and self.modules.current is not None:
-                origin.module = self.modules.current_name()
-                origin.module_type = type(self.modules.current).__name__
+        module = self.modules.top
+        if module is None:
+            return
+        for origin in self._unnamed:
+            if origin.id in taint and origin.category == "data" and origin.module is None:
+                origin.module = self.modules.top_name
+                origin.module_type = type(module).__name__
 
     def op_failed(self, func: Any, args: tuple, err: BaseException) -> None:
         if self.failure is None:
@@ -254,68 +262,72 @@ class Tracer:
     ) -> None:
         if facts.literal:
             return  # left unseen: the op that consumes the literal writes its value
-        if isinstance(out, torch.Tensor):
-            flat_out = [out]
-        else:
-            flat_out = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
-        if self.counts:
+        flat_out = [out] if isinstance(out, torch.Tensor) else _tensors(out)
+        if self._counting:
             self.counts.note(flat_in, flat_out)
-        node = compat.current_autograd_node()
+        node = current_autograd_node()
         grads = self.grads
         if grads.seen_backward or node is not None:
             grads.before(node is not None, flat_in, facts, args, kwargs)
-        base = version(args[0]) if facts.view and args and isinstance(args[0], torch.Tensor) else None
+        base = _base_version(args) if facts.view else None
         if ins is CLEAN and facts.keeps_finite:
-            self.taint.set_finite([o for o in flat_out if o.is_floating_point() or o.is_complex()], base)
+            self.taint.set_finite(flat_out, base)
         else:
-            self._outputs(func, facts, args, kwargs, flat_in, ins, out, flat_out, base)
+            self._outputs(_Op(func, facts, args, kwargs, flat_in, out), ins, flat_out, base)
         if grads.phase is not None:
             grads.after(flat_out)
         if flat_out:
             self.sites.note(facts, flat_in, node is not None)
         if not facts.quiet:
-            self.recent.append((func, self.modules.current_name(), "forward" if node is None else "backward"))
+            self.recent.append((func, self.modules.top_name, "forward" if node is None else "backward"))
 
-    def _outputs(
-        self,
-        func: Any,
-        facts: ops.OpInfo,
-        args: tuple,
-        kwargs: dict,
-        flat_in: list[Any],
-        ins: Inputs,
-        out: Any,
-        flat_out: list[torch.Tensor],
-        base: int | None,
-    ) -> None:
+    def _outputs(self, op: _Op, ins: Inputs, flat_out: list[torch.Tensor], base: int | None) -> None:
         """Flags and taint of each floating output of an op that may have made NaN/Inf; ``base``:
         the version of the tensor a view op's outputs view."""
+        if ins.inf or self.norms.pending:
+            self._inputs_read(op, ins)
+        args = op.args
+        source = args[0] if op.facts.same_values and args and isinstance(args[0], torch.Tensor) else None
         where: _Where | None = None
-        if ins.inf and facts.weighted:
-            self._features(ins)
-        if ins.inf_taint and self.counts:
-            self._mask_fills(func, args, ins.inf_taint)
-        if self.norms.pending and ins.taint:
-            self.norms.used(facts.name, flat_in, ins.taint, self.taint.taint_of)
-        source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
-        likely = ins.nan or ins.inf
         for o in flat_out:
             if not (o.is_floating_point() or o.is_complex()):
                 continue
             if source is not None and o.numel() >= source.numel() > 0:
                 self.taint.set(o, ins.nan, ins.inf, ins.taint, base)  # its input's values: nothing created
-                self._note_after(func, facts, ins.taint, ins.nan, where)
-                continue
-            nan, inf = nonfinite_flags(o, likely=likely)
-            if not (nan or inf):
-                self.taint.set(o, False, False, _NONE, base)
-                continue
-            op = _Op(func, facts, args, kwargs, flat_in, out)
-            out_taint, where = self._nonfinite_output(op, ins, o, nan, inf, where)
-            self.taint.set(o, nan, inf, out_taint, base)
-            if facts.writes and (nan or inf) and any(o is a for a in args[:1]):
-                self._written_into(o, out_taint)
-            self._note_after(func, facts, out_taint, nan, where)
+                if not ins.taint <= self._full:
+                    self._note_after(op.func, op.facts, ins.taint, ins.nan, where)
+            else:
+                where = self._checked(op, ins, o, base, where)
+
+    def _inputs_read(self, op: _Op, ins: Inputs) -> None:
+        """What an op learns of the non-finite inputs it reads: an additive mask weighed as features is
+        data, a -inf it reads beside the batch's mask was a fill by that mask, a pending normalization's
+        statistic is used."""
+        if ins.inf and op.facts.weighted:
+            self._features(ins)
+        if ins.inf_taint and self._counting:
+            self._mask_fills(op.func, op.args, ins.inf_taint)
+        if self.norms.pending and ins.taint:
+            self.norms.used(op.facts.name, op.flat_in, ins.taint, self.taint.taint_of)
+
+    def _checked(self, op: _Op, ins: Inputs, o: torch.Tensor, base: int | None, where: _Where | None) -> _Where | None:
+        """Read one output's flags and record its taint: none when finite, its inputs' after a NaN input
+        (nothing is created from one), else what ``_nonfinite_output`` finds. Returns where the op ran,
+        once found."""
+        nan, inf = nonfinite_flags(o, likely=ins.nan or ins.inf)
+        if not (nan or inf):
+            self.taint.set(o, False, False, _NONE, base)
+            return where
+        if ins.nan and not ins.written:
+            taint = ins.taint
+        else:
+            taint, where = self._nonfinite_output(op, ins, o, nan, inf, where)
+        self.taint.set(o, nan, inf, taint, base)
+        if op.facts.writes and op.args and o is op.args[0]:
+            self._written_into(o, taint)
+        if not taint <= self._full:  # an empty one too
+            self._note_after(op.func, op.facts, taint, nan, where)
+        return where
 
     def _written_into(self, t: torch.Tensor, taint: frozenset[int]) -> None:
         """An in-place write of this op left ``t`` non-finite: its aliases are read again at their next use
@@ -358,16 +370,24 @@ class Tracer:
         it wrote a value it was given, else its inputs' (and where the op ran, once found)."""
         created_nan = nan and not ins.nan
         created_inf = inf and not ins.nan and (not ins.inf or has_inf_created(o, op.flat_in))
-        # Two infinities combined (-inf - (-inf) in a running max): that arithmetic made the NaN,
-        # even where each infinity was written on purpose.
-        met = ops.infinities_met(op.func, op.flat_in, o) if created_nan and ins.inf_taint else None
-        if (created_nan or created_inf) and not (created_nan and not met and self._from_written_inf(op.func, ins)):
+        if created_nan or created_inf:
+            # Two infinities combined (-inf - (-inf) in a running max): that arithmetic made the NaN,
+            # even where each infinity was written on purpose.
+            met = ops.infinities_met(op.func, op.flat_in, o) if created_nan and ins.inf_taint else None
+            if created_nan and not met and self._from_written_inf(op.func, ins):
+                return ins.taint, where
             return self._created(op, ins, created_nan, met, where)
-        if ins.written and not (created_nan or created_inf) and not self._outranked(ins.taint):
-            value = _written(o, ins.written)
-            if value is not None:
-                return ins.taint | {self._fill(op.func, op.args, value, o).id}, where
+        if ins.written and not self._outranked(ins.taint):
+            return self._given(op, ins, o), where
         return ins.taint, where
+
+    def _given(self, op: _Op, ins: Inputs, o: torch.Tensor) -> frozenset[int]:
+        """The taint of an output that holds a non-finite number the op was given (a fill value), if it
+        does: its inputs' and the fill's."""
+        value = _written(o, ins.written)
+        if value is None:
+            return ins.taint
+        return ins.taint | {self._fill(op.func, op.args, value, o).id}
 
     def _created(
         self, op: _Op, ins: Inputs, created_nan: bool, met: Any, where: _Where | None
@@ -394,25 +414,14 @@ class Tracer:
             # A Python number the op got as a tensor (h[i] = nan): the op writes it.
             return self._write(self._func, _value_name(stats), inputs=[stats], tensor=t)
         where = self._where(None)
-        if path is not None:
-            # The user's own -inf is data unless it is an additive mask: only 0 and -inf.
-            category = "fill" if neginf_only and _mask_values(t) else "data"
-            owner = None
-        elif parameter:
-            category = "parameters"
-            path = self.modules.state_name(t)
-            owner = path.rpartition(".")[0] if path is not None else None
-        else:
-            # Captured from outside fn (a closure's batch): treated as data.
-            category = "fill" if neginf_only else "data"
-            owner = None
+        category, path, owner = self._source_kind(t, path, parameter, neginf_only)
         origin = Origin(
             id=len(self.origins),
             category=category,
             kind=kind,
             index=self.index,
             op=None,
-            module=owner if category == "parameters" and owner is not None else where.module,
+            module=owner if owner is not None else where.module,
             module_type=where.module_type,
             phase="data" if category in ("data", "fill") else "parameters",
             source=where.source,
@@ -423,7 +432,23 @@ class Tracer:
             before=self.recent_ops(),
         )
         self.origins.append(origin)
+        if origin.module is None and category in ("data", "fill"):
+            self._unnamed.append(origin)
         return origin
+
+    def _source_kind(
+        self, t: torch.Tensor, path: str | None, parameter: bool, neginf_only: bool
+    ) -> tuple[str, str | None, str | None]:
+        """(category, path, owning module) of a source tensor: the user's data (or mask fill), a
+        parameter or buffer of the model, or a tensor captured from outside fn."""
+        if path is not None:
+            # The user's own -inf is data unless it is an additive mask: only 0 and -inf.
+            return ("fill" if neginf_only and _mask_values(t) else "data"), path, None
+        if parameter:
+            path = self.modules.state_name(t)
+            return "parameters", path, path.rpartition(".")[0] if path is not None else None
+        # Captured from outside fn (a closure's batch): treated as data.
+        return ("fill" if neginf_only else "data"), None, None
 
     def _write(
         self,
@@ -596,7 +621,8 @@ class Tracer:
         return [{"op": ops.op_name(func), "module": module, "phase": phase} for func, module, phase in self.recent]
 
     def _note_after(self, func: Any, facts: ops.OpInfo, taint: frozenset[int], nan: bool, where: _Where | None) -> None:
-        if facts.quiet or not taint:
+        """Add this op to the ops after each origin in ``taint`` (the first ``_AFTER`` of them)."""
+        if facts.quiet or not taint or taint <= self._full:
             return
         for oid in taint:
             origin = self.origins[oid]
@@ -604,8 +630,25 @@ class Tracer:
                 continue
             if origin.after and origin.after[-1].get("index") == self.index:
                 continue
-            w = where or self._where(func)
-            origin.after.append({"index": self.index, "op": w.op, "module": w.module, "phase": w.phase, "nan": nan})
+            where = where or self._where(func)
+            origin.after.append(
+                {"index": self.index, "op": where.op, "module": where.module, "phase": where.phase, "nan": nan}
+            )
+            if len(origin.after) >= _AFTER:
+                self._full.add(oid)
+
+
+current_autograd_node = compat.current_autograd_node
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors among an op's outputs."""
+    return [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
+
+
+def _base_version(args: tuple) -> int | None:
+    """The version of the tensor a view op views (its first argument)."""
+    return version(args[0]) if args and isinstance(args[0], torch.Tensor) else None
 
 
 def _index_facts(func: Any, args: tuple, path_of: Callable[[torch.Tensor], str | None]) -> ops.IndexFacts | None:

@@ -47,26 +47,36 @@ def module_stats(model: nn.Module, closure: Callable[[], Any], *, max_modules: i
     named = [(user_name(name), m) for name, m in model.named_modules() if user_name(name)]
     # Per module: a list of device scalars [absmax, nan, inf] per call, read back once at the end.
     seen: dict[str, list[torch.Tensor]] = {}
-    backup = Backup(now=[b for b in model.buffers() if b.is_floating_point()])
-    handles = [m.register_forward_pre_hook(_enter_hook(seen, name)) for name, m in named]
-    handles += [m.register_forward_hook(_output_hook(seen, name)) for name, m in named]
-    error = None
-    try:
-        with eager():  # hooks inside a compiled model would make dynamo recompile
-            closure()
-    except Exception as err:
-        error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-    finally:
-        for handle in handles:
-            handle.remove()
-        backup.restore()
-
+    error = _run_hooked(model, closure, named, seen)
     modules = dict(named)
     grads = {name: _grad_health(modules[name]) for name in seen}
     values = _read({**{("act", n): c for n, c in seen.items()}, **{("grad", n): g for n, g in grads.items()}})
     rows = [_row(name, modules[name], values[("act", name)], values[("grad", name)]) for name in seen]
     kept = _kept(rows, max_modules)
     return {"modules": kept, "omitted": len(rows) - len(kept), "error": error}
+
+
+def _run_hooked(
+    model: nn.Module,
+    closure: Callable[[], Any],
+    named: list[tuple[str, nn.Module]],
+    seen: dict[str, list[torch.Tensor]],
+) -> str | None:
+    """Run ``closure`` with each of ``named``'s hooks writing into ``seen``, floating buffers put back
+    after; the first line of the error it raised, if any."""
+    backup = Backup(now=[b for b in model.buffers() if b.is_floating_point()])
+    handles = [m.register_forward_pre_hook(_enter_hook(seen, name)) for name, m in named]
+    handles += [m.register_forward_hook(_output_hook(seen, name)) for name, m in named]
+    try:
+        with eager():  # hooks inside a compiled model would make dynamo recompile
+            closure()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    finally:
+        for handle in handles:
+            handle.remove()
+        backup.restore()
+    return None
 
 
 def _output_hook(seen: dict[str, list[torch.Tensor]], name: str) -> Callable[..., None]:

@@ -100,6 +100,9 @@ class ModuleStack:
         self._handles: list[Any] = []
         self._late: dict[int, Any] = {}  # modules with forward hooks of their own: popped after them
         self._eps: dict[int, float | None] = {}
+        # The innermost module and its name, kept as attributes: the tracer reads them on every op.
+        self.top: nn.Module | None = None
+        self.top_name: str | None = None
 
     def __enter__(self) -> ModuleStack:
         self._handles = [
@@ -121,13 +124,15 @@ class ModuleStack:
         self._handles, self._late = [], {}
         self._stack.clear()
         self._named.clear()
+        self.top = self.top_name = None
 
     def _push(self, module: nn.Module, args: Any) -> None:
         if self.root is None and not self._stack:
             self.root = module
         self._stack.append(module)
         name = self.name_of(module)
-        self._named.append(name if name is not None else (self._named[-1] if self._named else None))
+        self._named.append(name if name is not None else self.top_name)
+        self.top, self.top_name = module, self._named[-1]
         if id(module) not in self._late and compat.has_forward_hooks(module):
             # Global forward hooks run before the module's own: pop after the last of those instead.
             self._late[id(module)] = module.register_forward_hook(self._pop_late, always_call=True)
@@ -140,10 +145,12 @@ class ModuleStack:
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
             self._named.pop()
+            self.top = self._stack[-1] if self._stack else None
+            self.top_name = self._named[-1] if self._named else None
 
     @property
     def current(self) -> nn.Module | None:
-        return self._stack[-1] if self._stack else None
+        return self.top
 
     def name_of(self, module: nn.Module | None) -> str | None:
         if module is None:
@@ -156,7 +163,7 @@ class ModuleStack:
 
     def current_name(self) -> str | None:
         """The innermost running module that belongs to the root's tree."""
-        return self._named[-1] if self._named else None
+        return self.top_name
 
     def eps(self, module: nn.Module | None) -> float | None:
         """A normalization module's eps, cached for this trace (nn.Module's failing getattr is slow)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from nanguard import compat
 from nanguard.tracer import ops
 from nanguard.tracer.modules import ModuleStack, user_source
 
@@ -50,16 +51,16 @@ class ForwardSites:
         ``autograd.Function``'s, made by ``apply`` just before its forward runs with grad
         off, and the nodes of a reentrant checkpoint's forward, re-run inside backward."""
         modules = self.modules
-        if backward and modules.current is None:
+        module = modules.top
+        if backward and module is None:
             return  # a backward op; a forward re-run during backward has a module running
         grad = torch.is_grad_enabled()
         # Inside dispatch, autograd has already built this op's node: its number is one less.
         # With grad off no node was built, and one less is the newest node: a Function's.
-        seq = torch._C._autograd._get_sequence_nr() - 1
+        seq = compat.autograd_sequence_nr() - 1
         if seq >= self.first and seq not in self.nodes:
-            module = modules.current
             self.nodes[seq] = (
-                modules.current_name(),
+                modules.top_name,
                 type(module).__name__ if module is not None else None,
                 facts.name if grad else None,
                 *user_source(),

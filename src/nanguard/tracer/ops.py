@@ -268,6 +268,8 @@ class OpInfo:
     flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
     blank: bool = False  # its output is memory no op has written (BLANK)
+    comm: bool = False  # communication between ranks (``collectives.is_comm``)
+    beta: bool = False  # an addmm-family op, which may leave its first argument unread (``ignores_first``)
 
 
 _INFO: dict[int, tuple[Any, OpInfo]] = {}
@@ -311,6 +313,8 @@ def _describe(func: Any) -> OpInfo:
         flat=schema is not None and all(_flat_type(str(a.type)) for a in arguments),
         writes=writes,
         blank=_in(BLANK, func),
+        comm=getattr(func, "namespace", None) in compat.COMM_NAMESPACES,
+        beta=getattr(func, "overloadpacket", None) in _BETA,
     )
 
 
@@ -535,41 +539,37 @@ def _fp32_recompute(func: Any, args: tuple, kwargs: dict, out: Any) -> dict[str,
     """For a low-precision creation, re-run the op in float32: is it finite there? A DTensor
     argument is re-run on this rank's shard: the recompute runs on this rank alone, so it must
     neither communicate nor reduce a sharded result into a collective."""
-    outs = [o for o in op_leaves(out) if isinstance(o, torch.Tensor)]
-    if not outs or not any(o.dtype in _LOW for o in outs):
+    low = next((o.dtype for o in op_leaves(out) if isinstance(o, torch.Tensor) and o.dtype in _LOW), None)
+    if low is None or any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
         return {}
-    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
-        return {}
-
-    def up(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            x = local(x)
-        if isinstance(x, torch.Tensor) and x.dtype in _LOW:
-            return x.detach().float()
-        if isinstance(x, torch.dtype) and x in _LOW:
-            return torch.float32
-        if isinstance(x, (list, tuple)):
-            return type(x)(up(v) for v in x)
-        return x
-
     try:
-        ref = func(*up(args), **{k: up(v) for k, v in kwargs.items()})
+        ref = func(*_up(args), **{k: _up(v) for k, v in kwargs.items()})
     except (RuntimeError, TypeError, ValueError):
         return {}
     refs = [local(r) for r in op_leaves(ref) if isinstance(r, torch.Tensor) and r.is_floating_point()]
-    if not refs:
-        return {}
-    finite = all(bool(torch.isfinite(r).all()) for r in refs)
-    absmax = max(float(r.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) if r.numel() else 0.0 for r in refs)
-    low = next(o.dtype for o in outs if o.dtype in _LOW)
+    return {"fp32_recompute": _recomputed(refs, low)} if refs else {}
+
+
+def _recomputed(refs: list[torch.Tensor], low: torch.dtype) -> dict[str, Any]:
+    """What the float32 re-run of a ``low``-precision op gave: finite or not, and its largest magnitude."""
     return {
-        "fp32_recompute": {
-            "finite": finite,
-            "absmax": absmax,
-            "dtype": str(low).removeprefix("torch."),
-            "dtype_max": float(torch.finfo(low).max),
-        }
+        "finite": all(bool(torch.isfinite(r).all()) for r in refs),
+        "absmax": max(float(r.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) if r.numel() else 0.0 for r in refs),
+        "dtype": str(low).removeprefix("torch."),
+        "dtype_max": float(torch.finfo(low).max),
     }
+
+
+def _up(x: Any) -> Any:
+    """``x`` with its 16-bit float tensors (this rank's shard of a DTensor) and dtypes made float32."""
+    if isinstance(x, torch.Tensor):
+        x = local(x)
+        return x.detach().float() if x.dtype in _LOW else x
+    if isinstance(x, torch.dtype) and x in _LOW:
+        return torch.float32
+    if isinstance(x, (list, tuple)):
+        return type(x)(_up(v) for v in x)
+    return x
 
 
 # ------------------------------------------------------------------------ index ops

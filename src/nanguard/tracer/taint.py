@@ -75,8 +75,7 @@ class TaintMap:
 
     def inputs(self, flat: list[Any]) -> Inputs:
         """The flags and taints of an op's flat arguments; ``CLEAN`` when none is NaN/Inf."""
-        nan = inf = False
-        taint = inf_taint = _NONE
+        bad: list[_Entry] = []
         written: tuple[float, ...] = ()
         status = self.status
         for x in flat:
@@ -86,25 +85,13 @@ class TaintMap:
                     if not (x.is_floating_point() or x.is_complex()):
                         continue
                     entry = self._read(x, entry)
-                if not (entry[2] or entry[3]):
-                    continue
-                if entry[2]:
-                    nan = True
-                elif entry[3]:
-                    inf_taint = entry[4] if not inf_taint else inf_taint | entry[4]
-                inf = inf or entry[3]
-                # Most inputs of a NaN-flooded step share one taint: no new set for them.
-                if taint is not entry[4]:
-                    taint = entry[4] if not taint else taint | entry[4]
-            elif isinstance(x, float) and not math.isfinite(x):
-                if math.isnan(x):
-                    nan = True
-                else:
-                    inf = True
+                if entry[2] or entry[3]:
+                    bad.append(entry)
+            elif isinstance(x, float) and not -math.inf < x < math.inf:  # NaN or +-Inf
                 written += (x,)
-        if not (nan or inf):
+        if not (bad or written):
             return CLEAN
-        return Inputs(nan, inf, taint, inf_taint, written)
+        return _combined(bad, written)
 
     def status_of(self, t: torch.Tensor) -> Status:
         entry = self.status.get(id(t))
@@ -141,9 +128,10 @@ class TaintMap:
             self.storage[storage_key(t)] = taint
 
     def set_finite(self, ts: Iterable[torch.Tensor], base_version: int | None = None) -> None:
-        """Record tensors known to be finite at their current versions (see ``set``)."""
+        """Record the floating tensors among ``ts``, known to be finite, at their current versions (see ``set``)."""
         for t in ts:
-            self.status[id(t)] = (weakref.ref(t), version(t), False, False, _NONE, base_version)
+            if t.is_floating_point() or t.is_complex():
+                self.status[id(t)] = (weakref.ref(t), version(t), False, False, _NONE, base_version)
 
     def aliases(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The other tensors seen that share ``t``'s storage (its base, views, ``.data`` aliases)."""
@@ -172,6 +160,27 @@ class TaintMap:
         return own | self.storage.get(storage_key(t), _NONE)
 
 
+def _combined(bad: list[_Entry], written: tuple[float, ...]) -> Inputs:
+    """The ``Inputs`` of an op's non-finite tensor entries ``bad`` and non-finite numbers ``written``."""
+    nan = inf = False
+    taint = inf_taint = _NONE
+    for entry in bad:
+        if entry[2]:
+            nan = True
+        elif entry[3]:
+            inf_taint = entry[4] if not inf_taint else inf_taint | entry[4]
+        inf = inf or entry[3]
+        # Most inputs of a NaN-flooded step share one taint: no new set for them.
+        if taint is not entry[4]:
+            taint = entry[4] if not taint else taint | entry[4]
+    for x in written:
+        if math.isnan(x):
+            nan = True
+        else:
+            inf = True
+    return Inputs(nan, inf, taint, inf_taint, written)
+
+
 _SUMMED = (torch.float32, torch.float64)
 _PROBED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -190,7 +199,8 @@ def nonfinite_flags(t: torch.Tensor, likely: bool = False) -> tuple[bool, bool]:
         >>> nonfinite_flags(torch.tensor([1.0, float("inf")]))
         (False, True)
     """
-    t = local(t)
+    if type(t) not in _PLAIN:
+        t = local(t)
     if t.dtype in _SUMMED and t.layout == torch.strided and t.numel():
         if likely:
             # NaN spreads through most of a tensor made from a NaN one: its first element
@@ -287,12 +297,16 @@ def version(t: torch.Tensor) -> int:
         return -1
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # wrap no other tensor
+
+
 def storage_key(t: torch.Tensor) -> int:
     """The address of ``t``'s storage: views and ``.data`` aliases share it (-1 when there is none).
     A DTensor or a pending collective's result is keyed by the tensor it wraps, so taint crosses
     ``to_local``/``from_local`` and the functional collectives' wrappers."""
-    while (inner := compat.inner_tensor(t)) is not None:
-        t = inner
+    if type(t) not in _PLAIN:
+        while (inner := compat.inner_tensor(t)) is not None:
+            t = inner
     try:
         return t.untyped_storage().data_ptr()
     except RuntimeError:
