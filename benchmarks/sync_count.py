@@ -150,24 +150,24 @@ def section(rows: list[dict[str, Any]], steps: int, seconds: float) -> str:
 
 {table(rows)}
 
-What the rows show. Under `Guard.step(closure)` with DDP's default all-reduce the guard adds no collective at 2,
-3, 4 and 8 ranks: on 2 ranks its `2 x world_size + 2` float32 (6) ride in the last gradient bucket's all-reduce
-("elements added"); on 3 or more nothing is added to the wire on a healthy step. The same with
+What the rows show. Under `Guard.step(closure)` and `LoopGuard` with DDP's default all-reduce the guard adds no
+collective at 2, 3, 4 and 8 ranks: on 2 ranks its `2 x world_size + 2` float32 (6) ride in the last gradient
+bucket's all-reduce ("elements added"); on 3 or more nothing is added to the wire on a healthy step. The same with
 `ZeroRedundancyOptimizer`; inside `join()` and with `skip_spikes=True` at 3 ranks, one all-reduce of
-`2 x world_size + 2` float32. Under FSDP2, TP and 2D whose `Guard.step` closure clips, none (the flags ride in
-the clip's reduced norm); without a clip, and where `LoopGuard` checks after the loop's own clip (DDP, FSDP2, TP,
-2D), one. DeepSpeed ZeRO 0-3 with its clipping, torchtitan's `Trainer` under FSDP2, TP and PP and Megatron-core
-under DP, TP and PP: none (the guard reads the grad norm the engine reduces for its own clip, which the engine
-then reuses; a rank's bad loss or parameter check rides in its gradients). PP under `Guard.step`, the HF
-`Trainer` and OLMo-core: one all-reduce of `2 x world_size + 2` float32 a step.
-Every configuration adds one host read (the agreed health, one `tolist`), except OLMo-core's `Trainer`, which
-also `.item()`s the guard's two metrics (`nanguard/skipped`, `nanguard/trips`, recorded without a reduce type)
-when it collects metrics (every step here). Steps that come every N: a replica-fingerprint step (every
-`fingerprint_every` = 100 updates by default) adds an all-gather and four host reads; a precursor-sampling step
-(every `precursor_every` = 20) one more read, a `tolist` of values that on CUDA are copied to pinned memory
-without blocking and read once copied. `check_batch=True` adds one all-reduce and two reads a step. Every row's
-final weights equal the unguarded run's, bit for bit. Under PP the stages' own collectives differ (each rank's
-figure is shown).
+`2 x world_size + 2` float32. Under FSDP2, TP and 2D where the loop clips over every rank (in the `Guard.step`
+closure, or its own `clip_grad_norm_` under `LoopGuard`), none (the flags ride in the clip's reduced norm);
+without a clip, one. DeepSpeed ZeRO 0-3 with its clipping, torchtitan's `Trainer` under FSDP2, TP and PP,
+Megatron-core under DP, TP and PP, the HF `Trainer` under DDP and OLMo-core's `Trainer` under DDP and FSDP: none
+(the guard reads the grad norm the engine or trainer reduces for its own clip, each rank's loss or parameter check
+carrying its flags into it). PP under `Guard.step`: one all-reduce of `2 x world_size + 2` float32 a step.
+Every configuration adds one host read (the agreed health, one `tolist`); OLMo-core's `Trainer`, which `.item()`s
+each metric recorded without a reduce type, gets the guard's two (`nanguard/skipped`, `nanguard/trips`) with the
+first step and when they change, so a healthy step reads neither. Steps that come every N: a replica-fingerprint
+step (every `fingerprint_every` = 100 updates by default) adds an all-gather and four host reads; a
+precursor-sampling step (every `precursor_every` = 20) one more read, a `tolist` of values that on CUDA are copied
+to pinned memory without blocking and read once copied. `check_batch=True` adds one all-reduce and two reads a
+step. Every row's final weights equal the unguarded run's, bit for bit. Under PP the stages' own collectives
+differ (each rank's figure is shown).
 
 Counted by `tests/_sync_count.py` at the dispatcher (a `TorchDispatchMode` in the calling thread and in every
 thread started during the run): every `c10d` op, from Python or from C++ (DDP's reducer, FSDP2's reduce-scatter,

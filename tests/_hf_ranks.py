@@ -44,10 +44,18 @@ def loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None
     return floored_nll(outputs.logits, labels)
 
 
+def nan_term_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """The plain NLL, plus a term no gradient flows through that is NaN on a batch holding the marked sample:
+    that rank's loss is NaN while its gradients stay finite."""
+    logp = outputs.logits[:, :-1].float().log_softmax(-1).gather(-1, labels[:, 1:, None])
+    marked = (labels[:, :1] == VOCAB - 1).any()
+    return -logp.mean() + torch.where(marked, torch.nan, 0.0)
+
+
 def run_trainer(rank: int, world: int, runs: list[dict[str, Any]], out_dir: str) -> list[dict[str, Any]]:
-    """Each run: ``how`` ("compute_loss_func" or "compute_loss"), ``mark`` (the marked sample's index: the
-    sequential sampler deals sample i to rank (i // 2) % 2 at step i // 4), ``zero`` (a ZeRO stage, or None for
-    DDP), ``guard``."""
+    """Each run: ``how`` ("compute_loss_func", "nan_term" (``nan_term_loss``) or "compute_loss"), ``mark``
+    (the marked sample's index: the sequential sampler deals sample i to rank (i // 2) % 2 at step i // 4),
+    ``zero`` (a ZeRO stage, or None for DDP), ``guard``."""
     os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world)})
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29547", "DS_ACCELERATOR": "cpu"})
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -94,13 +102,13 @@ def _run(run: dict[str, Any], out_dir: str) -> dict[str, Any]:
     )
     callbacks = [NanGuardCallback(policy="skip")] if run.get("guard", True) else []
     data = Marked(64, run.get("mark"))
-    if run["how"] == "compute_loss_func":
+    if run["how"] in ("compute_loss_func", "nan_term"):
         trainer = Trainer(
             model=GPT2LMHeadModel(config),
             args=args,
             train_dataset=data,
             callbacks=callbacks,
-            compute_loss_func=loss_func,
+            compute_loss_func=loss_func if run["how"] == "compute_loss_func" else nan_term_loss,
         )
     else:
         trainer = FlooredTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=callbacks)

@@ -315,3 +315,19 @@ def test_clip_grad_norm_hands_the_norm_it_computed_to_the_watched_clip() -> None
         stop()
     assert seen == [(2, float(norm))]
     assert torch.nn.utils.clip_grad._clip_grads_with_norm_ is torch.nn.utils.clip_grads_with_norm_
+
+
+def test_clip_grad_norm_and_get_total_norm_show_the_gradients_before_the_norm_is_computed() -> None:
+    # The ``before`` watcher relies on clip_grad_norm_ looking up clip_grad._get_total_norm at each call.
+    model = torch.nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    seen: list[list[torch.Tensor]] = []
+    stop = compat.watch_clips(lambda params, norm: None, before=seen.append)
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        torch.nn.utils.get_total_norm(g for g in grads)  # a generator: read once, by the norm too
+    finally:
+        stop()
+    assert [[id(g) for g in s] for s in seen] == [[id(g) for g in grads]] * 2
+    assert torch.nn.utils.get_total_norm is torch.nn.utils.clip_grad._get_total_norm  # put back

@@ -363,7 +363,8 @@ def test_nanguard_logs_the_loss_the_trainer_logs_with_accumulation(tmp_path: Pat
 def test_a_custom_loss_bug_on_two_gloo_ranks_is_named_on_its_rank_under_ddp_and_deepspeed(tmp_path: Path) -> None:
     """2 gloo ranks, the sequential sampler dealing sample i to rank (i // 2) % 2 at step i // 4: the loss
     bug named in the loss on the rank that holds the marked sample, every rank skipping, under DDP and
-    under DeepSpeed ZeRO-2 (the callback hands the Trainer's compute_loss to the engine's guard)."""
+    under DeepSpeed ZeRO-2 (the callback hands the Trainer's compute_loss to the engine's guard); under DDP a
+    loss that is NaN on one rank while its gradients are finite too."""
     pytest.importorskip("deepspeed")
     from _hf_ranks import run_trainer
     from nanguard.zoo.spawn import spawn_ranks
@@ -372,8 +373,17 @@ def test_a_custom_loss_bug_on_two_gloo_ranks_is_named_on_its_rank_under_ddp_and_
         {"how": "compute_loss", "mark": 0},  # rank 0, step 0
         {"how": "compute_loss_func", "mark": 6},  # rank 1, step 1
         {"how": "compute_loss_func", "mark": 2, "zero": 2},  # rank 1, step 0
+        # Under DDP the flags ride in the Trainer's clip norm: a NaN loss with finite gradients reaches it too.
+        {"how": "nan_term", "mark": 0},  # rank 0, step 0
+        {"how": "nan_term", "mark": 6},  # rank 1, step 1
     ]
     results = spawn_ranks(run_trainer, runs, str(tmp_path), world=2, timeout=600)
+    for i, (rank, step) in enumerate([(0, 0), (1, 1)]):
+        for r in range(2):
+            diag = results[r][i + 3]["diagnosis"]
+            assert results[r][i + 3]["skipped"] == 1, (i, r)  # every rank skips the one step
+            assert (diag["rank"], diag["step"]) == (rank, step), (i, r, diag)
+        assert results[0][i + 3]["weights"] == results[1][i + 3]["weights"]
     for i, (rank, step) in enumerate([(0, 0), (1, 1), (1, 0)]):
         for r in range(2):
             diag = results[r][i]["diagnosis"]

@@ -33,6 +33,8 @@ _CASES: dict[str, list] = {
     "ddp_log_r1": ["ddp", "log", 1, "skip"],
     "ddp_nan_grad_r0": ["ddp", "nan_grad", 0, "skip"],
     "ddp_nan_grad_r1": ["ddp", "nan_grad", 1, "skip"],
+    "ddp_term_r0": ["ddp", "term", 0, "skip"],
+    "ddp_term_r1": ["ddp", "term", 1, "skip"],
     "ddp_token_r0": ["ddp", "token", 0, "skip", {"options": {"check_batch": True}}],
     "ddp_token_r1": ["ddp", "token", 1, "skip", {"options": {"check_batch": True}}],
     "ddp_embeds_r0": ["ddp", "embeds", 0, "skip"],
@@ -46,6 +48,7 @@ _CASES: dict[str, list] = {
     "fsdp_log_r0": ["fsdp", "log", 0, "skip"],
     "fsdp_nan_grad_r1": ["fsdp", "nan_grad", 1, "skip"],
     "fsdp_token_r1": ["fsdp", "token", 1, "skip", {"options": {"check_batch": True}}],
+    "fsdp_term_r0": ["fsdp", "term", 0, "skip"],
     "fsdp_embeds_r0": ["fsdp", "embeds", 0, "skip"],
     # slow: the other rank of each FSDP fault, a rollback guard's healthy run, AdamW instead of SkipStepAdamW
     "fsdp_log_r1": ["fsdp", "log", 1, "skip"],
@@ -120,7 +123,10 @@ def test_one_process_healthy_is_identical_and_faults_are_named(one_process: dict
     )
     # A skipped step is a step that never happened: both faults leave the same weights.
     assert log["skipped"] == grad["skipped"] == [3] and log["digest"] == grad["digest"] and grad["finite"]
-    assert "train/CE loss" not in log["metrics"]["3"] and log["metrics"]["4"]["nanguard/skipped"] == 1.0
+    assert "train/CE loss" not in log["metrics"]["3"]
+    # The guard's metrics with the first step and when they change (no host read of theirs on a healthy step).
+    ours = {step: [m.get("nanguard/skipped"), m.get("nanguard/trips")] for step, m in log["metrics"].items()}
+    assert ours == {"0": [None, None], "1": [0.0, 0.0], "2": [None, None], "3": [1.0, 1.0], "4": [None, None]}, ours
     unguarded = one_process["nan_grad_unguarded"]
     # OLMo-core alone: SkipStepAdamW (no 64 steps of history yet) applies the NaN update, every
     # parameter turns NaN, and the metrics thread stops the run at the next step's loss.
@@ -181,6 +187,20 @@ def test_a_nan_gradient_made_in_one_ranks_backward_is_skipped_and_the_weights_st
     other = runs[name.replace("nan_grad", "log").replace(f"_r{rank}", f"_r{1 - rank}")]
     if name.startswith("ddp"):  # DDP ranks hold the same weights; FSDP shards differ per rank
         assert ranks[0]["digest"] == ranks[1]["digest"] == other[0]["digest"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["ddp_term_r0", "ddp_term_r1", "fsdp_term_r0"])
+def test_a_nan_loss_with_finite_gradients_on_one_rank_reaches_every_rank_through_the_clips_norm(
+    runs: dict[str, list[dict]], name: str
+) -> None:
+    # The guard reads OLMo-core's clip norm instead of its own all-reduce: the rank's loss seeds its backward.
+    ranks, rank = runs[name], int(name[-1])
+    d = _diag(ranks)
+    assert (d["rank"], d["step"]) == (rank, 2), d
+    assert all(r["finite"] and r["skipped"] == [3] and r["error"] is None for r in ranks)
+    if name.startswith("ddp"):  # skipped as if the step never ran: the other faults' weights
+        assert ranks[0]["digest"] == ranks[1]["digest"] == runs["ddp_log_r0"][0]["digest"]
 
 
 @pytest.mark.dist

@@ -699,15 +699,23 @@ def lookup_backend(name: Any) -> Callable[..., Any]:
 # Known to work: torch 2.4 - 2.13.0. ``clip_grad_norm_`` computes the total norm, then hands it to the
 # module-level ``_clip_grads_with_norm_`` (looked up at each call), also exported as
 # ``torch.nn.utils.clip_grads_with_norm_``: every clip, whatever name the loop imported it by, passes
-# the norm it computed there before scaling the gradients.
+# the norm it computed there before scaling the gradients. It computes that norm with the module-level
+# ``_get_total_norm``, also exported as ``torch.nn.utils.get_total_norm`` (which the loops that clip in
+# two calls use: accelerate's DTensor clip, OLMo-core's, torchtitan's): over DTensor gradients, the norm
+# is reduced over their mesh inside it.
 _CLIP_WATCHERS: list[Callable[[Any, torch.Tensor], None]] = []
-_CLIP_ORIGINAL: list[Callable[..., Any]] = []
+_CLIP_BEFORE: list[Callable[[list[torch.Tensor]], None]] = []
+_CLIP_ORIGINAL: list[tuple[Callable[..., Any], Callable[..., Any]]] = []
 
 
-def watch_clips(watcher: Callable[[Any, torch.Tensor], None]) -> Callable[[], None]:
+def watch_clips(
+    watcher: Callable[[Any, torch.Tensor], None], before: Callable[[list[torch.Tensor]], None] | None = None
+) -> Callable[[], None]:
     """Call ``watcher(parameters, total_norm)`` before each ``clip_grad_norm_`` (or
-    ``clip_grads_with_norm_``) scales the gradients, with the norm it computed; returns the function
-    that stops watching. The clip itself runs unchanged, and a watcher that raises only warns.
+    ``clip_grads_with_norm_``) scales the gradients, with the norm it computed; and ``before(grads)``
+    before each total norm of gradients is computed (``get_total_norm``, in ``clip_grad_norm_`` too),
+    while ``before`` may still change what that norm reduces. Returns the function that stops watching.
+    The clip itself runs unchanged, and a watcher that raises only warns.
 
     Example:
         >>> stop = watch_clips(lambda params, norm: print(float(norm)))
@@ -718,6 +726,7 @@ def watch_clips(watcher: Callable[[Any, torch.Tensor], None]) -> Callable[[], No
 
     if not _CLIP_ORIGINAL:
         original = clip_grad._clip_grads_with_norm_
+        original_norm = clip_grad._get_total_norm
 
         @functools.wraps(original)
         def watched(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
@@ -725,24 +734,43 @@ def watch_clips(watcher: Callable[[Any, torch.Tensor], None]) -> Callable[[], No
                 parameters = [parameters]
             elif not isinstance(parameters, (list, tuple)):
                 parameters = list(parameters)  # a generator is read once: the clip gets the same list
-            for seen in list(_CLIP_WATCHERS):
-                try:
-                    seen(parameters, total_norm)
-                except Exception as err:  # watching a clip must never break it
-                    warnings.warn(f"nanguard: reading the clip's norm failed: {err!r}", stacklevel=2)
+            _tell(_CLIP_WATCHERS, parameters, total_norm)
             return original(parameters, max_norm, total_norm, foreach)
 
-        _CLIP_ORIGINAL.append(original)
+        @functools.wraps(original_norm)
+        def measured(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # read once
+            if _CLIP_BEFORE:
+                _tell(_CLIP_BEFORE, tensors)
+            return original_norm(tensors, *args, **kwargs)
+
+        _CLIP_ORIGINAL.append((original, original_norm))
         clip_grad._clip_grads_with_norm_ = watched
         torch.nn.utils.clip_grads_with_norm_ = watched
+        clip_grad._get_total_norm = measured
+        torch.nn.utils.get_total_norm = measured
     _CLIP_WATCHERS.append(watcher)
+    if before is not None:
+        _CLIP_BEFORE.append(before)
 
     def stop() -> None:
         if watcher in _CLIP_WATCHERS:
             _CLIP_WATCHERS.remove(watcher)
+        if before is not None and before in _CLIP_BEFORE:
+            _CLIP_BEFORE.remove(before)
         if not _CLIP_WATCHERS and _CLIP_ORIGINAL:
-            original = _CLIP_ORIGINAL.pop()
+            original, original_norm = _CLIP_ORIGINAL.pop()
             clip_grad._clip_grads_with_norm_ = original
             torch.nn.utils.clip_grads_with_norm_ = original
+            clip_grad._get_total_norm = original_norm
+            torch.nn.utils.get_total_norm = original_norm
 
     return stop
+
+
+def _tell(watchers: list[Callable[..., None]], *args: Any) -> None:
+    for seen in list(watchers):
+        try:
+            seen(*args)
+        except Exception as err:  # watching a clip must never break it
+            warnings.warn(f"nanguard: reading the clip's norm failed: {err!r}", stacklevel=3)

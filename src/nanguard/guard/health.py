@@ -309,6 +309,8 @@ class HealthCheck:
         self.pending: torch.Tensor | None = None
         """Set by ``carried`` when the step's flags poisoned the gradient all-reduce (``take_pending``)."""
         self._clip_norm: torch.Tensor | None = None
+        self._clip_loss: Callable[[], torch.Tensor | None] | None = None
+        self._clip_poisoned = False  # the clip's norm reduces an element a flagging rank made NaN
         self._param_ids: frozenset[int] | None = None
 
     def read_engine(
@@ -528,19 +530,53 @@ class HealthCheck:
         """
         self.check_loaded()  # before the backward: the check's flag rides in its all-reduce
         if self.clip_rides:
-            self._clip_norm = None
-            stop = compat.watch_clips(self._seen_clip)
-            try:
-                with dist.backward_roots(self._poisoned_root):
-                    yield
-            finally:
-                stop()
+            with self._watching_clips(None), dist.backward_roots(self._poisoned_root):
+                yield
             return
         if not self.comm.rides:
             yield
             return
         with dist.backward_roots() as roots, self.comm.ride(lambda pre_comm: self._extras(pre_comm, roots, step)):
             yield
+
+    @contextlib.contextmanager
+    def riding_loop(self, step: int, loss: Callable[[], torch.Tensor | None]) -> Iterator[None]:
+        """``riding`` for a loop that calls its own backward (``LoopGuard``), open from its step's first
+        forward to the check; ``loss()`` is the loop's loss so far (None: unknown). In DDP's gradient
+        all-reduce as under ``riding``; or in the loop's ``clip_grad_norm_`` over DTensor gradients, where
+        a flagging rank makes one element the clip's norm reduces NaN before the norm is computed
+        (``_before_clip``): its backward's root is the loop's to call, not the guard's.
+
+        Example:
+            >>> with check.riding_loop(guard.progress.calls, lambda: loss):
+            ...     loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        """
+        self.check_loaded()
+        if self.clip_rides:
+            with self._watching_clips(loss):
+                yield
+            return
+        if not self.comm.rides:
+            yield
+            return
+
+        def extras(pre_comm: torch.Tensor) -> torch.Tensor:
+            value = loss()
+            return self._extras(pre_comm, [] if value is None else [value], step)
+
+        with self.comm.ride(extras):
+            yield
+
+    @contextlib.contextmanager
+    def _watching_clips(self, loss: Callable[[], torch.Tensor | None] | None) -> Iterator[None]:
+        """The clips watched: before each norm (``_before_clip``; ``loss``, the loop's), after (``_seen_clip``)."""
+        self._clip_norm, self._clip_loss, self._clip_poisoned = None, loss, False
+        stop = compat.watch_clips(self._seen_clip, before=self._before_clip)
+        try:
+            yield
+        finally:
+            stop()
+            self._clip_loss = None
 
     @property
     def rides(self) -> bool:
@@ -575,12 +611,34 @@ class HealthCheck:
             factor = torch.where(bad, math.nan, 1.0).to(root.dtype)
         return root * factor
 
+    def _before_clip(self, grads: list[torch.Tensor]) -> None:
+        """Before a clip computes its total norm: when this rank's own signal is bad (the loop's loss, the
+        queued parameter check, a gradient whose norm the clip does not reduce over every rank: a plain
+        tensor, a DTensor on a smaller mesh), one element of a gradient sharded over every rank is made NaN,
+        so the reduced norm is NaN on every rank; healthy, it is multiplied by 1.0 (the same bits). Without
+        such a gradient the norm carries nothing (``_seen_clip`` then keeps none)."""
+        target, unreduced, sharded = _by_reduction(grads)
+        self._clip_poisoned = sharded
+        if target is None:
+            return  # (a rank holding no element of a sharded gradient: its flags stay its own)
+        loss = self._clip_loss() if self._clip_loss is not None else None
+        checks = [t.detach().float().reshape(-1)[:1] for t in (loss, self._param_norm) if t is not None]
+        if unreduced:
+            checks.append(total_norm(float_groups(unreduced)).float().reshape(1))
+        if not checks:
+            return
+        with torch.no_grad():
+            bad = torch.isfinite(torch.cat([c.to(target.device) for c in checks])).all().logical_not()
+            target.view(-1)[:1].mul_(torch.where(bad, math.nan, 1.0).to(target.dtype))
+
     def _seen_clip(self, params: Any, norm: torch.Tensor) -> None:
         """Keep the norm a clip computed over every guarded parameter when every rank holds it whole
-        (the loop reduced it); a clip of a part would miss a non-finite gradient elsewhere."""
+        (the loop reduced it) and a gradient it reduced over every rank could carry the flags
+        (``_before_clip``); a clip of a part would miss a non-finite gradient elsewhere."""
         if self._param_ids is None:
             self._param_ids = frozenset(id(p) for p in self.params)
-        if self._param_ids <= {id(p) for p in params} and _whole_on_every_rank(norm, params):
+        poisoned, self._clip_poisoned = self._clip_poisoned, False
+        if poisoned and self._param_ids <= {id(p) for p in params} and _whole_on_every_rank(norm, params):
             inner = compat.inner_tensor(norm)
             self._clip_norm = (inner if inner is not None else norm).detach()
 
@@ -686,6 +744,39 @@ def _whole_on_every_rank(norm: torch.Tensor, params: Any) -> bool:
         if grad is not None and getattr(grad, "placements", None) is not None:
             return bool(grad.device_mesh.size() == world)
     return False
+
+
+def _by_reduction(grads: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor], bool]:
+    """How a clip's total norm reduces ``grads``: the local part of the first gradient sharded on every
+    dimension of a mesh of the whole world that holds an element here (the poisoned one), the local parts of
+    those whose norm stays this rank's own (a plain tensor, a DTensor on a smaller mesh; a DTensor replicated
+    on a mesh of the whole world has its norm reduced over it, every rank's copy in it), and whether such a
+    sharded gradient exists (the same on every rank: placements are)."""
+    world = dist.world_size()
+    target, unreduced, sharded = None, [], False
+    for g in grads:
+        placements = getattr(g, "placements", None)
+        reach = None if placements is None else _reach(g.device_mesh, placements, world)  # type: ignore[attr-defined]
+        if reach is None:
+            unreduced.append(local(g))
+        elif reach:
+            sharded = True
+            if target is None and local(g).numel():
+                target = local(g)
+    return target, unreduced, sharded
+
+
+_REACH: dict[Any, bool | None] = {}
+
+
+def _reach(mesh: Any, placements: Any, world: int) -> bool | None:
+    """A DTensor gradient's norm: reduced over every rank (True: sharded on every dimension, so one element
+    carries a flag; False: replicated somewhere), or not over every rank (None: a smaller mesh)."""
+    key = (mesh, placements, world)
+    if key not in _REACH:  # a strided shard (FSDP2 over tensor parallel) is no is_shard(), but a shard
+        shards = all(p.is_shard() or type(p).__name__ == "_StridedShard" for p in placements)
+        _REACH[key] = None if mesh.size() != world else shards
+    return _REACH[key]
 
 
 def _summed(pending: torch.Tensor, *, scaled: bool) -> torch.Tensor:

@@ -35,7 +35,7 @@ from nanguard.guard.fidelity import loss_differs
 from nanguard.integrations import drop_grads, running_stats
 from nanguard.rng import capture_rng, set_rng_state
 
-__all__ = ["HeldSchedulers", "Micro", "StepCapture"]
+__all__ = ["HeldSchedulers", "Micro", "StepCapture", "StepRide"]
 
 
 @dataclass
@@ -160,6 +160,38 @@ class StepCapture:
         if not ok and guard.last_action != "rollback":
             self.restore_stats()
         return ok
+
+
+class StepRide:
+    """The step's flags riding in a reduction the framework's own loop makes (``HealthCheck.riding_loop``):
+    DDP's gradient all-reduce, or its ``clip_grad_norm_`` over DTensor gradients. Opened at the step's first
+    training forward, closed before the check, which then reads what rode instead of its own all-reduce.
+    ``loss()`` is the step's loss as recorded so far (the one the check will get), None when unknown.
+
+    Example:
+        >>> ride = StepRide(guard, lambda: step_loss(capture.micro))
+        >>> ride.open()            # before each training forward: the first opens it
+        >>> ride.close(); guard.check(loss, ...)
+    """
+
+    def __init__(self, guard: Guard, loss: Callable[[], torch.Tensor | None]) -> None:
+        self.guard, self.loss = guard, loss
+        self._open: contextlib.ExitStack | None = None
+
+    def open(self) -> None:
+        """The step's first training forward: the flags ride from here to ``close``."""
+        health = self.guard.health
+        if self._open is not None or not health.rides or self.guard.disabled:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(health.riding_loop(self.guard.progress.calls, self.loss))
+        self._open = stack
+
+    def close(self) -> None:
+        """Before the check (or when the loop ends): nothing rides after."""
+        stack, self._open = self._open, None
+        if stack is not None:
+            stack.close()
 
 
 def _autocast_now() -> list[tuple[str, torch.dtype]]:

@@ -16,14 +16,14 @@ Example:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from nanguard import compat
+from nanguard import compat, dist
 
-__all__ = ["ClipNorm"]
+__all__ = ["ClipNorm", "sums_every_rank"]
 
 
 class ClipNorm:
@@ -83,3 +83,28 @@ def _whole(norm: torch.Tensor) -> torch.Tensor | None:
     if all(p.is_replicate() for p in placements):
         return compat.inner_tensor(norm)
     return None
+
+
+def sums_every_rank(params: Sequence[torch.Tensor], *, pipelined: bool = False) -> bool:
+    """Does a clip's total norm of these parameters' gradients (``get_total_norm``, made whole) add up every
+    rank's own gradients? Plain parameters (replicated by DDP, which averages their gradients first; or a pipeline
+    stage of one rank), or DTensors on one mesh, of the whole world (or, ``pipelined``, of a stage: the clip then
+    sums the stages' norms over the pipeline mesh), with some parameter sharded on each of its dimensions: the
+    total norm is then a partial sum over every dimension, into which a replicated parameter's norm enters as
+    each rank's own (scaled by ``1 / size ** (1 / p)``), so a NaN in any rank's gradient reaches it (FSDP2, TP,
+    2D). A dimension where every parameter is replicated (HSDP's) keeps a rank's own there.
+
+    Example:
+        >>> sums_every_rank(list(fully_sharded_model.parameters()))
+        True
+    """
+    placed = [p for p in params if getattr(p, "placements", None) is not None]
+    if not placed:
+        return True
+    mesh: Any = placed[0].device_mesh  # type: ignore[attr-defined]
+    if len(placed) != len(params) or any(p.device_mesh != mesh for p in placed):  # type: ignore[attr-defined]
+        return False
+    world = dist.world_size()
+    whole = mesh.size() == world or (pipelined and world % mesh.size() == 0)
+    sharded = [any(p.placements[d].is_shard() for p in placed) for d in range(mesh.ndim)]  # type: ignore[attr-defined]
+    return whole and all(sharded)

@@ -79,6 +79,8 @@ class DeepSpeedGuard(LoopGuard):
         nanguard.errors.NonFiniteError: ... data.nonfinite ...
     """
 
+    _rides = False  # the engine's own reductions carry the flags (attach_engine), or its one all-reduce
+
     _drops_grads = False  # the engine's own overflow path skips; offload's fp32 gradients are persistent buffers
 
     def __init__(

@@ -74,6 +74,8 @@ class FabricGuard(LoopGuard):
         nanguard.errors.NonFiniteError: ... data.nonfinite ...
     """
 
+    _rides = False  # Fabric asks for the check in clip_gradients, before its clip: the guard's one all-reduce
+
     def __init__(
         self,
         fabric: Any,

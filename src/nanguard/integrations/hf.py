@@ -44,6 +44,7 @@ from torch import nn
 from nanguard import compat, dist, environ
 from nanguard.findings import Diagnosis
 from nanguard.guard import Guard
+from nanguard.guard.health import Engine
 from nanguard.integrations import GuardedCallback, guard_options, require
 from nanguard.integrations.capture import HeldSchedulers, Micro, StepCapture
 from nanguard.integrations.clipnorm import ClipNorm
@@ -134,6 +135,12 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         if trainer is not None:  # the loss the Trainer back-propagates, whatever computes it
             self._loss = TrainerLoss(trainer, self._capture)
             self._hooks = [self._loss]
+            if args.max_grad_norm and _data_parallel(trainer):
+                # Its clip's total norm, of gradients DDP averaged, is the same on every rank and non-finite on
+                # each when any rank's gradients are; a rank's NaN loss seeds its backward (carry_flags): a healthy
+                # step is read from that norm, with no collective of the guard's.
+                self.guard.attach_engine(Engine(reduces_norm=True))
+                self._loss.carry = self.guard.carry_flags
             return
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -340,6 +347,13 @@ class NanGuardCallback(GuardedCallback, _callbacks.TrainerCallback, _callbacks.E
         """Read the norm the Trainer's clip (``accelerator.clip_grad_norm_`` with ``max_grad_norm``,
         before ``on_pre_optimizer_step``) computed: the step's grad norm as the Trainer logs it."""
         self._clip = ClipNorm(p for group in optimizer.param_groups for p in group["params"])
+
+
+def _data_parallel(trainer: Any) -> bool:
+    """Does the Trainer train a DDP-wrapped model over every rank (gradients averaged before its clip)?"""
+    wrapped = getattr(trainer, "model_wrapped", None)
+    ddp = isinstance(wrapped, nn.parallel.DistributedDataParallel)
+    return ddp and dist.is_distributed() and wrapped.process_group.size() == dist.world_size()  # type: ignore[union-attr]
 
 
 def _deepspeed_engine(trainer: Any) -> Any:

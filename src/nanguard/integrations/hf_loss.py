@@ -49,6 +49,8 @@ class TrainerLoss:
         self._originals: dict[str, Any] = {}
         self._inside = False
         self._gap = _own_training_step(trainer)
+        self.carry: Callable[[torch.Tensor], None] | None = None
+        """Called with each training ``compute_loss``'s loss before its backward (``Guard.carry_flags``)."""
         for name, wrapper in (("compute_loss", self._compute_loss), ("training_step", self._training_step)):
             self._originals[name] = getattr(trainer, name)
             setattr(trainer, name, wrapper)
@@ -86,9 +88,13 @@ class TrainerLoss:
             m.run = self._rerun(args, kwargs)
         self._inside = True
         try:
-            return compute(model, inputs, *args, **kwargs)
+            out = compute(model, inputs, *args, **kwargs)
         finally:
             self._inside = False
+        loss = out[0] if isinstance(out, tuple) else out
+        if self.carry is not None and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            self.carry(loss)  # its backward seeded with NaN when this rank's loss is non-finite, else 1.0
+        return out
 
     def _rerun(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
         """The micro-batch's loss as ``training_step`` back-propagated it: ``compute_loss`` in its

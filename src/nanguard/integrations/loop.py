@@ -43,7 +43,7 @@ from torch import nn
 from nanguard import compat, dist
 from nanguard.guard import Guard
 from nanguard.integrations import GuardedCallback, guard_options
-from nanguard.integrations.capture import Micro, StepCapture
+from nanguard.integrations.capture import Micro, StepCapture, StepRide
 from nanguard.integrations.clipnorm import ClipNorm
 
 __all__ = ["LoopGuard"]
@@ -73,6 +73,10 @@ class LoopGuard(GuardedCallback):
     _drops_grads = True
     """On a skip, drop the optimizer's gradients so the loop's ``optimizer.step()`` changes nothing; an
     engine that skips the step itself (DeepSpeed) keeps its own gradient buffers."""
+
+    _rides = True
+    """The step's flags ride in the loop's own reductions (``StepRide``: DDP's gradient all-reduce, the loop's
+    ``clip_grad_norm_`` over DTensor gradients) where they can; an engine's guard rides its engine's instead."""
 
     def __init__(
         self,
@@ -136,6 +140,7 @@ class LoopGuard(GuardedCallback):
             self._scheduler_step = scheduler.step
             scheduler.step = self._scheduler_step_unless_skipped
         self._clip = ClipNorm(guard.health.params)  # the loop's clip_grad_norm_: the norm before it clipped
+        self._ride = StepRide(guard, lambda: self._step_loss(self._capture.micro)) if self._rides else None
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -175,6 +180,8 @@ class LoopGuard(GuardedCallback):
             m = self._capture.record(args, kwargs)
             if m is not None:
                 m.run = fn
+                if self._ride is not None:
+                    self._ride.open()
             self._in_micro_step = True
             try:
                 loss = fn(*args, **kwargs)
@@ -195,6 +202,8 @@ class LoopGuard(GuardedCallback):
         self._hooks = []
         if self._wrapper_step is not None:
             vars(self.guard.optimizer).pop("step", None)
+        if self._ride is not None:
+            self._ride.close()
         self._clip.close()
         self._unhook()
         if self.scheduler is not None:
@@ -226,7 +235,11 @@ class LoopGuard(GuardedCallback):
             return  # a pipeline stage learning its shapes from uninitialized inputs: no micro-batch
         self._verdict = None  # a forward after the step's check starts the next step
         self._capture.record(args, kwargs)  # nothing during our own replay
-        if self._capture.replaying or self.guard is None or not self.guard.config.check_batch:
+        if self._capture.replaying or self.guard is None:
+            return None
+        if self._ride is not None:
+            self._ride.open()  # the step's first forward: its flags ride from here to the check
+        if not self.guard.config.check_batch:
             return None
         # A rejected batch still runs its forward and backward, on ids made valid, so that every
         # rank's collectives match; the step's check then rejects it on every rank (the recorded
@@ -307,6 +320,8 @@ class LoopGuard(GuardedCallback):
             return self._verdict
         guard = self.guard
         assert guard is not None
+        if self._ride is not None:
+            self._ride.close()  # what rode is read by the check
         micro = self._capture.take()
         before = guard.last_diagnosis
         self._verdict = self._capture.check(

@@ -37,6 +37,7 @@ from nanguard.guard import Guard
 from nanguard.guard.health import Engine
 from nanguard.integrations import guard_options
 from nanguard.integrations.capture import Micro
+from nanguard.integrations.clipnorm import sums_every_rank
 from nanguard.integrations.loop import LoopGuard, _local, _scalar
 
 __all__ = ["IGNORE_INDEX", "TitanGuard"]
@@ -68,6 +69,8 @@ class TitanGuard(LoopGuard):
         >>> guard = TitanGuard(trainer.model_parts, trainer.optimizers, trainer.lr_schedulers)
         >>> trainer.loss_fn = guard.loss(trainer.loss_fn)
     """
+
+    _rides = False  # the trainer's clip norm carries the flags where it can (attach_engine)
 
     def __init__(
         self,
@@ -111,9 +114,9 @@ class TitanGuard(LoopGuard):
     def _ride_clip(self, guard: Guard, optimizers: torch.optim.Optimizer) -> None:
         """The trainer's clip reduces the grad norm over the whole mesh each step (``dist_utils.clip_grad_norm_``),
         and over the pipeline stages: a healthy step is read from it where that norm sums every rank's own
-        gradients (``_summed_over_ranks``). A stage without the loss carries its check in its output's gradient."""
+        gradients (``sums_every_rank``). A stage without the loss carries its check in its output's gradient."""
         pipelined = self._vocab is None or not self._computes_loss  # alike on every rank: no stage holds both
-        if _summed_over_ranks([p for g in optimizers.param_groups for p in g["params"]], pipelined=pipelined):
+        if sums_every_rank([p for g in optimizers.param_groups for p in g["params"]], pipelined=pipelined):
             guard.attach_engine(Engine(reduces_norm=True))
             stages = [p for p in self.model_parts if not _has_lm_head(dist.unwrap(p))]
             self._hooks += [p.register_forward_hook(self._carry_stage) for p in stages]
@@ -207,25 +210,6 @@ class TitanGuard(LoopGuard):
             return labels, bad
         used, bad_labels = _valid_labels(labels, self._vocab)
         return used, bad_labels if bad is None else bad | bad_labels
-
-
-def _summed_over_ranks(params: Sequence[torch.Tensor], *, pipelined: bool) -> bool:
-    """Does torchtitan's clip's total norm of these parameters' gradients add up every rank's own gradients?
-    Plain parameters (replicated by DDP, which averages their gradients first; or a pipeline stage of one rank),
-    or DTensors on one mesh, of the whole world (or, ``pipelined``, of a stage: the clip then sums the stages'
-    norms over the pipeline mesh), with some parameter sharded on each of its dimensions: the total norm is then
-    a partial sum over every dimension, into which a replicated parameter's norm enters each rank's own (scaled
-    by ``1 / size ** (1 / p)``), so a NaN in any rank's gradient reaches it (FSDP2, TP, 2D). A dimension where
-    every parameter is replicated (HSDP's) keeps a rank's own there: not ridden."""
-    placed = [p for p in params if getattr(p, "placements", None) is not None]
-    if not placed:
-        return True
-    mesh: Any = placed[0].device_mesh  # type: ignore[attr-defined]
-    if len(placed) != len(params) or any(p.device_mesh != mesh for p in placed):  # type: ignore[attr-defined]
-        return False
-    whole = mesh.size() == dist.world_size() or (pipelined and dist.world_size() % mesh.size() == 0)
-    sharded = [any(p.placements[d].is_shard() for p in placed) for d in range(mesh.ndim)]  # type: ignore[attr-defined]
-    return whole and all(sharded)
 
 
 def _has_lm_head(model: nn.Module) -> bool:

@@ -10,7 +10,8 @@ checkpoints). Nothing is patched and nothing is downloaded.
 
 The faults, at ``BAD_STEP`` on one rank (``fault_rank``): ``log`` (``blocks.1.feed_forward.w1`` takes
 the log of its output, negatives included), ``nan_grad`` (that module's output goes through the square
-root of a zero that depends on it: finite forward, a NaN gradient in the backward), ``token`` (a
+root of a zero that depends on it: finite forward, a NaN gradient in the backward), ``term`` (the loss
+the model returns gets a NaN term no gradient flows through: its gradients stay finite), ``token`` (a
 token id past the vocabulary in that rank's batch), ``embeds`` (the batch carries precomputed
 ``input_embeddings``, as OLMo-core's multimodal input does, and one of them is NaN), and ``lr``
 (every rank: an LR far too high from the start).
@@ -41,7 +42,7 @@ __all__ = ["BAD_STEP", "FAULTS", "SEQ", "VOCAB", "olmo_rank", "ranks_cases", "si
 
 BAD_STEP = 3
 """The trainer step (OLMo-core counts from 1) a fault is planted at."""
-FAULTS = ("log", "nan_grad", "token", "embeds", "lr")
+FAULTS = ("log", "nan_grad", "term", "token", "embeds", "lr")
 VOCAB = 128
 SEQ = 16
 _TOKENS = SEQ * 256
@@ -253,7 +254,11 @@ def _data_loader(tmp: str, rank: int, world: int) -> Any:
 
 def _plant(model: Any, fault: str | None) -> None:
     """On this rank, at ``BAD_STEP``, ``blocks.1.feed_forward.w1`` takes the log of its output
-    (``log``) or adds the square root of a zero computed from it (``nan_grad``)."""
+    (``log``) or adds the square root of a zero computed from it (``nan_grad``); or the loss the model returns
+    gets a NaN term no gradient flows through (``term``: the loss NaN, its gradients finite)."""
+    if fault == "term":
+        _plant_term(model)
+        return
     if fault not in ("log", "nan_grad"):
         return
     w1: Any = model.get_submodule(_MODULE)
@@ -270,6 +275,19 @@ def _plant(model: Any, fault: str | None) -> None:
         return out + torch.sqrt((out - out.detach()) ** 2)
 
     w1.forward = faulty
+
+
+def _plant_term(model: Any) -> None:
+    forward = model.forward
+
+    def with_term(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        loss = getattr(out, "loss", None)
+        if not _BAD["now"] or loss is None:
+            return out
+        return out._replace(loss=loss + torch.full_like(loss.detach(), float("nan")))
+
+    model.forward = with_term
 
 
 _BAD = {"now": False}
