@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nanguard"
-CEILING = 18
+CEILING = 15
 TARGET = 15
 
 
