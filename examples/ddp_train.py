@@ -51,6 +51,7 @@ def main() -> None:
     guard.close()
     if rank == 0 and guard.last_diagnosis is not None:
         print(guard.last_diagnosis)
+    dist.barrier()  # no rank ends the group while another still talks in it (gloo aborts at exit then)
     dist.destroy_process_group()
 
 

@@ -61,6 +61,7 @@ def main() -> None:
     guard.close()
     if rank == 0:
         print(f"skipped {guard.skipped} (engine: {engine.skipped_steps}); last: {guard.last_diagnosis.summary()}")
+    dist.barrier()  # no rank ends the group while another still talks in it (gloo aborts at exit then)
     dist.destroy_process_group()
 
 

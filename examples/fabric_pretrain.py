@@ -79,8 +79,9 @@ def main() -> None:
     guard = train(fabric, args.steps, bad_step=args.bad_step, run_dir=args.run_dir)
     diag = guard.last_diagnosis
     fabric.print(f"{guard.skipped} skipped; {diag.summary() if diag else 'no trip'}")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # gloo's threads left at exit can abort the process
+    if torch.distributed.is_initialized():  # gloo's threads left at exit can abort the process
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
