@@ -31,6 +31,17 @@ def test_set_grad_enabled_switches_grad_mode() -> None:
     assert torch.is_grad_enabled()
 
 
+def test_default_group_is_the_group_torch_distributed_uses(tmp_path) -> None:
+    assert compat.default_group() is None and not tdist.is_initialized()
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert compat.default_group() is tdist.distributed_c10d._get_default_group()
+        assert compat.default_group().size() == tdist.get_world_size() == 1
+    finally:
+        tdist.destroy_process_group()
+    assert compat.default_group() is None
+
+
 def test_scaler_scale_is_the_device_tensor_behind_get_scale() -> None:
     w = nn.Parameter(torch.ones(2))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

@@ -108,12 +108,13 @@ foreach_norm: Callable[..., tuple[torch.Tensor, ...]] = torch._foreach_norm
 
 # Known to work: torch 2.13.0. The default process group, whose ``rank()`` and ``size()`` are what
 # ``tdist.get_rank()`` and ``tdist.get_world_size()`` return, read without their checks (a dozen calls
-# each, and the guard asks several times a step); None when torch.distributed is not initialized.
+# each, and the guard asks several times a step); None when torch.distributed is not initialized. Read
+# where ``_World.default_pg`` (a property: one call more each time) keeps it.
 _C10D: Any = tdist.distributed_c10d if tdist.is_available() else None
 
 
 def default_group() -> Any:
-    return _C10D._world.default_pg if _C10D is not None else None
+    return _C10D._world._default_pg if _C10D is not None else None
 
 
 # Known to work: torch 2.4 - 2.13.0. The C function ``torch.no_grad()`` ends in: the guard's two reads

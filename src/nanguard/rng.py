@@ -127,7 +127,9 @@ def capture_rng(cuda_devices: Iterable[int] | None = None) -> RngCapture:
     # run that never imported it never drew from it.
     mtrand = sys.modules.get("numpy.random.mtrand")
     rand = getattr(mtrand, "_rand", None)
-    numpy = rand.get_state(legacy=False) if rand is not None and _mt19937(rand) else None
+    numpy = None
+    if rand is not None and type(rand._bit_generator).__name__ == "MT19937":  # ``_mt19937``, inline: each step
+        numpy = rand.get_state(legacy=False)
     return RngCapture(tensors, random.getstate(), numpy)
 
 

@@ -62,22 +62,33 @@ class SpikeDetector:
         self.values: deque[float] = deque(maxlen=window)
         self.bursts: deque[float] = deque(maxlen=_BURST_WINDOWS)  # each past window's max / median
         self._since = 0  # values added since the last window was closed into ``bursts``
+        self.seen = 0
+        """How many values the window held when the last ``update`` scored its value (warm: ``>= warmup``)."""
 
     def update(self, value: float) -> Spike | None:
         """Score ``value`` against the window, then add it when finite."""
+        n = self.seen = len(self.values)
         if not math.isfinite(value):
             return None
-        n = len(self.values)
         if self._since >= n == self.values.maxlen:
             self._close_window()  # keeps the values: n holds
         spike = None
-        if n >= self.warmup and self._above_recent_peak(value):  # the cheap test first
-            score, med = self.score(value)
-            if score > self.threshold and self._above_recent_bursts(value, med):
-                spike = Spike(self.metric, value, med, score)
+        if n >= self.warmup:
+            # The cheap test first: clean losses and grad norms have heavy right tails (a value twice the
+            # median comes every few hundred steps), so a spike must also clear the window's own peak by a margin.
+            peak = max(self.values)
+            if value >= peak * _PEAK_RATIO if peak > 0 else value > peak:
+                spike = self._scored(value)
         self.values.append(value)
         self._since += 1
         return spike
+
+    def _scored(self, value: float) -> Spike | None:
+        """A spike when ``value``, past the window's peak, also passes the threshold and the recent bursts."""
+        score, med = self.score(value)
+        if score > self.threshold and self._above_recent_bursts(value, med):
+            return Spike(self.metric, value, med, score)
+        return None
 
     def forget(self, value: float) -> None:
         """Take back the last ``update(value)``: a step that was skipped leaves no trace here either.
@@ -106,12 +117,6 @@ class SpikeDetector:
         mad = _median(sorted(abs(v - center) for v in logs))
         scale = max(_MAD_TO_STD * mad, floor)
         return (x - center) / scale, med
-
-    def _above_recent_peak(self, value: float) -> bool:
-        # Clean losses and grad norms have heavy right tails: a value twice the median comes every
-        # few hundred steps, so a spike must also clear the window's own peak by a margin.
-        peak = max(self.values)
-        return value >= peak * _PEAK_RATIO if peak > 0 else value > peak
 
     def _above_recent_bursts(self, value: float, med: float) -> bool:
         # A burst the run has already shown, and stayed healthy through, is its noise: a clean

@@ -102,7 +102,7 @@ class Apply:
         if verdict.spikes or verdict.forecast is not None or verdict.departure is not None or verdict.own_spike:
             self._record_trends(verdict)
         done = _NOTHING if action is STEP or action is DEFER else self._apply(attempt, verdict, action)
-        if h is not None and h.joined and (action.trip == "bundle" or self.tells_every_step):
+        if h is not None and (action.trip == "bundle" or self.tells_every_step) and h.joined:
             tell_joined(done.error is not None, verdict.step)  # the joined rank waits for this: see join.py
         return Outcome(
             step=attempt.step + 1,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from nanguard import compat, dist
+from nanguard.dist import CommWatch
 from nanguard.errors import NonFiniteError
 from nanguard.guard.health import HealthCheck
 from nanguard.guard.recovery import Recovery
@@ -93,15 +94,19 @@ class Runner:
         """The closure, then the scaler's unscale: ``attempt.loss``, ``.value`` and ``.closure_error``."""
         closure, health = attempt.replay, self.health
         assert closure is not None
-        health.comm.reset()
+        if type(health.comm) is not CommWatch:  # (the plain watch keeps nothing between steps)
+            health.comm.reset()
         try:
             if health.rides or self.headroom.due(attempt.step) or not torch.is_grad_enabled():
                 with torch.enable_grad(), health.riding(attempt.call), self.headroom.watch(attempt.step):
-                    attempt.loss = closure()
+                    loss = attempt.loss = closure()
             else:  # the common step, without three context managers around the closure
-                health.check_loaded()
-                attempt.loss = closure()
-            attempt.value = loss_value(attempt.loss, "the closure's return value", allow_none=False)
+                if health.unchecked:
+                    health.check_loaded()
+                loss = attempt.loss = closure()
+            # A plain one-element tensor is the loss as the check reads it: ``loss_value``'s common case.
+            one = type(loss) is torch.Tensor and loss.numel() == 1
+            attempt.value = loss if one else loss_value(loss, "the closure's return value", allow_none=False)
         except (IndexError, RuntimeError) as err:
             if not _index_error(err):
                 raise
@@ -174,9 +179,10 @@ def loss_value(loss: Any, name: str, *, allow_none: bool) -> Any:
     if loss is None and allow_none:
         return None
     if isinstance(loss, torch.Tensor):
-        if loss.numel() == 0:
+        n = loss.numel()
+        if n == 0:
             raise ValueError(f"{name} is an empty tensor; it must hold the loss")
-        if loss.numel() == 1:
+        if n == 1:
             return loss
         x = loss.detach().float()
         return torch.where(torch.isfinite(x).all(), x.mean(), x.sum())  # any NaN/Inf makes the sum non-finite

@@ -139,7 +139,7 @@ class Guard(GuardParts):
         if self.recovery.scheduler_pending is not None:  # the loop has stepped its scheduler since the snapshot
             self.recovery.settle_scheduler()
         self._remedies.begin_step(sample_ids)
-        if self._dropped(batch):
+        if (self.recovery.drop_batches > 0 or self.config.check_batch) and self._dropped(batch):
             return None
         if self.progress.step >= self.precursors.next:  # a sampled step: its hooks go on (a comparison else)
             self.precursors.arm(self.progress.step)
@@ -147,7 +147,7 @@ class Guard(GuardParts):
         try:
             self.runner.run(attempt)
             verdict = self._on_device(attempt) if self._device_step else self.measure.step(attempt)
-            return self._apply(attempt, verdict, self._decide(verdict))
+            return self._apply(attempt, verdict, self.policy.decide(verdict, self._state))
         except BaseException as err:
             self._undo(attempt, err, attempt.step, name_origin=True)
             raise
@@ -231,7 +231,7 @@ class Guard(GuardParts):
             unscale(self.scaler, self.optimizer)
             attempt.unscaled = True
             verdict = self.measure.step(attempt)
-            if not self._act(attempt, verdict, self._decide(verdict)).update:
+            if not self._act(attempt, verdict, self.policy.decide(verdict, self._state)).update:
                 return False
             self.apply.clip()
             return True
@@ -248,11 +248,12 @@ class Guard(GuardParts):
         good_steps = self.apply.updated(h)
         # The replicas' check, a stage of the same step: a rank that joined (DDP join(), out of
         # batches) cannot shadow the fingerprint gather.
-        if self.policy.replicas_due(good_steps) and dist.is_distributed() and not h.joined:
+        replicas, snapshot = self.policy.due(good_steps)
+        if replicas and dist.is_distributed() and not h.joined:
             verdict = self.measure.replicas(h.step)
             if verdict is not None:
-                self._act(attempt, verdict, self._decide(verdict))
-        self.progress.fold(self.apply.finish(h, snapshot=self.policy.snapshot_due(good_steps)))
+                self._act(attempt, verdict, self.policy.decide(verdict, self._state))
+        self.progress.fold(self.apply.finish(h, snapshot=snapshot))
         if self.progress.step >= self.precursors.next:  # the next forward is sampled (a Guard.check loop's runs first)
             self.precursors.arm(self.progress.step)
 
@@ -263,7 +264,8 @@ class Guard(GuardParts):
             closure = self._begin_drill().wrap(closure)
         progress = self.progress
         attempt = Attempt(progress.step, progress.calls - 1, batch, capture_rng(self._cuda_devices), closure, True)
-        self.recovery.buffers.save()
+        if self._buffers is not None:
+            self._buffers.save()
         return attempt
 
     def _on_device(self, attempt: Attempt) -> Verdict:
@@ -272,9 +274,6 @@ class Guard(GuardParts):
         reading = self.measure.agree(attempt, queue=self._deferred)
         self.runner.update_on_device(reading.found_inf())
         return self.measure.read(reading, attempt, updated=True)
-
-    def _decide(self, verdict: Verdict) -> Action:
-        return self.policy.decide(verdict, self._state)
 
     def _apply(self, attempt: Attempt, verdict: Verdict, action: Action) -> Any:
         """``step()``'s action applied; a step that goes ahead is updated and recorded. The loss, or None."""
@@ -317,7 +316,7 @@ class Guard(GuardParts):
         h = w.copy.read(attempt.step, scaled=False)
         try:
             verdict = self.measure.verdict(h, attempt, updated=True)
-            if self._act(attempt, verdict, self._decide(verdict)).update:
+            if self._act(attempt, verdict, self.policy.decide(verdict, self._state)).update:
                 self.after_step()
         except BaseException as err:
             self._undo(attempt, err, count, name_origin=False)
@@ -335,7 +334,7 @@ class Guard(GuardParts):
         verdict = self.measure.batch(batch, self.progress.step)
         if verdict is None:
             return False
-        self._act(self._no_attempt(verdict.step, batch), verdict, self._decide(verdict))
+        self._act(self._no_attempt(verdict.step, batch), verdict, self.policy.decide(verdict, self._state))
         return True
 
     def _no_attempt(self, step: int, batch: Any) -> Attempt:

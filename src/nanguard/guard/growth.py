@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanguard import compat
 from nanguard.guard.optim_state import current_lr
 from nanguard.stats import local
 
@@ -51,7 +52,8 @@ class WeightLog:
         named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and p.is_floating_point()]
         named = [(n, p) for n, p in named if local(p).numel() > 0]
         self.names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        self._params: list[torch.Tensor] = [p for _, p in named]
+        self._plain = all(local(p) is p for p in self._params)  # no DTensor: the norms read the parameters as they are
         self.samples: deque[tuple[int, torch.Tensor]] = deque(maxlen=SAMPLES)
         self.negative_since: int | None = None
         self._updates = 0
@@ -66,14 +68,18 @@ class WeightLog:
         grown past 1e19 has a float32 norm of Inf long before its products overflow."""
         if not self._params:
             return None
-        with torch.no_grad():
-            tensors = [local(p).detach() for p in self._params]
+        enabled = torch.is_grad_enabled()  # no_grad's grad mode in two calls, where its context manager makes a dozen
+        compat.set_grad_enabled(False)
+        try:
+            tensors = self._params if self._plain else [local(p) for p in self._params]
             try:
                 norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
             except (RuntimeError, TypeError):  # a device without float64
                 norms = torch._foreach_norm(tensors)
             device = norms[0].device
-            return torch.stack([n.to(device) for n in norms])
+            return torch.stack(norms if {n.device for n in norms} == {device} else [n.to(device) for n in norms])
+        finally:
+            compat.set_grad_enabled(enabled)
 
     def record(self, step: int) -> None:
         """After the update of ``step``: the LR's sign, and a sample every ``every`` updates. Never raises."""
@@ -81,7 +87,7 @@ class WeightLog:
             return
         try:
             lr = current_lr(self.optimizer)
-            if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            if type(lr) is float or (isinstance(lr, (int, float)) and not isinstance(lr, bool)):  # (a float: no call)
                 if lr < 0 and self.negative_since is None:
                     self.negative_since = step
                 elif lr >= 0:

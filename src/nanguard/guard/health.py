@@ -426,7 +426,8 @@ class HealthCheck:
     @property
     def alone(self) -> bool:
         """Does this process decide alone (no other rank, no comm watch)? Then ``read_alone`` serves."""
-        return type(self.comm) is CommWatch and not dist.is_distributed()
+        group = compat.default_group()  # ``dist.is_distributed()``, inline: asked each step
+        return type(self.comm) is CommWatch and (group is None or group.size() < 2)
 
     def read_alone(self, loss: Any, step: int, loop_norm: Any = None) -> StepHealth:
         """The step of a process that decides alone, read at once: the loss, the two norms and the
@@ -442,11 +443,11 @@ class HealthCheck:
         scale = compat.scaler_scale(self.scaler) if self.scaler is not None else None
         clip = None if loop_norm is None else _loss_scalar(loop_norm, lv.device)
         own_loss, grad_norm, param_norm, scale_value, clip_norm = _host_floats([lv, gn, pn, scale, clip])
-        loss_bad = own_loss is not None and not math.isfinite(own_loss)
-        grads_bad = grad_norm is not None and not math.isfinite(grad_norm)
-        params_bad = param_norm is not None and not math.isfinite(param_norm)
-        flags = _FLAGS[(self.scaler is not None, True)][loss_bad + 2 * grads_bad + 4 * params_bad]
-        flags |= HealthFlag.LOADED if params_bad and self.checked == "loaded" else 0
+        assert own_loss is not None  # the loss is always read
+        # One test of the three on the common step: their sum (float64, of float32 values) is finite exactly
+        # when each is.
+        finite = math.isfinite(own_loss + (grad_norm or 0.0) + (param_norm or 0.0))
+        flags = 0 if finite else self._host_flags(own_loss, grad_norm, param_norm)
         return StepHealth(
             step=step,
             loss=own_loss or 0.0,
@@ -455,6 +456,14 @@ class HealthCheck:
             own_loss=own_loss or 0.0,
             rank_flags=(_FLAG_OF[flags],),
         )
+
+    def _host_flags(self, own_loss: float, grad_norm: float | None, param_norm: float | None) -> int:
+        """``read_alone``'s flags of a step whose values are not all finite, looked up on the host."""
+        loss_bad = not math.isfinite(own_loss)
+        grads_bad = grad_norm is not None and not math.isfinite(grad_norm)
+        params_bad = param_norm is not None and not math.isfinite(param_norm)
+        flags = _FLAGS[(self.scaler is not None, True)][loss_bad + 2 * grads_bad + 4 * params_bad]
+        return flags | (HealthFlag.LOADED if params_bad and self.checked == "loaded" else 0)
 
     def _tables(self, device: torch.device) -> tuple[dict[tuple[bool, bool], torch.Tensor], torch.Tensor]:
         """The flags of each (loss bad, grads bad, params bad) pattern, indexed by their bits, on ``device``."""
@@ -485,31 +494,46 @@ class HealthCheck:
 
     def _queue_param_norm(self, covers: str) -> None:
         groups = self._groups if self._groups is not None else float_groups(self.params)
-        self._param_norm = _without_grad(total_norm, groups)  # non-finite exactly when a parameter is
+        enabled = torch.is_grad_enabled()  # under no_grad's grad mode, as ``_without_grad``
+        compat.set_grad_enabled(False)
+        try:
+            self._param_norm = total_norm(groups)  # non-finite exactly when a parameter is
+        finally:
+            compat.set_grad_enabled(enabled)
         self._queued = covers
 
     def _take_param_norm(self) -> torch.Tensor | None:
         """The queued parameter check, read with this step (``checked`` says what it covers)."""
-        self.check_loaded()  # check() calls no hook before the forward: the parameters are still as loaded
+        if self.unchecked:  # check() calls no hook before the forward: the parameters are still as loaded
+            self.check_loaded()
         pn, self._param_norm = self._param_norm, None
         self.checked, self._queued = (self._queued if pn is not None else None), None
         return pn
 
     def _grad_norm(self) -> torch.Tensor | None:
-        """This step's gradient norm over the parameters' precomputed groups; None without gradients."""
-        return _without_grad(self.grad_source if self.grad_source is not None else self._own_grad_norm)
+        """This step's gradient norm over the parameters' precomputed groups; None without gradients.
+        Under no_grad's grad mode, as ``_without_grad`` (the grad mode switched here: one call less a step)."""
+        enabled = torch.is_grad_enabled()
+        compat.set_grad_enabled(False)
+        try:
+            if self.grad_source is not None:
+                return self.grad_source()
+            if self._groups is not None:
+                groups = []
+                for ps in self._groups:
+                    grads = [p.grad for p in ps if p.grad is not None]
+                    if grads:
+                        groups.append(grads)
+                try:
+                    return total_norm(groups) if groups else None
+                except (RuntimeError, NotImplementedError):
+                    self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
+            return self._loose_grad_norm()
+        finally:
+            compat.set_grad_enabled(enabled)
 
-    def _own_grad_norm(self) -> torch.Tensor | None:
-        if self._groups is not None:
-            groups = []
-            for ps in self._groups:
-                grads = [p.grad for p in ps if p.grad is not None]
-                if grads:
-                    groups.append(grads)
-            try:
-                return total_norm(groups) if groups else None
-            except (RuntimeError, NotImplementedError):
-                self._groups = None  # a sparse gradient: the foreach kernels take dense tensors only
+    def _loose_grad_norm(self) -> torch.Tensor | None:
+        """The gradient norm without the precomputed groups: DTensor shards, a sparse gradient."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if dist.is_distributed() and any(local(g) is not g for g in grads):
             return _placed_norm(grads)
@@ -582,7 +606,7 @@ class HealthCheck:
     def rides(self) -> bool:
         """Does ``riding`` carry the flags in a reduction the loop makes (DDP's gradient all-reduce, or
         the loop's own ``clip_grad_norm_`` over DTensor gradients)?"""
-        return self.comm.rides or self.clip_rides
+        return self.comm.rides or (self._placed and self.clip_rides)  # (no DTensor parameters: no call)
 
     @property
     def clip_rides(self) -> bool:
@@ -873,7 +897,7 @@ def _copies(t: torch.Tensor) -> int:
 
 def _loss_scalar(loss: Any, device: torch.device) -> torch.Tensor:
     """The loss as a float32 scalar on ``device`` (its first element; 0 for None)."""
-    if isinstance(loss, torch.Tensor):
+    if type(loss) is torch.Tensor or isinstance(loss, torch.Tensor):  # (a plain tensor: no call)
         t = loss.detach() if loss.requires_grad else loss
         t = t.reshape(-1)[0] if t.ndim else t
         return t if t.device == device and t.dtype == torch.float32 else _to32(t, device)
@@ -885,15 +909,22 @@ def _host_floats(tensors: list[torch.Tensor | None]) -> list[float | None]:
     never None; it stands in for the missing ones in the stack (no kernel: each step reads this)."""
     first = tensors[0]
     assert first is not None
-    off_cpu = [t.device for t in tensors if t is not None and t.device.type != "cpu"]
-    device = off_cpu[0] if off_cpu else first.device
-    f32 = torch.float32
-    row = [
-        first if t is None else t if t.device == device and t.dtype == f32 and not t.ndim else _to32(t, device)
-        for t in tensors
-    ]
+    device = first.device
+    for t in tensors:  # the first one off the CPU, if any, is where the row is read (loops: no call a step)
+        if t is not None and t.device.type != "cpu":
+            device = t.device
+            break
+    row: list[Any] = list(tensors)
+    for i, t in enumerate(tensors):
+        if t is None:
+            row[i] = first  # a stand-in (no kernel)
+        elif t.device != device or t.dtype != torch.float32 or t.ndim:
+            row[i] = _to32(t, device)
     read: list[float | None] = torch.stack(row).tolist()
-    return [None if t is None else v for t, v in zip(tensors, read, strict=True)]
+    for i, t in enumerate(tensors):
+        if t is None:
+            read[i] = None
+    return read
 
 
 def _to32(t: torch.Tensor, device: torch.device) -> torch.Tensor:

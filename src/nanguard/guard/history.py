@@ -122,11 +122,14 @@ class History:
         self.spikes = 0
         self._recent_spike_step: int | None = None
         self._spike_before: int | None = None
-        self._trend: deque[Point] = deque(maxlen=TREND_POINTS)
+        self._trend: deque[tuple[int, float, float]] = deque(maxlen=TREND_POINTS)  # (step, loss, grad_norm)
         self._warned = False
         self._quiet = 0
-        self._observed: tuple[int | None, bool, bool] = (None, False, False)  # step, detectors warm, spiked
+        self._observed: tuple[int | None, bool, bool] = (None, False, False)  # step, spiked with warm detectors, spiked
         self._grown: tuple[int | None, int] = (None, 0)  # the last step grown on a spike, how many in a row
+        self.steady = True
+        """The last ``observe``d step can be no runaway: no spike, its grad norm within float32's square range,
+        and no streak of grown spikes under way (``runaway`` would return None and change nothing)."""
         self._episodes: dict[str, _Episode] = {}  # a departure under way, by metric
         self._level_window = spike_window
         self.weights: WeightLog | None = None
@@ -161,7 +164,6 @@ class History:
     def observe(self, step: int, *, loss: float, grad_norm: float) -> list[Spike]:
         """Score a step's values against the detectors; returns its spikes (loss first)."""
         losses, norms = self.loss_spikes, self.grad_spikes
-        ready = len(losses.values) >= losses.warmup and len(norms.values) >= norms.warmup
         self._spike_before = self._recent_spike_step
         found = []
         for detector, value in ((losses, loss), (norms, grad_norm)):
@@ -170,7 +172,11 @@ class History:
                 found.append(spike)
                 self.spikes += 1
                 self._recent_spike_step = step
-        self._observed = (step, ready, bool(found))
+        spiked = bool(found)
+        # Were both detectors warm before this step's values (``seen``)? Read by ``runaway`` on a spike only.
+        ready = spiked and losses.seen >= losses.warmup and norms.seen >= norms.warmup
+        self._observed = (step, ready, spiked)
+        self.steady = not spiked and grad_norm < FLOAT32_SQUARE_MAX and not self._grown[1]
         return found
 
     def own_spike(self, *, loss: float, own_loss: float) -> Spike | None:
@@ -197,7 +203,7 @@ class History:
         self.loss_spikes.forget(loss)
         self.grad_spikes.forget(grad_norm)
         self._recent_spike_step = self._spike_before
-        if self._trend and self._trend[-1].step == step:
+        if self._trend and self._trend[-1][0] == step:
             self._trend.pop()
 
     def forecast(self, step: int, *, loss: float, grad_norm: float) -> Forecast | None:
@@ -211,8 +217,14 @@ class History:
             >>> [history.forecast(s, loss=2.0, grad_norm=10.0 ** (4 * s)) for s in range(4)][-1].metric
             'grad_norm'
         """
-        self._trend.append(Point(step, loss, grad_norm))
-        found = self._predict()
+        trend = self._trend
+        trend.append((step, loss, grad_norm))
+        found = None
+        if len(trend) == TREND_POINTS:
+            # A metric fits only when it grew at every step: most steps are ruled out by their last two.
+            (_, loss_0, norm_0), (_, loss_1, norm_1) = trend[-3], trend[-2]
+            if 0 < norm_0 < norm_1 < grad_norm < math.inf or 0 < loss_0 < loss_1 < loss < math.inf:
+                found = self._fit()
         if found is None:
             self._quiet += 1
             if self._quiet >= TREND_POINTS:
@@ -224,26 +236,14 @@ class History:
         self._warned = True
         return found
 
-    def _predict(self) -> Forecast | None:
-        if len(self._trend) < TREND_POINTS:
-            return None
-        # A metric fits only when it grew at every step: most steps are ruled out by their last two.
-        first, before, last = self._trend[-3], self._trend[-2], self._trend[-1]
-        if not (
-            0 < first.grad_norm < before.grad_norm < last.grad_norm < math.inf
-            or 0 < first.loss < before.loss < last.loss < math.inf
-        ):
-            return None
-        return self._fit()
-
     def _fit(self) -> Forecast | None:
-        """The forecast of the trend's window (``_predict`` without its shortcut)."""
+        """The forecast of the trend's window (``forecast`` past its shortcut)."""
         if len(self._trend) < TREND_POINTS:
             return None
         horizon = self.points.maxlen or TREND_POINTS
-        steps = [p.step for p in self._trend]
+        steps = [p[0] for p in self._trend]
         best: Forecast | None = None
-        for metric, at in (("grad_norm", 2), ("loss", 1)):  # Point's fields
+        for metric, at in (("grad_norm", 2), ("loss", 1)):  # (step, loss, grad_norm)
             vals = [p[at] for p in self._trend]
             if not all(0 < a < b < math.inf for a, b in pairwise(vals)):
                 continue  # not growing every step: nothing to fit
@@ -273,8 +273,24 @@ class History:
             >>> history.departed(4, loss=900.0, grad_norm=1.0).signal
             'loss'
         """
-        if not self._episodes and not (self.points and _may_depart(self.points[-1], loss, grad_norm)):
-            return None
+        if not self._episodes:
+            if not self.points:
+                return None
+            # Can a departure begin at this step? Not while each value is under ``PEAK_RATIO`` times the last
+            # update's (that update is in the window whose peak a departure must clear): the healthy step's
+            # shortcut, exact, before the window is copied and sorted.
+            last = self.points[-1]
+            if not (
+                not 0 < last.loss < math.inf
+                or loss >= PEAK_RATIO * last.loss
+                or not 0 < last.grad_norm < math.inf
+                or grad_norm >= PEAK_RATIO * last.grad_norm
+            ):
+                return None
+        return self._departure(step, loss, grad_norm)
+
+    def _departure(self, step: int, loss: float, grad_norm: float) -> Departure | None:
+        """``departed`` past its shortcut: each metric's episode begun, followed or ended."""
         recent = list(self.points)[-self._level_window :]
         losses = [p.loss for p in recent if math.isfinite(p.loss)]
         found = None
@@ -481,18 +497,6 @@ def _median(values: list[float]) -> float | None:
         return None
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def _may_depart(last: Point, loss: float, grad_norm: float) -> bool:
-    """Can a departure begin at this step? Not while each value is under ``PEAK_RATIO`` times the last
-    update's (that update is in the window whose peak a departure must clear): the healthy step's
-    shortcut, exact, before the window is copied and sorted."""
-    return (
-        not 0 < last.loss < math.inf
-        or loss >= PEAK_RATIO * last.loss
-        or not 0 < last.grad_norm < math.inf
-        or grad_norm >= PEAK_RATIO * last.grad_norm
-    )
 
 
 def _above(value: float, *bars: float) -> bool:

@@ -28,7 +28,7 @@ from nanguard.guard.attempt import Attempt, Rng, scaler_aside
 from nanguard.guard.config import GuardConfig
 from nanguard.guard.diagnoser import Diagnoser, Replayed, replay_trip
 from nanguard.guard.health import DeviceHealth, HealthCheck, HealthFlag, HostCopy, StepHealth
-from nanguard.guard.history import UNAGREED, History
+from nanguard.guard.history import UNAGREED, Departure, Forecast, History
 from nanguard.guard.join import in_join
 from nanguard.guard.optim_state import current_lr
 from nanguard.guard.policy import Policy
@@ -36,6 +36,7 @@ from nanguard.guard.recovery import Recovery
 from nanguard.guard.remedies import Remedies, with_bad_rows
 from nanguard.guard.verdict import Verdict, VerdictKind
 from nanguard.guard.wrapped import scaler_step
+from nanguard.spikes import Spike
 
 __all__ = ["Measure", "Reading"]
 
@@ -139,7 +140,7 @@ class Measure:
         """What a read step is: bad parameters (as loaded, or after an update), a GradScaler
         overflow, a trip (replayed and diagnosed), runaway growth, a spike, or healthy.
         ``updated``: the device path has applied the step's update already."""
-        if h.out_of_step:
+        if h.rank_steps and h.out_of_step:  # (one process has no step slots: no call)
             raise OutOfStepError(h.out_of_step)
         kind = h.trip_kind(scaled=self.scaler is not None)  # the branch a joined rank's shadow takes too
         if kind == "params":
@@ -163,14 +164,12 @@ class Measure:
         if spikes and not updated and (device := self._device_spike(h, attempt, spikes[0].metric)) is not None:
             return Verdict("trip", step, h, diagnosis=device, spikes=spikes)
         # Finite, but diverging: caught before the clip and the update (the device path has applied it).
-        # Not while a rank has joined (DDP join()): it holds no history to follow the trip with.
-        diag = None if updated or h.joined else self._runaway(h)
+        # Not while a rank has joined (DDP join()): it holds no history to follow the trip with. A steady
+        # step (``History.steady``) is no runaway.
+        diag = None if updated or history.steady or h.joined else self._runaway(h)
         if diag is None and not spikes and trend is None and departed is None and own is None:
             return Verdict("healthy", step, h)
-        kind: VerdictKind = "trip" if diag is not None else "spike" if spikes else "healthy"
-        return Verdict(
-            kind, step, h, diagnosis=diag, spikes=spikes or None, forecast=trend, departure=departed, own_spike=own
-        )
+        return _signs(h, diag, spikes, trend, departed, own)
 
     def _runaway(self, h: StepHealth) -> Diagnosis | None:
         """A finite step's divergence, judged on the agreed values (``history.UNAGREED``: the grad norm alone
@@ -278,6 +277,21 @@ class Measure:
             rank=dist.rank_or_none(),
         )
         return Verdict("collapse", h.step, h, diagnosis=diag, overflow=new_scale)
+
+
+def _signs(
+    h: StepHealth,
+    diag: Diagnosis | None,
+    spikes: list[Spike],
+    trend: Forecast | None,
+    departed: Departure | None,
+    own: Spike | None,
+) -> Verdict:
+    """The verdict of a finite step that showed a sign: a runaway's trip, a spike, or a warning of a healthy one."""
+    kind: VerdictKind = "trip" if diag is not None else "spike" if spikes else "healthy"
+    return Verdict(
+        kind, h.step, h, diagnosis=diag, spikes=spikes or None, forecast=trend, departure=departed, own_spike=own
+    )
 
 
 def _from_norm(measured: DeviceHealth, norm: Any, step: int) -> torch.Tensor:

@@ -127,6 +127,8 @@ class GuardParts:
         # read) and a clip (before the step) need the host path.
         self._device_step = self._fused and self.scaler is None and not c.skip_spikes and c.clip_grad_norm is None
         self._deferred = deferred_mode(c, self.optimizer, self.scaler, self._fused, self._cuda_devices)
+        # The buffers saved before each forward (BatchNorm's running statistics): a model without any saves none.
+        self._buffers = self.recovery.buffers if self.recovery.buffers.buffers else None
 
     def _wire(self) -> None:
         """The step's stages, each over the parts it works with."""

@@ -174,15 +174,16 @@ class Policy:
         """Whether the guard keeps a snapshot to roll back to (rollback and auto policies)."""
         return self.config.policy in ("rollback", "auto")
 
-    def snapshot_due(self, good_steps: int) -> bool:
-        """Whether a snapshot is due after this many good steps (every ``snapshot_every``)."""
-        return self.config.policy in ("rollback", "auto") and good_steps % self.config.snapshot_every == 0
+    def due(self, good_steps: int) -> tuple[bool, bool]:
+        """What is due after this many good steps: the replicas' fingerprints compared (every
+        ``fingerprint_every``; 0: never), and a snapshot (rollback and auto policies, every ``snapshot_every``).
 
-    def replicas_due(self, good_steps: int) -> bool:
-        """Whether the replicas' fingerprints are compared after this many good steps (every
-        ``fingerprint_every``; 0: never)."""
-        every = self.config.fingerprint_every
-        return bool(every) and good_steps % every == 0
+        Example:
+            >>> replicas, snapshot = policy.due(guard.recovery.good_steps)
+        """
+        c, every = self.config, self.config.fingerprint_every
+        replicas = bool(every) and good_steps % every == 0
+        return replicas, c.policy in ("rollback", "auto") and good_steps % c.snapshot_every == 0
 
     # -- the decisions -----------------------------------------------------------------
     def _plain(self, diag: Diagnosis, state: State) -> Action:

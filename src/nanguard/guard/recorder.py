@@ -37,6 +37,8 @@ class NullRecorder:
     """
 
     listener: Callable[[dict[str, Any]], None] | None = None
+    writes = False
+    """Does it keep the events itself (``Recorder``)? Else an event without a ``listener`` goes nowhere."""
 
     def __init__(self, *, rank: int | None = None, run: str | None = None) -> None:
         # What every event line starts with, so a listener's dicts read as the log's lines do.
@@ -48,8 +50,9 @@ class NullRecorder:
     def step(
         self, step: int, *, loss: float | None, grad_norm: float | None, scale: float | None, skipped: bool
     ) -> None:
-        # In stepline.KEYS order (kind, step and rank come first): the report reads these lines by columns.
-        self._write("step", step, loss=loss, grad_norm=grad_norm, skipped=skipped, scale=scale)
+        if self.writes or self.listener is not None:  # (each step's event: dropped without a call)
+            # In stepline.KEYS order (kind, step and rank come first): the report reads these lines by columns.
+            self._write("step", step, loss=loss, grad_norm=grad_norm, skipped=skipped, scale=scale)
 
     def trip(self, step: int, *, action: str, ranks: list[int], diagnosis: Diagnosis, **extra: Any) -> None:
         self._write("trip", step, action=action, ranks=ranks, diagnosis=diagnosis.to_dict(), **extra)
@@ -201,6 +204,8 @@ class Recorder(NullRecorder):
         >>> recorder = Recorder("runs/exp1", rank=0, max_bundle_bytes=64 * 2**20)
         >>> recorder.skip(3, reason="loss spike (z=7.1)")
     """
+
+    writes = True
 
     def __init__(
         self,

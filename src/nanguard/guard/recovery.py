@@ -278,7 +278,7 @@ class Recovery:
     def refresh_snapshot(
         self, step: int, loss: float, growing: Callable[[float | None], bool], *, joined: bool = False
     ) -> None:
-        """Snapshot again, when the policy says one is due (``Policy.snapshot_due``), but not while
+        """Snapshot again, when the policy says one is due (``Policy.due``), but not while
         the run grows (``growing(loss when the last snapshot was taken)``): a rollback for divergence
         must land before the growth, not on weights already on their way out.
 
