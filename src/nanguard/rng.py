@@ -123,14 +123,25 @@ def capture_rng(cuda_devices: Iterable[int] | None = None) -> RngCapture:
     tensors = {"cpu": torch.default_generator.get_state()}  # what torch.get_rng_state returns
     if cuda_devices is None or cuda_devices:
         tensors.update(_cuda_states(cuda_devices))
-    # numpy.random's global RandomState, looked up, never imported: numpy imports it lazily, and a
-    # run that never imported it never drew from it.
-    mtrand = sys.modules.get("numpy.random.mtrand")
-    rand = getattr(mtrand, "_rand", None)
+    rand = _GLOBAL_RANDOM_STATE[0] if _GLOBAL_RANDOM_STATE else _global_random_state()
     numpy = None
     if rand is not None and type(rand._bit_generator).__name__ == "MT19937":  # ``_mt19937``, inline: each step
         numpy = rand.get_state(legacy=False)
     return RngCapture(tensors, random.getstate(), numpy)
+
+
+_GLOBAL_RANDOM_STATE: list[Any] = []
+"""numpy.random's global RandomState once found: numpy keeps that one object for the process (``seed``,
+``set_state`` and ``set_bit_generator`` change it in place), so each capture reads it without a lookup."""
+
+
+def _global_random_state() -> Any:
+    """numpy.random's global RandomState, looked up, never imported (numpy imports it lazily, and a run
+    that never imported it never drew from it); None before it is imported."""
+    rand = getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None)
+    if rand is not None:
+        _GLOBAL_RANDOM_STATE.append(rand)
+    return rand
 
 
 def _mt19937(rand: Any) -> bool:

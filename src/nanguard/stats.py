@@ -196,7 +196,10 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         >>> 1.9e20 < total_norm([[torch.full((4,), 1e20)]]).item() < 2.1e20
         True
     """
-    groups = [g for g in groups if g]
+    for g in groups:  # the guard's groups are never empty: its two reads a step make no comprehension
+        if not g:
+            groups = [g for g in groups if g]
+            break
     if not groups:
         return torch.zeros((), dtype=torch.float32)
     first = groups[0][0]
@@ -206,7 +209,10 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     wide = first.dtype == torch.float64 if one else any(g[0].dtype == torch.float64 for g in groups)
     kind = device.type
     acc = torch.float64 if wide else _ACCUMULATE.get(kind, torch.float32)
-    total = _group_norm(groups[0], acc) if one else _norm_of_norms(groups, device, acc)
+    if one and len(groups[0]) > 1:  # ``_norm_of_norms``'s common case, inline (the guard's two reads a step)
+        total = torch.linalg.vector_norm(torch.stack(compat.foreach_norm(groups[0], 2.0, dtype=acc)))
+    else:
+        total = _norm_of_norms(groups, device, acc)
     # A norm is never negative: == inf is isinf.
     if acc == torch.float32 and kind == "cpu" and total.item() == math.inf:
         acc, total = torch.float64, _norm_of_norms(groups, device, torch.float64)
@@ -219,17 +225,12 @@ def total_norm(groups: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
 _ACCUMULATE = {"cuda": torch.float64}
 
 
-def _group_norm(tensors: Sequence[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
-    """The norm of one group (one device and dtype): one foreach kernel, then the norm of the norms."""
-    if len(tensors) == 1:  # one tensor (an engine's flat partition): its norm, the same value in one kernel
-        return torch.linalg.vector_norm(tensors[0], 2.0, dtype=acc)
-    return torch.linalg.vector_norm(torch.stack(compat.foreach_norm(tensors, 2.0, dtype=acc)))
-
-
-def _norm_of_norms(groups: list[Sequence[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
+def _norm_of_norms(groups: Sequence[Sequence[torch.Tensor]], device: torch.device, acc: torch.dtype) -> torch.Tensor:
     # One foreach kernel per group, then one stack of the per-tensor norms and their norm.
     if len(groups) == 1:
-        return _group_norm(groups[0], acc)
+        if len(groups[0]) == 1:  # one tensor (an engine's flat partition): its norm, the same value in one kernel
+            return torch.linalg.vector_norm(groups[0][0], 2.0, dtype=acc)
+        return torch.linalg.vector_norm(torch.stack(compat.foreach_norm(groups[0], 2.0, dtype=acc)))
     norms: list[torch.Tensor] = []
     for ts in groups:
         norms.extend(n.to(device) for n in compat.foreach_norm(ts, 2.0, dtype=acc))

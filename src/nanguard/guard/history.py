@@ -27,7 +27,7 @@ from nanguard.spikes import Spike, SpikeDetector
 __all__ = ["FLOAT32_SQUARE_MAX", "UNAGREED", "Departure", "Forecast", "History", "Point"]
 
 TREND_POINTS = 4
-"""How many recent steps the divergence forecast fits."""
+"""How many recent steps the divergence forecast fits (``History.forecast`` reads these four by name)."""
 RUNAWAY_STEPS = 2
 """Spiking steps in a row, each grown ``divergence_factor``, that make a finite step a divergence trip."""
 ONSET_RISES = 3
@@ -221,9 +221,9 @@ class History:
         trend.append((step, loss, grad_norm))
         found = None
         if len(trend) == TREND_POINTS:
-            # A metric fits only when it grew at every step: most steps are ruled out by their last two.
-            (_, loss_0, norm_0), (_, loss_1, norm_1) = trend[-3], trend[-2]
-            if 0 < norm_0 < norm_1 < grad_norm < math.inf or 0 < loss_0 < loss_1 < loss < math.inf:
+            # A metric fits only when it grew at every step (``_fit``'s own test, first: most steps fail it).
+            (_, l0, g0), (_, l1, g1), (_, l2, g2), _ = trend
+            if 0 < g0 < g1 < g2 < grad_norm < math.inf or 0 < l0 < l1 < l2 < loss < math.inf:
                 found = self._fit()
         if found is None:
             self._quiet += 1
