@@ -27,7 +27,7 @@ from nanguard.spikes import Spike, SpikeDetector
 __all__ = ["FLOAT32_SQUARE_MAX", "UNAGREED", "Departure", "Forecast", "History", "Point"]
 
 TREND_POINTS = 4
-"""How many recent steps the divergence forecast fits (``History.forecast`` reads these four by name)."""
+"""How many recent steps the divergence forecast fits (``History._predict`` reads these four by name)."""
 RUNAWAY_STEPS = 2
 """Spiking steps in a row, each grown ``divergence_factor``, that make a finite step a divergence trip."""
 ONSET_RISES = 3
@@ -217,14 +217,8 @@ class History:
             >>> [history.forecast(s, loss=2.0, grad_norm=10.0 ** (4 * s)) for s in range(4)][-1].metric
             'grad_norm'
         """
-        trend = self._trend
-        trend.append((step, loss, grad_norm))
-        found = None
-        if len(trend) == TREND_POINTS:
-            # A metric fits only when it grew at every step (``_fit``'s own test, first: most steps fail it).
-            (_, l0, g0), (_, l1, g1), (_, l2, g2), _ = trend
-            if 0 < g0 < g1 < g2 < grad_norm < math.inf or 0 < l0 < l1 < l2 < loss < math.inf:
-                found = self._fit()
+        self._trend.append((step, loss, grad_norm))
+        found = self._predict()
         if found is None:
             self._quiet += 1
             if self._quiet >= TREND_POINTS:
@@ -236,8 +230,19 @@ class History:
         self._warned = True
         return found
 
+    def _predict(self) -> Forecast | None:
+        """``_fit``, after its own test of the window first (most steps fail it): a metric fits only when it
+        grew at every step."""
+        trend = self._trend
+        if len(trend) < TREND_POINTS:
+            return None
+        (_, l0, g0), (_, l1, g1), (_, l2, g2), (_, l3, g3) = trend
+        if not (0 < g0 < g1 < g2 < g3 < math.inf or 0 < l0 < l1 < l2 < l3 < math.inf):
+            return None
+        return self._fit()
+
     def _fit(self) -> Forecast | None:
-        """The forecast of the trend's window (``forecast`` past its shortcut)."""
+        """The forecast of the trend's window (``_predict`` without its shortcut)."""
         if len(self._trend) < TREND_POINTS:
             return None
         horizon = self.points.maxlen or TREND_POINTS
@@ -273,24 +278,8 @@ class History:
             >>> history.departed(4, loss=900.0, grad_norm=1.0).signal
             'loss'
         """
-        if not self._episodes:
-            if not self.points:
-                return None
-            # Can a departure begin at this step? Not while each value is under ``PEAK_RATIO`` times the last
-            # update's (that update is in the window whose peak a departure must clear): the healthy step's
-            # shortcut, exact, before the window is copied and sorted.
-            last = self.points[-1]
-            if not (
-                not 0 < last.loss < math.inf
-                or loss >= PEAK_RATIO * last.loss
-                or not 0 < last.grad_norm < math.inf
-                or grad_norm >= PEAK_RATIO * last.grad_norm
-            ):
-                return None
-        return self._departure(step, loss, grad_norm)
-
-    def _departure(self, step: int, loss: float, grad_norm: float) -> Departure | None:
-        """``departed`` past its shortcut: each metric's episode begun, followed or ended."""
+        if not self._episodes and not (self.points and _may_depart(self.points[-1], loss, grad_norm)):
+            return None
         recent = list(self.points)[-self._level_window :]
         losses = [p.loss for p in recent if math.isfinite(p.loss)]
         found = None
@@ -497,6 +486,18 @@ def _median(values: list[float]) -> float | None:
         return None
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _may_depart(last: Point, loss: float, grad_norm: float) -> bool:
+    """Can a departure begin at this step? Not while each value is under ``PEAK_RATIO`` times the last
+    update's (that update is in the window whose peak a departure must clear): the healthy step's
+    shortcut, exact, before the window is copied and sorted."""
+    return (
+        not 0 < last.loss < math.inf
+        or loss >= PEAK_RATIO * last.loss
+        or not 0 < last.grad_norm < math.inf
+        or grad_norm >= PEAK_RATIO * last.grad_norm
+    )
 
 
 def _above(value: float, *bars: float) -> bool:
