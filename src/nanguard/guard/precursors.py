@@ -250,8 +250,9 @@ class PrecursorCheck:
 
     def _update_ratios(self, before: list[torch.Tensor]) -> torch.Tensor:
         """|w_new - w_old| / |w_old| of each module (``self._order``), one device vector."""
-        moved = _stacked(torch._foreach_norm(torch._foreach_sub(self._weights(), before)))
         size = _stacked(torch._foreach_norm(before))
+        torch._foreach_sub_(before, self._weights())  # the copy is ours: w_old - w_new, the same norm
+        moved = _stacked(torch._foreach_norm(before))
         index = torch.tensor(self._index, device=moved.device)
         zeros = torch.zeros(len(self._order), device=moved.device)
         sm = zeros.index_add(0, index, moved.square())
@@ -288,11 +289,12 @@ class PrecursorCheck:
             step = torch.as_tensor(g.step[0]).float()
             bc1, bc2 = 1 - g.betas[0] ** step, 1 - g.betas[1] ** step
             v_hat = torch._foreach_div(g.v, bc2.to(g.v[0].device))  # a tensor: never read on the host
-            denom = torch._foreach_add(torch._foreach_sqrt(v_hat), g.eps)
-            u = torch._foreach_div(g.m, denom)
             index = g.index.to(device)
-            u2.index_add_(0, index, (_stacked(torch._foreach_norm(u)).to(device) / bc1.to(device)).square())
             v1.index_add_(0, index, _stacked(torch._foreach_norm(v_hat, 1)).to(device))
+            torch._foreach_sqrt_(v_hat)  # then the denominator, in place: one buffer fewer to allocate
+            torch._foreach_add_(v_hat, g.eps)
+            u = torch._foreach_div(g.m, v_hat)
+            u2.index_add_(0, index, (_stacked(torch._foreach_norm(u)).to(device) / bc1.to(device)).square())
             n.index_add_(0, index, g.sizes.to(device))
         n = n.clamp_min(1)
         return torch.cat([(u2 / n).sqrt(), (v1 / n).sqrt()])

@@ -17,6 +17,12 @@ a split, a view). Then
   its logsumexp;
 - each repeated layer (a child of a ``ModuleList``/``ModuleDict``) gives ``output_rms``.
 
+The first forward sees every op; it learns the sites, the modules whose own code made, carried or
+consumed a measured tensor. Later forwards turn the mode on in the sites and in modules never seen
+run before, off in the others (each module's forward is wrapped while the capture runs: it names
+the running module and switches the mode): the same measurements from fewer ops. One that misses a
+measurement learned before took another path, and the next forward learns from scratch.
+
 Every value is reduced on the device; nothing is read here. The mode only reads what the ops
 computed (and ``detach``es it), so the step's results are those of the step run without it.
 """
