@@ -299,6 +299,21 @@ def test_a_forward_down_another_path_is_seen_or_learned_again() -> None:
     assert same(*both())
 
 
+def test_a_layer_skipped_that_only_gave_its_output_rms_is_no_other_path() -> None:
+    torch.manual_seed(0)
+    model, x = _Path(), torch.randn(4, 8)
+    model.extra, model.layers[2].attends = True, False  # type: ignore[union-attr]
+    capture = _Seen(model)
+    with capture:
+        model(x)
+    model.extra = False  # as an MoE expert no token chose
+    for _ in range(2):
+        capture.seen.clear()
+        with capture:
+            model(x)
+        assert set(capture.seen) == {"layers.0"} and ("layers.0", "attn_logit") in capture.values
+
+
 @pytest.mark.parametrize(
     ("series", "warns"),
     [

@@ -118,6 +118,7 @@ class Capture(TorchFunctionMode):
         self._sites: set[str | None] = set()
         self._keys: set[tuple[str, str]] = set()
         self._seen: set[str | None] = set()
+        self._found: set[tuple[str, str]] = set()  # this forward's measurements through the mode
         self._ran: set[str | None] = set()
         self._handlers: dict[Any, Callable[[Any, tuple, dict], None]] = {}
         for funcs, handler in ((_SOFTMAX, self._softmax), (_LOGZ, self._logz), (_TOPK, self._topk)):
@@ -137,7 +138,7 @@ class Capture(TorchFunctionMode):
         return self._start(module)
 
     def _start(self, module: nn.Module | None) -> Capture:
-        self.values, self._broken, self._seen, self._ran = {}, False, set(), set()
+        self.values, self._broken, self._seen, self._ran, self._found = {}, False, set(), set(), set()
         if self._names is None:
             self._names = {id(m): (m, n) for n, m in _user_modules(self.model)}  # a shared module: its last name
         self._wrap()
@@ -174,12 +175,12 @@ class Capture(TorchFunctionMode):
         expected measurement took another path, and the next forward learns from scratch."""
         if not complete:
             return
-        if not self._keys <= self.values.keys():
+        if not self._keys <= self._found:  # (a layer's output RMS is measured wherever it runs: not counted)
             self._known, self._sites, self._keys = set(), set(), set()
             return
         self._known |= self._ran
         self._sites |= self._seen
-        self._keys |= self.values.keys()
+        self._keys |= self._found
 
     def _wrap(self) -> None:
         """Each module's forward wrapped to run as its name (the wrapper built once, again for a module whose
@@ -321,7 +322,9 @@ class Capture(TorchFunctionMode):
         key = (module, signal)
         seen = self.values.get(key)
         self.values[key] = value if seen is None else torch.maximum(seen, value.to(seen.device))
-        self._seen |= sites
+        if sites:
+            self._seen |= sites
+            self._found.add(key)
 
     def _mark(self, out: Any, kind: str, module: str, sites: frozenset[str | None]) -> None:
         if isinstance(out, torch.Tensor):
