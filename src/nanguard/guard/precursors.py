@@ -148,6 +148,8 @@ class PrecursorCheck:
         self._module_of = {id(p): m for p, m in zip(self._params, modules, strict=True)}
         self._order = list(dict.fromkeys(modules))
         self._index = [self._order.index(m) for m in modules]
+        self._ratio_keys = [(m, "update_ratio") for m in self._order]  # the packed vector's names, made once
+        self._adam_keys = [(m, signal) for signal in ("adam_update", "adam_v") for m in self._order]
         self._sharded = any(local(p) is not p for p in self._params)
         for group in self.optimizer.param_groups:
             betas = group.get("betas")
@@ -248,11 +250,11 @@ class PrecursorCheck:
         try:
             with torch.no_grad():
                 parts = [_stacked(list(values.values())), self._update_ratios(before)]
-                keys = [*values, *((m, "update_ratio") for m in self._order)]
+                keys = [*values, *self._ratio_keys]
                 moments = self._adam_moments()
                 if moments is not None:
                     parts.append(moments)
-                    keys += [(m, signal) for signal in ("adam_update", "adam_v") for m in self._order]
+                    keys += self._adam_keys
                 packed = torch.cat([t.to(parts[1].device) for t in parts])
             self._pending.append(_Queued(step, keys, packed))
             self._read_ready()  # on the CPU the copy is the tensor: read now; on a GPU, once its event completed
