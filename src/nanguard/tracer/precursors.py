@@ -29,6 +29,7 @@ computed (and ``detach``es it), so the step's results are those of the step run 
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -355,7 +356,7 @@ class _Forward:
                 return forward(*args, **kwargs)
             return capture._call(name, layer, forward, args, kwargs)
 
-        self.wrapped = wrapped
+        self.wrapped = functools.update_wrapper(wrapped, forward)  # its signature, for code that reads it
 
 
 # The measurements below start from a detached tensor: nothing they compute joins the graph.
