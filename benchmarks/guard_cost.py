@@ -222,10 +222,13 @@ def main() -> None:
     table = "\n".join(lines)
     runs = f"{args.repeats} processes of each, alternated, medians" if args.repeats > 1 else "one process"
     baseline = f' The "before" column ran on the sources at `{args.baseline}`.' if before else ""
+    conditions = (  # one line above the table (tests/test_docs.py)
+        f"Healthy guarded steps beyond the plain ones, default options; counts: the average over {_period()} steps "
+        f"(the precursors' sampled steps included); times: median of {args.rounds} interleaved rounds, {runs}."
+    )
     body = f"""## The guard's own work per step (counts)
 
-Healthy guarded steps beyond the plain ones, default options; counts: the average over {_period()} steps (the
-precursors' sampled steps included); times: median of {args.rounds} interleaved rounds, {runs}.
+{conditions}
 
 {table}
 
