@@ -6,7 +6,8 @@ the guard's per-step work. Counts do not drift:
 - aten ops the guard adds per healthy step of the tiny GPT (a ``TorchDispatchMode`` counts the
   ops of a guarded step and of the plain one), with the default options, averaged over two precursor
   sampling periods (``precursor_every=20``: the sampled steps count as often as a run has them);
-- Python calls it adds (``sys.setprofile``, calls into Python and C functions alike), averaged the same way;
+- Python calls it adds (``sys.setprofile``, calls into Python and C functions alike), averaged the same way,
+  and on the steps between two precursor samples alone (``precursor_every=0``: what every step pays);
 - its own time per step on a 4-parameter model, where reading the tensors costs next to nothing:
   the median of interleaved rounds, guarded minus plain; and, in the same rounds, what the floor
   of any check (the guard's two reads alone: the gradient norm, the parameter norm after the
@@ -82,7 +83,7 @@ def _counts(step: Callable[[], None]) -> tuple[float, float]:
     return mode.ops / steps, calls / steps
 
 
-def _tiny_loops() -> tuple[Callable[[], None], Callable[[], None]]:
+def _tiny_loops(**options: Any) -> tuple[Callable[[], None], Callable[[], None]]:
     import nanguard as ng
     from nanguard.zoo import GPTConfig, train_step
     from overhead import _batches, _setup
@@ -97,7 +98,7 @@ def _tiny_loops() -> tuple[Callable[[], None], Callable[[], None]]:
 
     g_model, g_opt = _setup(cfg)
     g_next = _batches(cfg)
-    guard = ng.Guard(g_model, g_opt, policy="skip")
+    guard = ng.Guard(g_model, g_opt, policy="skip", **options)
 
     def guarded() -> None:
         batch = g_next()
@@ -149,6 +150,8 @@ def measure(rounds: int) -> dict[str, float]:
     """The three counts for the nanguard that ``import nanguard`` finds."""
     plain, guarded = _tiny_loops()
     (p_ops, p_calls), (g_ops, g_calls) = _counts(plain), _counts(guarded)
+    plain, unsampled = _tiny_loops(precursor_every=0)  # the steps between two precursor samples
+    (_, p_calls_0), (_, g_calls_0) = _counts(plain), _counts(unsampled)
     import nanguard.rng
 
     # What the guard calls before each step (older sources: get_rng_state).
@@ -168,6 +171,7 @@ def measure(rounds: int) -> dict[str, float]:
     return {
         "ops": g_ops - p_ops,
         "calls": g_calls - p_calls,
+        "calls_unsampled": g_calls_0 - p_calls_0,
         "own_us": median["guarded"] - median["plain"],
         "floor_us": median["reads"] - median["plain"],
         "rng_us": median["rng"],
@@ -210,6 +214,7 @@ def main() -> None:
     rows = [
         ("aten ops added per healthy step (tiny GPT)", "ops", "{:.1f}"),
         ("Python calls added per healthy step (tiny GPT)", "calls", "{:.0f}"),
+        ("Python calls added per step that samples no precursor (`precursor_every=0`)", "calls_unsampled", "{:.0f}"),
         ("the guard's own time per step, 4-parameter model (us)", "own_us", "{:.0f}"),
         ("of it, the two reads alone: gradient norm, parameter norm after the update (us)", "floor_us", "{:.0f}"),
         ("of it, the RNG capture before the step, `capture_rng()` (us)", "rng_us", "{:.1f}"),
@@ -233,7 +238,8 @@ def main() -> None:
 {table}
 
 Counted where a step's time is too noisy to show it: the aten ops and Python calls a guarded healthy step
-of the tiny GPT makes beyond the plain one, and the guard's own time on a 4-parameter model, where reading
+of the tiny GPT makes beyond the plain one (the calls also of a step between two precursor samples, the
+average less the sampled steps' share), and the guard's own time on a 4-parameter model, where reading
 the tensors costs next to nothing. The floor of any check that reads every gradient and parameter once is
 the two reads alone (the same `total_norm` calls in a plain loop); the target is the guard's work above it,
 <= 0.1 ms a step on CPU. The RNG capture lets a replay or a skip draw what the step drew from torch's,
