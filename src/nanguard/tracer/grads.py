@@ -43,7 +43,8 @@ class GradWatch:
     def __init__(self, modules: ModuleStack, leaves: dict[int, torch.Tensor], protected: Backup) -> None:
         self._modules, self._leaves, self._protected = modules, leaves, protected
         self.seen_backward = False
-        self._in_backward = False
+        self.in_backward = False
+        """Inside a backward (its ops ran last): no gradient surgery runs there."""
         self._storages: dict[int, str] = {}
         self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
         self.phase: str | None = None
@@ -52,13 +53,13 @@ class GradWatch:
     def before(self, backward: bool, inputs: list[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
         """Called for every op (once a backward ran) before its outputs are checked: is it gradient surgery?"""
         if backward:
-            self.seen_backward = self._in_backward = True
+            self.seen_backward = self.in_backward = True
             self.phase = None
             return
         if not self.seen_backward:
             return
-        if self._in_backward:
-            self._in_backward = False
+        if self.in_backward:
+            self.in_backward = False
             self._refresh()
         self.phase = None
         if self._modules.current is not None:
@@ -79,7 +80,7 @@ class GradWatch:
     def recheck(self, inputs: list[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
         """At a creation, read the gradients afresh: a ``.grad`` assigned after the backward (``p.grad =
         g / g.norm()``) runs no op, so the storages read when the backward ended do not hold it."""
-        if not self.seen_backward or self.phase is not None or self._in_backward or self._modules.current is not None:
+        if not self.seen_backward or self.phase is not None or self.in_backward or self._modules.current is not None:
             return
         self._refresh()
         self.before(False, inputs, facts, args, kwargs)

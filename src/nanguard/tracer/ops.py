@@ -267,6 +267,7 @@ class OpInfo:
     view: bool  # returns a view of its first argument (any view: a dtype view too)
     flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
+    call: Callable[..., Any]  # runs the op: an OpOverload's own C++ callable (one Python frame fewer), else the op
     blank: bool = False  # its output is memory no op has written (BLANK)
     comm: bool = False  # communication between ranks (``collectives.is_comm``)
     beta: bool = False  # an addmm-family op, which may leave its first argument unread (``ignores_first``)
@@ -315,7 +316,15 @@ def _describe(func: Any) -> OpInfo:
         blank=_in(BLANK, func),
         comm=getattr(func, "namespace", None) in compat.COMM_NAMESPACES,
         beta=getattr(func, "overloadpacket", None) in _BETA,
+        call=_runner(func),
     )
+
+
+def _runner(func: Any) -> Callable[..., Any]:
+    """What runs ``func``: an ``OpOverload``'s ``_op`` where its ``__call__`` only forwards to it, else ``func``."""
+    plain = getattr(torch._ops.OpOverload, "__call__", None)
+    inner = getattr(func, "_op", None)
+    return inner if inner is not None and getattr(type(func), "__call__", None) is plain else func
 
 
 def _flat_type(name: str) -> bool:

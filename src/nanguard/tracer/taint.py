@@ -73,22 +73,30 @@ class TaintMap:
         self.status: dict[int, _Entry] = {}
         self.storage: dict[int, frozenset[int]] = {}
 
-    def inputs(self, flat: list[Any]) -> Inputs:
+    def inputs(self, flat: Sequence[Any]) -> Inputs:
         """The flags and taints of an op's flat arguments; ``CLEAN`` when none is NaN/Inf."""
         bad: list[_Entry] = []
         written: tuple[float, ...] = ()
         status = self.status
         for x in flat:
-            if isinstance(x, torch.Tensor):
-                entry = status.get(id(x))
-                if entry is None or entry[1] != version(x) or entry[0]() is not x:
-                    if not (x.is_floating_point() or x.is_complex()):
-                        continue
+            entry = status.get(id(x))
+            if entry is not None and entry[0]() is x:  # a tensor seen: read again only once written
+                try:
+                    stale = entry[1] != x._version
+                except RuntimeError:  # an inference tensor keeps no version counter
+                    stale = entry[1] != -1
+                if stale:
                     entry = self._read(x, entry)
-                if entry[2] or entry[3]:
-                    bad.append(entry)
-            elif isinstance(x, float) and not -math.inf < x < math.inf:  # NaN or +-Inf
-                written += (x,)
+            elif isinstance(x, torch.Tensor):
+                if not (x.is_floating_point() or x.is_complex()):
+                    continue
+                entry = self._read(x, entry)
+            else:
+                if isinstance(x, float) and not -math.inf < x < math.inf:  # NaN or +-Inf
+                    written += (x,)
+                continue
+            if entry[2] or entry[3]:
+                bad.append(entry)
         if not (bad or written):
             return CLEAN
         return _combined(bad, written)
@@ -129,9 +137,15 @@ class TaintMap:
 
     def set_finite(self, ts: Iterable[torch.Tensor], base_version: int | None = None) -> None:
         """Record the floating tensors among ``ts``, known to be finite, at their current versions (see ``set``)."""
-        for t in ts:
-            if t.is_floating_point() or t.is_complex():
-                self.status[id(t)] = (weakref.ref(t), version(t), False, False, _NONE, base_version)
+        status = self.status
+        try:
+            for t in ts:
+                if t.is_floating_point() or t.is_complex():
+                    status[id(t)] = (weakref.ref(t), t._version, False, False, _NONE, base_version)
+        except RuntimeError:  # an inference tensor keeps no version counter: the same again, -1 for it
+            for t in ts:
+                if t.is_floating_point() or t.is_complex():
+                    status[id(t)] = (weakref.ref(t), version(t), False, False, _NONE, base_version)
 
     def aliases(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The other tensors seen that share ``t``'s storage (its base, views, ``.data`` aliases)."""
