@@ -21,6 +21,11 @@ Site = tuple[str | None, str | None, str | None, str | None, str | None, float |
 """(module, module type, forward op, your line, library line, module eps)."""
 
 
+# The frames of nanguard's own a walk for the user's line starts above: ``user_source`` <- ``note`` <-
+# ``Tracer.after_op`` <- ``_TracerMode.__torch_dispatch__`` (the only caller); a frame not skipped is read.
+_OWN_FRAMES = 4
+
+
 class ForwardSites:
     """The forward site of every autograd node made while tracing.
 
@@ -63,7 +68,7 @@ class ForwardSites:
                 modules.top_name,
                 type(module).__name__ if module is not None else None,
                 facts.name if grad else None,
-                *user_source(),
+                *user_source(_OWN_FRAMES),
                 modules.eps(module),
             )
         if grad and self.track_leaves:

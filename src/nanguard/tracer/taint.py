@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from nanguard import compat
-from nanguard.stats import local
+from nanguard.stats import float_groups, local, total_norm
 
 __all__ = [
     "CLEAN",
@@ -235,7 +235,8 @@ def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
     """``nonfinite_flags`` of each tensor, with one host read for all of them on an accelerator.
 
     A CPU tensor whose first element is NaN needs no pass (reading it costs no device sync):
-    the gradients of a step that went NaN usually are.
+    the gradients of a step that went NaN usually are. The other CPU tensors, when all are
+    finite (a healthy step's gradients), are shown so by one norm over all of them.
 
     Example:
         >>> many_nonfinite_flags([torch.tensor([float("nan"), 1.0]), torch.ones(2)])
@@ -243,6 +244,8 @@ def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
     """
     ts = [local(t) for t in ts]
     known = [_first_is_nan(t) for t in ts]
+    if _finite_together([t for t, nan in zip(ts, known, strict=True) if not nan]):
+        return [(nan, False) for nan in known]
     bounds = [None if nan else _bounds(t) for t, nan in zip(ts, known, strict=True)]
     present = [b for b in bounds if b is not None]
     values = iter(())
@@ -254,6 +257,17 @@ def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
         (True, False) if nan else (False, False) if b is None else _flags(*next(values))
         for nan, b in zip(known, bounds, strict=True)
     ]
+
+
+def _finite_together(ts: list[torch.Tensor]) -> bool:
+    """Are several CPU float tensors all finite, by one norm over them (``stats.total_norm``: NaN/Inf
+    exactly when some element is)? False when that cannot be told so (another device, an error)."""
+    if len(ts) < 2 or not all(t.device.type == "cpu" and t.is_floating_point() for t in ts):
+        return False
+    try:
+        return math.isfinite(total_norm(float_groups(ts)).item())
+    except (RuntimeError, NotImplementedError):  # a tensor the foreach norm does not take: read one by one
+        return False
 
 
 def _first_is_nan(t: torch.Tensor) -> bool:
