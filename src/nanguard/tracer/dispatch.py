@@ -155,8 +155,10 @@ class _TracerMode(compat.DispatchMode):
         if facts.beta or facts.writes:
             flat_in = tracer.before_write(func, facts, args, kwargs, flat_in)
         ins = CLEAN if facts.literal else tracer.taint.inputs(flat_in)
-        if ins.taint:
-            tracer.read_taint(ins.taint)
+        if ins.taint:  # what a raise right after it is about, and the first module to read unnamed data
+            tracer.last_taint, tracer.last_taint_index = ins.taint, tracer.index
+            if tracer.unnamed:
+                tracer.first_reader(ins.taint)
         try:
             out = facts.call(*args, **kwargs)
         except BaseException as err:
@@ -213,7 +215,7 @@ class Tracer:
         self.last_taint_index = -1
         # Data origins made outside any module (named after their first reader), and the origins
         # whose list of the ops after them is full: checked on every op that reads a non-finite value.
-        self._unnamed: list[Origin] = []
+        self.unnamed: list[Origin] = []
         self._full: set[int] = set()
 
     def __enter__(self) -> Tracer:
@@ -251,19 +253,13 @@ class Tracer:
             self.protected.before(facts.writes, args, kwargs)
         return flat_in
 
-    def read_taint(self, taint: frozenset[int]) -> None:
-        """The op about to run reads non-finite values of the origins in ``taint``."""
-        self.last_taint, self.last_taint_index = taint, self.index
-        if self._unnamed:
-            self._first_reader(taint)
-
-    def _first_reader(self, taint: frozenset[int]) -> None:
+    def first_reader(self, taint: frozenset[int]) -> None:
         """Bad data first touched outside any module (a pipeline schedule splitting the batch into
         microbatches, the loop's own arithmetic) is named after the first module that reads it."""
         module = self.modules.top
         if module is None:
             return
-        for origin in self._unnamed:
+        for origin in self.unnamed:
             if origin.id in taint and origin.category == "data" and origin.module is None:
                 origin.module = self.modules.top_name
                 origin.module_type = type(module).__name__
@@ -292,7 +288,7 @@ class Tracer:
         if ins is CLEAN:
             self._clean_outputs(func, facts, args, kwargs, flat_in, out, flat_out)
         else:
-            self._outputs(_Op(func, facts, args, kwargs, flat_in, out), ins, flat_out)
+            self._tainted_outputs(func, facts, args, kwargs, flat_in, out, ins, flat_out)
         if grads.phase is not None:
             grads.after(flat_out)
         if flat_out and (node is None or self.modules.top is not None):  # a backward op outside a module has no site
@@ -319,6 +315,43 @@ class Tracer:
             else:
                 self._outputs(_Op(func, facts, args, kwargs, flat_in, out), CLEAN, flat_out[i:])
                 return
+
+    def _tainted_outputs(
+        self,
+        func: Any,
+        facts: ops.OpInfo,
+        args: tuple,
+        kwargs: dict,
+        flat_in: Sequence[Any],
+        out: Any,
+        ins: Inputs,
+        flat_out: list[torch.Tensor],
+    ) -> None:
+        """Flags and taint of the outputs of an op that read a non-finite value: after a NaN flood's
+        (``_flooded``), or any other's (``_outputs``)."""
+        if ins.nan and not (ins.inf or ins.written or self.norms.pending):
+            self._flooded(func, facts, args, ins.taint, flat_out)
+        else:
+            self._outputs(_Op(func, facts, args, kwargs, flat_in, out), ins, flat_out)
+
+    def _flooded(self, func: Any, facts: ops.OpInfo, args: tuple, taint: frozenset[int], flat_out: list) -> None:
+        """``_outputs`` of an op whose inputs hold NaN, and no Inf nor non-finite number: nothing is created
+        from a NaN, so an output that holds NaN/Inf carries its inputs' ``taint`` (most ops of a faulty step)."""
+        base = _base_version(args) if facts.view else None
+        source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
+        for o in flat_out:
+            if not (o.is_floating_point() or o.is_complex()):
+                continue
+            same = source is not None and o.numel() >= source.numel() > 0  # its input's values: its flags
+            nan, inf = (True, False) if same else nonfinite_flags(o, likely=True)
+            if not (nan or inf):
+                self.taint.set(o, False, False, _NONE, base)
+                continue
+            self.taint.set(o, nan, inf, taint, base)
+            if not same and facts.writes and args and o is args[0]:
+                self._written_into(o, taint)
+            if not taint <= self._full:
+                self._note_after(func, facts, taint, nan, None)
 
     def _outputs(self, op: _Op, ins: Inputs, flat_out: list[torch.Tensor]) -> None:
         """Flags and taint of each floating output of an op that may have made NaN/Inf."""
@@ -472,7 +505,7 @@ class Tracer:
         )
         self.origins.append(origin)
         if origin.module is None and category in ("data", "fill"):
-            self._unnamed.append(origin)
+            self.unnamed.append(origin)
         return origin
 
     def _source_kind(

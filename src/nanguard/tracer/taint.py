@@ -131,7 +131,11 @@ class TaintMap:
         self, t: torch.Tensor, nan: bool, inf: bool, taint: frozenset[int], base_version: int | None = None
     ) -> None:
         """Record ``t``'s flags; ``base_version``: the version of the tensor ``t`` is a view of, if any."""
-        self.status[id(t)] = (weakref.ref(t), version(t), nan, inf, taint, base_version)
+        try:
+            current = t._version
+        except RuntimeError:  # an inference tensor keeps no version counter
+            current = -1
+        self.status[id(t)] = (weakref.ref(t), current, nan, inf, taint, base_version)
         if taint:
             self.storage[storage_key(t)] = taint
 
