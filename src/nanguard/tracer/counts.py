@@ -8,6 +8,7 @@ gradient, by tensor id with a weak reference.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ class BatchCounts:
     def __bool__(self) -> bool:
         return bool(self.known)
 
-    def note(self, flat_in: list[Any], flat_out: list[torch.Tensor]) -> None:
+    def note(self, flat_in: Sequence[Any], flat_out: list[torch.Tensor]) -> None:
         """Carry the batch path of a count through an op whose inputs carry no gradient."""
         path = None
         known = self.known

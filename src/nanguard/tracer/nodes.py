@@ -7,6 +7,7 @@ node. Without a model, the leaf tensors seen are kept too: their gradients are t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ class ForwardSites:
     def start(self) -> None:
         self.first = torch._C._autograd._get_sequence_nr()
 
-    def note(self, facts: ops.OpInfo, ins: list[Any], backward: bool) -> None:
+    def note(self, facts: ops.OpInfo, ins: Sequence[Any], backward: bool) -> None:
         """Remember which module and line each forward op ran in, keyed by the sequence
         number of the autograd node it creates, so its backward can be attributed.
 

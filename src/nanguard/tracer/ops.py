@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,9 +322,10 @@ def _describe(func: Any) -> OpInfo:
 
 def _runner(func: Any) -> Callable[..., Any]:
     """What runs ``func``: an ``OpOverload``'s ``_op`` where its ``__call__`` only forwards to it, else ``func``."""
-    plain = getattr(torch._ops.OpOverload, "__call__", None)
-    inner = getattr(func, "_op", None)
-    return inner if inner is not None and getattr(type(func), "__call__", None) is plain else func
+    overload = torch._ops.OpOverload
+    forwards = isinstance(func, overload) and type(func).__call__ is overload.__call__
+    inner = getattr(func, "_op", None) if forwards else None
+    return inner if inner is not None else func
 
 
 def _flat_type(name: str) -> bool:
@@ -662,7 +663,7 @@ _MEETS: dict[Any, str] = {
 }
 
 
-def infinities_met(func: Any, flat_in: list[Any], out: torch.Tensor) -> str | None:
+def infinities_met(func: Any, flat_in: Sequence[Any], out: torch.Tensor) -> str | None:
     """``"-inf - (-inf)"``, ``"inf + (-inf)"`` or ``"inf / inf"`` when the NaN that ``func`` (a
     subtraction, an addition or a division) made sits where both its operands were infinite: the
     arithmetic combined two infinities. None for any other op or any other NaN (``0 / 0``)."""

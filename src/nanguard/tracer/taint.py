@@ -80,7 +80,7 @@ class TaintMap:
         status = self.status
         for x in flat:
             entry = status.get(id(x))
-            if entry is not None and entry[0]() is x:  # a tensor seen: read again only once written
+            if entry is not None and entry[0]() is x is not None:  # a tensor seen: read again only once written
                 try:
                     stale = entry[1] != x._version
                 except RuntimeError:  # an inference tensor keeps no version counter
@@ -306,7 +306,7 @@ def _bounds(t: torch.Tensor) -> torch.Tensor | None:
     return torch.stack(torch.aminmax(t.detach()))
 
 
-def has_inf_created(out: torch.Tensor, inputs: list[Any]) -> bool:
+def has_inf_created(out: torch.Tensor, inputs: Sequence[Any]) -> bool:
     """Did an elementwise op make Inf where all its inputs were finite? ``exp`` of a masked
     row turns finite scores into +Inf beside the mask's -Inf: that is a creation."""
     if any(isinstance(x, float) and math.isinf(x) for x in inputs):
