@@ -305,7 +305,7 @@ class Tracer:
         if facts.keeps_finite:
             self.taint.set_finite(flat_out, base)
             return
-        source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
+        source = _values_source(facts, args)
         status = self.taint.status
         for i, o in enumerate(flat_out):
             if not (o.is_floating_point() or o.is_complex()):
@@ -338,7 +338,7 @@ class Tracer:
         """``_outputs`` of an op whose inputs hold NaN, and no Inf nor non-finite number: nothing is created
         from a NaN, so an output that holds NaN/Inf carries its inputs' ``taint`` (most ops of a faulty step)."""
         base = _base_version(args) if facts.view else None
-        source = args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
+        source = _values_source(facts, args)
         for o in flat_out:
             if not (o.is_floating_point() or o.is_complex()):
                 continue
@@ -359,7 +359,7 @@ class Tracer:
             self._inputs_read(op, ins)
         args = op.args
         base = _base_version(args) if op.facts.view else None  # the version of the tensor a view's outputs view
-        source = args[0] if op.facts.same_values and args and isinstance(args[0], torch.Tensor) else None
+        source = _values_source(op.facts, args)
         where: _Where | None = None
         for o in flat_out:
             if not (o.is_floating_point() or o.is_complex()):
@@ -734,6 +734,11 @@ def _sum_is_finite(t: torch.Tensor) -> bool:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SUMMED = (torch.float32, torch.float64)
+
+
+def _values_source(facts: ops.OpInfo, args: tuple) -> torch.Tensor | None:
+    """The tensor whose values a ``same_values`` op's outputs hold (its first argument), else None."""
+    return args[0] if facts.same_values and args and isinstance(args[0], torch.Tensor) else None
 
 
 def _base_version(args: tuple) -> int | None:

@@ -248,7 +248,7 @@ def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
     """
     ts = [local(t) for t in ts]
     known = [_first_is_nan(t) for t in ts]
-    if _finite_together([t for t, nan in zip(ts, known, strict=True) if not nan]):
+    if _finite_together(ts, known):
         return [(nan, False) for nan in known]
     bounds = [None if nan else _bounds(t) for t, nan in zip(ts, known, strict=True)]
     present = [b for b in bounds if b is not None]
@@ -263,9 +263,11 @@ def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
     ]
 
 
-def _finite_together(ts: list[torch.Tensor]) -> bool:
-    """Are several CPU float tensors all finite, by one norm over them (``stats.total_norm``: NaN/Inf
-    exactly when some element is)? False when that cannot be told so (another device, an error)."""
+def _finite_together(tensors: list[torch.Tensor], nan: list[bool]) -> bool:
+    """Are the tensors not known to hold NaN (``nan``) CPU float tensors, all finite by one norm over them
+    (``stats.total_norm``: NaN/Inf exactly when some element is)? False when that cannot be told so
+    (another device, an error, fewer than two)."""
+    ts = [t for t, known in zip(tensors, nan, strict=True) if not known]
     if len(ts) < 2 or not all(t.device.type == "cpu" and t.is_floating_point() for t in ts):
         return False
     try:
