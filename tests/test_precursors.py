@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanguard as ng
+from nanguard.integrations.loop import LoopGuard
 from nanguard.integrations.scalars import scalars_of
 from nanguard.precursors import HORIZON, POINTS, SIGNALS, Trend
 from nanguard.report.html import render_html
@@ -273,15 +274,16 @@ class _Stack(nn.Module):
         return x
 
 
-def _frozen_stretch(beta2: float, set_to_none: bool) -> list[dict[str, Any]]:
+def _frozen_stretch(beta2: float, set_to_none: bool, *, loop: bool = False) -> list[dict[str, Any]]:
     """Layer 1 frozen (``requires_grad=False``) from step 25 on; ``zero_grad(set_to_none=False)`` keeps its
     gradients at exactly zero, so Adam keeps stepping it and its m and v decay (zero gradients: the decay
-    is beta1**k and beta2**k, the same on any CPU)."""
+    is beta1**k and beta2**k, the same on any CPU). ``loop``: the user's own loop under ``LoopGuard``."""
     torch.manual_seed(0)
     model = _Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, beta2))
     events: list[dict[str, Any]] = []
-    guard = ng.Guard(model, opt, on_event=events.append, precursor_every=5)
+    make = LoopGuard if loop else ng.Guard
+    guard = make(model, opt, on_event=events.append, precursor_every=5)
     gen = torch.Generator().manual_seed(3)
     for step in range(100):
         model.layers[1].requires_grad_(step < 25)
@@ -293,7 +295,11 @@ def _frozen_stretch(beta2: float, set_to_none: bool) -> list[dict[str, Any]]:
             loss.backward()
             return loss
 
-        guard.step(closure)
+        if loop:  # the check, and the next sample's arming, run inside the optimizer's step hooks
+            closure()
+            opt.step()
+        else:
+            guard.step(closure)
     guard.close()
     return [e for e in events if e["kind"] == "warning"]
 
@@ -306,3 +312,12 @@ def test_adams_second_moment_decaying_while_a_layer_gets_no_gradient_is_warned_f
     # the twins: a larger beta2 (v forgets slowly), or gradients set to None (Adam skips the frozen layer)
     assert _frozen_stretch(beta2=0.999, set_to_none=False) == []
     assert _frozen_stretch(beta2=0.95, set_to_none=True) == []
+
+
+def test_a_loop_guard_samples_from_inside_the_optimizers_hooks_and_warns_as_guard_step_does() -> None:
+    under_step = _frozen_stretch(beta2=0.95, set_to_none=False)
+    in_loop = _frozen_stretch(beta2=0.95, set_to_none=False, loop=True)
+    assert [(w["signal"], w["module"], w["step"]) for w in in_loop] == [
+        (w["signal"], w["module"], w["step"]) for w in under_step
+    ]
+    assert in_loop

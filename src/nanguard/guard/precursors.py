@@ -128,6 +128,7 @@ class PrecursorCheck:
         self._acted = False
         self._handles: list[Any] = []
         self._params: list[torch.Tensor] = []
+        self._step_handles: list[Any] = []
         self._module_of: dict[int, str] = {}
         if not self.every or compiled_modules(self.model):  # a compiled model would run eagerly under the mode
             self.every = 0
@@ -150,6 +151,12 @@ class PrecursorCheck:
             betas = group.get("betas")
             if isinstance(betas, (tuple, list)):
                 self._beta2.update((names.get(id(p), ""), float(betas[1])) for p in group["params"])
+        # On for the run (each returns at once between samples): a LoopGuard arms the next sample from inside the
+        # optimizer's post-step hooks, whose dict torch forbids changing while it runs them.
+        self._step_handles = [
+            self.optimizer.register_step_pre_hook(_weak(self._pre_step)),
+            self.optimizer.register_step_post_hook(_weak(self._post_step)),
+        ]
         self.next = self.every
 
     def due(self, step: int) -> bool:
@@ -170,13 +177,14 @@ class PrecursorCheck:
         try:
             self._handles.append(self.model.register_forward_pre_hook(_weak(self._enter)))
             self._handles.append(self.model.register_forward_hook(_weak(self._leave), always_call=True))
-            self._handles.append(self.optimizer.register_step_pre_hook(_weak(self._pre_step)))
-            self._handles.append(self.optimizer.register_step_post_hook(_weak(self._post_step)))
-        except (AttributeError, RuntimeError, TypeError) as err:  # an optimizer without step hooks
+        except (AttributeError, RuntimeError, TypeError) as err:
             self._stop(err)
 
     def close(self) -> None:
         self._disarm()
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles = []
         self.next = math.inf
 
     def _disarm(self) -> None:
@@ -214,7 +222,8 @@ class PrecursorCheck:
         """nanguard's own failure never stops the run: the check says so once and turns off."""
         log.warning("nanguard: the precursor check failed and stops: %r", err)
         self.every = 0
-        self.close()
+        self._disarm()  # the step hooks stay, inert: this may run inside the optimizer's own hooks
+        self.next = math.inf
 
     # -- the sampled update ----------------------------------------------------------------
     def _weights(self) -> list[torch.Tensor]:

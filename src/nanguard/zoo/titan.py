@@ -44,7 +44,9 @@ def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64, loss:
     from torchtitan.components.optimizer.optimizer import default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     if setup not in ("fsdp", "tp"):
         raise ValueError(f"setup must be 'fsdp' or 'tp', got {setup!r}")
@@ -61,12 +63,16 @@ def build(setup: str, *, lr: float = 1e-3, layers: int = 2, dim: int = 64, loss:
         spmd_backend="partial_dtensor",
     )
     dims.build_mesh()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = config.build()
     parallelism = ParallelismConfig(
         spmd_backend="partial_dtensor", tensor_parallel_degree=dims.tp, data_parallel_shard_degree=dims.dp_shard
     )
+    # The trainer declares the model's TP plan from its config (``update_from_config``); without it the
+    # parallelize function shards nothing on the TP axis.
+    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as the trainer sets it: its loss reads it
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = config.build()
     training = TrainingConfig(local_batch_size=2, seq_len=SEQ, mixed_precision_param="float32")
     parallelize_llama(
         model,
