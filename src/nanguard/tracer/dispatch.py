@@ -5,7 +5,8 @@ inputs, Inf from all-finite inputs) and carries a *taint* (the set of origins be
 non-finite tensor) from inputs to outputs, so the origin that reached the results can be
 told from dead ends. Statistics are kept only for creations, never clones of tensors.
 
-``Tracer`` holds the state; the private ``_TracerMode`` only hands it each op.
+``Tracer`` holds the state; the private ``_TracerMode`` hands it each op, after the checks every op
+needs (its facts, its inputs' taint), made in the mode's own frame: the tiny GPT runs ~325 ops a step.
 """
 
 from __future__ import annotations
