@@ -206,6 +206,114 @@ def test_the_capture_measures_what_the_step_computes() -> None:
     assert [n for n, _ in layers(_gpt())] == ["blocks.0", "blocks.1"]
 
 
+class _Seen(Capture):
+    """A capture that lists the module each op it sees ran in."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.seen: list[str | None] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.seen.append(self._here)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _captured(capture: Capture, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    with capture:
+        model(**batch)
+    return dict(capture.values)
+
+
+def test_later_forwards_see_the_modules_the_measurements_ran_in_alone_and_measure_the_same() -> None:
+    model = _gpt()
+    batch = synthetic_batch(model.config, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
+    capture = _Seen(model)
+    first = _captured(capture, model, batch)
+    learning = list(capture.seen)
+    capture.seen.clear()
+    later = [_captured(capture, model, batch) for _ in range(2)]
+    sites = {"", "blocks.0.attn", "blocks.1.attn", "lm_head"}  # the loss at the root: log Z's ops run there
+    assert set(capture.seen) == sites and set(learning) > sites  # every module's ops while learning
+    assert len(capture.seen) < 2 * len(learning) * 0.8
+    assert sorted(first) == [
+        ("blocks.0", "output_rms"),
+        ("blocks.0.attn", "attn_logit"),
+        ("blocks.1", "output_rms"),
+        ("blocks.1.attn", "attn_logit"),
+        ("lm_head", "logit_z"),
+    ]
+    for values in later:
+        assert values.keys() == first.keys() and all(torch.equal(values[k], first[k]) for k in first)
+    assert not any("forward" in vars(m) for m in model.modules())  # each module's own forward back
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.attends = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        return (x @ x.transpose(-2, -1)).softmax(-1) @ x if self.attends else x
+
+
+class _Path(nn.Module):
+    """Two layers, the first attending; a third run only when ``extra`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+        self.layers[0].attends = self.layers[2].attends = True  # type: ignore[union-attr]
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[: 3 if self.extra else 2]:
+            x = layer(x)
+        return x
+
+
+def test_a_forward_down_another_path_is_seen_or_learned_again() -> None:
+    torch.manual_seed(0)
+    model, x = _Path(), torch.randn(4, 8)
+    capture = Capture(model)
+
+    def both() -> tuple[dict[Any, torch.Tensor], dict[Any, torch.Tensor]]:
+        with capture:
+            model(x)
+        with Capture(model) as fresh:  # sees every op
+            model(x)
+        return dict(capture.values), dict(fresh.values)
+
+    def same(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    assert same(*both())  # learned: layers.0's attention
+    model.extra = True  # a layer never run before: its ops are seen at once
+    now, fresh = both()
+    assert same(now, fresh) and ("layers.2", "attn_logit") in now
+    model.layers[0].attends, model.layers[1].attends = False, True  # type: ignore[union-attr]
+    # moved into a layer that ran before without measuring: missed once, then learned again
+    now, fresh = both()
+    assert ("layers.0", "attn_logit") not in now and ("layers.1", "attn_logit") in fresh
+    assert same(*both())
+
+
+def test_a_layer_skipped_that_only_gave_its_output_rms_is_no_other_path() -> None:
+    torch.manual_seed(0)
+    model, x = _Path(), torch.randn(4, 8)
+    model.extra, model.layers[2].attends = True, False  # type: ignore[union-attr]
+    capture = _Seen(model)
+    with capture:
+        model(x)
+    model.extra = False  # as an MoE expert no token chose
+    for _ in range(2):
+        capture.seen.clear()
+        with capture:
+            model(x)
+        assert set(capture.seen) == {"layers.0"} and ("layers.0", "attn_logit") in capture.values
+
+
 @pytest.mark.parametrize(
     ("series", "warns"),
     [

@@ -169,11 +169,11 @@ class Trend:
 
     def add(self, step: int, values: dict[tuple[str, str], float]) -> list[Precursor]:
         """Fold one sample (``(module, signal) -> value``) in; the new warnings, soonest blow-up first."""
-        found = []
+        found, every = [], self.series
         for key, value in values.items():
-            series = self.series.get(key)
-            if series is None:
-                series = self.series[key] = deque(maxlen=self.points)
+            if key not in every:
+                every[key] = deque(maxlen=self.points)
+            series = every[key]
             if not 0 < value < math.inf:  # NaN fails too
                 series.clear()  # a non-finite value is the guard's business; a zero has no growth
                 continue
@@ -252,7 +252,7 @@ class SecondMoment:
             values[(module, "adam_v_decay")] = decay
             series = self.armed.setdefault(module, [])
             series[:] = [*series[-1:], (step, decay)] if decay >= 1.0 else []
-            if len(series) == 2 and module not in self.warned:
+            if series[1:] and module not in self.warned:  # two in a row
                 self.warned.add(module)
                 (s0, first), (s1, last) = series
                 trend = (last / first) ** (1 / max(s1 - s0, 1))
@@ -263,9 +263,9 @@ class SecondMoment:
     def _decay(self, module: str, v: float, update: float | None, beta2: float | None) -> float:
         if update is None or beta2 is None or not (0 < v < math.inf and 0 <= update < math.inf):
             return 0.0
-        self.peak[module] = peak = max(self.peak.get(module, 0.0), v)
-        seen, top = self.level.get(module, (0, 0.0))
-        self.level[module] = (seen + 1, max(top, update))
+        peak, (seen, top) = self.peak.get(module, 0.0), self.level.get(module, (0, 0.0))
+        self.peak[module] = peak = v if v > peak else peak  # max() of two finite floats, without its call
+        self.level[module] = (seen + 1, update if update > top else top)
         if seen < POINTS or update > top / COLLAPSE:
             return 0.0
         return peak / v * math.sqrt(1 - beta2)

@@ -121,6 +121,8 @@ class PrecursorCheck:
         self.trend = Trend()
         self.moments = SecondMoment()
         self._adam: list[_AdamGroup] = []
+        self._adam_n: torch.Tensor | None = None  # each module's size over the Adam groups, clamped at 1
+        self._indexes: dict[torch.device, torch.Tensor] = {}
         self._beta2: dict[str, float] = {}
         self._measured: tuple[int, Values | None] | None = None  # the sampled step's forward values
         self._before: list[torch.Tensor] | None = None  # the weights before the sampled step's update
@@ -146,6 +148,8 @@ class PrecursorCheck:
         self._module_of = {id(p): m for p, m in zip(self._params, modules, strict=True)}
         self._order = list(dict.fromkeys(modules))
         self._index = [self._order.index(m) for m in modules]
+        self._ratio_keys = [(m, "update_ratio") for m in self._order]  # the packed vector's names, made once
+        self._adam_keys = [(m, signal) for signal in ("adam_update", "adam_v") for m in self._order]
         self._sharded = any(local(p) is not p for p in self._params)
         for group in self.optimizer.param_groups:
             betas = group.get("betas")
@@ -246,11 +250,11 @@ class PrecursorCheck:
         try:
             with torch.no_grad():
                 parts = [_stacked(list(values.values())), self._update_ratios(before)]
-                keys = [*values, *((m, "update_ratio") for m in self._order)]
+                keys = [*values, *self._ratio_keys]
                 moments = self._adam_moments()
                 if moments is not None:
                     parts.append(moments)
-                    keys += [(m, signal) for signal in ("adam_update", "adam_v") for m in self._order]
+                    keys += self._adam_keys
                 packed = torch.cat([t.to(parts[1].device) for t in parts])
             self._pending.append(_Queued(step, keys, packed))
             self._read_ready()  # on the CPU the copy is the tensor: read now; on a GPU, once its event completed
@@ -258,14 +262,20 @@ class PrecursorCheck:
             self._stop(err)
 
     def _update_ratios(self, before: list[torch.Tensor]) -> torch.Tensor:
-        """|w_new - w_old| / |w_old| of each module (``self._order``), one device vector."""
-        moved = _stacked(torch._foreach_norm(torch._foreach_sub(self._weights(), before)))
-        size = _stacked(torch._foreach_norm(before))
-        index = torch.tensor(self._index, device=moved.device)
-        zeros = torch.zeros(len(self._order), device=moved.device)
-        sm = zeros.index_add(0, index, moved.square())
-        ss = zeros.index_add(0, index, size.square())
-        return (sm / ss.clamp_min(1e-30)).sqrt()
+        """|w_new - w_old| / |w_old| of each module (``self._order``), one device vector: both sums in one
+        ``index_add``."""
+        size = torch._foreach_norm(before)
+        torch._foreach_sub_(before, self._weights())  # the copy is ours: w_old - w_new, the same norm
+        norms = _stacked([*torch._foreach_norm(before), *size]).square().view(2, -1)  # moved, then size
+        sums = norms.new_zeros(2, len(self._order)).index_add_(1, self._index_on(norms.device), norms)
+        return (sums[0] / sums[1].clamp_min(1e-30)).sqrt()
+
+    def _index_on(self, device: torch.device) -> torch.Tensor:
+        """Each weight's module (``self._order``) as a tensor on ``device``, made once."""
+        index = self._indexes.get(device)
+        if index is None:
+            index = self._indexes[device] = torch.tensor(self._index, device=device)
+        return index
 
     def _adam_groups(self) -> list[_AdamGroup]:
         """The optimizer's Adam-like groups (``betas``, ``eps``, ``exp_avg``/``exp_avg_sq``/``step`` state),
@@ -274,6 +284,7 @@ class PrecursorCheck:
         cached = self._adam
         if cached and all(state.get(g.params[0], {}).get("exp_avg") is g.m[0] for g in cached):
             return cached
+        self._adam_n = None
         self._adam = [
             _AdamGroup(group, params, state, self._module_of, self._order)
             for group in self.optimizer.param_groups
@@ -291,20 +302,23 @@ class PrecursorCheck:
         if not groups:
             return None
         device = groups[0].m[0].device
-        size = len(self._order)
-        u2, v1, n = (torch.zeros(size, device=device) for _ in range(3))
+        sums = torch.zeros(2, len(self._order), device=device)  # sum of u^2, sum of v_hat
         for g in groups:
             step = torch.as_tensor(g.step[0]).float()
             bc1, bc2 = 1 - g.betas[0] ** step, 1 - g.betas[1] ** step
             v_hat = torch._foreach_div(g.v, bc2.to(g.v[0].device))  # a tensor: never read on the host
-            denom = torch._foreach_add(torch._foreach_sqrt(v_hat), g.eps)
-            u = torch._foreach_div(g.m, denom)
-            index = g.index.to(device)
-            u2.index_add_(0, index, (_stacked(torch._foreach_norm(u)).to(device) / bc1.to(device)).square())
-            v1.index_add_(0, index, _stacked(torch._foreach_norm(v_hat, 1)).to(device))
-            n.index_add_(0, index, g.sizes.to(device))
-        n = n.clamp_min(1)
-        return torch.cat([(u2 / n).sqrt(), (v1 / n).sqrt()])
+            v1 = torch._foreach_norm(v_hat, 1)
+            torch._foreach_sqrt_(v_hat)  # then the denominator, in place: one buffer fewer to allocate
+            torch._foreach_add_(v_hat, g.eps)
+            parts = _stacked([*torch._foreach_norm(torch._foreach_div(g.m, v_hat)), *v1]).to(device).view(2, -1)
+            parts[0].div_(bc1.to(device)).square_()
+            sums.index_add_(1, g.index.to(device), parts)
+        if self._adam_n is None:  # each module's size, summed over the groups once
+            n = torch.zeros(len(self._order), device=device)
+            for g in groups:
+                n.index_add_(0, g.index.to(device), g.sizes.to(device))
+            self._adam_n = n.clamp_min(1)
+        return (sums / self._adam_n).sqrt().view(-1)
 
     # -- the read and the warnings -----------------------------------------------------------
     def watch_headroom(self, emit: Callable[[int, Headroom], None]) -> Callable[[int, Headroom], None]:

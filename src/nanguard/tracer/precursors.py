@@ -17,12 +17,19 @@ a split, a view). Then
   its logsumexp;
 - each repeated layer (a child of a ``ModuleList``/``ModuleDict``) gives ``output_rms``.
 
+The first forward sees every op; it learns the sites, the modules whose own code made, carried or
+consumed a measured tensor. Later forwards turn the mode on in the sites and in modules never seen
+run before, off in the others (each module's forward is wrapped while the capture runs: it names
+the running module and switches the mode): the same measurements from fewer ops. One that misses a
+measurement learned before took another path, and the next forward learns from scratch.
+
 Every value is reduced on the device; nothing is read here. The mode only reads what the ops
 computed (and ``detach``es it), so the step's results are those of the step run without it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -69,6 +76,16 @@ def owners_of(model: nn.Module) -> dict[int, str]:
     return {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}
 
 
+_Tag = tuple[str, str, frozenset[str | None]]
+"""A tagged tensor's kind (score or linear output), its module, and the modules its ops ran in."""
+_NOWHERE: frozenset[str | None] = frozenset()
+
+
+def _is_param(t: Any) -> bool:
+    """``isinstance(t, nn.Parameter)`` without its Python check for a plain tensor (never one)."""
+    return type(t) is not torch.Tensor and isinstance(t, nn.Parameter)
+
+
 class Capture(TorchFunctionMode):
     """Measures the precursors of the forward run inside it into ``values`` (see the module docstring).
 
@@ -88,11 +105,22 @@ class Capture(TorchFunctionMode):
         super().__init__()
         self.model = model
         self.values: Values = {}
-        self._tags: dict[int, tuple[weakref.ref[torch.Tensor], str, str]] = {}
+        self._tags: dict[int, tuple[weakref.ref[torch.Tensor], str, str, frozenset[str | None]]] = {}
         self._owners = owners if owners is not None else owners_of(model)
-        self._layers = repeated if repeated is not None else layers(model)
-        self._stack = _Names(model)
-        self._hooks: list[Any] = []
+        self._layers = {id(m): n for n, m in (repeated if repeated is not None else layers(model))}
+        self._names: dict[int, tuple[nn.Module, str]] | None = None  # built at the first forward
+        self._forwards: dict[int, _Forward] = {}
+        self._running = self._on = self._broken = False
+        self._here: str | None = None
+        """The innermost running module's name, as the user wrote the model (None: outside the root)."""
+        # What the forwards so far taught (``_learn``): the modules that ran, those the measured ops ran in
+        # (the sites), and what they measured; and this forward's sites and modules not known before.
+        self._known: set[str | None] = set()
+        self._sites: set[str | None] = set()
+        self._keys: set[tuple[str, str]] = set()
+        self._seen: set[str | None] = set()
+        self._found: set[tuple[str, str]] = set()  # this forward's measurements through the mode
+        self._ran: set[str | None] = set()
         self._handlers: dict[Any, Callable[[Any, tuple, dict], None]] = {}
         for funcs, handler in ((_SOFTMAX, self._softmax), (_LOGZ, self._logz), (_TOPK, self._topk)):
             self._handlers.update(dict.fromkeys(funcs, handler))
@@ -104,29 +132,99 @@ class Capture(TorchFunctionMode):
         }
 
     def __enter__(self) -> Capture:
-        self.values = {}
-        self._stack.__enter__()
-        self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in self._layers]
-        return super().__enter__()
+        return self._start(None)
 
     def enter_within(self, module: nn.Module) -> Capture:
-        """Install from inside ``module``'s own forward pre-hook (the stack enters it here)."""
-        self.values = {}
-        self._stack.enter_within(module)
-        self._hooks = [m.register_forward_hook(self._layer_out(n)) for n, m in self._layers]
-        super().__enter__()
+        """Install from inside ``module``'s own forward pre-hook (its forward runs as ``module``'s name)."""
+        return self._start(module)
+
+    def _start(self, module: nn.Module | None) -> Capture:
+        self.values, self._broken, self._seen, self._ran, self._found = {}, False, set(), set(), set()
+        if self._names is None:
+            self._names = {id(m): (m, n) for n, m in _user_modules(self.model)}  # a shared module: its last name
+        self._wrap()
+        self._here = self._names[id(module)][1] if module is not None and id(module) in self._names else None
+        self._running = True
+        if self._here not in self._known:
+            self._ran.add(self._here)
+        if self._here in self._sites or self._here not in self._known:
+            self._switch(True)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        self._stack.__exit__()
+        if not self._running:
+            return
+        self._running = False
+        if self._on:
+            super().__exit__(*exc)  # the innermost mode: ours
+            self._on = False
+        for forward in self._forwards.values():
+            own = forward.module.__dict__
+            if "forward" in own and own["forward"] is forward.wrapped:
+                if forward.own is None:
+                    del own["forward"]
+                else:
+                    own["forward"] = forward.own
+        self._here = None
         self._tags.clear()
+        self._learn(exc[0] is None and not self._broken)
+
+    def _learn(self, complete: bool) -> None:
+        """After a forward that ran to its end: the modules that ran are known, the ones its measured ops ran
+        in are sites, what it measured is expected. A later forward sees the ops of the sites and of modules
+        never seen before alone (the others do what they did: they measure nothing); one that misses an
+        expected measurement took another path, and the next forward learns from scratch."""
+        if not complete:
+            return
+        if not self._keys <= self._found:  # (a layer's output RMS is measured wherever it runs: not counted)
+            self._known, self._sites, self._keys = set(), set(), set()
+            return
+        self._known |= self._ran
+        self._sites |= self._seen
+        self._keys |= self._found
+
+    def _wrap(self) -> None:
+        """Each module's forward wrapped to run as its name (the wrapper built once, again for a module whose
+        forward changed since); set on the instance, as a forward of the user's would be, until ``__exit__``."""
+        forwards, layer = self._forwards, self._layers
+        for key, (module, name) in (self._names or {}).items():
+            if key not in forwards or module.forward != forwards[key].original:
+                forwards[key] = _Forward(self, module, name, layer.get(key))
+            module.__dict__["forward"] = forwards[key].wrapped
+
+    def _switch(self, on: bool) -> bool:
+        """The mode on (pushed) or off (popped, when it is the innermost mode); whether it switched."""
+        if on:
+            torch._C._push_on_torch_function_stack(self)
+        elif (top := torch._C._pop_torch_function_stack()) is not self:
+            torch._C._push_on_torch_function_stack(top)  # a mode of the user's inside ours: ours left on (sees more)
+            return False
+        self._on = on
+        return True
+
+    def _call(self, name: str, layer: str | None, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``forward`` run as module ``name``: the mode on in a site or a module not known yet, off elsewhere."""
+        here, was = self._here, self._on
+        self._here = name
+        on = name in self._sites or name not in self._known
+        if on and name not in self._known:
+            self._ran.add(name)
+        switched = on is not was and self._switch(on)
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            self._here = here
+            if switched:
+                self._switch(was)
+        if layer is not None:
+            self._layer_out(layer, output)
+        return output
 
     def model_output(self, output: Any) -> None:
         """The model returned ``output``: its logits give ``logit_z`` when no loss in the forward did."""
+        if output is None:
+            self._broken = True  # the forward raised: nothing learned from it
+            return
         if any(signal == "logit_z" for _, signal in self.values):
             return
         logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
@@ -135,18 +233,18 @@ class Capture(TorchFunctionMode):
         if logits is None and isinstance(output, (tuple, list)) and output:
             logits = output[0]
         if isinstance(logits, torch.Tensor) and (tag := self._tag(logits)) is not None and tag[0] == _LINEAR:
-            self._put(tag[1], "logit_z", _logz_rms(logits, -1))
+            self._put(tag[1], "logit_z", _logz_rms(logits, -1), tag[2])
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        entry = self._table.get(func)  # one lookup an op: most ops only pass a tag on
-        if entry is None:
+        table, tags = self._table, self._tags  # ``in`` then ``[]``: no call of their own, an op's few
+        if func not in table:  # most ops only pass a tag on
             out = func(*args, **kwargs)
-            found = self._tags.get(id(args[0])) if args else None
-            if found is not None and found[0]() is args[0]:  # a freed tensor's id reused is no tag
-                self._mark(out, found[1], found[2])  # a scale, mask fill, split or view keeps the tag
+            key = id(args[0]) if args else None
+            if key in tags and (found := tags[key])[0]() is args[0]:  # a freed tensor's id reused is no tag
+                self._mark(out, found[1], found[2], found[3] | {self._here})  # a scale, mask fill, split or view
             return out
-        handler, marker = entry
+        handler, marker = table[func]
         if handler is not None:
             handler(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -155,46 +253,46 @@ class Capture(TorchFunctionMode):
         return out
 
     def _linear_out(self, out: Any, args: tuple) -> None:
-        self._mark(out, _LINEAR, self._stack.current_name() or "")
+        self._mark(out, _LINEAR, self._here or "", frozenset((self._here,)))
 
     def _matmul_out(self, out: Any, args: tuple) -> None:
         """A matmul with a parameter is a linear layer's output (its owner's); of two activations, a score."""
         if len(args) < 2:
             return
         a, b = args[-2], args[-1]
-        param = a if isinstance(a, nn.Parameter) else b if isinstance(b, nn.Parameter) else None
+        param = a if _is_param(a) else b if _is_param(b) else None
         if param is not None:
-            self._mark(out, _LINEAR, self._owners.get(id(param), self._stack.current_name() or ""))
+            self._mark(out, _LINEAR, self._owners.get(id(param), self._here or ""), frozenset((self._here,)))
         elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            self._mark(out, _SCORE, self._stack.current_name() or "")
+            self._mark(out, _SCORE, self._here or "", frozenset((self._here,)))
 
     # -- what each kind of call measures -------------------------------------------------
     def _softmax(self, func: Any, args: tuple, kwargs: dict) -> None:
         found = self._tagged_input(args, kwargs)
         if found is None:
             return
-        x, (kind, owner) = found
-        here = self._stack.current_name()
+        x, (kind, owner, sites) = found
+        here = self._here
         if kind == _SCORE:
-            self._put(here or owner, "attn_logit", _max_logit(x))
+            self._put(here or owner, "attn_logit", _max_logit(x), sites | {here})
         elif here:  # a linear output's softmax inside a submodule: a router (a loss's softmax runs at the root)
-            self._put(owner, "router_logit", _finite_absmax(x))
+            self._put(owner, "router_logit", _finite_absmax(x), sites | {here})
 
     def _topk(self, func: Any, args: tuple, kwargs: dict) -> None:
         found = self._tagged_input(args, kwargs)
-        if found is not None and found[1][0] == _LINEAR and self._stack.current_name():
-            self._put(found[1][1], "router_logit", _finite_absmax(found[0]))
+        if found is not None and found[1][0] == _LINEAR and self._here:
+            self._put(found[1][1], "router_logit", _finite_absmax(found[0]), found[1][2] | {self._here})
 
     def _logz(self, func: Any, args: tuple, kwargs: dict) -> None:
         found = self._tagged_input(args, kwargs)
-        if found is None or found[1][0] != _LINEAR or found[0].dim() == 0 or self._stack.current_name():
+        if found is None or found[1][0] != _LINEAR or found[0].dim() == 0 or self._here:
             return  # the output layer's loss runs at the model's root or outside it; a submodule's is a router's
-        x, (_, owner) = found
+        x, (_, owner, sites) = found
         dim = 1 if func in _LOGZ_DIM1 and x.dim() > 1 else kwargs.get("dim", args[1] if len(args) > 1 else -1)
         if isinstance(dim, int):
-            self._put(owner, "logit_z", _logz_rms(x, dim))
+            self._put(owner, "logit_z", _logz_rms(x, dim), sites | {self._here})
 
-    def _tagged_input(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple[str, str]] | None:
+    def _tagged_input(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, _Tag] | None:
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor):
             return None
@@ -206,102 +304,75 @@ class Capture(TorchFunctionMode):
         call = dict(zip(names, args, strict=False)) | kwargs
         q, k = call["query"], call["key"]
         value = _sdpa_absmax(q, k, call.get("attn_mask"), bool(call.get("is_causal")), call.get("scale"))
-        self._put(self._stack.current_name() or "", "attn_logit", value)
+        self._put(self._here or "", "attn_logit", value, frozenset((self._here,)))
 
-    def _layer_out(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            out = output[0] if isinstance(output, (tuple, list)) and output else output
-            if isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
-                with torch._C.DisableTorchFunction():  # our own ops: not through the mode
-                    x = local(out).detach()
-                    rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
-                self._put(name, "output_rms", rms)
-
-        return hook
+    def _layer_out(self, name: str, output: Any) -> None:
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if not isinstance(out, torch.Tensor):
+            return
+        with torch._C.DisableTorchFunction():  # our own ops: not through the mode
+            if not (out.is_floating_point() and out.numel()):
+                return
+            x = local(out).detach()
+            rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
+        self._put(name, "output_rms", rms, _NOWHERE)
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _put(self, module: str, signal: str, value: torch.Tensor) -> None:
+    def _put(self, module: str, signal: str, value: torch.Tensor, sites: frozenset[str | None]) -> None:
+        """``value`` of ``(module, signal)`` (the largest of a forward's); ``sites``: the modules its ops ran in."""
         key = (module, signal)
         seen = self.values.get(key)
         self.values[key] = value if seen is None else torch.maximum(seen, value.to(seen.device))
+        if sites:
+            self._seen |= sites
+            self._found.add(key)
 
-    def _mark(self, out: Any, kind: str, module: str) -> None:
+    def _mark(self, out: Any, kind: str, module: str, sites: frozenset[str | None]) -> None:
         if isinstance(out, torch.Tensor):
-            self._tags[id(out)] = (weakref.ref(out), kind, module)  # an integer tensor's tag is never asked for
+            self._tags[id(out)] = (weakref.ref(out), kind, module, sites)  # an integer tensor's is never asked for
         elif isinstance(out, (tuple, list)):
             for t in out:
                 if isinstance(t, torch.Tensor):
-                    self._tags[id(t)] = (weakref.ref(t), kind, module)
+                    self._tags[id(t)] = (weakref.ref(t), kind, module, sites)
 
-    def _tag(self, t: torch.Tensor) -> tuple[str, str] | None:
+    def _tag(self, t: torch.Tensor) -> _Tag | None:
         found = self._tags.get(id(t))
         if found is None or found[0]() is not t:  # a freed tensor's id reused
             return None
-        return found[1], found[2]
+        return found[1], found[2], found[3]
 
 
-class _Names:
-    """The innermost running module's name, by two global module hooks: ``ModuleStack``'s names (as the
-    user wrote the model, built once) at a few calls a module. A module's own forward hooks run after
-    it has left (the capture attributes nothing to them)."""
+class _Forward:
+    """A module's forward, wrapped for a capture's forwards: it runs as the module's name (``Capture._call``);
+    outside a running capture it is the module's own forward."""
 
-    def __init__(self, root: nn.Module) -> None:
-        self.root = root
-        self._names: dict[int, str] | None = None
-        self._named: list[str | None] = []
-        self._handles: list[Any] = []
+    def __init__(self, capture: Capture, module: nn.Module, name: str, layer: str | None) -> None:
+        self.module = module
+        self.own = module.__dict__.get("forward")  # a forward set on the instance (None: the class's)
+        self.original = forward = module.forward
 
-    def __enter__(self) -> _Names:
-        if self._names is None:
-            self._names = {id(m): n for n, m in _user_modules(self.root)}
-        self._handles = [
-            nn.modules.module.register_module_forward_pre_hook(self._push),
-            nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
-        ]
-        return self
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if not capture._running:  # called after the capture (a checkpoint's recompute, say)
+                return forward(*args, **kwargs)
+            return capture._call(name, layer, forward, args, kwargs)
 
-    def enter_within(self, module: nn.Module) -> _Names:
-        """Install from inside ``module``'s own forward pre-hook: the global ones ran for it already."""
-        self.__enter__()
-        self._push(module, ())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._named.clear()
-
-    def _push(self, module: nn.Module, args: Any) -> None:
-        named = self._named
-        names = self._names or {}
-        named.append(names.get(id(module), named[-1] if named else None))  # outside the root: its parent's
-
-    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._named:
-            self._named.pop()
-
-    def current_name(self) -> str | None:
-        return self._named[-1] if self._named else None
+        self.wrapped = functools.update_wrapper(wrapped, forward)  # its signature, for code that reads it
 
 
+# The measurements below start from a detached tensor: nothing they compute joins the graph.
 def _max_logit(x: torch.Tensor) -> torch.Tensor:
     """The largest logit: one pass (a ``-inf`` mask fill is below every logit; a NaN is the guard's business)."""
-    with torch.no_grad():
-        return local(x).detach().amax().float()
+    return local(x).detach().amax().float()
 
 
 def _finite_absmax(x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        x = local(x).detach()
-        a = x.abs()
-        return torch.where(torch.isfinite(a), a, 0).amax().float()
+    a = local(x).detach().abs()
+    return torch.where(torch.isfinite(a), a, 0).amax().float()
 
 
 def _logz_rms(x: torch.Tensor, dim: int) -> torch.Tensor:
-    with torch.no_grad():
-        z = torch.logsumexp(local(x).detach().float(), dim=dim)
-        return z.square().mean().sqrt()
+    z = torch.logsumexp(local(x).detach().float(), dim=dim)
+    return z.square().mean().sqrt()
 
 
 def _sdpa_absmax(
