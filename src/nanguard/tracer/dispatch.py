@@ -152,7 +152,7 @@ class _TracerMode(compat.DispatchMode):
             return tracer.communicate(func, args, kwargs)
         tracer.index += 1
         tracer.func, tracer.args = func, args
-        flat_in = args if facts.flat and not kwargs else _leaves(args, kwargs, facts.flat)
+        flat_in = args[: facts.read] if facts.flat and not kwargs else _leaves(args, kwargs, facts.flat)
         if facts.beta or facts.writes:
             flat_in = tracer.before_write(func, facts, args, kwargs, flat_in)
         ins = CLEAN if facts.literal else tracer.taint.inputs(flat_in)
