@@ -229,3 +229,36 @@ def test_list_arguments_are_walked_and_int_lists_are_not() -> None:
     assert ops.info(aten.view.default).flat
     assert ops.info(aten.sum.dim_IntList).flat
     assert ops.info(aten.addmm.default).flat
+
+
+def test_finite_tensors_read_together_match_one_by_one() -> None:
+    # A healthy step's gradients are shown finite by one norm over them; squares past float32's range, a
+    # sparse gradient, mixed dtypes and a NaN/Inf away from the first element read as one by one.
+    sparse = torch.tensor([[0.0, 2.0], [1.0, 0.0]]).to_sparse()
+    cases = [
+        [torch.ones(3), torch.randn(4, 4), torch.zeros(2, dtype=torch.float64)],
+        [torch.ones(3), torch.full((5,), 3e38)],
+        [torch.ones(3), sparse, _planted(torch.float16, (), 3)],
+        [torch.ones(3), _planted(torch.float32, (INF,), 5), torch.ones(2)],
+        [torch.ones(3), _planted(torch.float32, (NAN,), 5)],
+        [torch.tensor([NAN, 1.0]), torch.ones(2), torch.full((2,), -INF)],
+    ]
+    for ts in cases:
+        expected = [_reference(t.to_dense()) for t in ts]
+        assert many_nonfinite_flags(ts) == [nonfinite_flags(t) for t in ts] == expected, ts
+
+
+def test_a_step_under_inference_mode_is_located() -> None:
+    # Inference tensors keep no version counter: views of them, in-place writes and the op that makes NaN.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.view(4) * 2
+        z = y.clone()
+        z.add_(1.0)
+        return z.log().sum()
+
+    with torch.inference_mode():
+        x = torch.tensor([[-1.0, 2.0], [3.0, 4.0]])
+        diag = ng.locate(fn, x)
+    assert diag is not None
+    assert (diag.op, diag.kind, diag.cause) == ("aten.log.default", "nan", "op.log_domain")
+    assert diag.evidence["origin"]["inputs"][0]["min"] == -1.0  # 2 * -1 + 1

@@ -39,20 +39,30 @@ class UserCalls(TorchFunctionMode):
 
     def __init__(self, on_gradients: Callable[[Any], None] | None = None) -> None:
         super().__init__()
-        self.func: Any = None
-        self.args: tuple = ()
-        self.kwargs: dict[str, Any] = {}
+        self.call: tuple[Any, tuple, dict[str, Any]] = (None, (), {})
+        """The running call: (function, args, kwargs); (None, (), {}) outside one."""
         self.on_gradients = on_gradients
         """Called with what ``torch.autograd.grad`` returned: gradients that never reach a ``.grad``."""
 
+    @property
+    def func(self) -> Any:
+        return self.call[0]
+
+    @property
+    def args(self) -> tuple:
+        return self.call[1]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self.call[2]
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        outer = self.func, self.args, self.kwargs
-        self.func, self.args, self.kwargs = func, args, kwargs
+        outer, self.call = self.call, (func, args, kwargs)
         try:
             result = func(*args, **kwargs)
         finally:
-            self.func, self.args, self.kwargs = outer
+            self.call = outer
         if func is torch.autograd.grad and self.on_gradients is not None:
             self.on_gradients(result)
         return result

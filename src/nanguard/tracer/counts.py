@@ -8,6 +8,7 @@ gradient, by tensor id with a weak reference.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,17 +27,18 @@ class BatchCounts:
     """
 
     def __init__(self, sources: list[tuple[str, torch.Tensor]]) -> None:
-        self._known: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {
+        self.known: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {
             id(t): (weakref.ref(t), path) for path, t in sources if not (t.is_floating_point() or t.is_complex())
         }
+        """The counts by id: an op none of whose inputs is here carries none (the tracer's test before ``note``)."""
 
     def __bool__(self) -> bool:
-        return bool(self._known)
+        return bool(self.known)
 
-    def note(self, flat_in: list[Any], flat_out: list[torch.Tensor]) -> None:
+    def note(self, flat_in: Sequence[Any], flat_out: list[torch.Tensor]) -> None:
         """Carry the batch path of a count through an op whose inputs carry no gradient."""
         path = None
-        known = self._known
+        known = self.known
         for x in flat_in:
             if isinstance(x, torch.Tensor):
                 if x.requires_grad:
@@ -46,9 +48,9 @@ class BatchCounts:
                     path = entry[1]
         if path is not None:
             for o in flat_out:
-                self._known[id(o)] = (weakref.ref(o), path)
+                self.known[id(o)] = (weakref.ref(o), path)
 
     def path(self, t: torch.Tensor) -> str | None:
         """The batch tensor (labels, a mask) that ``t`` was counted or selected from, if any."""
-        entry = self._known.get(id(t))
+        entry = self.known.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None

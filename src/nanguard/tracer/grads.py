@@ -12,7 +12,7 @@ backward it costs one flag test per op, and inside a module's forward (the next 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -43,22 +43,23 @@ class GradWatch:
     def __init__(self, modules: ModuleStack, leaves: dict[int, torch.Tensor], protected: Backup) -> None:
         self._modules, self._leaves, self._protected = modules, leaves, protected
         self.seen_backward = False
-        self._in_backward = False
+        self.in_backward = False
+        """Inside a backward (its ops ran last): no gradient surgery runs there."""
         self._storages: dict[int, str] = {}
         self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
         self.phase: str | None = None
         """The phase of the op being run: "backward" or "optimizer" when it reads gradients, else None."""
 
-    def before(self, backward: bool, inputs: list[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
+    def before(self, backward: bool, inputs: Sequence[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
         """Called for every op (once a backward ran) before its outputs are checked: is it gradient surgery?"""
         if backward:
-            self.seen_backward = self._in_backward = True
+            self.seen_backward = self.in_backward = True
             self.phase = None
             return
         if not self.seen_backward:
             return
-        if self._in_backward:
-            self._in_backward = False
+        if self.in_backward:
+            self.in_backward = False
             self._refresh()
         self.phase = None
         if self._modules.current is not None:
@@ -76,10 +77,10 @@ class GradWatch:
                 self._derived[id(g)] = weakref.ref(g)
         self.seen_backward = True
 
-    def recheck(self, inputs: list[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
+    def recheck(self, inputs: Sequence[Any], facts: ops.OpInfo, args: tuple, kwargs: dict) -> None:
         """At a creation, read the gradients afresh: a ``.grad`` assigned after the backward (``p.grad =
         g / g.norm()``) runs no op, so the storages read when the backward ended do not hold it."""
-        if not self.seen_backward or self.phase is not None or self._in_backward or self._modules.current is not None:
+        if not self.seen_backward or self.phase is not None or self.in_backward or self._modules.current is not None:
             return
         self._refresh()
         self.before(False, inputs, facts, args, kwargs)

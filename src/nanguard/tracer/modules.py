@@ -20,9 +20,10 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _user_dirs: list[str] = []
 _LIBRARY_DIRS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
-# What a code object is, by the file it comes from: looked up for every frame of every walk.
+# What a code object is, by the file it comes from: looked up for every frame of every walk. Keyed
+# by the file name, whose hash a str keeps (a code object hashes its bytecode and constants each time).
 _USER, _INTERNAL, _LIBRARY = 0, 1, 2
-_kinds: dict[CodeType, int] = {}
+_kinds: dict[str, int] = {}
 
 
 def count_as_user_code(directory: str) -> None:
@@ -47,13 +48,13 @@ def _kind(code: CodeType) -> int:
         kind = _LIBRARY
     else:
         kind = _USER
-    _kinds[code] = kind
+    _kinds[code.co_filename] = kind
     return kind
 
 
 def is_user_code(code: CodeType) -> bool:
     """Is ``code`` the user's own (not torch's, nanguard's or an installed library's)?"""
-    kind = _kinds.get(code)
+    kind = _kinds.get(code.co_filename)
     return (kind if kind is not None else _kind(code)) == _USER
 
 
@@ -70,7 +71,7 @@ def user_source(skip: int = 1) -> tuple[str | None, str | None]:
     kinds = _kinds
     while frame is not None:
         code = frame.f_code
-        kind = kinds.get(code)
+        kind = kinds.get(code.co_filename)
         if kind is None:
             kind = _kind(code)
         if kind == _USER:

@@ -7,6 +7,7 @@ node. Without a model, the leaf tensors seen are kept too: their gradients are t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,11 @@ __all__ = ["ForwardSites", "Site"]
 
 Site = tuple[str | None, str | None, str | None, str | None, str | None, float | None]
 """(module, module type, forward op, your line, library line, module eps)."""
+
+
+# The frames of nanguard's own a walk for the user's line starts above: ``user_source`` <- ``note`` <-
+# ``Tracer.after_op`` <- ``_TracerMode.__torch_dispatch__`` (the only caller); a frame not skipped is read.
+_OWN_FRAMES = 4
 
 
 class ForwardSites:
@@ -43,7 +49,7 @@ class ForwardSites:
     def start(self) -> None:
         self.first = torch._C._autograd._get_sequence_nr()
 
-    def note(self, facts: ops.OpInfo, ins: list[Any], backward: bool) -> None:
+    def note(self, facts: ops.OpInfo, ins: Sequence[Any], backward: bool) -> None:
         """Remember which module and line each forward op ran in, keyed by the sequence
         number of the autograd node it creates, so its backward can be attributed.
 
@@ -63,7 +69,7 @@ class ForwardSites:
                 modules.top_name,
                 type(module).__name__ if module is not None else None,
                 facts.name if grad else None,
-                *user_source(),
+                *user_source(_OWN_FRAMES),
                 modules.eps(module),
             )
         if grad and self.track_leaves:

@@ -11,7 +11,7 @@ Read only at a creation, so it costs nothing on healthy ops.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -221,7 +221,7 @@ class NormalizationWatch:
             self.pending[origin.id] = (origin, stat, _WATCH)
 
     def used(
-        self, op: str, flat_in: list[Any], taint: frozenset[int], taint_of: Callable[[torch.Tensor], frozenset[int]]
+        self, op: str, flat_in: Sequence[Any], taint: frozenset[int], taint_of: Callable[[torch.Tensor], frozenset[int]]
     ) -> None:
         """An op read a value carrying ``taint``: does it multiply or divide the tensor a pending
         statistic was computed from by it (``x * rsqrt(mean(x**2))``)?"""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,7 +266,9 @@ class OpInfo:
     mask_aware: bool  # takes -inf as a mask (MASK_AWARE)
     view: bool  # returns a view of its first argument (any view: a dtype view too)
     flat: bool  # no argument is a list of tensors or floats: the positional arguments are the leaves
+    read: int  # of a flat op's positional arguments, the first ``read`` may hold a tensor or a number (``_never_read``)
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
+    call: Callable[..., Any]  # runs the op: an OpOverload's own C++ callable (one Python frame fewer), else the op
     blank: bool = False  # its output is memory no op has written (BLANK)
     comm: bool = False  # communication between ranks (``collectives.is_comm``)
     beta: bool = False  # an addmm-family op, which may leave its first argument unread (``ignores_first``)
@@ -311,11 +313,39 @@ def _describe(func: Any) -> OpInfo:
         mask_aware=getattr(getattr(func, "overloadpacket", None), "__name__", None) in MASK_AWARE,
         view=bool(getattr(func, "is_view", False)),
         flat=schema is not None and all(_flat_type(str(a.type)) for a in arguments),
+        read=_read_prefix(arguments),
         writes=writes,
         blank=_in(BLANK, func),
         comm=getattr(func, "namespace", None) in compat.COMM_NAMESPACES,
         beta=getattr(func, "overloadpacket", None) in _BETA,
+        call=_runner(func),
     )
+
+
+def _runner(func: Any) -> Callable[..., Any]:
+    """What runs ``func``: an ``OpOverload``'s ``_op`` where its ``__call__`` only forwards to it, else ``func``."""
+    overload = torch._ops.OpOverload
+    forwards = isinstance(func, overload) and type(func).__call__ is overload.__call__
+    inner = getattr(func, "_op", None) if forwards else None
+    return inner if inner is not None else func
+
+
+# Schema types that never hold a tensor or a float (dims, sizes, flags, dtypes as ints, devices): an
+# argument of these types can neither carry NaN/Inf nor be a tensor the tracer follows.
+_NEVER_READ = frozenset({"int", "bool", "str", "Device", "Generator", "List[int]", "List[bool]"})
+
+
+def _read_prefix(arguments: list[Any]) -> int:
+    """How many leading positional arguments may hold a tensor or a number: past the last that may,
+    only dims, sizes and flags follow (``view(self, size)``, ``transpose(self, dim0, dim1)``: 1)."""
+    positional = [a for a in arguments if not a.kwarg_only]
+    read = [i for i, a in enumerate(positional) if not _never_read(str(a.type))]
+    return read[-1] + 1 if read else 0
+
+
+def _never_read(name: str) -> bool:
+    inner = name[len("Optional[") : -1] if name.startswith("Optional[") else name
+    return inner in _NEVER_READ
 
 
 def _flat_type(name: str) -> bool:
@@ -653,7 +683,7 @@ _MEETS: dict[Any, str] = {
 }
 
 
-def infinities_met(func: Any, flat_in: list[Any], out: torch.Tensor) -> str | None:
+def infinities_met(func: Any, flat_in: Sequence[Any], out: torch.Tensor) -> str | None:
     """``"-inf - (-inf)"``, ``"inf + (-inf)"`` or ``"inf / inf"`` when the NaN that ``func`` (a
     subtraction, an addition or a division) made sits where both its operands were infinite: the
     arithmetic combined two infinities. None for any other op or any other NaN (``0 / 0``)."""

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from nanguard import compat
-from nanguard.stats import local
+from nanguard.stats import float_groups, local, total_norm
 
 __all__ = [
     "CLEAN",
@@ -73,22 +73,30 @@ class TaintMap:
         self.status: dict[int, _Entry] = {}
         self.storage: dict[int, frozenset[int]] = {}
 
-    def inputs(self, flat: list[Any]) -> Inputs:
+    def inputs(self, flat: Sequence[Any]) -> Inputs:
         """The flags and taints of an op's flat arguments; ``CLEAN`` when none is NaN/Inf."""
         bad: list[_Entry] = []
         written: tuple[float, ...] = ()
         status = self.status
         for x in flat:
-            if isinstance(x, torch.Tensor):
-                entry = status.get(id(x))
-                if entry is None or entry[1] != version(x) or entry[0]() is not x:
-                    if not (x.is_floating_point() or x.is_complex()):
-                        continue
+            entry = status.get(id(x))
+            if entry is not None and entry[0]() is x is not None:  # a tensor seen: read again only once written
+                try:
+                    stale = entry[1] != x._version
+                except RuntimeError:  # an inference tensor keeps no version counter
+                    stale = entry[1] != -1
+                if stale:
                     entry = self._read(x, entry)
-                if entry[2] or entry[3]:
-                    bad.append(entry)
-            elif isinstance(x, float) and not -math.inf < x < math.inf:  # NaN or +-Inf
-                written += (x,)
+            elif isinstance(x, torch.Tensor):
+                if not (x.is_floating_point() or x.is_complex()):
+                    continue
+                entry = self._read(x, entry)
+            else:
+                if isinstance(x, float) and not -math.inf < x < math.inf:  # NaN or +-Inf
+                    written += (x,)
+                continue
+            if entry[2] or entry[3]:
+                bad.append(entry)
         if not (bad or written):
             return CLEAN
         return _combined(bad, written)
@@ -123,15 +131,25 @@ class TaintMap:
         self, t: torch.Tensor, nan: bool, inf: bool, taint: frozenset[int], base_version: int | None = None
     ) -> None:
         """Record ``t``'s flags; ``base_version``: the version of the tensor ``t`` is a view of, if any."""
-        self.status[id(t)] = (weakref.ref(t), version(t), nan, inf, taint, base_version)
+        try:
+            current = t._version
+        except RuntimeError:  # an inference tensor keeps no version counter
+            current = -1
+        self.status[id(t)] = (weakref.ref(t), current, nan, inf, taint, base_version)
         if taint:
             self.storage[storage_key(t)] = taint
 
     def set_finite(self, ts: Iterable[torch.Tensor], base_version: int | None = None) -> None:
         """Record the floating tensors among ``ts``, known to be finite, at their current versions (see ``set``)."""
-        for t in ts:
-            if t.is_floating_point() or t.is_complex():
-                self.status[id(t)] = (weakref.ref(t), version(t), False, False, _NONE, base_version)
+        status = self.status
+        try:
+            for t in ts:
+                if t.is_floating_point() or t.is_complex():
+                    status[id(t)] = (weakref.ref(t), t._version, False, False, _NONE, base_version)
+        except RuntimeError:  # an inference tensor keeps no version counter: the same again, -1 for it
+            for t in ts:
+                if t.is_floating_point() or t.is_complex():
+                    status[id(t)] = (weakref.ref(t), version(t), False, False, _NONE, base_version)
 
     def aliases(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The other tensors seen that share ``t``'s storage (its base, views, ``.data`` aliases)."""
@@ -221,7 +239,8 @@ def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
     """``nonfinite_flags`` of each tensor, with one host read for all of them on an accelerator.
 
     A CPU tensor whose first element is NaN needs no pass (reading it costs no device sync):
-    the gradients of a step that went NaN usually are.
+    the gradients of a step that went NaN usually are. The other CPU tensors, when all are
+    finite (a healthy step's gradients), are shown so by one norm over all of them.
 
     Example:
         >>> many_nonfinite_flags([torch.tensor([float("nan"), 1.0]), torch.ones(2)])
@@ -229,6 +248,8 @@ def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
     """
     ts = [local(t) for t in ts]
     known = [_first_is_nan(t) for t in ts]
+    if _finite_together(ts, known):
+        return [(nan, False) for nan in known]
     bounds = [None if nan else _bounds(t) for t, nan in zip(ts, known, strict=True)]
     present = [b for b in bounds if b is not None]
     values = iter(())
@@ -240,6 +261,19 @@ def many_nonfinite_flags(ts: Sequence[torch.Tensor]) -> list[tuple[bool, bool]]:
         (True, False) if nan else (False, False) if b is None else _flags(*next(values))
         for nan, b in zip(known, bounds, strict=True)
     ]
+
+
+def _finite_together(tensors: list[torch.Tensor], nan: list[bool]) -> bool:
+    """Are the tensors not known to hold NaN (``nan``) CPU float tensors, all finite by one norm over them
+    (``stats.total_norm``: NaN/Inf exactly when some element is)? False when that cannot be told so
+    (another device, an error, fewer than two)."""
+    ts = [t for t, known in zip(tensors, nan, strict=True) if not known]
+    if len(ts) < 2 or not all(t.device.type == "cpu" and t.is_floating_point() for t in ts):
+        return False
+    try:
+        return math.isfinite(total_norm(float_groups(ts)).item())
+    except (RuntimeError, NotImplementedError):  # a tensor the foreach norm does not take: read one by one
+        return False
 
 
 def _first_is_nan(t: torch.Tensor) -> bool:
@@ -274,7 +308,7 @@ def _bounds(t: torch.Tensor) -> torch.Tensor | None:
     return torch.stack(torch.aminmax(t.detach()))
 
 
-def has_inf_created(out: torch.Tensor, inputs: list[Any]) -> bool:
+def has_inf_created(out: torch.Tensor, inputs: Sequence[Any]) -> bool:
     """Did an elementwise op make Inf where all its inputs were finite? ``exp`` of a masked
     row turns finite scores into +Inf beside the mask's -Inf: that is a creation."""
     if any(isinstance(x, float) and math.isinf(x) for x in inputs):
