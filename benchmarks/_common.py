@@ -9,8 +9,10 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 
@@ -20,6 +22,18 @@ def machine() -> str:
     threads = torch.get_num_threads()
     version = torch.__version__
     return f"{platform.system()} {cpu}, {os.cpu_count()} CPU threads, torch {version}, {threads} intra-op threads"
+
+
+class CountOps(TorchDispatchMode):
+    """Runs each aten op and counts it (``ops``): the floor of any tracer that sees every op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def interleaved(configs: dict[str, Callable[[], None]], rounds: int, warmup: int = 3) -> dict[str, float]:

@@ -35,19 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _period() -> int:
@@ -62,10 +51,12 @@ def _period() -> int:
 def _counts(step: Callable[[], None]) -> tuple[float, float]:
     """aten ops and Python calls per call of ``step``, averaged over ``_period()`` steps, after a warmup
     past the first precursor sample (which names the model's modules once)."""
+    from _common import CountOps
+
     steps = _period()
     for _ in range(steps // 2 + 3):
         step()
-    with _CountOps() as mode:
+    with CountOps() as mode:
         for _ in range(steps):
             step()
     calls = 0

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 ROWS = {
@@ -86,21 +85,11 @@ def _gpt2() -> tuple[nn.Module, Callable[[], Any]]:
     return model, step
 
 
-class _EmptyMode(TorchDispatchMode):
-    """Runs each aten op and counts it: the floor of any tracer that sees every op."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _in_empty_mode(step: Callable[[], Any]) -> int:
-    """Run ``step`` under ``_EmptyMode``; the number of aten ops it ran."""
-    with _EmptyMode() as mode:
+    """Run ``step`` under ``CountOps``; the number of aten ops it ran."""
+    from _common import CountOps
+
+    with CountOps() as mode:
         step()
     return mode.ops
 
