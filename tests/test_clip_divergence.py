@@ -428,7 +428,9 @@ def test_the_healthy_steps_shortcut_warns_exactly_where_the_full_rule_does(monke
         level *= 12.0 if shift == 0 else 1 / 12.0 if shift == 1 else 2.5 if climbing else 1.0
         value = {2: math.nan, 3: math.inf, 4: 0.0}.get(shift, level * a)
         series.append((value, level * b))
-    fast = _feed(_history(), series)
+    riding = [(math.nan, g) for _, g in series]  # no collective averaged the loss: the history holds NaN
+    fast, fast_riding = _feed(_history(), series), _feed(_history(), riding)
     monkeypatch.setattr(history_module, "_may_depart", lambda *_: True)
     assert fast == _feed(_history(), series)
-    assert fast  # the series does leave its level: the comparison covers warnings, not only silence
+    assert fast_riding == _feed(_history(), riding)
+    assert fast and fast_riding  # the series do leave their level: the comparison covers warnings, not only silence

@@ -489,15 +489,15 @@ def _median(values: list[float]) -> float | None:
 
 
 def _may_depart(last: Point, loss: float, grad_norm: float) -> bool:
-    """Can a departure begin at this step? Not while each value is under ``PEAK_RATIO`` times the last
-    update's (that update is in the window whose peak a departure must clear): the healthy step's
-    shortcut, exact, before the window is copied and sorted."""
-    return (
-        not 0 < last.loss < math.inf
-        or loss >= PEAK_RATIO * last.loss
-        or not 0 < last.grad_norm < math.inf
-        or grad_norm >= PEAK_RATIO * last.grad_norm
-    )
+    """Can a departure begin at this step? Not for a value that is not finite (a riding step's unagreed
+    loss), nor while a value is under ``PEAK_RATIO`` times the last update's (that update is in the window
+    whose peak a departure must clear): the healthy step's shortcut, exact, before the window is copied and
+    sorted."""
+    return _may_rise(last.loss, loss) or _may_rise(last.grad_norm, grad_norm)
+
+
+def _may_rise(last: float, value: float) -> bool:
+    return math.isfinite(value) and (not 0 < last < math.inf or value >= PEAK_RATIO * last)
 
 
 def _above(value: float, *bars: float) -> bool:
