@@ -3,11 +3,11 @@
 per (layer, signal) with the growth, the steps left and the published fix.
 
 A sampled step is the user's own step, run once: the guard calls ``arm`` when its step count reaches
-``next`` (a comparison, no call, on the other steps), which installs the hooks for that step alone and
-removes them at the next call: its training forward runs under a ``tracer.precursors.Capture``
+``next`` (a comparison, no call, on the other steps), which installs the model's hooks for that step
+alone and removes them at the next call: its training forward runs under a ``tracer.precursors.Capture``
 (attention, router and output logits, each layer's output RMS); the optimizer's step pre- and
-post-hooks take the update-to-weight ratio of each module. The steps between two samples run nothing
-of the check. The values are
+post-hooks, on for the run (a ``LoopGuard`` arms the next sample from inside them) and returning at once
+between samples, take the update-to-weight ratio of each module. The values are
 stacked into one device tensor and copied to the host without waiting (pinned memory and an event on
 a GPU); the copy is read at a later optimizer step once its event has completed, which the step's own
 health read in between makes sure of: no host sync is added. ``headroom`` events (``headroom_every``)
