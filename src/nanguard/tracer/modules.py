@@ -14,7 +14,7 @@ from torch.nn.modules import module as _module_mod
 
 from nanguard import compat
 
-__all__ = ["ModuleStack", "count_as_user_code", "is_user_code", "user_source"]
+__all__ = ["ModuleStack", "count_as_user_code", "is_user_code", "user_modules", "user_source"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,7 +159,7 @@ class ModuleStack:
         if self._names is None:
             if self.root is None:
                 return None
-            self._names = {id(m): n for n, m in _user_modules(self.root)}
+            self._names = {id(m): n for n, m in user_modules(self.root)}
         return self._names.get(id(module))
 
     def current_name(self) -> str | None:
@@ -206,7 +206,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _named_state(root: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    modules = list(_user_modules(root))
+    modules = list(user_modules(root))
     for prefix, module in modules:
         for key, t in module.named_parameters(recurse=False, remove_duplicate=False):
             yield _join(prefix, key), t
@@ -222,12 +222,12 @@ _WRAPPER_ATTRS = frozenset(
 )
 
 
-def _user_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def user_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``root.named_modules(remove_duplicate=False)`` with the wrappers' levels left out of the
     names (a wrapper shares the name of the module it wraps).
 
     Example:
-        >>> [n for n, _ in _user_modules(DistributedDataParallel(torch.compile(model)))][:3]
+        >>> [n for n, _ in user_modules(DistributedDataParallel(torch.compile(model)))][:3]
         ['', '', '']
     """
     todo: list[tuple[str, nn.Module]] = [("", root)]

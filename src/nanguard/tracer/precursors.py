@@ -41,7 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from nanguard.stats import local
-from nanguard.tracer.modules import _user_modules
+from nanguard.tracer.modules import user_modules
 
 __all__ = ["Capture", "Values", "layers", "owners_of"]
 
@@ -141,7 +141,7 @@ class Capture(TorchFunctionMode):
     def _start(self, module: nn.Module | None) -> Capture:
         self.values, self._broken, self._seen, self._ran, self._found = {}, False, set(), set(), set()
         if self._names is None:
-            self._names = {id(m): (m, n) for n, m in _user_modules(self.model)}  # a shared module: its last name
+            self._names = {id(m): (m, n) for n, m in user_modules(self.model)}  # a shared module: its last name
         self._wrap()
         self._here = self._names[id(module)][1] if module is not None and id(module) in self._names else None
         self._running = True
