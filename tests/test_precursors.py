@@ -120,7 +120,7 @@ def test_router_logits_are_found_by_what_the_router_computes_and_warned() -> Non
     model = _Moe()
     with torch.no_grad():
         model.layers[0].gate.weight.mul_(2.0)
-    opt = torch.optim.Adam(model.parameters(), lr=0.0)  # its state fills; the weights move only by the drive
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # its state fills; the drive outgrows its steps
     events: list[dict[str, Any]] = []
     guard = ng.Guard(model, opt, on_event=events.append, precursor_every=EVERY)
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
@@ -429,3 +429,51 @@ def test_a_loop_guard_samples_from_inside_the_optimizers_hooks_and_warns_as_guar
         (w["signal"], w["module"], w["step"]) for w in under_step
     ]
     assert in_loop
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=3e-2, weight_decay=0.1),  # the decay decoupled: taken out
+        lambda ps: torch.optim.Adam(ps, lr=3e-2, weight_decay=0.1),  # the decay in the gradient
+        lambda ps: torch.optim.Adam(ps, lr=torch.tensor(3e-2)),  # a tensor LR
+    ],
+)
+def test_the_update_ratio_and_adams_update_are_what_the_step_did(make: Any) -> None:
+    """Read from the update itself (w_old - w_new), its decoupled decay taken out: equal to m_hat / (sqrt(v_hat)
+    + eps) from Adam's state, and nothing for a layer the step left alone (no gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = make(model.parameters())
+    guard = ng.Guard(model, opt, precursor_every=1)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(6):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+        def closure(step: int = step) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            if step == 5:
+                for p in model[2].parameters():
+                    p.grad = None  # the middle layer sits this step out
+            return loss
+
+        guard.step(closure)
+    series = guard.precursors.trend.series
+    beta1, beta2 = opt.param_groups[0]["betas"]
+    for module in ("0", "4"):
+        params = [(n, p) for n, p in model.named_parameters() if n.startswith(module + ".")]
+        moved = sum(float((before[n] - p.detach()).square().sum()) for n, p in params)
+        size = sum(float(before[n].square().sum()) for n, _ in params)
+        u2, count = 0.0, 0
+        for _, p in params:
+            state = opt.state[p]
+            t = float(state["step"])
+            denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt() + opt.param_groups[0]["eps"]
+            u2 += float((state["exp_avg"] / (1 - beta1**t) / denom).square().sum())
+            count += p.numel()
+        assert series[(module, "update_ratio")][-1][1] == pytest.approx(math.sqrt(moved / size), rel=1e-4)
+        assert series[(module, "adam_update")][-1][1] == pytest.approx(math.sqrt(u2 / count), rel=1e-3)
+    assert not series[("2", "update_ratio")] and not series[("2", "adam_update")]  # 0: no growth, the series cleared
+    guard.close()

@@ -99,7 +99,7 @@ SIGNALS: dict[str, Signal] = {
         ),
         Signal(
             "adam_v_decay",
-            "how far Adam's second moment of the layer decayed while its gradients stopped: the RMS of sqrt(v) "
+            "how far Adam's second moment of the layer decayed while its gradients stopped: the scale of v "
             "at its peak over now, times sqrt(1 - beta2); counted while the layer's update per unit of LR stands "
             f"{COLLAPSE:g}x below its own largest (m forgets in 1/(1-beta1) steps, v in 1/(1-beta2))",
             1.0,
@@ -215,8 +215,9 @@ class SecondMoment:
     """Adam's second-moment decay per module (``adam_v_decay``): the rule of a state that arms a blow-up,
     where the others are growths that reach a limit.
 
-    Each sample brings, per module, Adam's update per unit of LR (``adam_update``) and its second
-    moment's RMS (``adam_v``). A module's gradients stopped when its update stands ``COLLAPSE``-fold
+    Each sample brings, per module, Adam's update per unit of LR (``adam_update``; 0 when the step left
+    the module alone, which says nothing) and its second moment's scale (``adam_v``, the fourth root of
+    v_hat's mean square). A module's gradients stopped when its update stands ``COLLAPSE``-fold
     below the largest of its own earlier samples (``POINTS`` of them at least; m forgets in about
     1/(1-beta1) steps, v in 1/(1-beta2): the update falls only when the gradients do); while they stay
     stopped, ``adam_v_decay`` is the peak of ``adam_v`` over now, times sqrt(1 - beta2): at 1, v has
@@ -261,7 +262,7 @@ class SecondMoment:
         return found
 
     def _decay(self, module: str, v: float, update: float | None, beta2: float | None) -> float:
-        if update is None or beta2 is None or not (0 < v < math.inf and 0 <= update < math.inf):
+        if update is None or beta2 is None or not (0 < v < math.inf and 0 < update < math.inf):
             return 0.0
         peak, (seen, top) = self.peak.get(module, 0.0), self.level.get(module, (0, 0.0))
         self.peak[module] = peak = v if v > peak else peak  # max() of two finite floats, without its call

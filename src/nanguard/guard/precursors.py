@@ -7,12 +7,13 @@ A sampled step is the user's own step, run once: the guard calls ``arm`` when it
 alone and removes them at the next call: its training forward runs under a ``tracer.precursors.Capture``
 (attention, router and output logits, each layer's output RMS); the optimizer's step pre- and
 post-hooks, on for the run (a ``LoopGuard`` arms the next sample from inside them) and returning at once
-between samples, take the update-to-weight ratio of each module. The values are
+between samples, take the update-to-weight ratio of each module from the weights copied before the
+update, and Adam's update per unit of LR from the same update (its decoupled weight decay taken out:
+what the step did, for any Adam variant), with its second moment's scale from the state. The values are
 stacked into one device tensor and copied to the host without waiting (pinned memory and an event on
 a GPU); the copy is read at a later optimizer step once its event has completed, which the step's own
 health read in between makes sure of: no host sync is added. ``headroom`` events (``headroom_every``)
-feed the trend too. At a warning (once per layer and signal), Adam's update per unit of LR of the
-warned modules is read from its state, as the warning's context (a host read, once per warning): it
+feed the trend too. A warning carries the module's other signals of its sample as context; Adam's update
 never warns alone (``precursors.SIGNALS``).
 
 Under ``policy="auto"`` with ``precursor_lower_lr=True`` (off by default) a warning lowers the LR
@@ -53,19 +54,22 @@ _ADAM_STATE = {"exp_avg", "exp_avg_sq", "step"}
 
 
 class _AdamGroup:
-    """One Adam-like param group's state tensors, listed once, and each one's module index."""
+    """One Adam-like param group: its second moments and steps, listed once, each weight's place in the
+    check's list and module index, and whether its weight decay is decoupled (AdamW's)."""
 
-    def __init__(
-        self, group: dict[str, Any], params: list[torch.Tensor], state: Any, module_of: dict[int, str], order: list[str]
-    ) -> None:
-        self.betas = (float(group["betas"][0]), float(group["betas"][1]))
-        self.eps = float(group["eps"])
-        self.params = params
-        self.m = [local(state[p]["exp_avg"]) for p in params]
+    def __init__(self, group: dict[str, Any], params: list[torch.Tensor], state: Any, check: PrecursorCheck) -> None:
+        self.group, self.params = group, params
+        self.beta2 = float(group["betas"][1])
+        self.first = state[params[0]]["exp_avg_sq"]  # the state's own tensor: replaced on a resume
         self.v = [local(state[p]["exp_avg_sq"]) for p in params]
         self.step = [state[p]["step"] for p in params]
-        self.index = torch.tensor([order.index(module_of.get(id(p), "")) for p in params])
-        self.sizes = torch.tensor([float(m.numel()) for m in self.m])
+        place = {id(p): i for i, p in enumerate(check._params)}
+        self.at = [place[id(p)] for p in params]
+        self.index = torch.tensor([check._order.index(check._module_of.get(id(p), "")) for p in params])
+        self.sizes = torch.tensor([float(v.numel()) for v in self.v])
+        # torch's AdamW (and Adam(decoupled_weight_decay=True)), apex's and DeepSpeed's fused Adam in AdamW mode
+        self.decoupled = bool(group.get("decoupled_weight_decay")) or bool(getattr(check.optimizer, "adam_w_mode", 0))
+        self.decoupled |= isinstance(check.optimizer, torch.optim.AdamW)
 
 
 class _Queued:
@@ -249,26 +253,30 @@ class PrecursorCheck:
         self._measured = (step, {})  # read once: a second optimizer step adds nothing
         try:
             with torch.no_grad():
-                parts = [_stacked(list(values.values())), self._update_ratios(before)]
-                keys = [*values, *self._ratio_keys]
-                moments = self._adam_moments()
-                if moments is not None:
-                    parts.append(moments)
+                keys, moved = [*values, *self._ratio_keys], self._moved(before)
+                if len(moved) > len(self._order):
                     keys += self._adam_keys
-                packed = torch.cat([t.to(parts[1].device) for t in parts])
+                packed = torch.cat([_stacked(list(values.values())).to(moved.device), moved])
             self._pending.append(_Queued(step, keys, packed))
             self._read_ready()  # on the CPU the copy is the tensor: read now; on a GPU, once its event completed
         except Exception as err:
             self._stop(err)
 
-    def _update_ratios(self, before: list[torch.Tensor]) -> torch.Tensor:
-        """|w_new - w_old| / |w_old| of each module (``self._order``), one device vector: both sums in one
-        ``index_add``."""
-        size = torch._foreach_norm(before)
-        torch._foreach_sub_(before, self._weights())  # the copy is ours: w_old - w_new, the same norm
-        norms = _stacked([*torch._foreach_norm(before), *size]).square().view(2, -1)  # moved, then size
+    def _moved(self, before: list[torch.Tensor]) -> torch.Tensor:
+        """Per module (``self._order``), one device vector: |w_new - w_old| / |w_old|, then with Adam-like groups
+        Adam's update per unit of LR and its second moment's scale (``_adam_moments``). ``before``, the weights
+        before the update (our copy), becomes the update in place."""
+        weights = self._weights()
+        size = _stacked(torch._foreach_norm(before))
+        torch._foreach_sub_(before, weights)  # w_old - w_new, the update
+        moved = _stacked(torch._foreach_norm(before)).to(size.device)
+        norms = torch.stack([moved, size]).square()
         sums = norms.new_zeros(2, len(self._order)).index_add_(1, self._index_on(norms.device), norms)
-        return (sums[0] / sums[1].clamp_min(1e-30)).sqrt()
+        ratio = (sums[0] / sums[1].clamp_min(1e-30)).sqrt()
+        groups = self._adam_groups()
+        if not groups:
+            return ratio
+        return torch.cat([ratio, self._adam_moments(groups, norms, weights)])
 
     def _index_on(self, device: torch.device) -> torch.Tensor:
         """Each weight's module (``self._order``) as a tensor on ``device``, made once."""
@@ -282,11 +290,11 @@ class PrecursorCheck:
         their state tensors listed once and listed again when the state was replaced (a resume)."""
         state = self.optimizer.state
         cached = self._adam
-        if cached and all(state.get(g.params[0], {}).get("exp_avg") is g.m[0] for g in cached):
+        if cached and all(state.get(g.params[0], {}).get("exp_avg_sq") is g.first for g in cached):
             return cached
         self._adam_n = None
         self._adam = [
-            _AdamGroup(group, params, state, self._module_of, self._order)
+            _AdamGroup(group, params, state, self)
             for group in self.optimizer.param_groups
             if isinstance(group.get("betas"), (tuple, list))
             and group.get("eps") is not None
@@ -294,31 +302,34 @@ class PrecursorCheck:
         ]
         return self._adam
 
-    def _adam_moments(self) -> torch.Tensor | None:
-        """Per module (``self._order``): Adam's update per unit of LR, RMS of m_hat / (sqrt(v_hat) + eps),
-        then its second moment's RMS sqrt(mean v_hat): one device vector of 2 * modules, None without Adam.
-        The steps stay tensors (the bias corrections are computed from them, never read)."""
-        groups = self._adam_groups()
-        if not groups:
-            return None
-        device = groups[0].m[0].device
-        sums = torch.zeros(2, len(self._order), device=device)  # sum of u^2, sum of v_hat
+    def _adam_moments(self, groups: list[_AdamGroup], norms: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Per module (``self._order``): Adam's update per unit of LR, the RMS over the weights that moved of
+        what the step did with its weight decay taken out (m_hat / (sqrt(v_hat) + eps), whatever the variant);
+        then its second moment's scale (mean v_hat^2)^(1/4), bias-corrected by each weight's own step (the
+        steps stay tensors, never read). ``norms``: each weight's |update|^2 and |w_old|^2."""
+        device = norms.device
+        sums = torch.zeros(3, len(self._order), device=device)  # sum of u^2, of v_hat^2, size of what moved
         for g in groups:
-            step = torch.as_tensor(g.step[0]).float()
-            bc1, bc2 = 1 - g.betas[0] ** step, 1 - g.betas[1] ** step
-            v_hat = torch._foreach_div(g.v, bc2.to(g.v[0].device))  # a tensor: never read on the host
-            v1 = torch._foreach_norm(v_hat, 1)
-            torch._foreach_sqrt_(v_hat)  # then the denominator, in place: one buffer fewer to allocate
-            torch._foreach_add_(v_hat, g.eps)
-            parts = _stacked([*torch._foreach_norm(torch._foreach_div(g.m, v_hat)), *v1]).to(device).view(2, -1)
-            parts[0].div_(bc1.to(device)).square_()
+            lr, decay = g.group["lr"], float(g.group.get("weight_decay") or 0.0)  # an LR may be a tensor: not read
+            moved, size = norms[0, g.at], norms[1, g.at]
+            if g.decoupled and decay:
+                a = lr * decay
+                # w_new = w_old (1 - a) - lr u with a = lr wd, d = w_old - w_new: |lr u|^2 = (1-a)^2 |d|^2
+                # - 2a(1-a) <d, w_new> + a^2 |w_new|^2, <d, w_new> = (|w_old|^2 - |w_new|^2 - |d|^2) / 2: one norm
+                new = _stacked(torch._foreach_norm([weights[i] for i in g.at])).to(device).double().square()
+                dot = (size.double() - new - moved.double()) / 2
+                moved = ((1 - a) ** 2 * moved.double() - 2 * a * (1 - a) * dot + a**2 * new).clamp_min(0).float()
+            steps = torch.stack([torch.as_tensor(s, dtype=torch.float32) for s in g.step]).to(device)
+            v2 = _stacked(torch._foreach_norm(g.v)).to(device).square() / (1 - g.beta2**steps).square()
+            went = norms[0, g.at] > 0  # a weight the step left alone (no gradient) says nothing of Adam's update
+            parts = torch.stack([torch.where(went, moved / lr**2, 0.0), v2, torch.where(went, g.sizes.to(device), 0.0)])
             sums.index_add_(1, g.index.to(device), parts)
         if self._adam_n is None:  # each module's size, summed over the groups once
             n = torch.zeros(len(self._order), device=device)
             for g in groups:
                 n.index_add_(0, g.index.to(device), g.sizes.to(device))
             self._adam_n = n.clamp_min(1)
-        return (sums / self._adam_n).sqrt().view(-1)
+        return torch.cat([(sums[0] / sums[2].clamp_min(1)).sqrt(), (sums[1] / self._adam_n).sqrt().sqrt()])
 
     # -- the read and the warnings -----------------------------------------------------------
     def watch_headroom(self, emit: Callable[[int, Headroom], None]) -> Callable[[int, Headroom], None]:
