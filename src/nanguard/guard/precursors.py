@@ -64,7 +64,8 @@ class _AdamGroup:
         self.v = [local(state[p]["exp_avg_sq"]) for p in params]
         self.step = [state[p]["step"] for p in params]
         place = {id(p): i for i, p in enumerate(check._params)}
-        self.at = [place[id(p)] for p in params]
+        self.places = [place[id(p)] for p in params]
+        self.at = torch.tensor(self.places)
         self.index = torch.tensor([check._order.index(check._module_of.get(id(p), "")) for p in params])
         self.sizes = torch.tensor([float(v.numel()) for v in self.v])
         # torch's AdamW (and Adam(decoupled_weight_decay=True)), apex's and DeepSpeed's fused Adam in AdamW mode
@@ -311,17 +312,17 @@ class PrecursorCheck:
         sums = torch.zeros(3, len(self._order), device=device)  # sum of u^2, of v_hat^2, size of what moved
         for g in groups:
             lr, decay = g.group["lr"], float(g.group.get("weight_decay") or 0.0)  # an LR may be a tensor: not read
-            moved, size = norms[0, g.at], norms[1, g.at]
+            went, size = norms[:, g.at]
+            moved = went
             if g.decoupled and decay:
+                # w_new = w_old (1 - a) - lr u with a = lr wd and d = w_old - w_new: expanding |lr u|^2 through
+                # <d, w_new> = (|w_old|^2 - |w_new|^2 - |d|^2) / 2 leaves one norm to take, of the new weights
                 a = lr * decay
-                # w_new = w_old (1 - a) - lr u with a = lr wd, d = w_old - w_new: |lr u|^2 = (1-a)^2 |d|^2
-                # - 2a(1-a) <d, w_new> + a^2 |w_new|^2, <d, w_new> = (|w_old|^2 - |w_new|^2 - |d|^2) / 2: one norm
-                new = _stacked(torch._foreach_norm([weights[i] for i in g.at])).to(device).double().square()
-                dot = (size.double() - new - moved.double()) / 2
-                moved = ((1 - a) ** 2 * moved.double() - 2 * a * (1 - a) * dot + a**2 * new).clamp_min(0).float()
+                new = _stacked(torch._foreach_norm([weights[i] for i in g.places])).to(device).square()
+                moved = ((1 - a) * went + a * (new - (1 - a) * size)).clamp_min(0)
             steps = torch.stack([torch.as_tensor(s, dtype=torch.float32) for s in g.step]).to(device)
-            v2 = _stacked(torch._foreach_norm(g.v)).to(device).square() / (1 - g.beta2**steps).square()
-            went = norms[0, g.at] > 0  # a weight the step left alone (no gradient) says nothing of Adam's update
+            v2 = (_stacked(torch._foreach_norm(g.v)).to(device) / (1 - g.beta2**steps)).square()
+            went = went > 0  # a weight the step left alone (no gradient) says nothing of Adam's update
             parts = torch.stack([torch.where(went, moved / lr**2, 0.0), v2, torch.where(went, g.sizes.to(device), 0.0)])
             sums.index_add_(1, g.index.to(device), parts)
         if self._adam_n is None:  # each module's size, summed over the groups once
