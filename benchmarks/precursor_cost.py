@@ -89,11 +89,12 @@ def main() -> None:
 Target: <= 1% of a step at the default sampling. A sampled step installs its hooks, runs its forward under the
 capture mode (a Python call per torch function, in the modules the first sample found its measurements in: the
 attention modules, the output layer, the root where the loss runs; the attention's `amax`, log Z, each layer's
-RMS), copies the weights before the update and reads the update ratio and Adam's moments after it with foreach
-kernels, each set of sums in one `index_add`; the steps in between run nothing of the check (the guard compares
-its step count with the next sampled step). On a tiny CPU model the passes over every weight and Adam state
-(the copy, the update's norm, Adam's bias-corrected update: ten of them, each a kernel per tensor) and the
-per-call Python cost weigh most; on a model of real size on a GPU they are a smaller share of the step.
+RMS), copies the weights before the update, and after it takes four foreach norms (the old weights, the update,
+the new weights, Adam's second moment) and sums them per module in one `index_add`: Adam's update per unit of LR
+is read from the update itself, its decoupled decay taken out through those norms, not recomputed from m and v
+(which took six more passes over the state). The steps in between run nothing of the check (the guard compares
+its step count with the next sampled step). On a tiny CPU model a kernel per tensor per pass and the per-call
+Python cost weigh most; on a model of real size on a GPU they are a smaller share of the step.
 
 Machine: {machine()}. Reproduce: `.venv/bin/python benchmarks/precursor_cost.py --write`."""
     print(body)
