@@ -312,18 +312,18 @@ class PrecursorCheck:
         sums = torch.zeros(3, len(self._order), device=device)  # sum of u^2, of v_hat^2, size of what moved
         for g in groups:
             lr, decay = g.group["lr"], float(g.group.get("weight_decay") or 0.0)  # an LR may be a tensor: not read
-            went, size = norms[:, g.at]
-            moved = went
+            update, size = norms[:, g.at]  # squared norms
+            adam = update  # |lr u|^2
             if g.decoupled and decay:
                 # w_new = w_old (1 - a) - lr u with a = lr wd and d = w_old - w_new: expanding |lr u|^2 through
                 # <d, w_new> = (|w_old|^2 - |w_new|^2 - |d|^2) / 2 leaves one norm to take, of the new weights
                 a = lr * decay
                 new = _stacked(torch._foreach_norm([weights[i] for i in g.places])).to(device).square()
-                moved = ((1 - a) * went + a * (new - (1 - a) * size)).clamp_min(0)
+                adam = ((1 - a) * update + a * (new - (1 - a) * size)).clamp_min(0)
             steps = torch.stack([torch.as_tensor(s, dtype=torch.float32) for s in g.step]).to(device)
             v2 = (_stacked(torch._foreach_norm(g.v)).to(device) / (1 - g.beta2**steps)).square()
-            went = went > 0  # a weight the step left alone (no gradient) says nothing of Adam's update
-            parts = torch.stack([torch.where(went, moved / lr**2, 0.0), v2, torch.where(went, g.sizes.to(device), 0.0)])
+            went = update > 0  # a weight the step left alone (no gradient) says nothing of Adam's update
+            parts = torch.stack([torch.where(went, adam / lr**2, 0.0), v2, torch.where(went, g.sizes.to(device), 0.0)])
             sums.index_add_(1, g.index.to(device), parts)
         if self._adam_n is None:  # each module's size, summed over the groups once
             n = torch.zeros(len(self._order), device=device)
