@@ -158,7 +158,7 @@ class Trend:
 
     Example:
         >>> trend = Trend()
-        >>> [trend.add(s, {("blocks.0.attn", "attn_logit"): 2.0 * 1.2**s}) for s in range(0, 40, 10)][-1][0].signal
+        >>> [trend.add(s, {("blocks.0.attn", "attn_logit"): 12.0 * 1.05**s}) for s in range(0, 40, 10)][-1][0].signal
         'attn_logit'
     """
 
@@ -245,14 +245,22 @@ class SecondMoment:
         self.warned: set[str] = set()
 
     def add(self, step: int, values: dict[tuple[str, str], float], beta2: dict[str, float]) -> list[Precursor]:
-        """Replace each module's ``adam_v`` in ``values`` by its ``adam_v_decay``; the new warnings."""
-        found = []
+        """Replace each module's ``adam_v`` in ``values`` by its ``adam_v_decay``; the new warnings.
+
+        A sample brings one value per module and signal, every ``precursor_every`` steps: lookups by ``in``
+        and subscripts, not ``dict.get`` (each a call, a few hundred a sample)."""
+        found, armed = [], self.armed
         for key in [k for k in values if k[1] == "adam_v"]:
-            module = key[0]
-            decay = self._decay(module, values.pop(key), values.get((module, "adam_update")), beta2.get(module))
+            module, adam = key[0], (key[0], "adam_update")
+            update = values[adam] if adam in values else None  # noqa: SIM401 (the docstring: no call)
+            b2 = beta2[module] if module in beta2 else None  # noqa: SIM401
+            decay = self._decay(module, values.pop(key), update, b2)
             values[(module, "adam_v_decay")] = decay
-            series = self.armed.setdefault(module, [])
-            series[:] = [*series[-1:], (step, decay)] if decay >= 1.0 else []
+            if decay < 1.0:
+                if module in armed:
+                    del armed[module]
+                continue
+            series = armed[module] = [*armed[module][-1:], (step, decay)] if module in armed else [(step, decay)]
             if series[1:] and module not in self.warned:  # two in a row
                 self.warned.add(module)
                 (s0, first), (s1, last) = series
@@ -264,7 +272,7 @@ class SecondMoment:
     def _decay(self, module: str, v: float, update: float | None, beta2: float | None) -> float:
         if update is None or beta2 is None or not (0 < v < math.inf and 0 < update < math.inf):
             return 0.0
-        peak, (seen, top) = self.peak.get(module, 0.0), self.level.get(module, (0, 0.0))
+        peak, (seen, top) = (self.peak[module], self.level[module]) if module in self.peak else (0.0, (0, 0.0))
         self.peak[module] = peak = v if v > peak else peak  # max() of two finite floats, without its call
         self.level[module] = (seen + 1, update if update > top else top)
         if seen < POINTS or update > top / COLLAPSE:

@@ -68,9 +68,16 @@ class _AdamGroup:
         self.at = torch.tensor(self.places)
         self.index = torch.tensor([check._order.index(check._module_of.get(id(p), "")) for p in params])
         self.sizes = torch.tensor([float(v.numel()) for v in self.v])
+        self._tensors = all(isinstance(s, torch.Tensor) and s.device == self.step[0].device for s in self.step)
         # torch's AdamW (and Adam(decoupled_weight_decay=True)), apex's and DeepSpeed's fused Adam in AdamW mode
         self.decoupled = bool(group.get("decoupled_weight_decay")) or bool(getattr(check.optimizer, "adam_w_mode", 0))
         self.decoupled |= isinstance(check.optimizer, torch.optim.AdamW)
+
+    def steps(self) -> torch.Tensor:
+        """Each weight's step count, one float32 vector (torch's Adam keeps them as tensors: stacked in one call)."""
+        if self._tensors:
+            return torch.stack(self.step).float()
+        return torch.tensor([float(s) for s in self.step])
 
 
 class _Queued:
@@ -320,7 +327,7 @@ class PrecursorCheck:
                 a = lr * decay
                 new = _stacked(torch._foreach_norm([weights[i] for i in g.places])).to(device).square()
                 adam = ((1 - a) * update + a * (new - (1 - a) * size)).clamp_min(0)
-            steps = torch.stack([torch.as_tensor(s, dtype=torch.float32) for s in g.step]).to(device)
+            steps = g.steps().to(device)
             v2 = (_stacked(torch._foreach_norm(g.v)).to(device) / (1 - g.beta2**steps)).square()
             went = update > 0  # a weight the step left alone (no gradient) says nothing of Adam's update
             parts = torch.stack([torch.where(went, adam / lr**2, 0.0), v2, torch.where(went, g.sizes.to(device), 0.0)])
@@ -414,11 +421,13 @@ def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor:
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` as a hook that does not keep its object alive: the model and the optimizer hold their
     hooks, and a check they kept alive would keep them alive in turn (a cycle: the user's model would
-    outlive its loop until a garbage collection)."""
-    ref = weakref.WeakMethod(method)
+    outlive its loop until a garbage collection). A reference to the object and the plain function, not a
+    ``WeakMethod``: the step hooks run at every step, and rebuilding the bound method costs five calls."""
+    bound: Any = method  # a bound method
+    ref, func = weakref.ref(bound.__self__), bound.__func__
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*args, **kwargs)
+        me = ref()
+        return None if me is None else func(me, *args, **kwargs)
 
     return hook
