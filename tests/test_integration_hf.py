@@ -396,3 +396,23 @@ def test_a_custom_loss_bug_on_two_gloo_ranks_is_named_on_its_rank_under_ddp_and_
             ), (i, r)
             assert (diag["rank"], diag["ranks"], diag["step"]) == (rank, [rank], step), (i, r)
         assert results[0][i]["weights"] == results[1][i]["weights"]
+
+
+class GrowQueryKey(TrainerCallback):
+    """Block 1's query and key columns grow 8% a step (the LR at 0: only this moves the weights)."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            model.transformer.h[1].attn.c_attn.weight[:, : 2 * EMBD].mul_(1.08)
+
+
+def test_the_trainer_warns_ahead_of_a_growing_attention_with_the_default_callback(tmp_path: Path) -> None:
+    """The precursors sampled under the Trainer as under ``Guard.step``: its SDPA attention found by what it
+    computes, the growth warned once, for the layer that grows."""
+    events: list[dict] = []
+    guard_cb = NanGuardCallback(policy="raise", precursor_every=2, on_event=events.append)
+    args = _args(tmp_path, max_steps=60, learning_rate=0.0)
+    Trainer(model=_gpt2(), args=args, train_dataset=Samples(BATCH * 60), callbacks=[guard_cb, GrowQueryKey()]).train()
+    warned = [(e["module"], e["signal"]) for e in events if e["kind"] == "warning"]
+    assert warned == [("transformer.h.1.attn", "attn_logit")]
+    assert ("lm_head", "logit_z") in guard_cb.guard.precursors.trend.series  # the output layer is sampled too
