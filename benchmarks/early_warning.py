@@ -40,6 +40,8 @@ class Spec:
     """One tiny transformer run: the model's switches, the optimizer, and a drive applied each step."""
 
     qk_norm: bool = False
+    sdpa: bool = False
+    """Attention through ``F.scaled_dot_product_attention`` (its softmax subtracts the max: no overflow)."""
     moe: bool = False
     z_loss: float = 0.0
     router_z_loss: float = 0.0
@@ -62,8 +64,9 @@ class Spec:
 
 
 class Attention(nn.Module):
-    def __init__(self, qk_norm: bool) -> None:
+    def __init__(self, qk_norm: bool, sdpa: bool) -> None:
         super().__init__()
+        self.sdpa = sdpa
         self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
         self.q_norm = nn.LayerNorm(D // HEADS) if qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(D // HEADS) if qk_norm else nn.Identity()
@@ -72,6 +75,9 @@ class Attention(nn.Module):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in self.qkv(x).split(c, 2))
         q, k = self.q_norm(q), self.k_norm(k)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, t, c))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // HEADS)
         att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
         att = att.exp() / att.exp().sum(-1, keepdim=True)  # written without the max subtraction, as often
@@ -104,7 +110,7 @@ class Block(nn.Module):
     def __init__(self, spec: Spec, moe: bool) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.attn = Attention(spec.qk_norm)
+        self.attn = Attention(spec.qk_norm, spec.sdpa)
         self.mlp: nn.Module = MoE() if moe else nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,6 +247,13 @@ MECHANISMS: list[tuple[str, str, Spec, Spec, tuple[str | None, str]]] = [
         ("blocks.1.attn", "attn_logit"),
     ),
     (
+        "the same growth under scaled_dot_product_attention (its softmax subtracts the max)",
+        "QK-norm",
+        Spec(drive=_qk_gain(1.015, 100), sdpa=True),
+        Spec(drive=_qk_gain(1.015, 100), qk_norm=True, sdpa=True),
+        ("blocks.1.attn", "attn_logit"),
+    ),
+    (
         "MoE router logits pushed up (a loss term 0.1 x their mean), no router z-loss",
         "router z-loss 1e-2",
         Spec(moe=True, push={"router": 0.1}),
@@ -345,7 +358,9 @@ their mean (a softmax does not see a shift, so the loss leaves it alone: the dri
 for). A z-loss of weight c against a push of weight p settles log Z near p / 2c, so the twins' z-losses are
 scaled with the push (1e-2 against 0.1, log Z near 5; the papers' 1e-4 and 1e-3 hold a drift a hundred times
 slower); they hold their logits and are silent. Attention, router and loss are written without the max
-subtraction, so their logits overflow float32's exp past 88.7, the limit the warning projects to. Runs where
+subtraction, so their logits overflow float32's exp past 88.7, the limit the warning projects to; the same
+growth under `scaled_dot_product_attention` overflows nothing: its rows turn one-hot (the entropy collapse of
+Dehghani et al. 2023), warned the same, and this tiny model's loss does not show it. Runs where
 the training itself grows them (AdamW up to 1e-1 with and without warmup, MoE with top-1 and soft routing, bf16
 autocast, a copy task whose attention logits reach 1e6 at LR 1e-1 while the loss stays at chance) either stayed
 healthy or stalled or blew up through a generic high-LR divergence first (the same step without MoE and with
