@@ -54,6 +54,8 @@ class Spec:
     betas: tuple[float, float] = (0.9, 0.999)
     freeze: tuple[str, int, int] | None = None
     """(name fragment, first step, end step): those weights frozen (``requires_grad=False``) for a stretch."""
+    steps: int | None = None
+    """The run's length, when not the benchmark's ``--steps`` (a run that trains its way to a blow-up)."""
     set_to_none: bool = True
     """``zero_grad(set_to_none=...)``: False keeps a frozen weight's gradient at zero, and Adam steps it."""
     push: dict[str, float] = field(default_factory=dict)
@@ -155,6 +157,8 @@ class Outcome:
     """The loop step at which the first precursor warning was issued."""
     first: tuple[str | None, str | None] | None
     warnings: int
+    culprit: str | None = None
+    """The module the guard's diagnosis named at a trip."""
 
 
 def run(spec: Spec, steps: int, seed: int = 0) -> Outcome:
@@ -172,7 +176,7 @@ def run(spec: Spec, steps: int, seed: int = 0) -> Outcome:
     at = [0]
     guard = ng.Guard(model, opt, policy="raise", on_event=lambda e: events.append((at[0], e)))
     next_batch, losses = batches(seed + 1), []
-    blowup = None
+    blowup = culprit = None
     for step in range(steps):
         at[0] = step
         if spec.drive is not None:
@@ -206,8 +210,8 @@ def run(spec: Spec, steps: int, seed: int = 0) -> Outcome:
 
         try:
             loss = float(guard.step(closure).detach())
-        except ng.NonFiniteError:
-            blowup = step
+        except ng.NonFiniteError as err:
+            blowup, culprit = step, err.diagnosis.module if err.diagnosis is not None else None
             break
         recent = losses[-50:]
         if not math.isfinite(loss) or (len(recent) >= 10 and loss > 3 * statistics.median(recent)):
@@ -224,6 +228,7 @@ def run(spec: Spec, steps: int, seed: int = 0) -> Outcome:
         warned=first[0] if first else None,
         first=(first[1].get("module"), first[1].get("signal")) if first else None,
         warnings=len(warnings),
+        culprit=culprit,
     )
 
 
@@ -239,6 +244,13 @@ def _qk_gain(factor: float, start: int) -> Callable[[nn.Module, int], None]:
 
 
 MECHANISMS: list[tuple[str, str, Spec, Spec, tuple[str | None, str]]] = [
+    (
+        "attention logits a high LR trains up (AdamW 3e-2, beta2 0.95, no QK-norm), softmax written by hand",
+        "QK-norm",
+        Spec(lr=3e-2, betas=(0.9, 0.95), steps=1300),
+        Spec(lr=3e-2, betas=(0.9, 0.95), steps=1300, qk_norm=True),
+        ("blocks.1.attn", "attn_logit"),
+    ),
     (
         "attention logit growth (q, k weights x1.015 a step, no QK-norm)",
         "QK-norm",
@@ -268,10 +280,11 @@ MECHANISMS: list[tuple[str, str, Spec, Spec, tuple[str | None, str]]] = [
         ("head", "logit_z"),
     ),
     (
-        "Adam's second moment: block 1's MLP frozen for steps 150-350, zero_grad(set_to_none=False), beta2 0.95",
+        "Adam's second moment: block 1's MLP frozen for steps 150-350, zero_grad(set_to_none=False), beta2 0.95 "
+        "(QK-norm on: the first row's attention overflow is another mechanism)",
         "gradients set to None (Adam skips the frozen layer)",
-        Spec(lr=3e-2, betas=(0.9, 0.95), freeze=("blocks.1.mlp", 150, 350), set_to_none=False),
-        Spec(lr=3e-2, betas=(0.9, 0.95), freeze=("blocks.1.mlp", 150, 350), set_to_none=True),
+        Spec(lr=3e-2, betas=(0.9, 0.95), qk_norm=True, freeze=("blocks.1.mlp", 150, 350), set_to_none=False),
+        Spec(lr=3e-2, betas=(0.9, 0.95), qk_norm=True, freeze=("blocks.1.mlp", 150, 350), set_to_none=True),
         ("blocks.1.mlp", "adam_v_decay"),
     ),
     (
@@ -310,12 +323,15 @@ def main() -> None:
     start = time.perf_counter()
     rows, healthy = [], []
     for name, fix, unstable, twin, (module, signal) in MECHANISMS:
-        bad, good = run(unstable, args.steps), run(twin, args.steps)
+        bad, good = run(unstable, unstable.steps or args.steps), run(twin, twin.steps or args.steps)
         lead = bad.blowup - bad.warned if bad.blowup is not None and bad.warned is not None else None
-        right = bad.first is not None and bad.first[1] == signal and (module is None or _within(bad.first[0], module))
+        # a layer's mechanism: the module the trip's diagnosis named (else the one the run grows); an LR's: any
+        where = (bad.culprit or module) if module is not None else None
+        right = bad.first is not None and bad.first[1] == signal and (where is None or _within(bad.first[0], where))
         named = f"`{bad.first[0]}` {bad.first[1]}" if bad.first else "-"
+        blowup = "none" if bad.blowup is None else f"{bad.blowup} (`{bad.culprit}`)" if bad.culprit else bad.blowup
         rows.append(
-            f"| {name} | {bad.blowup if bad.blowup is not None else 'none'} | "
+            f"| {name} | {blowup} | "
             f"{bad.warned if bad.warned is not None else 'no'} | {lead if lead is not None else '-'} | {named} | "
             f"{'yes' if right else 'no'} | {fix}: {good.warnings} in {good.steps} |"
         )
@@ -331,8 +347,8 @@ def main() -> None:
         f"T=32, vocab 64, AdamW at 3e-3, seed 0), {args.steps} steps a run:"
     )
     header = (
-        "| unstable run | blow-up at step | warned at step | lead (steps) | first precursor warning "
-        "| right layer and signal | healthy twin (fix): warnings in steps |"
+        "| unstable run | blow-up at step (the trip's module) | warned at step | lead (steps) "
+        "| first precursor warning | right layer and signal | healthy twin (fix): warnings in steps |"
     )
     rate = total / max(total_steps, 1) * 1e4
     each = ", ".join(f"{n}: {w} in {s}" for n, s, w, _ in healthy)
@@ -351,7 +367,13 @@ A warning on a healthy zoo run is counted as false whatever it says: `healthy_we
 hand-written decoupled decay of 20% a step, the twin of a wrong-sign decay) grows its position embedding's
 update ratio toward 1, where it levels off below it.
 A blow-up is the first non-finite value (a trip under `policy="raise"`) or a loss above 3x the median of the last
-50 steps. The attention, router and output-logit rows are forced: the growth each has over thousands of steps in
+50 steps; at a trip, the module the guard's diagnosis named is the layer a warning of a layer's mechanism must
+name (an LR far too high is no layer's: any layer, the update ratio's signal). The first row is
+the run's own training: at AdamW 3e-2 with beta2 0.95 the attention logits of block 1, whose softmax is written
+without the max subtraction, swing between about 20 and 60 for hundreds of steps until one batch's reaches
+float32's exp overflow at 88.7; no steady growth precedes it, and the warning comes from the rule for a hard limit
+one swing away (the largest sample times the samples' spread reaches it). QK-norm holds the logits at the same LR.
+The other attention, router and output-logit rows are forced: the growth each has over thousands of steps in
 the papers is given here in a few hundred. Block 1's q and k rows are scaled up each step from step 100 (QK-norm
 holds that gain); the router and output logits are pushed up through the gradient, by a loss term that rewards
 their mean (a softmax does not see a shift, so the loss leaves it alone: the drift of log Z the z-loss was made
@@ -360,11 +382,11 @@ scaled with the push (1e-2 against 0.1, log Z near 5; the papers' 1e-4 and 1e-3 
 slower); they hold their logits and are silent. Attention, router and loss are written without the max
 subtraction, so their logits overflow float32's exp past 88.7, the limit the warning projects to; the same
 growth under `scaled_dot_product_attention` overflows nothing: its rows turn one-hot (the entropy collapse of
-Dehghani et al. 2023), warned the same, and this tiny model's loss does not show it. Runs where
-the training itself grows them (AdamW up to 1e-1 with and without warmup, MoE with top-1 and soft routing, bf16
-autocast, a copy task whose attention logits reach 1e6 at LR 1e-1 while the loss stays at chance) either stayed
-healthy or stalled or blew up through a generic high-LR divergence first (the same step without MoE and with
-QK-norm): not reproduced with a twin at this size on CPU. The 10,000x LR and the Adam row are the plain runs' own
+Dehghani et al. 2023), warned the same, and this tiny model's loss does not show it. Other runs
+where the training itself grows them (AdamW up to 1e-1 with and without warmup, MoE with top-1 and soft routing,
+bf16 autocast, a copy task whose attention logits reach 1e6 at LR 1e-1 while the loss stays at chance) either
+stayed healthy or stalled or blew up through a generic high-LR divergence first (the same step without MoE and
+with QK-norm): not reproduced with a twin at this size on CPU. The 10,000x LR and the Adam row are the plain runs' own
 training: a layer frozen while `zero_grad(set_to_none=False)` keeps its gradients at zero is still stepped by
 Adam, its m and v decay (`adam_v_decay` warns once v has forgotten the scale of its gradients, the class of
 Molybog et al. 2023: a layer whose gradients stop for a stretch); gradients set to None (PyTorch's default) leave

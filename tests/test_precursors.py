@@ -477,3 +477,36 @@ def test_the_update_ratio_and_adams_update_are_what_the_step_did(make: Any) -> N
         assert series[(module, "adam_update")][-1][1] == pytest.approx(math.sqrt(u2 / count), rel=1e-3)
     assert not series[("2", "update_ratio")] and not series[("2", "adam_update")]  # 0: no growth, the series cleared
     guard.close()
+
+
+@pytest.mark.parametrize(
+    ("series", "raw", "warns"),
+    [
+        ([33.2, 32.2, 59.4, 40.9], True, True),  # noisy, no growth, one swing (x1.84) from exp's overflow
+        ([33.2, 32.2, 59.4, 40.9], False, False),  # the same under a softmax that subtracts its max: no limit
+        ([50.0, 55.0, 52.0, 54.0], True, False),  # near the limit, but steady: a swing of x1.1 does not reach it
+        ([5.0, 3.0, 6.0, 4.0], True, False),  # swinging x2, far below the limit
+    ],
+)
+def test_a_hard_limit_one_swing_away_is_warned_without_a_growth(series: list[float], raw: bool, warns: bool) -> None:
+    key = ("blocks.0.attn", "attn_logit")
+    trend = Trend()
+    found = [trend.add(20 * i, {key: v}, {key} if raw else ()) for i, v in enumerate(series)]
+    assert not any(found[:-1])
+    assert bool(found[-1]) is warns
+    if warns:
+        (w,) = found[-1]
+        assert (w.value, w.level, w.steps_left) == (max(series), min(series), 0)
+
+
+def test_an_attention_softmax_written_by_hand_is_measured_as_a_hard_limit() -> None:
+    """An ``exp`` over the scores (a softmax without the max subtraction) marks its attention logit raw."""
+    model = GPT(GPTConfig(n_embd=32, n_head=2, block_size=16, vocab_size=64, naive_softmax=True))
+    batch = synthetic_batch(model.config, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
+    with Capture(model) as capture:
+        model(**batch)
+    assert capture.raw == {("blocks.0.attn", "attn_logit"), ("blocks.1.attn", "attn_logit")}
+    safe = _gpt()  # F.softmax: its max subtracted
+    with Capture(safe) as capture:
+        safe(**batch)
+    assert capture.raw == set() and ("blocks.0.attn", "attn_logit") in capture.values

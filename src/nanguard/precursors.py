@@ -11,14 +11,18 @@ grew ``MIN_GROWTH``-fold in all; the value stands within 8x of the signal's limi
 (``dtypes.OVERFLOW_FRACTION``, the margin the headroom check calls close; a signal's own ``floor``
 where healthy runs sit closer), and still below it (a value past the limit with no blow-up says the
 limit is not this model's: a softmax that subtracts its max); growing at the slowest
-of those samples' rates (per step), it reaches the limit within ``HORIZON`` steps. Warned once
-per (module, signal).
+of those samples' rates (per step), it reaches the limit within ``HORIZON`` steps. Where the limit
+is the model's for sure (a float16 output's largest value; a logit an ``exp`` takes without the max
+subtraction: ``Signal.hard``, the capture's ``raw``), a value that swings rather than grows warns
+too: the largest of those samples times their spread (largest over smallest) reaches the limit, so one
+more swing like those seen does. Warned once per (module, signal).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,6 +49,10 @@ class Signal:
     fix: str
     floor: float | None = None
     """A growth warns only from this level on; None: within 8x of ``limit`` (``OVERFLOW_FRACTION``)."""
+    hard: bool = False
+    """The limit is this model's for sure (a float16 output past its largest value is Inf): a swing that
+    would reach it warns too (``Trend``). Measurements taken at an ``exp`` written without the max
+    subtraction are hard whatever their signal (``Trend.add``'s ``raw``)."""
 
     @property
     def warns_from(self) -> float:
@@ -123,6 +131,7 @@ SIGNALS: dict[str, Signal] = {
             1.0,
             "the module's low-precision outputs overflow to Inf",
             "run the module in float32 (autocast off) or use bfloat16 instead of float16; lower the learning rate",
+            hard=True,
         ),
     )
 }
@@ -167,8 +176,11 @@ class Trend:
         self.series: dict[tuple[str, str], deque[tuple[int, float]]] = {}
         self.warned: set[tuple[str, str]] = set()
 
-    def add(self, step: int, values: dict[tuple[str, str], float]) -> list[Precursor]:
-        """Fold one sample (``(module, signal) -> value``) in; the new warnings, soonest blow-up first."""
+    def add(
+        self, step: int, values: dict[tuple[str, str], float], raw: Collection[tuple[str, str]] = ()
+    ) -> list[Precursor]:
+        """Fold one sample (``(module, signal) -> value``) in; the new warnings, soonest blow-up first.
+        ``raw``: the keys measured at an ``exp`` written without the max subtraction (hard limits)."""
         found, every = [], self.series
         for key, value in values.items():
             if key not in every:
@@ -178,7 +190,7 @@ class Trend:
                 series.clear()  # a non-finite value is the guard's business; a zero has no growth
                 continue
             series.append((step, value))
-            if value >= _WARNS_FROM[key[1]] and key not in self.warned and (warning := self._fit(key, series)):
+            if value >= _WARNS_FROM[key[1]] and key not in self.warned and (warning := self._fit(key, series, raw)):
                 self.warned.add(key)
                 context = {sig: v for (m, sig), v in values.items() if m == key[0] and sig != key[1]}
                 found.append(warning._replace(context=context))
@@ -186,9 +198,30 @@ class Trend:
             found.sort(key=lambda w: w.steps_left)
         return found
 
-    def _fit(self, key: tuple[str, str], series: deque[tuple[int, float]]) -> Precursor | None:
+    def _fit(
+        self, key: tuple[str, str], series: deque[tuple[int, float]], raw: Collection[tuple[str, str]]
+    ) -> Precursor | None:
         if len(series) < self.points:
             return None
+        grown = self._grown(key, series)
+        if grown is None and (SIGNALS[key[1]].hard or key in raw):
+            return self._swing(key, series)
+        return grown
+
+    def _swing(self, key: tuple[str, str], series: deque[tuple[int, float]]) -> Precursor | None:
+        """A hard limit one swing away: the largest of the samples, times their own spread (largest over
+        smallest), reaches it. A noisy value near a limit it overflows at blows up on the batch whose tail
+        reaches it, without the steady growth the other rule needs; ``steps_left`` 0: any step may."""
+        values = [v for _, v in series]
+        top, bottom = max(values), min(values)
+        limit = SIGNALS[key[1]].limit
+        if not _WARNS_FROM[key[1]] <= top < limit or top * (top / bottom) < limit:
+            return None
+        (s0, first), (s1, last) = series[0], series[-1]
+        trend = (last / first) ** (1 / max(s1 - s0, 1))
+        return Precursor(key[1], key[0], top, trend, 0, bottom, tuple(series), {})
+
+    def _grown(self, key: tuple[str, str], series: deque[tuple[int, float]]) -> Precursor | None:
         (_, first), (_, last) = series[0], series[-1]
         pairs = list(zip(series, list(series)[1:], strict=False))
         if not all(b > a for (_, a), (_, b) in pairs) or last < self.min_growth * first:

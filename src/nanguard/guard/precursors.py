@@ -83,8 +83,8 @@ class _AdamGroup:
 class _Queued:
     """One sample on its way to the host: read once its copy completed, never waited for."""
 
-    def __init__(self, step: int, keys: list[tuple[str, str]], packed: torch.Tensor) -> None:
-        self.step, self.keys = step, keys
+    def __init__(self, step: int, keys: list[tuple[str, str]], packed: torch.Tensor, raw: set[tuple[str, str]]) -> None:
+        self.step, self.keys, self.raw = step, keys, raw
         self.event: Any = None
         if packed.device.type == "cuda":
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -265,7 +265,7 @@ class PrecursorCheck:
                 if len(moved) > len(self._order):
                     keys += self._adam_keys
                 packed = torch.cat([_stacked(list(values.values())).to(moved.device), moved])
-            self._pending.append(_Queued(step, keys, packed))
+            self._pending.append(_Queued(step, keys, packed, self._capture.raw))
             self._read_ready()  # on the CPU the copy is the tensor: read now; on a GPU, once its event completed
         except Exception as err:
             self._stop(err)
@@ -361,7 +361,7 @@ class PrecursorCheck:
             queued = self._pending.pop(0)
             values = queued.read()
             stalled = self.moments.add(queued.step, values, self._beta2)  # turns adam_v into adam_v_decay
-            self._warn(stalled + self.trend.add(queued.step, values))
+            self._warn(stalled + self.trend.add(queued.step, values, queued.raw))
 
     def _warn(self, found: list[Precursor]) -> None:
         for w in found:

@@ -50,7 +50,8 @@ Values = dict[tuple[str, str], torch.Tensor]
 
 _SCORE, _LINEAR = "score", "linear"
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.baddbmm}
-_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.exp, torch.Tensor.exp}  # exp: a softmax by hand
+_EXP = {torch.exp, torch.Tensor.exp}
+_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, *_EXP}  # exp: a softmax by hand
 _LOGZ = {F.cross_entropy, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, torch.logsumexp}
 _LOGZ_DIM1 = {F.cross_entropy}  # the class dim of a loss's input is 1
 _TOPK = {torch.topk, torch.Tensor.topk}
@@ -105,6 +106,9 @@ class Capture(TorchFunctionMode):
         super().__init__()
         self.model = model
         self.values: Values = {}
+        self.raw: set[tuple[str, str]] = set()
+        """This forward's measurements taken at an ``exp`` of the logits (a softmax written without the max
+        subtraction): float32's exp overflow is their limit for sure."""
         self._tags: dict[int, tuple[weakref.ref[torch.Tensor], str, str, frozenset[str | None]]] = {}
         self._owners = owners if owners is not None else owners_of(model)
         self._layers = {id(m): n for n, m in (repeated if repeated is not None else layers(model))}
@@ -140,6 +144,7 @@ class Capture(TorchFunctionMode):
 
     def _start(self, module: nn.Module | None) -> Capture:
         self.values, self._broken, self._seen, self._ran, self._found = {}, False, set(), set(), set()
+        self.raw = set()
         if self._names is None:
             self._names = {id(m): (m, n) for n, m in user_modules(self.model)}  # a shared module: its last name
         self._wrap()
@@ -274,9 +279,15 @@ class Capture(TorchFunctionMode):
         x, (kind, owner, sites) = found
         here = self._here
         if kind == _SCORE:
-            self._put(here or owner, "attn_logit", _max_logit(x), sites | {here})
+            key = (here or owner, "attn_logit")
+            self._put(*key, _max_logit(x), sites | {here})
         elif here:  # a linear output's softmax inside a submodule: a router (a loss's softmax runs at the root)
-            self._put(owner, "router_logit", _finite_absmax(x), sites | {here})
+            key = (owner, "router_logit")
+            self._put(*key, _finite_absmax(x), sites | {here})
+        else:
+            return
+        if func in _EXP:
+            self.raw.add(key)
 
     def _topk(self, func: Any, args: tuple, kwargs: dict) -> None:
         found = self._tagged_input(args, kwargs)
