@@ -281,7 +281,7 @@ class SecondMoment:
         """Replace each module's ``adam_v`` in ``values`` by its ``adam_v_decay``; the new warnings.
 
         A sample brings one value per module and signal, every ``precursor_every`` steps: lookups by ``in``
-        and subscripts, not ``dict.get`` (each a call, a few hundred a sample)."""
+        and subscripts, not ``dict.get`` (each a call: a hundred a sample on a small model)."""
         found, armed = [], self.armed
         for key in [k for k in values if k[1] == "adam_v"]:
             module, adam = key[0], (key[0], "adam_update")
