@@ -344,7 +344,8 @@ def main() -> None:
     blown = [h[0] for h in healthy if h[3] is not None]
     conditions = (
         f'Default `ng.Guard` (`precursor_every=20`, `policy="raise"`), tiny transformer (2 layers, d=64, 4 heads, '
-        f"T=32, vocab 64, AdamW at 3e-3, seed 0), {args.steps} steps a run:"
+        f"T=32, vocab 64, AdamW at 3e-3 unless a row says otherwise, seed 0), {args.steps} steps a run unless the "
+        "run trains its way to a blow-up (the twin's count of steps is each run's length):"
     )
     header = (
         "| unstable run | blow-up at step (the trip's module) | warned at step | lead (steps) "
