@@ -510,3 +510,46 @@ def test_an_attention_softmax_written_by_hand_is_measured_as_a_hard_limit() -> N
     with Capture(safe) as capture:
         safe(**batch)
     assert capture.raw == set() and ("blocks.0.attn", "attn_logit") in capture.values
+
+
+class _CountedAdam(torch.optim.Optimizer):
+    """An Adam-like optimizer that keeps its step count as a Python int (a new object each step)."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                state["exp_avg"].lerp_(p.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"] / (1 - beta2 ** state["step"])).sqrt() + group["eps"]
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** state["step"]))
+
+
+def test_adams_bias_correction_reads_a_step_count_kept_as_a_number_afresh() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = _CountedAdam(model.parameters())
+    guard = ng.Guard(model, opt, precursor_every=1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(5):
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        guard.step(closure)
+    (group,) = guard.precursors._adam_groups()
+    assert group.steps().tolist() == [5.0] * len(group.params) == [float(opt.state[p]["step"]) for p in group.params]
+    guard.close()

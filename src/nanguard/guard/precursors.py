@@ -58,7 +58,7 @@ class _AdamGroup:
     check's list and module index, and whether its weight decay is decoupled (AdamW's)."""
 
     def __init__(self, group: dict[str, Any], params: list[torch.Tensor], state: Any, check: PrecursorCheck) -> None:
-        self.group, self.params = group, params
+        self.group, self.params, self.state = group, params, state
         self.beta2 = float(group["betas"][1])
         self.first = state[params[0]]["exp_avg_sq"]  # the state's own tensor: replaced on a resume
         self.v = [local(state[p]["exp_avg_sq"]) for p in params]
@@ -74,10 +74,11 @@ class _AdamGroup:
         self.decoupled |= isinstance(check.optimizer, torch.optim.AdamW)
 
     def steps(self) -> torch.Tensor:
-        """Each weight's step count, one float32 vector (torch's Adam keeps them as tensors: stacked in one call)."""
+        """Each weight's step count, one float32 vector: torch's Adam keeps them as tensors it increments in place
+        (stacked in one call); a count kept as a number is a new object each step, read from the state again."""
         if self._tensors:
             return torch.stack(self.step).float()
-        return torch.tensor([float(s) for s in self.step])
+        return torch.tensor([float(self.state[p]["step"]) for p in self.params])
 
 
 class _Queued:
