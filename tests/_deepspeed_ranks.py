@@ -157,16 +157,39 @@ def batch(rank: int, index: int, dtype: str, rows: int = 4) -> tuple[torch.Tenso
 
 
 def weights(engine: Any) -> list[float]:
-    """This rank's fp32 weights as the engine keeps them (ZeRO's partition), flat."""
+    """This rank's fp32 weights as the engine keeps them (ZeRO's partition, its padding left out), flat."""
     from nanguard.integrations.deepspeed import EngineState
 
     return torch.cat([p.detach().float().reshape(-1) for p in EngineState(engine).master_params()]).tolist()
 
 
+def fill_padding(engine: Any, value: float) -> int:
+    """Write ``value`` into the padding of this rank's ZeRO-3 partitions (fp32: the weights ZeRO steps), what
+    DeepSpeed allocates with ``torch.empty`` and never writes: memory a GPU's allocator hands out again can hold
+    NaN. A parameter whose size the ranks do not divide is padded at its end: the last ranks' partitions.
+    Returns how many elements it wrote."""
+    import torch.distributed as torch_dist
+
+    zero, written = engine.optimizer, 0
+    with torch.no_grad():
+        for group, bit16, fp32 in zip(
+            zero.fp16_groups, zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat, strict=True
+        ):
+            for p in group:
+                size = p.partition_numel()
+                real = max(0, min(size, p.ds_numel - size * torch_dist.get_rank()))
+                at = (p.ds_tensor.data_ptr() - bit16.data_ptr()) // p.ds_tensor.element_size()  # the same in both
+                for flat in (bit16, fp32):
+                    flat[at + real : at + size] = value
+                written += size - real
+    return written
+
+
 def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     """One run: ``steps`` steps of a fresh engine, guarded (``policy``) or not; ``fault`` (or a list,
     ``faults``): (kind, rank, step[, micro-batch]) with kind "data" (a NaN in the batch), "log", "overflow"
-    or "grad_overflow" (the module faults); ``accum``: DeepSpeed's gradient accumulation steps."""
+    or "grad_overflow" (the module faults); ``accum``: DeepSpeed's gradient accumulation steps; ``padding``: a
+    value written into ZeRO-3's padding (``fill_padding``)."""
     from nanguard.integrations.deepspeed import DeepSpeedGuard
 
     stage, dtype, accum = case["stage"], case["dtype"], case.get("accum", 1)
@@ -183,6 +206,8 @@ def run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         offload=case.get("offload", False),
         nan_row=case.get("nan_row"),
     )
+    if case.get("padding") is not None:
+        fill_padding(engine, case["padding"])
     refused = _refused(engine) if case.get("refuse") else None
     act = getattr(engine.module, "act", None)
     if case.get("outside"):

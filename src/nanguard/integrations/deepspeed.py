@@ -11,7 +11,7 @@ None, so the guard reads each rank's own partition where the engine keeps it (st
 the optimizer's averaged gradient partition; stage 3: its flat gradient partition; stage 0: the
 parameters' averaged ``.grad``), divided by DeepSpeed's loss scale under fp16. No gradient is
 gathered: the squared partition norms add up across ranks in the guard's one small all-reduce.
-The parameter check reads the fp32 partitions the engine updates.
+The parameter check reads the fp32 partitions the engine updates (ZeRO-3: their padding left out).
 
 A skip is the engine's own: the step takes DeepSpeed's overflow path (gradient buffers cleared,
 ``engine.skipped_steps`` counted, the LR scheduler not stepped, ``global_steps`` advanced), as
@@ -366,9 +366,10 @@ class EngineState:
         return float(self.zero.loss_scale) if self.fp16 else 1.0
 
     def master_params(self) -> list[torch.Tensor]:
-        """The weights the engine updates on this rank: ZeRO's fp32 partitions, else the module's."""
+        """The weights the engine updates on this rank: ZeRO's fp32 partitions (ZeRO-3: without their
+        padding, ``_unpadded``), else the module's."""
         if self.stage >= 3:
-            return list(self.zero.fp32_partitioned_groups_flat)
+            return _unpadded(self.zero)
         if self.stage > 0:
             return list(self.zero.single_partition_of_fp32_groups)
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -509,6 +510,34 @@ class LossScale:
 
 _SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 _UNSET = object()
+
+
+def _unpadded(zero: Any) -> list[torch.Tensor]:
+    """ZeRO-3's fp32 partitions on this rank, the padding left out: views of the runs of elements that hold
+    a parameter's values. A parameter whose size the ranks do not divide is padded to a multiple of their
+    number at its end, in the last ranks' partitions: memory DeepSpeed allocates with ``torch.empty`` and
+    never reads (a gather narrows it away, its gradient stays 0), so whatever it held stays (NaN a GPU's
+    allocator handed out again). Read as weights, it would stop a healthy run. A group whose layout is not
+    its parameters' partitions in order (its size tells) is read whole."""
+    rank_of = getattr(zero, "_get_param_partition_rank", None)
+    found = []
+    for params, flat in zip(zero.fp16_groups, zero.fp32_partitioned_groups_flat, strict=True):
+        sizes = [p.partition_numel() for p in params]
+        if sum(sizes) != flat.numel():
+            found.append(flat)
+            continue
+        runs: list[list[int]] = []  # [start, end) of the real elements, adjacent ones joined
+        offset = 0
+        for p, size in zip(params, sizes, strict=True):
+            rank = rank_of(p) if rank_of is not None else torch.distributed.get_rank(zero.dp_process_group)
+            real = min(size, max(0, p.ds_numel - size * rank))
+            if real and runs and runs[-1][1] == offset:
+                runs[-1][1] = offset + real
+            elif real:
+                runs.append([offset, offset + real])
+            offset += size
+        found += [flat] if runs == [[0, offset]] else [flat[start:end] for start, end in runs]
+    return found
 
 
 def _reduces_norm(engine: Any, zero: Any, stage: int) -> bool:
