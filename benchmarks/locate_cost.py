@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -36,6 +37,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 HERE = Path(__file__).resolve().parent
 ROWS = {
@@ -83,6 +86,23 @@ def _gpt2() -> tuple[nn.Module, Callable[[], Any]]:
         return loss
 
     return model, step
+
+
+class _ReadOutputs(TorchDispatchMode):
+    """Runs each aten op and reads whether each floating output is finite (a sum, read on the host): the least
+    an exact op-level tracer that judges each op as it runs does, before any bookkeeping."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for o in [out] if isinstance(out, torch.Tensor) else tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.numel():
+                math.isfinite(o.sum().item())
+        return out
+
+
+def _reading_outputs(step: Callable[[], Any]) -> None:
+    with _ReadOutputs():
+        step()
 
 
 def _in_empty_mode(step: Callable[[], Any]) -> int:
@@ -135,7 +155,12 @@ def child(row: str, rounds: int) -> dict[str, Any]:
     if row.endswith("faulty"):  # the benchmark times the fault it claims to time
         diag = ng.locate(step, model=model)
         assert diag is not None and diag.cause == "op.log_domain", diag
-    configs = {"plain": step, "locate": lambda: ng.locate(step, model=model), "mode": lambda: _in_empty_mode(step)}
+    configs = {
+        "plain": step,
+        "locate": lambda: ng.locate(step, model=model),
+        "mode": lambda: _in_empty_mode(step),
+        "read": lambda: _reading_outputs(step),
+    }
     times = interleaved(configs, rounds=rounds, warmup=warmup)
     memory = {name: _peak_mib(configs[name]) for name in ("plain", "locate")}
     ops = _in_empty_mode(step)
@@ -158,7 +183,9 @@ def _cells(results: list[dict[str, Any]]) -> tuple[float, float, float, str, str
     located = statistics.median(r["times"]["locate"] for r in results) * 1e3
     ratio = statistics.median(r["times"]["locate"] / r["times"]["plain"] for r in results)
     floor = statistics.median(r["times"]["mode"] / r["times"]["plain"] for r in results)
-    counts = f"{floor:.2f}x | {results[0]['ops']} | {statistics.median(r['calls_per_op'] for r in results):.1f}"
+    read = statistics.median(r["times"]["read"] / r["times"]["plain"] for r in results)
+    per_op = statistics.median(r["calls_per_op"] for r in results)
+    counts = f"{floor:.2f}x | {read:.2f}x | {results[0]['ops']} | {per_op:.1f}"
     peaks = [r["memory"] for r in results if r["memory"]["plain"] is not None]
     memory = "n/a"
     if peaks:
@@ -168,6 +195,12 @@ def _cells(results: list[dict[str, Any]]) -> tuple[float, float, float, str, str
         if plain_mib >= 50:  # a smaller step's peak is lost among the allocator's reused pages
             memory += f" = {locate_mib / plain_mib:.2f}x"
     return plain, located, ratio, memory, counts
+
+
+def _commit(src: Path) -> str:
+    """ ", a worktree of COMMIT" when ``src`` is inside a git checkout, else nothing."""
+    done = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f", a worktree of {done.stdout.strip()}" if done.returncode == 0 else ""
 
 
 def main() -> None:
@@ -210,15 +243,20 @@ def main() -> None:
         " (GPT-2: " + str(args.gpt2_rounds) + ")" if "gpt2-faulty" in rows else ""
     )
     header = (
-        "| model, step | plain step ms | locate ms | ratio | empty dispatch mode | aten ops | "
-        "Python calls added per op | peak memory above rest: plain / locate |"
+        "| model, step | plain step ms | locate ms | ratio | empty dispatch mode | mode reading every output | "
+        "aten ops | Python calls added per op | peak memory above rest: plain / locate |"
     )
-    rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     if args.baseline is not None:
         header += " ratio before | calls per op before | peak memory before |"
         rule += "---:|---:|---:|"
     table = "\n".join([header, rule, *lines])
-    before = f"\nThe before columns run the nanguard sources at `{args.baseline}`." if args.baseline is not None else ""
+    before = (
+        f"\nThe before columns run the nanguard sources at `{args.baseline}`{_commit(args.baseline)}."
+        if args.baseline
+        else ""
+    )
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     body = f"""## Locate replay cost
 
 `ng.locate(step)` against the same plain step: medians of {rounds}, median over {args.processes} processes per row.
@@ -231,13 +269,16 @@ backward, and each is tracked; the healthy rows are for comparison. Targets (iss
 tiny GPT, <= 2x on the faulty GPT-2, peak memory <= 1.2x the plain step's; issue 44: <= 1.5x on the tiny GPT.
 Peak memory is the resident-set high-water mark above the resting process while one step (or one locate) runs.
 The empty dispatch mode is the same step under a `TorchDispatchMode` that only runs each op: the floor of any
-tracer that sees every aten op, which the tiny GPT's short ops feel most. The Python calls added per op
+tracer that sees every aten op, which the tiny GPT's short ops feel most. The mode reading every output adds
+to it a finiteness read (a sum, read on the host) of each floating output: the least a tracer that judges each
+op as it runs does before any bookkeeping (which op created a value, from which inputs, in which module and
+line). On the tiny GPT it is already near 1.5x. The Python calls added per op
 (cProfile's count of one `locate` minus one plain step, over the step's aten ops) do not move with the
 machine's load; the times do.
 
 Machine: {machine()}; load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end
 (times from a loaded machine are indicative only).
-Reproduce: `.venv/bin/python benchmarks/locate_cost.py {" ".join(sys.argv[1:])}`
+Reproduce: `{threads}.venv/bin/python benchmarks/locate_cost.py {" ".join(sys.argv[1:])}`
 (`make bench` runs the defaults).{before}"""
     write_section("locate-cost", body)
     print(body)
