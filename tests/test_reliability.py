@@ -361,3 +361,30 @@ def test_a_snapshot_refresh_reuses_the_snapshot_memory() -> None:
 
 def _params_and_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [v.detach() for v in model.state_dict().values()]
+
+
+def test_close_removes_the_guards_hooks_and_lets_its_snapshots_go() -> None:
+    """A run that ends leaves the model and optimizer with the hooks they had before the guard (a new guard
+    on the same model, as a notebook or a sweep makes, does not pile them up, each holding the old guard's
+    parts) and holds no snapshot; what it counted stays readable."""
+    from nanguard.zoo import GPT, GPTConfig, synthetic_batch, train_step
+
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = synthetic_batch(cfg, torch.Generator().manual_seed(0))
+
+    def hooks() -> list[int]:
+        held = [model._load_state_dict_post_hooks, model._forward_pre_hooks, model._forward_hooks]
+        return [len(h) for h in [*held, opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks]]
+
+    before = hooks()
+    for _ in range(2):  # two guards in turn on the same model
+        guard = ng.Guard(model, opt, policy="rollback", snapshot_every=1, precursor_every=1)
+        for _ in range(3):
+            guard.step(lambda: train_step(model, batch))
+        assert guard.recovery.snapshots and hooks() != before  # held while the run goes
+        guard.close()
+        assert hooks() == before
+        assert guard.recovery.snapshots == [] and guard.step_count == 3

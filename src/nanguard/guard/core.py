@@ -419,9 +419,18 @@ class Guard(GuardParts):
         self._resume.load_state_dict(state)
 
     def close(self) -> None:
+        """End the run: its last event written and the log closed, the hooks the guard put on the model and
+        optimizer removed, and the snapshots' host memory let go (a guard is freed only by a garbage
+        collection: its parts refer to each other). What it counted stays readable.
+
+        Example:
+            >>> guard.close(); guard.skipped, guard.last_diagnosis
+        """
         self._settle()
         self._remedies.headroom.close()
         self.precursors.close()
+        self._load_hook.remove()
+        self.recovery.snapshot = None
         self.recorder.end(self.progress.step, skipped=self.skipped, rollbacks=self.rollbacks)
         self.recorder.close()
 
