@@ -654,11 +654,16 @@ def test_zero3_padding_that_holds_nan_is_no_parameter_of_the_run() -> None:
     """At 3 ranks each of the MLP's parameters is padded to a multiple of 3 at the end of the last rank's
     partition, memory DeepSpeed allocates with ``torch.empty`` and never reads. NaN there (what a GPU's
     allocator can hand out again) is no fault of the run: the guarded run steps as the unguarded one does."""
-    base = {"stage": 3, "dtype": "fp32", "steps": 3, "clip": 1.0, "padding": float("nan")}
-    results = spawn_ranks(run_cases, [base, {**base, "policy": "skip"}], world=3, timeout=600)
-    for rank, (plain, guarded) in enumerate(results):
-        assert plain["error"] is None and guarded["error"] is None, (rank, plain["error"], guarded["error"])
-        assert guarded["trip_diagnoses"] == [] and guarded["skipped"] == 0, (rank, guarded["trip_diagnoses"])
-        assert guarded["weights"] == plain["weights"] and guarded["losses"] == plain["losses"], rank
-        assert all(math.isfinite(w) for w in guarded["weights"]), rank
-        assert len(guarded["weights"]) == 73 - (rank == 2) * 7, rank  # 208 parameters: 73 a rank, 7 padding
+    cases, dtypes = [], ["fp32", "bf16"]  # bf16: ZeRO's fp32 partitions are a copy of the bit16 ones, padding too
+    for dtype in dtypes:
+        base = {"stage": 3, "dtype": dtype, "steps": 3, "clip": 1.0, "padding": float("nan")}
+        cases += [base, {**base, "policy": "skip"}]
+    results = spawn_ranks(run_cases, cases, world=3, timeout=600)
+    for rank, runs in enumerate(results):
+        for dtype, plain, guarded in zip(dtypes, runs[::2], runs[1::2], strict=True):
+            where = (rank, dtype)
+            assert plain["error"] is None and guarded["error"] is None, (where, plain["error"], guarded["error"])
+            assert guarded["trip_diagnoses"] == [] and guarded["skipped"] == 0, (where, guarded["trip_diagnoses"])
+            assert guarded["weights"] == plain["weights"] and guarded["losses"] == plain["losses"], where
+            assert all(math.isfinite(w) for w in guarded["weights"]), where
+            assert len(guarded["weights"]) == 73 - (rank == 2) * 7, where  # 208 parameters: 73 a rank, 7 padding
