@@ -300,6 +300,13 @@ _ROWS = [
         repeatable=True,
         fixes=("drain the named host and device and run its diagnostics (ECC errors, DCGM), then resume",),
     ),
+    _cause(
+        "op.uninitialized_read",
+        "a value read from memory no op wrote (torch.empty, new_empty, empty_like left partly unwritten): "
+        "whatever the allocator left there, NaN on a reused GPU block, so it comes and goes",
+        "op",
+        fixes=("allocate with zeros (torch.zeros, new_zeros, zeros_like) where not every element is written",),
+    ),
 ]
 
 TABLE: Mapping[str, Cause] = MappingProxyType({c.id: c for c in _ROWS})

@@ -930,6 +930,27 @@ def nan_write(ev: Evidence) -> Judgement | None:
 
 
 @_rule
+def uninitialized_read(ev: Evidence) -> Judgement | None:
+    o = _origin(ev)
+    if o.category != "blank":
+        return None
+    why = (
+        f"{o.op} in {_where(o)} allocated memory that was read before any op wrote it: it holds whatever the "
+        "allocator left there (NaN from a freed tensor on a reused GPU block; other values on another run, so "
+        "the NaN comes and goes)"
+    )
+    if o.source:
+        why += f"; allocated at {o.source}"
+    fixes = [
+        "allocate with zeros (torch.zeros, new_zeros, zeros_like) where not every element is written, or write "
+        "every element before it is read (a backward that fills only the rows its forward kept)",
+        "to find such reads in any run: torch.use_deterministic_algorithms(True) with "
+        "torch.utils.deterministic.fill_uninitialized_memory = True fills new memory with NaN",
+    ]
+    return Judgement("op.uninitialized_read", why, fixes)
+
+
+@_rule
 def norm_overflow(ev: Evidence) -> Judgement | None:
     """A normalization whose statistics overflowed, with nothing upstream to blame: the origin is
     named without a cause, and never as an eps (``zero_variance`` leaves it alone)."""
@@ -973,6 +994,7 @@ RULES: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     # explicit writes
     mask_fill_in_loss,
     nan_write,
+    uninitialized_read,
     norm_overflow,
 ]
 # The op-level rules a growth of the weights defers to (``_op_explains``).

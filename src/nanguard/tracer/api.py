@@ -26,7 +26,8 @@ from nanguard.tree import tensors_with_path
 
 __all__ = ["error_origin", "locate"]
 
-_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "write": 4, "fill": 5, "comm": 6}
+_UNREACHED = ("fill", "blank")
+_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "blank": 3, "write": 4, "fill": 5, "comm": 6}
 _MAX_RESULTS = 8
 
 
@@ -176,7 +177,8 @@ def _first_origin(tracer: Tracer, bad: list[tuple[str, torch.Tensor, str]]) -> O
     taint: set[int] = set()
     for _, t, _ in bad:
         taint |= tracer.taint.taint_of(t)
-    candidates = [tracer.origins[i] for i in taint] or [o for o in tracer.origins if o.category != "fill"]
+    # Without a taint, a fill or an allocation (whose NaN the tracer wrote) reached nothing known.
+    candidates = [tracer.origins[i] for i in taint] or [o for o in tracer.origins if o.category not in _UNREACHED]
     candidates = candidates or tracer.origins
     if candidates:
         return min(candidates, key=lambda o: (_CATEGORY_ORDER[o.category], o.index))

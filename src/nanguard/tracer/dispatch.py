@@ -47,7 +47,7 @@ class Origin:
     """One place a non-finite value came from: an op that created it, or a source tensor."""
 
     id: int
-    category: str  # "op" | "data" | "parameters" | "write" | "fill" | "comm" (arrived from another rank)
+    category: str  # "op" | "data" | "parameters" | "write" | "fill" | "blank" (allocated, unwritten) | "comm"
     kind: str  # "nan" | "inf" | "invalid" (an index op raised)
     index: int  # op index where it was created or first consumed
     op: str | None
@@ -155,7 +155,8 @@ class _TracerMode(compat.DispatchMode):
         flat_in = args[: facts.read] if facts.flat and not kwargs else _leaves(args, kwargs, facts.flat)
         if facts.beta or facts.writes:
             flat_in = tracer.before_write(func, facts, args, kwargs, flat_in)
-        ins = CLEAN if facts.literal else tracer.taint.inputs(flat_in)
+        # An allocation reads its inputs' shapes only (``empty_like``): their values reach nothing.
+        ins = CLEAN if facts.literal or facts.allocates else tracer.taint.inputs(flat_in)
         if ins.taint:  # what a raise right after it is about, and the first module to read unnamed data
             tracer.last_taint, tracer.last_taint_index = ins.taint, tracer.index
             if tracer.unnamed:
@@ -250,6 +251,9 @@ class Tracer:
         (not the first when ``beta`` is 0), and a copy of the protected tensors it writes into."""
         if facts.beta and flat_in and ops.ignores_first(func, args, kwargs):
             flat_in = flat_in[1:]  # not read: whatever it holds does not reach the output
+        if facts.overwrites:  # written whole, never read (a copy's destination, an out= buffer)
+            dest = kwargs.get("out") if facts.overwrites == "out" else args[0] if args else None
+            flat_in = [x for x in flat_in if x is not dest]
         if facts.writes:
             self.protected.before(facts.writes, args, kwargs)
         return flat_in
@@ -302,6 +306,9 @@ class Tracer:
     ) -> None:
         """Flags of an op's outputs when none of its inputs is non-finite: a finite sum (or an op that
         keeps finite values finite) proves an output finite; any other is read by ``_outputs``."""
+        if facts.allocates:
+            self._allocated(func, flat_out)
+            return
         base = _base_version(args) if facts.view else None
         if facts.keeps_finite:
             self.taint.set_finite(flat_out, base)
@@ -316,6 +323,24 @@ class Tracer:
             else:
                 self._outputs(_Op(func, facts, args, kwargs, flat_in, out), CLEAN, flat_out[i:])
                 return
+
+    def _allocated(self, func: Any, flat_out: list[torch.Tensor]) -> None:
+        """Memory an allocation returned (``torch.empty``, ``new_empty``) holds whatever the allocator left
+        there: NaN on a GPU block a freed tensor held, finite garbage on another run. The tracer fills its
+        floating outputs with NaN under a "blank" origin, so an element read before any op wrote it carries
+        that origin (and an element written over carries nothing): a read of uninitialized memory reproduces
+        on every replay, whatever the memory held in the step itself."""
+        floats = [o for o in flat_out if (o.is_floating_point() or o.is_complex()) and o.numel()]
+        if not floats:
+            return
+        with torch.no_grad():
+            for o in floats:
+                o.fill_(math.nan)
+        where = self._where(func)
+        taint = frozenset({self._record(where, "blank", "nan", outputs=[{"shape": list(o.shape)} for o in floats]).id})
+        status = self.taint.status
+        for o in floats:  # the tensor's own taint, not its storage's: an element written over carries nothing
+            status[id(o)] = (weakref.ref(o), version(o), True, False, taint, None)
 
     def _tainted_outputs(
         self,

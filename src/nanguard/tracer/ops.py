@@ -25,7 +25,9 @@ from nanguard.stats import local
 from nanguard.tree import op_leaves
 
 __all__ = [
+    "ALLOCATIONS",
     "BLANK",
+    "OVERWRITES",
     "GRAD_FIRST",
     "KEEPS_FINITE",
     "LITERALS",
@@ -175,6 +177,23 @@ BLANK = {
     aten.resize_as_,
     aten.set_,
 }
+# The allocations among them: memory returned holding no value at all (``resize_`` keeps what it had).
+ALLOCATIONS = BLANK - {aten.resize_, aten.resize_as_, aten.set_}
+# Ops that write every element of their first argument without reading it (a copy, a fill, a random draw):
+# what it held is no input of theirs. An ``out=`` argument is the same (``_overwritten``).
+OVERWRITES = {
+    aten.copy_,
+    aten.fill_,
+    aten.zero_,
+    aten.normal_,
+    aten.uniform_,
+    aten.bernoulli_,
+    aten.random_,
+    aten.exponential_,
+    aten.geometric_,
+    aten.log_normal_,
+    aten.cauchy_,
+}
 _NAMES: dict[Any, str] = {}
 # ``beta * input + alpha * (a @ b)``: with ``beta`` 0 the input is not read, and NaN/Inf in it are
 # not propagated (torch's documented contract). Attention kernels pass an uninitialized buffer there
@@ -270,6 +289,8 @@ class OpInfo:
     writes: tuple[tuple[int, str], ...]  # (position, name) of the arguments the schema writes into
     call: Callable[..., Any]  # runs the op: an OpOverload's own C++ callable (one Python frame fewer), else the op
     blank: bool = False  # its output is memory no op has written (BLANK)
+    allocates: bool = False  # a fresh allocation, its memory left as the allocator had it (ALLOCATIONS)
+    overwrites: str | None = None  # "self" or "out": the argument it writes whole without reading (``_overwritten``)
     comm: bool = False  # communication between ranks (``collectives.is_comm``)
     beta: bool = False  # an addmm-family op, which may leave its first argument unread (``ignores_first``)
 
@@ -316,6 +337,8 @@ def _describe(func: Any) -> OpInfo:
         read=_read_prefix(arguments),
         writes=writes,
         blank=_in(BLANK, func),
+        allocates=_in(ALLOCATIONS, func),
+        overwrites=_overwritten(func, writes),
         comm=getattr(func, "namespace", None) in compat.COMM_NAMESPACES,
         beta=getattr(func, "overloadpacket", None) in _BETA,
         call=_runner(func),
@@ -333,6 +356,14 @@ def _runner(func: Any) -> Callable[..., Any]:
 # Schema types that never hold a tensor or a float (dims, sizes, flags, dtypes as ints, devices): an
 # argument of these types can neither carry NaN/Inf nor be a tensor the tracer follows.
 _NEVER_READ = frozenset({"int", "bool", "str", "Device", "Generator", "List[int]", "List[bool]"})
+
+
+def _overwritten(func: Any, writes: tuple[tuple[int, str], ...]) -> str | None:
+    """The argument ``func`` writes every element of without reading it: "self" for ``OVERWRITES``, "out"
+    for an ``out=`` overload with one output; None for any other (``add_``, ``masked_fill_`` read theirs)."""
+    if _in(OVERWRITES, func):
+        return "self"
+    return "out" if [name for _, name in writes] == ["out"] else None
 
 
 def _read_prefix(arguments: list[Any]) -> int:
