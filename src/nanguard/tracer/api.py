@@ -35,7 +35,9 @@ def locate(fn: Callable[..., Any], *args: Any, model: nn.Module | None = None, *
     """Run ``fn(*args, **kwargs)`` under an op tracer; return where its first NaN/Inf came from.
 
     ``fn`` is usually a training closure (forward and backward). The result is ``None``
-    when fn's return value and the gradients it produced are all finite. Parameters and
+    when fn's return value and the gradients it produced are all finite; an element of fresh memory
+    (``torch.empty``) read before any op wrote it counts as NaN, whatever the allocator left there
+    (``op.uninitialized_read``). Parameters and
     buffers are left as they were; no optimizer is stepped. Under tensor or pipeline
     parallelism (DTensor, ``torch.distributed.pipelining``) call it on every rank, as the step
     itself runs: the ranks agree on the rank whose own compute created the value.

@@ -27,12 +27,12 @@ from nanguard.tree import op_leaves
 __all__ = [
     "ALLOCATIONS",
     "BLANK",
-    "OVERWRITES",
     "GRAD_FIRST",
     "KEEPS_FINITE",
     "LITERALS",
     "MASK_AWARE",
     "MASK_AWARE_NODES",
+    "OVERWRITES",
     "QUIET",
     "SAME_VALUES",
     "WEIGHTED",
