@@ -179,3 +179,26 @@ def test_under_ddp_the_rank_whose_memory_held_nan_is_named_and_no_device_is_blam
             "backward",
         ), diag
         assert "proof" not in diag["evidence"] and "hardware" not in diag["cause"], diag["evidence"].get("proof")
+
+
+class _TwoBranches(nn.Module):
+    """A padded buffer read in part (a latent read: the memory is often finite) beside a log of a negative
+    (the fault): both reach the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pad = _Net(padded=True)
+        self.energy = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pad(x) + torch.log(self.energy(x) - 100.0).mean()
+
+
+def test_a_fault_computed_by_an_op_is_named_before_a_latent_read_of_new_memory() -> None:
+    torch.manual_seed(0)
+    model, x = _TwoBranches(), torch.randn(5, 4)
+    diag = ng.locate(_step(model, x), model=model)
+    assert diag is not None and (diag.cause, diag.op, diag.module) == ("op.log_domain", "aten.log.default", "")
+    model.energy.bias.data.fill_(200.0)  # the log's argument positive: the read of new memory is all that is left
+    diag = ng.locate(_step(model, x), model=model)
+    assert diag is not None and (diag.cause, diag.module) == ("op.uninitialized_read", "pad")

@@ -27,7 +27,9 @@ from nanguard.tree import tensors_with_path
 __all__ = ["error_origin", "locate"]
 
 _UNREACHED = ("fill", "blank")
-_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "blank": 3, "write": 4, "fill": 5, "comm": 6}
+# An op that computed the value ranks before memory read unwritten: a latent read of that kind, poisoned in the
+# replay, never hides the fault that made the step non-finite; alone, it is the origin.
+_CATEGORY_ORDER = {"index": 0, "data": 1, "parameters": 2, "op": 3, "blank": 4, "write": 5, "fill": 6, "comm": 7}
 _MAX_RESULTS = 8
 
 

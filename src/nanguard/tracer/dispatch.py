@@ -330,12 +330,9 @@ class Tracer:
         floating outputs with NaN under a "blank" origin, so an element read before any op wrote it carries
         that origin (and an element written over carries nothing): a read of uninitialized memory reproduces
         on every replay, whatever the memory held in the step itself."""
-        floats = [o for o in flat_out if (o.is_floating_point() or o.is_complex()) and o.numel()]
+        floats = [o for o in flat_out if (o.is_floating_point() or o.is_complex()) and o.numel() and _poisoned(o)]
         if not floats:
             return
-        with torch.no_grad():
-            for o in floats:
-                o.fill_(math.nan)
         where = self._where(func)
         taint = frozenset({self._record(where, "blank", "nan", outputs=[{"shape": list(o.shape)} for o in floats]).id})
         status = self.taint.status
@@ -750,6 +747,17 @@ def _leaves(args: tuple, kwargs: dict, flat: bool) -> list[Any]:
     if kwargs:
         op_leaves(kwargs, found)
     return found
+
+
+def _poisoned(t: torch.Tensor) -> bool:
+    """Fill ``t`` with NaN; False where its dtype or layout cannot hold or take one (a float8 without NaN on
+    this device, a sparse layout): left as the allocator gave it, as before."""
+    try:
+        with torch.no_grad():
+            t.fill_(math.nan)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _sum_is_finite(t: torch.Tensor) -> bool:
