@@ -12,7 +12,6 @@ would: whatever the CPU allocator hands out, the tests see the same values.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 import nanguard as ng
 from nanguard.diagnose import diagnose
 from nanguard.zoo.spawn import spawn_ranks
+from nanguard.zoo.wild_causes import nan_memory
 
 
 class _KeepFirst(torch.autograd.Function):
@@ -64,16 +64,6 @@ def _step(model: nn.Module, x: torch.Tensor) -> Any:
         return loss
 
     return closure
-
-
-@contextlib.contextmanager
-def _new_memory_holds_nan() -> Iterator[None]:
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
 
 
 def test_a_backward_that_writes_only_the_rows_its_forward_kept_is_named_wherever_the_memory_came_from() -> None:
@@ -138,7 +128,7 @@ def test_the_guard_names_the_step_that_read_nan_from_new_memory_and_skips_it() -
     for step in range(3):
         x = torch.randn(5, 4, generator=gen)
         model.zeros = step != 1
-        with _new_memory_holds_nan() if step == 1 else contextlib.nullcontext():
+        with nan_memory() if step == 1 else contextlib.nullcontext():
             assert (guard.step(_step(model, x)) is None) == (step == 1), step
     guard.close()
     diag = guard.last_diagnosis
@@ -160,7 +150,7 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * rank + step))
         bad = (rank, step) == (1, 1)
         net.zeros = not bad
-        with _new_memory_holds_nan() if bad else contextlib.nullcontext():
+        with nan_memory() if bad else contextlib.nullcontext():
             guard.step(_step(model, x), batch=x)
     guard.close()
     diag = guard.last_diagnosis

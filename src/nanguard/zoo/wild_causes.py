@@ -18,7 +18,7 @@ from torch import nn
 from nanguard.zoo.scenarios import Case, Expect, WildScenario
 from nanguard.zoo.wild_losses import step
 
-__all__ = ["SCENARIOS"]
+__all__ = ["SCENARIOS", "nan_memory"]
 
 
 class DeepMLP(nn.Module):
@@ -70,7 +70,7 @@ class _PackSegments(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        with _reused_memory():
+        with nan_memory():
             events = grad.new_empty(ctx.total, grad.shape[2])  # the report's fix: new_zeros
         start = 0
         for i, n in enumerate(ctx.lengths):
@@ -81,9 +81,16 @@ class _PackSegments(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _reused_memory() -> Iterator[None]:
-    """New memory holds NaN, as a GPU block a freed tensor held it would (a freed -inf mask's softmax): torch's
-    deterministic mode fills what it allocates with NaN, so the step goes NaN whatever the CPU allocator gives."""
+def nan_memory() -> Iterator[None]:
+    """Inside, new memory holds NaN, as a GPU block a freed tensor held it would (a freed -inf mask's softmax):
+    torch's deterministic mode fills what it allocates with NaN, so a read of it is NaN whatever the CPU
+    allocator gives.
+
+    Example:
+        >>> with nan_memory():
+        ...     torch.empty(2)
+        tensor([nan, nan])
+    """
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -93,7 +100,7 @@ def _reused_memory() -> Iterator[None]:
 
 
 class SegmentEncoder(nn.Module):
-    """Events embedded, packed per segment (at most 4 events), then a GRU-free mean over each segment."""
+    """Events embedded, packed per segment (at most 4 events each), then a mean over each segment."""
 
     def __init__(self) -> None:
         super().__init__()
