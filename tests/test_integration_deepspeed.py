@@ -667,3 +667,31 @@ def test_zero3_padding_that_holds_nan_is_no_parameter_of_the_run() -> None:
             assert guarded["weights"] == plain["weights"] and guarded["losses"] == plain["losses"], where
             assert all(math.isfinite(w) for w in guarded["weights"]), where
             assert len(guarded["weights"]) == 73 - (rank == 2) * 7, where  # 208 parameters: 73 a rank, 7 padding
+
+
+def test_zero3_real_elements_are_the_runs_before_each_parameters_padding() -> None:
+    """The layout the guard reads ZeRO-3's partitions by, on a stand-in: a rank's flat partition holds each
+    parameter's partition in order, the last ranks' ending in padding; a layout that does not add up, or a
+    parameter DeepSpeed describes otherwise, leaves the partition read whole (as before)."""
+    from types import SimpleNamespace
+
+    from nanguard.integrations.deepspeed import _unpadded
+
+    def param(numel: int, world: int = 3) -> SimpleNamespace:
+        size = -(-numel // world)
+        return SimpleNamespace(ds_numel=numel, partition_numel=lambda: size)
+
+    params = [param(128), param(16), param(64), param(4)]  # partitions of 43, 6, 22 and 2 elements
+    flat = torch.arange(73.0)
+    for rank, runs in [(0, [(0, 73)]), (2, [(0, 42), (43, 47), (49, 69)])]:
+        zero = SimpleNamespace(fp16_groups=[params], fp32_partitioned_groups_flat=[flat])
+        zero._get_param_partition_rank = lambda p, rank=rank: rank
+        got = _unpadded(zero)
+        assert [(int(t[0]), int(t[-1]) + 1) for t in got] == runs, rank
+        assert all(t.data_ptr() >= flat.data_ptr() and t._base is flat for t in got if t is not flat)
+    short = flat[:70]  # 3 elements fewer than the partitions: not this layout
+    zero = SimpleNamespace(fp16_groups=[params], fp32_partitioned_groups_flat=[short], _get_param_partition_rank=None)
+    zero._get_param_partition_rank = lambda p: 2
+    assert [t is short for t in _unpadded(zero)] == [True]
+    odd = SimpleNamespace(fp16_groups=[[object()]], fp32_partitioned_groups_flat=[flat])  # no partition_numel
+    assert [t is flat for t in _unpadded(odd)] == [True]

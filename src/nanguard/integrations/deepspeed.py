@@ -518,26 +518,36 @@ def _unpadded(zero: Any) -> list[torch.Tensor]:
     number at its end, in the last ranks' partitions: memory DeepSpeed allocates with ``torch.empty`` and
     never reads (a gather narrows it away, its gradient stays 0), so whatever it held stays (NaN a GPU's
     allocator handed out again). Read as weights, it would stop a healthy run. A group whose layout is not
-    its parameters' partitions in order (its size tells) is read whole."""
-    rank_of = getattr(zero, "_get_param_partition_rank", None)
+    its parameters' partitions in order (its size tells), or that DeepSpeed describes otherwise, is read whole."""
     found = []
     for params, flat in zip(zero.fp16_groups, zero.fp32_partitioned_groups_flat, strict=True):
-        sizes = [p.partition_numel() for p in params]
-        if sum(sizes) != flat.numel():
+        try:
+            runs = _real_runs(zero, params, flat.numel())
+        except (AttributeError, TypeError, RuntimeError):
+            runs = None
+        if runs is None or runs == [[0, flat.numel()]]:
             found.append(flat)
-            continue
-        runs: list[list[int]] = []  # [start, end) of the real elements, adjacent ones joined
-        offset = 0
-        for p, size in zip(params, sizes, strict=True):
-            rank = rank_of(p) if rank_of is not None else torch.distributed.get_rank(zero.dp_process_group)
-            real = min(size, max(0, p.ds_numel - size * rank))
-            if real and runs and runs[-1][1] == offset:
-                runs[-1][1] = offset + real
-            elif real:
-                runs.append([offset, offset + real])
-            offset += size
-        found += [flat] if runs == [[0, offset]] else [flat[start:end] for start, end in runs]
+        else:
+            found += [flat[start:end] for start, end in runs]
     return found
+
+
+def _real_runs(zero: Any, params: list[Any], total: int) -> list[list[int]] | None:
+    """[start, end) of the elements of ZeRO-3's flat partition of ``params`` that hold their values, adjacent
+    runs joined; None when the partitions' sizes do not add up to the flat partition's ``total``."""
+    rank_of = getattr(zero, "_get_param_partition_rank", None)
+    runs: list[list[int]] = []
+    offset = 0
+    for p in params:
+        size = p.partition_numel()
+        rank = rank_of(p) if rank_of is not None else torch.distributed.get_rank(zero.dp_process_group)
+        real = min(size, max(0, p.ds_numel - size * rank))
+        if real and runs and runs[-1][1] == offset:
+            runs[-1][1] = offset + real
+        elif real:
+            runs.append([offset, offset + real])
+        offset += size
+    return runs if offset == total else None
 
 
 def _reduces_norm(engine: Any, zero: Any, stage: int) -> bool:
