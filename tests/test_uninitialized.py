@@ -189,6 +189,7 @@ def test_a_fault_computed_by_an_op_is_named_before_a_latent_read_of_new_memory()
     model, x = _TwoBranches(), torch.randn(5, 4)
     diag = ng.locate(_step(model, x), model=model)
     assert diag is not None and (diag.cause, diag.op, diag.module) == ("op.log_domain", "aten.log.default", "")
+    assert [a["cause"] for a in diag.also] == ["op.uninitialized_read"] and "module 'pad'" in diag.also[0]["why"]
     model.energy.bias.data.fill_(200.0)  # the log's argument positive: the read of new memory is all that is left
     diag = ng.locate(_step(model, x), model=model)
     assert diag is not None and (diag.cause, diag.module) == ("op.uninitialized_read", "pad")

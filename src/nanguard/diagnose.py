@@ -474,6 +474,21 @@ def _empty_sample_hint(ev: Evidence) -> Judgement | None:
     return Judgement("data.fully_masked", why, ["drop or re-pack samples whose mask is all zeros"])
 
 
+@_rule
+def _uninitialized_hint(ev: Evidence) -> Judgement | None:
+    """Memory read before any op wrote it reached the results too, beside the origin named (``locate``'s
+    ``uninitialized_reads``): NaN in the replay, whatever it held in the step; a bug of its own."""
+    reads = ev.get("uninitialized_reads")
+    if not reads or _origin(ev).category == "blank":
+        return None
+    first = reads[0]
+    where = f" in module '{first.get('module')}'" if first.get("module") else ""
+    why = f"the step also reads memory no op wrote: {first.get('op')}{where}"
+    if first.get("source"):
+        why += f", allocated at {first.get('source')}"
+    return Judgement("op.uninitialized_read", why, ["allocate it with zeros, or write every element before it is read"])
+
+
 def _met_sentinels(o: OriginEvidence) -> bool:
     """Did the origin combine two -inf it was given on purpose (a mask fill, a running max
     initialised to -inf, an additive mask of the batch's)?"""
@@ -1004,6 +1019,7 @@ HINTS: list[Callable[[Evidence | Mapping[str, Any]], Judgement | None]] = [
     _weight_scale_hint,
     _normalization_hint,
     _empty_sample_hint,
+    _uninitialized_hint,
 ]
 
 

@@ -119,7 +119,10 @@ def _traced(
     bad = _nonfinite_results(result, root, tracer)
     if not bad:
         return None, tracer.comm.ops
-    return _diagnosis(_first_origin(tracer, bad), bad, root, tracer.comm.ops, run), tracer.comm.ops
+    taint = _results_taint(tracer, bad)
+    origin = _first_origin(tracer, taint, bad)
+    diag = _diagnosis(origin, bad, root, tracer.comm.ops, run, latent=_latent_reads(tracer, taint, origin))
+    return diag, tracer.comm.ops
 
 
 def _run(
@@ -176,11 +179,25 @@ def _error_origin(tracer: Tracer, error: Exception) -> Origin:
     )
 
 
-def _first_origin(tracer: Tracer, bad: list[tuple[str, torch.Tensor, str]]) -> Origin:
-    """The origin behind the non-finite results ``bad`` that came first (by category, then op index)."""
+def _results_taint(tracer: Tracer, bad: list[tuple[str, torch.Tensor, str]]) -> set[int]:
+    """The origins behind the non-finite results ``bad``."""
     taint: set[int] = set()
     for _, t, _ in bad:
         taint |= tracer.taint.taint_of(t)
+    return taint
+
+
+def _latent_reads(tracer: Tracer, taint: set[int], origin: Origin) -> list[dict[str, Any]]:
+    """The reads of new memory that reached the results beside the origin named (``blank`` origins, ranked
+    after an op's creation): a latent bug the replay's NaN fill showed, for ``diag.also``."""
+    found = [tracer.origins[i] for i in sorted(taint)]
+    blank = [o for o in found if o.category == "blank" and o is not origin]
+    return [{"op": o.op, "module": o.module, "source": o.source} for o in blank]
+
+
+def _first_origin(tracer: Tracer, taint: set[int], bad: list[tuple[str, torch.Tensor, str]]) -> Origin:
+    """The origin behind the non-finite results ``bad`` (whose origins are ``taint``) that came first (by
+    category, then op index)."""
     # Without a taint, a fill or an allocation (whose NaN the tracer wrote) reached nothing known.
     candidates = [tracer.origins[i] for i in taint] or [o for o in tracer.origins if o.category not in _UNREACHED]
     candidates = candidates or tracer.origins
@@ -270,8 +287,11 @@ def _diagnosis(
     root: nn.Module | None,
     collectives: int = 0,
     run: RunFacts | None = None,
+    latent: list[dict[str, Any]] | None = None,
 ) -> Diagnosis:
     evidence = _evidence(origin, bad, root, collectives, run)
+    if latent:
+        evidence["uninitialized_reads"] = latent
     judgement = diagnose(evidence)
     evidence["why"] = judgement.why
     if judgement.op_cause is not None:
