@@ -26,6 +26,18 @@ from nanguard.zoo.gpt import GPT, GPTConfig, synthetic_batch
 EVERY = 2
 
 
+def _squared(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> Any:
+    """A step's closure: the mean square of the model's output on ``x``, backward."""
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_embd=32, n_head=2, block_size=16, vocab_size=64))
@@ -128,13 +140,7 @@ def test_router_logits_are_found_by_what_the_router_computes_and_warned() -> Non
         with torch.no_grad():
             model.layers[0].gate.weight.mul_(1.2)
 
-        def closure() -> torch.Tensor:
-            opt.zero_grad()
-            loss = model(x).square().mean()
-            loss.backward()
-            return loss
-
-        guard.step(closure)
+        guard.step(_squared(model, opt, x))
     guard.close()
     warned = [(e["signal"], e["module"]) for e in events if e["kind"] == "warning"]
     assert ("router_logit", "layers.0.gate") in warned
@@ -542,14 +548,7 @@ def test_adams_bias_correction_reads_a_step_count_kept_as_a_number_afresh() -> N
     guard = ng.Guard(model, opt, precursor_every=1)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     for _ in range(5):
-
-        def closure() -> torch.Tensor:
-            opt.zero_grad()
-            loss = model(x).square().mean()
-            loss.backward()
-            return loss
-
-        guard.step(closure)
+        guard.step(_squared(model, opt, x))
     (group,) = guard.precursors._adam_groups()
     assert group.steps().tolist() == [5.0] * len(group.params) == [float(opt.state[p]["step"]) for p in group.params]
     guard.close()
