@@ -137,9 +137,9 @@ def test_the_guard_names_the_step_that_read_nan_from_new_memory_and_skips_it() -
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def _ddp(rank: int, world: int) -> dict[str, Any]:
-    """At step 1 rank 1 takes the ``new_empty`` path and its new memory holds NaN (its device's allocator
-    reused a NaN block); rank 0's holds zeros (fresh pages). A peer recomputing rank 1's step gets other
+def _ddp_run(rank: int, bad_rank: int) -> dict[str, Any]:
+    """At step 1 ``bad_rank`` takes the ``new_empty`` path and its new memory holds NaN (its device's allocator
+    reused a NaN block); the others' holds zeros (fresh pages). A peer recomputing that rank's step gets other
     memory, which proves nothing of a device."""
     torch.manual_seed(0)
     net = _Net()
@@ -148,7 +148,7 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
     guard = ng.Guard(model, opt, policy="skip", fingerprint_every=0)
     for step in range(3):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * rank + step))
-        bad = (rank, step) == (1, 1)
+        bad = (rank, step) == (bad_rank, 1)
         net.zeros = not bad
         with nan_memory() if bad else contextlib.nullcontext():
             guard.step(_step(model, x), batch=x)
@@ -158,17 +158,22 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
     return {"skipped": guard.skipped, "diag": diag.to_dict()}
 
 
+def _ddp(rank: int, world: int) -> list[dict[str, Any]]:
+    return [_ddp_run(rank, bad_rank) for bad_rank in (0, 1)]  # rank 0, then the middle rank of 3
+
+
 def test_under_ddp_the_rank_whose_memory_held_nan_is_named_and_no_device_is_blamed() -> None:
-    for out in spawn_ranks(_ddp, world=2, timeout=300):
-        diag = out["diag"]
-        assert out["skipped"] == 1, out
-        assert (diag["cause"], diag["rank"], diag["step"], diag["phase"]) == (
-            "op.uninitialized_read",
-            1,
-            1,
-            "backward",
-        ), diag
-        assert "proof" not in diag["evidence"] and "hardware" not in diag["cause"], diag["evidence"].get("proof")
+    for runs in spawn_ranks(_ddp, world=3, timeout=300):
+        for bad_rank, out in zip((0, 1), runs, strict=True):
+            diag = out["diag"]
+            assert out["skipped"] == 1, (bad_rank, out)
+            assert (diag["cause"], diag["rank"], diag["step"], diag["phase"]) == (
+                "op.uninitialized_read",
+                bad_rank,
+                1,
+                "backward",
+            ), diag
+            assert "proof" not in diag["evidence"] and "hardware" not in diag["cause"], diag["evidence"].get("proof")
 
 
 class _TwoBranches(nn.Module):
